@@ -1,0 +1,133 @@
+"""Run a function on N spawned ranks joined in a gloo process group, for tests and benchmarks.
+
+Every rank gets a `file://` rendezvous in a private temporary directory (no port races) and a
+timeout on its process group; the parent collects each rank's return value or traceback and
+kills the group as soon as one rank fails, so a failure surfaces as that error, not a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised, died or timed out; the message holds every rank's report."""
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    timeout_s: float,
+    results: Any,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        value = fn(rank, world_size, *args)
+        # Pickled by value here (plain pickle, not the shared-memory reducer), so the result
+        # survives this process exiting before the parent reads it.
+        results.put((rank, "ok", pickle.dumps(value)))
+    except BaseException:  # noqa: B036 - every failure must reach the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    grace_s: float = 5.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
+
+    Args:
+        fn: a module-level (picklable) function; it runs after the gloo group is initialised.
+        world_size: number of ranks.
+        *args: extra picklable arguments passed to every rank.
+        timeout_s: limit for the whole run and for every collective of the process group.
+        grace_s: once a rank has failed, how long the others get to report before being killed.
+
+    Returns:
+        The return values of ``fn``, indexed by rank.
+
+    Raises:
+        RankFailure: naming each failed rank with its traceback (or its exit code / timeout).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="recopt-ranks-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(rank, world_size, init_file, timeout_s, results, fn, args),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        reports = _collect(procs, results, world_size, timeout_s, grace_s)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+    failures = [f"rank {r}: {msg}" for r, (status, msg) in sorted(reports.items()) if status != "ok"]
+    if failures:
+        raise RankFailure(f"{len(failures)} of {world_size} ranks failed:\n" + "\n".join(failures))
+    return [pickle.loads(reports[r][1]) for r in range(world_size)]
+
+
+def _collect(
+    procs: list[Any], results: Any, world_size: int, timeout_s: float, grace_s: float
+) -> dict[int, tuple[str, Any]]:
+    import time
+
+    reports: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(reports) < world_size:
+        failed = any(status != "ok" for status, _ in reports.values())
+        now = time.monotonic()
+        if now > deadline:
+            break
+        try:
+            rank, status, payload = results.get(timeout=min(0.5, max(0.01, deadline - now)))
+            reports[rank] = (status, payload)
+            if status != "ok":
+                deadline = min(deadline, time.monotonic() + grace_s)
+            continue
+        except queue.Empty:
+            pass
+        for rank, p in enumerate(procs):
+            if rank not in reports and not p.is_alive() and p.exitcode not in (None, 0):
+                reports[rank] = ("error", f"process died with exit code {p.exitcode}")
+                deadline = min(deadline, time.monotonic() + grace_s)
+        if failed:
+            deadline = min(deadline, time.monotonic() + grace_s)
+    for rank in range(world_size):
+        if rank not in reports:
+            reports[rank] = ("error", f"no report within the time limit ({timeout_s:.0f} s)")
+    return reports
