@@ -1,0 +1,122 @@
+"""Backend choice for table-batched embedding kernels: fbgemm's or recopt's own.
+
+`create_kernel` is what modules call; `choose_backend` holds the policy that resolves
+`Backend.AUTO`, from the measurements in docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
+
+# Optimizers fbgemm's fused kernels run (in the lead's wrapper), and the dim multiple they need.
+FBGEMM_OPTIMIZERS: frozenset[str] = frozenset({"sgd", "adagrad", "row_wise_adagrad"})
+FBGEMM_DIM_MULTIPLE = 4
+
+# CPU policy for AUTO, per optimizer (docs/kernels.md has the measurements behind it);
+# optimizers not listed run on recopt's backend.
+CPU_POLICY: dict[str, Backend] = {
+    "sgd": Backend.FBGEMM,
+    "adagrad": Backend.FBGEMM,
+    "row_wise_adagrad": Backend.FBGEMM,
+}
+
+
+def _fbgemm_problems(tables: list[TableSpec], optimizer: FusedOptimizerConfig) -> list[str]:
+    """Reasons fbgemm cannot run these tables, each naming the table and the fix."""
+    problems: list[str] = []
+    if optimizer.name not in FBGEMM_OPTIMIZERS:
+        names = ", ".join(repr(t.name) for t in tables)
+        problems.append(
+            f"tables {names}: fused optimizer {optimizer.name!r} is not supported by the "
+            f"fbgemm backend (supported: {sorted(FBGEMM_OPTIMIZERS)}); use backend='recopt' "
+            "or 'auto'"
+        )
+    for table in tables:
+        if table.embedding_dim % FBGEMM_DIM_MULTIPLE != 0:
+            fixed = -(-table.embedding_dim // FBGEMM_DIM_MULTIPLE) * FBGEMM_DIM_MULTIPLE
+            problems.append(
+                f"table {table.name!r}: embedding_dim {table.embedding_dim} is not a multiple "
+                f"of {FBGEMM_DIM_MULTIPLE}, which the fbgemm backend requires; use "
+                f"{fixed}, or backend='recopt' or 'auto'"
+            )
+    return problems
+
+
+def choose_backend(
+    tables: list[TableSpec], optimizer: FusedOptimizerConfig, device: torch.device
+) -> Backend:
+    """Resolve the backend that runs these tables with this optimizer on this device.
+
+    Policy for ``Backend.AUTO``: on CUDA, fbgemm for what it supports (its GPU kernels are the
+    reference there), recopt otherwise; on CPU, the backend ``CPU_POLICY`` names for the
+    optimizer (measured, docs/kernels.md) when fbgemm can run the tables, recopt otherwise.
+
+    Args:
+        tables: the tables the kernel batches.
+        optimizer: the fused optimizer; its ``backend`` field may force a backend.
+        device: where the kernel runs.
+
+    Returns:
+        ``Backend.FBGEMM`` or ``Backend.RECOPT`` (never ``AUTO``).
+
+    Raises:
+        ValueError: ``backend='fbgemm'`` was asked for tables or an optimizer fbgemm cannot
+            run; the message names the table and the fix.
+    """
+    device = torch.device(device)
+    problems = _fbgemm_problems(tables, optimizer)
+    if optimizer.backend == Backend.FBGEMM:
+        if problems:
+            raise ValueError("; ".join(problems))
+        return Backend.FBGEMM
+    if optimizer.backend == Backend.RECOPT:
+        return Backend.RECOPT
+    if problems:
+        return Backend.RECOPT
+    if device.type == "cuda":
+        return Backend.FBGEMM
+    return CPU_POLICY.get(optimizer.name, Backend.RECOPT)
+
+
+def create_kernel(
+    tables: list[TableSpec],
+    feature_table_map: list[int],
+    optimizer: FusedOptimizerConfig,
+    pooling: PoolingType,
+    device: torch.device,
+) -> nn.Module:
+    """Build the kernel that runs these tables, on the backend `choose_backend` picks.
+
+    Args:
+        tables: the tables, in kernel order.
+        feature_table_map: for each feature (KJT key order), the index of its table.
+        optimizer: the fused optimizer (and the requested backend).
+        pooling: sum or mean pooling, for every feature of the kernel.
+        device: where the weights live and the kernel runs.
+
+    Returns:
+        An ``nn.Module`` with the kernel contract of docs/design.md.
+
+    Raises:
+        ValueError: no tables, a feature maps to no table, or a backend that cannot run them.
+    """
+    if not tables:
+        raise ValueError("create_kernel: tables is empty; pass at least one TableSpec")
+    for feature, table in enumerate(feature_table_map):
+        if not 0 <= table < len(tables):
+            raise ValueError(
+                f"feature_table_map[{feature}] = {table} is not a table index in "
+                f"[0, {len(tables)}); map every feature to one of the kernel's tables"
+            )
+    backend = choose_backend(tables, optimizer, torch.device(device))
+    if backend == Backend.FBGEMM:
+        # Imported here: fbgemm is heavy to import, and the CUDA build may be the one installed.
+        from recopt.kernels.fbgemm_backend import FbgemmTableBatchedEmbedding
+
+        return FbgemmTableBatchedEmbedding(tables, feature_table_map, optimizer, pooling, device)
+    from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
+
+    return RecoptTableBatchedEmbedding(tables, feature_table_map, optimizer, pooling, device)
