@@ -1,0 +1,260 @@
+"""Sharding plan types: where every rectangle of every embedding table lives, and on what kernel.
+
+A plan maps module path -> table name -> `ParameterSharding`, and round-trips exactly through JSON.
+It is written by hand (`plan_helpers`: `row_wise()`, `table_wise(3)`, ...) or by the planner, and
+checked by `plan_validation.validate_plan` identically on every rank before any collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from recopt.kernels.config import Backend, FusedOptimizerConfig
+
+# The JSON layout version; `from_json` rejects any other so an old reader never half-reads a plan.
+PLAN_FORMAT_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A sharding plan is malformed, incomplete or does not fit the tables and ranks it is for."""
+
+
+class TableLike(Protocol):
+    """What the plan needs from a table (``recopt.modules.EmbeddingBagConfig`` satisfies it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def num_embeddings(self) -> int: ...
+
+    @property
+    def embedding_dim(self) -> int: ...
+
+
+class ShardingType(enum.StrEnum):
+    """How one table is split over ranks."""
+
+    DATA_PARALLEL = "data_parallel"
+    TABLE_WISE = "table_wise"
+    ROW_WISE = "row_wise"
+    COLUMN_WISE = "column_wise"
+    TABLE_ROW_WISE = "table_row_wise"
+    TABLE_COLUMN_WISE = "table_column_wise"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardSpec:
+    """One rectangle of a table placed on one rank.
+
+    Args:
+        rank: the rank that stores the rectangle.
+        row_offset: first row of the rectangle in the full table.
+        num_rows: number of rows.
+        col_offset: first column in the full table.
+        num_cols: number of columns (the width the kernel sees).
+    """
+
+    rank: int
+    row_offset: int
+    num_rows: int
+    col_offset: int
+    num_cols: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParameterSharding:
+    """How one table is sharded.
+
+    Args:
+        sharding_type: the strategy.
+        ranks: the ranks holding part of the table, ascending and distinct (DATA_PARALLEL: every
+            rank, each holding a full replica).
+        shards: the rectangles that tile the table exactly (empty for DATA_PARALLEL). Row-wise
+            types put at most one rectangle on a rank; column-wise types may put several.
+        compute_kernel: the kernel backend for the table's shards.
+        optimizer: the fused optimizer for this table; ``None`` means the module's own.
+    """
+
+    sharding_type: ShardingType
+    ranks: tuple[int, ...]
+    shards: tuple[ShardSpec, ...] = ()
+    compute_kernel: Backend = Backend.AUTO
+    optimizer: FusedOptimizerConfig | None = None
+
+    def __post_init__(self) -> None:
+        # Accept plain strings and lists from hand-written plans; store the canonical forms so
+        # equality and JSON round trips do not depend on how the plan was spelled.
+        object.__setattr__(self, "sharding_type", ShardingType(self.sharding_type))
+        object.__setattr__(self, "compute_kernel", Backend(self.compute_kernel))
+        object.__setattr__(self, "ranks", tuple(self.ranks))
+        object.__setattr__(self, "shards", tuple(self.shards))
+
+
+@dataclass(slots=True)
+class ShardingPlan:
+    """Module path -> table name -> `ParameterSharding`; the root module's path is ``""``.
+
+    Args:
+        plan: the per-module shardings.
+    """
+
+    plan: dict[str, dict[str, ParameterSharding]] = field(default_factory=dict)
+
+    def __getitem__(self, module_path: str) -> dict[str, ParameterSharding]:
+        return self.plan[module_path]
+
+    def get(self, module_path: str) -> dict[str, ParameterSharding] | None:
+        """The shardings of one module's tables, or ``None`` if the plan does not cover it."""
+        return self.plan.get(module_path)
+
+    def to_json(self) -> str:
+        """Serialize to JSON: enums by value, every optimizer field, modules and tables sorted."""
+        body = {
+            module: {name: _sharding_to_dict(ps) for name, ps in sorted(tables.items())}
+            for module, tables in sorted(self.plan.items())
+        }
+        return json.dumps({"version": PLAN_FORMAT_VERSION, "plan": body}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> ShardingPlan:
+        """Parse `to_json` output.
+
+        Raises:
+            PlanError: the text is not a plan of this format, naming the offending field.
+        """
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"sharding plan is not valid JSON: {e}") from e
+        if not isinstance(doc, dict) or doc.get("version") != PLAN_FORMAT_VERSION:
+            raise PlanError(
+                f"sharding plan JSON must be an object with version {PLAN_FORMAT_VERSION}; "
+                f"got version {doc.get('version') if isinstance(doc, dict) else None!r}"
+            )
+        _check_keys(doc, {"version", "plan"}, "sharding plan", required={"plan"})
+        plan: dict[str, dict[str, ParameterSharding]] = {}
+        for module, tables in _as_dict(doc["plan"], "plan").items():
+            where = f"module {module!r}"
+            plan[module] = {
+                name: _sharding_from_dict(_as_dict(d, f"table {name!r} ({where})"), name, module)
+                for name, d in _as_dict(tables, where).items()
+            }
+        return cls(plan)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the JSON to ``path`` atomically (a reader never sees a half-written plan)."""
+        tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(self.to_json())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ShardingPlan:
+        """Read a plan written by `save`."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read())
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON helpers
+
+
+def _sharding_to_dict(ps: ParameterSharding) -> dict[str, Any]:
+    opt = None
+    if ps.optimizer is not None:
+        opt = {f.name: getattr(ps.optimizer, f.name) for f in dataclasses.fields(ps.optimizer)}
+        opt["betas"] = list(ps.optimizer.betas)
+        opt["backend"] = ps.optimizer.backend.value
+    return {
+        "sharding_type": ps.sharding_type.value,
+        "ranks": list(ps.ranks),
+        "shards": [[s.rank, s.row_offset, s.num_rows, s.col_offset, s.num_cols] for s in ps.shards],
+        "compute_kernel": ps.compute_kernel.value,
+        "optimizer": opt,
+    }
+
+
+def _sharding_from_dict(d: dict[str, Any], table: str, module: str) -> ParameterSharding:
+    where = f"table {table!r} (module {module!r})"
+    keys = {"sharding_type", "ranks", "shards", "compute_kernel", "optimizer"}
+    _check_keys(d, keys, where, required=keys)
+    try:
+        shards = tuple(
+            ShardSpec(rank=r, row_offset=ro, num_rows=nr, col_offset=co, num_cols=nc)
+            for r, ro, nr, co, nc in d["shards"]
+        )
+        opt = d["optimizer"]
+        optimizer = None
+        if opt is not None:
+            fields = {f.name for f in dataclasses.fields(FusedOptimizerConfig)}
+            _check_keys(_as_dict(opt, f"{where} optimizer"), fields, f"{where} optimizer")
+            if isinstance(opt.get("betas"), list):
+                opt = {**opt, "betas": tuple(opt["betas"])}
+            optimizer = FusedOptimizerConfig(**opt)
+        ps = ParameterSharding(
+            sharding_type=ShardingType(d["sharding_type"]),
+            ranks=tuple(d["ranks"]),
+            shards=shards,
+            compute_kernel=Backend(d["compute_kernel"]),
+            optimizer=optimizer,
+        )
+    except PlanError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlanError(f"{where}: malformed sharding in plan JSON: {e}") from e
+    for v in (*ps.ranks, *(x for s in shards for x in dataclasses.astuple(s))):
+        if type(v) is not int:
+            raise PlanError(f"{where}: ranks and shard fields must be integers, got {v!r}")
+    return ps
+
+
+def _as_dict(value: object, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise PlanError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _check_keys(
+    d: Mapping[str, Any], allowed: set[str], where: str, required: set[str] | None = None
+) -> None:
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise PlanError(f"{where}: unknown keys {unknown} in plan JSON; valid: {sorted(allowed)}")
+    missing = sorted((required or set()) - set(d))
+    if missing:
+        raise PlanError(f"{where}: missing keys {missing} in plan JSON")
+
+
+def table_names(tables: Sequence[TableLike], module: str) -> list[str]:
+    """The tables' names, in order.
+
+    Raises:
+        PlanError: two tables of ``module`` share a name.
+    """
+    names = [t.name for t in tables]
+    dupes = sorted(n for n, c in Counter(names).items() if c > 1)
+    if dupes:
+        raise PlanError(f"module {module!r}: duplicate table names {dupes}; names must be unique")
+    return names
+
+
+def check_world(world_size: int, ranks_per_host: int | None) -> int:
+    """Ranks per host (``world_size`` when ``None``), after checking both are positive.
+
+    Raises:
+        PlanError: either is below 1.
+    """
+    if world_size < 1:
+        raise PlanError(f"world_size must be >= 1, got {world_size}")
+    rph = world_size if ranks_per_host is None else ranks_per_host
+    if rph < 1:
+        raise PlanError(f"ranks_per_host must be >= 1, got {rph}")
+    return rph

@@ -1,0 +1,300 @@
+"""Writing a sharding plan by hand: per-table requests resolved against each table's shape.
+
+`row_wise()`, `table_wise(3)`, ... make a `ShardingRequest`; `construct_module_sharding_plan`
+lays the requests out on a module's tables and validates the result. `balanced_table_wise_plan`
+is the default when no planner runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.sharding.plan import (
+    ParameterSharding,
+    PlanError,
+    ShardingPlan,
+    ShardingType,
+    ShardSpec,
+    TableLike,
+    check_world,
+    table_names,
+)
+from recopt.sharding.plan_validation import validate_plan
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardingRequest:
+    """A sharding chosen by hand, before it is resolved against a table's shape.
+
+    Made by `table_wise`, `row_wise`, `column_wise`, `table_row_wise`, `table_column_wise` and
+    `data_parallel`; turned into a `ParameterSharding` by `construct_module_sharding_plan`.
+
+    Args:
+        sharding_type: the strategy.
+        ranks: explicit ranks (table-wise: one; row-wise: ``None`` for all; column-wise: in
+            column order, repeats allowed).
+        host: the host for the table-row-wise and table-column-wise types.
+        compute_kernel: the kernel backend.
+        optimizer: a per-table fused optimizer, or ``None`` for the module's.
+    """
+
+    sharding_type: ShardingType
+    ranks: tuple[int, ...] | None = None
+    host: int | None = None
+    compute_kernel: Backend = Backend.AUTO
+    optimizer: FusedOptimizerConfig | None = None
+
+    def resolve(
+        self,
+        table: TableLike,
+        world_size: int,
+        ranks_per_host: int | None = None,
+        *,
+        module_path: str = "",
+    ) -> ParameterSharding:
+        """Lay the request out on ``table`` (of module ``module_path``, named in errors).
+
+        Raises:
+            PlanError: the layout is impossible (e.g. columns that cannot be split evenly).
+        """
+        rph = check_world(world_size, ranks_per_host)
+        rows, dim = table.num_embeddings, table.embedding_dim
+        kind = self.sharding_type
+        where = f"table {table.name!r} (module {module_path!r})"
+        if kind is ShardingType.DATA_PARALLEL:
+            shards: list[ShardSpec] = []
+            ranks: Sequence[int] = range(world_size)
+        elif kind is ShardingType.TABLE_WISE:
+            assert self.ranks is not None and len(self.ranks) == 1
+            shards = [
+                ShardSpec(
+                    rank=self.ranks[0], row_offset=0, num_rows=rows, col_offset=0, num_cols=dim
+                )
+            ]
+        elif kind in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+            ranks = self._ranks_or_host(world_size, rph, where)
+            shards = [
+                ShardSpec(rank=r, row_offset=off, num_rows=n, col_offset=0, num_cols=dim)
+                for r, off, n in zip(ranks, *_offsets(split_evenly(rows, len(ranks))), strict=True)
+                if n > 0
+            ]
+        else:
+            ranks = self._ranks_or_host(world_size, rph, where)
+            widths = split_columns(dim, len(ranks), where)
+            shards = [
+                ShardSpec(rank=r, row_offset=0, num_rows=rows, col_offset=off, num_cols=n)
+                for r, off, n in zip(ranks, *_offsets(widths), strict=True)
+            ]
+        if shards:
+            ranks = sorted({s.rank for s in shards})
+        return ParameterSharding(
+            sharding_type=kind,
+            ranks=tuple(ranks),
+            shards=tuple(shards),
+            compute_kernel=self.compute_kernel,
+            optimizer=self.optimizer,
+        )
+
+    def _ranks_or_host(self, world_size: int, rph: int, where: str) -> Sequence[int]:
+        if self.host is not None:
+            num_hosts = -(-world_size // rph)
+            if not 0 <= self.host < num_hosts:
+                raise PlanError(
+                    f"{where}: host {self.host} does not exist; world size {world_size} with "
+                    f"{rph} ranks per host has hosts 0..{num_hosts - 1}"
+                )
+            return range(self.host * rph, min(world_size, (self.host + 1) * rph))
+        if self.ranks is not None and not self.ranks:
+            raise PlanError(f"{where}: {self.sharding_type.value} needs at least one rank, got []")
+        return range(world_size) if self.ranks is None else self.ranks
+
+
+def split_evenly(total: int, parts: int) -> list[int]:
+    """Split ``total`` into ``parts`` sizes differing by at most one, larger ones first."""
+    base, extra = divmod(total, parts)
+    return [base + 1] * extra + [base] * (parts - extra)
+
+
+def split_columns(dim: int, parts: int, where: str = "table") -> list[int]:
+    """Column widths for ``parts`` column shards of a ``dim``-wide table.
+
+    Equal widths that are multiples of 4 when ``dim`` allows it; otherwise multiples of 4 as equal
+    as possible (wider first) when ``dim`` is a multiple of 4 and at least ``4 * parts``;
+    otherwise equal widths when ``parts`` divides ``dim``.
+
+    Raises:
+        PlanError: none of these is possible.
+    """
+    if dim % (4 * parts) == 0:
+        return [dim // parts] * parts
+    if dim % 4 == 0 and dim >= 4 * parts:
+        return [4 * b for b in split_evenly(dim // 4, parts)]
+    if dim % parts == 0:
+        return [dim // parts] * parts
+    raise PlanError(
+        f"{where}: embedding_dim {dim} cannot be split into {parts} column shards of equal width "
+        f"or of widths that are multiples of 4; use a number of shards that divides {dim}"
+    )
+
+
+def _offsets(sizes: list[int]) -> tuple[list[int], list[int]]:
+    offsets, start = [], 0
+    for n in sizes:
+        offsets.append(start)
+        start += n
+    return offsets, sizes
+
+
+def table_wise(
+    rank: int,
+    *,
+    compute_kernel: Backend = Backend.AUTO,
+    optimizer: FusedOptimizerConfig | None = None,
+) -> ShardingRequest:
+    """The whole table on ``rank``."""
+    return ShardingRequest(
+        sharding_type=ShardingType.TABLE_WISE,
+        ranks=(rank,),
+        compute_kernel=compute_kernel,
+        optimizer=optimizer,
+    )
+
+
+def row_wise(
+    ranks: Sequence[int] | None = None,
+    *,
+    compute_kernel: Backend = Backend.AUTO,
+    optimizer: FusedOptimizerConfig | None = None,
+) -> ShardingRequest:
+    """Row ranges over ``ranks`` (all ranks by default), the first ``rows % n`` one row larger.
+
+    A table with fewer rows than ranks puts no shard on the extra ranks.
+    """
+    return ShardingRequest(
+        sharding_type=ShardingType.ROW_WISE,
+        ranks=None if ranks is None else tuple(ranks),
+        compute_kernel=compute_kernel,
+        optimizer=optimizer,
+    )
+
+
+def column_wise(
+    ranks: Sequence[int],
+    *,
+    compute_kernel: Backend = Backend.AUTO,
+    optimizer: FusedOptimizerConfig | None = None,
+) -> ShardingRequest:
+    """Column ranges in the given rank order, a rank possibly several times; see `split_columns`."""
+    return ShardingRequest(
+        sharding_type=ShardingType.COLUMN_WISE,
+        ranks=tuple(ranks),
+        compute_kernel=compute_kernel,
+        optimizer=optimizer,
+    )
+
+
+def table_row_wise(
+    host: int,
+    *,
+    compute_kernel: Backend = Backend.AUTO,
+    optimizer: FusedOptimizerConfig | None = None,
+) -> ShardingRequest:
+    """Row ranges over the ranks of one host, split as in `row_wise`."""
+    return ShardingRequest(
+        sharding_type=ShardingType.TABLE_ROW_WISE,
+        host=host,
+        compute_kernel=compute_kernel,
+        optimizer=optimizer,
+    )
+
+
+def table_column_wise(
+    host: int,
+    *,
+    compute_kernel: Backend = Backend.AUTO,
+    optimizer: FusedOptimizerConfig | None = None,
+) -> ShardingRequest:
+    """Column ranges over the ranks of one host, one per rank, split as in `column_wise`."""
+    return ShardingRequest(
+        sharding_type=ShardingType.TABLE_COLUMN_WISE,
+        host=host,
+        compute_kernel=compute_kernel,
+        optimizer=optimizer,
+    )
+
+
+def data_parallel(
+    *, compute_kernel: Backend = Backend.AUTO, optimizer: FusedOptimizerConfig | None = None
+) -> ShardingRequest:
+    """A full replica on every rank; gradients are all-reduced."""
+    return ShardingRequest(
+        sharding_type=ShardingType.DATA_PARALLEL, compute_kernel=compute_kernel, optimizer=optimizer
+    )
+
+
+def construct_module_sharding_plan(
+    tables: Sequence[TableLike],
+    per_table: Mapping[str, ShardingRequest],
+    world_size: int,
+    ranks_per_host: int | None = None,
+    *,
+    module_path: str = "",
+) -> dict[str, ParameterSharding]:
+    """Resolve one module's hand-written requests against its tables, and validate them.
+
+    Args:
+        tables: the module's tables.
+        per_table: table name -> request (from `row_wise()` etc.); must cover every table.
+        world_size: number of ranks.
+        ranks_per_host: ranks per host (default: ``world_size``, a single host).
+        module_path: the module's path, for error messages.
+
+    Returns:
+        Table name -> `ParameterSharding`, ready for ``ShardingPlan({module_path: ...})``.
+
+    Raises:
+        PlanError: a table without a request, a request for an unknown table, or an invalid layout.
+    """
+    names = table_names(tables, module_path)
+    unknown = sorted(set(per_table) - set(names))
+    if unknown:
+        raise PlanError(
+            f"module {module_path!r}: requests for unknown tables {unknown}; "
+            f"tables: {sorted(names)}"
+        )
+    result: dict[str, ParameterSharding] = {}
+    for t in tables:
+        if t.name not in per_table:
+            raise PlanError(f"table {t.name!r} (module {module_path!r}): no sharding requested")
+        request = per_table[t.name]
+        result[t.name] = request.resolve(t, world_size, ranks_per_host, module_path=module_path)
+    validate_plan(
+        ShardingPlan({module_path: result}), {module_path: tables}, world_size, ranks_per_host
+    )
+    return result
+
+
+def balanced_table_wise_plan(
+    tables_by_module: Mapping[str, Sequence[TableLike]], world_size: int
+) -> ShardingPlan:
+    """Every table whole on one rank, greedily balancing parameter count (largest table first).
+
+    Args:
+        tables_by_module: module path -> its tables.
+        world_size: number of ranks.
+
+    Returns:
+        A table-wise plan; ties go to the lowest rank, so every rank computes the same plan.
+    """
+    check_world(world_size, None)
+    load = [0] * world_size
+    items = [(m, t) for m, ts in tables_by_module.items() for t in ts]
+    items.sort(key=lambda mt: (-mt[1].num_embeddings * mt[1].embedding_dim, mt[0], mt[1].name))
+    plan: dict[str, dict[str, ParameterSharding]] = {m: {} for m in tables_by_module}
+    for module, t in items:
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        load[rank] += t.num_embeddings * t.embedding_dim
+        plan[module][t.name] = table_wise(rank).resolve(t, world_size)
+    return ShardingPlan(plan)

@@ -1,0 +1,188 @@
+"""Complete validation of a sharding plan against its tables, ranks and hosts.
+
+Pure and deterministic: every rank reaches the same verdict before the first collective, and the
+error names the module, the table, the problem and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from recopt.kernels.config import Backend
+from recopt.sharding.plan import (
+    ParameterSharding,
+    PlanError,
+    ShardingPlan,
+    ShardingType,
+    ShardSpec,
+    TableLike,
+    check_world,
+    table_names,
+)
+
+_ROW_TYPES = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+_COL_TYPES = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
+_HOST_TYPES = (ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE)
+
+
+def validate_plan(
+    plan: ShardingPlan,
+    tables_by_module: Mapping[str, Sequence[TableLike]],
+    world_size: int,
+    ranks_per_host: int | None = None,
+) -> None:
+    """Check a plan completely against its tables and ranks.
+
+    Args:
+        plan: the plan.
+        tables_by_module: module path -> the module's tables.
+        world_size: number of ranks.
+        ranks_per_host: ranks per host (default: ``world_size``); host of rank r is r // it.
+
+    Raises:
+        PlanError: the first problem found, naming the module, the table and the fix.
+    """
+    rph = check_world(world_size, ranks_per_host)
+    unknown_modules = sorted(set(plan.plan) - set(tables_by_module))
+    if unknown_modules:
+        raise PlanError(
+            f"plan names unknown modules {unknown_modules}; modules with tables: "
+            f"{sorted(tables_by_module)}"
+        )
+    for module, tables in tables_by_module.items():
+        names = table_names(tables, module)
+        shardings = plan.get(module)
+        if shardings is None:
+            raise PlanError(f"module {module!r}: the plan has no entry for it; tables: {names}")
+        unknown = sorted(set(shardings) - set(names))
+        if unknown:
+            raise PlanError(
+                f"module {module!r}: plan names unknown tables {unknown}; tables: {sorted(names)}"
+            )
+        for t in tables:
+            if t.name not in shardings:
+                raise PlanError(
+                    f"table {t.name!r} (module {module!r}): not in the plan; "
+                    "every table needs a sharding"
+                )
+            _validate_table(
+                shardings[t.name], t, f"table {t.name!r} (module {module!r})", world_size, rph
+            )
+
+
+def _validate_table(
+    ps: ParameterSharding, table: TableLike, where: str, world_size: int, rph: int
+) -> None:
+    rows, dim = table.num_embeddings, table.embedding_dim
+    bad = [r for r in (*ps.ranks, *(s.rank for s in ps.shards)) if not 0 <= r < world_size]
+    if bad:
+        raise PlanError(f"{where}: rank {bad[0]} does not exist; ranks are 0..{world_size - 1}")
+    if ps.sharding_type is ShardingType.DATA_PARALLEL:
+        if ps.shards or ps.ranks != tuple(range(world_size)):
+            raise PlanError(
+                f"{where}: data_parallel must have no shards and ranks 0..{world_size - 1}"
+                f" (a replica on every rank); got ranks {list(ps.ranks)} and "
+                f"{len(ps.shards)} shards"
+            )
+        _check_kernel_width(ps, [dim], where)
+        return
+    if not ps.shards:
+        raise PlanError(f"{where}: {ps.sharding_type.value} sharding has no shards")
+    for s in ps.shards:
+        if s.num_rows < 1 or s.num_cols < 1:
+            raise PlanError(f"{where}: empty shard {_rect(s)} on rank {s.rank}; drop it")
+        if (
+            s.row_offset < 0
+            or s.col_offset < 0
+            or s.row_offset + s.num_rows > rows
+            or (s.col_offset + s.num_cols > dim)
+        ):
+            raise PlanError(
+                f"{where}: shard {_rect(s)} on rank {s.rank} is outside the table "
+                f"(rows 0..{rows}, columns 0..{dim})"
+            )
+    shard_ranks = tuple(sorted({s.rank for s in ps.shards}))
+    if ps.ranks != shard_ranks:
+        raise PlanError(
+            f"{where}: ranks {list(ps.ranks)} must equal the shards' ranks "
+            f"{list(shard_ranks)}, ascending and distinct"
+        )
+    _check_type_layout(ps, rows, dim, where, rph)
+    if ps.sharding_type in _COL_TYPES:
+        _check_tiling([(s.col_offset, s.num_cols) for s in ps.shards], dim, "columns", where)
+    else:
+        _check_tiling([(s.row_offset, s.num_rows) for s in ps.shards], rows, "rows", where)
+    _check_kernel_width(ps, [s.num_cols for s in ps.shards], where)
+
+
+def _check_type_layout(ps: ParameterSharding, rows: int, dim: int, where: str, rph: int) -> None:
+    kind = ps.sharding_type
+    if kind is ShardingType.TABLE_WISE and len(ps.shards) != 1:
+        raise PlanError(
+            f"{where}: table_wise needs exactly one shard (the whole table), got "
+            f"{len(ps.shards)}; use row_wise or column_wise to split it"
+        )
+    if kind in _ROW_TYPES or kind is ShardingType.TABLE_WISE:
+        for s in ps.shards:
+            if s.col_offset != 0 or s.num_cols != dim:
+                raise PlanError(
+                    f"{where}: {kind.value} shards span every column (0..{dim}); "
+                    f"shard {_rect(s)} on rank {s.rank} does not"
+                )
+    if kind in _COL_TYPES or kind is ShardingType.TABLE_WISE:
+        for s in ps.shards:
+            if s.row_offset != 0 or s.num_rows != rows:
+                raise PlanError(
+                    f"{where}: {kind.value} shards span every row (0..{rows}); "
+                    f"shard {_rect(s)} on rank {s.rank} does not"
+                )
+    if kind in _ROW_TYPES and len(ps.ranks) != len(ps.shards):
+        raise PlanError(
+            f"{where}: {kind.value} puts at most one row range on a rank; "
+            f"{len(ps.shards)} shards on ranks {list(ps.ranks)}"
+        )
+    if kind in _HOST_TYPES:
+        hosts = sorted({r // rph for r in ps.ranks})
+        if len(hosts) > 1:
+            raise PlanError(
+                f"{where}: {kind.value} keeps a table inside one host, but its ranks "
+                f"{list(ps.ranks)} span hosts {hosts} ({rph} ranks per host); "
+                f"use {'row_wise' if kind in _ROW_TYPES else 'column_wise'} instead"
+            )
+
+
+def _check_tiling(spans: list[tuple[int, int]], extent: int, axis: str, where: str) -> None:
+    covered = 0
+    for start, size in sorted(spans):
+        if start > covered:
+            raise PlanError(f"{where}: {axis} {covered}..{start} have no shard")
+        if start < covered:
+            raise PlanError(
+                f"{where}: shards overlap on {axis} {start}..{min(covered, start + size)}"
+            )
+        covered = start + size
+    if covered < extent:
+        raise PlanError(
+            f"{where}: shards cover {axis} 0..{covered} of {extent}; "
+            f"{axis} {covered}..{extent} have no shard"
+        )
+
+
+def _check_kernel_width(ps: ParameterSharding, widths: list[int], where: str) -> None:
+    # The fbgemm table-batched kernels require widths that are multiples of 4; recopt's own
+    # kernel (and AUTO, which falls back to it) takes any width.
+    if ps.compute_kernel is Backend.FBGEMM:
+        odd = [w for w in widths if w % 4]
+        if odd:
+            raise PlanError(
+                f"{where}: shard width {odd[0]} is not a multiple of 4, which the "
+                "fbgemm kernel requires; use compute_kernel 'auto' or 'recopt', or "
+                "column shards whose widths are multiples of 4"
+            )
+
+
+def _rect(s: ShardSpec) -> str:
+    return (
+        f"rows {s.row_offset}..{s.row_offset + s.num_rows}, "
+        f"columns {s.col_offset}..{s.col_offset + s.num_cols}"
+    )
