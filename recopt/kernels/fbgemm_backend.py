@@ -1,0 +1,129 @@
+"""fbgemm's table-batched embedding kernel behind recopt's kernel contract.
+
+The CPU build trains with SGD, Adagrad and row-wise Adagrad only; the CUDA build is the GPU
+path. recopt validates ids itself, so fbgemm's (warn-and-use-row-0) bounds check is off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
+
+# recopt optimizer name -> (fbgemm optimizer enum name, state names in fbgemm's order)
+FBGEMM_OPTIMIZERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "sgd": ("EXACT_SGD", ()),
+    "adagrad": ("EXACT_ADAGRAD", ("momentum1",)),
+    "row_wise_adagrad": ("EXACT_ROWWISE_ADAGRAD", ("momentum1",)),
+}
+# fbgemm's kernels read rows in vectors of 4 floats.
+FBGEMM_DIM_MULTIPLE = 4
+
+
+def fbgemm_unsupported_reason(
+    optimizer: FusedOptimizerConfig, tables: Sequence[TableSpec], device: torch.device
+) -> str | None:
+    """Why fbgemm cannot run these tables with this optimizer, or None if it can."""
+    if device.type == "cpu" and optimizer.name not in FBGEMM_OPTIMIZERS:
+        return (
+            f"fbgemm's CPU kernels do not train with {optimizer.name!r} (only "
+            f"{sorted(FBGEMM_OPTIMIZERS)}); use backend 'recopt' or 'auto'"
+        )
+    if optimizer.maximize:
+        return "fbgemm has no 'maximize' option; use backend 'recopt' or 'auto'"
+    for table in tables:
+        if table.embedding_dim % FBGEMM_DIM_MULTIPLE:
+            fixed = -(-table.embedding_dim // FBGEMM_DIM_MULTIPLE) * FBGEMM_DIM_MULTIPLE
+            return (
+                f"table {table.name!r}: embedding_dim {table.embedding_dim} is not a multiple of "
+                f"{FBGEMM_DIM_MULTIPLE}, which fbgemm's kernel requires; use {fixed}, or backend "
+                "'recopt' / 'auto'"
+            )
+    return None
+
+
+class FbgemmTableBatchedEmbedding(nn.Module):
+    """Several tables in one fbgemm ``SplitTableBatchedEmbeddingBagsCodegen``.
+
+    Args:
+        tables: the tables, in kernel order.
+        feature_table_map: for each input feature, the index of its table.
+        optimizer: the fused optimizer (sgd, adagrad or row_wise_adagrad on CPU).
+        pooling: sum or mean.
+        device: cpu or cuda.
+
+    Raises:
+        ValueError: the optimizer, an option or a table's dim is not supported by fbgemm.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableSpec],
+        feature_table_map: Sequence[int],
+        optimizer: FusedOptimizerConfig,
+        pooling: PoolingType,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            BoundsCheckMode,
+            EmbeddingLocation,
+            PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+            WeightDecayMode,
+        )
+
+        reason = fbgemm_unsupported_reason(optimizer, tables, device)
+        if reason is not None:
+            raise ValueError(reason)
+        on_cuda = device.type == "cuda"
+        location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
+        compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
+        fbgemm_name, self._state_names = FBGEMM_OPTIMIZERS.get(optimizer.name, ("", ()))
+        self.tables = list(tables)
+        self.optimizer = optimizer
+        self.pooling = pooling
+        self._tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(t.num_embeddings, t.embedding_dim, location, compute) for t in tables],
+            feature_table_map=list(feature_table_map),
+            optimizer=EmbOptimType[fbgemm_name],
+            learning_rate=optimizer.lr,
+            eps=1e-8 if optimizer.eps is None else optimizer.eps,
+            weight_decay=optimizer.weight_decay,
+            weight_decay_mode=WeightDecayMode.L2
+            if optimizer.weight_decay
+            else WeightDecayMode.NONE,
+            pooling_mode=PoolingMode.SUM if pooling == PoolingType.SUM else PoolingMode.MEAN,
+            bounds_check_mode=BoundsCheckMode.NONE,
+            device=device,
+        )
+
+    def forward(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self._tbe(indices, offsets, per_sample_weights=per_sample_weights)
+
+    def split_embedding_weights(self) -> list[torch.Tensor]:
+        return list(self._tbe.split_embedding_weights())
+
+    def split_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
+        if not self._state_names:
+            return [{} for _ in self.tables]
+        per_table = self._tbe.split_optimizer_states()
+        return [dict(zip(self._state_names, states, strict=True)) for states in per_table]
+
+    def set_learning_rate(self, lr: float) -> None:
+        self._tbe.set_learning_rate(lr)
+
+    def get_learning_rate(self) -> float:
+        return float(self._tbe.get_learning_rate())

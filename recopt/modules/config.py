@@ -1,0 +1,101 @@
+"""EmbeddingBagConfig: one embedding table, the features that look it up, and how bags pool.
+
+`validate_tables` checks a whole collection the same way everywhere (modules, planner, sharding):
+duplicate table names and a feature claimed by two tables are errors that name both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from recopt.kernels.config import PoolingType
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EmbeddingBagConfig:
+    """One embedding table.
+
+    Args:
+        name: table name; parameters are named ``embedding_bags.<name>.weight``.
+        num_embeddings: number of rows (valid ids are ``0 .. num_embeddings - 1``).
+        embedding_dim: row width.
+        feature_names: the features whose bags look up this table (at least one).
+        pooling: ``sum`` or ``mean`` of the (weighted) rows of a bag.
+        weight_init_min: lower bound of the uniform initialisation; default
+            ``-sqrt(1 / num_embeddings)``.
+        weight_init_max: upper bound; default ``sqrt(1 / num_embeddings)``.
+
+    Example::
+
+        EmbeddingBagConfig(name="user", num_embeddings=1000, embedding_dim=16,
+                           feature_names=["user_id"])
+    """
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: tuple[str, ...] = field(default_factory=tuple)
+    pooling: PoolingType = PoolingType.SUM
+    weight_init_min: float | None = None
+    weight_init_max: float | None = None
+
+    def __post_init__(self) -> None:
+        # Accept lists (from TOML/JSON) but store tuples so the config stays hashable.
+        object.__setattr__(self, "feature_names", tuple(self.feature_names))
+        object.__setattr__(self, "pooling", PoolingType(self.pooling))
+        where = f"table {self.name!r}"
+        if not isinstance(self.name, str) or not self.name or "." in self.name:
+            raise ValueError(f"table name {self.name!r} must be a non-empty string without '.'")
+        if not isinstance(self.num_embeddings, int) or self.num_embeddings < 1:
+            raise ValueError(
+                f"{where}: num_embeddings must be an int >= 1, got {self.num_embeddings!r}"
+            )
+        if not isinstance(self.embedding_dim, int) or self.embedding_dim < 1:
+            raise ValueError(
+                f"{where}: embedding_dim must be an int >= 1, got {self.embedding_dim!r}"
+            )
+        if not self.feature_names:
+            raise ValueError(f"{where}: feature_names is empty; name at least one feature")
+        if len(set(self.feature_names)) != len(self.feature_names):
+            raise ValueError(
+                f"{where}: feature_names repeats a feature: {list(self.feature_names)}"
+            )
+        lo, hi = self.init_bounds()
+        if not lo <= hi:
+            raise ValueError(f"{where}: weight_init_min {lo} is above weight_init_max {hi}")
+
+    def init_bounds(self) -> tuple[float, float]:
+        """The uniform initialisation range of this table's weights."""
+        bound = math.sqrt(1.0 / self.num_embeddings)
+        lo = -bound if self.weight_init_min is None else self.weight_init_min
+        hi = bound if self.weight_init_max is None else self.weight_init_max
+        return lo, hi
+
+
+def validate_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
+    """Check a collection of tables: at least one, unique names, each feature in one table.
+
+    Raises:
+        ValueError: naming the duplicated table or feature and the tables involved.
+    """
+    if not tables:
+        raise ValueError("an embedding-bag collection needs at least one table")
+    seen_tables: set[str] = set()
+    owner: dict[str, str] = {}
+    for table in tables:
+        if not isinstance(table, EmbeddingBagConfig):
+            raise ValueError(f"expected EmbeddingBagConfig, got {type(table).__name__}")
+        if table.name in seen_tables:
+            raise ValueError(
+                f"table {table.name!r} is configured twice; table names must be unique"
+            )
+        seen_tables.add(table.name)
+        for feature in table.feature_names:
+            if feature in owner:
+                raise ValueError(
+                    f"feature {feature!r} is in two tables, {owner[feature]!r} and {table.name!r}; "
+                    "a feature looks up exactly one table"
+                )
+            owner[feature] = table.name

@@ -1,0 +1,129 @@
+"""EmbeddingBagCollection: the plain torch module, one `nn.EmbeddingBag` per table.
+
+It is the reference the fused and sharded modules are tested against, and the module users build
+models with before sharding. Gradients are dense by default or sparse (for SparseAdam).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from recopt.modules.config import EmbeddingBagConfig, validate_tables
+from recopt.modules.inputs import FeatureLayout
+from recopt.sparse import KeyedJaggedTensor, KeyedTensor
+
+
+class EmbeddingBagCollection(nn.Module):
+    """A collection of embedding tables looked up by the features of a KeyedJaggedTensor.
+
+    Shapes: the input has F features and batch size B; the output is a KeyedTensor whose keys are
+    the features in table order and whose values are ``[B, sum of each feature's table dim]``.
+
+    Args:
+        tables: the tables (``validate_tables`` rules apply).
+        is_weighted: the input carries one weight per id (weighted sum / mean pooling).
+        device: where the weights live.
+        sparse_grad: produce sparse gradients (for ``torch.optim.SparseAdam``).
+
+    Example::
+
+        ebc = EmbeddingBagCollection([
+            EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f"]),
+        ])
+        kt = ebc(KeyedJaggedTensor.from_id_lists({"f": [[1, 2], [3]]}))
+        kt["f"].shape  # torch.Size([2, 4]): bag 0 = row 1 + row 2, bag 1 = row 3
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
+        sparse_grad: bool = False,
+    ) -> None:
+        super().__init__()
+        validate_tables(tables)
+        self.tables = list(tables)
+        self.is_weighted = is_weighted
+        self._layout = FeatureLayout(self.tables)
+        self.embedding_bags = nn.ModuleDict()
+        for table in self.tables:
+            bag = nn.EmbeddingBag(
+                table.num_embeddings,
+                table.embedding_dim,
+                mode=table.pooling.value,
+                sparse=sparse_grad,
+                include_last_offset=True,
+                # An explicit (uninitialised) weight skips nn.EmbeddingBag's own normal_ init, so
+                # the global RNG draws only our uniform_ below, as FusedEmbeddingBagCollection does.
+                _weight=torch.empty(table.num_embeddings, table.embedding_dim, device=device),
+            )
+            lo, hi = table.init_bounds()
+            with torch.no_grad():
+                bag.weight.uniform_(lo, hi)
+            self.embedding_bags[table.name] = bag
+
+    def feature_names(self) -> list[str]:
+        """The output keys: features in table order."""
+        return list(self._layout.feature_names)
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pool each feature's bags from its table.
+
+        Raises:
+            ValueError: missing features or weights mismatch; ``InvalidIdError`` for bad ids.
+        """
+        features = self._layout.prepare(features, self.is_weighted)
+        batch = features.stride()
+        values, offsets = features.values(), features.offsets()
+        weights = features.weights_or_none()
+        pooled = []
+        for f, start in enumerate(features.offset_per_key()[:-1]):
+            bag = self.embedding_bags[self._layout.table_names[f]]
+            assert isinstance(bag, nn.EmbeddingBag)
+            bag_offsets = offsets[f * batch : (f + 1) * batch + 1] - start
+            end = start + features.length_per_key()[f]
+            pooled.append(
+                _pool(
+                    values[start:end],
+                    bag_offsets,
+                    None if weights is None else weights[start:end],
+                    bag,
+                )
+            )
+        return KeyedTensor(
+            keys=self._layout.feature_names,
+            length_per_key=self._layout.dims,
+            values=torch.cat(pooled, dim=1),
+        )
+
+
+def _pool(
+    ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, bag: nn.EmbeddingBag
+) -> torch.Tensor:
+    # torch's embedding_bag takes per-id weights only in sum mode; a weighted mean is the
+    # weighted sum divided by the bag's id count (as the fused kernels define it).
+    if weights is None or bag.mode == "sum":
+        return nn.functional.embedding_bag(
+            ids,
+            bag.weight,
+            offsets,
+            mode=bag.mode,
+            sparse=bag.sparse,
+            per_sample_weights=weights,
+            include_last_offset=True,
+        )
+    summed = nn.functional.embedding_bag(
+        ids,
+        bag.weight,
+        offsets,
+        mode="sum",
+        sparse=bag.sparse,
+        per_sample_weights=weights,
+        include_last_offset=True,
+    )
+    counts = (offsets[1:] - offsets[:-1]).clamp(min=1).to(summed.dtype)
+    return summed / counts.unsqueeze(1)

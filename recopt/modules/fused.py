@@ -1,0 +1,237 @@
+"""FusedEmbeddingBagCollection: embedding bags whose optimizer runs inside the backward pass.
+
+Tables sharing a fused optimizer and a pooling mode are batched into one kernel (fbgemm's or
+recopt's, see recopt.kernels); each table's weight is exposed as ``embedding_bags.<t>.weight``,
+a view of the kernel's storage, so state_dict keys match `EmbeddingBagCollection`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
+from recopt.kernels.factory import create_kernel
+from recopt.modules.config import EmbeddingBagConfig, validate_tables
+from recopt.modules.inputs import FeatureLayout
+from recopt.optim.fused import FusedOptimizer, FusedOptimizerModule
+from recopt.sparse import KeyedJaggedTensor, KeyedTensor
+
+
+class _TableWeight(nn.Module):
+    """Holds one table's weight so its name is ``embedding_bags.<table>.weight``."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        # A Parameter aliasing the kernel's storage: loads and in-place edits reach the kernel.
+        # requires_grad=False: the kernel updates it in backward; no optimizer or DDP should.
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+
+@dataclasses.dataclass
+class _KernelGroup:
+    """Tables that one kernel runs: indices into the collection's tables and features."""
+
+    optimizer: FusedOptimizerConfig
+    pooling: PoolingType
+    table_indices: list[int]
+    feature_indices: list[int]
+    kernel: Any = None
+
+
+class EmbeddingFusedOptimizer(FusedOptimizer):
+    """The fused optimizer of a `FusedEmbeddingBagCollection`: state is read and written in place.
+
+    One param group per kernel; ``lr`` changes reach the kernel at the next forward. Other
+    hyperparameters are fixed at construction.
+    """
+
+    def __init__(
+        self,
+        params: Mapping[str, torch.Tensor],
+        state: Mapping[torch.Tensor, Any],
+        param_groups: Sequence[Mapping[str, Any]],
+    ) -> None:
+        super().__init__(params, state, param_groups)
+
+    def step(self, closure: Any = None) -> Any:
+        # The update already happened in backward; a closure is still honoured.
+        return closure() if closure is not None else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # Fused tables never accumulate .grad.
+        return None
+
+
+class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
+    """`EmbeddingBagCollection` with the sparse optimizer fused into backward.
+
+    Same input and output as `EmbeddingBagCollection`. After ``loss.backward()`` the rows looked up
+    in the batch are already updated; there is nothing to step.
+
+    Args:
+        tables: the tables (``validate_tables`` rules apply).
+        optimizer: the fused optimizer of every table (default row-wise Adagrad, lr 0.01).
+        table_optimizers: per-table overrides, table name -> optimizer.
+        is_weighted: the input carries one weight per id.
+        device: where weights and optimizer state live.
+
+    Raises:
+        ValueError: invalid tables, an override naming an unknown table, or a kernel that cannot
+            take a table (e.g. fbgemm with a dim not a multiple of 4: the message gives the fix).
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        optimizer: FusedOptimizerConfig | None = None,
+        table_optimizers: Mapping[str, FusedOptimizerConfig] | None = None,
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        validate_tables(tables)
+        self.tables = list(tables)
+        self.is_weighted = is_weighted
+        self.device = torch.device(device if device is not None else "cpu")
+        self._layout = FeatureLayout(self.tables)
+        default = optimizer if optimizer is not None else FusedOptimizerConfig()
+        overrides = dict(table_optimizers or {})
+        unknown = sorted(set(overrides) - {t.name for t in self.tables})
+        if unknown:
+            raise ValueError(f"table_optimizers names unknown tables {unknown}")
+        # Kernel construction may draw random numbers (fbgemm initialises its weights); restore
+        # the RNG so our uniform_ draws equal EmbeddingBagCollection's under the same seed.
+        rng_state = torch.random.get_rng_state()
+        self._groups = self._build_groups(default, overrides)
+        torch.random.set_rng_state(rng_state)
+        self.embedding_bags = nn.ModuleDict()
+        weights: dict[int, torch.Tensor] = {}
+        for group in self._groups:
+            for t, w in zip(
+                group.table_indices, group.kernel.split_embedding_weights(), strict=True
+            ):
+                weights[t] = w
+        for t, table in enumerate(self.tables):
+            lo, hi = table.init_bounds()
+            with torch.no_grad():
+                weights[t].uniform_(lo, hi)  # table order: same draws as EmbeddingBagCollection
+            self.embedding_bags[table.name] = _TableWeight(weights[t])
+        self._optimizer = self._build_optimizer()
+        self._single_group = len(self._groups) == 1
+
+    def _build_groups(
+        self, default: FusedOptimizerConfig, overrides: dict[str, FusedOptimizerConfig]
+    ) -> list[_KernelGroup]:
+        groups: dict[tuple[FusedOptimizerConfig, PoolingType], _KernelGroup] = {}
+        for t, table in enumerate(self.tables):
+            opt = overrides.get(table.name, default)
+            key = (opt, table.pooling)
+            if key not in groups:
+                groups[key] = _KernelGroup(opt, table.pooling, [], [])
+            groups[key].table_indices.append(t)
+        for f, t in enumerate(self._layout.feature_table):
+            for group in groups.values():
+                if t in group.table_indices:
+                    group.feature_indices.append(f)
+        for group in groups.values():
+            specs = [
+                TableSpec(
+                    name=self.tables[t].name,
+                    num_embeddings=self.tables[t].num_embeddings,
+                    embedding_dim=self.tables[t].embedding_dim,
+                )
+                for t in group.table_indices
+            ]
+            feature_table_map = [
+                group.table_indices.index(self._layout.feature_table[f])
+                for f in group.feature_indices
+            ]
+            group.kernel = create_kernel(
+                specs, feature_table_map, group.optimizer, group.pooling, self.device
+            )
+        return list(groups.values())
+
+    def _build_optimizer(self) -> EmbeddingFusedOptimizer:
+        params: dict[str, torch.Tensor] = {}
+        state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        param_groups: list[dict[str, Any]] = []
+        for group in self._groups:
+            group_params = []
+            states = group.kernel.split_optimizer_states()
+            for t, table_state in zip(group.table_indices, states, strict=True):
+                name = self.tables[t].name
+                param = self._table_weight(name)
+                params[f"embedding_bags.{name}.weight"] = param
+                state[param] = {f"{name}.{key}": value for key, value in table_state.items()}
+                group_params.append(param)
+            hyper = dataclasses.asdict(group.optimizer)
+            hyper["optimizer"] = hyper.pop("name")
+            hyper["backend"] = str(type(group.kernel).__name__)
+            param_groups.append({"params": group_params, **hyper})
+        return EmbeddingFusedOptimizer(params, state, param_groups)
+
+    def _table_weight(self, name: str) -> torch.Tensor:
+        holder = self.embedding_bags[name]
+        assert isinstance(holder, _TableWeight)
+        return holder.weight
+
+    @property
+    def fused_optimizer(self) -> EmbeddingFusedOptimizer:
+        """The KeyedOptimizer over this collection's weights and in-backward optimizer state."""
+        return self._optimizer
+
+    def feature_names(self) -> list[str]:
+        """The output keys: features in table order."""
+        return list(self._layout.feature_names)
+
+    def kernels(self) -> list[nn.Module]:
+        """The kernels, one per (optimizer, pooling) group."""
+        return [g.kernel for g in self._groups]
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pool each feature's bags; backward updates the looked-up rows in place.
+
+        Raises:
+            ValueError: missing features or weights mismatch; ``InvalidIdError`` for bad ids.
+        """
+        features = self._layout.prepare(features, self.is_weighted)
+        self._sync_learning_rates()
+        if self._single_group:
+            pooled = self._lookup(self._groups[0], features)
+        else:
+            pooled = self._lookup_groups(features)
+        return KeyedTensor(
+            keys=self._layout.feature_names, length_per_key=self._layout.dims, values=pooled
+        )
+
+    def _lookup(self, group: _KernelGroup, features: KeyedJaggedTensor) -> torch.Tensor:
+        result: torch.Tensor = group.kernel(
+            features.values(), features.offsets(), features.weights_or_none()
+        )
+        return result
+
+    def _lookup_groups(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        order = [f for g in self._groups for f in g.feature_indices]
+        parts = features.permute(order).split([len(g.feature_indices) for g in self._groups])
+        outputs = [self._lookup(g, part) for g, part in zip(self._groups, parts, strict=True)]
+        # Kernel outputs are grouped by kernel; put every feature's columns back in table order.
+        columns: list[torch.Tensor] = [torch.empty(0)] * len(order)
+        for group, out in zip(self._groups, outputs, strict=True):
+            start = 0
+            for f in group.feature_indices:
+                dim = self._layout.dims[f]
+                columns[f] = out[:, start : start + dim]
+                start += dim
+        return torch.cat(columns, dim=1)
+
+    def _sync_learning_rates(self) -> None:
+        for group, param_group in zip(self._groups, self._optimizer.param_groups, strict=True):
+            lr = float(param_group["lr"])
+            if lr != group.optimizer.lr or lr != getattr(group, "_applied_lr", group.optimizer.lr):
+                group.kernel.set_learning_rate(lr)
+                group._applied_lr = lr  # type: ignore[attr-defined]

@@ -1,0 +1,103 @@
+"""Input handling shared by the embedding-bag modules: feature order, weights, id bounds.
+
+fbgemm's own bounds check only warns and silently reads row 0 for a bad id; recopt checks every
+id once per batch, before any lookup or update, and raises naming the table, feature and id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from recopt.modules.config import EmbeddingBagConfig
+from recopt.sparse import KeyedJaggedTensor
+
+
+class InvalidIdError(ValueError):
+    """An id outside ``[0, num_embeddings)`` of its table."""
+
+
+class FeatureLayout:
+    """The features of a collection in lookup order (table order, then feature order)."""
+
+    def __init__(self, tables: Sequence[EmbeddingBagConfig]) -> None:
+        self.feature_names: list[str] = []
+        self.feature_table: list[int] = []
+        for t, table in enumerate(tables):
+            for feature in table.feature_names:
+                self.feature_names.append(feature)
+                self.feature_table.append(t)
+        self.table_names = [tables[t].name for t in self.feature_table]
+        self.num_rows = [tables[t].num_embeddings for t in self.feature_table]
+        self.dims = [tables[t].embedding_dim for t in self.feature_table]
+
+    def prepare(self, features: KeyedJaggedTensor, is_weighted: bool) -> KeyedJaggedTensor:
+        """Return ``features`` restricted to and ordered as this layout, with ids checked.
+
+        Raises:
+            ValueError: a feature is missing, or weights are missing / unexpected.
+            InvalidIdError: an id is outside its table.
+        """
+        keys = features.keys()
+        if keys != self.feature_names:
+            index = {k: i for i, k in enumerate(keys)}
+            missing = [f for f in self.feature_names if f not in index]
+            if missing:
+                raise ValueError(
+                    f"input is missing features {missing}; it has {keys}, the collection "
+                    f"looks up {self.feature_names}"
+                )
+            features = features.permute([index[f] for f in self.feature_names])
+        has_weights = features.weights_or_none() is not None
+        if is_weighted and not has_weights:
+            raise ValueError(
+                "the collection is weighted (is_weighted=True) but the input has no weights"
+            )
+        if has_weights and not is_weighted:
+            raise ValueError(
+                "the input carries per-id weights but the collection was built with "
+                "is_weighted=False; build it with is_weighted=True or drop the weights"
+            )
+        check_ids_in_range(
+            features.values(),
+            features.length_per_key(),
+            self.feature_names,
+            self.table_names,
+            self.num_rows,
+        )
+        return features
+
+
+def check_ids_in_range(
+    values: torch.Tensor,
+    length_per_key: Sequence[int],
+    feature_names: Sequence[str],
+    table_names: Sequence[str],
+    num_rows: Sequence[int],
+) -> None:
+    """Raise if any feature's ids fall outside its table.
+
+    Args:
+        values: all ids, feature-major (KJT layout).
+        length_per_key: number of ids of each feature.
+        feature_names: the features, in the order of ``values``.
+        table_names: the table each feature looks up.
+        num_rows: the row count of each feature's table.
+
+    Raises:
+        InvalidIdError: naming the table, the feature, the offending id and the valid range.
+    """
+    start = 0
+    for i, count in enumerate(length_per_key):
+        if count:
+            low, high = torch.aminmax(values[start : start + count])
+            lo, hi = int(low), int(high)
+            if lo < 0 or hi >= num_rows[i]:
+                bad = lo if lo < 0 else hi
+                raise InvalidIdError(
+                    f"table {table_names[i]!r}, feature {feature_names[i]!r}: id {bad} is out of "
+                    f"range; valid ids are 0..{num_rows[i] - 1}. Hash or clip ids into the table "
+                    "before lookup (nothing was updated)."
+                )
+        start += count
