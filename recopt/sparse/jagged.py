@@ -153,7 +153,7 @@ class JaggedTensor:
         return list(torch.split(self._weights, self._lengths.tolist()))
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
-        """Returns a copy on ``device`` (self when already there)."""
+        """Returns this JaggedTensor on ``device`` (sharing the tensors already there)."""
 
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=non_blocking)
@@ -304,28 +304,7 @@ class KeyedJaggedTensor:
         values = torch.tensor(
             [i for key in keys for bag in ids[key] for i in bag], dtype=torch.int64
         )
-        flat_weights = None
-        if weights is not None:
-            if list(weights) != keys:
-                raise ValueError(
-                    f"weights have features {list(weights)} but ids have {keys}; "
-                    "give weights for the same features, in the same order"
-                )
-            for key in keys:
-                for sample, (bag, bag_weights) in enumerate(
-                    zip(ids[key], weights[key], strict=False)
-                ):
-                    if len(bag) != len(bag_weights):
-                        raise ValueError(
-                            f"feature {key!r}, sample {sample}: {len(bag_weights)} weights for "
-                            f"{len(bag)} ids; give one weight per id"
-                        )
-                if len(weights[key]) != stride:
-                    raise ValueError(
-                        f"feature {key!r}: weights have {len(weights[key])} samples, ids {stride}"
-                    )
-            flat = [w for key in keys for bag in weights[key] for w in bag]
-            flat_weights = torch.tensor(flat, dtype=torch.float32)
+        flat_weights = None if weights is None else _flat_weights(ids, weights, keys, stride)
         lengths_tensor = torch.tensor(lengths, dtype=torch.int64)
         return cls(keys, values, weights=flat_weights, lengths=lengths_tensor, stride=stride)
 
@@ -557,7 +536,7 @@ class KeyedJaggedTensor:
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
-        """Returns a copy on ``device`` (shares the tensors when already there)."""
+        """Returns this KJT on ``device`` (sharing the tensors already there)."""
 
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=non_blocking)
@@ -579,6 +558,33 @@ class KeyedJaggedTensor:
             return f"{head}, ids per key={counts})"
         features = [f"{key!r}: {_bags_text(self[key])}" for key in self._keys]
         return ",\n  ".join([head, *features]) + ")"
+
+
+def _flat_weights(
+    ids: Mapping[str, Sequence[Sequence[int]]],
+    weights: Mapping[str, Sequence[Sequence[float]]],
+    keys: list[str],
+    stride: int,
+) -> torch.Tensor:
+    """Checks that weights mirror ids bag by bag; returns them flat, key-major, float32."""
+    if list(weights) != keys:
+        raise ValueError(
+            f"weights have features {list(weights)} but ids have {keys}; "
+            "give weights for the same features, in the same order"
+        )
+    for key in keys:
+        if len(weights[key]) != stride:
+            raise ValueError(
+                f"feature {key!r}: weights have {len(weights[key])} samples but ids have {stride}"
+            )
+        for sample, (bag, bag_weights) in enumerate(zip(ids[key], weights[key], strict=True)):
+            if len(bag) != len(bag_weights):
+                raise ValueError(
+                    f"feature {key!r}, sample {sample}: {len(bag_weights)} weights for "
+                    f"{len(bag)} ids; give one weight per id"
+                )
+    flat = [w for key in keys for bag in weights[key] for w in bag]
+    return torch.tensor(flat, dtype=torch.float32)
 
 
 def _bags_text(jt: JaggedTensor) -> str:
