@@ -177,6 +177,7 @@ def resolve_lengths(
 
 
 def resolve_stride(num_bags: int, num_keys: int, stride: int | None, field: str) -> int:
+    """Checks a given stride against the bag count, or infers it as bags // keys."""
     if stride is not None:
         if isinstance(stride, bool) or not isinstance(stride, int) or stride < 0:
             raise ValueError(f"stride must be a non-negative int, got {stride!r}")
