@@ -1,26 +1,39 @@
 """Optimizers whose update runs inside the backward pass, and the modules that own them.
 
-Minimal first version (the optimizer issue completes it).
+A fused module (e.g. FusedEmbeddingBagCollection) updates its weights in backward and
+exposes the update's state as a KeyedOptimizer; `split_fused_parameters` tells a trainer
+which parameters still need a regular optimizer.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Iterable
 from typing import Any
+
+import torch
+from torch import nn
 
 from recopt.optim.keyed import KeyedOptimizer
 
 
 class FusedOptimizer(KeyedOptimizer, abc.ABC):
-    """A KeyedOptimizer whose update happens in backward; ``step()`` applies no update."""
+    """A KeyedOptimizer whose update happens in backward; ``step()`` applies no update.
+
+    Its state exists from construction (the kernel allocates it), so ``init_state()`` has
+    nothing to do.
+    """
 
     @abc.abstractmethod
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        ...
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """Run ``closure`` if given; the update already happened in backward."""
 
     @abc.abstractmethod
     def zero_grad(self, set_to_none: bool = True) -> None:
-        ...
+        """Reset whatever gradient the fused module keeps (usually nothing)."""
+
+    def init_state(self, sparse_grad_parameter_names: Iterable[str] | None = None) -> None:
+        """No-op: fused state is allocated eagerly by the kernel."""
 
 
 class FusedOptimizerModule(abc.ABC):
@@ -29,4 +42,72 @@ class FusedOptimizerModule(abc.ABC):
     @property
     @abc.abstractmethod
     def fused_optimizer(self) -> KeyedOptimizer:
-        ...
+        """The optimizer state and hyperparameters of the in-backward update."""
+
+
+class EmptyFusedOptimizer(FusedOptimizer):
+    """A FusedOptimizer over no parameters (a placeholder where a module has none)."""
+
+    def __init__(self) -> None:
+        super().__init__({}, {}, [])
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """Run ``closure`` if given; there is nothing to update."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to reset."""
+
+
+def _is_fused(module: nn.Module) -> bool:
+    # Sharded twins may not subclass FusedOptimizerModule but still expose the property.
+    return isinstance(module, FusedOptimizerModule) or isinstance(
+        getattr(type(module), "fused_optimizer", None), property
+    )
+
+
+def split_fused_parameters(
+    model: nn.Module,
+) -> tuple[dict[str, nn.Parameter], dict[str, nn.Parameter]]:
+    """Split a model's parameters into those updated in backward and the rest.
+
+    A parameter is fused when it belongs to a submodule that is a ``FusedOptimizerModule``
+    or exposes a ``fused_optimizer`` property (sharded modules). A parameter shared between
+    a fused and a regular module counts as fused (its update already happens in backward).
+
+    Args:
+        model: the model.
+
+    Returns:
+        ``(fused, other)``: fully qualified name -> parameter, each parameter once, in
+        ``model.named_parameters()`` order.
+    """
+    fused_ids: set[int] = set()
+    for _, module in model.named_modules():
+        if _is_fused(module):
+            fused_ids.update(id(p) for p in module.parameters())
+    fused: dict[str, nn.Parameter] = {}
+    other: dict[str, nn.Parameter] = {}
+    for name, param in model.named_parameters():
+        (fused if id(param) in fused_ids else other)[name] = param
+    return fused, other
+
+
+def fused_optimizers(model: nn.Module) -> list[tuple[str, KeyedOptimizer]]:
+    """The ``(module name, fused_optimizer)`` of each outermost fused submodule of ``model``.
+
+    Args:
+        model: the model.
+
+    Returns:
+        Pairs ready for ``CombinedOptimizer``; a fused module nested in another is skipped.
+    """
+    found: list[tuple[str, KeyedOptimizer]] = []
+    for name, module in model.named_modules():
+        inside = any(outer == "" or name.startswith(f"{outer}.") for outer, _ in found)
+        if _is_fused(module) and not inside:
+            found.append((name, module.fused_optimizer))
+    return found
