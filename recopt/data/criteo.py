@@ -1,0 +1,243 @@
+"""Streaming reader of Criteo click logs (TSV: label, 13 integer and 26 hex categorical columns).
+
+Dense columns become log(1 + max(x, 0)) (missing: 0); categoricals are hashed into their
+table (missing: id 0, present values: 1..N-1, so "missing" never collides with a value).
+Ranks split by line: rank r of N takes lines r, r+N, r+2N, ... of the concatenated files;
+batch k of every rank comes from the same window of N*B lines, so all ranks yield the same
+number of batches (a final partial window is dropped by default). Every rank scans the
+whole stream (cheap next to training); the state holds the byte offset, so resuming seeks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+from recopt.data.batch import Batch
+from recopt.sparse import KeyedJaggedTensor
+
+NUM_DENSE = 13
+NUM_SPARSE = 26
+NUM_COLUMNS = 1 + NUM_DENSE + NUM_SPARSE
+MISSING_ID = 0
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: a well-spread multiplier
+
+
+def hash_categorical(values: np.ndarray, column: int, num_embeddings: int) -> np.ndarray:
+    """Stable hash of parsed 32-bit categorical values into ids 1..num_embeddings-1.
+
+    The same (value, column) always maps to the same id, on any machine and any run
+    (no Python ``hash``, which is salted per process).
+
+    Args:
+        values: uint64 array of the categorical values (the hex tokens as integers).
+        column: categorical column index (0..25): salts the hash per feature.
+        num_embeddings: the table's rows; must be >= 2 (row 0 is for missing values).
+
+    Returns:
+        int64 ids in ``[1, num_embeddings)``.
+    """
+    with np.errstate(over="ignore"):
+        mixed = (values + np.uint64(column + 1) * np.uint64(0x632BE59BD9B4E019)) * _MIX
+    mixed ^= mixed >> np.uint64(29)
+    return (mixed % np.uint64(num_embeddings - 1)).astype(np.int64) + 1
+
+
+class CriteoClickLog:
+    """Iterator of batches from Criteo TSV files, this rank's lines only.
+
+    Args:
+        paths: TSV files, read one after the other as one stream.
+        feature_names: the KJT key of each of the 26 categorical columns.
+        num_embeddings: the table size of each categorical column (>= 2).
+        batch_size: samples per batch on this rank.
+        rank: this rank.
+        world_size: number of ranks.
+        drop_last: drop this rank's final partial batch (keeps ranks in lockstep).
+
+    Raises:
+        ValueError: on a bad argument; while iterating, on a malformed line (naming the
+            file, the line number and the column).
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str | os.PathLike[str]],
+        feature_names: Sequence[str],
+        num_embeddings: Sequence[int],
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = True,
+    ) -> None:
+        if not paths:
+            raise ValueError("CriteoClickLog needs at least one file in paths")
+        if len(feature_names) != NUM_SPARSE or len(num_embeddings) != NUM_SPARSE:
+            raise ValueError(
+                f"Criteo has {NUM_SPARSE} categorical columns; got {len(feature_names)} "
+                f"feature_names and {len(num_embeddings)} num_embeddings"
+            )
+        for name, rows in zip(feature_names, num_embeddings, strict=True):
+            if rows < 2:
+                raise ValueError(
+                    f"feature {name!r}: num_embeddings {rows} is too small for Criteo hashing "
+                    "(row 0 holds missing values); use at least 2"
+                )
+        if batch_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"need batch_size >= 1 and 0 <= rank < world_size; got batch_size "
+                f"{batch_size}, rank {rank}, world_size {world_size}"
+            )
+        self.paths = [os.fspath(p) for p in paths]
+        self.keys = list(feature_names)
+        self.num_embeddings = list(num_embeddings)
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_last = drop_last
+        self._file_index = 0
+        self._byte_offset = 0
+        self._line_number = 0  # lines read in the current file, all ranks' included
+        self._lines_read = 0  # lines read over all files: decides which rank owns a line
+        self._position = 0
+        self._handle: BinaryIO | None = None
+
+    def __iter__(self) -> CriteoClickLog:
+        return self
+
+    def __next__(self) -> Batch:
+        window = self.batch_size * self.world_size
+        rows: list[tuple[str, int, list[bytes]]] = []
+        complete = False
+        while not complete:
+            line = self._next_line()
+            if line is None:
+                break
+            path, number, raw = line
+            if (self._lines_read - 1) % self.world_size == self.rank:
+                rows.append((path, number, raw.rstrip(b"\r\n").split(b"\t")))
+            complete = self._lines_read % window == 0
+        # A window cut short by the end of the data is partial on every rank at once.
+        if not rows or (self.drop_last and not complete):
+            self.close()
+            raise StopIteration
+        self._position += 1
+        dense, sparse, labels = self._parse(rows)
+        return Batch(dense, sparse, labels, self._position)
+
+    def _next_line(self) -> tuple[str, int, bytes] | None:
+        """The next line of the concatenated files with its 1-based number in its file."""
+        while self._file_index < len(self.paths):
+            if self._handle is None:
+                self._handle = open(self.paths[self._file_index], "rb")  # noqa: SIM115
+                self._handle.seek(self._byte_offset)
+            raw = self._handle.readline()
+            if raw:
+                self._line_number += 1
+                self._lines_read += 1
+                self._byte_offset += len(raw)
+                return self.paths[self._file_index], self._line_number, raw
+            self.close()
+            self._file_index += 1
+            self._byte_offset = 0
+            self._line_number = 0
+        return None
+
+    def close(self) -> None:
+        """Closes the open file (iteration reopens it where it stopped)."""
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Returns where this rank stopped: file, byte offset, line number and batches yielded."""
+        return {
+            "position": self._position,
+            "file_index": self._file_index,
+            "byte_offset": self._byte_offset,
+            "line_number": self._line_number,
+            "lines_read": self._lines_read,
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continues exactly after the batch at which ``state`` was taken.
+
+        Raises:
+            ValueError: if the state comes from a run with another number of ranks.
+        """
+        saved = (state["world_size"], state["batch_size"])
+        if saved != (self.world_size, self.batch_size):
+            raise ValueError(
+                f"Criteo reader state was saved with (world_size, batch_size) {saved}, this "
+                f"run has {(self.world_size, self.batch_size)}; the line split depends on both"
+            )
+        self.close()
+        self._position = int(state["position"])
+        self._file_index = int(state["file_index"])
+        self._byte_offset = int(state["byte_offset"])
+        self._line_number = int(state["line_number"])
+        self._lines_read = int(state["lines_read"])
+
+    def _parse(
+        self, rows: list[tuple[str, int, list[bytes]]]
+    ) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
+        batch = len(rows)
+        labels = np.zeros(batch, dtype=np.float32)
+        dense = np.zeros((batch, NUM_DENSE), dtype=np.float32)
+        cats = np.zeros((batch, NUM_SPARSE), dtype=np.uint64)
+        present = np.zeros((batch, NUM_SPARSE), dtype=bool)
+        for i, (path, number, fields) in enumerate(rows):
+            if len(fields) != NUM_COLUMNS:
+                raise ValueError(
+                    f"{path}:{number}: expected {NUM_COLUMNS} tab-separated columns (label, "
+                    f"{NUM_DENSE} integer, {NUM_SPARSE} categorical), found {len(fields)}"
+                )
+            column = 0
+            try:
+                labels[i] = _parse_label(fields[0])
+                for column in range(1, 1 + NUM_DENSE):
+                    token = fields[column]
+                    if token:
+                        dense[i, column - 1] = math.log1p(max(int(token), 0))
+                for column in range(1 + NUM_DENSE, NUM_COLUMNS):
+                    token = fields[column]
+                    if token:
+                        cats[i, column - 1 - NUM_DENSE] = int(token, 16)
+                        present[i, column - 1 - NUM_DENSE] = True
+            except ValueError as err:
+                raise ValueError(
+                    f"{path}:{number}: column {column} ({_column_name(column)}) holds "
+                    f"{fields[column]!r}, which does not parse: {err}"
+                ) from None
+        ids = np.full((NUM_SPARSE, batch), MISSING_ID, dtype=np.int64)
+        for col, rows_n in enumerate(self.num_embeddings):
+            hashed = hash_categorical(cats[:, col], col, rows_n)
+            ids[col] = np.where(present[:, col], hashed, MISSING_ID)
+        sparse = KeyedJaggedTensor.from_lengths_sync(
+            self.keys,
+            torch.from_numpy(ids.reshape(-1)),
+            torch.ones(NUM_SPARSE * batch, dtype=torch.int64),
+        )
+        return torch.from_numpy(dense), sparse, torch.from_numpy(labels)
+
+
+def _parse_label(token: bytes) -> float:
+    value = int(token)
+    if value not in (0, 1):
+        raise ValueError(f"a label must be 0 or 1, got {value}")
+    return float(value)
+
+
+def _column_name(column: int) -> str:
+    if column == 0:
+        return "label"
+    if column <= NUM_DENSE:
+        return f"integer feature {column}"
+    return f"categorical feature {column - NUM_DENSE}"

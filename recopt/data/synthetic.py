@@ -1,0 +1,229 @@
+"""A synthetic click log with a planted signal: ids follow a power law, labels a hidden model.
+
+Every batch is a pure function of (seed, split, global batch index), generated with vectorised
+torch ops, so ranks split the stream without talking (rank r of N takes global batches
+r, r+N, r+2N, ...) and a resumed run sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from recopt.data.batch import Batch
+from recopt.sparse import KeyedJaggedTensor
+
+# Per-split salts keep the train and validation streams disjoint for one seed.
+_SPLIT_SALT = {"train": 0x5EED, "val": 0xE7A1}
+_GOLDEN = 2654435761  # Knuth's multiplicative hash constant (< 2**32, so int64 never overflows)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyntheticConfig:
+    """How the synthetic click log looks.
+
+    Args:
+        num_dense: dense columns per sample.
+        min_ids_per_bag: fewest ids in one bag (0 allows empty bags).
+        max_ids_per_bag: most ids in one bag; each bag's count is uniform in [min, max].
+        zipf_exponent: exponent a of the id distribution P(id = k) ~ (k + 1) ** -a.
+        signal: scale of the hidden model's logit (0 makes labels pure noise).
+        signal_features: how many sparse features the hidden model reads (the first ones).
+        ctr_bias: bias of the hidden logit; negative values make clicks rarer.
+        seed: seeds both the hidden model and the stream.
+    """
+
+    num_dense: int = 13
+    min_ids_per_bag: int = 1
+    max_ids_per_bag: int = 1
+    zipf_exponent: float = 1.1
+    signal: float = 1.0
+    signal_features: int = 8
+    ctr_bias: float = -1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_dense < 1:
+            raise ValueError(f"data.num_dense must be >= 1, got {self.num_dense}")
+        if not 0 <= self.min_ids_per_bag <= self.max_ids_per_bag or self.max_ids_per_bag < 1:
+            raise ValueError(
+                f"data.min_ids_per_bag ({self.min_ids_per_bag}) and data.max_ids_per_bag "
+                f"({self.max_ids_per_bag}) need 0 <= min <= max and max >= 1"
+            )
+        if not self.zipf_exponent > 0:
+            raise ValueError(f"data.zipf_exponent must be > 0, got {self.zipf_exponent}")
+
+
+def _hash_unit(ids: torch.Tensor, salt: int) -> torch.Tensor:
+    """A fixed pseudo-random value in [-1, 1] per (id, salt): the hidden model's id effects."""
+    mixed = ((ids + salt) & 0xFFFFFFF) * _GOLDEN
+    mixed = (mixed ^ (mixed >> 15)) & 0xFFFF
+    return mixed.to(torch.float32) * (2.0 / 0xFFFF) - 1.0
+
+
+def _power_law(uniform: torch.Tensor, num_ids: torch.Tensor, exponent: float) -> torch.Tensor:
+    """Inverse-CDF sample of a continuous power law on [1, N+1), floored to ids in [0, N)."""
+    if abs(exponent - 1.0) < 1e-9:
+        x = torch.pow(num_ids + 1.0, uniform)
+    else:
+        power = 1.0 - exponent
+        x = torch.pow((torch.pow(num_ids + 1.0, power) - 1.0) * uniform + 1.0, 1.0 / power)
+    ids = x.floor().to(torch.int64) - 1
+    return torch.minimum(ids.clamp_(min=0), num_ids.to(torch.int64) - 1)
+
+
+class SyntheticClickLog:
+    """Iterator of synthetic batches for one rank.
+
+    Example: ``SyntheticClickLog([("c0", 1000), ("c1", 50)], SyntheticConfig(), 256)``
+    yields ``Batch(dense [256, 13], sparse KJT keys ["c0", "c1"], labels [256], position)``
+    forever; ``num_batches=10`` stops after ten.
+
+    Args:
+        features: (feature name, number of ids) per sparse feature, in KJT key order.
+        config: the distribution and the hidden model.
+        batch_size: samples per batch on this rank.
+        rank: this rank.
+        world_size: number of ranks sharing the stream.
+        split: ``train`` or ``val`` (disjoint streams).
+        num_batches: batches this rank yields, or None for an endless stream.
+
+    Raises:
+        ValueError: on an empty feature list, a non-positive size, or a bad rank or split.
+    """
+
+    def __init__(
+        self,
+        features: Sequence[tuple[str, int]],
+        config: SyntheticConfig,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        split: str = "train",
+        num_batches: int | None = None,
+    ) -> None:
+        if not features:
+            raise ValueError("SyntheticClickLog needs at least one sparse feature")
+        for name, num_ids in features:
+            if num_ids < 1:
+                raise ValueError(f"feature {name!r}: number of ids must be >= 1, got {num_ids}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if split not in _SPLIT_SALT:
+            raise ValueError(f"split {split!r} is unknown; use one of {sorted(_SPLIT_SALT)}")
+        self.keys = [name for name, _ in features]
+        self.config = config
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.num_batches = num_batches
+        self._split_salt = _SPLIT_SALT[split]
+        self._num_ids = torch.tensor([n for _, n in features], dtype=torch.float64)
+        self._position = 0
+        self._init_hidden_model()
+
+    def _init_hidden_model(self) -> None:
+        """Draws the hidden model's weights from the seed alone (the same on every rank)."""
+        gen = torch.Generator().manual_seed(self.config.seed)
+        num_signal = min(self.config.signal_features, len(self.keys))
+        self._dense_weights = torch.zeros(self.config.num_dense)
+        num_dense_signal = min(4, self.config.num_dense)
+        self._dense_weights[:num_dense_signal] = torch.randn(num_dense_signal, generator=gen) * 0.6
+        self._feature_weights = torch.zeros(len(self.keys))
+        self._feature_weights[:num_signal] = 0.8 + 0.4 * torch.rand(num_signal, generator=gen)
+
+    def __iter__(self) -> SyntheticClickLog:
+        return self
+
+    def __next__(self) -> Batch:
+        if self.num_batches is not None and self._position >= self.num_batches:
+            raise StopIteration
+        global_index = self._position * self.world_size + self.rank
+        self._position += 1
+        dense, sparse, labels = self.generate(global_index)
+        return Batch(dense, sparse, labels, self._position)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Returns the position: batches yielded so far by this rank."""
+        return {"position": self._position, "rank": self.rank, "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continues after ``state["position"]`` batches (of this rank's share of the stream).
+
+        Raises:
+            ValueError: if the state was saved by a run with another number of ranks.
+        """
+        if state.get("world_size", self.world_size) != self.world_size:
+            raise ValueError(
+                f"data state was saved with world_size {state['world_size']}, this run has "
+                f"{self.world_size}; the per-rank split of the synthetic stream depends on it"
+            )
+        self._position = int(state["position"])
+
+    def generate(self, global_index: int) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
+        """Batch number ``global_index`` of the whole stream (all ranks' batches interleaved).
+
+        Returns:
+            (dense [B, num_dense], sparse KJT, labels [B]).
+        """
+        cfg = self.config
+        num_features, batch = len(self.keys), self.batch_size
+        gen = torch.Generator().manual_seed(
+            (cfg.seed * 1_000_003 + self._split_salt) * 1_000_000_007 + global_index
+        )
+        latent = torch.randn(batch, cfg.num_dense, generator=gen)
+        # Criteo-like: non-negative, skewed columns (what log(1 + count) looks like).
+        dense = torch.nn.functional.softplus(1.5 * latent)
+        lengths, length_per_key = self._lengths(gen, num_features * batch)
+        num_ids = torch.repeat_interleave(self._num_ids, torch.tensor(length_per_key))
+        uniform = torch.rand(num_ids.shape[0], generator=gen, dtype=torch.float64)
+        values = _power_law(uniform, num_ids, cfg.zipf_exponent)
+        bag_effect_F_B = self._bag_effects(values, lengths, length_per_key).view(
+            num_features, batch
+        )
+        logit = cfg.ctr_bias + cfg.signal * self._hidden_logit(latent, bag_effect_F_B)
+        labels = torch.bernoulli(torch.sigmoid(logit), generator=gen)
+        sparse = KeyedJaggedTensor.from_lengths_sync(self.keys, values, lengths)
+        return dense, sparse, labels
+
+    def _lengths(self, gen: torch.Generator, num_bags: int) -> tuple[torch.Tensor, list[int]]:
+        cfg = self.config
+        batch = self.batch_size
+        if cfg.min_ids_per_bag == cfg.max_ids_per_bag:
+            lengths = torch.full((num_bags,), cfg.max_ids_per_bag, dtype=torch.int64)
+            return lengths, [cfg.max_ids_per_bag * batch] * len(self.keys)
+        lengths = torch.randint(
+            cfg.min_ids_per_bag, cfg.max_ids_per_bag + 1, (num_bags,), generator=gen
+        )
+        return lengths, lengths.view(len(self.keys), batch).sum(1).tolist()
+
+    def _bag_effects(
+        self, values: torch.Tensor, lengths: torch.Tensor, length_per_key: list[int]
+    ) -> torch.Tensor:
+        """Mean hidden id effect of each bag, [F*B] (0 for an empty bag)."""
+        salts = torch.repeat_interleave(
+            torch.arange(len(self.keys)) * 7919 + self.config.seed,
+            torch.tensor(length_per_key),
+        )
+        effects = _hash_unit(values * 131 + salts, 17)
+        if self.config.min_ids_per_bag == self.config.max_ids_per_bag:
+            return effects.view(-1, self.config.max_ids_per_bag).mean(1)
+        bag = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths)
+        sums = torch.zeros(lengths.shape[0]).index_add_(0, bag, effects)
+        return sums / lengths.clamp(min=1)
+
+    def _hidden_logit(self, latent: torch.Tensor, bag_effect_F_B: torch.Tensor) -> torch.Tensor:
+        """The planted model: linear in dense and id effects, plus two interactions."""
+        logit = latent @ self._dense_weights
+        logit = logit + self._feature_weights @ bag_effect_F_B
+        if bag_effect_F_B.shape[0] >= 2:
+            # A pairwise term (what the dot interaction is for) and a dense x sparse one.
+            logit = logit + 1.2 * bag_effect_F_B[0] * bag_effect_F_B[1]
+        logit = logit + 0.6 * torch.tanh(latent[:, 0]) * bag_effect_F_B[-1]
+        return logit / math.sqrt(1.0 + 0.1 * len(self.keys))

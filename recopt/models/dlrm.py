@@ -1,0 +1,228 @@
+"""DLRM and its DCNv2 variant: dense MLP + embedding bags + feature interaction + top MLP.
+
+Shapes: B batch, F sparse features, D embedding dim (= the bottom MLP's output width for the
+dot interaction), N = F + 1 vectors per sample (the dense vector and one per sparse feature).
+The embedding-bag collection is passed in, so the same model runs on a plain, fused or sharded one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from recopt.sparse import KeyedJaggedTensor, KeyedTensor
+
+INTERACTIONS = ("dot", "dcn")
+
+
+class PooledEmbeddings(Protocol):
+    """What the model needs from an embedding-bag collection: KJT in, KeyedTensor out."""
+
+    def __call__(self, features: KeyedJaggedTensor) -> KeyedTensor: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DLRMConfig:
+    """Architecture of the dense part of a DLRM / DCNv2 model.
+
+    Args:
+        dense_in_features: number of dense input columns (13 for Criteo).
+        bottom_mlp: widths of the bottom MLP's layers; for ``dot`` the last one must equal
+            the embedding dim.
+        top_mlp: widths of the top MLP's hidden layers; a final layer to one logit is added.
+        interaction: ``dot`` (DLRM pairwise dot products) or ``dcn`` (DCNv2 cross network).
+        dcn_num_layers: number of cross layers (``dcn`` only).
+        dcn_low_rank: rank r of each cross layer's ``U @ V.T`` factorisation, or 0 for the
+            full-rank matrix (``dcn`` only).
+    """
+
+    dense_in_features: int = 13
+    bottom_mlp: tuple[int, ...] = (64, 16)
+    top_mlp: tuple[int, ...] = (64, 32)
+    interaction: str = "dot"
+    dcn_num_layers: int = 2
+    dcn_low_rank: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bottom_mlp", tuple(self.bottom_mlp))
+        object.__setattr__(self, "top_mlp", tuple(self.top_mlp))
+        if self.interaction not in INTERACTIONS:
+            raise ValueError(
+                f"model.interaction {self.interaction!r} is unknown; use one of {INTERACTIONS}"
+            )
+        if self.dense_in_features < 1:
+            raise ValueError(f"model.dense_in_features must be >= 1, got {self.dense_in_features}")
+        if not self.bottom_mlp or min(self.bottom_mlp) < 1:
+            raise ValueError(f"model.bottom_mlp needs positive widths, got {list(self.bottom_mlp)}")
+        if self.top_mlp and min(self.top_mlp) < 1:
+            raise ValueError(f"model.top_mlp needs positive widths, got {list(self.top_mlp)}")
+        if self.dcn_num_layers < 0 or self.dcn_low_rank < 0:
+            raise ValueError(
+                f"model.dcn_num_layers ({self.dcn_num_layers}) and model.dcn_low_rank "
+                f"({self.dcn_low_rank}) must be >= 0"
+            )
+
+
+def mlp(in_features: int, widths: Sequence[int], final_relu: bool = True) -> nn.Sequential:
+    """Linear layers of the given widths with ReLU between them (and after the last if asked).
+
+    Args:
+        in_features: input width.
+        widths: output width of each layer.
+        final_relu: whether the last layer is followed by a ReLU too.
+
+    Returns:
+        The stack as an ``nn.Sequential``.
+    """
+    layers: list[nn.Module] = []
+    for i, width in enumerate(widths):
+        layers.append(nn.Linear(in_features, width))
+        if final_relu or i < len(widths) - 1:
+            layers.append(nn.ReLU())
+        in_features = width
+    return nn.Sequential(*layers)
+
+
+class DotInteraction(nn.Module):
+    """Pairwise dot products of N vectors: the strict upper triangle of ``T @ T.T``.
+
+    Input ``[B, N, D]``; output ``[B, N*(N-1)/2]``, pairs ordered row by row
+    ((0,1), (0,2), ..., (1,2), ...).
+    """
+
+    flat_index: torch.Tensor
+
+    def __init__(self, num_vectors: int) -> None:
+        super().__init__()
+        rows, cols = torch.triu_indices(num_vectors, num_vectors, offset=1)
+        # One flat gather index into the [N*N] products beats two-level advanced indexing.
+        self.register_buffer("flat_index", rows * num_vectors + cols, persistent=False)
+        self.num_vectors = num_vectors
+
+    @property
+    def num_outputs(self) -> int:
+        """Number of pairs, N*(N-1)/2."""
+        return self.num_vectors * (self.num_vectors - 1) // 2
+
+    def forward(self, vectors_B_N_D: torch.Tensor) -> torch.Tensor:
+        products_B_N_N = torch.bmm(vectors_B_N_D, vectors_B_N_D.transpose(1, 2))
+        return products_B_N_N.flatten(1).index_select(1, self.flat_index)
+
+
+class CrossNetwork(nn.Module):
+    """DCNv2 cross layers: ``x_{l+1} = x_0 * (W_l x_l + b_l) + x_l``, W full or ``U_l V_l^T``.
+
+    Args:
+        width: size of x.
+        num_layers: number of cross layers.
+        low_rank: 0 for full-rank ``W_l``, else the rank r of ``U_l V_l^T``.
+    """
+
+    def __init__(self, width: int, num_layers: int, low_rank: int = 0) -> None:
+        super().__init__()
+        if low_rank:
+            self.down = nn.ModuleList(
+                nn.Linear(width, low_rank, bias=False) for _ in range(num_layers)
+            )
+            self.up = nn.ModuleList(nn.Linear(low_rank, width) for _ in range(num_layers))
+        else:
+            self.down = nn.ModuleList()
+            self.up = nn.ModuleList(nn.Linear(width, width) for _ in range(num_layers))
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0
+        for layer, up in enumerate(self.up):
+            projected = up(self.down[layer](x)) if len(self.down) else up(x)
+            x = torch.addcmul(x, x0, projected)
+        return x
+
+
+def _feature_dims(embedding_bags: nn.Module) -> list[tuple[str, int]]:
+    """(feature name, embedding dim) of every feature, in the KeyedTensor's column order."""
+    tables = getattr(embedding_bags, "tables", None)
+    if tables is None:
+        raise ValueError(
+            f"{type(embedding_bags).__name__} has no `tables` attribute; pass an "
+            "EmbeddingBagCollection (plain, fused or sharded) or give feature_dims explicitly"
+        )
+    return [(name, t.embedding_dim) for t in tables for name in t.feature_names]
+
+
+class DLRM(nn.Module):
+    """DLRM (Naumov et al. 2019) with the dot interaction, or DCNv2 (Wang et al. 2020).
+
+    ``forward(dense [B, dense_in_features], sparse KJT) -> logits [B]``. The bottom MLP maps
+    the dense features to a vector; ``dot`` concatenates that vector with the pairwise dot
+    products of it and the F pooled embeddings; ``dcn`` runs the cross network over the
+    concatenation of the vector and the embeddings. The top MLP maps the result to one logit.
+
+    Example: 26 features of dim 16, ``bottom_mlp=(64, 16)``, ``dot``: the top MLP's input is
+    16 + 27*26/2 = 367 wide.
+
+    Args:
+        embedding_bags: KJT -> KeyedTensor module (EmbeddingBagCollection, fused or sharded).
+        config: the architecture.
+        feature_dims: (feature, dim) in the KeyedTensor's column order; read from
+            ``embedding_bags.tables`` when None.
+
+    Raises:
+        ValueError: for ``dot`` if an embedding dim differs from ``bottom_mlp[-1]``.
+    """
+
+    def __init__(
+        self,
+        embedding_bags: nn.Module,
+        config: DLRMConfig,
+        feature_dims: Sequence[tuple[str, int]] | None = None,
+    ) -> None:
+        super().__init__()
+        dims = list(feature_dims) if feature_dims is not None else _feature_dims(embedding_bags)
+        if not dims:
+            raise ValueError("DLRM needs at least one sparse feature")
+        self.config = config
+        self.feature_names = [name for name, _ in dims]
+        self.embedding_bags = embedding_bags
+        dense_dim = config.bottom_mlp[-1]
+        self.bottom_mlp = mlp(config.dense_in_features, config.bottom_mlp)
+        if config.interaction == "dot":
+            for name, dim in dims:
+                if dim != dense_dim:
+                    raise ValueError(
+                        f"feature {name!r}: embedding_dim {dim} differs from the bottom MLP's "
+                        f"output width {dense_dim} (model.bottom_mlp[-1]); the dot interaction "
+                        f"needs them equal: set model.bottom_mlp[-1] = {dim}"
+                    )
+            self.interaction: nn.Module = DotInteraction(len(dims) + 1)
+            top_in = dense_dim + self.interaction.num_outputs
+        else:
+            top_in = dense_dim + sum(dim for _, dim in dims)
+            self.interaction = CrossNetwork(top_in, config.dcn_num_layers, config.dcn_low_rank)
+        self.top_mlp = nn.Sequential(
+            mlp(top_in, config.top_mlp),
+            nn.Linear(config.top_mlp[-1] if config.top_mlp else top_in, 1),
+        )
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        dense_B_D = self.bottom_mlp(dense)
+        pooled = self.embedding_bags(sparse)
+        pooled_B_FD = _in_order(pooled, self.feature_names)
+        if self.config.interaction == "dot":
+            batch = dense_B_D.shape[0]
+            vectors_B_N_D = torch.cat([dense_B_D, pooled_B_FD], dim=1).view(
+                batch, -1, dense_B_D.shape[1]
+            )
+            top_in = torch.cat([dense_B_D, self.interaction(vectors_B_N_D)], dim=1)
+        else:
+            top_in = self.interaction(torch.cat([dense_B_D, pooled_B_FD], dim=1))
+        return self.top_mlp(top_in).squeeze(1)
+
+
+def _in_order(pooled: KeyedTensor, feature_names: list[str]) -> torch.Tensor:
+    """The pooled embeddings [B, sum D] in the model's feature order (no copy if already so)."""
+    if pooled.keys() == feature_names:
+        return pooled.values()
+    return KeyedTensor.regroup([pooled], [feature_names])[0]
