@@ -1,0 +1,56 @@
+"""OptimizerStub: a torch.optim.Optimizer that never updates anything.
+
+For trainers whose weights change without gradients (evolution strategies, fused-in-backward
+modules, frozen parts) but whose tooling expects an optimizer: hooks, state_dict round trip,
+param groups and LR schedulers all work as in torch.optim.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+
+class OptimizerStub(torch.optim.Optimizer):
+    """An optimizer whose ``step`` runs the closure (if any) and touches no gradient.
+
+    Args:
+        params: tensors or param groups, as for any torch optimizer; may be empty.
+        **defaults: group hyperparameters; ``lr`` defaults to 0.0 so LR schedulers work.
+    """
+
+    def __init__(self, params: Iterable[Any] = (), **defaults: Any) -> None:
+        torch._C._log_api_usage_once("recopt.optim.OptimizerStub")
+        # torch.optim.Optimizer.__init__ rejects an empty parameter list; a stub may have none.
+        self.defaults = {"lr": 0.0, **defaults}
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+        self.state: defaultdict[torch.Tensor, Any] = defaultdict(dict)
+        self.param_groups: list[dict[str, Any]] = []
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        for group in groups:
+            self.add_param_group(group)
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """Run ``closure`` (with gradients enabled) if given and return its value.
+
+        Args:
+            closure: re-evaluates the model; its gradients are neither read nor changed.
+
+        Returns:
+            The closure's return value, or None.
+        """
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
