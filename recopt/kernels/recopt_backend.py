@@ -1,0 +1,370 @@
+"""recopt's own table-batched embedding kernel: torch pooling, optimizer fused into backward.
+
+Forward pools with ``F.embedding_bag`` per feature. Backward sorts each table's ids once,
+sums the gradient of every touched row over its occurrences and updates only those rows and
+their state: in one native pass (`cpu_fused`) on CPU, with vectorised torch ops otherwise.
+Legend: B batch, F features, N ids (occurrences) of one table, D a table's dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recopt.kernels import cpu_fused, updates
+from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
+
+Tensor = torch.Tensor
+
+
+@dataclass(slots=True)
+class _Occurrences:
+    """The ids of one table in a batch, with where each one's gradient comes from."""
+
+    ids_N: Tensor
+    goff_N: Tensor  # element offset of the occurrence's bag row in the flat grad_out
+    bag_N: Tensor  # row of grad_out (sample) of each occurrence
+    col_N: Tensor  # first grad_out column of each occurrence's feature
+    scale_N: Tensor | None  # per-sample weight x 1/length (mean), None when all ones
+
+
+class RecoptTableBatchedEmbedding(nn.Module):
+    """Several embedding tables pooled in one module, the optimizer applied in backward.
+
+    Implements the kernel contract of docs/design.md ("Embedding kernels"). Example: two
+    tables, three features (``f0`` and ``f2`` share table 0), batch 2::
+
+        kernel = RecoptTableBatchedEmbedding(
+            [TableSpec(name="t0", num_embeddings=10, embedding_dim=4),
+             TableSpec(name="t1", num_embeddings=5, embedding_dim=8)],
+            [0, 1, 0], FusedOptimizerConfig(name="adam"), PoolingType.SUM, torch.device("cpu"))
+        out = kernel(indices, offsets)   # [2, 4 + 8 + 4]; offsets has 3 * 2 + 1 entries
+        out.sum().backward()             # updates the touched rows of t0 and t1
+
+    Args:
+        tables: the tables, in kernel order.
+        feature_table_map: for each feature, the index of its table.
+        optimizer: the fused optimizer and its hyperparameters.
+        pooling: sum or mean for every feature.
+        device: where the weights and state live.
+        use_native: run the native CPU pass when it is available (CPU float32); False forces
+            the torch-ops path.
+
+    Raises:
+        ValueError: empty tables, a table with no rows or dim, or a feature mapped to no table.
+    """
+
+    def __init__(
+        self,
+        tables: list[TableSpec],
+        feature_table_map: list[int],
+        optimizer: FusedOptimizerConfig,
+        pooling: PoolingType,
+        device: torch.device,
+        *,
+        use_native: bool = True,
+    ) -> None:
+        super().__init__()
+        _validate(tables, feature_table_map)
+        self.tables = list(tables)
+        self.feature_table_map = list(feature_table_map)
+        self.optimizer = optimizer
+        self.pooling = PoolingType(pooling)
+        self._lr = float(optimizer.lr)
+        device = torch.device(device)
+        self.weights = nn.ParameterList()
+        for table in tables:
+            bound = 1.0 / math.sqrt(table.num_embeddings)
+            weight = torch.empty(table.num_embeddings, table.embedding_dim, device=device)
+            self.weights.append(nn.Parameter(weight.uniform_(-bound, bound)))
+        self._state_names: list[list[str]] = []
+        for t, table in enumerate(tables):
+            state = updates.init_state(
+                optimizer.name, table.num_embeddings, table.embedding_dim, device
+            )
+            self._state_names.append(list(state))
+            for name, tensor in state.items():
+                self.register_buffer(f"_state_{t}_{name}", tensor, persistent=False)
+        self._norms = [updates.AdafactorNorm() for _ in tables]
+        dims = [tables[t].embedding_dim for t in feature_table_map]
+        self._col_offsets = [sum(dims[:f]) for f in range(len(dims))]
+        self.output_dim = sum(dims)
+        self._use_native = use_native
+
+    # Contract surface ---------------------------------------------------------------------
+
+    def forward(
+        self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None
+    ) -> Tensor:
+        """Pool every feature's bags.
+
+        Args:
+            indices: int64 ids, all of feature 0's bags, then feature 1's, ...
+            offsets: ``[F*B + 1]`` bag boundaries into ``indices``.
+            per_sample_weights: optional float weight per id (weighted features).
+
+        Returns:
+            ``[B, sum of each feature's dim]``, features' columns in feature order.
+
+        Raises:
+            ValueError: ``offsets`` does not hold F*B+1 entries.
+        """
+        num_features = len(self.feature_table_map)
+        if offsets.dim() != 1 or (offsets.numel() - 1) % num_features != 0:
+            raise ValueError(
+                f"offsets has {offsets.numel()} entries; it needs F*B+1 with F="
+                f"{num_features} features (KJT layout, feature-major)"
+            )
+        out: Tensor = _FusedEmbeddingFunction.apply(
+            self, indices, offsets, per_sample_weights, *self.weights
+        )
+        return out
+
+    def split_embedding_weights(self) -> list[Tensor]:
+        """Each table's ``[rows, dim]`` weights: views to read, initialise and load through."""
+        return [weight.detach() for weight in self.weights]
+
+    def split_optimizer_states(self) -> list[dict[str, Tensor]]:
+        """Each table's optimizer state (names and shapes of docs/design.md), in-place writable."""
+        return [
+            {name: getattr(self, f"_state_{t}_{name}") for name in names}
+            for t, names in enumerate(self._state_names)
+        ]
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Set the learning rate used from the next backward on.
+
+        Raises:
+            ValueError: ``lr`` is negative.
+        """
+        if not lr >= 0.0:
+            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        self._lr = float(lr)
+
+    def get_learning_rate(self) -> float:
+        """The learning rate the next backward will use."""
+        return self._lr
+
+    # Forward and backward passes ------------------------------------------------------------
+
+    def _feature_bounds(self, offsets: Tensor) -> tuple[int, list[int]]:
+        batch = (offsets.numel() - 1) // len(self.feature_table_map)
+        return batch, offsets[::batch].tolist() if batch > 0 else [0] * (
+            len(self.feature_table_map) + 1
+        )
+
+    def _pool(self, indices: Tensor, offsets: Tensor, weights: Tensor | None) -> Tensor:
+        batch, starts = self._feature_bounds(offsets)
+        mean = self.pooling == PoolingType.MEAN
+        pooled = []
+        for f, t in enumerate(self.feature_table_map):
+            ids = indices[starts[f] : starts[f + 1]]
+            offs = offsets[f * batch : (f + 1) * batch + 1] - starts[f]
+            psw = None if weights is None else weights[starts[f] : starts[f + 1]]
+            mode = "mean" if mean and psw is None else "sum"
+            out_B_D = F.embedding_bag(
+                ids,
+                self.weights[t],
+                offs,
+                mode=mode,
+                per_sample_weights=psw,
+                include_last_offset=True,
+            )
+            if mean and psw is not None:
+                out_B_D = out_B_D / offs.diff().clamp(min=1).unsqueeze(1).to(out_B_D.dtype)
+            pooled.append(out_B_D)
+        return pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
+
+    def _occurrences(
+        self, indices: Tensor, offsets: Tensor, weights: Tensor | None
+    ) -> list[_Occurrences | None]:
+        """Per table, the ids of all its features with their gradient rows and scales."""
+        batch, starts = self._feature_bounds(offsets)
+        mean = self.pooling == PoolingType.MEAN
+        parts: list[list[tuple[Tensor, Tensor, Tensor, Tensor | None]]] = [[] for _ in self.tables]
+        for f, t in enumerate(self.feature_table_map):
+            if starts[f + 1] == starts[f]:
+                continue
+            lengths_B = offsets[f * batch : (f + 1) * batch + 1].diff()
+            bag_N = torch.repeat_interleave(
+                torch.arange(batch, device=indices.device),
+                lengths_B,
+                output_size=starts[f + 1] - starts[f],
+            )
+            scale_N = None if weights is None else weights[starts[f] : starts[f + 1]].float()
+            if mean:
+                inv_B = 1.0 / lengths_B.clamp(min=1).float()
+                scale_N = inv_B[bag_N] if scale_N is None else scale_N * inv_B[bag_N]
+            col = torch.full_like(bag_N, self._col_offsets[f])
+            parts[t].append((indices[starts[f] : starts[f + 1]], bag_N, col, scale_N))
+        result: list[_Occurrences | None] = []
+        for table_parts in parts:
+            if not table_parts:
+                result.append(None)
+                continue
+            ids = torch.cat([p[0] for p in table_parts])
+            bag = torch.cat([p[1] for p in table_parts])
+            col = torch.cat([p[2] for p in table_parts])
+            scales = [p[3] for p in table_parts]
+            scale = None if scales[0] is None else torch.cat([x for x in scales if x is not None])
+            goff = bag * self.output_dim + col
+            result.append(_Occurrences(ids, goff, bag, col, scale))
+        return result
+
+    def _advance_steps(self) -> None:
+        if self.optimizer.name in updates.STEPPED_OPTIMIZERS:
+            for t in range(len(self.tables)):
+                getattr(self, f"_state_{t}_step").add_(1)
+
+    def _apply_optimizer(
+        self, grad_out: Tensor, indices: Tensor, offsets: Tensor, weights: Tensor | None
+    ) -> None:
+        """Update every table's touched rows and state from the pooled-output gradient."""
+        self._advance_steps()
+        occurrences = self._occurrences(indices, offsets, weights)
+        states = self.split_optimizer_states()
+        for t, occ in enumerate(occurrences):
+            weight = self.weights[t].detach()
+            if occ is None:
+                if self.optimizer.name == "adafactor":  # absent rows still decay their stats
+                    empty = torch.empty(0, dtype=torch.int64, device=weight.device)
+                    self._torch_update(
+                        t, weight, states[t], empty, weight.new_zeros(0, weight.shape[1])
+                    )
+                continue
+            if self._native_ok(weight, grad_out):
+                self._native_update(t, grad_out, weight, states[t], occ)
+                continue
+            rows_U, inverse_N = torch.unique(occ.ids_N, sorted=True, return_inverse=True)
+            cols = torch.arange(weight.shape[1], device=weight.device)
+            grad_N_D = grad_out[occ.bag_N.unsqueeze(1), occ.col_N.unsqueeze(1) + cols]
+            if occ.scale_N is not None:
+                grad_N_D = grad_N_D * occ.scale_N.to(grad_N_D.dtype).unsqueeze(1)
+            grad_U_D = grad_N_D.new_zeros(rows_U.numel(), weight.shape[1])
+            grad_U_D.index_add_(0, inverse_N, grad_N_D)
+            self._torch_update(t, weight, states[t], rows_U, grad_U_D.to(weight.dtype))
+
+    def _torch_update(
+        self, t: int, weight: Tensor, state: dict[str, Tensor], rows_U: Tensor, grad_U_D: Tensor
+    ) -> None:
+        updates.apply_update(
+            self.optimizer, self._lr, weight, state, rows_U, grad_U_D, self._norms[t]
+        )
+
+    def _native_ok(self, weight: Tensor, grad_out: Tensor) -> bool:
+        return (
+            self._use_native
+            and self.optimizer.name in cpu_fused.OPTIMIZER_CODES
+            and weight.device.type == "cpu"
+            and weight.dtype == torch.float32
+            and grad_out.dtype == torch.float32
+            and cpu_fused.available()
+        )
+
+    def _native_update(
+        self, t: int, grad_out: Tensor, weight: Tensor, state: dict[str, Tensor], occ: _Occurrences
+    ) -> None:
+        config = self.optimizer
+        sorted_ids_N, perm_N = torch.sort(occ.ids_N)
+        beta1, beta2 = config.betas
+        step_size = 0.0
+        if "step" in state:
+            step = int(state["step"].item())
+            step_size = self._lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
+        eps = config.eps if config.eps is not None else 1e-8
+        sign = -1.0 if config.maximize else 1.0
+        first = state.get("momentum1", state.get("exp_avg"))
+        cpu_fused.sparse_update(
+            cpu_fused.OPTIMIZER_CODES[config.name],
+            sorted_ids_N.contiguous(),
+            perm_N.contiguous(),
+            occ.goff_N.contiguous(),
+            None if occ.scale_N is None else occ.scale_N.contiguous(),
+            grad_out,
+            weight,
+            first,
+            state.get("exp_avg_sq"),
+            [self._lr, eps, config.weight_decay, sign, 1.0 - beta1, 1.0 - beta2, step_size],
+        )
+
+    def _per_sample_weight_grad(
+        self, grad_out: Tensor, indices: Tensor, offsets: Tensor, weights: Tensor
+    ) -> Tensor:
+        """d loss / d weight_i = <grad of its bag, its row> (/ length for mean pooling)."""
+        batch, starts = self._feature_bounds(offsets)
+        grads = []
+        for f, t in enumerate(self.feature_table_map):
+            lengths_B = offsets[f * batch : (f + 1) * batch + 1].diff()
+            bag_N = torch.repeat_interleave(
+                torch.arange(batch, device=indices.device),
+                lengths_B,
+                output_size=starts[f + 1] - starts[f],
+            )
+            rows_N_D = self.weights[t].detach().index_select(0, indices[starts[f] : starts[f + 1]])
+            c0 = self._col_offsets[f]
+            g_N_D = grad_out[:, c0 : c0 + rows_N_D.shape[1]].index_select(0, bag_N)
+            g_N = (rows_N_D * g_N_D).sum(dim=1)
+            if self.pooling == PoolingType.MEAN:
+                g_N = g_N / lengths_B.clamp(min=1)[bag_N].to(g_N.dtype)
+            grads.append(g_N)
+        return torch.cat(grads).to(weights.dtype) if grads else torch.zeros_like(weights)
+
+
+class _FusedEmbeddingFunction(torch.autograd.Function):
+    """Pooling whose backward updates the tables in place and returns no weight gradients."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        kernel: RecoptTableBatchedEmbedding,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        *weights: Tensor,
+    ) -> Tensor:
+        ctx.kernel = kernel
+        ctx.num_weights = len(weights)
+        ctx.has_psw = per_sample_weights is not None
+        if per_sample_weights is not None:
+            ctx.save_for_backward(indices, offsets, per_sample_weights)
+        else:
+            ctx.save_for_backward(indices, offsets)
+        return kernel._pool(indices, offsets, per_sample_weights)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        kernel: RecoptTableBatchedEmbedding = ctx.kernel
+        saved = ctx.saved_tensors
+        indices, offsets = saved[0], saved[1]
+        psw = saved[2] if ctx.has_psw else None
+        grad_out = grad_out.contiguous()
+        grad_psw = None
+        if psw is not None and ctx.needs_input_grad[3]:
+            # Before the update: the gradient is taken at the weights forward used.
+            grad_psw = kernel._per_sample_weight_grad(grad_out, indices, offsets, psw)
+        with torch.no_grad():
+            kernel._apply_optimizer(grad_out, indices, offsets, psw)
+        return (None, None, None, grad_psw, *([None] * ctx.num_weights))
+
+
+def _validate(tables: list[TableSpec], feature_table_map: list[int]) -> None:
+    if not tables:
+        raise ValueError("tables is empty; a kernel needs at least one TableSpec")
+    for table in tables:
+        if table.num_embeddings <= 0 or table.embedding_dim <= 0:
+            raise ValueError(
+                f"table {table.name!r}: num_embeddings {table.num_embeddings} and "
+                f"embedding_dim {table.embedding_dim} must both be >= 1"
+            )
+    if not feature_table_map:
+        raise ValueError("feature_table_map is empty; map at least one feature to a table")
+    for feature, t in enumerate(feature_table_map):
+        if not 0 <= t < len(tables):
+            raise ValueError(
+                f"feature_table_map[{feature}] = {t} is not a table index in [0, {len(tables)})"
+            )

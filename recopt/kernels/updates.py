@@ -1,0 +1,208 @@
+"""Row updates of the fused embedding optimizers, in plain vectorised torch.
+
+Each update reads and writes only the rows of one table that the batch touched: it gets the
+sorted unique row ids and their aggregated gradients. This is recopt's portable path (any
+device, any float dtype); `cpu_fused` runs the same formulas in one fused native pass.
+Legend: R rows of the table, D its dim, U unique rows touched by the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from recopt.kernels.config import FusedOptimizerConfig
+
+Tensor = torch.Tensor
+
+# Optimizers that keep a per-table step counter (bias correction, Adafactor's schedule).
+STEPPED_OPTIMIZERS: frozenset[str] = frozenset({"adam", "row_wise_adam", "adafactor"})
+
+
+def init_state(name: str, rows: int, dim: int, device: torch.device) -> dict[str, Tensor]:
+    """Zero optimizer state of one table, with the contract's names and shapes.
+
+    Args:
+        name: fused optimizer name.
+        rows: rows of the table.
+        dim: embedding dim of the table.
+        device: where the state lives.
+
+    Returns:
+        State name -> tensor (float32 state, int64 0-dim ``step``).
+
+    Raises:
+        ValueError: unknown optimizer name.
+    """
+
+    def zeros(*shape: int) -> Tensor:
+        return torch.zeros(*shape, dtype=torch.float32, device=device)
+
+    states: dict[str, dict[str, Tensor]] = {
+        "sgd": {},
+        "adagrad": {"momentum1": zeros(rows, dim)} if name == "adagrad" else {},
+        "row_wise_adagrad": {"momentum1": zeros(rows)} if name == "row_wise_adagrad" else {},
+        "adam": {"exp_avg": zeros(rows, dim), "exp_avg_sq": zeros(rows, dim)}
+        if name == "adam"
+        else {},
+        "row_wise_adam": {"exp_avg": zeros(rows, dim), "exp_avg_sq": zeros(rows)}
+        if name == "row_wise_adam"
+        else {},
+        "adafactor": {"row_var": zeros(rows), "col_var": zeros(dim)} if name == "adafactor" else {},
+    }
+    if name not in states:
+        raise ValueError(f"fused optimizer {name!r} is unknown; valid: {sorted(states)}")
+    state = states[name]
+    if name in STEPPED_OPTIMIZERS:
+        state["step"] = torch.zeros((), dtype=torch.int64, device=device)
+    return state
+
+
+@dataclass(slots=True)
+class AdafactorNorm:
+    """Running sum of squares of a table's weights, for Adafactor's parameter scale.
+
+    Recomputed from the weights whenever they were written outside the optimizer (the
+    tensor's version counter moved); otherwise kept up to date from the touched rows only,
+    so a step never reads the whole table.
+    """
+
+    sum_sq: float = 0.0
+    version: int = -1
+
+
+def _l2_and_sign(config: FusedOptimizerConfig, weight_U_D: Tensor, grad_U_D: Tensor) -> Tensor:
+    """The gradient after ``maximize`` (negation) and L2 weight decay on the touched rows."""
+    grad = -grad_U_D if config.maximize else grad_U_D
+    if config.weight_decay != 0.0:
+        grad = grad + config.weight_decay * weight_U_D
+    return grad
+
+
+def _adam_like(
+    config: FusedOptimizerConfig,
+    lr: float,
+    weight: Tensor,
+    state: dict[str, Tensor],
+    rows_U: Tensor,
+    grad_U_D: Tensor,
+) -> None:
+    """Adam (SparseAdam's formulas) and row-wise Adam on the touched rows."""
+    beta1, beta2 = config.betas
+    eps = config.eps if config.eps is not None else 1e-8
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    step = int(state["step"].item())
+    m_U_D = exp_avg.index_select(0, rows_U)
+    m_U_D.add_(grad_U_D.sub(m_U_D).mul_(1.0 - beta1))
+    exp_avg.index_copy_(0, rows_U, m_U_D)
+    if exp_avg_sq.dim() == 2:
+        v_U_D = exp_avg_sq.index_select(0, rows_U)
+        v_U_D.add_(grad_U_D.square().sub_(v_U_D).mul_(1.0 - beta2))
+        exp_avg_sq.index_copy_(0, rows_U, v_U_D)
+        denom = v_U_D.sqrt().add_(eps)
+    else:
+        v_U = exp_avg_sq.index_select(0, rows_U)
+        v_U.add_(grad_U_D.square().mean(dim=1).sub_(v_U).mul_(1.0 - beta2))
+        exp_avg_sq.index_copy_(0, rows_U, v_U)
+        denom = v_U.sqrt().add_(eps).unsqueeze(1)
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2 = 1.0 - beta2**step
+    step_size = lr * math.sqrt(bias_correction2) / bias_correction1
+    weight.index_add_(0, rows_U, m_U_D.div_(denom).mul_(-step_size))
+
+
+def _adafactor(
+    config: FusedOptimizerConfig,
+    lr: float,
+    weight: Tensor,
+    state: dict[str, Tensor],
+    rows_U: Tensor,
+    grad_U_D: Tensor,
+    norm: AdafactorNorm,
+) -> None:
+    """torch.optim.Adafactor on the dense gradient whose absent rows are zero.
+
+    Exactly that, except decoupled weight decay, which only shrinks the touched rows.
+    """
+    rows, dim = weight.shape
+    grad = -grad_U_D if config.maximize else grad_U_D
+    eps1 = config.eps if config.eps is not None else torch.finfo(weight.dtype).eps
+    step = float(state["step"].item())
+    beta2_t = step**config.beta2_decay
+    rho = min(lr, 1.0 / math.sqrt(step))
+    if norm.version != weight._version:
+        norm.sum_sq = float(weight.double().square().sum().item())
+    alpha = max(config.eps2, math.sqrt(norm.sum_sq / weight.numel())) * rho
+    w_U_D = weight.index_select(0, rows_U)
+    old_sum_sq = float(w_U_D.double().square().sum().item())
+    if config.weight_decay != 0.0:
+        w_U_D.mul_(1.0 - lr * config.weight_decay)
+    # Absent rows have a zero gradient: their row statistic decays, nothing else changes.
+    row_var, col_var = state["row_var"], state["col_var"]
+    row_var.mul_(1.0 - beta2_t)
+    row_var.index_add_(0, rows_U, grad.square().mean(dim=1).mul_(beta2_t))
+    col_var.lerp_(grad.square().sum(dim=0).div_(rows), beta2_t)
+    row_scale = row_var.mean().clamp(min=eps1)
+    var_U_D = torch.outer(row_var.index_select(0, rows_U), col_var).div_(row_scale)
+    update_U_D = var_U_D.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad)
+    clip = max(
+        1.0, float(update_U_D.norm().item()) / (math.sqrt(rows * dim) * config.clip_threshold)
+    )
+    w_U_D.add_(update_U_D, alpha=-alpha / clip)
+    weight.index_copy_(0, rows_U, w_U_D)
+    norm.sum_sq += float(w_U_D.double().square().sum().item()) - old_sum_sq
+    norm.version = weight._version
+
+
+def apply_update(
+    config: FusedOptimizerConfig,
+    lr: float,
+    weight: Tensor,
+    state: dict[str, Tensor],
+    rows_U: Tensor,
+    grad_U_D: Tensor,
+    norm: AdafactorNorm | None = None,
+) -> None:
+    """Apply one optimizer step to the touched rows of one table, in place.
+
+    The step counter (if any) must already have been advanced for this step.
+
+    Args:
+        config: the fused optimizer and its hyperparameters.
+        lr: the learning rate for this step.
+        weight: ``[R, D]`` table weights, updated in place.
+        state: the table's optimizer state (see `init_state`), updated in place.
+        rows_U: sorted unique row ids touched by the batch.
+        grad_U_D: gradient of each touched row, summed over its occurrences.
+        norm: Adafactor's running weight norm (required for ``adafactor``).
+
+    Raises:
+        ValueError: ``adafactor`` without ``norm``.
+    """
+    name = config.name
+    if name == "adafactor":
+        if norm is None:
+            raise ValueError("apply_update: adafactor needs its AdafactorNorm; pass norm=")
+        _adafactor(config, lr, weight, state, rows_U, grad_U_D, norm)
+        return
+    if rows_U.numel() == 0:
+        return
+    w_U_D = weight.index_select(0, rows_U)
+    grad = _l2_and_sign(config, w_U_D, grad_U_D)
+    eps = config.eps if config.eps is not None else 1e-8
+    if name == "sgd":
+        weight.index_add_(0, rows_U, grad, alpha=-lr)
+    elif name == "adagrad":
+        momentum = state["momentum1"]
+        m_U_D = momentum.index_select(0, rows_U).add_(grad.square())
+        momentum.index_copy_(0, rows_U, m_U_D)
+        weight.index_add_(0, rows_U, grad.div(m_U_D.sqrt_().add_(eps)), alpha=-lr)
+    elif name == "row_wise_adagrad":
+        momentum = state["momentum1"]
+        m_U = momentum.index_select(0, rows_U).add_(grad.square().mean(dim=1))
+        momentum.index_copy_(0, rows_U, m_U)
+        weight.index_add_(0, rows_U, grad.div(m_U.sqrt_().add_(eps).unsqueeze(1)), alpha=-lr)
+    else:
+        _adam_like(config, lr, weight, state, rows_U, grad)
