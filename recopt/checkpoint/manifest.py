@@ -1,0 +1,254 @@
+"""The checkpoint manifest: what a complete checkpoint holds, and how to prove a copy is intact.
+
+``manifest.json`` is written last (before the directory is renamed into place). It lists every
+file with its size and CRC-32, every tensor with its global shape and dtype, the world size,
+step, plan and versions, and carries a CRC-32 of itself. Loading checks all of it before any
+byte reaches the model. DCP's own ``.metadata`` is a pickle: recopt reads it only after its
+checksum matched and through an unpickler that admits nothing but DCP's metadata classes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import zlib
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+
+import recopt
+from recopt.checkpoint.state import CheckpointError
+
+MANIFEST_NAME = "manifest.json"
+SKELETON_NAME = "objects.json"
+DCP_METADATA_NAME = ".metadata"
+FORMAT = "recopt-checkpoint"
+FORMAT_VERSION = 1
+_CHUNK = 8 << 20
+
+
+def rank_file_name(rank: int) -> str:
+    """The per-rank JSON file (RNG states) of ``rank``."""
+    return f"rank_{rank}.json"
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """One file of a checkpoint: its size in bytes and CRC-32 (8 hex digits)."""
+
+    size: int
+    crc32: str
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One tensor of a checkpoint: global shape and dtype name (``float32``)."""
+
+    shape: list[int]
+    dtype: str
+
+
+@dataclass(kw_only=True, slots=True)
+class Manifest:
+    """Everything a reader needs to check a checkpoint before loading it.
+
+    Args:
+        world_size: ranks that wrote the checkpoint.
+        step: the training step, if the writer gave one.
+        plan: the sharding plan's JSON (``ShardingPlan.to_json``), if any.
+        files: relative file name -> `FileEntry`, for every file but the manifest.
+        tensors: flat state key -> `TensorEntry`.
+        recopt_version: writer's recopt version.
+        torch_version: writer's torch version.
+    """
+
+    world_size: int
+    step: int | None = None
+    plan: str | None = None
+    files: dict[str, FileEntry] = field(default_factory=dict)
+    tensors: dict[str, TensorEntry] = field(default_factory=dict)
+    recopt_version: str = recopt.__version__
+    torch_version: str = torch.__version__
+
+    def to_json(self) -> str:
+        """Serialize with a CRC-32 over the body, so a damaged manifest is detected too."""
+        body = {"format": FORMAT, "version": FORMAT_VERSION, **asdict(self)}
+        text = json.dumps(body, sort_keys=True)
+        return json.dumps({"body": body, "crc32": _crc_hex(text.encode())}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, where: str = MANIFEST_NAME) -> Manifest:
+        """Parse and check `to_json` output.
+
+        Raises:
+            CheckpointError: not JSON, wrong format or version, or its checksum does not match.
+        """
+        try:
+            doc = json.loads(text)
+            body = doc["body"]
+            expected = doc["crc32"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"{where} is truncated or not a recopt manifest ({e}); the checkpoint is "
+                "incomplete or damaged: use an older one"
+            ) from e
+        actual = _crc_hex(json.dumps(body, sort_keys=True).encode())
+        if actual != expected:
+            raise CheckpointError(
+                f"{where} is corrupt: checksum {actual} but it records {expected}; use an "
+                "older checkpoint"
+            )
+        if body.get("format") != FORMAT or body.get("version") != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{where}: format {body.get('format')!r} version {body.get('version')!r}; this "
+                f"recopt reads {FORMAT!r} version {FORMAT_VERSION}"
+            )
+        return cls(
+            world_size=body["world_size"],
+            step=body["step"],
+            plan=body["plan"],
+            files={k: FileEntry(**v) for k, v in body["files"].items()},
+            tensors={k: TensorEntry(**v) for k, v in body["tensors"].items()},
+            recopt_version=body["recopt_version"],
+            torch_version=body["torch_version"],
+        )
+
+    def write(self, directory: Path) -> None:
+        """Write ``manifest.json`` into ``directory`` and flush it to disk."""
+        write_durably(directory / MANIFEST_NAME, self.to_json().encode())
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Read and check the manifest of the checkpoint directory ``path``.
+
+    Raises:
+        CheckpointError: no checkpoint there, or its manifest is damaged.
+    """
+    file = Path(path) / MANIFEST_NAME
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError as e:
+        raise CheckpointError(
+            f"{file} does not exist: {path} is not a complete recopt checkpoint (an "
+            "interrupted save leaves only a '.partial' directory)"
+        ) from e
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{file} is corrupt (not UTF-8): {e}") from e
+    return Manifest.from_json(text, str(file))
+
+
+def _crc_hex(data: bytes | memoryview) -> str:
+    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+def file_entry(path: Path) -> FileEntry:
+    """Size and CRC-32 of one file, read in 8 MiB chunks."""
+    crc = 0
+    size = 0
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return FileEntry(size=size, crc32=f"{crc & 0xFFFFFFFF:08x}")
+
+
+def verify_files(directory: Path, manifest: Manifest, names: Iterable[str]) -> list[str]:
+    """Check the named files of ``manifest`` against the disk.
+
+    Returns:
+        One human-readable problem per bad file (missing, wrong size, wrong checksum).
+    """
+    problems = []
+    for name in names:
+        expected = manifest.files[name]
+        file = directory / name
+        if not file.is_file():
+            problems.append(f"{file}: missing (expected {expected.size} bytes)")
+            continue
+        actual_size = file.stat().st_size
+        if actual_size != expected.size:
+            what = "truncated" if actual_size < expected.size else "wrong size"
+            problems.append(f"{file}: {what}: {actual_size} bytes, expected {expected.size}")
+            continue
+        actual = file_entry(file)
+        if actual.crc32 != expected.crc32:
+            problems.append(f"{file}: corrupt: crc32 {actual.crc32}, expected {expected.crc32}")
+    return problems
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and fsync it, so a crash cannot leave a half-written file."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory entry (a rename or a new file in it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# DCP metadata without arbitrary unpickling
+
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch._utils", "_get_layout"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata dataclasses, torch dtypes and sizes; refuses every other global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise CheckpointError(
+            f"DCP metadata refers to {module}.{name}, which is not part of DCP's metadata; "
+            "refusing to unpickle it (the checkpoint is not from recopt or was tampered with)"
+        )
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """A DCP reader whose ``.metadata`` is unpickled with `_MetadataUnpickler`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / DCP_METADATA_NAME
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata")
+        return metadata

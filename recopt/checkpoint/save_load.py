@@ -1,0 +1,428 @@
+"""Atomic, verified checkpoint save and load on ``torch.distributed.checkpoint`` (DCP).
+
+`save` writes into ``.<name>.partial`` next to the target, and rank 0 renames it into place only
+after every rank finished and the manifest is on disk, so a crash never leaves a half checkpoint
+under the real name. `load` checks checksums and keys on all ranks before DCP copies any byte,
+then lets DCP reshard: any plan and world size can read a checkpoint of any other.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from recopt.checkpoint.manifest import (
+    DCP_METADATA_NAME,
+    SKELETON_NAME,
+    FileEntry,
+    Manifest,
+    SafeFileSystemReader,
+    TensorEntry,
+    file_entry,
+    fsync_dir,
+    rank_file_name,
+    read_manifest,
+    verify_files,
+    write_durably,
+)
+from recopt.checkpoint.state import (
+    CheckpointError,
+    Stateful,
+    TensorLike,
+    capture_rng,
+    decode_tree,
+    dtype_name,
+    encode_tree,
+    global_shape,
+    optimizer_state_dict,
+    restore_rng,
+    subtree,
+    tensor_dtype,
+    to_optimizer_keys,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+Optimizers = torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer]
+
+
+class _Group:
+    """The ranks of one save or load: a gloo group whose every collective has ``timeout``."""
+
+    def __init__(self, timeout: datetime.timedelta) -> None:
+        self.pg: dist.ProcessGroup | None = None
+        self.rank, self.world_size = 0, 1
+        if dist.is_available() and dist.is_initialized():
+            # A dedicated gloo group: object collectives work whatever the default backend, and
+            # a dead rank surfaces as a timeout error here instead of a hang.
+            self.pg = dist.new_group(backend="gloo", timeout=timeout)
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if self.pg is None:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def agree(self, problems: list[str], what: str) -> None:
+        """Raise the same `CheckpointError` on every rank if any rank found a problem."""
+        every = [p for rank_problems in self.all_gather(problems) for p in rank_problems]
+        if every:
+            unique = list(dict.fromkeys(every))
+            raise CheckpointError(f"{what}:\n  " + "\n  ".join(unique))
+
+
+@contextmanager
+def _ranks(timeout: datetime.timedelta) -> Iterator[_Group]:
+    group = _Group(timeout)
+    try:
+        yield group
+    finally:
+        if group.pg is not None:
+            dist.destroy_process_group(group.pg)
+
+
+@contextmanager
+def _dcp_quietly() -> Iterator[None]:
+    # Without a process group DCP warns that it assumes one process, which is what we mean.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def _optimizer_tree(optimizer: Optimizers, model: torch.nn.Module) -> dict[str, Any]:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer_state_dict(optimizer, model)
+    return {name: optimizer_state_dict(opt, model) for name, opt in optimizer.items()}
+
+
+def _extra_tree(extra: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in extra.items()}
+
+
+def save(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: Optimizers | None = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    step: int | None = None,
+    plan_json: str | None = None,
+    overwrite: bool = False,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> Path:
+    """Save a checkpoint atomically; call on every rank (or in one process without a group).
+
+    Args:
+        path: the checkpoint directory to create.
+        model: its ``state_dict()`` is saved (ShardedTensors as shards, replicated tensors once).
+        optimizer: an optimizer, or name -> optimizer; index-keyed state is saved by name.
+        extra: name -> value. Objects with ``state_dict``/``load_state_dict`` (LR schedulers,
+            data loaders, warmup) are saved by their state dict; other values (tensors,
+            numbers, strings, lists, dicts) as they are. Rank 0's values are kept: give
+            global positions, not per-rank ones.
+        step: the training step, recorded in the manifest.
+        plan_json: the sharding plan (``ShardingPlan.to_json()``), recorded in the manifest.
+        overwrite: replace an existing checkpoint at ``path`` (after the new one is complete).
+        timeout: limit for every collective of the save.
+
+    Returns:
+        ``path`` as a `Path`.
+
+    Raises:
+        CheckpointError: ``path`` exists and ``overwrite`` is false, or a value cannot be saved.
+    """
+    final = Path(path)
+    partial = final.parent / f".{final.name}.partial"
+    with _ranks(timeout) as group:
+        problems: list[str] = []
+        tensors: dict[str, TensorLike] = {}
+        try:
+            tree: dict[str, Any] = {"model": model.state_dict()}
+            if optimizer is not None:
+                tree["optim"] = _optimizer_tree(optimizer, model)
+            if extra:
+                tree["extra"] = _extra_tree(extra)
+            skeleton = encode_tree(tree, "", tensors)
+        except CheckpointError as e:
+            problems.append(str(e))
+        if group.rank == 0 and not problems:
+            problems += _prepare_partial(final, partial, overwrite)
+        group.agree(problems, f"cannot save checkpoint {final}")
+
+        with _dcp_quietly():
+            metadata = dcp.save(
+                tensors,
+                storage_writer=dcp.FileSystemWriter(partial),
+                process_group=group.pg,
+                no_dist=group.pg is None,
+            )
+        rank_file = partial / rank_file_name(group.rank)
+        write_durably(rank_file, _json_bytes({"rank": group.rank, "rng": capture_rng()}))
+        mine = {rank_file.name: file_entry(rank_file)}
+        for f in sorted(partial.glob(f"__{group.rank}_*.distcp")):
+            mine[f.name] = file_entry(f)
+        entries = group.all_gather(mine)
+        if group.rank == 0:
+            try:
+                _finish(final, partial, entries, skeleton, metadata, group, step, plan_json)
+            except OSError as e:
+                problems.append(f"{type(e).__name__}: {e}")
+        group.agree(problems, f"cannot complete checkpoint {final}")
+    return final
+
+
+def _prepare_partial(final: Path, partial: Path, overwrite: bool) -> list[str]:
+    if final.exists() and not overwrite:
+        return [f"{final} exists; pass overwrite=True or save under another name"]
+    try:
+        # A '.partial' left by a crashed save is garbage by construction: never a good copy.
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    except OSError as e:
+        return [f"cannot create {partial}: {e}"]
+    return []
+
+
+def _json_bytes(value: Any) -> bytes:
+    import json
+
+    return json.dumps(value).encode()
+
+
+def _finish(
+    final: Path,
+    partial: Path,
+    entries: list[dict[str, FileEntry]],
+    skeleton: Any,
+    metadata: Any,
+    group: _Group,
+    step: int | None,
+    plan_json: str | None,
+) -> None:
+    """Rank 0, after every rank wrote and summed its files: manifest, then rename into place."""
+    write_durably(partial / SKELETON_NAME, _json_bytes(skeleton))
+    files: dict[str, FileEntry] = {}
+    for rank_entries in entries:
+        files.update(rank_entries)
+    for f in sorted(partial.iterdir()):
+        if f.is_file() and f.name not in files:
+            files[f.name] = file_entry(f)  # .metadata, objects.json, any unexpected DCP file
+    tensors = {
+        key: TensorEntry(shape=list(md.size), dtype=dtype_name(md.properties.dtype))
+        for key, md in sorted(metadata.state_dict_metadata.items())
+        if hasattr(md, "size")
+    }
+    Manifest(
+        world_size=group.world_size, step=step, plan=plan_json, files=files, tensors=tensors
+    ).write(partial)
+    fsync_dir(partial)
+    old = final.parent / f".{final.name}.old"
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    partial.rename(final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: Optimizers | None = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    restore_rng_state: bool = True,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> dict[str, Any]:
+    """Load a checkpoint into ``model`` (and ``optimizer``) under any plan and world size.
+
+    Every file's size and checksum and every key's shape are checked on all ranks first; on
+    any problem all ranks raise and nothing has been copied.
+
+    Args:
+        path: a directory written by `save`.
+        model: receives the weights (ShardedTensors are filled with their own shards).
+        optimizer: as given to `save` (an optimizer, or the same name -> optimizer mapping);
+            ``None`` loads weights only.
+        extra: objects with ``load_state_dict`` among the saved extras are restored in place.
+        restore_rng_state: set python/numpy/torch generators to those this rank saved (only
+            ranks that existed when saving; others keep theirs).
+        timeout: limit for every collective of the load.
+
+    Returns:
+        The saved extras by name (stateful ones as their state dicts).
+
+    Raises:
+        CheckpointError: the checkpoint is incomplete, damaged or for another model.
+    """
+    directory = Path(path)
+    extra = extra or {}
+    with _ranks(timeout) as group:
+        manifest, skeleton, rank_state = _verify(directory, group)
+        live: dict[str, Any] = {"model": model.state_dict()}
+        if optimizer is not None:
+            live["optim"] = _optimizer_tree(optimizer, model)
+        problems = _compare(manifest, skeleton, live, directory)
+        problems += _compare_names(skeleton, optimizer, extra)
+        group.agree(problems, f"checkpoint {directory} does not fit this model")
+
+        live_tensors: dict[str, TensorLike] = {}
+        encode_tree(live, "", live_tensors)
+        # Saved tensors with no live counterpart (optimizer state torch creates lazily, extras)
+        # are read into fresh tensors of the saved shape.
+        wanted = set(live) | {"extra"}
+        targets: dict[str, TensorLike] = {
+            key: live_tensors[key] if key in live_tensors else _empty(entry)
+            for key, entry in manifest.tensors.items()
+            if key.split("/", 1)[0] in wanted
+        }
+        with _dcp_quietly():
+            dcp.load(
+                dict(targets),
+                storage_reader=SafeFileSystemReader(directory),
+                process_group=group.pg,
+                no_dist=group.pg is None,
+            )
+        return _apply(skeleton, targets, model, optimizer, extra, rank_state, restore_rng_state)
+
+
+def _top(skeleton: Any) -> list[str]:
+    return [k for k, _ in skeleton.get("d", [])]
+
+
+def _compare_names(
+    skeleton: Any, optimizer: Optimizers | None, extra: Mapping[str, Any]
+) -> list[str]:
+    """Optimizer names and stateful extras the caller expects but the checkpoint lacks."""
+    problems = []
+    node = subtree(skeleton, "optim")
+    if optimizer is not None and node is not None and isinstance(optimizer, Mapping):
+        saved = set(_top(node))
+        if saved != set(optimizer):
+            problems.append(
+                f"the checkpoint holds optimizers {sorted(saved)}, the caller gave "
+                f"{sorted(optimizer)}; pass the same names as when saving"
+            )
+    saved_extra = set(_top(subtree(skeleton, "extra") or {}))
+    for name, obj in extra.items():
+        if isinstance(obj, Stateful) and name not in saved_extra:
+            problems.append(
+                f"the checkpoint has no extra {name!r} to restore (it has {sorted(saved_extra)})"
+            )
+    return problems
+
+
+def _empty(entry: TensorEntry) -> torch.Tensor:
+    return torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
+
+
+def _verify(directory: Path, group: _Group) -> tuple[Manifest, Any, dict[str, Any] | None]:
+    """Check every file (split over ranks) and read the skeleton and this rank's state."""
+    import json
+
+    problems: list[str] = []
+    manifest = None
+    try:
+        manifest = read_manifest(directory)
+    except CheckpointError as e:
+        problems.append(str(e))
+    group.agree(problems, f"cannot load checkpoint {directory}")
+    assert manifest is not None
+    names = sorted(manifest.files)
+    own = rank_file_name(group.rank)
+    needed = {SKELETON_NAME, DCP_METADATA_NAME} | ({own} if own in manifest.files else set())
+    missing = sorted({SKELETON_NAME, DCP_METADATA_NAME} - set(manifest.files))
+    problems += [f"manifest lists no {name}" for name in missing]
+    mine = set(names[group.rank :: group.world_size]) | (needed & set(names))
+    problems += verify_files(directory, manifest, sorted(mine))
+    group.agree(problems, f"checkpoint {directory} failed verification")
+    skeleton = json.loads((directory / SKELETON_NAME).read_text())
+    rank_state = None
+    if own in manifest.files:
+        rank_state = json.loads((directory / own).read_text())
+    return manifest, skeleton, rank_state
+
+
+def _compare(manifest: Manifest, skeleton: Any, live: dict[str, Any], directory: Path) -> list[str]:
+    """Keys and shapes of the live model/optimizer against the checkpoint's."""
+    if "optim" in live and "optim" not in _top(skeleton):
+        return [f"{directory} holds no optimizer state; load it with optimizer=None"]
+    live_tensors: dict[str, TensorLike] = {}
+    try:
+        encode_tree(live, "", live_tensors)
+    except CheckpointError as e:
+        return [str(e)]
+    saved = manifest.tensors
+    missing = sorted(k for k in live_tensors if k not in saved)
+    unexpected = sorted(k for k in saved if k.startswith("model/") and k not in live_tensors)
+    mismatched = []
+    for key, t in live_tensors.items():
+        entry = saved.get(key)
+        shape, dtype = global_shape(t), dtype_name(tensor_dtype(t))
+        if entry is not None and (entry.shape != shape or entry.dtype != dtype):
+            mismatched.append(
+                f"{key}: checkpoint {entry.shape} {entry.dtype}, model {shape} {dtype}"
+            )
+    problems = []
+    if missing:
+        problems.append(f"keys the checkpoint lacks: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"keys the model lacks: {_listing(unexpected)}")
+    if mismatched:
+        problems.append(f"shape/dtype mismatches: {_listing(mismatched)}")
+    if problems:
+        problems.append(
+            "the checkpoint is of another model (or another optimizer); load it into the "
+            "model that saved it, or convert it with recopt-reshard --to-full"
+        )
+    return problems
+
+
+def _listing(items: list[str], limit: int = 20) -> str:
+    more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def _apply(
+    skeleton: Any,
+    targets: Mapping[str, TensorLike],
+    model: torch.nn.Module,
+    optimizer: Optimizers | None,
+    extra: Mapping[str, Any],
+    rank_state: dict[str, Any] | None,
+    restore_rng_state: bool,
+) -> dict[str, Any]:
+    model.load_state_dict(decode_tree(subtree(skeleton, "model"), targets))
+    if optimizer is not None:
+        saved = decode_tree(subtree(skeleton, "optim"), targets)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optimizer.load_state_dict(to_optimizer_keys(saved, optimizer, model))
+        else:
+            for name, opt in optimizer.items():
+                opt.load_state_dict(to_optimizer_keys(saved[name], opt, model))
+    extras: dict[str, Any] = {}
+    node = subtree(skeleton, "extra")
+    if node is not None:
+        extras = decode_tree(node, targets)
+    for name, obj in extra.items():
+        if isinstance(obj, Stateful):
+            obj.load_state_dict(extras[name])
+    if restore_rng_state:
+        if rank_state is None:
+            logger.warning("no saved RNG state for this rank (the world size grew); kept")
+        else:
+            restore_rng(rank_state["rng"])
+    return extras

@@ -1,0 +1,152 @@
+"""Test helpers for checkpoint tests: hand-made sharded tables in every layout, plain models.
+
+`ShardedTables` stands in for a sharded embedding collection (until the real one is used): its
+state_dict holds ShardedTensors of true global shape, laid out table-wise, row-wise,
+column-wise or data-parallel, and a KeyedOptimizer-style fused optimizer with row-wise and
+element-wise state plus a per-table scalar.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+from recopt.optim.keyed import KeyedOptimizer
+
+TABLES = {"t0": (10, 4), "t1": (7, 6), "t2": (12, 2)}
+
+
+def full_value(name: str, kind: str, seed: int) -> torch.Tensor:
+    """A deterministic full ``weight``, ``m1`` [rows] or ``m2`` [rows, dim] of a table."""
+    rows, dim = TABLES[name]
+    g = torch.Generator().manual_seed(zlib.crc32(f"{name}.{kind}.{seed}".encode()))
+    shape = {"weight": (rows, dim), "m1": (rows,), "m2": (rows, dim)}[kind]
+    return torch.randn(shape, generator=g)
+
+
+def rectangles(
+    layout: str, rows: int, dim: int, rank: int, world: int, table_index: int
+) -> list[tuple[int, int, int, int]]:
+    """(row_offset, num_rows, col_offset, num_cols) held by ``rank`` under ``layout``."""
+    if layout == "tw":
+        return [(0, rows, 0, dim)] if table_index % world == rank else []
+    if layout == "rw":
+        per = -(-rows // world)
+        start, stop = min(rank * per, rows), min((rank + 1) * per, rows)
+        return [(start, stop - start, 0, dim)] if stop > start else []
+    if layout == "cw":
+        # One-column blocks dealt round-robin: several rectangles on one rank.
+        return [(0, rows, c, 1) for c in range(dim) if c % world == rank]
+    raise ValueError(layout)
+
+
+def make_sharded(
+    full: torch.Tensor, layout: str, rank: int, world: int, table_index: int
+) -> torch.Tensor | ShardedTensor:
+    """``full`` laid out as ``layout`` (``dp``: a plain replicated tensor)."""
+    if layout == "dp":
+        return full.clone()
+    dim = full.shape[1] if full.dim() == 2 else 1
+    shards = []
+    for r0, nr, c0, nc in rectangles(layout, full.shape[0], dim, rank, world, table_index):
+        if full.dim() == 1:
+            if c0 != 0:
+                continue  # row-wise state lives with the first column block only
+            local = full[r0 : r0 + nr].clone()
+            offsets, sizes = [r0], [nr]
+        else:
+            local = full[r0 : r0 + nr, c0 : c0 + nc].clone()
+            offsets, sizes = [r0, c0], [nr, nc]
+        shards.append(Shard(local, ShardMetadata(offsets, sizes, f"rank:{rank}/cpu")))
+    return ShardedTensor._init_from_local_shards(shards, list(full.shape))
+
+
+def to_full(t: torch.Tensor | ShardedTensor) -> dict[tuple[int, ...], torch.Tensor]:
+    """This rank's pieces of ``t``, keyed by offsets (a plain tensor is one piece)."""
+    if isinstance(t, torch.Tensor):
+        return {(0,) * t.dim(): t.clone()}
+    return {tuple(s.metadata.shard_offsets): s.tensor.clone() for s in t.local_shards()}
+
+
+def copy_into(dst: torch.Tensor | ShardedTensor, src: torch.Tensor | ShardedTensor) -> None:
+    """In-place copy between identically laid-out tensors (what load_state_dict must do)."""
+    if isinstance(dst, torch.Tensor):
+        assert isinstance(src, torch.Tensor)
+        dst.copy_(src)
+        return
+    assert isinstance(src, ShardedTensor)
+    for d, s in zip(dst.local_shards(), src.local_shards(), strict=True):
+        d.tensor.copy_(s.tensor)
+
+
+class ShardedTables(torch.nn.Module):
+    """Tables ``t0..t2`` laid out by ``layouts`` (table -> tw/rw/cw/dp), with fused state.
+
+    Args:
+        layouts: per table layout.
+        rank, world: this rank and the world size.
+        seed: picks the values (different seeds give different models' values).
+    """
+
+    def __init__(self, layouts: dict[str, str], rank: int, world: int, seed: int = 0) -> None:
+        super().__init__()
+        self.weights: dict[str, Any] = {}
+        state: dict[Any, Any] = {}
+        params: dict[str, Any] = {}
+        for i, (name, layout) in enumerate(layouts.items()):
+            w = make_sharded(full_value(name, "weight", seed), layout, rank, world, i)
+            self.weights[name] = w
+            key = f"ebc.embedding_bags.{name}.weight"
+            params[key] = w
+            state[w] = {
+                f"{name}.m1": make_sharded(full_value(name, "m1", seed), layout, rank, world, i),
+                f"{name}.m2": make_sharded(full_value(name, "m2", seed), layout, rank, world, i),
+                f"{name}.step": torch.tensor(float(seed + i)),
+            }
+        self.fused_optimizer = _FusedState(params, state)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return {f"ebc.embedding_bags.{n}.weight": w for n, w in self.weights.items()}
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        assert set(state_dict) == set(self.state_dict())
+        for key, value in state_dict.items():
+            copy_into(self.state_dict()[key], value)
+
+
+class _FusedState(KeyedOptimizer):
+    def __init__(self, params: dict[str, Any], state: dict[Any, Any]) -> None:
+        super().__init__(params, state, [{"params": list(params.values()), "lr": 0.1}])
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        mine = self.state_dict()["state"]
+        assert set(state_dict["state"]) == set(mine)
+        for param, states in state_dict["state"].items():
+            for name, value in states.items():
+                target = mine[param][name]
+                copy_into(target, value)
+
+    def step(self, closure: Any = None) -> None:
+        pass
+
+
+def full_snapshot(model: ShardedTables) -> dict[str, dict[tuple[int, ...], torch.Tensor]]:
+    """Every piece of every weight and state this rank holds, for exact comparisons."""
+    out = {}
+    for key, t in model.state_dict().items():
+        out[key] = to_full(t)
+    for param, states in model.fused_optimizer.state_dict()["state"].items():
+        for name, t in states.items():
+            out[f"{param}/{name}"] = to_full(t)
+    return out
+
+
+def expected_snapshot(
+    layouts: dict[str, str], rank: int, world: int, seed: int
+) -> dict[str, dict[tuple[int, ...], torch.Tensor]]:
+    """What `full_snapshot` must give after loading a checkpoint of a ``seed`` model."""
+    return full_snapshot(ShardedTables(layouts, rank, world, seed))
