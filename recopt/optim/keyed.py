@@ -356,7 +356,7 @@ def _zero_grad_like(p: torch.Tensor, sparse: bool) -> torch.Tensor:
     # An empty sparse gradient, shaped like nn.Embedding(sparse=True) produces (rows sparse).
     indices = torch.empty((1, 0), dtype=torch.long, device=p.device)
     values = torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device)
-    return torch.sparse_coo_tensor(indices, values, p.shape)
+    return torch.sparse_coo_tensor(indices, values, p.shape, check_invariants=False)
 
 
 def _zero_grad_step(
