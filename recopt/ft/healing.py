@@ -1,0 +1,141 @@
+"""Healing: who recovers from whom, and the HTTP transport of the state a replica heals from.
+
+A replica that joins a quorum behind the others (restarted, or it missed committed steps)
+receives the model and optimizer state of a peer at the quorum's newest step. Each healthy
+replica serves a snapshot, taken at quorum time, from a small threaded HTTP server.
+"""
+
+from __future__ import annotations
+
+import datetime
+import http.server
+import io
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import torch
+
+# How long a healing replica waits between attempts while its source has not yet published.
+_RETRY_S = 0.05
+
+
+def plan_recovery(members: list[dict[str, Any]], init_sync: bool) -> dict[str, str]:
+    """Assign each replica that must heal the peer it heals from.
+
+    Replicas behind the quorum's newest step heal from one at that step (spread round-robin
+    over the up-to-date ones). With ``init_sync``, at step 0 a replica on its first quorum
+    heals from the first up-to-date member, so that replicas start from identical weights
+    whatever their seeds.
+
+    Args:
+        members: the quorum's members, each with ``replica_id``, ``step`` and ``first``.
+        init_sync: synchronise fresh replicas at step 0.
+
+    Returns:
+        healer replica id -> source replica id.
+    """
+    max_step = max(int(m["step"]) for m in members)
+    sources = [str(m["replica_id"]) for m in members if int(m["step"]) == max_step]
+    if max_step > 0:
+        healers = [str(m["replica_id"]) for m in members if int(m["step"]) < max_step]
+    elif init_sync:
+        healers = [str(m["replica_id"]) for m in members if m.get("first")]
+        healers = [h for h in healers if h != sources[0]]
+        sources = sources[:1]
+    else:
+        healers = []
+    return {h: sources[i % len(sources)] for i, h in enumerate(healers)}
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: CheckpointServer
+
+    def do_GET(self) -> None:  # noqa: N802 - the name http.server dispatches to
+        payload = self.server.get(self.path)
+        if payload is None:
+            self.send_error(404, "no checkpoint for this step yet")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base signature
+        pass  # one line per request on stderr would drown the training logs
+
+
+class CheckpointServer(http.server.ThreadingHTTPServer):
+    """Serves the latest published state at ``/checkpoint/<step>`` (one step kept).
+
+    Args:
+        host: interface to listen on; the port is chosen free (read ``port``).
+        timeout: socket timeout for a client connection.
+    """
+
+    daemon_threads = True
+
+    def __init__(self, host: str, timeout: datetime.timedelta) -> None:
+        super().__init__((host, 0), _Handler)
+        self.timeout = timeout.total_seconds()
+        self._lock = threading.Lock()
+        self._step: int | None = None
+        self._payload = b""
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return int(self.server_address[1])
+
+    def publish(self, step: int, state: dict[str, Any]) -> int:
+        """Snapshot ``state`` (serialised now, so later updates do not leak in); returns bytes."""
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        with self._lock:
+            self._step, self._payload = step, buffer.getvalue()
+            return len(self._payload)
+
+    def get(self, path: str) -> bytes | None:
+        with self._lock:
+            if self._step is not None and path == f"/checkpoint/{self._step}":
+                return self._payload
+        return None
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+def fetch_checkpoint(url: str, timeout: datetime.timedelta) -> dict[str, Any]:
+    """Download and decode a published state, retrying until the source has published it.
+
+    Args:
+        url: ``http://host:port/checkpoint/<step>``.
+        timeout: limit for the whole download, retries included.
+
+    Returns:
+        The state dict (tensors on CPU, loaded with ``weights_only=True``).
+
+    Raises:
+        TimeoutError: the source did not serve the state in time.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        remaining = max(0.1, deadline - time.monotonic())
+        try:
+            with urllib.request.urlopen(url, timeout=remaining) as response:
+                data = response.read()
+            state: dict[str, Any] = torch.load(
+                io.BytesIO(data), map_location="cpu", weights_only=True
+            )
+            return state
+        except (urllib.error.URLError, OSError) as exc:
+            # 404 until the source has published; connection refused while it starts up.
+            last_error = exc
+            time.sleep(_RETRY_S)
+    raise TimeoutError(f"no checkpoint from {url} within {timeout}: last error {last_error}")

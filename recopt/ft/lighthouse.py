@@ -1,0 +1,330 @@
+"""The lighthouse: the small coordinator that forms a quorum of replica groups at every step.
+
+Replica groups heartbeat to it, ask it for the step's quorum (who participates, at which
+step, under which quorum id) and send it their commit vote; it also hosts the TCPStore on
+which each quorum's cross-replica gloo group meets. Run it with
+``python -m recopt.ft.lighthouse --port P --min-replicas K``. The protocol is one JSON line
+per request and one per reply, over a short-lived TCP connection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import socketserver
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# How often a waiting request re-checks whether its quorum can form or its vote is decided:
+# formation also depends on the clock (join timeout, expired heartbeats), not only on joins.
+_TICK_S = 0.02
+# Decided rounds kept for late voters (a replica that hung and wakes up asks afterwards).
+_ROUNDS_KEPT = 256
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LighthouseConfig:
+    """When the lighthouse forms a quorum and when it declares a replica dead.
+
+    Args:
+        min_replicas: a quorum forms only with at least this many replica groups.
+        join_timeout: once ``min_replicas`` have joined, how long to wait for the other live
+            replicas (those still heartbeating) before forming the quorum without them.
+        heartbeat_timeout: a replica silent for this long is dead: no quorum waits for it and
+            a vote it has not cast is a no.
+    """
+
+    min_replicas: int = 1
+    join_timeout: datetime.timedelta = datetime.timedelta(seconds=5)
+    heartbeat_timeout: datetime.timedelta = datetime.timedelta(seconds=2)
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 1:
+            raise ValueError(f"min_replicas={self.min_replicas} must be at least 1")
+        if self.heartbeat_timeout.total_seconds() <= 0:
+            raise ValueError(f"heartbeat_timeout={self.heartbeat_timeout} must be positive")
+
+
+@dataclass(slots=True)
+class _Round:
+    quorum: dict[str, Any]
+    votes: dict[str, bool] = field(default_factory=dict)
+    decision: bool | None = None
+
+
+class QuorumState:
+    """The lighthouse's bookkeeping, without sockets or threads (callers pass the clock).
+
+    A quorum is formed per *round*: replicas join the open round; it closes when at least
+    ``min_replicas`` have joined and either every live replica has joined or the join timeout
+    has run out. The quorum id changes whenever the membership changes or a member reports
+    that its last collective failed, so that members rebuild their process group.
+    """
+
+    def __init__(self, config: LighthouseConfig) -> None:
+        self.config = config
+        self._heartbeats: dict[str, float] = {}
+        self._pending: dict[str, dict[str, Any]] = {}
+        self._first_join: float | None = None
+        self._round = 0
+        self._quorum_id = 0
+        self._last_members: list[str] = []
+        self._rounds: dict[int, _Round] = {}
+
+    def heartbeat(self, replica_id: str, now: float) -> None:
+        self._heartbeats[replica_id] = now
+
+    def live(self, now: float) -> set[str]:
+        limit = self.config.heartbeat_timeout.total_seconds()
+        return {r for r, t in self._heartbeats.items() if now - t <= limit}
+
+    def join(self, member: dict[str, Any], now: float) -> int:
+        """Add a replica to the open round; returns the round it will get its quorum from."""
+        replica_id = str(member["replica_id"])
+        self.heartbeat(replica_id, now)
+        if not self._pending:
+            self._first_join = now
+        self._pending[replica_id] = member
+        return self._round
+
+    def try_form(self, now: float) -> bool:
+        """Close the open round if its quorum can form now; returns whether it did."""
+        if len(self._pending) < self.config.min_replicas:
+            return False
+        assert self._first_join is not None
+        waited = now - self._first_join
+        stragglers = self.live(now) - set(self._pending)
+        if stragglers and waited < self.config.join_timeout.total_seconds():
+            return False
+        members = [self._pending[r] for r in sorted(self._pending)]
+        names = [str(m["replica_id"]) for m in members]
+        if names != self._last_members or any(m.get("errored") for m in members):
+            self._quorum_id += 1
+        self._last_members = names
+        quorum = {"round": self._round, "quorum_id": self._quorum_id, "members": members}
+        self._rounds[self._round] = _Round(quorum=quorum)
+        self._rounds.pop(self._round - _ROUNDS_KEPT, None)
+        logger.info(
+            "round %d: quorum %d with %s (left out: %s)",
+            self._round,
+            self._quorum_id,
+            names,
+            sorted(stragglers),
+        )
+        self._round += 1
+        self._pending = {}
+        self._first_join = None
+        return True
+
+    def leave(self, replica_id: str, round_no: int) -> None:
+        """Withdraw a replica that stopped waiting, so no quorum counts on it."""
+        if round_no == self._round:
+            self._pending.pop(replica_id, None)
+            if not self._pending:
+                self._first_join = None
+
+    def quorum(self, round_no: int) -> dict[str, Any] | None:
+        entry = self._rounds.get(round_no)
+        return None if entry is None else entry.quorum
+
+    def vote(self, round_no: int, replica_id: str, ok: bool, now: float) -> None:
+        """Record a member's vote; an unknown (forgotten) round counts as already refused."""
+        self.heartbeat(replica_id, now)
+        entry = self._rounds.get(round_no)
+        if entry is not None and entry.decision is None:
+            entry.votes[replica_id] = ok
+
+    def decision(self, round_no: int, now: float) -> bool | None:
+        """Commit (True), refuse (False) or undecided (None) for a round; final once decided.
+
+        Refused as soon as one member votes no or dies before voting, so that survivors of a
+        crash do not wait for a vote that will never come.
+        """
+        entry = self._rounds.get(round_no)
+        if entry is None:
+            return False
+        if entry.decision is None:
+            names = [str(m["replica_id"]) for m in entry.quorum["members"]]
+            live = self.live(now)
+            if any(entry.votes.get(n) is False for n in names):
+                entry.decision = False
+            elif any(n not in entry.votes and n not in live for n in names):
+                entry.decision = False
+            elif all(n in entry.votes for n in names):
+                entry.decision = True
+        return entry.decision
+
+    def expire(self, round_no: int) -> None:
+        """Refuse a round nobody decided in time (a voter's own timeout ran out)."""
+        entry = self._rounds.get(round_no)
+        if entry is not None and entry.decision is None:
+            entry.decision = False
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    server: _Server
+
+    def handle(self) -> None:
+        self.connection.settimeout(self.server.io_timeout_s)
+        try:
+            request = json.loads(self.rfile.readline())
+            reply = self.server.dispatch(request)
+        except Exception as exc:  # noqa: BLE001 - any bad request gets an error reply
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        try:
+            self.wfile.write((json.dumps(reply) + "\n").encode())
+        except OSError:
+            pass  # the client gave up (its own timeout); nothing to tell it
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], lighthouse: Lighthouse) -> None:
+        self.lighthouse = lighthouse
+        self.io_timeout_s = 30.0
+        super().__init__(address, _Handler)
+
+    def dispatch(self, request: dict[str, Any]) -> dict[str, Any]:
+        return self.lighthouse.handle(request)
+
+
+class Lighthouse:
+    """The coordinator service: a threaded TCP server around a `QuorumState`, plus a TCPStore.
+
+    Args:
+        config: quorum and liveness rules.
+        host: interface to listen on.
+        port: TCP port; 0 picks a free one (read it back from ``address``).
+    """
+
+    def __init__(self, config: LighthouseConfig, host: str = "0.0.0.0", port: int = 0) -> None:
+        self.config = config
+        self._state = QuorumState(config)
+        self._cond = threading.Condition()
+        self._server = _Server((host, port), self)
+        # Each quorum's gloo group meets under a fresh prefix of this store.
+        self.store = dist.TCPStore(
+            host,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def start(self) -> None:
+        """Serve in a background daemon thread."""
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def serve_forever(self) -> None:
+        self._server.serve_forever(poll_interval=0.1)
+
+    def shutdown(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        timeout_s = float(request.get("timeout_s", 30.0))
+        if op == "heartbeat":
+            with self._cond:
+                self._state.heartbeat(str(request["replica_id"]), time.monotonic())
+            return {"ok": True}
+        if op == "quorum":
+            return self._wait_quorum(request["member"], timeout_s)
+        if op == "vote":
+            return self._wait_vote(
+                int(request["round"]), str(request["replica_id"]), bool(request["ok"]), timeout_s
+            )
+        if op == "status":
+            with self._cond:
+                return {"live": sorted(self._state.live(time.monotonic()))}
+        raise ValueError(f"unknown op {op!r}; valid: heartbeat, quorum, vote, status")
+
+    def _wait_quorum(self, member: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            round_no = self._state.join(member, time.monotonic())
+            while True:
+                if self._state.try_form(time.monotonic()):
+                    self._cond.notify_all()
+                quorum = self._state.quorum(round_no)
+                if quorum is not None:
+                    return {**quorum, "store_port": self.store.port}
+                if time.monotonic() >= deadline:
+                    self._state.leave(str(member["replica_id"]), round_no)
+                    return {"error": f"TimeoutError: no quorum within {timeout_s:.1f} s"}
+                self._cond.wait(_TICK_S)
+
+    def _wait_vote(self, round_no: int, replica_id: str, ok: bool, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._state.vote(round_no, replica_id, ok, time.monotonic())
+            self._cond.notify_all()
+            while True:
+                decision = self._state.decision(round_no, time.monotonic())
+                if decision is not None:
+                    return {"commit": decision}
+                if time.monotonic() >= deadline:
+                    # Decide for everyone, so no other member can still see a commit.
+                    self._state.expire(round_no)
+                    return {"commit": False}
+                self._cond.wait(_TICK_S)
+
+
+def _write_port_file(path: str, port: int) -> None:
+    # Written then renamed, so a reader never sees a half-written port.
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(port))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: ``python -m recopt.ft.lighthouse --port P --min-replicas K``."""
+    parser = argparse.ArgumentParser(prog="python -m recopt.ft.lighthouse", description=__doc__)
+    parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
+    parser.add_argument("--port", type=int, default=29510, help="TCP port (0: any free one)")
+    parser.add_argument("--min-replicas", type=int, default=1, help="smallest quorum")
+    parser.add_argument("--join-timeout-s", type=float, default=5.0, help="wait for stragglers")
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=2.0, help="declare dead")
+    parser.add_argument("--port-file", default=None, help="write the bound port here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s lighthouse %(message)s")
+    config = LighthouseConfig(
+        min_replicas=args.min_replicas,
+        join_timeout=datetime.timedelta(seconds=args.join_timeout_s),
+        heartbeat_timeout=datetime.timedelta(seconds=args.heartbeat_timeout_s),
+    )
+    lighthouse = Lighthouse(config, host=args.host, port=args.port)
+    logger.info(
+        "listening on %s:%d (store port %d)", args.host, lighthouse.port, lighthouse.store.port
+    )
+    if args.port_file:
+        _write_port_file(args.port_file, lighthouse.port)
+    try:
+        lighthouse.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        lighthouse.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,393 @@
+"""The Manager: one per replica group, it makes every training step a quorum-wide transaction.
+
+Each step it asks the lighthouse for a quorum, heals itself from a peer if it is behind,
+rebuilds the cross-replica gloo group when the membership changed, averages gradients over
+the participants, and commits only if every participant votes yes. A failure or timeout
+anywhere marks the step errored: the step is dropped, never half-applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from recopt.ft.client import request
+from recopt.ft.healing import CheckpointServer, fetch_checkpoint, plan_recovery
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ManagerConfig:
+    """How a replica group reaches the lighthouse, and its limits.
+
+    Args:
+        replica_id: unique name of this replica group (stable across its restarts).
+        lighthouse: the lighthouse's (host, port).
+        min_replica_size: a step commits only with at least this many participants.
+        timeout: limit for each collective, vote and healing transfer.
+        quorum_timeout: limit for forming a quorum (covers peers still starting up).
+        heartbeat_interval: how often the lighthouse hears this replica is alive.
+        init_sync: at step 0, fresh replicas copy the first replica's state.
+        hostname: name peers use to reach this replica's checkpoint server.
+    """
+
+    replica_id: str
+    lighthouse: tuple[str, int]
+    min_replica_size: int = 1
+    timeout: datetime.timedelta = datetime.timedelta(seconds=30)
+    quorum_timeout: datetime.timedelta = datetime.timedelta(seconds=60)
+    heartbeat_interval: datetime.timedelta = datetime.timedelta(milliseconds=200)
+    init_sync: bool = True
+    hostname: str = dataclasses.field(default_factory=socket.gethostname)
+
+    def __post_init__(self) -> None:
+        if not self.replica_id:
+            raise ValueError("replica_id is empty; give each replica group a unique name")
+        if self.min_replica_size < 1:
+            raise ValueError(f"min_replica_size={self.min_replica_size} must be at least 1")
+        for name in ("timeout", "quorum_timeout", "heartbeat_interval"):
+            if getattr(self, name).total_seconds() <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+
+
+class StepParticipant:
+    """Something that must learn a step's outcome (e.g. fused embedding rows to roll back)."""
+
+    def on_commit(self) -> None:
+        """The step committed."""
+
+    def on_abort(self) -> None:
+        """The step was dropped: undo whatever it already applied."""
+
+
+class Manager:
+    """Coordinates one replica group with its peers; see the module docstring for a step.
+
+    Args:
+        config: identity, lighthouse address and limits.
+        state_dict: returns this replica's full training state (model, optimizer, ...),
+            sent to a peer that heals from it.
+        load_state_dict: loads such a state when this replica heals.
+    """
+
+    def __init__(
+        self,
+        config: ManagerConfig,
+        *,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.config = config
+        self._state_dict = state_dict
+        self._load_state_dict = load_state_dict
+        self._step = 0
+        self._batches_committed = 0
+        self._first = True
+        self._errored: Exception | None = None
+        self._pg_broken = False
+        self._round: int | None = None
+        self._quorum_id: int | None = None
+        self._rank = 0
+        self._num_participants = 0
+        # A gloo backend; typed Any because torch's stubs omit its collectives.
+        self._pg: Any = None
+        self._store: dist.TCPStore | None = None
+        self._participants: list[StepParticipant] = []
+        self._server = CheckpointServer("0.0.0.0", config.timeout)
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True)
+        self._heartbeat.start()
+
+    # -- counters ---------------------------------------------------------------------------
+    def current_step(self) -> int:
+        """Number of committed steps (restored from the source when healing)."""
+        return self._step
+
+    def batches_committed(self) -> int:
+        """Sum over committed steps of the number of participants (replica batches)."""
+        return self._batches_committed
+
+    def num_participants(self) -> int:
+        """Replica groups in the current step's quorum (0 if it did not form)."""
+        return self._num_participants
+
+    def participant_rank(self) -> int:
+        """This replica's rank in the current quorum."""
+        return self._rank
+
+    def errored(self) -> Exception | None:
+        """The first error of the current step, if any."""
+        return self._errored
+
+    def report_error(self, exc: Exception) -> None:
+        """Mark the current step errored (it will be dropped); the first error is kept."""
+        if self._errored is None:
+            logger.warning(
+                "replica %s: step %d errored: %s", self.config.replica_id, self._step, exc
+            )
+            self._errored = exc
+
+    def register_participant(self, participant: StepParticipant) -> None:
+        """Have ``participant`` told each step's outcome, in registration order."""
+        self._participants.append(participant)
+
+    # -- the step -----------------------------------------------------------------------------
+    def start_quorum(self) -> None:
+        """Begin a step: join the quorum, heal if behind, (re)build the gloo group.
+
+        Never raises for distributed failures: they mark the step errored instead.
+        """
+        self._errored = None
+        self._round = None
+        self._num_participants = 0
+        member = {
+            "replica_id": self.config.replica_id,
+            "step": self._step,
+            "first": self._first,
+            "errored": self._pg_broken,
+            "address": f"http://{self.config.hostname}:{self._server.port}",
+        }
+        try:
+            reply = request(
+                self.config.lighthouse,
+                {"op": "quorum", "member": member},
+                self.config.quorum_timeout,
+            )
+            self._apply_quorum(reply)
+        except Exception as exc:  # noqa: BLE001 - any failure here only drops the step
+            self.report_error(exc)
+
+    def _apply_quorum(self, reply: dict[str, Any]) -> None:
+        members: list[dict[str, Any]] = reply["members"]
+        names = [str(m["replica_id"]) for m in members]
+        self._round = int(reply["round"])
+        self._rank = names.index(self.config.replica_id)
+        self._num_participants = len(members)
+        recovery = plan_recovery(members, self.config.init_sync)
+        by_name = {str(m["replica_id"]): m for m in members}
+        if self.config.replica_id in recovery.values():
+            size = self._server.publish(self._step, self._full_state())
+            logger.info(
+                "replica %s: serving step %d (%d bytes)", self.config.replica_id, self._step, size
+            )
+        source = recovery.get(self.config.replica_id)
+        if source is not None:
+            self._heal(by_name[source])
+        self._first = False
+        quorum_id = int(reply["quorum_id"])
+        if len(members) == 1:
+            self._pg, self._pg_broken = None, False  # alone: nothing to reduce with
+        elif quorum_id != self._quorum_id or self._pg is None:
+            self._pg = None
+            self._quorum_id = None
+            self._connect(int(reply["store_port"]), quorum_id)
+        self._quorum_id = quorum_id
+
+    def _full_state(self) -> dict[str, Any]:
+        return {
+            "user": self._state_dict(),
+            "step": self._step,
+            "batches_committed": self._batches_committed,
+        }
+
+    def _heal(self, source: dict[str, Any]) -> None:
+        start = time.monotonic()
+        url = f"{source['address']}/checkpoint/{int(source['step'])}"
+        state = fetch_checkpoint(url, self.config.timeout)
+        self._load_state_dict(state["user"])
+        self._step = int(state["step"])
+        self._batches_committed = int(state["batches_committed"])
+        logger.info(
+            "replica %s healed from %s to step %d in %.3f s",
+            self.config.replica_id,
+            source["replica_id"],
+            self._step,
+            time.monotonic() - start,
+        )
+
+    def _connect(self, store_port: int, quorum_id: int) -> None:
+        self._pg_broken = True  # until the rendezvous below has succeeded
+        if self._store is None or self._store.port != store_port:
+            self._store = dist.TCPStore(
+                self.config.lighthouse[0],
+                store_port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=self.config.timeout,
+            )
+        store = dist.PrefixStore(f"recopt-ft/{quorum_id}", self._store)
+        self._pg = dist.ProcessGroupGloo(
+            store, self._rank, self._num_participants, self.config.timeout
+        )
+        self._pg_broken = False
+
+    # -- collectives --------------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor]) -> None:
+        """Average ``tensors`` in place over the participants (one flat buffer per dtype).
+
+        A failure or timeout marks the step errored and leaves the tensors unspecified (the
+        step will be dropped). Does nothing on an already errored step.
+
+        Args:
+            tensors: dense tensors of identical shapes and order on every participant.
+        """
+        if self._errored is not None or not tensors:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            if not self._sum(flat):
+                return
+            flat.div_(self._num_participants)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def _sum(self, flat: torch.Tensor) -> bool:
+        """All-reduce (sum) in place with the timeout; False (and errored) on failure."""
+        if self._num_participants <= 1:
+            return True
+        try:
+            assert self._pg is not None
+            work = self._pg.allreduce([flat])
+            work.wait(self.config.timeout)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a peer died, hung or the group broke
+            self._pg_broken = True
+            self.report_error(exc)
+            return False
+
+    def allreduce_gradients(self, params: Iterable[torch.Tensor]) -> None:
+        """Average the dense gradients of ``params`` over the participants.
+
+        A parameter without a gradient here counts as a zero gradient if some participant has
+        one, and keeps ``grad=None`` if none has (torch optimizers then skip it, as they
+        would without fault tolerance). One collective per dtype carries grads and presence.
+
+        Raises:
+            ValueError: a gradient is sparse (average it yourself, or use a dense layout).
+        """
+        if self._errored is not None:
+            return
+        plist = [p for p in params if p.requires_grad]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in plist:
+            if p.grad is not None and p.grad.is_sparse:
+                raise ValueError(
+                    f"parameter of shape {tuple(p.shape)} has a sparse gradient; the Manager "
+                    "averages dense gradients only: use a dense layout (sparse=False)"
+                )
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for group in by_dtype.values():
+            if not self._allreduce_group(group):
+                return
+
+    def _allreduce_group(self, group: list[torch.Tensor]) -> bool:
+        parts = [
+            p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in group
+        ]
+        present = torch.tensor([p.grad is not None for p in group], dtype=group[0].dtype)
+        flat = torch.cat([*parts, present.to(group[0].device)])
+        if not self._sum(flat):
+            return False
+        offset = 0
+        counts = flat[-len(group) :].tolist()
+        for p, count in zip(group, counts, strict=True):
+            if count > 0:
+                grad = flat[offset : offset + p.numel()].view_as(p).div_(self._num_participants)
+                if p.grad is None:
+                    p.grad = grad.clone()
+                else:
+                    p.grad.copy_(grad)
+            offset += p.numel()
+        return True
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every participant's ``tensor`` (first dimension may differ), in quorum rank order.
+
+        Returns:
+            One tensor per participant, or None if the step errored (it will be dropped).
+        """
+        if self._errored is not None:
+            return None
+        if self._num_participants <= 1:
+            return [tensor]
+        sizes = torch.zeros(self._num_participants, dtype=torch.int64)
+        sizes[self._rank] = tensor.shape[0]
+        if not self._sum(sizes):
+            return None
+        longest = int(sizes.max())
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        outputs = [torch.empty_like(padded) for _ in range(self._num_participants)]
+        try:
+            assert self._pg is not None
+            self._pg.allgather([outputs], [padded]).wait(self.config.timeout)
+        except Exception as exc:  # noqa: BLE001 - same failure model as allreduce
+            self._pg_broken = True
+            self.report_error(exc)
+            return None
+        return [out[: int(n)] for out, n in zip(outputs, sizes.tolist(), strict=True)]
+
+    # -- the vote -----------------------------------------------------------------------------
+    def should_commit(self) -> bool:
+        """Vote on the current step; True only if every participant succeeded.
+
+        On True the step and batch counters advance; participants registered with
+        `register_participant` are told the outcome either way.
+        """
+        ok = self._errored is None and self._num_participants >= self.config.min_replica_size
+        if self._errored is None and not ok:
+            logger.warning(
+                "replica %s: %d participants < min_replica_size %d; not committing",
+                self.config.replica_id,
+                self._num_participants,
+                self.config.min_replica_size,
+            )
+        commit = False
+        if self._round is not None:
+            payload = {"op": "vote", "round": self._round, "replica_id": self.config.replica_id}
+            try:
+                reply = request(self.config.lighthouse, {**payload, "ok": ok}, self.config.timeout)
+                commit = bool(reply["commit"]) and ok
+            except Exception as exc:  # noqa: BLE001 - no answer is a no
+                self.report_error(exc)
+        if commit:
+            self._step += 1
+            self._batches_committed += self._num_participants
+        for participant in self._participants:
+            if commit:
+                participant.on_commit()
+            else:
+                participant.on_abort()
+        return commit
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval
+        payload = {"op": "heartbeat", "replica_id": self.config.replica_id}
+        while not self._stop.wait(interval.total_seconds()):
+            try:
+                request(self.config.lighthouse, payload, interval * 5)
+            except (OSError, ConnectionError) as exc:
+                logger.debug("heartbeat failed: %s", exc)
+
+    def shutdown(self) -> None:
+        """Stop heartbeating and serving; the lighthouse will see this replica leave."""
+        self._stop.set()
+        self._heartbeat.join(timeout=self.config.heartbeat_interval.total_seconds() * 10)
+        self._server.stop()
+        self._pg = None

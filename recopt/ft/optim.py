@@ -1,0 +1,94 @@
+"""OptimizerWrapper: a torch optimizer whose steps commit only when the whole quorum agrees.
+
+``zero_grad()`` opens the step (quorum, healing) and ``step()`` averages the gradients over
+the replicas, votes, and runs the wrapped optimizer only on a yes; on a no the parameters
+and the optimizer state are left exactly as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from recopt.ft.manager import Manager
+
+
+class OptimizerWrapper(torch.optim.Optimizer):
+    """Wrap ``optim`` so that each step is a fault-tolerant transaction run by ``manager``.
+
+    Call ``zero_grad()`` before the forward pass and ``step()`` after backward. Everything
+    else (``param_groups``, ``state``, ``state_dict``, ``load_state_dict``,
+    ``add_param_group``) is the wrapped optimizer's, so LR schedulers and checkpoints work on
+    the wrapper as on ``optim``.
+
+    Args:
+        manager: the replica group's manager.
+        optim: the optimizer of the dense parameters.
+        allreduce_gradients: average the gradients of ``optim``'s parameters over the
+            replicas in ``step()``; turn off when something else (a DDP-like wrapper) does.
+    """
+
+    def __init__(
+        self, manager: Manager, optim: torch.optim.Optimizer, *, allreduce_gradients: bool = True
+    ) -> None:
+        # The base initialiser is not called: all state lives in the wrapped optimizer.
+        self.manager = manager
+        self.optim = optim
+        self.allreduce_gradients = allreduce_gradients
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optim.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optim.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optim.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optim.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optim.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optim.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optim.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optim.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start the step's quorum (healing this replica if it is behind), then zero grads."""
+        self.manager.start_quorum()
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Average gradients, vote, and apply the wrapped optimizer only if the step commits.
+
+        Returns:
+            The wrapped optimizer's return value on a commit, None on a dropped step.
+        """
+        if self.allreduce_gradients:
+            params = [p for group in self.optim.param_groups for p in group["params"]]
+            self.manager.allreduce_gradients(params)
+        if self.manager.should_commit():
+            loss: float | None = self.optim.step(closure)
+            return loss
+        return None
+
+    def __repr__(self) -> str:
+        return f"OptimizerWrapper({self.optim!r})"

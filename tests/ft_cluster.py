@@ -1,0 +1,142 @@
+"""Test harness: a lighthouse and replica workers as real processes, all killed at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "ft_worker.py"
+
+
+class Cluster:
+    """Starts processes under ``out``; ``close()`` SIGKILLs whatever is still running."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.replicas: dict[str, subprocess.Popen[bytes]] = {}
+        self.port = 0
+
+    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        log = open(self.out / log_name, "ab")
+        proc = subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def start_lighthouse(
+        self, min_replicas: int = 1, join_s: float = 1.0, hb_s: float = 1.0
+    ) -> int:
+        port_file = self.out / "lighthouse.port"
+        self._spawn(
+            [
+                "-m",
+                "recopt.ft.lighthouse",
+                "--port=0",
+                f"--min-replicas={min_replicas}",
+                f"--join-timeout-s={join_s}",
+                f"--heartbeat-timeout-s={hb_s}",
+                f"--port-file={port_file}",
+            ],
+            "lighthouse.log",
+        )
+        wait_for(port_file.exists, 30, "lighthouse port file")
+        self.port = int(port_file.read_text())
+        return self.port
+
+    def start_replica(self, replica_id: str, *extra: str, seed: int = 0) -> subprocess.Popen[bytes]:
+        proc = self._spawn(
+            [
+                str(WORKER),
+                f"--replica-id={replica_id}",
+                f"--rank-seed={seed}",
+                f"--lighthouse-port={self.port}",
+                f"--out={self.out}",
+                *extra,
+            ],
+            f"{replica_id}.log",
+        )
+        self.replicas[replica_id] = proc
+        return proc
+
+    def kill(self, replica_id: str) -> None:
+        proc = self.replicas[replica_id]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def entries(self, replica_id: str) -> list[dict[str, Any]]:
+        path = self.out / f"{replica_id}.jsonl"
+        if not path.exists():
+            return []
+        lines = path.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def state(self, replica_id: str, step: int) -> dict[str, Any]:
+        loaded: dict[str, Any] = torch.load(
+            self.out / replica_id / f"step{step}.pt", weights_only=True
+        )
+        return loaded
+
+    def steps_saved(self, replica_id: str) -> set[int]:
+        folder = self.out / replica_id
+        return {int(p.stem[4:]) for p in folder.glob("step*.pt")} if folder.exists() else set()
+
+    def stop(self, timeout_s: float = 30) -> None:
+        """Ask the replicas to finish and wait for them."""
+        (self.out / "stop").write_text("")
+        deadline = time.monotonic() + timeout_s
+        for proc in self.replicas.values():
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def logs(self) -> str:
+        return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in self.out.glob("*.log"))
+
+
+def wait_for(cond: Callable[[], object], timeout_s: float, what: str) -> None:
+    """Poll ``cond`` until true; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Bit-for-bit equality of two nested state dicts."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), (a.keys(), b.keys())
+        for k in a:
+            assert_same_state(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same_state(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    else:
+        assert a == b, (a, b)
