@@ -67,15 +67,15 @@ def make_sharded(
 
 def to_full(t: torch.Tensor | ShardedTensor) -> dict[tuple[int, ...], torch.Tensor]:
     """This rank's pieces of ``t``, keyed by offsets (a plain tensor is one piece)."""
-    if isinstance(t, torch.Tensor):
+    if not isinstance(t, ShardedTensor):  # ShardedTensor is a torch.Tensor subclass
         return {(0,) * t.dim(): t.clone()}
     return {tuple(s.metadata.shard_offsets): s.tensor.clone() for s in t.local_shards()}
 
 
 def copy_into(dst: torch.Tensor | ShardedTensor, src: torch.Tensor | ShardedTensor) -> None:
     """In-place copy between identically laid-out tensors (what load_state_dict must do)."""
-    if isinstance(dst, torch.Tensor):
-        assert isinstance(src, torch.Tensor)
+    if not isinstance(dst, ShardedTensor):
+        assert not isinstance(src, ShardedTensor)
         dst.copy_(src)
         return
     assert isinstance(src, ShardedTensor)

@@ -155,27 +155,36 @@ def to_optimizer_keys(
 ) -> dict[str, Any]:
     """Undo `optimizer_state_dict`'s renaming for ``optimizer`` (index-keyed if it is).
 
+    torch matches saved groups to live ones by position, so each group's indices are listed
+    in the live optimizer's order; the names in each group must be the same set.
+
     Raises:
-        CheckpointError: the checkpoint names parameters this optimizer does not hold.
+        CheckpointError: the checkpoint's parameters or groups differ from this optimizer's.
     """
     if not _is_index_keyed(optimizer.state_dict()):
         return named
-    index = {name: i for i, name in enumerate(_ordered_param_names(optimizer, model))}
-    saved = set(named.get("state", {})) | {
-        p for g in named.get("param_groups", []) for p in g.get("params", [])
-    }
-    unknown = sorted(saved - set(index))
-    if unknown:
+    names = _ordered_param_names(optimizer, model)
+    index = {name: i for i, name in enumerate(names)}
+    live_groups, start = [], 0
+    for group in optimizer.param_groups:
+        live_groups.append(names[start : start + len(group["params"])])
+        start += len(group["params"])
+    saved_groups = named.get("param_groups", [])
+    saved_sets = [sorted(g["params"]) for g in saved_groups]
+    live_sets = [sorted(g) for g in live_groups]
+    unknown = sorted(set(named.get("state", {})) - set(index))
+    if saved_sets != live_sets or unknown:
         raise CheckpointError(
-            f"the checkpoint has optimizer state for parameters {unknown[:10]} that this "
-            f"optimizer does not hold (it holds {sorted(index)[:10]}...); build the optimizer "
-            "over the same parameters as the one that was saved"
+            f"the checkpoint's optimizer has parameter groups {saved_sets} (state for "
+            f"{unknown or 'known'} parameters), this optimizer has {live_sets}; build the "
+            "optimizer over the same parameters and groups as the one that was saved"
         )
     return {
         **named,
         "state": {index[n]: s for n, s in named.get("state", {}).items()},
         "param_groups": [
-            {**g, "params": [index[n] for n in g["params"]]} for g in named["param_groups"]
+            {**g, "params": [index[n] for n in live]}
+            for g, live in zip(saved_groups, live_groups, strict=True)
         ],
     }
 

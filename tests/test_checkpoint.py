@@ -1,0 +1,227 @@
+"""Checkpoint save/load in one process: exact round trips, resume, faults, manager, encoding."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from recopt.checkpoint import CheckpointError, CheckpointManager, load, read_manifest, save
+from recopt.checkpoint.manifest import DCP_METADATA_NAME, MANIFEST_NAME, SafeFileSystemReader
+from recopt.checkpoint.state import decode_tree, encode_tree
+
+
+class Stream:
+    """A data source whose position is checkpointed through state_dict/load_state_dict."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 + self.position)
+        self.position += 1
+        x = torch.randn(16, 6, generator=g)
+        return x, (x.sum(1, keepdim=True) > 0).float()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+def make_model(hidden: int = 8) -> torch.nn.Module:
+    layers = [torch.nn.Linear(6, hidden), torch.nn.Dropout(0.3), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(hidden, 1))
+
+
+def make_run(seed: int) -> tuple[torch.nn.Module, Any, Any, Stream]:
+    torch.manual_seed(seed)
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    return model, opt, sched, Stream()
+
+
+def train_step(model: torch.nn.Module, opt: Any, sched: Any, data: Stream) -> float:
+    x, y = data.next_batch()
+    # Every RNG a real job uses: dropout (torch), sampling noise (numpy, python).
+    noise = float(np.random.rand()) * 1e-3 + random.random() * 1e-3
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x) + noise, y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    return loss.item()
+
+
+def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+        elif isinstance(a[k], dict):
+            assert_same_state(a[k], b[k])
+        else:
+            assert a[k] == b[k], k
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    random.seed(5)
+    np.random.seed(5)
+    model, opt, sched, data = make_run(0)
+    reference = [train_step(model, opt, sched, data) for _ in range(8)]
+
+    random.seed(5)
+    np.random.seed(5)
+    model, opt, sched, data = make_run(0)
+    first = [train_step(model, opt, sched, data) for _ in range(4)]
+    save(tmp_path / "ck", model, opt, extra={"sched": sched, "data": data, "note": "x"}, step=4)
+    saved_opt = opt.state_dict()
+
+    # A new process: other seeds, other initial weights, another lr; everything must be restored.
+    random.seed(99)
+    np.random.seed(99)
+    model, opt, sched, data = make_run(123)
+    extras = load(tmp_path / "ck", model, opt, extra={"sched": sched, "data": data})
+    assert extras["note"] == "x" and extras["data"] == {"position": 4}
+    assert read_manifest(tmp_path / "ck").step == 4
+    assert_same_state(opt.state_dict(), saved_opt)
+    rest = [train_step(model, opt, sched, data) for _ in range(4)]
+    assert first + rest == reference  # bit-identical losses
+
+
+def test_optimizer_state_is_keyed_by_name_not_index(tmp_path: Path) -> None:
+    model, opt, sched, data = make_run(0)
+    train_step(model, opt, sched, data)
+    save(tmp_path / "ck", model, opt)
+    keys = read_manifest(tmp_path / "ck").tensors
+    assert "optim/state/0.weight/exp_avg" in keys and "optim/state/3.bias/exp_avg_sq" in keys
+    # Same parameters given to the optimizer in another order: state follows the names.
+    model2 = make_model()
+    opt2 = torch.optim.Adam(list(model2.parameters())[::-1], lr=0.01)
+    load(tmp_path / "ck", model2, opt2)
+    for (name, p), p2 in zip(model.named_parameters(), model2.parameters(), strict=True):
+        assert torch.equal(opt.state[p]["exp_avg"], opt2.state[p2]["exp_avg"]), name
+
+
+def test_tree_encoding_round_trips_types() -> None:
+    tree = {"a": (1, 2.5, None), "b": [True, "s", {3: float("inf")}], "t": torch.ones(2)}
+    tensors: dict[str, Any] = {}
+    skeleton = json.loads(json.dumps(encode_tree(tree, "", tensors)))
+    assert list(tensors) == ["t"]
+    back = decode_tree(skeleton, tensors)
+    assert back["a"] == (1, 2.5, None) and back["b"] == [True, "s", {3: float("inf")}]
+    with pytest.raises(CheckpointError, match="cannot checkpoint a object"):
+        encode_tree({"x": object()}, "", {})
+
+
+def _checkpoint(tmp_path: Path) -> tuple[Path, torch.nn.Module, Any]:
+    model, opt, sched, data = make_run(0)
+    train_step(model, opt, sched, data)
+    path = save(tmp_path / "ck", model, opt, step=1)
+    return path, model, opt
+
+
+def _fresh_unchanged_after_failed_load(path: Path, match: str) -> None:
+    model, opt, _, _ = make_run(7)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=match) as info:
+        load(path, model, opt)
+    assert_same_state(model.state_dict(), before)  # nothing was partially loaded
+    assert opt.state_dict()["state"] == {}
+    return info.value  # type: ignore[return-value]
+
+
+def test_flipped_bytes_are_detected_with_file_and_checksums(tmp_path: Path) -> None:
+    path, _, _ = _checkpoint(tmp_path)
+    shard = path / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    err = _fresh_unchanged_after_failed_load(path, "corrupt: crc32")
+    assert "__0_0.distcp" in str(err) and "expected" in str(err)
+
+
+def test_truncated_and_missing_files_are_detected(tmp_path: Path) -> None:
+    path, _, _ = _checkpoint(tmp_path)
+    shard = path / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    _fresh_unchanged_after_failed_load(path, r"__0_0.distcp: truncated")
+    shard.unlink()
+    _fresh_unchanged_after_failed_load(path, r"__0_0.distcp: missing")
+    manifest = path / MANIFEST_NAME
+    manifest.write_text(manifest.read_text()[:-40])
+    _fresh_unchanged_after_failed_load(path, "truncated or not a recopt manifest")
+    manifest.unlink()
+    _fresh_unchanged_after_failed_load(path, "not a complete recopt checkpoint")
+
+
+def test_corrupt_manifest_body_is_detected(tmp_path: Path) -> None:
+    path, _, _ = _checkpoint(tmp_path)
+    manifest = path / MANIFEST_NAME
+    manifest.write_text(manifest.read_text().replace('"step": 1', '"step": 2'))
+    _fresh_unchanged_after_failed_load(path, "manifest.json is corrupt: checksum")
+
+
+def test_checkpoint_of_another_model_lists_mismatching_keys(tmp_path: Path) -> None:
+    path, _, _ = _checkpoint(tmp_path)
+    other = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 1))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError) as info:
+        load(path, other, torch.optim.Adam(other.parameters()))
+    message = str(info.value)
+    assert "keys the checkpoint lacks: model/2.bias, model/2.weight" in message
+    assert "keys the model lacks: model/3.bias, model/3.weight" in message
+    assert "model/0.weight: checkpoint [8, 6] float32, model [5, 6] float32" in message
+    assert_same_state(other.state_dict(), before)
+
+
+def test_metadata_unpickler_refuses_foreign_globals(tmp_path: Path) -> None:
+    path, _, _ = _checkpoint(tmp_path)
+    (path / DCP_METADATA_NAME).write_bytes(pickle.dumps(print))
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        SafeFileSystemReader(path).read_metadata()
+
+
+def test_existing_checkpoint_is_kept_unless_overwrite(tmp_path: Path) -> None:
+    path, model, opt = _checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="exists; pass overwrite=True"):
+        save(path, model, opt)
+    save(path, model, opt, step=9, overwrite=True)
+    assert read_manifest(path).step == 9
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no .partial / .old left
+
+
+def test_manager_keeps_last_k_and_finds_latest(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path / "run", keep_last=2)
+    assert manager.latest() is None and manager.load_latest(make_model()) is None
+    model, opt, sched, data = make_run(0)
+    for step in (1, 2, 3):
+        train_step(model, opt, sched, data)
+        manager.save(step, model, opt, extra={"data": data})
+    # A crashed save leaves only a '.partial' directory: never reported as latest.
+    (tmp_path / "run" / ".step_000000004.partial").mkdir()
+    assert [s for s, _ in manager.complete()] == [2, 3]
+    assert manager.latest() == tmp_path / "run" / "step_000000003"
+    fresh, fresh_opt, _, fresh_data = make_run(1)
+    restored = manager.load_latest(fresh, fresh_opt, extra={"data": fresh_data})
+    assert restored is not None and restored[0] == 3 and fresh_data.position == 3
+    assert_same_state(fresh.state_dict(), model.state_dict())
+    with pytest.raises(ValueError, match="keep_last"):
+        CheckpointManager(tmp_path, keep_last=0)
+
+
+def test_weights_only_load_and_missing_stateful_extra(tmp_path: Path) -> None:
+    path, model, _ = _checkpoint(tmp_path)
+    fresh = make_model()
+    assert load(path, fresh) == {}
+    assert_same_state(fresh.state_dict(), model.state_dict())
+    with pytest.raises(CheckpointError, match="no extra 'data' to restore"):
+        load(path, make_model(), extra={"data": Stream()})

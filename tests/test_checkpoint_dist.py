@@ -1,0 +1,114 @@
+"""Checkpoints across world sizes and layouts (spawned gloo ranks), and a rank dying mid-save.
+
+Hand-made ShardedTensors in table-wise, row-wise, column-wise and data-parallel layouts stand
+in for the sharded embedding collection; every loaded piece must equal the saved model's
+values bit for bit, whatever the layouts and world sizes on either side.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_helpers import ShardedTables, expected_snapshot, full_snapshot
+
+from recopt.checkpoint import load, read_manifest, save
+from recopt.testing import RankFailure, run_on_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+A = {"t0": "tw", "t1": "rw", "t2": "cw"}
+B = {"t0": "rw", "t1": "cw", "t2": "dp"}
+C = {"t0": "cw", "t1": "dp", "t2": "tw"}
+ALL_DP = {"t0": "dp", "t1": "dp", "t2": "dp"}
+
+
+def _same(a: dict, b: dict) -> list[str]:
+    bad = []
+    assert a.keys() == b.keys()
+    for key in a:
+        if a[key].keys() != b[key].keys():
+            bad.append(f"{key}: pieces {sorted(a[key])} vs {sorted(b[key])}")
+        bad += [f"{key}{o}" for o in a[key] if not torch.equal(a[key][o], b[key][o])]
+    return bad
+
+
+def _load_and_check(path: Path, layouts: dict, rank: int, world: int, seed: int) -> list[str]:
+    model = ShardedTables(layouts, rank, world, seed=99)
+    load(path, model, model.fused_optimizer)
+    return _same(full_snapshot(model), expected_snapshot(layouts, rank, world, seed))
+
+
+def _two_ranks(rank: int, world: int, root: str) -> dict[str, list[str]]:
+    out = {}
+    model = ShardedTables(A, rank, world, seed=1)
+    save(Path(root) / "a2", model, model.fused_optimizer, step=1, plan_json='{"x": 1}')
+    for name, layouts in {"same": A, "b": B, "c": C}.items():
+        out[f"2->2 {name}"] = _load_and_check(Path(root) / "a2", layouts, rank, world, 1)
+    model = ShardedTables(B, rank, world, seed=2)
+    save(Path(root) / "b2", model, model.fused_optimizer, step=2)
+    out["2->2 b->a"] = _load_and_check(Path(root) / "b2", A, rank, world, 2)
+    return out
+
+
+def _three_ranks(rank: int, world: int, root: str) -> dict[str, list[str]]:
+    out = {}
+    for name, layouts in {"a": A, "b": B, "c": C}.items():
+        out[f"2->3 a->{name}"] = _load_and_check(Path(root) / "a2", layouts, rank, world, 1)
+    out["2->3 b->c"] = _load_and_check(Path(root) / "b2", C, rank, world, 2)
+    model = ShardedTables(C, rank, world, seed=3)
+    save(Path(root) / "c3", model, model.fused_optimizer, step=3)
+    out["3->3 c->a"] = _load_and_check(Path(root) / "c3", A, rank, world, 3)
+    return out
+
+
+def test_round_trips_across_layouts_and_world_sizes(tmp_path: Path) -> None:
+    results = run_on_ranks(_two_ranks, 2, str(tmp_path), timeout_s=120)
+    results += run_on_ranks(_three_ranks, 3, str(tmp_path), timeout_s=120)
+    for rank_result in results:
+        for case, bad in rank_result.items():
+            assert bad == [], f"{case}: {bad}"
+    manifest = read_manifest(tmp_path / "a2")
+    assert manifest.world_size == 2 and manifest.step == 1 and manifest.plan == '{"x": 1}'
+    assert manifest.tensors["ebc.embedding_bags.t1.weight/t1.m1".join(["optim/state/", ""])]
+    assert manifest.tensors["model/ebc.embedding_bags.t0.weight"].shape == [10, 4]
+    # 3 -> 1 without any process group: every table data-parallel (plain tensors).
+    for path, seed in ((tmp_path / "c3", 3), (tmp_path / "a2", 1)):
+        assert _load_and_check(path, ALL_DP, 0, 1, seed) == []
+    # The RNG state of each saving rank is kept (one file per rank).
+    assert {f for f in manifest.files if f.startswith("rank_")} == {"rank_0.json", "rank_1.json"}
+
+
+def _die_mid_save(rank: int, world: int, root: str) -> None:
+    model = ShardedTables(A, rank, world, seed=1)
+    save(Path(root) / "good", model, model.fused_optimizer, step=1)
+    model = ShardedTables(A, rank, world, seed=2)
+    if rank == 1:
+        import torch.distributed.checkpoint.filesystem as fs
+
+        real = fs._write_item
+
+        def write_then_die(*args: object, **kwargs: object) -> object:
+            real(*args, **kwargs)  # type: ignore[arg-type]
+            os._exit(3)  # killed after writing part of its shard file
+
+        fs._write_item = write_then_die  # type: ignore[assignment]
+    save(
+        Path(root) / "new",
+        model,
+        model.fused_optimizer,
+        step=2,
+        timeout=datetime.timedelta(seconds=10),
+    )
+
+
+def test_rank_killed_mid_save_leaves_previous_checkpoint_and_no_new_one(tmp_path: Path) -> None:
+    with pytest.raises(RankFailure, match="exit code 3"):
+        run_on_ranks(_die_mid_save, 2, str(tmp_path), timeout_s=60, grace_s=3)
+    assert not (tmp_path / "new").exists()
+    assert (tmp_path / ".new.partial").is_dir()  # the debris is only under the partial name
+    assert read_manifest(tmp_path / "good").step == 1
+    assert _load_and_check(tmp_path / "good", ALL_DP, 0, 1, 1) == []
