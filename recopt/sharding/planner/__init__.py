@@ -1,0 +1,26 @@
+"""The sharding planner: topology and constraints in, a `ShardingPlan` and its estimates out.
+
+Stages, one file each: topology, constraints, enumerator, storage and perf (estimators),
+proposers, partitioner, planner (the driver), stats; cli and calibrate are `recopt-plan`.
+"""
+
+from recopt.sharding.planner.constraints import ConstraintError, ParameterConstraints
+from recopt.sharding.planner.planner import (
+    EmbeddingShardingPlanner,
+    PlannerError,
+    plan_collectively,
+)
+from recopt.sharding.planner.stats import PlanStats, TableChoice
+from recopt.sharding.planner.topology import Topology, TopologyError
+
+__all__ = [
+    "ConstraintError",
+    "EmbeddingShardingPlanner",
+    "ParameterConstraints",
+    "PlanStats",
+    "PlannerError",
+    "TableChoice",
+    "Topology",
+    "TopologyError",
+    "plan_collectively",
+]

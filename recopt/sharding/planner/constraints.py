@@ -1,0 +1,167 @@
+"""Per-table constraints and workload hints for the planner.
+
+A constraint limits the options the enumerator may produce for one table (sharding types,
+kernels, a minimum column-shard width) and says how the table is used (its fused optimizer,
+ids per bag, batch size), which the storage and performance estimators read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.sharding.plan import ShardingType
+
+
+class ConstraintError(ValueError):
+    """A constraint is malformed or names a table that does not exist."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParameterConstraints:
+    """What the planner may choose for one table, and how the table is used.
+
+    Args:
+        sharding_types: allowed sharding types (``None``: every type; on one host the
+            table-row-wise and table-column-wise types, identical there to row-wise and
+            column-wise, are left out unless named).
+        compute_kernels: allowed kernel backends, in order of preference (``None``: AUTO).
+        optimizer: the table's fused optimizer (``None``: the planner's default).
+        min_partition: the narrowest column shard column-wise types may cut (default 4,
+            fbgemm's width multiple).
+        pooling_factor: average ids per bag, per feature of the table.
+        batch_size: per-rank batch size for this table (``None``: the planner's).
+    """
+
+    sharding_types: tuple[ShardingType, ...] | None = None
+    compute_kernels: tuple[Backend, ...] | None = None
+    optimizer: FusedOptimizerConfig | None = None
+    min_partition: int = 4
+    pooling_factor: float = 1.0
+    batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            if self.sharding_types is not None:
+                types = tuple(ShardingType(t) for t in self.sharding_types)
+                object.__setattr__(self, "sharding_types", types)
+            if self.compute_kernels is not None:
+                kernels = tuple(Backend(k) for k in self.compute_kernels)
+                object.__setattr__(self, "compute_kernels", kernels)
+        except ValueError as e:
+            raise ConstraintError(
+                f"constraint: {e}; sharding types: {[t.value for t in ShardingType]}, "
+                f"kernels: {[k.value for k in Backend]}"
+            ) from e
+        if self.sharding_types == () or self.compute_kernels == ():
+            raise ConstraintError("constraint: an empty list allows nothing; omit the key instead")
+        if not isinstance(self.min_partition, int) or self.min_partition < 1:
+            raise ConstraintError(
+                f"constraint min_partition must be >= 1, got {self.min_partition}"
+            )
+        if not self.pooling_factor > 0.0:
+            raise ConstraintError(
+                f"constraint pooling_factor must be > 0, got {self.pooling_factor}"
+            )
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ConstraintError(f"constraint batch_size must be >= 1, got {self.batch_size}")
+
+
+def constraints_from_dict(table: str, values: Mapping[str, Any]) -> ParameterConstraints:
+    """Build one table's constraints from a TOML table (``[planner.constraints.<table>]``).
+
+    Raises:
+        ConstraintError: unknown keys or bad values, naming the table.
+    """
+    allowed = set(ParameterConstraints.__dataclass_fields__)
+    unknown = sorted(set(values) - allowed)
+    if unknown:
+        raise ConstraintError(
+            f"constraints for table {table!r}: unknown keys {unknown}; valid: {sorted(allowed)}"
+        )
+    kw = dict(values)
+    try:
+        if "optimizer" in kw:
+            kw["optimizer"] = optimizer_from_dict(kw["optimizer"], f"table {table!r} optimizer")
+        for key in ("sharding_types", "compute_kernels"):
+            if key in kw:
+                kw[key] = tuple(kw[key])
+        return ParameterConstraints(**kw)
+    except (ValueError, TypeError) as e:
+        raise ConstraintError(f"constraints for table {table!r}: {e}") from e
+
+
+def optimizer_from_dict(values: Any, where: str) -> FusedOptimizerConfig:
+    """A `FusedOptimizerConfig` from a TOML table, with unknown keys named.
+
+    Raises:
+        ConstraintError: unknown keys or invalid values.
+    """
+    if not isinstance(values, Mapping):
+        raise ConstraintError(f"{where}: expected a table of FusedOptimizerConfig fields")
+    allowed = set(FusedOptimizerConfig.__dataclass_fields__)
+    unknown = sorted(set(values) - allowed)
+    if unknown:
+        raise ConstraintError(f"{where}: unknown keys {unknown}; valid: {sorted(allowed)}")
+    kw = dict(values)
+    if "betas" in kw:
+        kw["betas"] = tuple(kw["betas"])
+    try:
+        return FusedOptimizerConfig(**kw)
+    except (ValueError, TypeError) as e:
+        raise ConstraintError(f"{where}: {e}") from e
+
+
+def resolve_constraints(
+    constraints: Mapping[str, ParameterConstraints] | None,
+    tables_by_module: Mapping[str, Sequence[Any]],
+) -> dict[tuple[str, str], ParameterConstraints]:
+    """Match constraint keys to tables: ``"table"`` (any module) or ``"module.path.table"``.
+
+    A module-qualified key wins over a bare table name.
+
+    Returns:
+        (module path, table name) -> constraints, for the tables that have any.
+
+    Raises:
+        ConstraintError: a key that matches no table.
+    """
+    result: dict[tuple[str, str], ParameterConstraints] = {}
+    if not constraints:
+        return result
+    by_name: dict[str, list[tuple[str, str]]] = {}
+    for module, tables in tables_by_module.items():
+        for t in tables:
+            by_name.setdefault(t.name, []).append((module, t.name))
+    qualified = {(f"{m}.{n}" if m else n): (m, n) for keys in by_name.values() for m, n in keys}
+    for key, c in constraints.items():
+        if key not in by_name and key not in qualified:
+            raise ConstraintError(
+                f"constraints name table {key!r}, which no module has; tables: "
+                f"{sorted(qualified)[:20]}"
+            )
+        for target in by_name.get(key, []):
+            result.setdefault(target, c)
+    for key, c in constraints.items():
+        if key in qualified and key not in by_name:
+            result[qualified[key]] = c
+    return result
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TableWorkload:
+    """How one table is used in a step, as the storage and performance estimators need it.
+
+    Args:
+        batch_size: bags per feature per rank in one step.
+        num_features: features that look the table up.
+        pooling_factor: average ids per bag.
+        optimizer: the fused optimizer that will update the table.
+    """
+
+    batch_size: int
+    num_features: int
+    pooling_factor: float
+    optimizer: FusedOptimizerConfig

@@ -1,0 +1,296 @@
+"""Enumerator: every valid way to shard each table (sharding type x kernel x shard layout).
+
+Each `ShardingOption` carries its shard shapes and, per shard, the storage and cost estimates;
+ranks are chosen later by the partitioner (row-wise and data-parallel layouts come with theirs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.kernels.factory import FBGEMM_DIM_MULTIPLE, FBGEMM_OPTIMIZERS
+from recopt.sharding.plan import ParameterSharding, ShardingType, ShardSpec
+from recopt.sharding.plan_helpers import split_columns, split_evenly
+from recopt.sharding.planner.constraints import ParameterConstraints, TableWorkload
+from recopt.sharding.planner.perf import replica_cost, shard_cost
+from recopt.sharding.planner.storage import replica_storage_bytes, shard_storage_bytes
+from recopt.sharding.planner.topology import Topology
+
+ROW_TYPES = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+COLUMN_TYPES = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
+HOST_TYPES = (ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE)
+# Preference among options of equal estimated cost: fewer shards and less communication first.
+TYPE_ORDER = {t: i for i, t in enumerate(ShardingType)}
+
+
+class EnumerationError(ValueError):
+    """No option satisfies a table's constraints; the message names the table and why."""
+
+
+@dataclass(slots=True)
+class ShardingOption:
+    """One way to shard one table, with per-shard estimates.
+
+    Attributes:
+        module: the module path.
+        table: the table config.
+        sharding_type: the strategy.
+        compute_kernel: the kernel backend.
+        optimizer: the fused optimizer the estimates assume.
+        shard_sizes: (rows, cols) per shard, in order along the split axis; data-parallel: one
+            entry for the replica every rank holds.
+        shard_bytes: storage estimate per shard (data-parallel: per rank).
+        shard_costs: seconds per step per shard (data-parallel: per rank).
+        fixed_ranks: the rank of each shard when the layout fixes it (row-wise over all ranks;
+            data-parallel: every rank); ``None`` when the partitioner chooses.
+    """
+
+    module: str
+    table: Any
+    sharding_type: ShardingType
+    compute_kernel: Backend
+    optimizer: FusedOptimizerConfig
+    shard_sizes: list[tuple[int, int]]
+    shard_bytes: list[int]
+    shard_costs: list[float]
+    fixed_ranks: list[int] | None
+    total_cost: float = field(init=False)
+    max_shard_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        replicas = len(self.fixed_ranks or ()) if self.is_replicated else 1
+        self.total_cost = sum(self.shard_costs) * replicas
+        self.max_shard_bytes = max(self.shard_bytes)
+
+    @property
+    def is_replicated(self) -> bool:
+        """Data-parallel: every rank holds the whole table."""
+        return self.sharding_type is ShardingType.DATA_PARALLEL
+
+    @property
+    def host_local(self) -> bool:
+        """All shards must land on the ranks of one host."""
+        return self.sharding_type in HOST_TYPES
+
+    def describe(self) -> str:
+        """A short label, e.g. ``row_wise x8`` or ``column_wise x4``."""
+        n = len(self.shard_sizes)
+        label = self.sharding_type.value if n == 1 else f"{self.sharding_type.value} x{n}"
+        if self.compute_kernel is not Backend.AUTO:
+            label += f" ({self.compute_kernel.value})"
+        return label
+
+    def to_parameter_sharding(
+        self, shard_ranks: Sequence[int], world_size: int
+    ) -> ParameterSharding:
+        """The plan entry once the partitioner has put shard i on ``shard_ranks[i]``."""
+        if self.is_replicated:
+            return ParameterSharding(
+                sharding_type=self.sharding_type,
+                ranks=tuple(range(world_size)),
+                compute_kernel=self.compute_kernel,
+                optimizer=self.optimizer,
+            )
+        shards, offset = [], 0
+        for (rows, cols), rank in zip(self.shard_sizes, shard_ranks, strict=True):
+            if self.sharding_type in COLUMN_TYPES:
+                shards.append(
+                    ShardSpec(
+                        rank=rank, row_offset=0, num_rows=rows, col_offset=offset, num_cols=cols
+                    )
+                )
+                offset += cols
+            else:
+                shards.append(
+                    ShardSpec(
+                        rank=rank, row_offset=offset, num_rows=rows, col_offset=0, num_cols=cols
+                    )
+                )
+                offset += rows
+        return ParameterSharding(
+            sharding_type=self.sharding_type,
+            ranks=tuple(sorted(set(shard_ranks))),
+            shards=tuple(shards),
+            compute_kernel=self.compute_kernel,
+            optimizer=self.optimizer,
+        )
+
+
+def table_workload(
+    table: Any, constraints: ParameterConstraints, batch_size: int, optimizer: FusedOptimizerConfig
+) -> TableWorkload:
+    """The workload the estimators assume for ``table``."""
+    return TableWorkload(
+        batch_size=constraints.batch_size or batch_size,
+        num_features=max(1, len(getattr(table, "feature_names", ()) or ())),
+        pooling_factor=constraints.pooling_factor,
+        optimizer=constraints.optimizer or optimizer,
+    )
+
+
+def enumerate_options(
+    module: str,
+    table: Any,
+    constraints: ParameterConstraints,
+    workload: TableWorkload,
+    topology: Topology,
+) -> list[ShardingOption]:
+    """Every option for one table, cheapest total cost first.
+
+    Raises:
+        EnumerationError: the constraints leave no option (naming the table and the reason).
+    """
+    where = f"table {table.name!r} (module {module!r})"
+    kinds = constraints.sharding_types or _default_types(topology)
+    kernels = constraints.compute_kernels or (workload.optimizer.backend,)
+    layouts = [(k, layout) for k in kinds for layout in _layouts(k, table, constraints, topology)]
+    if not layouts:
+        raise EnumerationError(
+            f"{where}: no layout of {[k.value for k in kinds]} fits a table of "
+            f"{table.num_embeddings} x {table.embedding_dim} on {topology.world_size} ranks with "
+            f"min_partition {constraints.min_partition}; allow table_wise or row_wise"
+        )
+    options: list[ShardingOption] = []
+    rejected: list[str] = []
+    cache: dict[tuple[ShardingType, int, int], tuple[int, float]] = {}
+    for kind, (sizes, fixed) in layouts:
+        for kernel in kernels:
+            why = _kernel_problem(kernel, sizes, workload.optimizer)
+            if why:
+                rejected.append(why)
+                continue
+            options.append(
+                _option(module, table, kind, kernel, sizes, fixed, workload, topology, cache)
+            )
+    if not options:
+        raise EnumerationError(f"{where}: no allowed kernel can run it: {'; '.join(rejected[:3])}")
+    kernel_rank = {k: i for i, k in enumerate(kernels)}
+    options.sort(
+        key=lambda o: (
+            o.total_cost,
+            o.max_shard_bytes,
+            TYPE_ORDER[o.sharding_type],
+            len(o.shard_sizes),
+            kernel_rank[o.compute_kernel],
+        )
+    )
+    return options
+
+
+def _default_types(topology: Topology) -> tuple[ShardingType, ...]:
+    if topology.num_hosts > 1:
+        return tuple(ShardingType)
+    # On one host the table-* types are the same layouts as row-wise / column-wise.
+    return tuple(t for t in ShardingType if t not in HOST_TYPES)
+
+
+def _layouts(
+    kind: ShardingType, table: Any, c: ParameterConstraints, topology: Topology
+) -> list[tuple[list[tuple[int, int]], list[int] | None]]:
+    rows, dim, w = table.num_embeddings, table.embedding_dim, topology.world_size
+    if kind is ShardingType.DATA_PARALLEL:
+        return [([(rows, dim)], list(range(w)))]
+    if kind is ShardingType.TABLE_WISE:
+        return [([(rows, dim)], None)]
+    if kind in ROW_TYPES:
+        n = w if kind is ShardingType.ROW_WISE else topology.local_world_size
+        sizes = [(r, dim) for r in split_evenly(rows, n) if r > 0]
+        fixed = list(range(len(sizes))) if kind is ShardingType.ROW_WISE else None
+        return [(sizes, fixed)]
+    limit = w if kind is ShardingType.COLUMN_WISE else topology.local_world_size
+    layouts: list[tuple[list[tuple[int, int]], list[int] | None]] = []
+    parts = 2
+    while parts <= min(limit, dim // c.min_partition):
+        try:
+            widths = split_columns(dim, parts)
+        except ValueError:
+            widths = []
+        if widths and min(widths) >= c.min_partition:
+            layouts.append(([(rows, cw) for cw in widths], None))
+        parts *= 2
+    if not layouts and c.sharding_types is not None:
+        layouts.append(([(rows, dim)], None))  # asked for explicitly: one full-height shard
+    return layouts
+
+
+def _kernel_problem(
+    kernel: Backend, sizes: list[tuple[int, int]], optimizer: FusedOptimizerConfig
+) -> str:
+    if kernel is not Backend.FBGEMM:
+        return ""
+    if optimizer.name not in FBGEMM_OPTIMIZERS:
+        runs = sorted(FBGEMM_OPTIMIZERS)
+        return f"fbgemm does not run optimizer {optimizer.name!r} (it runs {runs})"
+    odd = [cols for _, cols in sizes if cols % FBGEMM_DIM_MULTIPLE]
+    if odd:
+        return (
+            f"fbgemm needs shard widths that are multiples of {FBGEMM_DIM_MULTIPLE}, not {odd[0]}"
+        )
+    return ""
+
+
+def _option(
+    module: str,
+    table: Any,
+    kind: ShardingType,
+    kernel: Backend,
+    sizes: list[tuple[int, int]],
+    fixed: list[int] | None,
+    workload: TableWorkload,
+    topology: Topology,
+    cache: dict[tuple[ShardingType, int, int], tuple[int, float]],
+) -> ShardingOption:
+    rows = table.num_embeddings
+    shard_bytes, shard_costs = [], []
+    for n, d in sizes:
+        key = (kind, n, d)
+        if key not in cache:  # row-wise layouts repeat two shapes; estimate each once
+            if kind is ShardingType.DATA_PARALLEL:
+                cache[key] = (
+                    replica_storage_bytes(n, d, workload),
+                    replica_cost(n, d, workload, topology).total,
+                )
+            else:
+                cache[key] = (
+                    shard_storage_bytes(kind, n, d, rows, workload, topology.world_size),
+                    shard_cost(kind, n, d, rows, workload, topology).total,
+                )
+        b, t = cache[key]
+        shard_bytes.append(b)
+        shard_costs.append(t)
+    return ShardingOption(
+        module=module,
+        table=table,
+        sharding_type=kind,
+        compute_kernel=kernel,
+        optimizer=workload.optimizer,
+        shard_sizes=sizes,
+        shard_bytes=shard_bytes,
+        shard_costs=shard_costs,
+        fixed_ranks=fixed,
+    )
+
+
+def enumerate_all(
+    tables_by_module: Mapping[str, Sequence[Any]],
+    constraints: Mapping[tuple[str, str], ParameterConstraints],
+    batch_size: int,
+    optimizer: FusedOptimizerConfig,
+    topology: Topology,
+) -> list[list[ShardingOption]]:
+    """Options for every table, in module order then table order.
+
+    Raises:
+        EnumerationError: some table has no option.
+    """
+    default = ParameterConstraints()
+    result = []
+    for module, tables in tables_by_module.items():
+        for t in tables:
+            c = constraints.get((module, t.name), default)
+            workload = table_workload(t, c, batch_size, optimizer)
+            result.append(enumerate_options(module, t, c, workload, topology))
+    return result

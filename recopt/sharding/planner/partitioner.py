@@ -1,0 +1,207 @@
+"""Partitioner: put every shard of the chosen options on a rank, balancing cost under memory caps.
+
+Longest-processing-time greedy: layouts that fix their ranks first (data-parallel, row-wise),
+then host-local groups, then free shards largest cost first, each on the least-loaded rank with
+room. When that runs out of memory, a memory-first pass (largest shard onto the emptiest rank)
+is tried before reporting the shard that fits nowhere.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from recopt.sharding.plan import ShardingType
+from recopt.sharding.planner.enumerator import ShardingOption
+from recopt.sharding.planner.topology import Topology
+
+
+@dataclass(slots=True)
+class Placement:
+    """A feasible assignment: the ranks of every shard, and the resulting load per rank."""
+
+    options: list[ShardingOption]
+    shard_ranks: list[list[int]]
+    rank_bytes: list[int]
+    rank_cost: list[float]
+
+    @property
+    def max_cost(self) -> float:
+        """The slowest rank's estimated seconds per step (the step time)."""
+        return max(self.rank_cost)
+
+    @property
+    def bottleneck_rank(self) -> int:
+        """The slowest rank (lowest index on ties)."""
+        return self.rank_cost.index(self.max_cost)
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementFailure:
+    """A shard that fit on no rank: which, how large, and the best rank's free memory."""
+
+    option_index: int
+    needed_bytes: int
+    best_rank: int
+    free_bytes: int
+
+
+class _Ranks:
+    """Per-rank load and memory during one partitioning pass."""
+
+    def __init__(self, topology: Topology, base_bytes: Sequence[int]) -> None:
+        self.cap = topology.usable_bytes
+        self.bytes = list(base_bytes)
+        self.cost = [0.0] * topology.world_size
+
+    def fits(self, rank: int, nbytes: int) -> bool:
+        return self.bytes[rank] + nbytes <= self.cap
+
+    def add(self, rank: int, nbytes: int, cost: float) -> None:
+        self.bytes[rank] += nbytes
+        self.cost[rank] += cost
+
+    def failure(self, index: int, nbytes: int, among: Sequence[int]) -> PlacementFailure:
+        best = min(among, key=lambda r: (self.bytes[r], r))
+        return PlacementFailure(index, nbytes, best, max(0, self.cap - self.bytes[best]))
+
+
+def partition(
+    options: Sequence[ShardingOption], topology: Topology, base_bytes: Sequence[int]
+) -> Placement | PlacementFailure:
+    """Assign ranks to the shards of ``options`` (one chosen option per table).
+
+    Args:
+        options: the chosen option of every table.
+        topology: ranks, hosts and the memory cap (`Topology.usable_bytes`).
+        base_bytes: bytes already used on each rank before any shard (pooled-output buffers).
+
+    Returns:
+        A `Placement`, or the `PlacementFailure` of the memory-first pass when neither fits.
+    """
+    first = _partition(options, topology, base_bytes, memory_first=False)
+    if isinstance(first, Placement):
+        return first
+    return _partition(options, topology, base_bytes, memory_first=True)
+
+
+def _partition(
+    options: Sequence[ShardingOption],
+    topology: Topology,
+    base_bytes: Sequence[int],
+    memory_first: bool,
+) -> Placement | PlacementFailure:
+    ranks = _Ranks(topology, base_bytes)
+    shard_ranks: list[list[int]] = [[] for _ in options]
+    everyone = range(topology.world_size)
+    for i, opt in enumerate(options):
+        if opt.fixed_ranks is None:
+            continue
+        if opt.is_replicated:
+            placed = [(r, opt.shard_bytes[0], opt.shard_costs[0]) for r in opt.fixed_ranks]
+        else:
+            placed = list(zip(opt.fixed_ranks, opt.shard_bytes, opt.shard_costs, strict=True))
+        for r, nbytes, cost in placed:
+            if not ranks.fits(r, nbytes):
+                return ranks.failure(i, nbytes, [r])
+            ranks.add(r, nbytes, cost)
+        shard_ranks[i] = list(opt.fixed_ranks)
+    order = sorted(
+        (i for i, o in enumerate(options) if o.host_local),
+        key=lambda i: (-options[i].total_cost, -options[i].max_shard_bytes, i),
+    )
+    for i in order:
+        chosen = _place_on_a_host(options[i], ranks, topology, memory_first)
+        if chosen is None:
+            return ranks.failure(i, options[i].max_shard_bytes, everyone)
+        shard_ranks[i] = chosen
+    failed = _place_free_shards(options, shard_ranks, ranks, memory_first)
+    if failed is not None:
+        i, nbytes = failed
+        return ranks.failure(i, nbytes, everyone)
+    return Placement(list(options), shard_ranks, ranks.bytes, ranks.cost)
+
+
+def _place_free_shards(
+    options: Sequence[ShardingOption],
+    shard_ranks: list[list[int]],
+    ranks: _Ranks,
+    memory_first: bool,
+) -> tuple[int, int] | None:
+    items = [
+        (i, j)
+        for i, o in enumerate(options)
+        if o.fixed_ranks is None and not o.host_local
+        for j in range(len(o.shard_sizes))
+    ]
+    for i, _ in items:
+        shard_ranks[i] = [-1] * len(options[i].shard_sizes)
+    if memory_first:
+        items.sort(key=lambda ij: (-options[ij[0]].shard_bytes[ij[1]], ij))
+        heap: list[tuple[float, int]] = [(float(b), r) for r, b in enumerate(ranks.bytes)]
+    else:
+        items.sort(
+            key=lambda ij: (
+                -options[ij[0]].shard_costs[ij[1]],
+                -options[ij[0]].shard_bytes[ij[1]],
+                ij,
+            )
+        )
+        heap = [(c, r) for r, c in enumerate(ranks.cost)]
+    heapq.heapify(heap)
+    for i, j in items:
+        nbytes, cost = options[i].shard_bytes[j], options[i].shard_costs[j]
+        skipped = []
+        while heap and not ranks.fits(heap[0][1], nbytes):
+            skipped.append(heapq.heappop(heap))
+            if memory_first:  # the emptiest rank is full: every rank is
+                break
+        if not heap or not ranks.fits(heap[0][1], nbytes):
+            return i, nbytes
+        _, r = heapq.heappop(heap)
+        ranks.add(r, nbytes, cost)
+        shard_ranks[i][j] = r
+        heapq.heappush(heap, (float(ranks.bytes[r]) if memory_first else ranks.cost[r], r))
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+    return None
+
+
+def _place_on_a_host(
+    opt: ShardingOption, ranks: _Ranks, topology: Topology, memory_first: bool
+) -> list[int] | None:
+    """Put a host-local option on the host where it leaves the lowest peak (or most memory)."""
+    best: tuple[float, list[int]] | None = None
+    distinct = opt.sharding_type is ShardingType.TABLE_ROW_WISE  # one row range per rank
+    for host in range(topology.num_hosts):
+        host_ranks = list(topology.host_ranks(host))
+        bytes_, cost = (
+            {r: ranks.bytes[r] for r in host_ranks},
+            {r: ranks.cost[r] for r in host_ranks},
+        )
+        chosen: list[int] = []
+        for nbytes, c in zip(opt.shard_bytes, opt.shard_costs, strict=True):
+            free = [
+                r
+                for r in host_ranks
+                if bytes_[r] + nbytes <= ranks.cap and not (distinct and r in chosen)
+            ]
+            if not free:
+                break
+            load = bytes_ if memory_first else cost
+            r = min(free, key=lambda r: (load[r], r))  # noqa: B023 - used before the next loop
+            chosen.append(r)
+            bytes_[r] += nbytes
+            cost[r] += c
+        if len(chosen) < len(opt.shard_sizes):
+            continue
+        # Memory-first: keep the most free memory on the host's fullest rank; else the lowest peak.
+        score = -min(ranks.cap - b for b in bytes_.values()) if memory_first else max(cost.values())
+        if best is None or score < best[0]:
+            best = (score, chosen)
+    if best is None:
+        return None
+    for r, nbytes, c in zip(best[1], opt.shard_bytes, opt.shard_costs, strict=True):
+        ranks.add(r, nbytes, c)
+    return best[1]

@@ -1,0 +1,126 @@
+"""Performance estimator: seconds one shard adds to its rank's training step.
+
+A bandwidth model, not a simulator: every term is bytes moved divided by the bandwidth of the
+link it crosses (`Topology`). Forward: ids in by all-to-all, rows gathered from memory, pooled
+outputs out (all-to-all; a reduce of partial sums for row-wise types). Backward: gradients back
+the same way, then the fused optimizer reads and writes the rows and their state. Data-parallel
+tables look up locally and all-reduce a dense gradient. docs/planner.md states the formulas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from recopt.kernels.config import optimizer_state_floats
+from recopt.sharding.plan import ShardingType
+from recopt.sharding.planner.constraints import TableWorkload
+from recopt.sharding.planner.storage import FLOAT_BYTES, ID_BYTES, ids_to_shard
+from recopt.sharding.planner.topology import Topology
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """Estimated seconds per step, split by phase."""
+
+    fwd_compute: float
+    fwd_comm: float
+    bwd_compute: float
+    bwd_comm: float
+
+    @property
+    def total(self) -> float:
+        """Sum of the four phases."""
+        return self.fwd_compute + self.fwd_comm + self.bwd_compute + self.bwd_comm
+
+
+def all_to_all_seconds(num_bytes: float, topology: Topology) -> float:
+    """Time for one rank to exchange ``num_bytes`` spread evenly over all ranks.
+
+    The share addressed to itself is free; the rest crosses the intra-host link for peers on the
+    same host and the inter-host link for the others.
+    """
+    w, h = topology.world_size, topology.local_world_size
+    return num_bytes * (
+        (h - 1) / w / topology.intra_host_bandwidth + (w - h) / w / topology.inter_host_bandwidth
+    )
+
+
+def _row_reduce_seconds(num_bytes: float, kind: ShardingType, topology: Topology) -> float:
+    """Time for one row shard to reduce its partial sums of ``num_bytes`` to their owners.
+
+    Row-wise: every partial sum goes to the rank that owns the bag (an all-to-all of the full
+    width). Table-row-wise: reduced inside the host first, then each of the host's ranks sends
+    its 1/h part of the other hosts' bags across hosts.
+    """
+    if kind is ShardingType.ROW_WISE:
+        return all_to_all_seconds(num_bytes, topology)
+    w, h = topology.world_size, topology.local_world_size
+    intra = num_bytes * (h - 1) / h / topology.intra_host_bandwidth
+    inter = num_bytes * (w - h) / w / h / topology.inter_host_bandwidth
+    return intra + inter
+
+
+def shard_cost(
+    kind: ShardingType,
+    num_rows: int,
+    num_cols: int,
+    table_rows: int,
+    workload: TableWorkload,
+    topology: Topology,
+) -> Cost:
+    """Seconds one shard of a (non-data-parallel) table adds to its rank per step.
+
+    Args:
+        kind: the sharding type.
+        num_rows: rows of the shard.
+        num_cols: columns of the shard.
+        table_rows: rows of the whole table.
+        workload: batch size, features, ids per bag and optimizer.
+        topology: bandwidths and ranks.
+
+    Returns:
+        The per-phase estimate.
+    """
+    w = topology.world_size
+    ids = ids_to_shard(kind, num_rows, table_rows, workload, w)
+    bags = w * workload.batch_size * workload.num_features
+    pooled = FLOAT_BYTES * bags * num_cols
+    row_bytes = FLOAT_BYTES * num_cols
+    state_per_row = optimizer_state_floats(workload.optimizer.name, num_rows, num_cols) / num_rows
+    mem = topology.memory_bandwidth
+    # Forward: gather one row per id, write the pooled output.
+    fwd_compute = (ids * row_bytes + pooled) / mem
+    # Backward: read the output gradient, write a gradient row per id, then the fused update
+    # reads and writes each touched row and its state.
+    bwd_compute = (
+        pooled + ids * row_bytes + ids * (2 * row_bytes + 2 * FLOAT_BYTES * state_per_row)
+    ) / mem
+    inputs = all_to_all_seconds(ID_BYTES * (ids + bags), topology)
+    if kind in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+        outputs = _row_reduce_seconds(pooled, kind, topology)
+    else:
+        outputs = all_to_all_seconds(pooled, topology)
+    return Cost(fwd_compute, inputs + outputs, bwd_compute, outputs)
+
+
+def replica_cost(rows: int, dim: int, workload: TableWorkload, topology: Topology) -> Cost:
+    """Seconds a data-parallel replica adds to every rank per step.
+
+    Local lookups of the rank's own ids; a ring all-reduce of the dense gradient (2 (w-1)/w of
+    the table's bytes over the slowest link used); a dense update of every row and its state.
+    """
+    w = topology.world_size
+    bags = workload.batch_size * workload.num_features
+    ids = bags * workload.pooling_factor
+    table_bytes = FLOAT_BYTES * rows * dim
+    state_bytes = FLOAT_BYTES * optimizer_state_floats(workload.optimizer.name, rows, dim)
+    mem = topology.memory_bandwidth
+    fwd_compute = (ids * FLOAT_BYTES * dim + FLOAT_BYTES * bags * dim) / mem
+    bwd_compute = (FLOAT_BYTES * bags * dim + ids * FLOAT_BYTES * dim) / mem + (
+        3 * table_bytes + 2 * state_bytes
+    ) / mem
+    bandwidth = (
+        topology.inter_host_bandwidth if topology.num_hosts > 1 else topology.intra_host_bandwidth
+    )
+    allreduce = 2 * (w - 1) / w * table_bytes / bandwidth
+    return Cost(fwd_compute, 0.0, bwd_compute, allreduce)

@@ -1,0 +1,250 @@
+"""The sharding planner: enumerate options, estimate them, propose, partition, return a plan.
+
+`EmbeddingShardingPlanner.plan` is what `DistributedModelParallel` calls when no plan is given;
+`plan_collectively` runs it on rank 0 and broadcasts the result so every rank holds the same plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from recopt.kernels.config import FusedOptimizerConfig
+from recopt.sharding.plan import ParameterSharding, ShardingPlan, table_names
+from recopt.sharding.plan_validation import validate_plan
+from recopt.sharding.planner.constraints import (
+    ParameterConstraints,
+    resolve_constraints,
+)
+from recopt.sharding.planner.enumerator import (
+    EnumerationError,
+    ShardingOption,
+    enumerate_all,
+    table_workload,
+)
+from recopt.sharding.planner.partitioner import Placement, PlacementFailure
+from recopt.sharding.planner.proposers import greedy_proposal, improve, make_feasible
+from recopt.sharding.planner.stats import PlanStats, format_bytes, make_stats
+from recopt.sharding.planner.storage import rank_output_bytes
+from recopt.sharding.planner.topology import Topology
+
+
+class PlannerError(ValueError):
+    """No valid plan exists: names the table that did not fit, where, by how much, and the fix."""
+
+
+class EmbeddingShardingPlanner:
+    """Chooses a sharding for every table of every embedding module.
+
+    Args:
+        topology: ranks, hosts, memory and bandwidths.
+        constraints: per-table constraints keyed by table name (any module) or by
+            ``"module.path.table"``.
+        batch_size: bags per feature per rank in one step (tables may override it).
+        default_optimizer: the fused optimizer of tables whose constraints name none
+            (``None``: `FusedOptimizerConfig()`, row-wise Adagrad).
+        max_search_trials: re-partitions the search may try (``None``: a budget scaled to the
+            number of shards, so 10,000 tables plan in seconds).
+
+    Example::
+
+        planner = EmbeddingShardingPlanner(Topology(world_size=8), batch_size=512)
+        plan = planner.plan({"sparse.ebc": tables})
+        print(planner.stats)
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        constraints: Mapping[str, ParameterConstraints] | None = None,
+        batch_size: int = 512,
+        default_optimizer: FusedOptimizerConfig | None = None,
+        max_search_trials: int | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise PlannerError(f"planner batch_size must be >= 1, got {batch_size}")
+        self.topology = topology
+        self.constraints = dict(constraints or {})
+        self.batch_size = batch_size
+        self.default_optimizer = default_optimizer or FusedOptimizerConfig()
+        self.max_search_trials = max_search_trials
+        self.stats: PlanStats | None = None
+
+    def plan(self, tables_by_module: Mapping[str, Sequence[Any]]) -> ShardingPlan:
+        """The best plan found for ``tables_by_module`` (module path -> its tables).
+
+        Returns:
+            A plan that passes `validate_plan`; `stats` describes it.
+
+        Raises:
+            PlannerError: a table fits nowhere (naming it, the rank, the shortfall and the fix)
+                or its constraints leave no option.
+        """
+        with _gc_paused():
+            return self._plan(tables_by_module)
+
+    def _plan(self, tables_by_module: Mapping[str, Sequence[Any]]) -> ShardingPlan:
+        topo = self.topology
+        for module, tables in tables_by_module.items():
+            table_names(tables, module)
+        try:
+            per_table = resolve_constraints(self.constraints, tables_by_module)
+            options = enumerate_all(
+                tables_by_module, per_table, self.batch_size, self.default_optimizer, topo
+            )
+        except (EnumerationError, ValueError) as e:
+            raise PlannerError(str(e)) from e
+        if not options:
+            raise PlannerError("nothing to plan: no module has tables")
+        base = self._output_bytes(tables_by_module, per_table)
+        capacity = topo.usable_bytes - base
+        choice = greedy_proposal(options, capacity)
+        result = make_feasible(options, choice, topo, [base] * topo.world_size)
+        if isinstance(result, PlacementFailure):
+            raise PlannerError(self._explain(result, options, choice, base))
+        placement = improve(
+            options, choice, result, topo, [base] * topo.world_size, self.max_search_trials
+        )
+        plan = _to_plan(placement, tables_by_module, topo.world_size)
+        validate_plan(plan, tables_by_module, topo.world_size, topo.local_world_size)
+        self.stats = make_stats(placement, topo)
+        return plan
+
+    def _output_bytes(
+        self,
+        tables_by_module: Mapping[str, Sequence[Any]],
+        per_table: Mapping[tuple[str, str], ParameterConstraints],
+    ) -> int:
+        """Bytes every rank needs for its own pooled outputs (and grads) of every table."""
+        default = ParameterConstraints()
+        total = 0
+        for module, tables in tables_by_module.items():
+            for t in tables:
+                c = per_table.get((module, t.name), default)
+                w = table_workload(t, c, self.batch_size, self.default_optimizer)
+                total += rank_output_bytes(t.embedding_dim, w)
+        return total
+
+    def _explain(
+        self,
+        failure: PlacementFailure,
+        options: Sequence[Sequence[ShardingOption]],
+        choice: Sequence[int],
+        base: int,
+    ) -> str:
+        topo = self.topology
+        opt = options[failure.option_index][choice[failure.option_index]]
+        short = failure.needed_bytes - failure.free_bytes
+        # The least any layout of each table needs, over all ranks: if it exceeds the ranks'
+        # combined room, no partitioning can succeed and the fix is more memory, not a layout.
+        least = sum(
+            min(sum(o.shard_bytes) * (topo.world_size if o.is_replicated else 1) for o in opts)
+            for opts in options
+        )
+        room = (topo.usable_bytes - base) * topo.world_size
+        fixes = ["add ranks or memory per rank"]
+        if opt.optimizer.name not in ("sgd", "row_wise_adagrad"):
+            fixes.append(
+                f"use a fused optimizer with less state than {opt.optimizer.name!r} "
+                "(row_wise_adagrad keeps one float per row)"
+            )
+        fixes.append(f"lower batch_size ({self.batch_size})")
+        fixes.append("allow more sharding types for this table")
+        return (
+            f"table {opt.table.name!r} (module {opt.module!r}) does not fit: its layout "
+            f"{opt.describe()} needs {format_bytes(failure.needed_bytes)} on one rank, but the "
+            f"rank with the most room (rank {failure.best_rank}) has "
+            f"{format_bytes(failure.free_bytes)} free of {format_bytes(topo.usable_bytes)} usable "
+            f"({format_bytes(topo.memory_bytes)} less the {topo.reserve_fraction:.0%} reserve; "
+            f"{format_bytes(base)} of it holds every rank's pooled outputs); short by "
+            f"{format_bytes(short)}. All tables need at least {format_bytes(least)} in total; "
+            f"the {topo.world_size} ranks have {format_bytes(room)}. To fit: " + ", ".join(fixes)
+        )
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    # Planning allocates hundreds of thousands of small objects and frees none of them until the
+    # end; the cyclic collector's repeated full scans of them doubled the planning time.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _to_plan(
+    placement: Placement, tables_by_module: Mapping[str, Sequence[Any]], world_size: int
+) -> ShardingPlan:
+    plan: dict[str, dict[str, ParameterSharding]] = {m: {} for m in tables_by_module}
+    for opt, ranks in zip(placement.options, placement.shard_ranks, strict=True):
+        plan[opt.module][opt.table.name] = opt.to_parameter_sharding(ranks, world_size)
+    return ShardingPlan(plan)
+
+
+def plan_collectively(
+    planner: EmbeddingShardingPlanner,
+    tables_by_module: Mapping[str, Sequence[Any]],
+    process_group: dist.ProcessGroup | None = None,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=5),
+) -> ShardingPlan:
+    """Plan on rank 0 of ``process_group`` and broadcast the plan, so every rank holds the same.
+
+    If planning fails on rank 0, every rank raises the same `PlannerError`.
+
+    Args:
+        planner: the planner (only rank 0's runs).
+        tables_by_module: module path -> its tables (the same on every rank).
+        process_group: the group (default: the world).
+        timeout: limit for each broadcast.
+
+    Returns:
+        The plan, validated on every rank.
+
+    Raises:
+        PlannerError: planning failed on rank 0.
+    """
+    world = dist.get_world_size(process_group)
+    if world != planner.topology.world_size:
+        raise PlannerError(
+            f"the planner's topology has world_size {planner.topology.world_size} but the process "
+            f"group has {world} ranks; build the Topology with world_size={world}"
+        )
+    src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    payload, error = b"", None
+    if dist.get_rank(process_group) == 0:
+        try:
+            payload = planner.plan(tables_by_module).to_json().encode("utf-8")
+        except Exception as e:  # every failure must reach the other ranks, not leave them waiting
+            payload, error = f"{type(e).__name__}: {e}".encode(), e
+    header = torch.tensor([len(payload), int(error is not None)], dtype=torch.int64)
+    _broadcast(header, src, process_group, timeout)
+    if payload:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:
+        data = torch.empty(int(header[0]), dtype=torch.uint8)
+    _broadcast(data, src, process_group, timeout)
+    text = data.numpy().tobytes().decode("utf-8")
+    if error is not None:
+        raise error
+    if int(header[1]):
+        raise PlannerError(f"planning on rank 0 failed: {text}")
+    plan = ShardingPlan.from_json(text)
+    validate_plan(plan, tables_by_module, world, planner.topology.local_world_size)
+    return plan
+
+
+def _broadcast(
+    tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, timeout: datetime.timedelta
+) -> None:
+    work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+    assert work is not None
+    work.wait(timeout=timeout)

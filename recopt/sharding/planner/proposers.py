@@ -1,0 +1,146 @@
+"""Proposers: which option each table uses. A greedy first choice, then a local search.
+
+`greedy_proposal` takes each table's cheapest option that fits on an empty rank. `make_feasible`
+moves the table that did not fit (or, failing that, the largest one) to a layout with smaller
+shards until the partitioner succeeds. `improve` is the search: it repeatedly tries cheaper-peak
+options for the tables on the slowest rank and keeps a change only when the step time drops.
+Every step is deterministic, so every rank would propose the same plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from recopt.sharding.planner.enumerator import ShardingOption
+from recopt.sharding.planner.partitioner import Placement, PlacementFailure, partition
+from recopt.sharding.planner.topology import Topology
+
+# The search re-partitions once per trial; this many shard placements in total bounds its time
+# (about 1 s of Python per 2 million on the development machine) whatever the table count.
+SEARCH_PLACEMENT_BUDGET = 4_000_000
+CANDIDATE_TABLES = 4  # tables on the slowest rank tried per round, largest shard first
+ALTERNATIVES_PER_TABLE = 3
+
+
+def greedy_proposal(options: Sequence[Sequence[ShardingOption]], capacity: int) -> list[int]:
+    """Per table, the index of its cheapest option whose largest shard fits ``capacity`` bytes.
+
+    A table with no such option gets its option with the smallest largest shard; the
+    partitioner will then report it.
+    """
+    choice = []
+    for opts in options:
+        fitting = [k for k, o in enumerate(opts) if o.max_shard_bytes <= capacity]
+        if fitting:
+            choice.append(fitting[0])
+        else:
+            choice.append(min(range(len(opts)), key=lambda k: (opts[k].max_shard_bytes, k)))
+    return choice
+
+
+def make_feasible(
+    options: Sequence[Sequence[ShardingOption]],
+    choice: list[int],
+    topology: Topology,
+    base_bytes: Sequence[int],
+) -> Placement | PlacementFailure:
+    """Shrink shards until the partitioner places everything, or no table can shrink further.
+
+    Mutates ``choice``. Returns the placement, or the last failure.
+    """
+    while True:
+        result = partition(
+            [o[k] for o, k in zip(options, choice, strict=True)], topology, base_bytes
+        )
+        if isinstance(result, Placement):
+            return result
+        table = _table_to_shrink(options, choice, result.option_index)
+        if table is None:
+            return result
+        current = options[table][choice[table]].max_shard_bytes
+        smaller = [k for k, o in enumerate(options[table]) if o.max_shard_bytes < current]
+        choice[table] = smaller[0]  # options are sorted by cost: the cheapest smaller layout
+
+
+def _table_to_shrink(
+    options: Sequence[Sequence[ShardingOption]], choice: list[int], failed: int
+) -> int | None:
+    def can_shrink(t: int) -> bool:
+        current = options[t][choice[t]].max_shard_bytes
+        return any(o.max_shard_bytes < current for o in options[t])
+
+    if can_shrink(failed):
+        return failed
+    # The failing table is as spread as it gets: make room by spreading the table holding the
+    # largest shard that can still be split.
+    shrinkable = [t for t in range(len(options)) if can_shrink(t)]
+    if not shrinkable:
+        return None
+    return max(shrinkable, key=lambda t: (options[t][choice[t]].max_shard_bytes, -t))
+
+
+def improve(
+    options: Sequence[Sequence[ShardingOption]],
+    choice: list[int],
+    placement: Placement,
+    topology: Topology,
+    base_bytes: Sequence[int],
+    max_trials: int | None = None,
+) -> Placement:
+    """Local search on the slowest rank; mutates ``choice`` and returns the best placement.
+
+    Args:
+        options: every table's options, cheapest first.
+        choice: the current option index per table (a feasible proposal).
+        placement: its placement.
+        topology: ranks, hosts, memory.
+        base_bytes: per-rank bytes before any shard.
+        max_trials: re-partitions allowed (default: from `SEARCH_PLACEMENT_BUDGET`).
+    """
+    num_shards = sum(len(o[k].shard_sizes) for o, k in zip(options, choice, strict=True))
+    trials = (
+        max_trials
+        if max_trials is not None
+        else max(8, SEARCH_PLACEMENT_BUDGET // max(1, num_shards))
+    )
+    best = placement
+    while trials > 0:
+        improved = False
+        for table, shard_cost in _tables_on_rank(best, best.bottleneck_rank)[:CANDIDATE_TABLES]:
+            for k in _alternatives(options[table], choice[table], shard_cost):
+                trials -= 1
+                previous, choice[table] = choice[table], k
+                result = partition(
+                    [o[c] for o, c in zip(options, choice, strict=True)], topology, base_bytes
+                )
+                if isinstance(result, Placement) and result.max_cost < best.max_cost * (1 - 1e-9):
+                    best, improved = result, True
+                    break
+                choice[table] = previous
+                if trials <= 0:
+                    return best
+            if improved:
+                break
+        if not improved:
+            return best
+    return best
+
+
+def _tables_on_rank(placement: Placement, rank: int) -> list[tuple[int, float]]:
+    """(table, the cost its shards put on ``rank``), largest first."""
+    found = []
+    for t, (opt, ranks) in enumerate(zip(placement.options, placement.shard_ranks, strict=True)):
+        if opt.is_replicated:
+            found.append((t, opt.shard_costs[0]))
+            continue
+        cost = sum(c for c, r in zip(opt.shard_costs, ranks, strict=True) if r == rank)
+        if cost > 0.0:
+            found.append((t, cost))
+    found.sort(key=lambda tc: (-tc[1], tc[0]))
+    return found
+
+
+def _alternatives(opts: Sequence[ShardingOption], current: int, cost_on_rank: float) -> list[int]:
+    """Options whose largest shard costs less than what the table now puts on the slow rank."""
+    better = [k for k, o in enumerate(opts) if k != current and max(o.shard_costs) < cost_on_rank]
+    return better[:ALTERNATIVES_PER_TABLE]

@@ -1,0 +1,80 @@
+"""Storage estimator: bytes one shard of a table occupies on its rank during training.
+
+Counted per shard: the weights, the optimizer state of the fused optimizer actually chosen
+(`recopt.kernels.config.optimizer_state_floats`), and the step's buffers (ids and lengths received,
+pooled outputs and their gradients for every bag the shard serves, one gradient row per id looked
+up). Every rank also holds its own pooled outputs and their gradients for every table.
+docs/planner.md lists the formulas.
+"""
+
+from __future__ import annotations
+
+from recopt.kernels.config import optimizer_state_floats
+from recopt.sharding.plan import ShardingType
+from recopt.sharding.planner.constraints import TableWorkload
+
+FLOAT_BYTES = 4  # weights, optimizer state, pooled outputs: float32
+ID_BYTES = 8  # ids and lengths: int64 (the KeyedJaggedTensor layout)
+
+_ROW_TYPES = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+
+
+def ids_to_shard(
+    kind: ShardingType, num_rows: int, table_rows: int, workload: TableWorkload, world_size: int
+) -> float:
+    """Ids a non-replicated shard looks up per step: the global batch's ids in its row range.
+
+    Ids are assumed uniform over rows, so a row range of ``num_rows`` receives that share.
+    """
+    global_ids = world_size * workload.batch_size * workload.num_features * workload.pooling_factor
+    if kind in _ROW_TYPES:
+        return global_ids * num_rows / table_rows
+    return global_ids
+
+
+def shard_storage_bytes(
+    kind: ShardingType,
+    num_rows: int,
+    num_cols: int,
+    table_rows: int,
+    workload: TableWorkload,
+    world_size: int,
+) -> int:
+    """Bytes one shard of a (non-data-parallel) table holds on its rank.
+
+    Args:
+        kind: the sharding type.
+        num_rows: rows of the shard.
+        num_cols: columns of the shard.
+        table_rows: rows of the whole table.
+        workload: batch size, features, ids per bag and optimizer.
+        world_size: number of ranks (the shard serves the global batch).
+
+    Returns:
+        Weights + optimizer state + the step's buffers, in bytes.
+    """
+    ids = ids_to_shard(kind, num_rows, table_rows, workload, world_size)
+    bags = world_size * workload.batch_size * workload.num_features
+    state = optimizer_state_floats(workload.optimizer.name, num_rows, num_cols)
+    weights_and_state = FLOAT_BYTES * (num_rows * num_cols + state)
+    inputs = ID_BYTES * (ids + bags)
+    outputs = 2 * FLOAT_BYTES * bags * num_cols  # pooled (partial sums for row types) and grad
+    grad_rows = FLOAT_BYTES * ids * num_cols
+    return int(weights_and_state + inputs + outputs + grad_rows)
+
+
+def replica_storage_bytes(rows: int, dim: int, workload: TableWorkload) -> int:
+    """Bytes a data-parallel replica holds on every rank.
+
+    Weights, optimizer state and a dense gradient of the whole table (what the all-reduce sums),
+    plus the rank's own ids and lengths.
+    """
+    state = optimizer_state_floats(workload.optimizer.name, rows, dim)
+    bags = workload.batch_size * workload.num_features
+    ids = bags * workload.pooling_factor
+    return int(FLOAT_BYTES * (2 * rows * dim + state) + ID_BYTES * (ids + bags))
+
+
+def rank_output_bytes(dim: int, workload: TableWorkload) -> int:
+    """Bytes every rank holds for one table's pooled outputs of its own batch, and their grads."""
+    return 2 * FLOAT_BYTES * workload.batch_size * workload.num_features * dim

@@ -1,0 +1,175 @@
+"""The machine the planner plans for: ranks, hosts, memory per rank and bandwidths.
+
+Defaults describe a small CPU box (the figures `recopt-plan --calibrate` measured on the
+development machine, rounded down); `--calibrate` writes a file for yours and `--topology FILE`
+reads it back. Files are TOML (or JSON) with the field names of `Topology`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+from dataclasses import dataclass
+from typing import Any
+
+GIB = 1024**3
+GB = 1e9
+
+# Measured with `recopt-plan --calibrate` on the 2-core development VM (noisy, shared machine):
+# memory copy ~5 GB/s, gloo all-to-all between 2 local ranks ~1 GB/s. Inter-host bandwidth
+# cannot be measured on one machine; 1.25 GB/s is a 10 Gb/s network.
+DEFAULT_MEMORY_BANDWIDTH = 5.0 * GB
+DEFAULT_INTRA_HOST_BANDWIDTH = 1.0 * GB
+DEFAULT_INTER_HOST_BANDWIDTH = 1.25 * GB
+DEVICES = ("cpu", "cuda")
+
+
+class TopologyError(ValueError):
+    """A topology field is out of range, unknown, or a topology file cannot be read."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Topology:
+    """Ranks, hosts, memory and bandwidth, as the planner's estimators see them.
+
+    Args:
+        world_size: number of ranks.
+        ranks_per_host: ranks sharing a host (``None``: all on one host); rank r is on host
+            ``r // ranks_per_host``.
+        device: ``cpu`` (tables in DDR) or ``cuda`` (tables in HBM).
+        hbm_bytes: device memory per rank (used when ``device`` is ``cuda``).
+        ddr_bytes: host memory per rank (used when ``device`` is ``cpu``).
+        reserve_fraction: share of each rank's memory kept back for the dense model,
+            activations and allocator slack; the planner fills only the rest.
+        memory_bandwidth: bytes/s one rank reads or writes embedding rows at.
+        intra_host_bandwidth: bytes/s one rank sends to ranks on its own host.
+        inter_host_bandwidth: bytes/s one rank sends to ranks on other hosts.
+    """
+
+    world_size: int
+    ranks_per_host: int | None = None
+    device: str = "cpu"
+    hbm_bytes: int = 0
+    ddr_bytes: int = 4 * GIB
+    reserve_fraction: float = 0.1
+    memory_bandwidth: float = DEFAULT_MEMORY_BANDWIDTH
+    intra_host_bandwidth: float = DEFAULT_INTRA_HOST_BANDWIDTH
+    inter_host_bandwidth: float = DEFAULT_INTER_HOST_BANDWIDTH
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "hbm_bytes", "ddr_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise TopologyError(f"topology {name} must be an int >= 0, got {value!r}")
+        if self.world_size < 1:
+            raise TopologyError(f"topology world_size must be >= 1, got {self.world_size}")
+        rph = self.ranks_per_host
+        if rph is not None and (not isinstance(rph, int) or rph < 1):
+            raise TopologyError(f"topology ranks_per_host must be an int >= 1, got {rph!r}")
+        if self.device not in DEVICES:
+            raise TopologyError(f"topology device {self.device!r} is unknown; valid: {DEVICES}")
+        if not 0.0 <= self.reserve_fraction < 1.0:
+            raise TopologyError(
+                f"topology reserve_fraction must be in [0, 1), got {self.reserve_fraction}"
+            )
+        for name in ("memory_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth"):
+            if not float(getattr(self, name)) > 0.0:
+                raise TopologyError(
+                    f"topology {name} must be > 0 bytes/s, got {getattr(self, name)!r}"
+                )
+        if self.memory_bytes == 0:
+            field = "hbm_bytes" if self.device == "cuda" else "ddr_bytes"
+            raise TopologyError(
+                f"topology {field} is 0 for device {self.device!r}; give the memory per rank"
+            )
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks per host, resolved (at most ``world_size``)."""
+        return min(self.world_size, self.ranks_per_host or self.world_size)
+
+    @property
+    def num_hosts(self) -> int:
+        """Number of hosts (the last one may be partly filled)."""
+        return -(-self.world_size // self.local_world_size)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Memory per rank that holds embedding tables (HBM on cuda, DDR on cpu)."""
+        return self.hbm_bytes if self.device == "cuda" else self.ddr_bytes
+
+    @property
+    def usable_bytes(self) -> int:
+        """Memory per rank the planner may fill (``memory_bytes`` less the reserve)."""
+        return int(self.memory_bytes * (1.0 - self.reserve_fraction))
+
+    def host_ranks(self, host: int) -> range:
+        """The ranks of one host."""
+        rph = self.local_world_size
+        return range(host * rph, min(self.world_size, (host + 1) * rph))
+
+    def replace(self, **changes: Any) -> Topology:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_toml(self) -> str:
+        """The fields as a flat TOML document (``ranks_per_host`` omitted when ``None``)."""
+        lines = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            lines.append(f"{f.name} = {json.dumps(value)}")
+        return "\n".join(lines) + "\n"
+
+
+def topology_fields() -> set[str]:
+    """Names a topology file or a ``[planner]`` section may set."""
+    return {f.name for f in dataclasses.fields(Topology)}
+
+
+def topology_from_dict(values: dict[str, Any], where: str, **overrides: Any) -> Topology:
+    """Build a topology from parsed TOML/JSON values.
+
+    Args:
+        values: field name -> value; unknown names are an error.
+        where: what the values came from, for error messages.
+        **overrides: fields that win over ``values`` (e.g. ``world_size`` from the command line).
+
+    Raises:
+        TopologyError: an unknown field, or a value out of range.
+    """
+    unknown = sorted(set(values) - topology_fields())
+    if unknown:
+        raise TopologyError(
+            f"{where}: unknown topology keys {unknown}; valid: {sorted(topology_fields())}"
+        )
+    merged = {**values, **overrides}
+    if "world_size" not in merged:
+        raise TopologyError(f"{where}: world_size is not set; give it (or --world-size)")
+    for name in ("memory_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth"):
+        if isinstance(merged.get(name), int):
+            merged[name] = float(merged[name])
+    return Topology(**merged)
+
+
+def load_topology_values(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a topology file (``.json``, otherwise TOML) into a dict of fields.
+
+    Raises:
+        TopologyError: the file is missing or does not parse.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        if os.fspath(path).endswith(".json"):
+            values = json.loads(raw)
+        else:
+            values = tomllib.loads(raw.decode("utf-8"))
+    except (OSError, ValueError) as e:
+        raise TopologyError(f"topology file {os.fspath(path)!r} cannot be read: {e}") from e
+    if not isinstance(values, dict):
+        raise TopologyError(f"topology file {os.fspath(path)!r} must hold a table of fields")
+    return values
