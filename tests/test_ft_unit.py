@@ -1,0 +1,204 @@
+"""Fault tolerance, cheapest tier: quorum rules, recovery plans, the optimizer wrapper."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from recopt.ft import ManagerConfig, OptimizerWrapper
+from recopt.ft.healing import plan_recovery
+from recopt.ft.lighthouse import LighthouseConfig, QuorumState
+
+
+def _member(name: str, step: int = 0, first: bool = False, errored: bool = False) -> dict:
+    return {"replica_id": name, "step": step, "first": first, "errored": errored}
+
+
+def _state(min_replicas: int = 1) -> QuorumState:
+    return QuorumState(
+        LighthouseConfig(
+            min_replicas=min_replicas,
+            join_timeout=datetime.timedelta(seconds=5),
+            heartbeat_timeout=datetime.timedelta(seconds=2),
+        )
+    )
+
+
+def test_quorum_waits_for_live_replicas_until_join_timeout() -> None:
+    qs = _state()
+    qs.heartbeat("b", now=0.0)
+    r = qs.join(_member("a"), now=0.0)
+    assert not qs.try_form(now=1.0)  # b is alive: wait for it
+    assert qs.try_form(now=5.5)  # ... but not longer than the join timeout
+    quorum = qs.quorum(r)
+    assert quorum is not None and [m["replica_id"] for m in quorum["members"]] == ["a"]
+
+
+def test_quorum_forms_without_dead_replicas_and_respects_min_replicas() -> None:
+    qs = _state(min_replicas=2)
+    qs.heartbeat("b", now=0.0)
+    qs.join(_member("a"), now=3.0)  # b's heartbeat expired at 2.0
+    assert not qs.try_form(now=100.0)  # one live replica < min_replicas: never forms
+    r = qs.join(_member("c"), now=100.0)
+    assert qs.try_form(now=100.0)
+    quorum = qs.quorum(r)
+    assert quorum is not None and [m["replica_id"] for m in quorum["members"]] == ["a", "c"]
+
+
+def test_quorum_id_changes_with_membership_or_errors_only() -> None:
+    qs = _state()
+    ids = []
+    for members in (["a", "b"], ["a", "b"], ["a"], ["a"], ["a", "b"]):
+        for name in members:
+            r = qs.join(_member(name), now=0.0)
+        assert qs.try_form(now=10.0)
+        ids.append(qs.quorum(r)["members"] and qs.quorum(r)["quorum_id"])  # type: ignore[index]
+    assert ids == [1, 1, 2, 2, 3]
+    r = qs.join(_member("a", errored=True), now=0.0)
+    qs.join(_member("b"), now=0.0)
+    assert qs.try_form(now=10.0)
+    assert qs.quorum(r)["quorum_id"] == 4  # type: ignore[index]
+
+
+def test_vote_is_refused_by_one_no_or_one_dead_member() -> None:
+    qs = _state()
+    qs.join(_member("a"), now=0.0)
+    r = qs.join(_member("b"), now=0.0)
+    assert qs.try_form(now=0.0)
+    qs.vote(r, "a", True, now=0.5)
+    assert qs.decision(r, now=0.5) is None  # b has not voted and is alive
+    assert qs.decision(r, now=2.6) is False  # b's heartbeat expired before it voted
+    qs.vote(r, "b", True, now=2.7)  # a late yes cannot change a decision
+    assert qs.decision(r, now=2.7) is False
+
+    r2 = qs.join(_member("a"), now=3.0)
+    qs.join(_member("b"), now=3.0)
+    assert qs.try_form(now=3.0)
+    qs.vote(r2, "b", False, now=3.1)
+    assert qs.decision(r2, now=3.1) is False  # no need to wait for a
+    r3 = qs.join(_member("a"), now=4.0)
+    qs.join(_member("b"), now=4.0)
+    assert qs.try_form(now=4.0)
+    qs.vote(r3, "a", True, now=4.0)
+    qs.vote(r3, "b", True, now=4.0)
+    assert qs.decision(r3, now=4.0) is True
+    assert qs.decision(12345, now=4.0) is False  # unknown round: refused, never committed
+
+
+def test_plan_recovery() -> None:
+    members = [_member("a", 5), _member("b", 3), _member("c", 5), _member("d", 0, first=True)]
+    assert plan_recovery(members, init_sync=True) == {"b": "a", "d": "c"}
+    fresh = [_member("a", 0, first=True), _member("b", 0, first=True), _member("c", 0)]
+    assert plan_recovery(fresh, init_sync=True) == {"b": "a"}
+    assert plan_recovery(fresh, init_sync=False) == {}
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [("replica_id", "", "replica_id"), ("min_replica_size", 0, "min_replica_size")],
+)
+def test_manager_config_errors_name_the_field(field: str, value: Any, match: str) -> None:
+    kwargs: dict[str, Any] = {"replica_id": "a", "lighthouse": ("localhost", 1), field: value}
+    with pytest.raises(ValueError, match=match):
+        ManagerConfig(**kwargs)
+
+
+class _StubManager:
+    """Stands in for a Manager: a scripted vote, and a count of what was called."""
+
+    def __init__(self, votes: list[bool]) -> None:
+        self.votes = votes
+        self.quorums = 0
+        self.reduced = 0
+
+    def start_quorum(self) -> None:
+        self.quorums += 1
+
+    def allreduce_gradients(self, params: list[torch.Tensor]) -> None:
+        self.reduced += 1
+
+    def should_commit(self) -> bool:
+        return self.votes.pop(0)
+
+
+def _snapshot(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[dict, dict]:
+    return copy.deepcopy(model.state_dict()), copy.deepcopy(optim.state_dict())
+
+
+def _assert_bit_identical(a: Any, b: Any) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_bit_identical(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        for x, y in zip(a, b, strict=True):
+            _assert_bit_identical(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    else:
+        assert a == b
+
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adam_wd_amsgrad": lambda p: torch.optim.Adam(p, lr=0.1, weight_decay=0.1, amsgrad=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.5),
+    "sgd_momentum_nesterov": lambda p: torch.optim.SGD(
+        p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01
+    ),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_dropped_step_leaves_parameters_and_state_bit_identical(name: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    inner = OPTIMIZERS[name](model.parameters())
+    # Two commits build up momentum / second moments and a step count, then two drops.
+    manager = _StubManager([True, True, False, False, True])
+    optim = OptimizerWrapper(manager, inner)  # type: ignore[arg-type]
+    for i in range(5):
+        optim.zero_grad()
+        model(torch.randn(16, 4)).pow(2).mean().backward()
+        before = _snapshot(model, inner)
+        grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        optim.step()
+        after = _snapshot(model, inner)
+        if i in (2, 3):
+            _assert_bit_identical(before, after)
+            # The wrapper must not touch the gradients either.
+            for g, p in zip(grads, model.parameters(), strict=True):
+                assert torch.equal(g, p.grad)  # type: ignore[arg-type]
+        else:
+            assert not torch.equal(before[0]["0.weight"], after[0]["0.weight"])
+    assert manager.quorums == 5 and manager.reduced == 5
+    state = inner.state_dict()["state"][0]
+    if "step" in state:
+        assert state["step"] == 3  # only the commits counted
+
+
+def test_wrapper_passes_state_through() -> None:
+    model = nn.Linear(2, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    optim = OptimizerWrapper(_StubManager([True]), inner)  # type: ignore[arg-type]
+    assert optim.param_groups is inner.param_groups
+    optim.param_groups[0]["lr"] = 0.25
+    assert inner.param_groups[0]["lr"] == 0.25
+    extra = nn.Parameter(torch.zeros(3))
+    optim.add_param_group({"params": [extra], "lr": 1.0})
+    assert inner.param_groups[1]["params"] == [extra]
+    saved = optim.state_dict()
+    saved["param_groups"][0]["lr"] = 0.125
+    optim.load_state_dict(saved)
+    assert inner.param_groups[0]["lr"] == 0.125
+    # LR schedulers accept the wrapper as an optimizer.
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
+    optim.step()
+    sched.step()
+    assert inner.param_groups[0]["lr"] == 0.0625
