@@ -1,0 +1,536 @@
+"""The sharding planner: caps, infeasibility, 1-64 ranks, balance, constraints, CLI, collectives."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.modules import EmbeddingBagConfig
+from recopt.sharding import ShardingPlan, ShardingType, validate_plan
+from recopt.sharding.planner import (
+    ConstraintError,
+    EmbeddingShardingPlanner,
+    ParameterConstraints,
+    PlannerError,
+    Topology,
+    TopologyError,
+    plan_collectively,
+)
+from recopt.sharding.planner.cli import main, read_config
+from recopt.sharding.planner.constraints import TableWorkload
+from recopt.sharding.planner.perf import replica_cost, shard_cost
+from recopt.sharding.planner.stats import format_bytes, format_ranks
+from recopt.sharding.planner.storage import (
+    rank_output_bytes,
+    replica_storage_bytes,
+    shard_storage_bytes,
+)
+from recopt.sharding.planner.topology import load_topology_values, topology_from_dict
+from recopt.testing import run_on_ranks
+
+GIB = 1024**3
+EXAMPLE = Path(__file__).resolve().parents[1] / "configs" / "planner_example.toml"
+
+
+def table(name: str, rows: int, dim: int, features: int = 1) -> EmbeddingBagConfig:
+    return EmbeddingBagConfig(
+        name=name,
+        num_embeddings=rows,
+        embedding_dim=dim,
+        feature_names=[f"{name}_f{i}" for i in range(features)],
+    )
+
+
+def random_tables(n: int, seed: int, max_rows: int = 200_000) -> list[EmbeddingBagConfig]:
+    rng = random.Random(seed)
+    return [
+        table(
+            f"t{i}", rng.randint(100, max_rows), rng.choice([8, 16, 32, 64, 128]), rng.randint(1, 3)
+        )
+        for i in range(n)
+    ]
+
+
+def recomputed_rank_bytes(
+    plan: ShardingPlan,
+    tables_by_module: dict[str, list[EmbeddingBagConfig]],
+    topo: Topology,
+    batch_size: int,
+    optimizer: FusedOptimizerConfig,
+) -> list[int]:
+    """Per-rank bytes from the plan itself and the storage formulas (not the planner's books)."""
+    used = [0] * topo.world_size
+    for module, tables in tables_by_module.items():
+        for t in tables:
+            ps = plan[module][t.name]
+            w = TableWorkload(
+                batch_size=batch_size,
+                num_features=len(t.feature_names),
+                pooling_factor=1.0,
+                optimizer=ps.optimizer or optimizer,
+            )
+            for r in range(topo.world_size):
+                used[r] += rank_output_bytes(t.embedding_dim, w)
+            if ps.sharding_type is ShardingType.DATA_PARALLEL:
+                for r in ps.ranks:
+                    used[r] += replica_storage_bytes(t.num_embeddings, t.embedding_dim, w)
+            for s in ps.shards:
+                used[s.rank] += shard_storage_bytes(
+                    ps.sharding_type, s.num_rows, s.num_cols, t.num_embeddings, w, topo.world_size
+                )
+    return used
+
+
+# --------------------------------------------------------------------------------------------
+# plans: caps, validity, JSON, 1 to 64 ranks
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8, 17, 64])
+def test_plans_for_1_to_64_ranks_are_valid_under_caps_and_round_trip(world_size: int) -> None:
+    tables = {"sparse.ebc": random_tables(60, seed=world_size), "": [table("tiny", 10, 4)]}
+    topo = Topology(world_size=world_size, ranks_per_host=8, ddr_bytes=2 * GIB)
+    planner = EmbeddingShardingPlanner(topo, batch_size=256)
+    plan = planner.plan(tables)
+    validate_plan(plan, tables, world_size, topo.local_world_size)
+    again = ShardingPlan.from_json(plan.to_json())
+    assert again == plan
+    validate_plan(again, tables, world_size, topo.local_world_size)
+    assert planner.stats is not None
+    used = recomputed_rank_bytes(plan, tables, topo, 256, FusedOptimizerConfig())
+    assert used == list(planner.stats.rank_bytes)
+    assert max(used) <= topo.usable_bytes
+
+
+def test_memory_tight_plan_spreads_a_big_table_and_stays_under_caps() -> None:
+    big = table("big", 3_000_000, 64)  # 768 MiB of weights: more than one rank's 512 MiB
+    tables = {"m": [big, *random_tables(20, seed=1, max_rows=50_000)]}
+    topo = Topology(world_size=4, ddr_bytes=600 * 2**20, reserve_fraction=0.05)
+    planner = EmbeddingShardingPlanner(topo, batch_size=64)
+    plan = planner.plan(tables)
+    assert len(plan["m"]["big"].shards) > 1
+    used = recomputed_rank_bytes(plan, tables, topo, 64, FusedOptimizerConfig())
+    assert max(used) <= topo.usable_bytes
+    validate_plan(plan, tables, 4)
+
+
+def test_adam_state_is_counted() -> None:
+    """The optimizer's state decides feasibility: a table fits with sgd but not with adam."""
+    tables = {"m": [table("t", 1_000_000, 64)]}  # 244 MiB of weights
+    topo = Topology(world_size=1, ddr_bytes=600 * 2**20, reserve_fraction=0.0)
+    EmbeddingShardingPlanner(
+        topo, batch_size=8, default_optimizer=FusedOptimizerConfig(name="sgd")
+    ).plan(tables)
+    adam = EmbeddingShardingPlanner(
+        topo, batch_size=8, default_optimizer=FusedOptimizerConfig(name="adam")
+    )
+    with pytest.raises(PlannerError, match=r"less state than 'adam'"):
+        adam.plan(tables)
+
+
+def test_infeasible_topology_names_the_table_and_shortfall() -> None:
+    tables = {"sparse.ebc": [table("small", 1000, 16), table("huge", 50_000_000, 128)]}
+    topo = Topology(world_size=2, ddr_bytes=1 * GIB)
+    with pytest.raises(PlannerError) as info:
+        EmbeddingShardingPlanner(topo, batch_size=32).plan(tables)
+    message = str(info.value)
+    assert "table 'huge' (module 'sparse.ebc') does not fit" in message
+    assert (
+        "short by" in message
+        and "free of 921.60 MiB usable (1.00 GiB less the 10% reserve" in message
+    )
+    assert "the 2 ranks have" in message and "To fit: add ranks or memory per rank" in message
+
+
+def test_planning_is_deterministic() -> None:
+    tables = {"m": random_tables(200, seed=5)}
+    topo = Topology(world_size=16, ranks_per_host=4, ddr_bytes=4 * GIB)
+    a = EmbeddingShardingPlanner(topo).plan(tables)
+    b = EmbeddingShardingPlanner(topo).plan(tables)
+    assert a.to_json() == b.to_json()
+
+
+@pytest.mark.parametrize(("num_tables", "world_size"), [(200, 8), (500, 16), (1000, 64)])
+def test_balanced_sets_within_10_percent_of_lower_bound(num_tables: int, world_size: int) -> None:
+    rng = random.Random(num_tables)
+    tables = {
+        "m": [
+            table(f"t{i}", rng.randint(50_000, 100_000), 64, rng.randint(1, 2))
+            for i in range(num_tables)
+        ]
+    }
+    topo = Topology(world_size=world_size, ranks_per_host=8, ddr_bytes=8 * GIB)
+    planner = EmbeddingShardingPlanner(topo, batch_size=512)
+    planner.plan(tables)
+    assert planner.stats is not None
+    ratio = planner.stats.max_seconds / planner.stats.lower_bound_seconds
+    assert 1.0 <= ratio <= 1.10, ratio
+
+
+def test_one_dominant_table_gets_split() -> None:
+    """A table costing more than the average rank load is spread so the step time drops."""
+    tables = {
+        "m": [table("hot", 100_000, 128, features=8), *random_tables(7, seed=3, max_rows=1000)]
+    }
+    topo = Topology(world_size=8, ddr_bytes=4 * GIB)
+    planner = EmbeddingShardingPlanner(topo)
+    plan = planner.plan(tables)
+    assert len(plan["m"]["hot"].ranks) > 1
+    tw_only = EmbeddingShardingPlanner(
+        topo, constraints={"hot": ParameterConstraints(sharding_types=(ShardingType.TABLE_WISE,))}
+    )
+    tw_only.plan(tables)
+    assert planner.stats is not None and tw_only.stats is not None
+    assert planner.stats.max_seconds < tw_only.stats.max_seconds
+
+
+# --------------------------------------------------------------------------------------------
+# constraints
+
+
+def test_constraints_are_honoured() -> None:
+    tables = {
+        "a": [table("x", 100_000, 64), table("y", 100_000, 64), table("z", 5000, 32)],
+        "b": [table("x", 1000, 16)],
+    }
+    adam = FusedOptimizerConfig(name="adam", lr=0.002)
+    constraints = {
+        "a.x": ParameterConstraints(sharding_types=(ShardingType.ROW_WISE,)),
+        "y": ParameterConstraints(
+            sharding_types=(ShardingType.COLUMN_WISE,), min_partition=32, optimizer=adam
+        ),
+        "z": ParameterConstraints(
+            compute_kernels=(Backend.FBGEMM,), sharding_types=(ShardingType.DATA_PARALLEL,)
+        ),
+        "b.x": ParameterConstraints(sharding_types=(ShardingType.TABLE_WISE,)),
+    }
+    topo = Topology(world_size=4, ddr_bytes=4 * GIB)
+    plan = EmbeddingShardingPlanner(topo, constraints=constraints).plan(tables)
+    assert plan["a"]["x"].sharding_type is ShardingType.ROW_WISE
+    y = plan["a"]["y"]
+    assert y.sharding_type is ShardingType.COLUMN_WISE and y.optimizer == adam
+    assert all(s.num_cols >= 32 for s in y.shards)
+    assert plan["a"]["z"].sharding_type is ShardingType.DATA_PARALLEL
+    assert plan["a"]["z"].compute_kernel is Backend.FBGEMM
+    assert plan["b"]["x"].sharding_type is ShardingType.TABLE_WISE
+
+
+def test_explicit_column_wise_on_a_narrow_table_is_one_full_height_shard() -> None:
+    c = {"t": ParameterConstraints(sharding_types=(ShardingType.COLUMN_WISE,), min_partition=4)}
+    plan = EmbeddingShardingPlanner(Topology(world_size=2), constraints=c).plan(
+        {"m": [table("t", 100, 6)]}
+    )
+    ps = plan["m"]["t"]
+    assert ps.sharding_type is ShardingType.COLUMN_WISE
+    assert [(s.num_rows, s.num_cols) for s in ps.shards] == [(100, 6)]
+
+
+def test_host_types_stay_on_one_host() -> None:
+    tables = {"m": [table("r", 10_000, 32), table("c", 10_000, 64)]}
+    constraints = {
+        "r": ParameterConstraints(sharding_types=(ShardingType.TABLE_ROW_WISE,)),
+        "c": ParameterConstraints(sharding_types=(ShardingType.TABLE_COLUMN_WISE,)),
+    }
+    topo = Topology(world_size=8, ranks_per_host=4, ddr_bytes=GIB)
+    plan = EmbeddingShardingPlanner(topo, constraints=constraints).plan(tables)
+    for name in ("r", "c"):
+        assert len({r // 4 for r in plan["m"][name].ranks}) == 1
+    assert len(plan["m"]["r"].ranks) == 4
+
+
+def test_pooling_factor_and_batch_size_change_estimates() -> None:
+    tables = {"m": [table("t", 10_000, 32)]}
+    topo = Topology(world_size=2, ddr_bytes=GIB)
+
+    def step(c: ParameterConstraints) -> float:
+        planner = EmbeddingShardingPlanner(topo, constraints={"t": c})
+        planner.plan(tables)
+        assert planner.stats is not None
+        return planner.stats.max_seconds
+
+    base = step(ParameterConstraints())
+    assert step(ParameterConstraints(pooling_factor=10.0)) > base
+    assert step(ParameterConstraints(batch_size=4096)) > base
+
+
+@pytest.mark.parametrize(
+    ("constraints", "message"),
+    [
+        ({"nope": ParameterConstraints()}, r"constraints name table 'nope', which no module has"),
+        (
+            {
+                "t": ParameterConstraints(
+                    compute_kernels=(Backend.FBGEMM,), optimizer=FusedOptimizerConfig(name="adam")
+                )
+            },
+            r"table 't' \(module 'm'\): no allowed kernel can run it: "
+            "fbgemm does not run optimizer 'adam'",
+        ),
+        (
+            {"t": ParameterConstraints(compute_kernels=(Backend.FBGEMM,))},
+            "fbgemm needs shard widths that are multiples of 4, not 6",
+        ),
+    ],
+)
+def test_constraint_errors(constraints: dict[str, ParameterConstraints], message: str) -> None:
+    topo = Topology(world_size=2)
+    with pytest.raises(PlannerError, match=message):
+        EmbeddingShardingPlanner(topo, constraints=constraints).plan({"m": [table("t", 100, 6)]})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sharding_types": ("diagonal",)}, "'diagonal' is not a valid ShardingType"),
+        ({"compute_kernels": ()}, "an empty list allows nothing"),
+        ({"min_partition": 0}, "min_partition must be >= 1, got 0"),
+        ({"pooling_factor": 0.0}, "pooling_factor must be > 0, got 0.0"),
+        ({"batch_size": 0}, "batch_size must be >= 1, got 0"),
+    ],
+)
+def test_parameter_constraints_errors(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConstraintError, match=message):
+        ParameterConstraints(**kwargs)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------
+# topology
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 0}, "world_size must be >= 1, got 0"),
+        ({"world_size": 2, "ranks_per_host": 0}, "ranks_per_host must be an int >= 1, got 0"),
+        ({"world_size": 2, "device": "tpu"}, "device 'tpu' is unknown"),
+        (
+            {"world_size": 2, "reserve_fraction": 1.0},
+            r"reserve_fraction must be in \[0, 1\), got 1.0",
+        ),
+        ({"world_size": 2, "memory_bandwidth": 0.0}, "memory_bandwidth must be > 0 bytes/s"),
+        ({"world_size": 2, "device": "cuda"}, "hbm_bytes is 0 for device 'cuda'"),
+        ({"world_size": 2, "ddr_bytes": -1}, "ddr_bytes must be an int >= 0, got -1"),
+    ],
+)
+def test_topology_errors(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(TopologyError, match=message):
+        Topology(**kwargs)  # type: ignore[arg-type]
+
+
+def test_topology_hosts_and_file_round_trip(tmp_path: Path) -> None:
+    topo = Topology(world_size=10, ranks_per_host=4, ddr_bytes=3 * GIB, inter_host_bandwidth=2e9)
+    assert topo.num_hosts == 3 and list(topo.host_ranks(2)) == [8, 9]
+    path = tmp_path / "topo.toml"
+    path.write_text(topo.to_toml())
+    assert topology_from_dict(load_topology_values(path), str(path)) == topo
+    (tmp_path / "t.json").write_text(json.dumps({"world_size": 3, "ddr_bytes": 1024}))
+    assert topology_from_dict(load_topology_values(tmp_path / "t.json"), "t").world_size == 3
+    with pytest.raises(TopologyError, match=r"unknown topology keys \['nics'\]"):
+        topology_from_dict({"nics": 2, "world_size": 1}, "f")
+    with pytest.raises(TopologyError, match="world_size is not set"):
+        topology_from_dict({}, "f")
+    with pytest.raises(TopologyError, match="cannot be read"):
+        load_topology_values(tmp_path / "missing.toml")
+
+
+# --------------------------------------------------------------------------------------------
+# estimators
+
+
+def test_cost_model_shapes() -> None:
+    w = TableWorkload(
+        batch_size=512, num_features=1, pooling_factor=4.0, optimizer=FusedOptimizerConfig()
+    )
+    one = Topology(world_size=1)
+    eight = Topology(world_size=8)
+    tw1 = shard_cost(ShardingType.TABLE_WISE, 1000, 64, 1000, w, one)
+    assert tw1.fwd_comm == 0.0 and tw1.bwd_comm == 0.0 and tw1.fwd_compute > 0
+    tw8 = shard_cost(ShardingType.TABLE_WISE, 1000, 64, 1000, w, eight)
+    rw8 = shard_cost(ShardingType.ROW_WISE, 125, 64, 1000, w, eight)
+    # A row shard looks up 1/8 of the ids but still reduces pooled partial sums of every bag.
+    assert rw8.fwd_compute < tw8.fwd_compute and rw8.bwd_comm == pytest.approx(tw8.bwd_comm)
+    dp_small = replica_cost(100, 8, w, eight)
+    dp_big = replica_cost(10_000_000, 8, w, eight)
+    assert dp_small.fwd_comm == 0.0 and dp_big.bwd_comm > 1000 * dp_small.bwd_comm
+
+
+def test_storage_counts_optimizer_state() -> None:
+    def bytes_for(name: str) -> int:
+        w = TableWorkload(
+            batch_size=1,
+            num_features=1,
+            pooling_factor=1.0,
+            optimizer=FusedOptimizerConfig(name=name),
+        )
+        return shard_storage_bytes(ShardingType.TABLE_WISE, 1000, 16, 1000, w, 1)
+
+    sgd = bytes_for("sgd")
+    assert bytes_for("adagrad") - sgd == 4 * 1000 * 16
+    assert bytes_for("row_wise_adagrad") - sgd == 4 * 1000
+    assert bytes_for("adam") - sgd == 4 * 2 * 1000 * 16
+    assert bytes_for("row_wise_adam") - sgd == 4 * (1000 * 16 + 1000)
+    assert bytes_for("adafactor") - sgd == 4 * (1000 + 16)
+
+
+def test_format_helpers_and_stats_text() -> None:
+    assert format_bytes(1536) == "1.50 KiB" and format_bytes(12) == "12 B"
+    assert format_ranks((0, 1, 2, 5, 7, 8)) == "0-2,5,7-8"
+    planner = EmbeddingShardingPlanner(Topology(world_size=2))
+    planner.plan({"m": random_tables(5, seed=2)})
+    text = str(planner.stats)
+    assert "estimated step" in text and "rank" in text and "t0" in text
+
+
+def test_planner_argument_errors() -> None:
+    with pytest.raises(PlannerError, match="batch_size must be >= 1, got 0"):
+        EmbeddingShardingPlanner(Topology(world_size=1), batch_size=0)
+    with pytest.raises(PlannerError, match="nothing to plan"):
+        EmbeddingShardingPlanner(Topology(world_size=1)).plan({"m": []})
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+
+
+def test_cli_on_the_example_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    assert main([str(EXAMPLE), "--world-size", "8", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "estimated step" in printed and "query_terms" in printed
+    plan = ShardingPlan.load(out)
+    config = read_config(str(EXAMPLE))
+    validate_plan(plan, {"sparse.ebc": config.tables}, 8, 8)
+    qt = plan["sparse.ebc"]["query_terms"]
+    assert qt.sharding_type in (
+        ShardingType.ROW_WISE,
+        ShardingType.COLUMN_WISE,
+        ShardingType.TABLE_WISE,
+    )
+    assert qt.optimizer is not None and qt.optimizer.name == "adam"
+
+
+def test_cli_topology_file_overrides_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    topo = tmp_path / "topo.toml"
+    topo.write_text("ddr_bytes = 1000\n")  # far too small: the plan must fail on memory
+    assert main([str(EXAMPLE), "--world-size", "2", "--topology", str(topo)]) == 1
+    assert "does not fit" in capsys.readouterr().err
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "model.toml"
+    path.write_text(text)
+    return str(path)
+
+
+TABLE = (
+    '[[embedding.tables]]\nname = "t"\nnum_embeddings = 10\nembedding_dim = 4\n'
+    'feature_names = ["f"]\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[model]\n", r"no \[\[embedding.tables\]\]"),
+        (TABLE + "colour = 1\n", r"entry 0 \('t'\): unknown keys \['colour'\]"),
+        (TABLE.replace("10", "0"), r"entry 0 \('t'\): .*num_embeddings must be an int >= 1, got 0"),
+        (
+            TABLE + "[embedding.optimizer]\nname = 'sgd'\nmomentum = 0.9\n",
+            r"\[embedding.optimizer\]: unknown keys \['momentum'\]",
+        ),
+        (TABLE + "[planner]\nbatch = 3\n", r"\[planner\] has unknown keys \['batch'\]"),
+        (TABLE + "[planner]\nbatch_size = '3'\n", r"\[planner\] batch_size must be int, got '3'"),
+        (
+            TABLE + "[planner.constraints.t]\nsharding = 1\n",
+            r"constraints for table 't': unknown keys \['sharding'\]",
+        ),
+        (
+            TABLE + "[planner.constraints.t]\noptimizer = {name = 'lion'}\n",
+            "constraints for table 't'.*'lion' is unknown",
+        ),
+        ("embedding = 3\n[[x]]\n", r"no \[\[embedding.tables\]\]"),
+        ("not toml [", "cannot read the config"),
+    ],
+)
+def test_cli_config_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    assert main([_write(tmp_path, text), "--world-size", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("recopt-plan: error: ")
+    assert re.search(message, err), err
+
+
+def test_cli_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(EXAMPLE)]) == 2
+    assert "give a config and --world-size" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# planning inside a job
+
+
+def _collective_rank(
+    rank: int, world_size: int, tables: list[EmbeddingBagConfig]
+) -> tuple[str, str]:
+    timeout = datetime.timedelta(seconds=60)
+    planner = EmbeddingShardingPlanner(Topology(world_size=world_size), batch_size=64)
+    plan = plan_collectively(planner, {"m": tables}, timeout=timeout)
+    tiny = EmbeddingShardingPlanner(Topology(world_size=world_size, ddr_bytes=1024))
+    try:
+        plan_collectively(tiny, {"m": tables}, timeout=timeout)
+        failure = "no error"
+    except PlannerError as e:
+        failure = str(e)
+    wrong = EmbeddingShardingPlanner(Topology(world_size=world_size + 1))
+    with pytest.raises(PlannerError, match=f"world_size {world_size + 1} but the process group"):
+        plan_collectively(wrong, {"m": tables}, timeout=timeout)
+    return plan.to_json(), failure
+
+
+@pytest.mark.multiprocess
+def test_plan_collectively_broadcasts_plan_and_failure() -> None:
+    tables = random_tables(10, seed=9, max_rows=5000)
+    results = run_on_ranks(_collective_rank, 2, tables, timeout_s=120)
+    (plan0, fail0), (plan1, fail1) = results
+    assert plan0 == plan1
+    assert ShardingPlan.from_json(plan0) == EmbeddingShardingPlanner(
+        Topology(world_size=2), batch_size=64
+    ).plan({"m": tables})
+    assert (
+        "does not fit" in fail0 and "planning on rank 0 failed" in fail1 and "does not fit" in fail1
+    )
+
+
+@pytest.mark.multiprocess
+def test_calibrate_writes_a_topology_the_cli_reads_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from recopt.sharding.planner import calibrate as calibration
+
+    full = calibration.calibrate
+    monkeypatch.setattr(calibration, "calibrate", lambda rph: full(rph, quick=True))
+    topo_file = tmp_path / "topo.toml"
+    assert main(["--calibrate", "--ranks-per-host", "2", "--output", str(topo_file)]) == 0
+    text = topo_file.read_text()
+    assert "inter_host_bandwidth is NOT measured" in text and "world_size" not in text
+    values = load_topology_values(topo_file)
+    assert values["memory_bandwidth"] > 1e6 and values["intra_host_bandwidth"] > 1e5
+    assert values["ranks_per_host"] == 2 and values["device"] == "cpu"
+    assert main([str(EXAMPLE), "--world-size", "4", "--topology", str(topo_file)]) == 0
+    assert "estimated step" in capsys.readouterr().out
+
+
+def test_dataclass_configs_are_frozen() -> None:
+    for cls in (Topology, ParameterConstraints):
+        assert dataclasses.is_dataclass(cls)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Topology(world_size=1).world_size = 2  # type: ignore[misc]
