@@ -1,0 +1,93 @@
+"""``recopt-reshard``: rewrite a checkpoint for another world size or plan, or export it whole.
+
+recopt-reshard SRC DST --world-size M [--plan plan.json]
+recopt-reshard SRC DST --to-full
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from recopt.checkpoint.reshard import Progress, ReshardReport, export_full, reshard
+from recopt.checkpoint.state import CheckpointError
+from recopt.sharding.plan import PlanError, ShardingPlan
+
+_BAR = 30
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="recopt-reshard",
+        description="Rewrite a recopt checkpoint for another world size or sharding plan "
+        "(streaming, table by table), or export plain unsharded tensors as safetensors.",
+    )
+    parser.add_argument("src", help="a complete recopt checkpoint directory")
+    parser.add_argument("dst", help="the output directory (must not exist)")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--world-size", type=int, help="the world size the output is for")
+    target.add_argument(
+        "--to-full",
+        action="store_true",
+        help="write model.safetensors and state.safetensors with unsharded tensors",
+    )
+    parser.add_argument("--plan", help="the target plan (JSON from ShardingPlan.to_json)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
+
+
+def _draw(p: Progress) -> None:
+    filled = _BAR * p.done_bytes // max(p.total_bytes, 1)
+    line = (
+        f"\r[{'#' * filled}{'.' * (_BAR - filled)}] {p.done_tensors}/{p.total_tensors} tensors "
+        f"{_mib(p.done_bytes)} / {_mib(p.total_bytes)} {p.seconds:.1f}s"
+    )
+    sys.stderr.write(line)
+    sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the tool; returns the process exit status (0 ok, 2 bad arguments or checkpoint)."""
+    args = _parser().parse_args(argv)
+    progress = None if args.quiet else _draw
+    try:
+        if args.to_full:
+            if args.plan:
+                raise PlanError("--plan has no meaning with --to-full (the output is unsharded)")
+            report = export_full(args.src, args.dst, progress=progress)
+        else:
+            plan = ShardingPlan.load(args.plan) if args.plan else None
+            report = reshard(
+                args.src, args.dst, world_size=args.world_size, plan=plan, progress=progress
+            )
+    except (CheckpointError, PlanError, ValueError, OSError) as e:
+        if progress is not None:
+            sys.stderr.write("\n")
+        print(f"recopt-reshard: error: {e}", file=sys.stderr)
+        return 2
+    if progress is not None:
+        sys.stderr.write("\n")
+    print(_summary(args.src, args.dst, report))
+    return 0
+
+
+def _summary(src: str, dst: str, report: ReshardReport) -> str:
+    target = (
+        "unsharded safetensors"
+        if report.target_world_size is None
+        else f"{report.target_world_size} ranks"
+    )
+    rate = report.bytes / max(report.seconds, 1e-9) / (1 << 20)
+    return (
+        f"{src} ({report.source_world_size} ranks) -> {dst} ({target}): {report.tensors} "
+        f"tensors of {report.tables} tables, {_mib(report.bytes)} in {report.seconds:.2f}s "
+        f"({rate:,.0f} MiB/s)"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""Offline resharding: rewrite a checkpoint for another world size or plan, or export it whole.
+
+Works without a process group and streams: each tensor is read alone through DCP (so only
+its bytes are in memory), cut into the chunks the target layout wants, and appended to the
+output, so peak memory stays near the largest tensor rather than the model. The output is an
+ordinary recopt checkpoint (manifest, checksums, atomic rename) that `load` reads at the new
+world size; ``export_full`` writes plain tensors as safetensors for inference or other tools.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import re
+import shutil
+import struct
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from recopt.checkpoint.manifest import (
+    DCP_METADATA_NAME,
+    MANIFEST_NAME,
+    SKELETON_NAME,
+    Manifest,
+    SafeFileSystemReader,
+    file_entry,
+    fsync_dir,
+    read_manifest,
+    verify_files,
+)
+from recopt.checkpoint.state import CheckpointError
+from recopt.sharding.plan import ShardingPlan, ShardingType
+
+# A table's keys: ``model/<module>.embedding_bags.<table>.weight`` and optimizer state under
+# ``.../state/<same fqn>/<table>.<state>``.
+_TABLE_FQN = re.compile(r"(?:^|/)(?P<fqn>(?:[^/]*\.)?embedding_bags\.(?P<table>[^./]+)\.weight)")
+Rect = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of one chunk
+
+
+@dataclass(slots=True)
+class Progress:
+    """Where a reshard or export stands, passed to the progress callback after each tensor."""
+
+    done_tensors: int
+    total_tensors: int
+    done_bytes: int
+    total_bytes: int
+    seconds: float
+    key: str
+
+
+@dataclass(slots=True)
+class ReshardReport:
+    """What a reshard or export did."""
+
+    tensors: int
+    tables: int
+    bytes: int
+    seconds: float
+    source_world_size: int
+    target_world_size: int | None
+
+
+ProgressFn = Callable[[Progress], None]
+
+
+def _nbytes(shape: list[int], dtype: str) -> int:
+    return torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+
+
+def _verified(src: Path) -> tuple[Manifest, Metadata]:
+    manifest = read_manifest(src)
+    problems = verify_files(src, manifest, sorted(manifest.files))
+    if problems:
+        raise CheckpointError(f"checkpoint {src} failed verification:\n  " + "\n  ".join(problems))
+    return manifest, SafeFileSystemReader(src).read_metadata()
+
+
+class _CachedReader(SafeFileSystemReader):
+    """Reuses one verified metadata object for the many single-key reads of a reshard."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
+        return self._metadata
+
+
+def _read_tensor(reader: _CachedReader, key: str, shape: list[int], dtype: str) -> torch.Tensor:
+    """The full tensor ``key``: DCP reads just the chunks of that key, no process group."""
+    full = torch.empty(shape, dtype=getattr(torch, dtype))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load({key: full}, storage_reader=reader, no_dist=True)
+    return full
+
+
+def _table_of(key: str) -> tuple[str, str] | None:
+    """(module path, table) of a table's weight or optimizer-state key, else ``None``."""
+    match = _TABLE_FQN.search(key)
+    if match is None:
+        return None
+    module = match.group("fqn")[: -len(f"embedding_bags.{match.group('table')}.weight")]
+    return module.rstrip("."), match.group("table")
+
+
+def _even_rows(shape: list[int], world_size: int) -> list[Rect]:
+    rows, per = shape[0], -(-shape[0] // world_size)
+    rest = tuple(shape[1:])
+    return [
+        ((start,) + (0,) * len(rest), (min(per, rows - start),) + rest)
+        for start in range(0, rows, per)
+    ]
+
+
+def target_chunks(
+    key: str, shape: list[int], plan: ShardingPlan | None, world_size: int, was_sharded: bool
+) -> list[Rect]:
+    """The chunks ``key`` is written in: the plan's rectangles for a table's weight and
+    element-wise state, its row ranges for row-wise state, otherwise one chunk (replicated
+    tensors, scalars) or an even row split over ``world_size`` (sharded tensors, no plan)."""
+    whole: list[Rect] = [((0,) * len(shape), tuple(shape))]
+    if not shape:
+        return whole
+    table = _table_of(key)
+    sharding = None
+    if plan is not None and table is not None:
+        sharding = (plan.get(table[0]) or {}).get(table[1])
+    if sharding is None:
+        return _even_rows(shape, world_size) if was_sharded else whole
+    if sharding.sharding_type == ShardingType.DATA_PARALLEL:
+        return whole
+    rects: list[Rect]
+    if len(shape) == 2:
+        rects = [((s.row_offset, s.col_offset), (s.num_rows, s.num_cols)) for s in sharding.shards]
+    else:
+        rows = sorted({(s.row_offset, s.num_rows) for s in sharding.shards})
+        rects = [((r0,) + (0,) * (len(shape) - 1), (nr, *shape[1:])) for r0, nr in rows]
+    volume = sum(torch.Size(sizes).numel() for _, sizes in rects)
+    if volume != torch.Size(shape).numel():
+        return _even_rows(shape, world_size)  # not this table's shape (e.g. [dim] state)
+    return rects
+
+
+def _chunk(full: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    view = full
+    for dim, (o, n) in enumerate(zip(offsets, sizes, strict=True)):
+        view = view.narrow(dim, o, n)
+    # torch.save writes a view's whole storage: give it a tensor that owns exactly its bytes.
+    if view.is_contiguous() and view.untyped_storage().nbytes() == view.nbytes:
+        return view
+    return view.clone(memory_format=torch.contiguous_format)
+
+
+def _batches(manifest: Manifest, budget: int) -> Iterator[list[str]]:
+    """Keys grouped so that small tensors share a read; a big tensor is read alone."""
+    batch: list[str] = []
+    size = 0
+    for key, entry in sorted(manifest.tensors.items()):
+        nbytes = _nbytes(entry.shape, entry.dtype)
+        if batch and size + nbytes > budget:
+            yield batch
+            batch, size = [], 0
+        batch.append(key)
+        size += nbytes
+    if batch:
+        yield batch
+
+
+def reshard(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    world_size: int,
+    plan: ShardingPlan | None = None,
+    progress: ProgressFn | None = None,
+    batch_bytes: int = 64 << 20,
+) -> ReshardReport:
+    """Rewrite checkpoint ``src`` as ``dst`` laid out for ``world_size`` ranks (and ``plan``).
+
+    Args:
+        src: a complete recopt checkpoint (verified in full first).
+        dst: the new checkpoint directory; must not exist.
+        world_size: the target world size (recorded in the manifest; sets the row split of
+            sharded tensors that ``plan`` does not place).
+        plan: the target plan; tables it places are chunked by its shards.
+        progress: called after every tensor.
+        batch_bytes: small tensors are read together up to this many bytes.
+
+    Returns:
+        What was done.
+
+    Raises:
+        CheckpointError: ``src`` is damaged or ``dst`` exists.
+    """
+    src, dst = Path(src), Path(dst)
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    manifest, metadata = _verified(src)
+    partial = _fresh_partial(dst)
+    reader = _CachedReader(src, metadata)
+    start = time.perf_counter()
+    total = sum(_nbytes(e.shape, e.dtype) for e in manifest.tensors.values())
+    new_chunks: dict[str, list[ChunkStorageMetadata]] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    done = done_bytes = 0
+    for file_index, keys in enumerate(_batches(manifest, batch_bytes)):
+        name = f"__{file_index}_0.distcp"
+        with open(partial / name, "wb") as out:
+            for key in keys:
+                entry = manifest.tensors[key]
+                full = _read_tensor(reader, key, entry.shape, entry.dtype)
+                sharded = len(getattr(metadata.state_dict_metadata[key], "chunks", [])) > 1
+                rects = target_chunks(key, entry.shape, plan, world_size, sharded)
+                new_chunks[key] = []
+                for offsets, sizes in rects:
+                    begin = out.tell()
+                    torch.save(_chunk(full, offsets, sizes), out)
+                    storage[MetadataIndex(key, torch.Size(offsets))] = _StorageInfo(
+                        name, begin, out.tell() - begin
+                    )
+                    new_chunks[key].append(
+                        ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+                    )
+                del full
+                done += 1
+                done_bytes += _nbytes(entry.shape, entry.dtype)
+                if progress is not None:
+                    elapsed = time.perf_counter() - start
+                    total_n = len(manifest.tensors)
+                    progress(Progress(done, total_n, done_bytes, total, elapsed, key))
+            out.flush()
+            os.fsync(out.fileno())
+    _write_metadata(partial, metadata, new_chunks, storage)
+    plan_json = plan.to_json() if plan is not None else manifest.plan
+    _finish_copy(src, dst, partial, manifest, world_size, plan_json)
+    return ReshardReport(
+        tensors=len(manifest.tensors),
+        tables=len({t for k in manifest.tensors if (t := _table_of(k)) is not None}),
+        bytes=total,
+        seconds=time.perf_counter() - start,
+        source_world_size=manifest.world_size,
+        target_world_size=world_size,
+    )
+
+
+def _fresh_partial(dst: Path) -> Path:
+    if dst.exists():
+        raise CheckpointError(f"{dst} exists; choose a new output directory")
+    partial = dst.parent / f".{dst.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def _write_metadata(
+    partial: Path,
+    source: Metadata,
+    chunks: dict[str, list[ChunkStorageMetadata]],
+    storage: dict[MetadataIndex, _StorageInfo],
+) -> None:
+    tensors: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {
+        key: dataclasses.replace(md, chunks=chunks[key])
+        for key, md in source.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+    metadata = dataclasses.replace(
+        source, state_dict_metadata=tensors, storage_data=storage, storage_meta=None
+    )
+    with open(partial / DCP_METADATA_NAME, "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def _finish_copy(
+    src: Path, dst: Path, partial: Path, manifest: Manifest, world_size: int, plan: str | None
+) -> None:
+    """Copy the JSON side files, write the new manifest, rename into place."""
+    for name in manifest.files:
+        if name == SKELETON_NAME or name.startswith("rank_"):
+            shutil.copyfile(src / name, partial / name)
+    files = {f.name: file_entry(f) for f in sorted(partial.iterdir()) if f.name != MANIFEST_NAME}
+    Manifest(
+        world_size=world_size,
+        step=manifest.step,
+        plan=plan,
+        files=files,
+        tensors=manifest.tensors,
+    ).write(partial)
+    fsync_dir(partial)
+    partial.rename(dst)
+    fsync_dir(dst.parent)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export to safetensors, streamed: the header is computed from the manifest, then each tensor
+# is read and appended in turn, so no more than one tensor is ever in memory.
+
+_SAFETENSORS_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+
+
+def export_full(
+    src: str | Path, dst: str | Path, *, progress: ProgressFn | None = None
+) -> ReshardReport:
+    """Export ``src`` as unsharded tensors: ``model.safetensors`` (the model's state dict keys)
+    and ``state.safetensors`` (optimizer and extra tensors, keyed by checkpoint path).
+
+    Raises:
+        CheckpointError: ``src`` is damaged, ``dst`` exists, or a dtype safetensors lacks.
+    """
+    src, dst = Path(src), Path(dst)
+    manifest, metadata = _verified(src)
+    partial = _fresh_partial(dst)
+    reader = _CachedReader(src, metadata)
+    start = time.perf_counter()
+    total = sum(_nbytes(e.shape, e.dtype) for e in manifest.tensors.values())
+    groups = {
+        "model.safetensors": [k for k in sorted(manifest.tensors) if k.startswith("model/")],
+        "state.safetensors": [k for k in sorted(manifest.tensors) if not k.startswith("model/")],
+    }
+    done = done_bytes = 0
+    for file_name, keys in groups.items():
+        names = {
+            k: k.removeprefix("model/") if file_name == "model.safetensors" else k for k in keys
+        }
+        with open(partial / file_name, "wb") as out:
+            out.write(_safetensors_header(manifest, keys, names))
+            for key in keys:
+                entry = manifest.tensors[key]
+                full = _read_tensor(reader, key, entry.shape, entry.dtype)
+                out.write(full.reshape(-1).view(torch.uint8).numpy().data)
+                done += 1
+                done_bytes += full.nbytes
+                if progress is not None:
+                    elapsed = time.perf_counter() - start
+                    progress(Progress(done, len(manifest.tensors), done_bytes, total, elapsed, key))
+    partial.rename(dst)
+    return ReshardReport(
+        tensors=len(manifest.tensors),
+        tables=len({t for k in manifest.tensors if (t := _table_of(k)) is not None}),
+        bytes=total,
+        seconds=time.perf_counter() - start,
+        source_world_size=manifest.world_size,
+        target_world_size=None,
+    )
+
+
+def _safetensors_header(manifest: Manifest, keys: list[str], names: dict[str, str]) -> bytes:
+    header: dict[str, object] = {
+        "__metadata__": {"format": "pt", "source": "recopt", "step": str(manifest.step)}
+    }
+    offset = 0
+    for key in keys:
+        entry = manifest.tensors[key]
+        if entry.dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{key}: dtype {entry.dtype} has no safetensors equivalent")
+        size = _nbytes(entry.shape, entry.dtype)
+        header[names[key]] = {
+            "dtype": _SAFETENSORS_DTYPES[entry.dtype],
+            "shape": entry.shape,
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned
+    return struct.pack("<Q", len(text)) + text
