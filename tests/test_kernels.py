@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from recopt.kernels import cpu_fused
-from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
+from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
+from recopt.kernels.factory import CPU_POLICY, choose_backend, create_kernel
 from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
 
 CPU = torch.device("cpu")
@@ -203,3 +204,314 @@ def test_native_library_builds() -> None:
     if not cpu_fused.available():
         pytest.skip("no C compiler here: the torch-ops path is what runs")
     assert cpu_fused.available()
+
+
+def _make_kernel(
+    cfg: FusedOptimizerConfig, native: bool = True, **kw: object
+) -> RecoptTableBatchedEmbedding:
+    pooling = kw.pop("pooling", PoolingType.SUM)
+    assert isinstance(pooling, PoolingType)
+    return RecoptTableBatchedEmbedding(
+        TABLES, FEATURE_TABLE_MAP, cfg, pooling, CPU, use_native=native
+    )
+
+
+def _dense_grads(
+    weights: list[torch.Tensor],
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    upstream: torch.Tensor,
+) -> list[torch.Tensor]:
+    """float64 gradient of sum(pool(weights) * upstream) w.r.t. each whole table."""
+    leaf = [w.detach().double().requires_grad_(True) for w in weights]
+    out = reference_pool(leaf, FEATURE_TABLE_MAP, indices, offsets, None, PoolingType.SUM)
+    (out * upstream).sum().backward()
+    return [w.grad for w in leaf]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_adam_equals_sparse_adam(native: bool) -> None:
+    cfg = FusedOptimizerConfig(name="adam", lr=0.02, betas=(0.8, 0.99), eps=1e-7)
+    kernel = _make_kernel(cfg, native)
+    params = [torch.nn.Parameter(w.double().clone()) for w in kernel.split_embedding_weights()]
+    sparse_adam = torch.optim.SparseAdam(params, lr=0.02, betas=(0.8, 0.99), eps=1e-7)
+    gen = torch.Generator().manual_seed(3)
+    rows = [t.num_embeddings for t in TABLES]
+    for step in range(5):
+        indices, offsets, _ = make_batch(gen, [rows[t] for t in FEATURE_TABLE_MAP], False)
+        if step == 2:  # table 1 (feature 1) gets no ids: its step still advances
+            lengths = offsets.diff()
+            keep = torch.ones_like(indices, dtype=torch.bool)
+            keep[int(offsets[BATCH]) : int(offsets[2 * BATCH])] = False
+            indices = indices[keep]
+            lengths[BATCH : 2 * BATCH] = 0
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        out = kernel(indices, offsets)
+        upstream = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        out.backward(upstream.float())
+        grads = _dense_grads(params, indices, offsets, upstream)
+        for t, (p, g) in enumerate(zip(params, grads, strict=True)):
+            rows_t = touched_rows(FEATURE_TABLE_MAP, t, indices, offsets)
+            p.grad = torch.sparse_coo_tensor(
+                rows_t[None], g[rows_t], g.shape, check_invariants=True
+            )
+        sparse_adam.step()
+    for t, (w, p) in enumerate(zip(kernel.split_embedding_weights(), params, strict=True)):
+        rel = (w.double() - p.detach()).norm() / p.detach().norm()
+        assert rel < 1e-6, f"table {t}: relative error {rel:.2e}"
+        state = kernel.split_optimizer_states()[t]
+        assert int(state["step"]) == sparse_adam.state[p]["step"] == 5
+        for name in ("exp_avg", "exp_avg_sq"):
+            ref = sparse_adam.state[p][name]
+            assert (state[name].double() - ref).norm() / ref.norm() < 1e-6
+
+
+def _batch_touching_all_rows(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row of every table appears (feature 0 covers t0, feature 1 covers t1)."""
+    rows = [TABLES[t].num_embeddings for t in FEATURE_TABLE_MAP]
+    ids, lengths = [], []
+    for f, r in enumerate(rows):
+        extra = (
+            torch.randint(0, r, (r // 2,), generator=gen)
+            if f != 2
+            else torch.zeros(0, dtype=torch.int64)
+        )
+        feature_ids = torch.cat([torch.randperm(r, generator=gen), extra])
+        cuts = torch.sort(
+            torch.randint(0, feature_ids.numel() + 1, (BATCH - 1,), generator=gen)
+        ).values
+        bounds = torch.cat([torch.tensor([0]), cuts, torch.tensor([feature_ids.numel()])])
+        ids.append(feature_ids)
+        lengths.append(bounds.diff())
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cat(lengths).cumsum(0)])
+    return torch.cat(ids), offsets
+
+
+@pytest.mark.parametrize(
+    ("weight_decay", "maximize", "lr"), [(0.0, False, 0.01), (0.1, True, 0.5), (0.0, False, 0.002)]
+)
+def test_adafactor_equals_torch_when_all_rows_touched(
+    weight_decay: float, maximize: bool, lr: float
+) -> None:
+    cfg = FusedOptimizerConfig(
+        name="adafactor",
+        lr=lr,
+        eps=None,
+        weight_decay=weight_decay,
+        maximize=maximize,
+        clip_threshold=1.0,
+    )
+    kernel = _make_kernel(cfg)
+    params = [torch.nn.Parameter(w.double().clone()) for w in kernel.split_embedding_weights()]
+    eps1 = torch.finfo(torch.float32).eps  # the kernel's default epsilon1 (float32 weights)
+    adafactor = torch.optim.Adafactor(
+        params, lr=lr, eps=(eps1, 1e-3), d=1.0, weight_decay=weight_decay, maximize=maximize
+    )
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(4):
+        indices, offsets = _batch_touching_all_rows(gen)
+        out = kernel(indices, offsets)
+        upstream = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        out.backward(upstream.float())
+        for p, g in zip(params, _dense_grads(params, indices, offsets, upstream), strict=True):
+            p.grad = g
+        adafactor.step()
+    for w, p, state in zip(
+        kernel.split_embedding_weights(), params, kernel.split_optimizer_states(), strict=True
+    ):
+        torch.testing.assert_close(w.double(), p.detach(), rtol=1e-5, atol=1e-6)
+        ref = adafactor.state[p]
+        torch.testing.assert_close(
+            state["row_var"].double(), ref["row_var"].squeeze(1), rtol=1e-5, atol=1e-9
+        )
+        torch.testing.assert_close(
+            state["col_var"].double(), ref["col_var"].squeeze(0), rtol=1e-5, atol=1e-9
+        )
+        assert int(state["step"]) == int(ref["step"]) == 4
+
+
+def test_adafactor_leaves_absent_rows_and_decays_their_statistic() -> None:
+    kernel = _make_kernel(FusedOptimizerConfig(name="adafactor", lr=0.01))
+    indices, offsets = _batch_touching_all_rows(torch.Generator().manual_seed(1))
+    kernel(indices, offsets).sum().backward()
+    before = [w.clone() for w in kernel.split_embedding_weights()]
+    row_var = kernel.split_optimizer_states()[0]["row_var"].clone()
+    # Step 2 touches only rows 0 and 1 of table 0, and nothing of table 1.
+    offsets2 = torch.tensor([0, 2] + [2] * (3 * BATCH - 1))
+    kernel(torch.tensor([0, 1]), offsets2).sum().backward()
+    after = kernel.split_embedding_weights()
+    assert torch.equal(after[0][2:], before[0][2:]) and torch.equal(after[1], before[1])
+    assert not torch.equal(after[0][:2], before[0][:2])
+    beta2_t = 2.0**-0.8
+    torch.testing.assert_close(
+        kernel.split_optimizer_states()[0]["row_var"][2:], row_var[2:] * (1 - beta2_t)
+    )
+
+
+# fbgemm's CPU kernels mishandle a table shared by two features (EXACT_ADAGRAD updates once
+# per feature, EXACT_ROWWISE_ADAGRAD raises), so the comparison gives each feature its table.
+FBGEMM_MAP = [0, 1]
+
+
+def _fbgemm_tbe(name: str, pooling: PoolingType, lr: float) -> torch.nn.Module:
+    tbe_ops = pytest.importorskip("fbgemm_gpu.split_table_batched_embeddings_ops_training")
+    common = pytest.importorskip("fbgemm_gpu.split_table_batched_embeddings_ops_common")
+    configs = pytest.importorskip("fbgemm_gpu.split_embedding_configs")
+    optim = {
+        "sgd": configs.EmbOptimType.EXACT_SGD,
+        "adagrad": configs.EmbOptimType.EXACT_ADAGRAD,
+        "row_wise_adagrad": configs.EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    }[name]
+    mode = common.PoolingMode.SUM if pooling == PoolingType.SUM else common.PoolingMode.MEAN
+    specs = [
+        (
+            t.num_embeddings,
+            t.embedding_dim,
+            common.EmbeddingLocation.HOST,
+            tbe_ops.ComputeDevice.CPU,
+        )
+        for t in TABLES
+    ]
+    return tbe_ops.SplitTableBatchedEmbeddingBagsCodegen(
+        specs,
+        feature_table_map=FBGEMM_MAP,
+        optimizer=optim,
+        learning_rate=lr,
+        eps=1e-8,
+        pooling_mode=mode,
+        bounds_check_mode=common.BoundsCheckMode.NONE,
+    )
+
+
+@pytest.mark.parametrize("native", NATIVE)
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "row_wise_adagrad"])
+@pytest.mark.parametrize(
+    ("pooling", "weighted"),
+    [(PoolingType.SUM, False), (PoolingType.SUM, True), (PoolingType.MEAN, False)],
+)
+def test_matches_fbgemm(name: str, pooling: PoolingType, weighted: bool, native: bool) -> None:
+    tbe = _fbgemm_tbe(name, pooling, lr=0.05)
+    cfg = FusedOptimizerConfig(name=name, lr=0.05)
+    kernel = RecoptTableBatchedEmbedding(TABLES, FBGEMM_MAP, cfg, pooling, CPU, use_native=native)
+    for mine, theirs in zip(
+        kernel.split_embedding_weights(), tbe.split_embedding_weights(), strict=True
+    ):
+        theirs.copy_(mine)
+    gen = torch.Generator().manual_seed(11)
+    rows = [TABLES[t].num_embeddings for t in FBGEMM_MAP]
+    for _ in range(3):
+        indices, offsets, psw = make_batch(gen, rows, weighted)
+        out = kernel(indices, offsets, psw)
+        expected = tbe(indices, offsets, per_sample_weights=psw)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+        upstream = torch.randn(out.shape, generator=gen)
+        out.backward(upstream)
+        expected.backward(upstream)
+    for mine, theirs in zip(
+        kernel.split_embedding_weights(), tbe.split_embedding_weights(), strict=True
+    ):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    if name != "sgd":
+        for mine_s, theirs_s in zip(
+            kernel.split_optimizer_states(), tbe.split_optimizer_states(), strict=True
+        ):
+            torch.testing.assert_close(
+                mine_s["momentum1"], theirs_s[0].view_as(mine_s["momentum1"])
+            )
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_learning_rate_change_takes_effect_at_next_backward(native: bool) -> None:
+    kernel = _make_kernel(FusedOptimizerConfig(name="sgd", lr=0.1), native)
+    indices, offsets, _ = make_batch(torch.Generator().manual_seed(2), [40, 7, 40], False)
+    out = kernel(indices, offsets)
+    kernel.set_learning_rate(0.0)  # after forward, before backward: backward must use it
+    before = [w.clone() for w in kernel.split_embedding_weights()]
+    out.sum().backward()
+    assert kernel.get_learning_rate() == 0.0
+    assert all(
+        torch.equal(a, b) for a, b in zip(before, kernel.split_embedding_weights(), strict=True)
+    )
+    kernel.set_learning_rate(0.25)
+    kernel(indices, offsets).sum().backward()
+    # d sum / d row = number of occurrences of the row: sgd moves it by lr * count.
+    counts = torch.bincount(indices[: int(offsets[BATCH])], minlength=40).float()
+    counts += torch.bincount(indices[int(offsets[2 * BATCH]) :], minlength=40).float()
+    torch.testing.assert_close(
+        kernel.split_embedding_weights()[0], before[0] - 0.25 * counts[:, None]
+    )
+    with pytest.raises(ValueError, match="learning rate"):
+        kernel.set_learning_rate(-1.0)
+
+
+@pytest.mark.parametrize("native", NATIVE)
+@pytest.mark.parametrize(
+    "name", ["adagrad", "row_wise_adagrad", "adam", "row_wise_adam", "adafactor"]
+)
+def test_state_round_trip(name: str, native: bool) -> None:
+    cfg = FusedOptimizerConfig(name=name, lr=0.05)
+    gen = torch.Generator().manual_seed(4)
+    batches = [make_batch(gen, [40, 7, 40], True) for _ in range(4)]
+    first = _make_kernel(cfg, native)
+    for indices, offsets, psw in batches[:2]:
+        first(indices, offsets, psw).sum().backward()
+    second = _make_kernel(cfg, native)
+    for dst, src in zip(
+        second.split_embedding_weights(), first.split_embedding_weights(), strict=True
+    ):
+        dst.copy_(src)
+    for dst_s, src_s in zip(
+        second.split_optimizer_states(), first.split_optimizer_states(), strict=True
+    ):
+        assert dst_s.keys() == src_s.keys()
+        for key in src_s:
+            assert dst_s[key].shape == src_s[key].shape
+            dst_s[key].copy_(src_s[key])
+    for indices, offsets, psw in batches[2:]:
+        for kernel in (first, second):
+            kernel(indices, offsets, psw).sum().backward()
+    for a, b in zip(first.split_embedding_weights(), second.split_embedding_weights(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_state_names_and_shapes_follow_the_contract() -> None:
+    expected = {
+        "sgd": {},
+        "adagrad": {"momentum1": (40, 8)},
+        "row_wise_adagrad": {"momentum1": (40,)},
+        "adam": {"exp_avg": (40, 8), "exp_avg_sq": (40, 8), "step": ()},
+        "row_wise_adam": {"exp_avg": (40, 8), "exp_avg_sq": (40,), "step": ()},
+        "adafactor": {"row_var": (40,), "col_var": (8,), "step": ()},
+    }
+    for name, shapes in expected.items():
+        states = _make_kernel(FusedOptimizerConfig(name=name)).split_optimizer_states()
+        assert {k: tuple(v.shape) for k, v in states[0].items()} == shapes
+
+
+def test_choose_backend_policy_and_errors() -> None:
+    adam = FusedOptimizerConfig(name="adam")
+    assert choose_backend(TABLES, adam, CPU) == Backend.RECOPT
+    assert choose_backend(TABLES, adam, torch.device("cuda")) == Backend.RECOPT
+    rwa = FusedOptimizerConfig(name="row_wise_adagrad")
+    assert choose_backend(TABLES, rwa, torch.device("cuda")) == Backend.FBGEMM
+    for name in ("sgd", "adagrad", "row_wise_adagrad"):
+        cfg = FusedOptimizerConfig(name=name)
+        assert choose_backend(TABLES, cfg, CPU) == CPU_POLICY.get(name, Backend.RECOPT)
+    odd = [TableSpec(name="user_id", num_embeddings=10, embedding_dim=6)]
+    assert choose_backend(odd, rwa, torch.device("cuda")) == Backend.RECOPT
+    with pytest.raises(ValueError, match="'user_id'.*embedding_dim 6.*use 8"):
+        choose_backend(odd, FusedOptimizerConfig(name="sgd", backend=Backend.FBGEMM), CPU)
+    with pytest.raises(ValueError, match="'t0'.*'adam' is not supported.*backend='recopt'"):
+        choose_backend(TABLES, FusedOptimizerConfig(name="adam", backend=Backend.FBGEMM), CPU)
+    forced = FusedOptimizerConfig(name="sgd", backend=Backend.RECOPT)
+    assert choose_backend(TABLES, forced, torch.device("cuda")) == Backend.RECOPT
+
+
+def test_create_kernel_builds_recopt_and_validates() -> None:
+    cfg = FusedOptimizerConfig(name="adam")
+    kernel = create_kernel(TABLES, FEATURE_TABLE_MAP, cfg, PoolingType.SUM, CPU)
+    assert isinstance(kernel, RecoptTableBatchedEmbedding)
+    with pytest.raises(ValueError, match=r"feature_table_map\[1\] = 5"):
+        create_kernel(TABLES, [0, 5], cfg, PoolingType.SUM, CPU)
+    with pytest.raises(ValueError, match="tables is empty"):
+        create_kernel([], [], cfg, PoolingType.SUM, CPU)
