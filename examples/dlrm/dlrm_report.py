@@ -1,0 +1,122 @@
+"""What the DLRM example shows and keeps: a progress bar, a JSONL metrics log, a PNG of the curves.
+
+Only rank 0 reports. The bar redraws in place on a terminal and prints one line per update
+otherwise (logs of batch jobs stay readable); matplotlib is optional.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+
+class ProgressBar:
+    """``step 120/600 [=====>    ] 20% | 45.3k samples/s | loss 0.512 auc 0.731``.
+
+    Args:
+        total: steps of the run.
+        stream: where to draw (stderr by default).
+        width: characters of the bar itself.
+    """
+
+    def __init__(self, total: int, stream: TextIO | None = None, width: int = 24) -> None:
+        self.total = max(total, 1)
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self.interactive = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._last_len = 0
+
+    def update(self, step: int, samples_per_s: float, metrics: dict[str, float]) -> None:
+        """Redraws the bar at ``step`` with the throughput and the latest metrics."""
+        done = min(step / self.total, 1.0)
+        filled = int(done * self.width)
+        bar = "=" * filled + (">" if filled < self.width else "") + " " * (self.width - filled - 1)
+        shown = " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if math.isfinite(v))
+        line = (
+            f"step {step}/{self.total} [{bar[: self.width]}] {done:4.0%} | "
+            f"{samples_per_s / 1e3:.1f}k samples/s | {shown}"
+        )
+        if self.interactive:
+            pad = " " * max(0, self._last_len - len(line))
+            self.stream.write("\r" + line + pad)
+            self._last_len = len(line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def message(self, text: str) -> None:
+        """Prints a line (validation results, notices) without breaking the bar."""
+        if self.interactive and self._last_len:
+            self.stream.write("\n")
+            self._last_len = 0
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """Ends the bar's line."""
+        if self.interactive and self._last_len:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._last_len = 0
+
+
+class MetricsLog:
+    """Appends one JSON object per record to ``path`` and keeps them for the final plot.
+
+    Args:
+        path: the ``.jsonl`` file (appended to, so a resumed run continues it).
+    """
+
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        self._start = time.time()
+
+    def write(self, step: int, split: str, values: dict[str, float]) -> None:
+        """Writes ``{"step", "split", "time_s", **values}``."""
+        record = {"step": step, "split": split, "time_s": round(time.time() - self._start, 3)}
+        record.update({k: float(v) for k, v in values.items()})
+        self.records.append(record)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def plot_curves(records: list[dict[str, Any]], path: str) -> str | None:
+    """Draws loss and AUC against the step, train and validation, into a PNG.
+
+    Args:
+        records: MetricsLog records.
+        path: the PNG to write.
+
+    Returns:
+        None when written, else a one-line notice of why not (matplotlib missing).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install 'recopt[plot]')"
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric in zip(axes, ("loss", "auc"), strict=True):
+        for split, style in (("train", "-"), ("val", "o-")):
+            points = [
+                (r["step"], r[metric]) for r in records if r["split"] == split and metric in r
+            ]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, style, label=split)
+        ax.set_xlabel("step")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None

@@ -1,0 +1,379 @@
+"""Train DLRM / DCNv2 on the embedded synthetic click log or Criteo TSV files, on 1..N ranks.
+
+    python examples/dlrm/train.py                                  # built-in small config
+    python examples/dlrm/train.py --config configs/dlrm_small.toml --set training.steps=300
+    torchrun --nproc-per-node 2 examples/dlrm/train.py --config configs/dlrm_small.toml
+    python examples/dlrm/train.py --config ... --resume      # continue from the last checkpoint
+
+Sparse tables train with their fused optimizer (the update runs inside backward), the MLPs
+with a torch optimizer; both sit in one CombinedOptimizer under warmup and gradient clipping.
+Rank 0 draws a progress bar, appends metrics to ``<output_dir>/metrics.jsonl`` and, at the
+end, draws ``<output_dir>/curves.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torchmetrics
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from dlrm_config import TrainingConfig, load_config  # noqa: E402
+from dlrm_report import MetricsLog, ProgressBar, plot_curves  # noqa: E402
+
+from recopt.checkpoint import CheckpointManager  # noqa: E402
+from recopt.data import Batch, CriteoClickLog, SyntheticClickLog  # noqa: E402
+from recopt.metrics import click_metrics  # noqa: E402
+from recopt.models import DLRM  # noqa: E402
+from recopt.modules import FusedEmbeddingBagCollection  # noqa: E402
+from recopt.optim import (  # noqa: E402
+    CombinedOptimizer,
+    KeyedOptimizer,
+    KeyedOptimizerWrapper,
+    fused_optimizers,
+    split_fused_parameters,
+)
+from recopt.optim.clipping import GradientClippingOptimizer  # noqa: E402
+from recopt.optim.warmup import WarmupOptimizer  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class RunEnv:
+    """Where this process sits: rank, world size, device (read from torchrun's variables)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_from_environ() -> RunEnv:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        return RunEnv(rank, world_size, local_rank, torch.device("cuda", local_rank))
+    return RunEnv(rank, world_size, local_rank, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the run: model, sharding, optimizers, data
+# ---------------------------------------------------------------------------------------------
+
+
+def build_model(config: TrainingConfig, device: torch.device) -> DLRM:
+    """The unsharded model: fused embedding bags + DLRM / DCNv2 dense part, seeded."""
+    torch.manual_seed(config.training.seed)
+    ebc = FusedEmbeddingBagCollection(
+        config.embedding.tables, optimizer=config.embedding.optimizer, device=device
+    )
+    return DLRM(ebc, config.model).to(device)
+
+
+def shard_model(model: DLRM, config: TrainingConfig, env: RunEnv) -> nn.Module:
+    """PLUG-IN (sharding): one rank trains the model as is; N ranks need the model-parallel
+    wrapper, which shards the embedding bags (plan from the planner) and wraps the rest in DDP.
+    """
+    if env.world_size == 1:
+        return model
+    try:
+        from recopt.sharding import DistributedModelParallel  # type: ignore[attr-defined]
+    except ImportError:
+        raise RuntimeError(
+            f"training on {env.world_size} ranks needs recopt.sharding."
+            "DistributedModelParallel, which this checkout does not have yet; run one process"
+        ) from None
+    wrapped: nn.Module = DistributedModelParallel(model)
+    return wrapped
+
+
+def build_optimizer(model: nn.Module, config: TrainingConfig) -> KeyedOptimizer:
+    """Fused sparse + torch dense optimizer, each under its own warmup, all under clipping."""
+    fused = getattr(model, "fused_optimizer", None)
+    sparse: KeyedOptimizer = (
+        fused if fused is not None else CombinedOptimizer(fused_optimizers(model))
+    )
+    _, dense_params = split_fused_parameters(model)
+    dense_params = {n: p for n, p in dense_params.items() if p.requires_grad}
+    dense = KeyedOptimizerWrapper(dense_params, _dense_factory(config))
+    stages = config.warmup.stages
+    parts: list[tuple[str, KeyedOptimizer]] = [("sparse", sparse), ("dense", dense)]
+    if stages:
+        # Each side keeps its own base LR; the warmup multiplies it.
+        parts = [
+            ("sparse", WarmupOptimizer(sparse, stages, lr=config.embedding.optimizer.lr)),
+            ("dense", WarmupOptimizer(dense, stages, lr=config.dense_optimizer.lr)),
+        ]
+    clip = config.clipping
+    return GradientClippingOptimizer(
+        CombinedOptimizer(parts),
+        clipping=clip.clipping,
+        max_gradient=clip.max_gradient,
+        norm_type=clip.norm_type,
+        timeout=datetime.timedelta(seconds=config.training.timeout_s),
+    )
+
+
+def _dense_factory(config: TrainingConfig) -> Any:
+    opt = config.dense_optimizer
+
+    def factory(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        if opt.name == "adagrad":
+            return torch.optim.Adagrad(
+                params, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay
+            )
+        if opt.name == "adam":
+            return torch.optim.Adam(
+                params, lr=opt.lr, eps=opt.eps, betas=opt.betas, weight_decay=opt.weight_decay
+            )
+        return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
+
+    return factory
+
+
+def feature_sizes(config: TrainingConfig) -> list[tuple[str, int]]:
+    """(feature, rows of its table) in table order: the KJT keys the data must produce."""
+    return [(f, t.num_embeddings) for t in config.embedding.tables for f in t.feature_names]
+
+
+def build_data(
+    config: TrainingConfig, env: RunEnv, split: str
+) -> SyntheticClickLog | CriteoClickLog:
+    """This rank's share of the training (endless) or validation (``val_batches``) stream."""
+    data = config.data
+    features = feature_sizes(config)
+    if data.source == "synthetic":
+        return SyntheticClickLog(
+            features,
+            data.synthetic,
+            data.batch_size,
+            rank=env.rank,
+            world_size=env.world_size,
+            split=split,
+            num_batches=None if split == "train" else data.val_batches,
+        )
+    paths = data.criteo.train_paths if split == "train" else data.criteo.val_paths
+    return CriteoClickLog(
+        paths,
+        [name for name, _ in features],
+        [rows for _, rows in features],
+        data.batch_size,
+        rank=env.rank,
+        world_size=env.world_size,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Training and validation
+# ---------------------------------------------------------------------------------------------
+
+
+class Trainer:
+    """The loop: steps, windowed training metrics, periodic validation and checkpoints."""
+
+    def __init__(self, config: TrainingConfig, env: RunEnv, model: nn.Module) -> None:
+        self.config = config
+        self.env = env
+        self.model = model
+        self.optimizer = build_optimizer(model, config)
+        self.train_data = build_data(config, env, "train")
+        self.metrics = click_metrics().to(env.device)
+        self.loss_mean = torchmetrics.MeanMetric().to(env.device)
+        self.step = 0
+        out = config.training.output_dir
+        self.log = MetricsLog(os.path.join(out, "metrics.jsonl")) if env.is_main else None
+        self.bar = ProgressBar(config.training.steps) if env.is_main else None
+        # PLUG-IN (checkpoints): atomic step_<N> directories, the newest `keep` kept.
+        ckpt = config.checkpoint
+        self.checkpoints = CheckpointManager(
+            ckpt.dir or os.path.join(out, "checkpoints"),
+            keep_last=max(ckpt.keep, 1),
+            timeout=datetime.timedelta(seconds=config.training.timeout_s),
+        )
+
+    def resume(self) -> None:
+        """Loads the newest checkpoint (weights, optimizer, data position, step), if any."""
+        self.optimizer.init_state()  # lazily created state must exist to be loaded in place
+        found = self.checkpoints.load_latest(
+            self.model, self.optimizer, extra={"data": self.train_data}
+        )
+        if found is None:
+            self._say("--resume: no checkpoint yet, starting from step 0")
+            return
+        self.step = int(found[1]["step"])
+        self._say(f"resumed from step {self.step}")
+
+    def save(self) -> None:
+        self.checkpoints.save(
+            self.step,
+            self.model,
+            self.optimizer,
+            extra={"data": self.train_data, "step": self.step},
+        )
+
+    def train_step(self, batch: Batch) -> None:
+        self.model.train()
+        logits = self.model(batch.dense, batch.sparse)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        self.optimizer.zero_grad()
+        loss.backward()  # the embedding rows are updated here, by the fused optimizer
+        self.optimizer.step()
+        with torch.no_grad():
+            self.metrics.update(torch.sigmoid(logits), batch.labels.long())
+            self.loss_mean.update(loss.detach(), weight=batch.labels.numel())
+
+    def run(self) -> dict[str, float]:
+        """Trains to ``training.steps``; returns the last validation metrics."""
+        cfg = self.config.training
+        window_start, window_samples = time.perf_counter(), 0
+        last_val: dict[str, float] = {}
+        for batch in self._batches():
+            self.train_step(batch.to(self.env.device))
+            self.step += 1
+            window_samples += batch.labels.numel() * self.env.world_size
+            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                rate = window_samples / max(time.perf_counter() - window_start, 1e-9)
+                self._report_train(rate)
+                window_start, window_samples = time.perf_counter(), 0
+            if cfg.eval_every and self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                last_val = self.validate()
+            if self.config.checkpoint.every and self.step % self.config.checkpoint.every == 0:
+                self.save()
+            if self.step >= cfg.steps:
+                break
+        if self.bar is not None:
+            self.bar.close()
+        return last_val
+
+    def _batches(self) -> Iterator[Batch]:
+        """Training batches until the data ends, in lockstep across ranks."""
+        yield from self.train_data
+        if self.step < self.config.training.steps:
+            self._say(f"training data exhausted after {self.step} steps")
+
+    def _report_train(self, samples_per_s: float) -> None:
+        values = {k: float(v) for k, v in self.metrics.compute().items()}
+        values["loss"] = float(self.loss_mean.compute())
+        self.metrics.reset()
+        self.loss_mean.reset()
+        if self.log is not None and self.bar is not None:
+            self.log.write(self.step, "train", {**values, "samples_per_s": samples_per_s})
+            self.bar.update(self.step, samples_per_s, {k: values[k] for k in ("loss", "auc", "ne")})
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Metrics over ``data.val_batches`` held-out batches (the same ones every time)."""
+        if self.config.data.val_batches == 0:
+            return {}
+        self.model.eval()
+        metrics = click_metrics().to(self.env.device)
+        loss_mean = torchmetrics.MeanMetric().to(self.env.device)
+        data = build_data(self.config, self.env, "val")
+        for i, batch in enumerate(data):
+            if i >= self.config.data.val_batches:
+                break
+            batch = batch.to(self.env.device)
+            logits = self.model(batch.dense, batch.sparse)
+            loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+            metrics.update(torch.sigmoid(logits), batch.labels.long())
+            loss_mean.update(loss, weight=batch.labels.numel())
+        values = {k: float(v) for k, v in metrics.compute().items()}
+        values["loss"] = float(loss_mean.compute())
+        if self.log is not None:
+            self.log.write(self.step, "val", values)
+        self._say(
+            f"validation at step {self.step}: "
+            + " ".join(f"{k} {v:.4f}" for k, v in sorted(values.items()))
+        )
+        return values
+
+    def _say(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.message(text)
+
+    def finish(self) -> None:
+        """Draws the curves (rank 0), or says in one line why not."""
+        if self.log is None or not self.config.training.plot:
+            return
+        path = os.path.join(self.config.training.output_dir, "curves.png")
+        notice = plot_curves(self.log.records, path)
+        self._say(notice or f"curves: {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--config", help="TOML config (default: the built-in small config)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set training.steps=100 (repeatable)",
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    return parser.parse_args(argv)
+
+
+def train(config: TrainingConfig, env: RunEnv, resume: bool = False) -> dict[str, float]:
+    """Builds everything and trains; returns the final validation metrics."""
+    if config.training.num_threads:
+        torch.set_num_threads(config.training.num_threads)
+    model = shard_model(build_model(config, env.device), config, env)
+    trainer = Trainer(config, env, model)
+    if resume:
+        trainer.resume()
+    result = trainer.run()
+    trainer.finish()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the script; returns 0. A failure on any rank is reported with its rank and raised."""
+    args = parse_args(argv)
+    config = load_config(args.config, args.set)
+    env = _env_from_environ()
+    if env.world_size > 1:
+        backend = "nccl" if env.device.type == "cuda" else "gloo"
+        if env.device.type == "cuda":
+            torch.cuda.set_device(env.device)
+        dist.init_process_group(
+            backend, timeout=datetime.timedelta(seconds=config.training.timeout_s)
+        )
+    try:
+        train(config, env, resume=args.resume)
+    except BaseException as err:
+        sys.stderr.write(
+            f"[rank {env.rank}/{env.world_size}] training failed: {type(err).__name__}: {err}\n"
+        )
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
