@@ -63,6 +63,9 @@ class ManagerConfig:
 class StepParticipant:
     """Something that must learn a step's outcome (e.g. fused embedding rows to roll back)."""
 
+    def on_start(self) -> None:
+        """A step begins (after healing): forget anything left from an unfinished step."""
+
     def on_commit(self) -> None:
         """The step committed."""
 
@@ -166,6 +169,8 @@ class Manager:
             self._apply_quorum(reply)
         except Exception as exc:  # noqa: BLE001 - any failure here only drops the step
             self.report_error(exc)
+        for participant in self._participants:
+            participant.on_start()
 
     def _apply_quorum(self, reply: dict[str, Any]) -> None:
         members: list[dict[str, Any]] = reply["members"]

@@ -1,0 +1,229 @@
+"""Fused embedding tables under fault tolerance: roll back a dropped step, agree across replicas.
+
+A `FusedEmbeddingBagCollection` updates its rows inside backward, before the step's vote.
+`FusedEmbeddingGuard` snapshots, at forward time, every row the batch will touch (weights and
+optimizer state) and writes them back if the vote is no. `average_row_gradients` and
+`union_row_gradients` are the cross-replica halves of the kernel's ``grad_hook``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from recopt.ft.manager import Manager, StepParticipant
+
+logger = logging.getLogger(__name__)
+
+# Optimizers whose update also changes rows the batch did not touch (Adafactor decays the
+# row statistics of every row): their per-row state is snapshotted whole, not by rows.
+_DENSE_STATE_OPTIMIZERS = frozenset({"adafactor"})
+
+
+@dataclass(slots=True)
+class _Table:
+    name: str
+    features: tuple[str, ...]
+    weight: torch.Tensor
+    states: dict[str, torch.Tensor]
+    rows_only: bool  # per-row state can be snapshotted by rows
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    table: _Table
+    ids: torch.Tensor
+    weight_rows: torch.Tensor
+    state_rows: dict[str, torch.Tensor]  # by ids, for per-row state
+    state_whole: dict[str, torch.Tensor]  # scalars, per-column and dense-updated state
+
+
+class FusedEmbeddingGuard(StepParticipant):
+    """Makes a fused embedding collection's in-backward updates part of the step transaction.
+
+    Snapshots are taken in a forward pre-hook, from the input ids, so the guard works with
+    every kernel backend and needs nothing from the kernel: the rows backward updates are
+    exactly the rows forward looked up. Memory per step: the touched rows of each table's
+    weight and state (plus whole scalar / per-column state, and whole per-row state for
+    Adafactor, which decays every row).
+
+    Args:
+        module: a `FusedEmbeddingBagCollection` (``tables``, ``fused_optimizer``).
+        manager: told about this guard so it restores on a dropped step; None to drive
+            `on_commit` / `on_abort` yourself.
+
+    Raises:
+        ValueError: the module does not expose a table's weight under
+            ``embedding_bags.<table>.weight`` in its ``fused_optimizer``.
+    """
+
+    def __init__(self, module: nn.Module, manager: Manager | None = None) -> None:
+        self._tables = _collect_tables(module)
+        self._snapshots: list[_Snapshot] = []
+        self._handle = module.register_forward_pre_hook(self._before_forward)
+        if manager is not None:
+            manager.register_participant(self)
+
+    def _before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not torch.is_grad_enabled() or not args:
+            return  # evaluation: backward will not update anything
+        features = args[0]
+        keys = list(features.keys())
+        bounds = features.offset_per_key()
+        values = features.values()
+        for table in self._tables:
+            parts = [
+                values[bounds[keys.index(f)] : bounds[keys.index(f) + 1]]
+                for f in table.features
+                if f in keys
+            ]
+            if parts:
+                self.snapshot(table, torch.unique(torch.cat(parts)))
+
+    @torch.no_grad()
+    def snapshot(self, table: _Table, ids: torch.Tensor) -> None:
+        """Save ``ids``' rows of ``table`` (weight and state) as they are now."""
+        rows = table.weight.shape[0]
+        ids = ids.to(table.weight.device)
+        state_rows, state_whole = {}, {}
+        for key, value in table.states.items():
+            if table.rows_only and value.dim() >= 1 and value.shape[0] == rows:
+                state_rows[key] = value.index_select(0, ids)
+            else:
+                state_whole[key] = value.clone()
+        weight_rows = table.weight.index_select(0, ids)
+        self._snapshots.append(_Snapshot(table, ids, weight_rows, state_rows, state_whole))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Write every snapshot back, newest first (so a row seen twice gets its oldest value)."""
+        for snap in reversed(self._snapshots):
+            snap.table.weight.index_copy_(0, snap.ids, snap.weight_rows)
+            for key, saved in snap.state_rows.items():
+                snap.table.states[key].index_copy_(0, snap.ids, saved)
+            for key, saved in snap.state_whole.items():
+                snap.table.states[key].copy_(saved)
+        self._snapshots.clear()
+
+    def snapshot_bytes(self) -> int:
+        """Memory held by the current step's snapshots."""
+        total = 0
+        for snap in self._snapshots:
+            tensors = [snap.ids, snap.weight_rows, *snap.state_rows.values()]
+            tensors += list(snap.state_whole.values())
+            total += sum(t.numel() * t.element_size() for t in tensors)
+        return total
+
+    def on_start(self) -> None:
+        self._snapshots.clear()  # leftovers of forwards that never reached a vote
+
+    def on_commit(self) -> None:
+        self._snapshots.clear()
+
+    def on_abort(self) -> None:
+        self.restore()
+
+    def remove(self) -> None:
+        """Detach the forward pre-hook."""
+        self._handle.remove()
+
+
+def _collect_tables(module: nn.Module) -> list[_Table]:
+    optimizer = getattr(module, "fused_optimizer", None)
+    configs = getattr(module, "tables", None)
+    if optimizer is None or configs is None:
+        raise ValueError(
+            f"{type(module).__name__} has no 'fused_optimizer' or 'tables'; "
+            "FusedEmbeddingGuard takes a FusedEmbeddingBagCollection"
+        )
+    params: dict[str, torch.Tensor] = dict(optimizer.params)
+    optimizer_of: dict[int, str] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer_of[id(p)] = str(group.get("optimizer", ""))
+    tables = []
+    for config in configs:
+        key = f"embedding_bags.{config.name}.weight"
+        if key not in params:
+            raise ValueError(f"table {config.name!r}: fused_optimizer has no param {key!r}")
+        weight = params[key]
+        prefix = f"{config.name}."
+        states = {
+            k[len(prefix) :]: v
+            for k, v in optimizer.state.get(weight, {}).items()
+            if isinstance(v, torch.Tensor) and k.startswith(prefix)
+        }
+        rows_only = optimizer_of.get(id(weight)) not in _DENSE_STATE_OPTIMIZERS
+        tables.append(_Table(config.name, tuple(config.feature_names), weight, states, rows_only))
+    return tables
+
+
+def average_row_gradients(
+    ids_U: torch.Tensor, all_ids: list[torch.Tensor], all_grads: list[torch.Tensor]
+) -> torch.Tensor:
+    """This replica's rows' gradients averaged over every replica (0 where one has no row).
+
+    Sums in replica order, so every replica touching a row computes the same bits.
+
+    Args:
+        ids_U: this replica's unique row ids, ascending.
+        all_ids: every replica's unique ids (ascending), in quorum rank order.
+        all_grads: their aggregated row gradients ``[U_r, D]``.
+
+    Returns:
+        ``[U, D]`` averaged gradients for ``ids_U``.
+    """
+    out = all_grads[0].new_zeros(ids_U.numel(), all_grads[0].shape[1])
+    if ids_U.numel() == 0:
+        return out
+    for ids_r, grads_r in zip(all_ids, all_grads, strict=True):
+        pos = torch.searchsorted(ids_U, ids_r).clamp(max=ids_U.numel() - 1)
+        hit = ids_U[pos] == ids_r
+        out.index_add_(0, pos[hit], grads_r[hit])
+    return out.div_(len(all_ids))
+
+
+def union_row_gradients(
+    all_ids: list[torch.Tensor], all_grads: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The union of every replica's rows with their averaged gradients (same on all replicas).
+
+    Returns:
+        ``(ids [V] ascending, grads [V, D])``.
+    """
+    union = torch.unique(torch.cat(all_ids), sorted=True)
+    return union, average_row_gradients(union, all_ids, all_grads)
+
+
+def make_grad_hook(
+    manager: Manager, *, union: bool = False
+) -> Callable[[int, torch.Tensor, torch.Tensor], Any]:
+    """A kernel ``grad_hook`` that averages touched rows' gradients across replica groups.
+
+    Args:
+        manager: the replica group's manager (its quorum and gloo group).
+        union: return ``(ids, grads)`` over the union of all replicas' rows, for a kernel
+            whose hook may widen the row set (what keeps replicas identical); otherwise
+            return grads for this replica's own rows (rows only peers touched are then not
+            updated here, see docs/fault_tolerance.md).
+
+    Returns:
+        ``hook(table_index, ids_U, grads_U_D)``. On a failed collective it returns the
+        local gradients and the step is marked errored (it will be dropped and rolled back).
+    """
+
+    def hook(table: int, ids_U: torch.Tensor, grads_U_D: torch.Tensor) -> Any:
+        gathered_ids = manager.allgather(ids_U)
+        gathered_grads = manager.allgather(grads_U_D) if gathered_ids is not None else None
+        if gathered_ids is None or gathered_grads is None:
+            return (ids_U, grads_U_D) if union else grads_U_D
+        if union:
+            return union_row_gradients(gathered_ids, gathered_grads)
+        return average_row_gradients(ids_U, gathered_ids, gathered_grads)
+
+    return hook

@@ -1,0 +1,169 @@
+"""Fused embedding tables under fault tolerance: dropped steps roll back bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from recopt.ft import Manager, ManagerConfig, OptimizerWrapper
+from recopt.ft.embedding import (
+    FusedEmbeddingGuard,
+    average_row_gradients,
+    union_row_gradients,
+)
+from recopt.ft.lighthouse import Lighthouse, LighthouseConfig
+from recopt.kernels.config import Backend
+from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, FusedOptimizerConfig
+from recopt.sparse import KeyedJaggedTensor
+
+OPTIMIZERS = ["sgd", "adagrad", "row_wise_adagrad", "adam", "row_wise_adam", "adafactor"]
+
+
+def _tables() -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(name="t0", num_embeddings=50, embedding_dim=8, feature_names=["f0"]),
+        EmbeddingBagConfig(
+            name="t1", num_embeddings=30, embedding_dim=4, feature_names=["f1", "f2"]
+        ),
+    ]
+
+
+def _batch(seed: int) -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(seed)
+    ids: dict[str, list[list[int]]] = {}
+    for name, rows in (("f0", 50), ("f1", 30), ("f2", 30)):
+        ids[name] = [
+            torch.randint(0, rows, (int(n),), generator=g).tolist()
+            for n in torch.randint(0, 4, (6,), generator=g)
+        ]
+    return KeyedJaggedTensor.from_id_lists(ids)
+
+
+def _full_state(module: FusedEmbeddingBagCollection) -> dict[str, Any]:
+    return copy.deepcopy(
+        {"model": module.state_dict(), "optim": module.fused_optimizer.state_dict()}
+    )
+
+
+def _assert_equal(a: Any, b: Any) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_equal(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        for x, y in zip(a, b, strict=True):
+            _assert_equal(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
+
+
+def _train(module: nn.Module, seed: int) -> None:
+    module(_batch(seed)).values().pow(2).sum().backward()
+
+
+@pytest.mark.parametrize("backend", [Backend.RECOPT, Backend.AUTO])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_aborted_step_restores_every_table_and_state(name: str, backend: Backend) -> None:
+    torch.manual_seed(0)
+    config = FusedOptimizerConfig(name=name, lr=0.05, weight_decay=0.01, backend=backend)
+    module = FusedEmbeddingBagCollection(_tables(), optimizer=config)
+    guard = FusedEmbeddingGuard(module)
+    for seed in range(3):  # committed steps build up optimizer state (and its step count)
+        guard.on_start()
+        _train(module, seed)
+        guard.on_commit()
+    before = _full_state(module)
+    guard.on_start()
+    _train(module, 10)
+    _train(module, 11)  # two forwards in one step, overlapping rows
+    assert guard.snapshot_bytes() > 0
+    changed = _full_state(module)
+    with pytest.raises(AssertionError):
+        _assert_equal(before, changed)  # the fused update did happen in backward
+    guard.on_abort()
+    _assert_equal(before, _full_state(module))
+    # The next committed step proceeds from the restored state as if nothing happened.
+    twin = FusedEmbeddingBagCollection(_tables(), optimizer=config)
+    twin.load_state_dict(before["model"])
+    twin.fused_optimizer.load_state_dict(before["optim"])
+    guard.on_start()
+    _train(module, 12)
+    guard.on_commit()
+    _train(twin, 12)
+    _assert_equal(_full_state(twin), _full_state(module))
+
+
+def test_no_snapshot_without_grad() -> None:
+    module = FusedEmbeddingBagCollection(_tables(), optimizer=FusedOptimizerConfig(name="sgd"))
+    guard = FusedEmbeddingGuard(module)
+    with torch.no_grad():
+        module(_batch(0))
+    assert guard.snapshot_bytes() == 0
+
+
+def test_row_gradient_averaging_is_consistent_across_replicas() -> None:
+    ids = [torch.tensor([1, 4, 7]), torch.tensor([4, 5]), torch.tensor([], dtype=torch.int64)]
+    grads = [torch.randn(len(i), 3) for i in ids]
+    mine = average_row_gradients(ids[0], ids, grads)
+    torch.testing.assert_close(mine[0], grads[0][0] / 3)
+    torch.testing.assert_close(mine[1], (grads[0][1] + grads[1][0]) / 3)
+    union, union_grads = union_row_gradients(ids, grads)
+    assert union.tolist() == [1, 4, 5, 7]
+    # Every replica computes the same bits for a row both touched.
+    theirs = average_row_gradients(ids[1], ids, grads)
+    assert torch.equal(theirs[0], mine[1]) and torch.equal(union_grads[1], mine[1])
+    assert average_row_gradients(ids[2], ids, grads).shape == (0, 3)
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[Lighthouse]:
+    server = Lighthouse(LighthouseConfig(min_replicas=1), host="127.0.0.1", port=0)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+
+
+def test_manager_rolls_back_fused_tables_with_dense_model(lighthouse: Lighthouse) -> None:
+    """With a real Manager: below min_replica_size nothing commits, dense or fused."""
+    torch.manual_seed(0)
+    sparse = FusedEmbeddingBagCollection(
+        _tables(), optimizer=FusedOptimizerConfig(name="adam", lr=0.1, backend=Backend.RECOPT)
+    )
+    dense = nn.Linear(16, 1)
+    inner = torch.optim.AdamW(dense.parameters(), lr=0.1, weight_decay=0.1)
+
+    def state_dict() -> dict[str, Any]:
+        return _full_state(sparse) | {"dense": dense.state_dict(), "dopt": inner.state_dict()}
+
+    timeout = datetime.timedelta(seconds=10)
+    config = ManagerConfig(
+        replica_id="solo",
+        lighthouse=("127.0.0.1", lighthouse.port),
+        min_replica_size=2,
+        timeout=timeout,
+        quorum_timeout=timeout,
+        hostname="127.0.0.1",
+    )
+    manager = Manager(config, state_dict=state_dict, load_state_dict=lambda s: None)
+    try:
+        FusedEmbeddingGuard(sparse, manager)
+        optim = OptimizerWrapper(manager, inner)
+        before = copy.deepcopy(state_dict())
+        for seed in range(3):
+            optim.zero_grad()
+            dense(sparse(_batch(seed)).values()).pow(2).sum().backward()
+            optim.step()
+        assert manager.current_step() == 0 and manager.num_participants() == 1
+        _assert_equal(before, state_dict())
+    finally:
+        manager.shutdown()
