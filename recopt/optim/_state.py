@@ -1,18 +1,23 @@
-"""Strict, two-phase loading of optimizer state values (tensors, ShardedTensors, nested).
+"""KeyedOptimizer internals: strict two-phase state loading, structure checks, init_state.
 
-`check_value` validates a loaded value against the live one without touching anything, so
-a bad checkpoint fails before any state changes; `copy_value` then copies tensors in place
+`check_value` validates a loaded value against the live one without touching anything, so a
+bad checkpoint fails before any state changes; `copy_value` then copies tensors in place
 (ShardedTensors shard by shard) and replaces Python values.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import MutableMapping, MutableSequence
-from typing import Any
+from collections.abc import Iterable, Mapping, MutableMapping, MutableSequence, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+if TYPE_CHECKING:
+    from recopt.optim.keyed import KeyedOptimizer
+
+_STATE_DICT_KEYS = frozenset({"state", "param_groups"})
 
 
 def _kind(value: Any) -> str:
@@ -147,3 +152,113 @@ def export_value(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(export_value(v) for v in value)
     return copy.deepcopy(value)
+
+
+def describe(names: Iterable[str], limit: int = 4) -> str:
+    """A short sorted listing of names for error messages."""
+    names = sorted(names)
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def top_level_state(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state_dict["state"]`` after checking the state dict's top-level layout."""
+    if not isinstance(state_dict, Mapping) or "state" not in state_dict:
+        raise ValueError(
+            "state_dict must be a mapping with a 'state' entry (from KeyedOptimizer.state_dict())"
+        )
+    extra = set(state_dict) - _STATE_DICT_KEYS
+    if extra:
+        raise ValueError(
+            f"state_dict has unknown top-level keys {describe(map(str, extra))}; "
+            "expected 'state' and optionally 'param_groups'"
+        )
+    new_state = state_dict["state"]
+    if not isinstance(new_state, Mapping):
+        raise ValueError(
+            f"state_dict['state'] must be a mapping name -> state, got {type(new_state).__name__}"
+        )
+    return new_state
+
+
+def validate_structure(
+    params: Mapping[str, Any], state: Mapping[Any, Any], groups: Sequence[Mapping[str, Any]]
+) -> None:
+    """Raise ValueError unless every state key and group parameter is one of ``params``."""
+    names_by_id: dict[int, str] = {}
+    for name, p in params.items():
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(
+                f"params['{name}'] must be a Tensor or ShardedTensor, got {type(p).__name__}"
+            )
+        if id(p) in names_by_id:
+            raise ValueError(
+                f"params '{names_by_id[id(p)]}' and '{name}' are the same tensor; "
+                "give each tensor one name"
+            )
+        names_by_id[id(p)] = name
+    for key in state:
+        if id(key) not in names_by_id:
+            raise ValueError(
+                f"All state keys must be params: state key {key!r:.60} is not in params; "
+                "keep non-parameter state in an attribute of the optimizer instead"
+            )
+    for i, group in enumerate(groups):
+        if "params" not in group:
+            raise ValueError(f"param_groups[{i}] has no 'params' entry")
+        for p in group["params"]:
+            if id(p) not in names_by_id:
+                raise ValueError(
+                    f"param_groups[{i}] holds a tensor of shape {tuple(p.shape)} that is not "
+                    "in params; add it to params under a name"
+                )
+
+
+def _zero_grad_like(p: torch.Tensor, sparse: bool) -> torch.Tensor:
+    if not sparse:
+        return torch.zeros_like(p)
+    # An empty sparse gradient, shaped like nn.Embedding(sparse=True) produces (rows sparse).
+    indices = torch.empty((1, 0), dtype=torch.long, device=p.device)
+    values = torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device)
+    return torch.sparse_coo_tensor(indices, values, p.shape, check_invariants=False)
+
+
+def zero_grad_step(
+    opt: KeyedOptimizer,
+    grouped: list[torch.Tensor],
+    targets: Mapping[str, torch.Tensor],
+    sparse: set[str],
+) -> None:
+    """One step of ``opt`` on zero gradients of ``targets`` that changes no weight or count.
+
+    Other parameters get no gradient (torch optimizers skip them); weight decay is off during
+    the step; weights, gradients and decay are restored and ``step`` counters reset after it.
+    """
+    saved_grads = [(p, p.grad) for p in grouped]
+    saved_weights = [(p, p.detach().clone()) for p in targets.values()]
+    saved_decay = [(g, g["weight_decay"]) for g in opt.param_groups if "weight_decay" in g]
+    try:
+        for p in grouped:
+            p.grad = None  # torch optimizers skip parameters without gradient
+        for name, p in targets.items():
+            p.grad = _zero_grad_like(p, name in sparse)
+        for group, _ in saved_decay:
+            # Decay would otherwise move weights (AdamW) or leak p into state (SGD momentum).
+            group["weight_decay"] = 0.0
+        opt._raw_step()
+    finally:
+        for group, decay in saved_decay:
+            group["weight_decay"] = decay
+        for p, grad in saved_grads:
+            p.grad = grad
+        with torch.no_grad():
+            for p, weight in saved_weights:
+                p.copy_(weight)
+    for p in targets.values():
+        state = opt.state.get(p)
+        if isinstance(state, dict) and "step" in state:
+            step = state["step"]
+            if isinstance(step, torch.Tensor):
+                step.zero_()
+            else:
+                state["step"] = type(step)(0)

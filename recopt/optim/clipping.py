@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from recopt.optim.keyed import KeyedOptimizer, OptimizerWrapper, _describe
+from recopt.optim._state import describe
+from recopt.optim.keyed import KeyedOptimizer, OptimizerWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +116,8 @@ class GradientClippingOptimizer(OptimizerWrapper):
         unknown = set(split) - set(optimizer.params)
         if unknown:
             raise ValueError(
-                f"split_params names {_describe(unknown)}, which are not parameters of the "
-                f"optimizer; known: {_describe(optimizer.params)}"
+                f"split_params names {describe(unknown)}, which are not parameters of the "
+                f"optimizer; known: {describe(optimizer.params)}"
             )
         self._clipping = clipping
         self._max_gradient = float(max_gradient)

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from recopt.optim.keyed import KeyedOptimizer, _describe, _top_level_state
+from recopt.optim._state import describe, top_level_state
+from recopt.optim.keyed import KeyedOptimizer
 
 
 def _prefixed(child: str, key: str) -> str:
@@ -174,7 +175,7 @@ class CombinedOptimizer(KeyedOptimizer):
             if full not in routes or full not in self.params:
                 raise ValueError(
                     f"sparse_grad_parameter_names: '{full}' is not a parameter; known: "
-                    f"{_describe(self.params)}"
+                    f"{describe(self.params)}"
                 )
             per_child[routes[full][0]].append(routes[full][1])
         for (_, opt), names in zip(self._optims, per_child, strict=True):
@@ -194,14 +195,14 @@ class CombinedOptimizer(KeyedOptimizer):
         return result
 
     def _split(self, state_dict: Mapping[str, Any]) -> list[dict[str, Any]]:
-        new_state = _top_level_state(state_dict)
+        new_state = top_level_state(state_dict)
         routes = self._routes()
         parts: list[dict[str, Any]] = [{"state": {}} for _ in self._optims]
         for full, value in new_state.items():
             if full not in routes:
                 raise ValueError(
                     f"state_dict has state for unknown key '{full}'; this optimizer has "
-                    f"{_describe(routes)}"
+                    f"{describe(routes)}"
                 )
             i, key = routes[full]
             parts[i]["state"][key] = value
@@ -213,7 +214,7 @@ class CombinedOptimizer(KeyedOptimizer):
                 children = {owner[0] for owner in owners if owner is not None}
                 if None in owners or len(children) != 1:
                     raise ValueError(
-                        f"param group with params {_describe(map(str, g['params']))} does not "
+                        f"param group with params {describe(map(str, g['params']))} does not "
                         "belong to exactly one child optimizer"
                     )
                 i = children.pop()

@@ -15,17 +15,18 @@ from typing import Any
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from recopt.optim._state import check_value, copy_value, export_value
+from recopt.optim._state import (
+    check_value,
+    copy_value,
+    describe,
+    export_value,
+    top_level_state,
+    validate_structure,
+    zero_grad_step,
+)
 
-_STATE_DICT_KEYS = frozenset({"state", "param_groups"})
 # Keys of a state_dict group that a torch optimizer or an LR scheduler may add on its own.
 _OPTIONAL_GROUP_KEYS = frozenset({"initial_lr", "param_names"})
-
-
-def _describe(names: Iterable[str], limit: int = 4) -> str:
-    names = sorted(names)
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
 def unhooked_step(optimizer: torch.optim.Optimizer) -> Any:
@@ -73,7 +74,7 @@ class KeyedOptimizer(torch.optim.Optimizer):
             self.param_groups = [dict(g) for g in param_groups]
         self.defaults: dict[str, Any] = {}
         self._save_param_groups = False
-        _validate_structure(self.params, self.state, self.param_groups)
+        validate_structure(self.params, self.state, self.param_groups)
 
     def _init_hooks(self) -> None:
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -173,31 +174,31 @@ class KeyedOptimizer(torch.optim.Optimizer):
         self._apply_state_dict(state_dict)
 
     def _check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        new_state = _top_level_state(state_dict)
+        new_state = top_level_state(state_dict)
         own = {name for name, p in self.params.items() if p in self.state}
         if not own and new_state:
             raise ValueError(
                 f"optimizer state is empty (not initialised) but the state_dict has state for "
-                f"{_describe(new_state)}; call init_state() before load_state_dict()"
+                f"{describe(new_state)}; call init_state() before load_state_dict()"
             )
         if own and not new_state:
             raise ValueError(
                 f"state_dict['state'] is empty but this optimizer is initialised (state for "
-                f"{_describe(own)}); load a state_dict saved after the first step"
+                f"{describe(own)}); load a state_dict saved after the first step"
             )
         unknown = set(new_state) - set(self.params)
         if unknown:
             raise ValueError(
-                f"state_dict has state for unknown parameters {_describe(unknown)}; this "
-                f"optimizer has {_describe(self.params)}"
+                f"state_dict has state for unknown parameters {describe(unknown)}; this "
+                f"optimizer has {describe(self.params)}"
             )
         missing = own - set(new_state)
         if missing:
-            raise ValueError(f"state_dict has no state for parameters {_describe(missing)}")
+            raise ValueError(f"state_dict has no state for parameters {describe(missing)}")
         uninitialised = set(new_state) - own
         if uninitialised:
             raise ValueError(
-                f"parameters {_describe(uninitialised)} have no state in this optimizer but do "
+                f"parameters {describe(uninitialised)} have no state in this optimizer but do "
                 "in the state_dict; call init_state() before load_state_dict()"
             )
         for name in own:
@@ -235,12 +236,12 @@ class KeyedOptimizer(torch.optim.Optimizer):
             names = frozenset(name_of[id(p)] for p in group["params"])
             new_group = by_names.get(names)
             if new_group is None:
-                raise ValueError(f"state_dict has no param group with params {_describe(names)}")
+                raise ValueError(f"state_dict has no param group with params {describe(names)}")
             missing = set(group) - set(new_group) - _OPTIONAL_GROUP_KEYS
             if missing:
                 raise ValueError(
-                    f"param group with params {_describe(names)}: state_dict lacks "
-                    f"{_describe(missing)}; load param groups saved by the same optimizer type"
+                    f"param group with params {describe(names)}: state_dict lacks "
+                    f"{describe(missing)}; load param groups saved by the same optimizer type"
                 )
             pairs.append((group, new_group))
         return pairs
@@ -268,8 +269,8 @@ class KeyedOptimizer(torch.optim.Optimizer):
         unknown = sparse - set(self.params)
         if unknown:
             raise ValueError(
-                f"sparse_grad_parameter_names has unknown parameters {_describe(unknown)}; "
-                f"known: {_describe(self.params)}"
+                f"sparse_grad_parameter_names has unknown parameters {describe(unknown)}; "
+                f"known: {describe(self.params)}"
             )
         grouped = {id(p): p for g in self.param_groups for p in g["params"]}
         targets = {
@@ -281,7 +282,7 @@ class KeyedOptimizer(torch.optim.Optimizer):
             and p not in self.state
         }
         if targets:
-            _zero_grad_step(self, list(grouped.values()), targets, sparse)
+            zero_grad_step(self, list(grouped.values()), targets, sparse)
 
     def _raw_step(self) -> None:
         """This optimizer's own update, without hooks (used by ``init_state``)."""
@@ -297,102 +298,6 @@ class KeyedOptimizer(torch.optim.Optimizer):
             f"{type(self).__name__} cannot add param groups; its parameters and state belong "
             "to its owner (use KeyedOptimizerWrapper.add_param_group with named params)"
         )
-
-
-def _top_level_state(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
-    if not isinstance(state_dict, Mapping) or "state" not in state_dict:
-        raise ValueError(
-            "state_dict must be a mapping with a 'state' entry (from KeyedOptimizer.state_dict())"
-        )
-    extra = set(state_dict) - _STATE_DICT_KEYS
-    if extra:
-        raise ValueError(
-            f"state_dict has unknown top-level keys {_describe(map(str, extra))}; "
-            "expected 'state' and optionally 'param_groups'"
-        )
-    new_state = state_dict["state"]
-    if not isinstance(new_state, Mapping):
-        raise ValueError(
-            f"state_dict['state'] must be a mapping name -> state, got {type(new_state).__name__}"
-        )
-    return new_state
-
-
-def _validate_structure(
-    params: Mapping[str, Any], state: Mapping[Any, Any], groups: Sequence[Mapping[str, Any]]
-) -> None:
-    names_by_id: dict[int, str] = {}
-    for name, p in params.items():
-        if not isinstance(p, torch.Tensor):
-            raise ValueError(
-                f"params['{name}'] must be a Tensor or ShardedTensor, got {type(p).__name__}"
-            )
-        if id(p) in names_by_id:
-            raise ValueError(
-                f"params '{names_by_id[id(p)]}' and '{name}' are the same tensor; "
-                "give each tensor one name"
-            )
-        names_by_id[id(p)] = name
-    for key in state:
-        if id(key) not in names_by_id:
-            raise ValueError(
-                f"All state keys must be params: state key {key!r:.60} is not in params; "
-                "keep non-parameter state in an attribute of the optimizer instead"
-            )
-    for i, group in enumerate(groups):
-        if "params" not in group:
-            raise ValueError(f"param_groups[{i}] has no 'params' entry")
-        for p in group["params"]:
-            if id(p) not in names_by_id:
-                raise ValueError(
-                    f"param_groups[{i}] holds a tensor of shape {tuple(p.shape)} that is not "
-                    "in params; add it to params under a name"
-                )
-
-
-def _zero_grad_like(p: torch.Tensor, sparse: bool) -> torch.Tensor:
-    if not sparse:
-        return torch.zeros_like(p)
-    # An empty sparse gradient, shaped like nn.Embedding(sparse=True) produces (rows sparse).
-    indices = torch.empty((1, 0), dtype=torch.long, device=p.device)
-    values = torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device)
-    return torch.sparse_coo_tensor(indices, values, p.shape, check_invariants=False)
-
-
-def _zero_grad_step(
-    opt: KeyedOptimizer,
-    grouped: list[torch.Tensor],
-    targets: Mapping[str, torch.Tensor],
-    sparse: set[str],
-) -> None:
-    saved_grads = [(p, p.grad) for p in grouped]
-    saved_weights = [(p, p.detach().clone()) for p in targets.values()]
-    saved_decay = [(g, g["weight_decay"]) for g in opt.param_groups if "weight_decay" in g]
-    try:
-        for p in grouped:
-            p.grad = None  # torch optimizers skip parameters without gradient
-        for name, p in targets.items():
-            p.grad = _zero_grad_like(p, name in sparse)
-        for group, _ in saved_decay:
-            # Decay would otherwise move weights (AdamW) or leak p into state (SGD momentum).
-            group["weight_decay"] = 0.0
-        opt._raw_step()
-    finally:
-        for group, decay in saved_decay:
-            group["weight_decay"] = decay
-        for p, grad in saved_grads:
-            p.grad = grad
-        with torch.no_grad():
-            for p, weight in saved_weights:
-                p.copy_(weight)
-    for p in targets.values():
-        state = opt.state.get(p)
-        if isinstance(state, dict) and "step" in state:
-            step = state["step"]
-            if isinstance(step, torch.Tensor):
-                step.zero_()
-            else:
-                state["step"] = type(step)(0)
 
 
 class KeyedOptimizerWrapper(KeyedOptimizer):
