@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from recopt.optim import GradientClipping, GradientClippingOptimizer, KeyedOptimizerWrapper
+from recopt.optim import (
+    CombinedOptimizer,
+    FusedOptimizer,
+    GradientClipping,
+    GradientClippingOptimizer,
+    KeyedOptimizerWrapper,
+)
 
 
 def _setup(
@@ -157,3 +164,29 @@ def test_constructor_errors() -> None:
         ValueError, match=r"parameter 'p' is split .* torch.distributed is not initialised"
     ):
         split.step()
+
+
+class _Fused(FusedOptimizer):
+    def step(self, closure: Any = None) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+
+def test_fused_parameters_are_neither_counted_nor_clipped() -> None:
+    table = nn.Parameter(torch.zeros(3))
+    table.grad = torch.full((3,), 100.0)  # whatever a fused module leaves here is not a gradient
+    fused = _Fused({"table": table}, {}, [{"params": [table], "lr": 0.1}])
+    dense_p = nn.Parameter(torch.zeros(2))
+    dense_p.grad = torch.tensor([3.0, 4.0])
+    dense = KeyedOptimizerWrapper({"w": dense_p}, lambda ps: torch.optim.SGD(ps, lr=1.0))
+    opt = GradientClippingOptimizer(
+        CombinedOptimizer([("sparse", fused), ("dense", dense)]),
+        GradientClipping.NORM,
+        max_gradient=1.0,
+    )
+    opt.step()
+    assert float(opt.last_norm) == pytest.approx(5.0)  # type: ignore[arg-type]
+    assert torch.all(table.grad == 100.0)
+    torch.testing.assert_close(dense_p.grad, torch.tensor([0.6, 0.8]))

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from recopt.optim._state import describe
+from recopt.optim.combined import CombinedOptimizer
+from recopt.optim.fused import FusedOptimizer
 from recopt.optim.keyed import KeyedOptimizer, OptimizerWrapper
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,17 @@ def _local_grads(param: torch.Tensor) -> list[torch.Tensor]:
     return grads
 
 
+def _fused_param_ids(optimizer: KeyedOptimizer) -> set[int]:
+    """Parameters updated in backward by a FusedOptimizer anywhere under ``optimizer``."""
+    if isinstance(optimizer, FusedOptimizer):
+        return {id(p) for p in optimizer.params.values()}
+    if isinstance(optimizer, OptimizerWrapper):
+        return _fused_param_ids(optimizer.wrapped)
+    if isinstance(optimizer, CombinedOptimizer):
+        return {i for _, child in optimizer.optimizers for i in _fused_param_ids(child)}
+    return set()
+
+
 def _partial(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """Sum of |g|^p over ``grads`` (max |g| for p = inf), as a float64 CPU scalar."""
     total = torch.zeros((), dtype=torch.float64)
@@ -85,6 +98,8 @@ class GradientClippingOptimizer(OptimizerWrapper):
             gradient pieces are summed across the group. ShardedTensor parameters are split
             across their own group without being listed. Every other parameter is
             replicated and counted once. Every rank must register the same process groups.
+            Parameters of FusedOptimizers (updated in backward, e.g. fused embedding tables)
+            are neither counted nor clipped, and cost no collective.
         skip_nonfinite: when the global norm is inf or nan, skip the step, log a warning and
             count it in ``num_skipped_steps`` (all ranks agree: the norm is global).
         timeout: limit of each norm all-reduce.
@@ -132,7 +147,7 @@ class GradientClippingOptimizer(OptimizerWrapper):
         """Replicated local grads, and per split group (keyed by its ranks): group, grads."""
         replicated: list[torch.Tensor] = []
         split: dict[tuple[int, ...], Any] = {}
-        for name, param in self._optimizer.params.items():
+        for name, param in self._clipped_params():
             if isinstance(param, ShardedTensor):
                 group: Any = param._process_group
             elif name in self._split:
@@ -178,8 +193,12 @@ class GradientClippingOptimizer(OptimizerWrapper):
             )
         return total if math.isinf(self._norm_type) else total ** (1.0 / self._norm_type)
 
+    def _clipped_params(self) -> list[tuple[str, torch.Tensor]]:
+        fused = _fused_param_ids(self._optimizer)
+        return [(n, p) for n, p in self._optimizer.params.items() if id(p) not in fused]
+
     def _all_local_grads(self) -> list[torch.Tensor]:
-        return [g for p in self._optimizer.params.values() for g in _local_grads(p)]
+        return [g for _, p in self._clipped_params() for g in _local_grads(p)]
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Evaluate ``closure`` (if any), clip, then step the wrapped optimizer.
