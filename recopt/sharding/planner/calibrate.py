@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from recopt.sharding.planner.topology import DEFAULT_INTER_HOST_BANDWIDTH, Topology
+from recopt.sharding.planner.topology import NETWORK_10GBE_BANDWIDTH, Topology
 from recopt.testing import run_on_ranks
 
 
@@ -75,7 +75,8 @@ def calibrate(ranks_per_host: int | None = None, quick: bool = False) -> Topolog
         quick: smaller transfers (for tests; less accurate).
 
     Returns:
-        The measured topology; the inter-host bandwidth is the unmeasured default.
+        The measured topology; the inter-host bandwidth is not measured: 10 Gb/s, capped at the
+        measured local all-to-all bandwidth.
     """
     cuda = torch.cuda.is_available()
     rph = ranks_per_host or (torch.cuda.device_count() if cuda else 1)
@@ -92,7 +93,8 @@ def calibrate(ranks_per_host: int | None = None, quick: bool = False) -> Topolog
         ddr_bytes=int(ddr),
         memory_bandwidth=float(int(memory_bw)),
         intra_host_bandwidth=float(int(comm_bw)),
-        inter_host_bandwidth=DEFAULT_INTER_HOST_BANDWIDTH,
+        # Not measurable here; a 10 Gb/s network, never assumed faster than local gloo.
+        inter_host_bandwidth=min(NETWORK_10GBE_BANDWIDTH, float(int(comm_bw))),
     )
 
 
@@ -104,6 +106,6 @@ def topology_file_text(topology: Topology) -> str:
     return (
         "# Written by `recopt-plan --calibrate`; read with `recopt-plan --topology FILE`.\n"
         "# memory_bandwidth: one tensor copy; intra_host_bandwidth: gloo all-to-all between\n"
-        "# local ranks. inter_host_bandwidth is NOT measured (one machine): edit it for your\n"
-        "# network (bytes/s; 1.25e9 is 10 Gb/s).\n" + body + "\n"
+        "# local ranks. inter_host_bandwidth is NOT measured (one machine): 10 Gb/s capped at the\n"
+        "# local figure; edit it for your network (bytes/s; 1.25e9 is 10 Gb/s).\n" + body + "\n"
     )

@@ -240,23 +240,23 @@ def _option(
     cache: dict[tuple[ShardingType, int, int], tuple[int, float]],
 ) -> ShardingOption:
     rows = table.num_embeddings
-    shard_bytes, shard_costs = [], []
-    for n, d in sizes:
+    for n, d in set(sizes):  # row-wise layouts repeat two shapes: estimate each once
         key = (kind, n, d)
-        if key not in cache:  # row-wise layouts repeat two shapes; estimate each once
-            if kind is ShardingType.DATA_PARALLEL:
-                cache[key] = (
-                    replica_storage_bytes(n, d, workload),
-                    replica_cost(n, d, workload, topology).total,
-                )
-            else:
-                cache[key] = (
-                    shard_storage_bytes(kind, n, d, rows, workload, topology.world_size),
-                    shard_cost(kind, n, d, rows, workload, topology).total,
-                )
-        b, t = cache[key]
-        shard_bytes.append(b)
-        shard_costs.append(t)
+        if key in cache:
+            continue
+        if kind is ShardingType.DATA_PARALLEL:
+            cache[key] = (
+                replica_storage_bytes(n, d, workload),
+                replica_cost(n, d, workload, topology).total,
+            )
+        else:
+            cache[key] = (
+                shard_storage_bytes(kind, n, d, rows, workload, topology.world_size),
+                shard_cost(kind, n, d, rows, workload, topology).total,
+            )
+    estimates = [cache[(kind, n, d)] for n, d in sizes]
+    shard_bytes = [b for b, _ in estimates]
+    shard_costs = [t for _, t in estimates]
     return ShardingOption(
         module=module,
         table=table,

@@ -95,18 +95,9 @@ def _partition(
     ranks = _Ranks(topology, base_bytes)
     shard_ranks: list[list[int]] = [[] for _ in options]
     everyone = range(topology.world_size)
-    for i, opt in enumerate(options):
-        if opt.fixed_ranks is None:
-            continue
-        if opt.is_replicated:
-            placed = [(r, opt.shard_bytes[0], opt.shard_costs[0]) for r in opt.fixed_ranks]
-        else:
-            placed = list(zip(opt.fixed_ranks, opt.shard_bytes, opt.shard_costs, strict=True))
-        for r, nbytes, cost in placed:
-            if not ranks.fits(r, nbytes):
-                return ranks.failure(i, nbytes, [r])
-            ranks.add(r, nbytes, cost)
-        shard_ranks[i] = list(opt.fixed_ranks)
+    failure = _place_fixed(options, shard_ranks, ranks)
+    if failure is not None:
+        return failure
     order = sorted(
         (i for i, o in enumerate(options) if o.host_local),
         key=lambda i: (-options[i].total_cost, -options[i].max_shard_bytes, i),
@@ -121,6 +112,36 @@ def _partition(
         i, nbytes = failed
         return ranks.failure(i, nbytes, everyone)
     return Placement(list(options), shard_ranks, ranks.bytes, ranks.cost)
+
+
+def _place_fixed(
+    options: Sequence[ShardingOption], shard_ranks: list[list[int]], ranks: _Ranks
+) -> PlacementFailure | None:
+    """Data-parallel replicas (summed once: they weigh the same on every rank), then row-wise."""
+    replicas = [i for i, o in enumerate(options) if o.is_replicated]
+    replica_bytes = sum(options[i].shard_bytes[0] for i in replicas)
+    replica_cost = sum(options[i].shard_costs[0] for i in replicas)
+    fullest = max(range(len(ranks.bytes)), key=lambda r: (ranks.bytes[r], -r))
+    if not ranks.fits(fullest, replica_bytes):
+        for i in replicas:  # name the replica that overflows
+            nbytes = options[i].shard_bytes[0]
+            if not ranks.fits(fullest, nbytes):
+                return ranks.failure(i, nbytes, [fullest])
+            ranks.bytes[fullest] += nbytes
+    for r in range(len(ranks.bytes)):
+        ranks.add(r, replica_bytes, replica_cost)
+    everyone = list(range(len(ranks.bytes)))
+    for i in replicas:
+        shard_ranks[i] = everyone
+    for i, opt in enumerate(options):
+        if opt.fixed_ranks is None or opt.is_replicated:
+            continue
+        for r, nbytes, cost in zip(opt.fixed_ranks, opt.shard_bytes, opt.shard_costs, strict=True):
+            if not ranks.fits(r, nbytes):
+                return ranks.failure(i, nbytes, [r])
+            ranks.add(r, nbytes, cost)
+        shard_ranks[i] = opt.fixed_ranks
+    return None
 
 
 def _place_free_shards(

@@ -17,12 +17,15 @@ from typing import Any
 GIB = 1024**3
 GB = 1e9
 
-# Measured with `recopt-plan --calibrate` on the 2-core development VM (noisy, shared machine):
-# memory copy ~5 GB/s, gloo all-to-all between 2 local ranks ~1 GB/s. Inter-host bandwidth
-# cannot be measured on one machine; 1.25 GB/s is a 10 Gb/s network.
-DEFAULT_MEMORY_BANDWIDTH = 5.0 * GB
-DEFAULT_INTRA_HOST_BANDWIDTH = 1.0 * GB
-DEFAULT_INTER_HOST_BANDWIDTH = 1.25 * GB
+# Measured with `recopt-plan --calibrate --ranks-per-host 2` on the 2-core development VM
+# (shared with other jobs, so noisy): one tensor copy 8.6 GB/s, gloo all-to-all between two local
+# ranks 0.42 GB/s; rounded down. Inter-host bandwidth cannot be measured on one machine: a
+# 10 Gb/s network carries at most 1.25 GB/s, and gloo there is no faster than between local
+# ranks, so the default is the local figure.
+DEFAULT_MEMORY_BANDWIDTH = 8.0 * GB
+DEFAULT_INTRA_HOST_BANDWIDTH = 0.4 * GB
+DEFAULT_INTER_HOST_BANDWIDTH = 0.4 * GB
+NETWORK_10GBE_BANDWIDTH = 1.25 * GB
 DEVICES = ("cpu", "cuda")
 
 
