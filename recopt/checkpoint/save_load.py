@@ -272,6 +272,8 @@ def load(
     extra = extra or {}
     with _ranks(timeout) as group:
         manifest, skeleton, rank_state = _verify(directory, group)
+        if optimizer is not None and subtree(skeleton, "optim") is not None:
+            _init_state(optimizer)
         live: dict[str, Any] = {"model": model.state_dict()}
         if optimizer is not None:
             live["optim"] = _optimizer_tree(optimizer, model)
@@ -297,6 +299,16 @@ def load(
                 no_dist=group.pg is None,
             )
         return _apply(skeleton, targets, model, optimizer, extra, rank_state, restore_rng_state)
+
+
+def _init_state(optimizer: Optimizers) -> None:
+    # KeyedOptimizers load by copying into existing state, which torch creates lazily at the
+    # first step; init_state() creates it (no-op where it exists) without changing weights.
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer.values()
+    for opt in optimizers:
+        init_state = getattr(opt, "init_state", None)
+        if callable(init_state):
+            init_state()
 
 
 def _top(skeleton: Any) -> list[str]:
