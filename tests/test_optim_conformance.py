@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -192,3 +193,29 @@ def test_fused_update_happens_in_backward_not_step() -> None:
     torch.testing.assert_close(weight.detach(), before - 0.1)
     opt.init_state()  # no-op: state is eager
     assert float(opt.state[weight]["t.momentum1"][0]) == 1.0
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_pickle_round_trip(name: str) -> None:
+    opt = BUILDERS[name]()
+    _fill_grads(opt)
+    opt.step()
+    opt.register_step_pre_hook(lambda *a: None)  # hooks are dropped, as in torch.optim
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # patches opt.step on the instance
+    clone = pickle.loads(pickle.dumps(opt))
+    assert type(clone) is type(opt)
+    sd, clone_sd = opt.state_dict(), clone.state_dict()
+    assert set(clone_sd["state"]) == set(sd["state"])
+    for key, value in sd["state"].items():
+        for k, v in value.items() if isinstance(value, dict) else []:
+            if isinstance(v, torch.Tensor):
+                torch.testing.assert_close(clone_sd["state"][key][k], v)
+    _fill_grads(clone)
+    clone.step()  # still a working optimizer
+
+
+def test_wrapper_views_cannot_be_reassigned() -> None:
+    warm = _warmup()
+    for attr in ("params", "state", "param_groups", "defaults"):
+        with pytest.raises(AttributeError, match=f"set {attr} on the wrapped optimizer"):
+            setattr(warm, attr, {})
