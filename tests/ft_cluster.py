@@ -140,3 +140,6 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     else:
         assert a == b, (a, b)
+
+
+FUSED_WORKER = Path(__file__).resolve().parent / "ft_fused_worker.py"

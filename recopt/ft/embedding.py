@@ -227,3 +227,116 @@ def make_grad_hook(
         return average_row_gradients(ids_U, gathered_ids, gathered_grads)
 
     return hook
+
+
+@dataclass(slots=True)
+class _Touched:
+    kernel: int
+    table: int
+    all_ids: list[torch.Tensor]  # every participant's unique ids, in quorum rank order
+
+
+class EmbeddingReplicaSync(StepParticipant):
+    """Keeps fused tables identical across replica groups (same rows, same updates).
+
+    In backward, each kernel's ``grad_hook`` all-gathers the touched rows' gradients and
+    returns their average over the replicas, so every replica that touched a row applies the
+    same update to the same state. Rows that only some replicas touched are then sent,
+    before the vote, from the lowest-ranked replica that updated them to the others (weight
+    and per-row state; the guard snapshots them first, so a dropped step still restores).
+
+    Args:
+        module: a `FusedEmbeddingBagCollection` whose kernels have a ``grad_hook`` attribute
+            and a ``tables`` list (the recopt backend).
+        manager: the replica group's manager.
+        guard: the collection's `FusedEmbeddingGuard` (restores the rows written here).
+
+    Raises:
+        ValueError: a kernel without ``grad_hook`` (fbgemm), or Adafactor (its per-column
+            statistics depend on rows this replica never sees).
+    """
+
+    def __init__(self, module: nn.Module, manager: Manager, guard: FusedEmbeddingGuard) -> None:
+        self._manager = manager
+        self._guard = guard
+        self._kernels: list[nn.Module] = list(module.kernels())  # type: ignore[operator]
+        by_name = {t.name: t for t in guard._tables}
+        self._tables: list[list[_Table]] = []
+        for k, kernel in enumerate(self._kernels):
+            if not hasattr(kernel, "grad_hook"):
+                raise ValueError(
+                    f"kernel {k} ({type(kernel).__name__}) has no grad_hook, so its rows cannot "
+                    "be kept identical across replica groups; use "
+                    "FusedOptimizerConfig(backend='recopt'), or sync_embeddings=False to let "
+                    "each replica group train its own tables"
+                )
+            specs = list(kernel.tables)  # type: ignore[arg-type]
+            self._tables.append([by_name[s.name] for s in specs])
+            if any(not t.rows_only for t in self._tables[-1]):
+                raise ValueError(
+                    f"kernel {k}: fused optimizer 'adafactor' keeps per-column statistics that "
+                    "replicas cannot agree on row by row; use another fused optimizer or "
+                    "sync_embeddings=False"
+                )
+            setattr(kernel, "grad_hook", self._hook_for(k))  # noqa: B010 - nn.Module typing
+        self._touched: list[_Touched] = []
+        manager.register_participant(self)
+
+    def _hook_for(self, kernel: int) -> Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]:
+        def hook(table: int, ids_U: torch.Tensor, grads_U_D: torch.Tensor) -> torch.Tensor:
+            all_ids = self._manager.allgather(ids_U)
+            all_grads = self._manager.allgather(grads_U_D) if all_ids is not None else None
+            if all_ids is None or all_grads is None:
+                return grads_U_D  # errored: the step is dropped and rolled back anyway
+            self._touched.append(_Touched(kernel, table, all_ids))
+            return average_row_gradients(ids_U, all_ids, all_grads)
+
+        return hook
+
+    def on_start(self) -> None:
+        self._touched.clear()
+
+    def on_commit(self) -> None:
+        self._touched.clear()
+
+    def on_abort(self) -> None:
+        self._touched.clear()
+
+    @torch.no_grad()
+    def before_vote(self) -> None:
+        """Send the rows this replica owns to the replicas that did not update them."""
+        rank = self._manager.participant_rank()
+        for touched in self._touched:
+            table = self._tables[touched.kernel][touched.table]
+            owned = _owned_rows(touched.all_ids, rank)
+            tensors = [table.weight, *self._row_states(table)]
+            gathered_ids = self._manager.allgather(owned)
+            gathered = [self._manager.allgather(t.index_select(0, owned)) for t in tensors]
+            if gathered_ids is None or any(g is None for g in gathered):
+                return
+            mine = touched.all_ids[rank]
+            for r, ids_r in enumerate(gathered_ids):
+                missing = ~torch.isin(ids_r, mine)
+                if r == rank or not bool(missing.any()):
+                    continue
+                self._guard.snapshot(table, ids_r[missing])
+                for t, rows in zip(tensors, gathered, strict=True):
+                    assert rows is not None
+                    t.index_copy_(0, ids_r[missing], rows[r][missing])
+        self._touched.clear()
+
+    @staticmethod
+    def _row_states(table: _Table) -> list[torch.Tensor]:
+        rows = table.weight.shape[0]
+        return [v for _, v in sorted(table.states.items()) if v.dim() >= 1 and v.shape[0] == rows]
+
+
+def _owned_rows(all_ids: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """Rows ``rank`` sends: it touched them, no lower rank did, and some rank did not."""
+    mine = all_ids[rank]
+    keep = torch.zeros_like(mine, dtype=torch.bool)  # someone lacks the row
+    for ids_r in all_ids:
+        keep |= ~torch.isin(mine, ids_r)
+    for ids_r in all_ids[:rank]:
+        keep &= ~torch.isin(mine, ids_r)
+    return mine[keep]

@@ -66,6 +66,9 @@ class StepParticipant:
     def on_start(self) -> None:
         """A step begins (after healing): forget anything left from an unfinished step."""
 
+    def before_vote(self) -> None:
+        """Last collectives of the step (its errors drop the step); skipped if errored."""
+
     def on_commit(self) -> None:
         """The step committed."""
 
@@ -354,6 +357,12 @@ class Manager:
         On True the step and batch counters advance; participants registered with
         `register_participant` are told the outcome either way.
         """
+        for participant in self._participants:
+            if self._errored is None:
+                try:
+                    participant.before_vote()
+                except Exception as exc:  # noqa: BLE001 - a failed exchange drops the step
+                    self.report_error(exc)
         ok = self._errored is None and self._num_participants >= self.config.min_replica_size
         if self._errored is None and not ok:
             logger.warning(

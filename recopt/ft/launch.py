@@ -1,0 +1,162 @@
+"""One call to make a training loop fault tolerant: Manager, OptimizerWrapper, embedding guards.
+
+`make_fault_tolerant(model, optimizer, config)` is what a training script's
+``--fault-tolerant`` flag calls; `manager_config_from_env` reads the launcher's variables
+(entry points pass ``os.environ`` in). The loop then calls ``optimizer.zero_grad()`` BEFORE
+the forward pass (the quorum may heal the model), and ``optimizer.step()`` after backward.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from recopt.ft.client import wait_for_replicas
+from recopt.ft.embedding import EmbeddingReplicaSync, FusedEmbeddingGuard
+from recopt.ft.manager import Manager, ManagerConfig
+from recopt.ft.optim import OptimizerWrapper
+
+logger = logging.getLogger(__name__)
+
+ENV_LIGHTHOUSE = "RECOPT_FT_LIGHTHOUSE"  # host:port of the lighthouse
+ENV_REPLICA_ID = "RECOPT_FT_REPLICA_ID"  # this replica group's stable name
+ENV_MIN_REPLICAS = "RECOPT_FT_MIN_REPLICAS"  # min_replica_size (default 1)
+
+
+@dataclass(slots=True)
+class FaultTolerantTraining:
+    """What `make_fault_tolerant` built; ``optimizer`` replaces the loop's optimizer."""
+
+    manager: Manager
+    optimizer: OptimizerWrapper
+    guards: list[FusedEmbeddingGuard] = field(default_factory=list)
+    syncs: list[EmbeddingReplicaSync] = field(default_factory=list)
+
+    def shutdown(self) -> None:
+        """Stop heartbeats and the checkpoint server, detach the guards."""
+        for guard in self.guards:
+            guard.remove()
+        self.manager.shutdown()
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``host:port`` -> (host, port).
+
+    Raises:
+        ValueError: not of the form ``host:port`` with an integer port.
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"lighthouse address {text!r} is not host:port; e.g. 'node0:29510'")
+    return host, int(port)
+
+
+def manager_config_from_env(
+    environ: Mapping[str, str], *, timeout: datetime.timedelta = datetime.timedelta(seconds=60)
+) -> ManagerConfig:
+    """Manager settings from the ``RECOPT_FT_*`` variables (lighthouse, replica id, min size).
+
+    Args:
+        environ: the entry point's ``os.environ``.
+        timeout: limit of every collective, vote and healing transfer.
+
+    Raises:
+        ValueError: a variable is missing or malformed (the message names it).
+    """
+    for name in (ENV_LIGHTHOUSE, ENV_REPLICA_ID):
+        if not environ.get(name):
+            raise ValueError(
+                f"{name} is not set; --fault-tolerant needs {ENV_LIGHTHOUSE}=host:port (from "
+                f"`python -m recopt.ft.lighthouse`) and a unique {ENV_REPLICA_ID} per replica group"
+            )
+    min_replicas = environ.get(ENV_MIN_REPLICAS, "1")
+    if not min_replicas.isdigit():
+        raise ValueError(f"{ENV_MIN_REPLICAS}={min_replicas!r} is not a positive integer")
+    return ManagerConfig(
+        replica_id=environ[ENV_REPLICA_ID],
+        lighthouse=parse_address(environ[ENV_LIGHTHOUSE]),
+        min_replica_size=int(min_replicas),
+        timeout=timeout,
+        quorum_timeout=timeout,
+    )
+
+
+def _fused_collections(model: nn.Module) -> list[nn.Module]:
+    """Modules whose optimizer runs inside backward (they carry a ``fused_optimizer``)."""
+    found = []
+    for module in model.modules():
+        if hasattr(module, "fused_optimizer") and hasattr(module, "tables"):
+            found.append(module)
+    return found
+
+
+def make_fault_tolerant(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: ManagerConfig,
+    *,
+    wait_for: int = 1,
+    sync_embeddings: bool = True,
+    extra_state: Mapping[str, Any] | None = None,
+) -> FaultTolerantTraining:
+    """Wrap a model and its optimizer for fault-tolerant training across replica groups.
+
+    Every fused embedding collection in ``model`` gets a `FusedEmbeddingGuard` (its
+    in-backward updates are rolled back when a step is dropped). A replica that (re)joins
+    behind the others receives ``model.state_dict()``, ``optimizer.state_dict()`` and the
+    ``state_dict()`` of each ``extra_state`` object (e.g. an LR scheduler) from a peer.
+    Data-loader positions are not healed: each replica group reads its own data.
+
+    Args:
+        model: the whole model (one full copy per replica group).
+        optimizer: its optimizer, e.g. a CombinedOptimizer of fused and dense parts; its
+            dense parameters' gradients are averaged over the replica groups.
+        config: this replica group's manager settings.
+        wait_for: before returning, wait (up to ``config.quorum_timeout``) until this many
+            replica groups are live, so the first quorum has them all.
+        sync_embeddings: keep fused tables identical across replica groups
+            (`EmbeddingReplicaSync`, needs kernels with ``grad_hook``); False lets each
+            replica group train its own tables (healing still copies them).
+        extra_state: name -> object with ``state_dict``/``load_state_dict``, healed too.
+
+    Returns:
+        The manager, the optimizer to use in the loop, and the guards.
+
+    Raises:
+        ValueError: ``sync_embeddings`` with a kernel that cannot take part (no hook).
+    """
+    extras = dict(extra_state or {})
+    init_state = getattr(optimizer, "init_state", None)
+    if callable(init_state):
+        init_state()  # strict in-place loaders need the lazily created state on both sides
+
+    def state_dict() -> dict[str, Any]:
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        return state | {f"extra.{k}": v.state_dict() for k, v in extras.items()}
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        for k, v in extras.items():
+            v.load_state_dict(state[f"extra.{k}"])
+
+    manager = Manager(config, state_dict=state_dict, load_state_dict=load_state_dict)
+    guards, syncs = [], []
+    try:
+        for module in _fused_collections(model):
+            guards.append(FusedEmbeddingGuard(module, manager))
+            if sync_embeddings:
+                syncs.append(EmbeddingReplicaSync(module, manager, guards[-1]))
+    except ValueError:
+        manager.shutdown()
+        raise
+    if wait_for > 1:
+        live = wait_for_replicas(config.lighthouse, wait_for, config.quorum_timeout)
+        logger.info("replica %s: %d replica groups live: %s", config.replica_id, len(live), live)
+    return FaultTolerantTraining(manager, OptimizerWrapper(manager, optimizer), guards, syncs)

@@ -1,0 +1,122 @@
+"""A replica group training fused embedding tables + a dense layer under fault tolerance.
+
+Run as ``python tests/ft_fused_worker.py --replica-id A --lighthouse-port P --out DIR``. The
+kernel's ``grad_hook`` is emulated here as docs/design.md specifies it (called in backward
+with each table's unique ids and aggregated row gradients, before the update), so that the
+cross-replica path runs before the kernel ships it. Writes the same files as ft_worker.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from recopt.ft.launch import make_fault_tolerant
+from recopt.ft.manager import ManagerConfig
+from recopt.kernels.config import Backend
+from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
+from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, FusedOptimizerConfig
+from recopt.optim import CombinedOptimizer, KeyedOptimizerWrapper
+from recopt.sparse import KeyedJaggedTensor
+
+_torch_update = RecoptTableBatchedEmbedding._torch_update
+
+
+def _hooked_update(self: Any, t: int, weight: Any, state: Any, rows: Any, grads: Any) -> None:
+    hook = getattr(self, "grad_hook", None)
+    if hook is not None:
+        grads = hook(t, rows, grads)
+    _torch_update(self, t, weight, state, rows, grads)
+
+
+def _emulate_grad_hook(module: FusedEmbeddingBagCollection) -> None:
+    RecoptTableBatchedEmbedding._torch_update = _hooked_update  # type: ignore[method-assign]
+    for kernel in module.kernels():
+        kernel._use_native = False  # the torch path aggregates row gradients first
+        kernel.grad_hook = None
+
+
+class Model(nn.Module):
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        tables = [
+            EmbeddingBagConfig(name="t0", num_embeddings=40, embedding_dim=8, feature_names=["f0"]),
+            EmbeddingBagConfig(name="t1", num_embeddings=25, embedding_dim=8, feature_names=["f1"]),
+        ]
+        config = FusedOptimizerConfig(name=optimizer, lr=0.05, backend=Backend.RECOPT)
+        self.sparse = FusedEmbeddingBagCollection(tables, optimizer=config)
+        self.dense = nn.Linear(16, 1)
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        out: torch.Tensor = self.dense(self.sparse(features).values())
+        return out
+
+
+def batch(seed: int) -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = {
+        name: [
+            torch.randint(0, rows, (int(n),), generator=g).tolist()
+            for n in torch.randint(1, 4, (4,), generator=g)
+        ]
+        for name, rows in (("f0", 40), ("f1", 25))
+    }
+    return KeyedJaggedTensor.from_id_lists(ids)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--replica-id", required=True)
+    parser.add_argument("--rank-seed", type=int, default=0)
+    parser.add_argument("--lighthouse-port", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--optimizer", default="adam")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--wait-live", type=int, default=2)
+    parser.add_argument("--no-sync", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(args.rank_seed)
+    model = Model(args.optimizer)
+    _emulate_grad_hook(model.sparse)
+    dense = KeyedOptimizerWrapper(
+        dict(model.dense.named_parameters()), lambda p: torch.optim.AdamW(p, lr=0.01)
+    )
+    optimizer = CombinedOptimizer([("sparse", model.sparse.fused_optimizer), ("dense", dense)])
+    timeout = datetime.timedelta(seconds=10)
+    config = ManagerConfig(
+        replica_id=args.replica_id,
+        lighthouse=("127.0.0.1", args.lighthouse_port),
+        timeout=timeout,
+        quorum_timeout=timeout * 3,
+        hostname="127.0.0.1",
+    )
+    ft = make_fault_tolerant(
+        model, optimizer, config, wait_for=args.wait_live, sync_embeddings=not args.no_sync
+    )
+    step_dir = os.path.join(args.out, args.replica_id)
+    os.makedirs(step_dir, exist_ok=True)
+    log = open(os.path.join(args.out, f"{args.replica_id}.jsonl"), "a", buffering=1)
+    while ft.manager.current_step() < args.steps:
+        ft.optimizer.zero_grad()  # before forward: the quorum may heal the model
+        start = ft.manager.current_step()
+        seed = 1000 * start + ft.manager.participant_rank()
+        model(batch(seed)).pow(2).mean().backward()
+        ft.optimizer.step()
+        committed = ft.manager.current_step() > start
+        log.write(json.dumps({"step": start, "committed": committed, "time": time.time()}) + "\n")
+        if committed:
+            state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+            torch.save(state, os.path.join(step_dir, f"step{ft.manager.current_step()}.pt"))
+    ft.shutdown()
+
+
+if __name__ == "__main__":
+    main()
