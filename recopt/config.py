@@ -102,13 +102,42 @@ def _list_index(node: list[Any], part: str, where: str, text: str) -> int:
     return int(part)
 
 
+def to_plain(value: Any) -> Any:
+    """A dataclass (recursively) as the nested dicts and lists TOML would give.
+
+    Enums become their values and tuples lists, so ``from_dict(type(c), to_plain(c), "")``
+    rebuilds ``c``; merging a file over ``to_plain(defaults)`` lets overrides reach defaults.
+    """
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, list | tuple):
+        return [to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_plain(v) for k, v in value.items()}
+    return value
+
+
+def merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``update`` laid over it: tables merge key by key, anything else replaces."""
+    result = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(result.get(key), dict):
+            result[key] = merge(result[key], value)
+        else:
+            result[key] = value
+    return result
+
+
 def from_dict(cls: type[T], data: Mapping[str, Any], where: str) -> T:
     """Builds dataclass ``cls`` from ``data``, recursing into nested dataclass fields.
 
     Args:
         cls: a dataclass type.
         data: field name -> value (a TOML table).
-        where: the table's path for messages (``"model"``, ``"embedding.tables[3]"``).
+        where: the table's path for messages (``"model"``, ``"embedding.tables[3]"``; ``""``
+            for the top level).
 
     Returns:
         The instance; missing keys take the dataclass defaults.
@@ -119,13 +148,17 @@ def from_dict(cls: type[T], data: Mapping[str, Any], where: str) -> T:
     """
     if not isinstance(data, Mapping):
         raise ValueError(f"[{where}] must be a table, got {data!r}")
+    prefix = f"{where}." if where else ""
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        names = ", ".join(f"{where}.{k}" for k in unknown)
-        raise ValueError(f"unknown config key {names}; valid keys in [{where}]: {sorted(fields)}")
+        names = ", ".join(f"{prefix}{k}" for k in unknown)
+        raise ValueError(
+            f"unknown config key {names}; valid keys {f'in [{where}]' if where else 'at the top'}"
+            f": {sorted(fields)}"
+        )
     hints = typing.get_type_hints(cls)
-    kwargs = {key: convert(hints[key], value, f"{where}.{key}") for key, value in data.items()}
+    kwargs = {key: convert(hints[key], value, f"{prefix}{key}") for key, value in data.items()}
     missing = [
         name
         for name, f in fields.items()

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from recopt.config import apply_overrides, from_dict, load_toml
+from recopt.config import apply_overrides, from_dict, load_toml, merge, to_plain
 from recopt.data import SyntheticConfig
 from recopt.kernels import FusedOptimizerConfig
 from recopt.models import DLRMConfig
@@ -180,7 +180,10 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> TrainingConf
         ValueError: an unreadable file, a malformed override, an unknown key (named), or an
             invalid value (the owning dataclass's message).
     """
-    data = load_toml(path) if path is not None else {}
+    # Defaults first, so an override can reach a default list (embedding.tables.0.name=...).
+    data = to_plain(TrainingConfig())
+    if path is not None:
+        data = merge(data, load_toml(path))
     data = apply_overrides(data, overrides)
     where = path or "defaults"
     try:

@@ -1,0 +1,217 @@
+"""DLRM / DCNv2 against hand computations, config loading, and the training script end to end."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from recopt.models import DLRM, CrossNetwork, DLRMConfig, DotInteraction
+from recopt.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedEmbeddingBagCollection
+from recopt.sparse import KeyedJaggedTensor
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
+
+import dlrm_config  # noqa: E402
+import train as dlrm_train  # noqa: E402
+
+
+def tables(dim: int = 4, rows: tuple[int, ...] = (10, 20, 30)) -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name=f"t{i}", num_embeddings=n, embedding_dim=dim, feature_names=[f"f{i}"]
+        )
+        for i, n in enumerate(rows)
+    ]
+
+
+def kjt() -> KeyedJaggedTensor:
+    return KeyedJaggedTensor.from_id_lists(
+        {"f0": [[1, 2], [3]], "f1": [[4], []], "f2": [[5, 6, 7], [8]]}
+    )
+
+
+# ------------------------------------------------------------------------ interactions
+
+
+def test_dot_interaction_is_the_strict_upper_triangle() -> None:
+    x = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], [[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]]])
+    out = DotInteraction(3)(x)
+    # pairs (0,1), (0,2), (1,2): 1*3+2*4, 1*5+2*6, 3*5+4*6 ; then the second sample
+    assert out.tolist() == [[11.0, 17.0, 39.0], [0.0, 2.0, 2.0]]
+    assert DotInteraction(27).num_outputs == 351
+
+
+def test_cross_network_full_and_low_rank_match_the_formula() -> None:
+    torch.manual_seed(0)
+    x0 = torch.randn(5, 6)
+    full = CrossNetwork(6, num_layers=2)
+    x1 = x0 * full.up[0](x0) + x0
+    x2 = x0 * full.up[1](x1) + x1
+    torch.testing.assert_close(full(x0), x2)
+    low = CrossNetwork(6, num_layers=1, low_rank=2)
+    u, v = low.up[0], low.down[0]
+    assert isinstance(u, nn.Linear) and isinstance(v, nn.Linear)
+    expected = x0 * (x0 @ v.weight.T @ u.weight.T + u.bias) + x0
+    torch.testing.assert_close(low(x0), expected)
+    assert sum(p.numel() for p in low.parameters()) == 6 * 2 + 2 * 6 + 6
+
+
+# ------------------------------------------------------------------------ DLRM
+
+
+def test_dlrm_forward_equals_a_hand_computation() -> None:
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables())
+    model = DLRM(ebc, DLRMConfig(bottom_mlp=(8, 4), top_mlp=(5,)))
+    dense = torch.randn(2, 13)
+    features = kjt()
+    ids = {"f0": [[1, 2], [3]], "f1": [[4], []], "f2": [[5, 6, 7], [8]]}
+    bottom = model.bottom_mlp(dense)
+    logits = []
+    for b in range(2):
+        vectors = [bottom[b]]
+        for i in range(3):
+            weight = ebc.embedding_bags[f"t{i}"].weight
+            vectors.append(sum((weight[j] for j in ids[f"f{i}"][b]), torch.zeros(4)))
+        dots = [vectors[i] @ vectors[j] for i in range(4) for j in range(i + 1, 4)]
+        logits.append(model.top_mlp(torch.cat([bottom[b], torch.stack(dots)]))[0])
+    torch.testing.assert_close(model(dense, features), torch.stack(logits))
+
+
+@pytest.mark.parametrize("interaction", ["dot", "dcn"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_dlrm_shapes_and_gradients(interaction: str, fused: bool) -> None:
+    config = DLRMConfig(bottom_mlp=(8, 4), top_mlp=(6, 3), interaction=interaction, dcn_low_rank=2)
+    ebc: nn.Module = (
+        FusedEmbeddingBagCollection(tables()) if fused else EmbeddingBagCollection(tables())
+    )
+    model = DLRM(ebc, config)
+    logits = model(torch.randn(2, 13), kjt())
+    assert logits.shape == (2,)
+    logits.sum().backward()
+    dense_grads = [p.grad for n, p in model.named_parameters() if "embedding_bags" not in n]
+    assert dense_grads and all(g is not None and g.abs().sum() > 0 for g in dense_grads[:2])
+
+
+def test_dlrm_rejects_an_embedding_dim_that_differs_from_the_bottom_mlp() -> None:
+    with pytest.raises(ValueError, match=r"embedding_dim 4 .* model.bottom_mlp\[-1\] = 4"):
+        DLRM(EmbeddingBagCollection(tables()), DLRMConfig(bottom_mlp=(8, 16)))
+    DLRM(EmbeddingBagCollection(tables()), DLRMConfig(bottom_mlp=(8, 16), interaction="dcn"))
+    with pytest.raises(ValueError, match="interaction 'cross'"):
+        DLRMConfig(interaction="cross")
+
+
+# ------------------------------------------------------------------------ config
+
+
+def test_config_defaults_are_configs_dlrm_small() -> None:
+    assert dlrm_config.load_config(None) == dlrm_config.load_config(
+        str(ROOT / "configs/dlrm_small.toml")
+    )
+    big = dlrm_config.load_config(str(ROOT / "configs/dlrm_criteo_shape.toml"))
+    assert len(big.embedding.tables) == 26 and big.data.batch_size == 2048
+    assert {(t.num_embeddings, t.embedding_dim) for t in big.embedding.tables} == {(100_000, 64)}
+    assert big.data.synthetic.max_ids_per_bag == 1
+
+
+def test_config_overrides_reach_every_section() -> None:
+    config = dlrm_config.load_config(
+        None,
+        [
+            "training.steps=7",
+            "model.bottom_mlp=[32, 8]",
+            "embedding.tables.0.embedding_dim=8",
+            "embedding.optimizer.name=adam",
+            "dense_optimizer.lr=0.5",
+            "clipping.clipping=value",
+        ],
+    )
+    assert config.training.steps == 7 and config.model.bottom_mlp == (32, 8)
+    assert config.embedding.tables[0].embedding_dim == 8
+    assert config.embedding.optimizer.name == "adam" and config.dense_optimizer.lr == 0.5
+    assert config.clipping.clipping.value == "value"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("training.stepz=1", r"unknown config key training\.stepz; valid keys in \[training\]"),
+        ("trainin.steps=1", "unknown config key trainin;"),
+        ("embedding.tables.0.dim=8", r"unknown config key embedding\.tables\[0\]\.dim"),
+        ("planner.gpus=8", r"unknown config key planner\.gpus"),
+        ("training.steps=many", r"training\.steps = 'many' must be of type int"),
+        ("model.interaction=cross", "interaction 'cross' is unknown"),
+        ("embedding.tables.9.name=x", "must index the list"),
+        ("steps", "must look like section.key=value"),
+    ],
+)
+def test_config_errors_name_the_key(override: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        dlrm_config.load_config(None, [override])
+
+
+def test_config_file_errors(tmp_path: pathlib.Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nbottom_mlp = [8, 4\n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        dlrm_config.load_config(str(bad))
+    with pytest.raises(ValueError, match="cannot be read"):
+        dlrm_config.load_config(str(tmp_path / "missing.toml"))
+
+
+# ------------------------------------------------------------------------ the script
+
+
+def small_run(out: pathlib.Path, steps: int, *extra: str) -> list[str]:
+    return [
+        "--set", f"training.steps={steps}",
+        "--set", "training.log_every=25",
+        "--set", f"training.output_dir={out}",
+        "--set", "training.plot=false",
+        "--set", "data.batch_size=256",
+        "--set", "data.val_batches=4",
+        *extra,
+    ]  # fmt: skip
+
+
+def records(out: pathlib.Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_main_learns_the_synthetic_signal(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "run"
+    argv = small_run(out, 300, "--set", "training.eval_every=150", "--set", "training.plot=true")
+    assert dlrm_train.main(argv) == 0
+    logged = records(out)
+    train = [r for r in logged if r["split"] == "train"]
+    val = [r for r in logged if r["split"] == "val"]
+    assert [r["step"] for r in val] == [150, 300] and len(train) == 12
+    assert {"loss", "auc", "accuracy", "ne", "samples_per_s"} <= set(train[0])
+    assert val[-1]["auc"] > 0.75 and val[-1]["ne"] < 0.9
+    assert train[-1]["auc"] > train[0]["auc"] + 0.03  # rising
+    assert (out / "curves.png").stat().st_size > 1000
+    assert not (out / "checkpoints").exists()  # checkpoint.every=500 > steps
+
+
+def test_resume_from_checkpoint_equals_an_uninterrupted_run(tmp_path: pathlib.Path) -> None:
+    every = ["--set", "checkpoint.every=40", "--set", "training.eval_every=0"]
+    whole = dlrm_config.load_config(None, small_run(tmp_path / "a", 120, *every)[1::2])
+    result = dlrm_train.train(whole, dlrm_train.RunEnv())
+    first = dlrm_config.load_config(None, small_run(tmp_path / "b", 80, *every)[1::2])
+    dlrm_train.train(first, dlrm_train.RunEnv())
+    again = dlrm_config.load_config(None, small_run(tmp_path / "b", 120, *every)[1::2])
+    resumed = dlrm_train.train(again, dlrm_train.RunEnv(), resume=True)
+    assert resumed == result  # bit-identical validation metrics after step 120
+    steps = [r["step"] for r in records(tmp_path / "b") if r["split"] == "train"]
+    assert steps == [25, 50, 75, 80, 100, 120]  # the resumed run continued at step 81
+
+
+def test_main_reports_a_bad_config_before_any_work(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="unknown config key data.sourse"):
+        dlrm_train.main(["--set", "data.sourse=criteo"])
