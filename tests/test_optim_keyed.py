@@ -58,15 +58,26 @@ def test_state_dict_is_keyed_by_name_and_matches_torch() -> None:
     torch.testing.assert_close(params["w"], ref_params["w"])
 
 
-def test_round_trip_into_fresh_optimizer_continues_like_uninterrupted() -> None:
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda ps: torch.optim.Adam(ps, lr=0.1, weight_decay=0.1),
+        lambda ps: torch.optim.Adafactor(ps, lr=0.1, weight_decay=0.1),
+        lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+    ],
+    ids=["adam", "adafactor", "adagrad"],
+)
+def test_round_trip_into_fresh_optimizer_continues_like_uninterrupted(
+    factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+) -> None:
     params = _params()
-    opt = _adam(params, weight_decay=0.1)
+    opt = KeyedOptimizerWrapper(params, factory)
     _train(opt, params, steps=2)
     sd = copy.deepcopy(opt.state_dict())
     weights = {k: p.detach().clone() for k, p in params.items()}
 
     resumed_params = {k: nn.Parameter(w.clone()) for k, w in weights.items()}
-    resumed = _adam(resumed_params, weight_decay=0.1)
+    resumed = KeyedOptimizerWrapper(resumed_params, factory)
     resumed.init_state()
     resumed.load_state_dict(sd)
     _train(opt, params, steps=2)

@@ -179,3 +179,31 @@ def test_empty_fused_optimizer() -> None:
         ]
     )
     assert list(combined.params) == ["dense.p"]
+
+
+class _DuckSharded(nn.Module):
+    """Like a sharded twin: exposes ``fused_optimizer`` without subclassing FusedOptimizerModule."""
+
+    def __init__(self, shared: nn.Parameter) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(2, 4))
+        self.shared = shared
+        self._opt = EmptyFusedOptimizer()
+
+    @property
+    def fused_optimizer(self) -> EmptyFusedOptimizer:
+        return self._opt
+
+
+def test_split_handles_duck_typed_nested_and_shared_parameters() -> None:
+    shared = nn.Parameter(torch.ones(1))
+    outer = _DuckSharded(shared)
+    outer.inner = _DuckSharded(nn.Parameter(torch.ones(1)))  # nested: covered by the outer one
+    model = nn.ModuleDict({"emb": outer, "mlp": nn.Linear(2, 2)})
+    model.mlp.shared = shared  # also reachable from a dense module: counts as fused, once
+    fused, other = split_fused_parameters(model)
+    assert sorted(fused) == ["emb.inner.shared", "emb.inner.table", "emb.shared", "emb.table"]
+    assert sorted(other) == ["mlp.bias", "mlp.weight"]
+    assert [name for name, _ in fused_optimizers(model)] == ["emb"]
+    whole = _DuckSharded(nn.Parameter(torch.ones(1)))
+    assert [name for name, _ in fused_optimizers(whole)] == [""]
