@@ -95,7 +95,9 @@ def run_on_ranks(
             if p.is_alive():
                 p.kill()
             p.join(timeout=10)
-    failures = [f"rank {r}: {msg}" for r, (status, msg) in sorted(reports.items()) if status != "ok"]
+    failures = [
+        f"rank {r}: {msg}" for r, (status, msg) in sorted(reports.items()) if status != "ok"
+    ]
     if failures:
         raise RankFailure(f"{len(failures)} of {world_size} ranks failed:\n" + "\n".join(failures))
     return [pickle.loads(reports[r][1]) for r in range(world_size)]
