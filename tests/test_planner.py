@@ -231,6 +231,73 @@ def test_explicit_column_wise_on_a_narrow_table_is_one_full_height_shard() -> No
     assert [(s.num_rows, s.num_cols) for s in ps.shards] == [(100, 6)]
 
 
+def test_adafactor_only_table_wise_or_data_parallel() -> None:
+    tables = {"m": [table("big", 200_000, 64, features=4), *random_tables(3, seed=4)]}
+    adafactor = FusedOptimizerConfig(name="adafactor")
+    topo = Topology(world_size=8, ddr_bytes=4 * GIB)
+    plan = EmbeddingShardingPlanner(topo, default_optimizer=adafactor).plan(tables)
+    kinds = {ps.sharding_type for ps in plan["m"].values()}
+    assert kinds <= {ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL}
+    c = {"big": ParameterConstraints(sharding_types=(ShardingType.ROW_WISE,), optimizer=adafactor)}
+    with pytest.raises(
+        PlannerError,
+        match=r"table 'big' \(module 'm'\): the fused optimizer "
+        "adafactor supports table_wise and data_parallel sharding only",
+    ):
+        EmbeddingShardingPlanner(topo, constraints=c).plan(tables)
+
+
+def test_fbgemm_not_offered_for_column_shards_of_row_wise_optimizers() -> None:
+    c = {
+        "t": ParameterConstraints(
+            sharding_types=(ShardingType.COLUMN_WISE,), compute_kernels=(Backend.FBGEMM,)
+        )
+    }
+    with pytest.raises(PlannerError, match="fbgemm cannot run 'row_wise_adagrad' on column shards"):
+        EmbeddingShardingPlanner(Topology(world_size=2), constraints=c).plan(
+            {"m": [table("t", 99, 64)]}
+        )
+    c["t"] = dataclasses.replace(c["t"], compute_kernels=(Backend.FBGEMM, Backend.RECOPT))
+    plan = EmbeddingShardingPlanner(Topology(world_size=2), constraints=c).plan(
+        {"m": [table("t", 99, 64)]}
+    )
+    assert plan["m"]["t"].compute_kernel is Backend.RECOPT
+
+
+def test_module_optimizers_drive_estimates_but_stay_out_of_the_plan() -> None:
+    tables = {"m": [table("t", 100_000, 64)]}
+    topo = Topology(world_size=2)
+    c = {"t": ParameterConstraints(sharding_types=(ShardingType.TABLE_WISE,))}
+    rw = EmbeddingShardingPlanner(topo, constraints=c)
+    plan_rw = rw.plan(tables)
+    adam = EmbeddingShardingPlanner(topo, constraints=c)
+    plan_adam = adam.plan(tables, {"m": {"t": FusedOptimizerConfig(name="adam")}})
+    assert plan_rw["m"]["t"].optimizer is None and plan_adam["m"]["t"].optimizer is None
+    assert rw.stats is not None and adam.stats is not None
+    extra = sum(adam.stats.rank_bytes) - sum(rw.stats.rank_bytes)
+    assert extra == 4 * (2 * 100_000 * 64 - 100_000)  # adam's 2 floats per weight vs 1 per row
+
+
+def test_every_planned_sharding_is_accepted_by_the_sharded_layout() -> None:
+    """Contract with recopt/sharding/layout.py: the planner proposes nothing it rejects."""
+    layout = pytest.importorskip("recopt.sharding.layout")
+    tables = random_tables(12, seed=11) + [table("wide", 50_000, 128, features=6)]
+    for name in ("sgd", "adagrad", "row_wise_adagrad", "adam", "row_wise_adam", "adafactor"):
+        optimizer = FusedOptimizerConfig(name=name)
+        for world_size, kernels in ((4, None), (8, (Backend.FBGEMM, Backend.RECOPT))):
+            c = (
+                {t.name: ParameterConstraints(compute_kernels=kernels) for t in tables}
+                if kernels
+                else {}
+            )
+            topo = Topology(world_size=world_size, ranks_per_host=4, ddr_bytes=4 * GIB)
+            plan = EmbeddingShardingPlanner(topo, constraints=c, default_optimizer=optimizer).plan(
+                {"m": tables}
+            )
+            for t in tables:
+                layout.resolve_optimizer(t, plan["m"][t.name], optimizer, "m")
+
+
 def test_host_types_stay_on_one_host() -> None:
     tables = {"m": [table("r", 10_000, 32), table("c", 10_000, 64)]}
     constraints = {

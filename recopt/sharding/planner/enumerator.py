@@ -6,7 +6,7 @@ ranks are chosen later by the partitioner (row-wise and data-parallel layouts co
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,10 @@ from recopt.sharding.planner.topology import Topology
 ROW_TYPES = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
 COLUMN_TYPES = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
 HOST_TYPES = (ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE)
+# Optimizer limits of the sharded module (recopt/sharding/layout.py), mirrored here so the
+# planner never proposes what the module would reject; a test checks the two agree.
+ADAFACTOR_TYPES = (ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL)
+ROW_WISE_OPTIMIZERS = frozenset({"row_wise_adagrad", "row_wise_adam"})
 # Preference among options of equal estimated cost: fewer shards and less communication first.
 TYPE_ORDER = {t: i for i, t in enumerate(ShardingType)}
 
@@ -46,6 +50,8 @@ class ShardingOption:
         shard_costs: seconds per step per shard (data-parallel: per rank).
         fixed_ranks: the rank of each shard when the layout fixes it (row-wise over all ranks;
             data-parallel: every rank); ``None`` when the partitioner chooses.
+        plan_optimizer: the optimizer written into the plan: a constraint's, else ``None``
+            (the module keeps its own).
     """
 
     module: str
@@ -57,6 +63,7 @@ class ShardingOption:
     shard_bytes: list[int]
     shard_costs: list[float]
     fixed_ranks: list[int] | None
+    plan_optimizer: FusedOptimizerConfig | None = None
     total_cost: float = field(init=False)
     max_shard_bytes: int = field(init=False)
 
@@ -92,7 +99,7 @@ class ShardingOption:
                 sharding_type=self.sharding_type,
                 ranks=tuple(range(world_size)),
                 compute_kernel=self.compute_kernel,
-                optimizer=self.optimizer,
+                optimizer=self.plan_optimizer,
             )
         shards, offset = [], 0
         for (rows, cols), rank in zip(self.shard_sizes, shard_ranks, strict=True):
@@ -115,14 +122,14 @@ class ShardingOption:
             ranks=tuple(sorted(set(shard_ranks))),
             shards=tuple(shards),
             compute_kernel=self.compute_kernel,
-            optimizer=self.optimizer,
+            optimizer=self.plan_optimizer,
         )
 
 
 def table_workload(
     table: Any, constraints: ParameterConstraints, batch_size: int, optimizer: FusedOptimizerConfig
 ) -> TableWorkload:
-    """The workload the estimators assume for ``table``."""
+    """The workload the estimators assume for ``table`` (``optimizer``: the module's for it)."""
     return TableWorkload(
         batch_size=constraints.batch_size or batch_size,
         num_features=max(1, len(getattr(table, "feature_names", ()) or ())),
@@ -144,7 +151,7 @@ def enumerate_options(
         EnumerationError: the constraints leave no option (naming the table and the reason).
     """
     where = f"table {table.name!r} (module {module!r})"
-    kinds = constraints.sharding_types or _default_types(topology)
+    kinds = _allowed_types(constraints, workload.optimizer, topology, where)
     kernels = constraints.compute_kernels or (workload.optimizer.backend,)
     layouts = [(k, layout) for k in kinds for layout in _layouts(k, table, constraints, topology)]
     # Every type has a layout (column-wise falls back to one shard when named explicitly).
@@ -154,7 +161,7 @@ def enumerate_options(
     cache: dict[tuple[ShardingType, int, int], tuple[int, float]] = {}
     for kind, (sizes, fixed) in layouts:
         for kernel in kernels:
-            why = _kernel_problem(kernel, sizes, workload.optimizer)
+            why = _kernel_problem(kernel, kind, sizes, workload.optimizer)
             if why:
                 rejected.append(why)
                 continue
@@ -163,6 +170,8 @@ def enumerate_options(
             )
     if not options:
         raise EnumerationError(f"{where}: no allowed kernel can run it: {'; '.join(rejected[:3])}")
+    for o in options:
+        o.plan_optimizer = constraints.optimizer
     kernel_rank = {k: i for i, k in enumerate(kernels)}
     options.sort(
         key=lambda o: (
@@ -174,6 +183,24 @@ def enumerate_options(
         )
     )
     return options
+
+
+def _allowed_types(
+    c: ParameterConstraints, optimizer: FusedOptimizerConfig, topology: Topology, where: str
+) -> tuple[ShardingType, ...]:
+    kinds = c.sharding_types or _default_types(topology)
+    if optimizer.name != "adafactor":
+        return kinds
+    # Adafactor's row and column statistics span the whole table: only a whole table or a
+    # replica sees both (the sharded module rejects the other types; see sharding/layout.py).
+    allowed = tuple(k for k in kinds if k in ADAFACTOR_TYPES)
+    if not allowed:
+        raise EnumerationError(
+            f"{where}: the fused optimizer adafactor supports table_wise and data_parallel "
+            f"sharding only, and the constraints allow {[k.value for k in kinds]}; allow one of "
+            "those or pick another optimizer"
+        )
+    return allowed
 
 
 def _default_types(topology: Topology) -> tuple[ShardingType, ...]:
@@ -213,10 +240,17 @@ def _layouts(
 
 
 def _kernel_problem(
-    kernel: Backend, sizes: list[tuple[int, int]], optimizer: FusedOptimizerConfig
+    kernel: Backend,
+    kind: ShardingType,
+    sizes: list[tuple[int, int]],
+    optimizer: FusedOptimizerConfig,
 ) -> str:
     if kernel is not Backend.FBGEMM:
         return ""
+    if kind in COLUMN_TYPES and optimizer.name in ROW_WISE_OPTIMIZERS:
+        # A column shard of a row-wise optimizer needs the statistic of the full row, which
+        # only recopt's kernel computes (sharding/layout.py).
+        return f"fbgemm cannot run {optimizer.name!r} on column shards (no full-row statistic)"
     if optimizer.name not in FBGEMM_OPTIMIZERS:
         runs = sorted(FBGEMM_OPTIMIZERS)
         return f"fbgemm does not run optimizer {optimizer.name!r} (it runs {runs})"
@@ -274,10 +308,13 @@ def enumerate_all(
     tables_by_module: Mapping[str, Sequence[Any]],
     constraints: Mapping[tuple[str, str], ParameterConstraints],
     batch_size: int,
-    optimizer: FusedOptimizerConfig,
+    optimizers: Callable[[str, str], FusedOptimizerConfig],
     topology: Topology,
 ) -> list[list[ShardingOption]]:
     """Options for every table, in module order then table order.
+
+    ``optimizers(module, table)`` is the optimizer the module runs the table with; a
+    constraint's optimizer overrides it and is then written into the plan.
 
     Raises:
         EnumerationError: some table has no option.
@@ -287,6 +324,6 @@ def enumerate_all(
     for module, tables in tables_by_module.items():
         for t in tables:
             c = constraints.get((module, t.name), default)
-            workload = table_workload(t, c, batch_size, optimizer)
+            workload = table_workload(t, c, batch_size, optimizers(module, t.name))
             result.append(enumerate_options(module, t, c, workload, topology))
     return result

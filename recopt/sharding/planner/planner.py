@@ -76,8 +76,18 @@ class EmbeddingShardingPlanner:
         self.max_search_trials = max_search_trials
         self.stats: PlanStats | None = None
 
-    def plan(self, tables_by_module: Mapping[str, Sequence[Any]]) -> ShardingPlan:
+    def plan(
+        self,
+        tables_by_module: Mapping[str, Sequence[Any]],
+        table_optimizers: Mapping[str, Mapping[str, FusedOptimizerConfig]] | None = None,
+    ) -> ShardingPlan:
         """The best plan found for ``tables_by_module`` (module path -> its tables).
+
+        Args:
+            tables_by_module: module path -> the module's tables.
+            table_optimizers: module path -> table name -> the fused optimizer the module runs
+                the table with, for the estimates (default: ``default_optimizer``). Only a
+                constraint's optimizer is written into the plan.
 
         Returns:
             A plan that passes `validate_plan`; `stats` describes it.
@@ -87,22 +97,30 @@ class EmbeddingShardingPlanner:
                 or its constraints leave no option.
         """
         with _gc_paused():
-            return self._plan(tables_by_module)
+            return self._plan(tables_by_module, table_optimizers or {})
 
-    def _plan(self, tables_by_module: Mapping[str, Sequence[Any]]) -> ShardingPlan:
+    def _plan(
+        self,
+        tables_by_module: Mapping[str, Sequence[Any]],
+        table_optimizers: Mapping[str, Mapping[str, FusedOptimizerConfig]],
+    ) -> ShardingPlan:
         topo = self.topology
         for module, tables in tables_by_module.items():
             table_names(tables, module)
         try:
             per_table = resolve_constraints(self.constraints, tables_by_module)
             options = enumerate_all(
-                tables_by_module, per_table, self.batch_size, self.default_optimizer, topo
+                tables_by_module,
+                per_table,
+                self.batch_size,
+                lambda m, t: table_optimizers.get(m, {}).get(t, self.default_optimizer),
+                topo,
             )
         except (EnumerationError, ValueError) as e:
             raise PlannerError(str(e)) from e
         if not options:
             raise PlannerError("nothing to plan: no module has tables")
-        base = self._output_bytes(tables_by_module, per_table)
+        base = self._output_bytes(tables_by_module, per_table)  # optimizer-independent
         capacity = topo.usable_bytes - base
         choice = greedy_proposal(options, capacity)
         result = make_feasible(options, choice, topo, [base] * topo.world_size)
@@ -195,6 +213,7 @@ def plan_collectively(
     tables_by_module: Mapping[str, Sequence[Any]],
     process_group: dist.ProcessGroup | None = None,
     timeout: datetime.timedelta = datetime.timedelta(minutes=5),
+    table_optimizers: Mapping[str, Mapping[str, FusedOptimizerConfig]] | None = None,
 ) -> ShardingPlan:
     """Plan on rank 0 of ``process_group`` and broadcast the plan, so every rank holds the same.
 
@@ -205,6 +224,7 @@ def plan_collectively(
         tables_by_module: module path -> its tables (the same on every rank).
         process_group: the group (default: the world).
         timeout: limit for each broadcast.
+        table_optimizers: as in `EmbeddingShardingPlanner.plan`.
 
     Returns:
         The plan, validated on every rank.
@@ -222,7 +242,8 @@ def plan_collectively(
     payload, error = b"", None
     if dist.get_rank(process_group) == 0:
         try:
-            payload = planner.plan(tables_by_module).to_json().encode("utf-8")
+            plan = planner.plan(tables_by_module, table_optimizers)
+            payload = plan.to_json().encode("utf-8")
         except Exception as e:  # every failure must reach the other ranks, not leave them waiting
             payload, error = f"{type(e).__name__}: {e}".encode(), e
     header = torch.tensor([len(payload), int(error is not None)], dtype=torch.int64)
