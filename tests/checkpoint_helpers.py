@@ -16,6 +16,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
 from recopt.optim.keyed import KeyedOptimizer
+from recopt.sharding.plan import ParameterSharding, ShardingPlan, ShardingType, ShardSpec
 
 TABLES = {"t0": (10, 4), "t1": (7, 6), "t2": (12, 2)}
 
@@ -150,3 +151,31 @@ def expected_snapshot(
 ) -> dict[str, dict[tuple[int, ...], torch.Tensor]]:
     """What `full_snapshot` must give after loading a checkpoint of a ``seed`` model."""
     return full_snapshot(ShardedTables(layouts, rank, world, seed))
+
+
+def plan_for_c(world: int) -> ShardingPlan:
+    """Layout C (t0 column-wise, t1 data-parallel, t2 table-wise) as a plan for module ``ebc``."""
+    rows0, dim0 = TABLES["t0"]
+    rows2, dim2 = TABLES["t2"]
+    cw = tuple(
+        ShardSpec(rank=c % world, row_offset=0, num_rows=rows0, col_offset=c, num_cols=1)
+        for c in range(dim0)
+    )
+    tw = ShardSpec(rank=2 % world, row_offset=0, num_rows=rows2, col_offset=0, num_cols=dim2)
+    return ShardingPlan(
+        {
+            "ebc": {
+                "t0": ParameterSharding(
+                    sharding_type=ShardingType.COLUMN_WISE,
+                    ranks=tuple(sorted({s.rank for s in cw})),
+                    shards=cw,
+                ),
+                "t1": ParameterSharding(
+                    sharding_type=ShardingType.DATA_PARALLEL, ranks=tuple(range(world))
+                ),
+                "t2": ParameterSharding(
+                    sharding_type=ShardingType.TABLE_WISE, ranks=(tw.rank,), shards=(tw,)
+                ),
+            }
+        }
+    )

@@ -1,8 +1,9 @@
 """Checkpoints across world sizes and layouts (spawned gloo ranks), and a rank dying mid-save.
 
-Hand-made ShardedTensors in table-wise, row-wise, column-wise and data-parallel layouts stand
-in for the sharded embedding collection; every loaded piece must equal the saved model's
-values bit for bit, whatever the layouts and world sizes on either side.
+Hand-made ShardedTensors in table-wise, row-wise, column-wise and data-parallel layouts (several
+column blocks on one rank, ranks without any shard); every loaded piece must equal the saved
+model's values bit for bit, whatever the layouts and world sizes on either side, and a
+checkpoint resharded offline (API and CLI) must load exactly like the original.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_helpers import ShardedTables, expected_snapshot, full_snapshot
+from checkpoint_helpers import ShardedTables, expected_snapshot, full_snapshot, plan_for_c
 
 from recopt.checkpoint import load, read_manifest, save
+from recopt.checkpoint.cli import main
+from recopt.checkpoint.reshard import reshard
 from recopt.testing import RankFailure, run_on_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -59,14 +62,39 @@ def _three_ranks(rank: int, world: int, root: str) -> dict[str, list[str]]:
     for name, layouts in {"a": A, "b": B, "c": C}.items():
         out[f"2->3 a->{name}"] = _load_and_check(Path(root) / "a2", layouts, rank, world, 1)
     out["2->3 b->c"] = _load_and_check(Path(root) / "b2", C, rank, world, 2)
+    for offline in ("r3", "cli3"):
+        out[f"offline {offline}"] = _load_and_check(Path(root) / offline, C, rank, world, 1)
     model = ShardedTables(C, rank, world, seed=3)
     save(Path(root) / "c3", model, model.fused_optimizer, step=3)
     out["3->3 c->a"] = _load_and_check(Path(root) / "c3", A, rank, world, 3)
     return out
 
 
-def test_round_trips_across_layouts_and_world_sizes(tmp_path: Path) -> None:
+def test_round_trips_across_layouts_and_world_sizes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     results = run_on_ranks(_two_ranks, 2, str(tmp_path), timeout_s=120)
+    # Offline, between the two groups: 2 ranks (layout A) -> 3 ranks (layout C's plan).
+    plan = plan_for_c(3)
+    seen: list[int] = []
+    report = reshard(
+        tmp_path / "a2",
+        tmp_path / "r3",
+        world_size=3,
+        plan=plan,
+        progress=lambda p: seen.append(p.done_tensors),
+    )
+    assert report.tables == 3 and report.tensors == 3 * 4 and seen[-1] == 12
+    resharded = read_manifest(tmp_path / "r3")
+    assert resharded.world_size == 3 and resharded.step == 1 and resharded.plan == plan.to_json()
+    plan.save(tmp_path / "plan.json")
+    args = [str(tmp_path / "a2"), str(tmp_path / "cli3"), "--world-size", "3"]
+    assert main([*args, "--plan", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr()
+    assert "(2 ranks) -> " in out.out and "(3 ranks): 12 tensors of 3 tables" in out.out
+    assert "12/12 tensors" in out.err  # the progress bar
+    assert main(args) == 2 and "exists; choose a new output" in capsys.readouterr().err
+
     results += run_on_ranks(_three_ranks, 3, str(tmp_path), timeout_s=120)
     for rank_result in results:
         for case, bad in rank_result.items():
@@ -75,8 +103,10 @@ def test_round_trips_across_layouts_and_world_sizes(tmp_path: Path) -> None:
     assert manifest.world_size == 2 and manifest.step == 1 and manifest.plan == '{"x": 1}'
     assert manifest.tensors["ebc.embedding_bags.t1.weight/t1.m1".join(["optim/state/", ""])]
     assert manifest.tensors["model/ebc.embedding_bags.t0.weight"].shape == [10, 4]
-    # 3 -> 1 without any process group: every table data-parallel (plain tensors).
-    for path, seed in ((tmp_path / "c3", 3), (tmp_path / "a2", 1)):
+    # 3 -> 1 without any process group: every table data-parallel (plain tensors); and an
+    # offline reshard with no plan down to 1 rank (sharded tensors split by rows).
+    reshard(tmp_path / "r3", tmp_path / "r1", world_size=1)
+    for path, seed in ((tmp_path / "c3", 3), (tmp_path / "a2", 1), (tmp_path / "r1", 1)):
         assert _load_and_check(path, ALL_DP, 0, 1, seed) == []
     # The RNG state of each saving rank is kept (one file per rank).
     assert {f for f in manifest.files if f.startswith("rank_")} == {"rank_0.json", "rank_1.json"}
