@@ -213,7 +213,7 @@ def test_global_norm_across_two_ranks() -> None:
             coef = min(1.0, 1.0 / (expected + 1e-6))
             for rank, out in enumerate(results):
                 norm, table_grad, repl = out[f"{kind} p={p}"]
-                assert norm == pytest.approx(expected, rel=1e-9), (kind, p, rank)
+                assert norm == pytest.approx(expected, rel=1e-6), (kind, p, rank)
                 torch.testing.assert_close(table_grad, full_grad[rank * 3 : rank * 3 + 3] * coef)
                 torch.testing.assert_close(repl, repl_grad * coef)
     for rank, out in enumerate(results):

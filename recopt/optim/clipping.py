@@ -70,16 +70,29 @@ def _fused_param_ids(optimizer: KeyedOptimizer) -> set[int]:
 
 
 def _partial(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """Sum of |g|^p over ``grads`` (max |g| for p = inf), as a float64 CPU scalar."""
-    total = torch.zeros((), dtype=torch.float64)
+    """Sum of |g|^p over ``grads`` (max |g| for p = inf), as a float64 CPU scalar.
+
+    Norms are taken in the gradient's dtype (at least float32, never a float64 copy of a
+    large gradient) and combined per device, so there is one device-to-host copy per device.
+    """
+    is_max = math.isinf(norm_type)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
         if g.numel() == 0:
             continue
-        if math.isinf(norm_type):
-            total = torch.maximum(total, g.detach().abs().max().to("cpu", torch.float64))
+        g = g.detach()
+        if is_max:
+            part = g.abs().max().to(torch.float64)
         else:
-            norm = torch.linalg.vector_norm(g.detach().to(torch.float64), norm_type)
-            total = total + norm.cpu() ** norm_type
+            dtype = torch.promote_types(g.dtype, torch.float32)
+            norm = torch.linalg.vector_norm(g, norm_type, dtype=dtype)
+            part = norm.to(torch.float64) ** norm_type
+        by_device.setdefault(part.device, []).append(part)
+    total = torch.zeros((), dtype=torch.float64)
+    for parts in by_device.values():
+        stacked = torch.stack(parts)
+        value = (stacked.max() if is_max else stacked.sum()).cpu()
+        total = torch.maximum(total, value) if is_max else total + value
     return total
 
 
