@@ -9,6 +9,7 @@ Legend: B batch, F features, N ids (occurrences) of one table, D a table's dim.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,8 @@ from recopt.kernels import cpu_fused, updates
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
 
 Tensor = torch.Tensor
+# Hooks of docs/design.md: (table index, unique rows [U] ascending, per-row tensor) -> tensor.
+KernelHook = Callable[[int, Tensor, Tensor], Tensor]
 
 
 @dataclass(slots=True)
@@ -95,6 +98,11 @@ class RecoptTableBatchedEmbedding(nn.Module):
         self._col_offsets = [sum(dims[:f]) for f in range(len(dims))]
         self.output_dim = sum(dims)
         self._use_native = use_native
+        # Set by fault tolerance (grad_hook) and column-wise sharding (row_stat_hook); either
+        # one routes backward through the torch path, which has a point between gradient
+        # aggregation and update where they can run.
+        self.grad_hook: KernelHook | None = None
+        self.row_stat_hook: KernelHook | None = None
 
     # Contract surface ---------------------------------------------------------------------
 
@@ -247,18 +255,24 @@ class RecoptTableBatchedEmbedding(nn.Module):
                 grad_N_D = grad_N_D * occ.scale_N.to(grad_N_D.dtype).unsqueeze(1)
             grad_U_D = grad_N_D.new_zeros(rows_U.numel(), weight.shape[1])
             grad_U_D.index_add_(0, inverse_N, grad_N_D)
+            if self.grad_hook is not None:
+                grad_U_D = self.grad_hook(t, rows_U, grad_U_D)
             self._torch_update(t, weight, states[t], rows_U, grad_U_D.to(weight.dtype))
 
     def _torch_update(
         self, t: int, weight: Tensor, state: dict[str, Tensor], rows_U: Tensor, grad_U_D: Tensor
     ) -> None:
+        hook = self.row_stat_hook
+        row_stat = None if hook is None else (lambda sum_sq_U: hook(t, rows_U, sum_sq_U))
         updates.apply_update(
-            self.optimizer, self._lr, weight, state, rows_U, grad_U_D, self._norms[t]
+            self.optimizer, self._lr, weight, state, rows_U, grad_U_D, self._norms[t], row_stat
         )
 
     def _native_ok(self, weight: Tensor, grad_out: Tensor) -> bool:
         return (
             self._use_native
+            and self.grad_hook is None
+            and self.row_stat_hook is None
             and self.optimizer.name in cpu_fused.OPTIMIZER_CODES
             and weight.device.type == "cpu"
             and weight.dtype == torch.float32

@@ -9,6 +9,7 @@ Legend: R rows of the table, D its dim, U unique rows touched by the batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,16 @@ Tensor = torch.Tensor
 
 # Optimizers that keep a per-table step counter (bias correction, Adafactor's schedule).
 STEPPED_OPTIMIZERS: frozenset[str] = frozenset({"adam", "row_wise_adam", "adafactor"})
+
+# (sum of squared gradients over this table's columns [U]) -> mean over the full row [U].
+RowStat = Callable[[Tensor], Tensor]
+
+
+def _row_mean_sq(grad_U_D: Tensor, row_stat: RowStat | None) -> Tensor:
+    """Mean squared gradient per row; over the full row when columns live elsewhere too."""
+    if row_stat is None:
+        return grad_U_D.square().mean(dim=1)
+    return row_stat(grad_U_D.square().sum(dim=1))
 
 
 def init_state(name: str, rows: int, dim: int, device: torch.device) -> dict[str, Tensor]:
@@ -88,6 +99,7 @@ def _adam_like(
     state: dict[str, Tensor],
     rows_U: Tensor,
     grad_U_D: Tensor,
+    row_stat: RowStat | None = None,
 ) -> None:
     """Adam (SparseAdam's formulas) and row-wise Adam on the touched rows."""
     beta1, beta2 = config.betas
@@ -104,7 +116,7 @@ def _adam_like(
         denom = v_U_D.sqrt().add_(eps)
     else:
         v_U = exp_avg_sq.index_select(0, rows_U)
-        v_U.add_(grad_U_D.square().mean(dim=1).sub_(v_U).mul_(1.0 - beta2))
+        v_U.add_(_row_mean_sq(grad_U_D, row_stat).sub_(v_U).mul_(1.0 - beta2))
         exp_avg_sq.index_copy_(0, rows_U, v_U)
         denom = v_U.sqrt().add_(eps).unsqueeze(1)
     bias_correction1 = 1.0 - beta1**step
@@ -164,6 +176,7 @@ def apply_update(
     rows_U: Tensor,
     grad_U_D: Tensor,
     norm: AdafactorNorm | None = None,
+    row_stat: RowStat | None = None,
 ) -> None:
     """Apply one optimizer step to the touched rows of one table, in place.
 
@@ -177,6 +190,8 @@ def apply_update(
         rows_U: sorted unique row ids touched by the batch.
         grad_U_D: gradient of each touched row, summed over its occurrences.
         norm: Adafactor's running weight norm (required for ``adafactor``).
+        row_stat: for row-wise optimizers of a column shard: maps the per-row sum of squared
+            gradients over this shard's columns to the mean over the full row.
 
     Raises:
         ValueError: ``adafactor`` without ``norm``.
@@ -201,8 +216,8 @@ def apply_update(
         weight.index_add_(0, rows_U, grad.div(m_U_D.sqrt_().add_(eps)), alpha=-lr)
     elif name == "row_wise_adagrad":
         momentum = state["momentum1"]
-        m_U = momentum.index_select(0, rows_U).add_(grad.square().mean(dim=1))
+        m_U = momentum.index_select(0, rows_U).add_(_row_mean_sq(grad, row_stat))
         momentum.index_copy_(0, rows_U, m_U)
         weight.index_add_(0, rows_U, grad.div(m_U.sqrt_().add_(eps).unsqueeze(1)), alpha=-lr)
     else:
-        _adam_like(config, lr, weight, state, rows_U, grad)
+        _adam_like(config, lr, weight, state, rows_U, grad, row_stat)
