@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from recopt.optim import KeyedOptimizer, KeyedOptimizerWrapper, OptimizerWrapper
@@ -394,3 +396,77 @@ def test_add_param_group_with_named_params() -> None:
         opt.add_param_group({"params": [("w", nn.Parameter(torch.ones(1)))]})
     with pytest.raises(NotImplementedError, match=r"cannot add param groups"):
         DummyKeyed({}, {}, []).add_param_group({"params": []})
+
+
+# ------------------------------------------------------------------ property: strict loader
+_shapes = st.lists(st.integers(1, 3), min_size=0, max_size=2).map(tuple)
+_leaf = st.one_of(_shapes.map(lambda s: torch.zeros(s)), st.integers(0, 5))
+_state = st.recursive(
+    _leaf,
+    lambda inner: st.one_of(
+        st.lists(inner, min_size=1, max_size=3),
+        st.dictionaries(st.sampled_from("abc"), inner, min_size=1, max_size=3),
+    ),
+    max_leaves=6,
+)
+
+
+def _fill(value: Any, offset: float) -> Any:
+    """A same-structure copy with new values (tensors offset, ints shifted)."""
+    if isinstance(value, torch.Tensor):
+        return torch.full_like(value, offset)
+    if isinstance(value, dict):
+        return {k: _fill(v, offset) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill(v, offset) for v in value]
+    return value + 1
+
+
+def _tensor_paths(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    if isinstance(value, torch.Tensor):
+        return [path]
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else []
+    )
+    return [q for k, v in items for q in _tensor_paths(v, (*path, k))]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    state=st.dictionaries(st.sampled_from(["x", "y"]), _state, min_size=1, max_size=2),
+    data=st.data(),
+)
+def test_loader_accepts_same_structure_and_rejects_any_reshaped_tensor(
+    state: dict[str, Any], data: Any
+) -> None:
+    p = nn.Parameter(torch.zeros(1))
+    opt = DummyKeyed({"p": p}, {p: copy.deepcopy(state)}, [{"params": [p]}])
+    new = _fill(state, 2.0)
+    opt.load_state_dict({"state": {"p": new}})
+    assert _tensor_paths(opt.state[p]) == _tensor_paths(new)
+    for path in _tensor_paths(new):
+        got, want = opt.state[p], new
+        for k in path:
+            got, want = got[k], want[k]
+        assert torch.equal(got, want)
+    paths = _tensor_paths(new)
+    if paths:
+        path = data.draw(st.sampled_from(paths))
+        bad = _fill(state, 3.0)
+        holder = bad
+        for k in path[:-1]:
+            holder = holder[k]
+        holder[path[-1]] = torch.zeros(*holder[path[-1]].shape, 2)
+        before = copy.deepcopy(opt.state[p])
+        with pytest.raises(ValueError, match=r"parameter 'p'.* shape"):
+            opt.load_state_dict({"state": {"p": bad}})
+        assert _tensor_paths(opt.state[p]) == _tensor_paths(before)
+        for q in _tensor_paths(before):
+            got, want = opt.state[p], before
+            for k in q:
+                got, want = got[k], want[k]
+            assert torch.equal(got, want)  # nothing partially loaded
