@@ -47,6 +47,17 @@ def test_dot_interaction_is_the_strict_upper_triangle() -> None:
     assert DotInteraction(27).num_outputs == 351
 
 
+def test_dot_interaction_gradient_matches_autograd_of_the_plain_formula() -> None:
+    x = torch.randn(3, 5, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(DotInteraction(5).double(), (x,))
+    rows, cols = torch.triu_indices(5, 5, offset=1)
+    weights = torch.randn(3, 10, dtype=torch.float64)
+    (DotInteraction(5)(x) * weights).sum().backward()
+    ours, x.grad = x.grad, None
+    (torch.bmm(x, x.transpose(1, 2))[:, rows, cols] * weights).sum().backward()
+    torch.testing.assert_close(ours, x.grad)
+
+
 def test_cross_network_full_and_low_rank_match_the_formula() -> None:
     torch.manual_seed(0)
     x0 = torch.randn(5, 6)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -87,6 +87,30 @@ def mlp(in_features: int, widths: Sequence[int], final_relu: bool = True) -> nn.
     return nn.Sequential(*layers)
 
 
+class _UpperTriangleGram(torch.autograd.Function):
+    """``bmm(x, x.T)``'s strict upper triangle, with a one-bmm backward.
+
+    Autograd would differentiate ``bmm(x, x.T)`` as two bmms (one per operand) plus an add;
+    the Gram matrix is symmetric, so ``grad_x = (G + G.T) @ x`` with G the incoming gradient
+    scattered into the triangle. Small batched bmms are slow on CPU (per-matrix overhead),
+    so one fewer is about a third of the interaction's time.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, vectors_B_N_D: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(vectors_B_N_D, flat_index)
+        gram_B_N_N = torch.bmm(vectors_B_N_D, vectors_B_N_D.transpose(1, 2))
+        return gram_B_N_N.flatten(1).index_select(1, flat_index)
+
+    @staticmethod
+    def backward(ctx: Any, grad_B_P: torch.Tensor) -> tuple[torch.Tensor, None]:
+        vectors_B_N_D, flat_index = ctx.saved_tensors
+        batch, num, _ = vectors_B_N_D.shape
+        grad_B_N_N = grad_B_P.new_zeros(batch, num * num).index_copy_(1, flat_index, grad_B_P)
+        grad_B_N_N = grad_B_N_N.view(batch, num, num)
+        return torch.bmm(grad_B_N_N + grad_B_N_N.transpose(1, 2), vectors_B_N_D), None
+
+
 class DotInteraction(nn.Module):
     """Pairwise dot products of N vectors: the strict upper triangle of ``T @ T.T``.
 
@@ -109,8 +133,8 @@ class DotInteraction(nn.Module):
         return self.num_vectors * (self.num_vectors - 1) // 2
 
     def forward(self, vectors_B_N_D: torch.Tensor) -> torch.Tensor:
-        products_B_N_N = torch.bmm(vectors_B_N_D, vectors_B_N_D.transpose(1, 2))
-        return products_B_N_N.flatten(1).index_select(1, self.flat_index)
+        result: torch.Tensor = _UpperTriangleGram.apply(vectors_B_N_D, self.flat_index)
+        return result
 
 
 class CrossNetwork(nn.Module):
