@@ -125,22 +125,39 @@ def test_adam_state_is_counted() -> None:
     adam = EmbeddingShardingPlanner(
         topo, batch_size=8, default_optimizer=FusedOptimizerConfig(name="adam")
     )
-    with pytest.raises(PlannerError, match=r"less state than 'adam'"):
+    with pytest.raises(PlannerError, match=r"less state \(now: 'adam' on 1 tables"):
         adam.plan(tables)
 
 
-def test_infeasible_topology_names_the_table_and_shortfall() -> None:
+def test_too_little_memory_in_total_fails_at_once_naming_the_largest_tables() -> None:
     tables = {"sparse.ebc": [table("small", 1000, 16), table("huge", 50_000_000, 128)]}
     topo = Topology(world_size=2, ddr_bytes=1 * GIB)
     with pytest.raises(PlannerError) as info:
         EmbeddingShardingPlanner(topo, batch_size=32).plan(tables)
     message = str(info.value)
-    assert "table 'huge' (module 'sparse.ebc') does not fit" in message
-    assert (
-        "short by" in message
-        and "free of 921.60 MiB usable (1.00 GiB less the 10% reserve" in message
-    )
-    assert "the 2 ranks have" in message and "To fit: add ranks or memory per rank" in message
+    # 50M x 128 float32 weights = 23.84 GiB, plus one row-wise Adagrad float per row.
+    assert "the tables need at least 24.03 GiB in total but the 2 ranks have 1.80 GiB" in message
+    assert "(921.60 MiB usable per rank of 1.00 GiB, less 36.00 KiB per rank" in message
+    assert "Largest tables: 'huge' (module 'sparse.ebc') 24.03 GiB, 'small'" in message
+    assert "short by 22.23 GiB" in message and "To fit: add ranks or memory per rank" in message
+
+
+def test_a_table_too_big_for_any_rank_is_named_with_its_shortfall() -> None:
+    """Enough memory in total, but the only allowed layout puts the table on one rank."""
+    big = table("big", 3_000_000, 64)  # ~790 MiB with row-wise Adagrad and buffers
+    tables = {"sparse.ebc": [big, table("small", 1000, 16)]}
+    topo = Topology(world_size=2, ddr_bytes=600 * 2**20, reserve_fraction=0.0)
+    tw = {"big": ParameterConstraints(sharding_types=(ShardingType.TABLE_WISE,))}
+    with pytest.raises(PlannerError) as info:
+        EmbeddingShardingPlanner(topo, constraints=tw, batch_size=32).plan(tables)
+    message = str(info.value)
+    assert message.startswith("table 'big' (module 'sparse.ebc') does not fit: its layout ")
+    assert "table_wise needs 743.91 MiB on one rank, but the rank with the most room" in message
+    assert "free of 600.00 MiB usable (600.00 MiB less the 0% reserve" in message
+    assert "short by 143.93 MiB" in message
+    assert "allow more sharding types for this table" in message
+    # Allowing row-wise fixes it.
+    EmbeddingShardingPlanner(topo, batch_size=32).plan(tables)
 
 
 def test_planning_is_deterministic() -> None:

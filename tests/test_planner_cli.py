@@ -64,7 +64,7 @@ def test_cli_topology_file_overrides_config(
     topo = tmp_path / "topo.toml"
     topo.write_text("ddr_bytes = 1000\n")  # far too small: the plan must fail on memory
     assert main([str(EXAMPLE), "--world-size", "2", "--topology", str(topo)]) == 1
-    assert "does not fit" in capsys.readouterr().err
+    assert "the tables need at least 1.94 GiB in total" in capsys.readouterr().err
 
 
 def _write(tmp_path: Path, text: str) -> str:
@@ -149,7 +149,8 @@ def test_plan_collectively_broadcasts_plan_and_failure() -> None:
         Topology(world_size=2), batch_size=64
     ).plan({"m": tables})
     assert (
-        "does not fit" in fail0 and "planning on rank 0 failed" in fail1 and "does not fit" in fail1
+        "need at least" in fail0
+        and "planning on rank 0 failed: PlannerError: the tables need" in fail1
     )
 
 

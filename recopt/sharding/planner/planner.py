@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -121,6 +122,7 @@ class EmbeddingShardingPlanner:
         if not options:
             raise PlannerError("nothing to plan: no module has tables")
         base = self._output_bytes(tables_by_module, per_table)  # optimizer-independent
+        self._check_total_memory(options, base)
         capacity = topo.usable_bytes - base
         choice = greedy_proposal(options, capacity)
         result = make_feasible(options, choice, topo, [base] * topo.world_size)
@@ -148,6 +150,47 @@ class EmbeddingShardingPlanner:
                 w = table_workload(t, c, self.batch_size, self.default_optimizer)
                 total += rank_output_bytes(t.embedding_dim, w)
         return total
+
+    def _check_total_memory(self, options: Sequence[Sequence[ShardingOption]], base: int) -> None:
+        """Fail at once, without partitioning, when the ranks' combined room cannot suffice."""
+        topo = self.topology
+        least = [
+            (
+                min(sum(o.shard_bytes) * (topo.world_size if o.is_replicated else 1) for o in opts),
+                opts[0],
+            )
+            for opts in options
+        ]
+        need = sum(b for b, _ in least)
+        room = max(0, topo.usable_bytes - base) * topo.world_size
+        if need <= room:
+            return
+        largest = sorted(least, key=lambda bo: -bo[0])[:3]
+        names = ", ".join(
+            f"{o.table.name!r} (module {o.module!r}) {format_bytes(b)}" for b, o in largest
+        )
+        raise PlannerError(
+            f"the tables need at least {format_bytes(need)} in total but the "
+            f"{topo.world_size} ranks have {format_bytes(room)} for them "
+            f"({format_bytes(topo.usable_bytes)} usable per rank of "
+            f"{format_bytes(topo.memory_bytes)}, less {format_bytes(base)} per rank for pooled "
+            f"outputs at batch_size {self.batch_size}); short by {format_bytes(need - room)}. "
+            f"Largest tables: {names}. To fit: add ranks or memory per rank, use fused "
+            f"optimizers with less state{self._state_hint(options)}, or lower batch_size"
+        )
+
+    @staticmethod
+    def _state_hint(options: Sequence[Sequence[ShardingOption]]) -> str:
+        """Which heavy-state optimizers are in use, e.g. `` (now: 'adam' on 3 tables)``."""
+        heavy = Counter(
+            opts[0].optimizer.name
+            for opts in options
+            if opts[0].optimizer.name not in ("sgd", "row_wise_adagrad")
+        )
+        if not heavy:
+            return ""
+        now = ", ".join(f"{name!r} on {n} tables" for name, n in sorted(heavy.items()))
+        return f" (now: {now}; row_wise_adagrad keeps one float per row)"
 
     def _explain(
         self,

@@ -18,6 +18,8 @@ from recopt.sharding.planner.topology import Topology
 # The search re-partitions once per trial; this many shard placements in total bounds its time
 # (about 1 s of Python per 2 million on the development machine) whatever the table count.
 SEARCH_PLACEMENT_BUDGET = 4_000_000
+# Memory repair spreads at most this share of the tables per round (at least one).
+SHRINK_SHARE = 0.05
 CANDIDATE_TABLES = 4  # tables on the slowest rank tried per round, largest shard first
 ALTERNATIVES_PER_TABLE = 3
 
@@ -44,39 +46,45 @@ def make_feasible(
     topology: Topology,
     base_bytes: Sequence[int],
 ) -> Placement | PlacementFailure:
-    """Shrink shards until the partitioner places everything, or no table can shrink further.
+    """Spread tables over more ranks until the partitioner places everything, or none can spread.
 
-    Mutates ``choice``. Returns the placement, or the last failure.
+    Each round moves the tables whose largest shard is at least as large as the one that did
+    not fit (largest first, at most `SHRINK_SHARE` of the tables, the failing one included) to
+    their cheapest layout with a smaller largest shard: a tight fit takes a few rounds, not one
+    per table. Mutates ``choice``. Returns the placement, or the last failure.
     """
     while True:
-        result = partition(
-            [o[k] for o, k in zip(options, choice, strict=True)], topology, base_bytes
-        )
+        chosen = [o[k] for o, k in zip(options, choice, strict=True)]
+        result = partition(chosen, topology, base_bytes)
         if isinstance(result, Placement):
             return result
-        table = _table_to_shrink(options, choice, result.option_index)
-        if table is None:
+        tables = _tables_to_shrink(options, choice, result)
+        if not tables:
             return result
-        current = options[table][choice[table]].max_shard_bytes
-        smaller = [k for k, o in enumerate(options[table]) if o.max_shard_bytes < current]
-        choice[table] = smaller[0]  # options are sorted by cost: the cheapest smaller layout
+        for t in tables:
+            current = options[t][choice[t]].max_shard_bytes
+            # Options are sorted by cost: the first smaller one is the cheapest smaller layout.
+            choice[t] = next(k for k, o in enumerate(options[t]) if o.max_shard_bytes < current)
 
 
-def _table_to_shrink(
-    options: Sequence[Sequence[ShardingOption]], choice: list[int], failed: int
-) -> int | None:
-    def can_shrink(t: int) -> bool:
-        current = options[t][choice[t]].max_shard_bytes
-        return any(o.max_shard_bytes < current for o in options[t])
+def _tables_to_shrink(
+    options: Sequence[Sequence[ShardingOption]], choice: list[int], failure: PlacementFailure
+) -> list[int]:
+    def current(t: int) -> int:
+        return options[t][choice[t]].max_shard_bytes
 
-    if can_shrink(failed):
-        return failed
-    # The failing table is as spread as it gets: make room by spreading the table holding the
-    # largest shard that can still be split.
-    shrinkable = [t for t in range(len(options)) if can_shrink(t)]
+    shrinkable = [
+        t for t in range(len(options)) if any(o.max_shard_bytes < current(t) for o in options[t])
+    ]
     if not shrinkable:
-        return None
-    return max(shrinkable, key=lambda t: (options[t][choice[t]].max_shard_bytes, -t))
+        return []
+    shrinkable.sort(key=lambda t: (-current(t), t))
+    limit = max(1, int(len(options) * SHRINK_SHARE))
+    selected = [t for t in shrinkable if current(t) >= failure.needed_bytes][:limit]
+    if failure.option_index in shrinkable and failure.option_index not in selected:
+        selected.append(failure.option_index)
+    # The failing table is as spread as it gets: make room by spreading the largest others.
+    return selected or shrinkable[:1]
 
 
 def improve(
