@@ -19,6 +19,7 @@ from recopt.sharding.planner import (
     PlannerError,
     Topology,
     TopologyError,
+    evaluate_plan,
 )
 from recopt.sharding.planner.constraints import TableWorkload
 from recopt.sharding.planner.perf import replica_cost, shard_cost
@@ -158,6 +159,29 @@ def test_a_table_too_big_for_any_rank_is_named_with_its_shortfall() -> None:
     assert "allow more sharding types for this table" in message
     # Allowing row-wise fixes it.
     EmbeddingShardingPlanner(topo, batch_size=32).plan(tables)
+
+
+def test_evaluate_plan_agrees_with_the_planners_own_books() -> None:
+    tables = {"a": random_tables(30, seed=21), "b": [table("wide", 20_000, 64, features=3)]}
+    adam = FusedOptimizerConfig(name="adam")
+    constraints = {
+        "t0": ParameterConstraints(sharding_types=(ShardingType.DATA_PARALLEL,)),
+        "t1": ParameterConstraints(sharding_types=(ShardingType.ROW_WISE,), pooling_factor=3.0),
+        "wide": ParameterConstraints(sharding_types=(ShardingType.COLUMN_WISE,), batch_size=64),
+        "t2": ParameterConstraints(sharding_types=(ShardingType.TABLE_ROW_WISE,), optimizer=adam),
+    }
+    topo = Topology(world_size=8, ranks_per_host=4, ddr_bytes=GIB)
+    modules = {"a": {"t3": FusedOptimizerConfig(name="adagrad")}}
+    planner = EmbeddingShardingPlanner(topo, constraints=constraints, batch_size=128)
+    plan = planner.plan(tables, modules)
+    stats = evaluate_plan(plan, tables, topo, 128, None, modules, constraints)
+    assert planner.stats is not None
+    assert stats.rank_bytes == planner.stats.rank_bytes
+    assert stats.rank_seconds == pytest.approx(planner.stats.rank_seconds, rel=1e-12)
+    ours = {(c.module, c.table): c for c in stats.tables}
+    for c in planner.stats.tables:
+        assert ours[c.module, c.table].bytes == c.bytes
+        assert ours[c.module, c.table].seconds == pytest.approx(c.seconds, rel=1e-12)
 
 
 def test_planning_is_deterministic() -> None:

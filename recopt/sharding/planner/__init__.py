@@ -10,7 +10,7 @@ from recopt.sharding.planner.planner import (
     PlannerError,
     plan_collectively,
 )
-from recopt.sharding.planner.stats import PlanStats, TableChoice
+from recopt.sharding.planner.stats import PlanStats, TableChoice, evaluate_plan
 from recopt.sharding.planner.topology import Topology, TopologyError
 
 __all__ = [
@@ -22,5 +22,6 @@ __all__ = [
     "TableChoice",
     "Topology",
     "TopologyError",
+    "evaluate_plan",
     "plan_collectively",
 ]

@@ -1,13 +1,26 @@
 """Planner output: per-rank memory and estimated step time, and each table's choice, printable.
 
 The figures are the planner's own estimates (docs/planner.md), not measurements.
+`evaluate_plan` computes the same figures for any plan, e.g. one written by hand.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from recopt.kernels.config import FusedOptimizerConfig
+from recopt.sharding.plan import ShardingPlan, ShardingType
+from recopt.sharding.planner.constraints import ParameterConstraints, resolve_constraints
+from recopt.sharding.planner.enumerator import table_workload
 from recopt.sharding.planner.partitioner import Placement
+from recopt.sharding.planner.perf import replica_cost, shard_cost
+from recopt.sharding.planner.storage import (
+    rank_output_bytes,
+    replica_storage_bytes,
+    shard_storage_bytes,
+)
 from recopt.sharding.planner.topology import Topology
 
 
@@ -106,6 +119,86 @@ def make_stats(placement: Placement, topology: Topology) -> PlanStats:
         usable_bytes=topology.usable_bytes,
         memory_bytes=topology.memory_bytes,
         tables=tuple(tables),
+    )
+
+
+def evaluate_plan(
+    plan: ShardingPlan,
+    tables_by_module: Mapping[str, Sequence[Any]],
+    topology: Topology,
+    batch_size: int = 512,
+    default_optimizer: FusedOptimizerConfig | None = None,
+    table_optimizers: Mapping[str, Mapping[str, FusedOptimizerConfig]] | None = None,
+    constraints: Mapping[str, ParameterConstraints] | None = None,
+) -> PlanStats:
+    """The planner's estimates for any plan (hand-written, or from another tool).
+
+    Args:
+        plan: a plan valid for ``tables_by_module`` (see `validate_plan`).
+        tables_by_module: module path -> its tables.
+        topology: bandwidths and memory.
+        batch_size: per-rank batch size.
+        default_optimizer: as in `EmbeddingShardingPlanner`.
+        table_optimizers: as in `EmbeddingShardingPlanner.plan`; a plan entry's own optimizer
+            wins over both.
+        constraints: for their pooling factors and batch sizes.
+
+    Returns:
+        Per-rank bytes and seconds, per-table totals, as `EmbeddingShardingPlanner.stats`.
+    """
+    w = topology.world_size
+    per_table = resolve_constraints(constraints, tables_by_module)
+    rank_bytes, rank_seconds = [0] * w, [0.0] * w
+    choices = []
+    for module, tables in tables_by_module.items():
+        for t in tables:
+            ps = plan[module][t.name]
+            optimizer = ps.optimizer or (table_optimizers or {}).get(module, {}).get(
+                t.name, default_optimizer or FusedOptimizerConfig()
+            )
+            c = per_table.get((module, t.name), ParameterConstraints())
+            load = table_workload(t, c, batch_size, optimizer)
+            for r in range(w):
+                rank_bytes[r] += rank_output_bytes(t.embedding_dim, load)
+            if ps.sharding_type is ShardingType.DATA_PARALLEL:
+                nbytes = replica_storage_bytes(t.num_embeddings, t.embedding_dim, load)
+                cost = replica_cost(t.num_embeddings, t.embedding_dim, load, topology).total
+                placed = [(r, nbytes, cost) for r in ps.ranks]
+            else:
+                rows = t.num_embeddings
+                placed = [
+                    (
+                        s.rank,
+                        shard_storage_bytes(
+                            ps.sharding_type, s.num_rows, s.num_cols, rows, load, w
+                        ),
+                        shard_cost(
+                            ps.sharding_type, s.num_rows, s.num_cols, rows, load, topology
+                        ).total,
+                    )
+                    for s in ps.shards
+                ]
+            for r, nbytes, cost in placed:
+                rank_bytes[r] += nbytes
+                rank_seconds[r] += cost
+            label = ps.sharding_type.value + (f" x{len(ps.shards)}" if len(ps.shards) > 1 else "")
+            choices.append(
+                TableChoice(
+                    module=module,
+                    table=t.name,
+                    sharding=label,
+                    optimizer=optimizer.name,
+                    ranks=ps.ranks,
+                    bytes=sum(b for _, b, _ in placed),
+                    seconds=sum(c for _, _, c in placed),
+                )
+            )
+    return PlanStats(
+        rank_bytes=tuple(rank_bytes),
+        rank_seconds=tuple(rank_seconds),
+        usable_bytes=topology.usable_bytes,
+        memory_bytes=topology.memory_bytes,
+        tables=tuple(choices),
     )
 
 
