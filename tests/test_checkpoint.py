@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from recopt.checkpoint import CheckpointError, CheckpointManager, load, read_manifest, save
-from recopt.checkpoint.manifest import DCP_METADATA_NAME, MANIFEST_NAME, SafeFileSystemReader
+from recopt.checkpoint.manifest import DCP_METADATA_NAME, MANIFEST_NAME
+from recopt.checkpoint.reader import SafeFileSystemReader
 from recopt.checkpoint.state import decode_tree, encode_tree
 
 
@@ -225,3 +226,22 @@ def test_weights_only_load_and_missing_stateful_extra(tmp_path: Path) -> None:
     assert_same_state(fresh.state_dict(), model.state_dict())
     with pytest.raises(CheckpointError, match="no extra 'data' to restore"):
         load(path, make_model(), extra={"data": Stream()})
+
+
+def test_non_contiguous_and_odd_dtypes_round_trip(tmp_path: Path) -> None:
+    # A transposed (dense, non-contiguous) tensor is stored with its strides: the direct-read
+    # path must not take its bytes as row-major; bf16/int/bool go through byte views.
+    class Odd(torch.nn.Module):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            g = torch.Generator().manual_seed(seed)
+            self.register_buffer("t", torch.randn(5, 3, generator=g).t())
+            self.register_buffer("b", torch.randn(4, 2, generator=g).to(torch.bfloat16))
+            self.register_buffer("i", torch.randint(0, 9, (6,), generator=g))
+            self.register_buffer("m", torch.rand(3, generator=g) > 0.5)
+            self.register_buffer("s", torch.tensor(float(seed)))
+
+    save(tmp_path / "ck", Odd(1))
+    fresh = Odd(2)
+    load(tmp_path / "ck", fresh)
+    assert_same_state(fresh.state_dict(), Odd(1).state_dict())

@@ -13,7 +13,7 @@ from test_checkpoint_dist import ALL_DP, _load_and_check
 
 from recopt.checkpoint import CheckpointError, save
 from recopt.checkpoint.cli import main
-from recopt.checkpoint.manifest import SafeFileSystemReader
+from recopt.checkpoint.reader import SafeFileSystemReader
 from recopt.checkpoint.reshard import export_full, reshard, target_chunks
 
 

@@ -3,24 +3,19 @@
 ``manifest.json`` is written last (before the directory is renamed into place). It lists every
 file with its size and CRC-32, every tensor with its global shape and dtype, the world size,
 step, plan and versions, and carries a CRC-32 of itself. Loading checks all of it before any
-byte reaches the model. DCP's own ``.metadata`` is a pickle: recopt reads it only after its
-checksum matched and through an unpickler that admits nothing but DCP's metadata classes.
+byte reaches the model.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import zlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
 
 import recopt
 from recopt.checkpoint.state import CheckpointError
@@ -199,56 +194,3 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# ---------------------------------------------------------------------------------------------
-# DCP metadata without arbitrary unpickling
-
-_ALLOWED_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch._utils", "_get_layout"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP's metadata dataclasses, torch dtypes and sizes; refuses every other global."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return super().find_class(module, name)
-        raise CheckpointError(
-            f"DCP metadata refers to {module}.{name}, which is not part of DCP's metadata; "
-            "refusing to unpickle it (the checkpoint is not from recopt or was tampered with)"
-        )
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """A DCP reader whose ``.metadata`` is unpickled with `_MetadataUnpickler`."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self.path) / DCP_METADATA_NAME
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata")
-        return metadata

@@ -38,12 +38,12 @@ from recopt.checkpoint.manifest import (
     MANIFEST_NAME,
     SKELETON_NAME,
     Manifest,
-    SafeFileSystemReader,
     file_entry,
     fsync_dir,
     read_manifest,
     verify_files,
 )
+from recopt.checkpoint.reader import SafeFileSystemReader
 from recopt.checkpoint.state import CheckpointError
 from recopt.sharding.plan import ShardingPlan, ShardingType
 
@@ -92,18 +92,9 @@ def _verified(src: Path) -> tuple[Manifest, Metadata]:
     return manifest, SafeFileSystemReader(src).read_metadata()
 
 
-class _CachedReader(SafeFileSystemReader):
-    """Reuses one verified metadata object for the many single-key reads of a reshard."""
-
-    def __init__(self, path: Path, metadata: Metadata) -> None:
-        super().__init__(path)
-        self._metadata = metadata
-
-    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
-        return self._metadata
-
-
-def _read_tensor(reader: _CachedReader, key: str, shape: list[int], dtype: str) -> torch.Tensor:
+def _read_tensor(
+    reader: SafeFileSystemReader, key: str, shape: list[int], dtype: str
+) -> torch.Tensor:
     """The full tensor ``key``: DCP reads just the chunks of that key, no process group."""
     full = torch.empty(shape, dtype=getattr(torch, dtype))
     with warnings.catch_warnings():
@@ -215,7 +206,7 @@ def reshard(
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     manifest, metadata = _verified(src)
     partial = _fresh_partial(dst)
-    reader = _CachedReader(src, metadata)
+    reader = SafeFileSystemReader(src, metadata)
     start = time.perf_counter()
     total = sum(_nbytes(e.shape, e.dtype) for e in manifest.tensors.values())
     new_chunks: dict[str, list[ChunkStorageMetadata]] = {}
@@ -338,7 +329,7 @@ def export_full(
     src, dst = Path(src), Path(dst)
     manifest, metadata = _verified(src)
     partial = _fresh_partial(dst)
-    reader = _CachedReader(src, metadata)
+    reader = SafeFileSystemReader(src, metadata)
     start = time.perf_counter()
     total = sum(_nbytes(e.shape, e.dtype) for e in manifest.tensors.values())
     groups = {

@@ -26,7 +26,6 @@ from recopt.checkpoint.manifest import (
     SKELETON_NAME,
     FileEntry,
     Manifest,
-    SafeFileSystemReader,
     TensorEntry,
     file_entry,
     fsync_dir,
@@ -35,6 +34,7 @@ from recopt.checkpoint.manifest import (
     verify_files,
     write_durably,
 )
+from recopt.checkpoint.reader import SafeFileSystemReader
 from recopt.checkpoint.state import (
     CheckpointError,
     Stateful,
