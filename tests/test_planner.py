@@ -257,6 +257,17 @@ def test_constraints_are_honoured() -> None:
     assert plan["b"]["x"].sharding_type is ShardingType.TABLE_WISE
 
 
+def test_module_qualified_constraint_wins_over_bare_name() -> None:
+    tables = {"a.sub": [table("x", 5000, 16)], "b": [table("x", 5000, 16)]}
+    constraints = {
+        "x": ParameterConstraints(sharding_types=(ShardingType.TABLE_WISE,)),
+        "a.sub.x": ParameterConstraints(sharding_types=(ShardingType.ROW_WISE,)),
+    }
+    plan = EmbeddingShardingPlanner(Topology(world_size=2), constraints=constraints).plan(tables)
+    assert plan["a.sub"]["x"].sharding_type is ShardingType.ROW_WISE
+    assert plan["b"]["x"].sharding_type is ShardingType.TABLE_WISE
+
+
 def test_explicit_column_wise_on_a_narrow_table_is_one_full_height_shard() -> None:
     c = {"t": ParameterConstraints(sharding_types=(ShardingType.COLUMN_WISE,), min_partition=4)}
     plan = EmbeddingShardingPlanner(Topology(world_size=2), constraints=c).plan(
