@@ -10,14 +10,14 @@ import enum
 from dataclasses import dataclass
 
 
-class PoolingType(str, enum.Enum):
+class PoolingType(enum.StrEnum):
     """How the embeddings of one bag are combined."""
 
     SUM = "sum"
     MEAN = "mean"
 
 
-class Backend(str, enum.Enum):
+class Backend(enum.StrEnum):
     """Which implementation runs a fused table: chosen per optimizer and table shape."""
 
     AUTO = "auto"
