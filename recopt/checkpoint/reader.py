@@ -3,9 +3,9 @@
 DCP's ``.metadata`` is a pickle; it is read only after its checksum matched the manifest, and
 through an unpickler that admits nothing but DCP's metadata classes. Tensor chunks are
 ``torch.save`` archives; DCP would load each into a new tensor and copy it into the target.
-Where the stored chunk is contiguous and the target region is too, the raw bytes are read
-directly into the target instead (one pass instead of two, no temporary); anything else takes
-DCP's path.
+Where the stored chunk is contiguous and the target region is a contiguous CPU block, the raw
+bytes are read directly into the target instead (one pass instead of two, no temporary);
+anything else (column slices, strided or GPU targets) is loaded and copied as DCP does.
 """
 
 from __future__ import annotations
@@ -141,7 +141,8 @@ def _read_item(file: io.FileIO, info: _StorageInfo, item: ReadItem, planner: Loa
     stored = torch.load(cast(IO[bytes], chunk), map_location="meta", weights_only=True)
     target = planner.resolve_tensor(item).detach()
     begin = _contiguous_span(stored, item)
-    if begin is not None and target.is_contiguous() and target.dtype == stored.dtype:
+    direct = target.device.type == "cpu" and target.is_contiguous()
+    if begin is not None and direct and target.dtype == stored.dtype:
         record = stored.untyped_storage()._checkpoint_offset
         chunk.seek(record + begin)
         view, got = target.reshape(-1).view(torch.uint8).numpy().data, 0
