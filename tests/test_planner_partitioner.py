@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from recopt.kernels.config import Backend, FusedOptimizerConfig
-from recopt.sharding import ShardingType
-from recopt.sharding.planner import Topology
+from recopt.modules import EmbeddingBagConfig
+from recopt.sharding import ShardingType, validate_plan
+from recopt.sharding.planner import EmbeddingShardingPlanner, PlannerError, Topology, evaluate_plan
 from recopt.sharding.planner.enumerator import ShardingOption
 from recopt.sharding.planner.partitioner import Placement, PlacementFailure, partition
 from recopt.sharding.planner.proposers import greedy_proposal, improve, make_feasible
@@ -152,3 +156,58 @@ def test_search_respects_its_trial_budget() -> None:
     choice = [0, 0]
     best = improve(options, choice, start, two_ranks(100), [0, 0], max_trials=0)
     assert best is start and choice == [0, 0]
+
+
+# --------------------------------------------------------------------------------------------
+# property: any input gives a valid plan under the caps, or a PlannerError that names a table
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shapes=st.lists(
+        st.tuples(
+            st.integers(1, 300_000), st.sampled_from([1, 4, 6, 8, 16, 64, 128]), st.integers(1, 3)
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    world_size=st.integers(1, 16),
+    ranks_per_host=st.sampled_from([None, 1, 2, 4]),
+    memory_mib=st.sampled_from([8, 64, 512, 4096]),
+    optimizer=st.sampled_from(["sgd", "row_wise_adagrad", "adam", "adafactor"]),
+)
+def test_any_input_plans_validly_or_explains(
+    shapes: list[tuple[int, int, int]],
+    world_size: int,
+    ranks_per_host: int | None,
+    memory_mib: int,
+    optimizer: str,
+) -> None:
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}",
+            num_embeddings=rows,
+            embedding_dim=dim,
+            feature_names=[f"f{i}_{k}" for k in range(features)],
+        )
+        for i, (rows, dim, features) in enumerate(shapes)
+    ]
+    topo = Topology(
+        world_size=world_size, ranks_per_host=ranks_per_host, ddr_bytes=memory_mib * 2**20
+    )
+    planner = EmbeddingShardingPlanner(
+        topo, batch_size=64, default_optimizer=FusedOptimizerConfig(name=optimizer)
+    )
+    try:
+        plan = planner.plan({"m": tables})
+    except PlannerError as e:
+        assert "table" in str(e) and "To fit" in str(e)
+        return
+    validate_plan(plan, {"m": tables}, world_size, topo.local_world_size)
+    assert planner.stats is not None
+    assert max(planner.stats.rank_bytes) <= topo.usable_bytes
+    again = evaluate_plan(plan, {"m": tables}, topo, 64, FusedOptimizerConfig(name=optimizer))
+    assert again.rank_bytes == planner.stats.rank_bytes
+    if optimizer == "adafactor":
+        kinds = {ps.sharding_type for ps in plan["m"].values()}
+        assert kinds <= {ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL}
