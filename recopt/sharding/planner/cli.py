@@ -1,10 +1,8 @@
 """`recopt-plan`: plan a model config's embedding tables, or calibrate this machine's topology.
 
-    recopt-plan configs/<model>.toml --world-size N [--topology FILE] [--output plan.json]
-    recopt-plan --calibrate [--output topology.toml] [--ranks-per-host N]
-
-The config's `[[embedding.tables]]`, `[embedding.optimizer]` and `[planner]` are read; every other
-section is ignored. Topology values come from `[planner]`, then `--topology FILE`, then flags.
+`recopt-plan CONFIG --world-size N [--topology FILE] [--output plan.json]` reads the config's
+`[[embedding.tables]]`, `[embedding.optimizer]` and `[planner]` (other sections are ignored);
+topology values come from `[planner]`, then the file, then flags. `--calibrate` measures instead.
 """
 
 from __future__ import annotations

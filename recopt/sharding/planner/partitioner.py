@@ -1,9 +1,8 @@
 """Partitioner: put every shard of the chosen options on a rank, balancing cost under memory caps.
 
-Longest-processing-time greedy: layouts that fix their ranks first (data-parallel, row-wise),
-then host-local groups, then free shards largest cost first, each on the least-loaded rank with
-room. When that runs out of memory, a memory-first pass (largest shard onto the emptiest rank)
-is tried before reporting the shard that fits nowhere.
+Longest-processing-time greedy: fixed layouts (data-parallel, row-wise), then host-local groups,
+then free shards largest cost first onto the least-loaded rank with room; if memory runs out, a
+memory-first pass (largest shard onto the emptiest rank) before reporting what fits nowhere.
 """
 
 from __future__ import annotations

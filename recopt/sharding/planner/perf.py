@@ -1,10 +1,8 @@
 """Performance estimator: seconds one shard adds to its rank's training step.
 
-A bandwidth model, not a simulator: every term is bytes moved divided by the bandwidth of the
-link it crosses (`Topology`). Forward: ids in by all-to-all, rows gathered from memory, pooled
-outputs out (all-to-all; a reduce of partial sums for row-wise types). Backward: gradients back
-the same way, then the fused optimizer reads and writes the rows and their state. Data-parallel
-tables look up locally and all-reduce a dense gradient. docs/planner.md states the formulas.
+A bandwidth model, not a simulator: each term is bytes moved over the bandwidth of the link it
+crosses (all-to-all of ids and pooled outputs, rows gathered and updated in memory, all-reduce
+for data-parallel). docs/planner.md states the formulas and what they leave out.
 """
 
 from __future__ import annotations

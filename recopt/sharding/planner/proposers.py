@@ -1,10 +1,8 @@
 """Proposers: which option each table uses. A greedy first choice, then a local search.
 
-`greedy_proposal` takes each table's cheapest option that fits on an empty rank. `make_feasible`
-moves the table that did not fit (or, failing that, the largest one) to a layout with smaller
-shards until the partitioner succeeds. `improve` is the search: it repeatedly tries cheaper-peak
-options for the tables on the slowest rank and keeps a change only when the step time drops.
-Every step is deterministic, so every rank would propose the same plan.
+`greedy_proposal`: each table's cheapest option that fits an empty rank; `make_feasible`: spread
+tables until the partitioner places everything; `improve`: try other options for the tables on
+the slowest rank, keeping a change only when the step time drops. All deterministic.
 """
 
 from __future__ import annotations

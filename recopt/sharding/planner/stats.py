@@ -11,8 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from recopt.kernels.config import FusedOptimizerConfig
-from recopt.sharding.plan import ShardingPlan, ShardingType
-from recopt.sharding.planner.constraints import ParameterConstraints, resolve_constraints
+from recopt.sharding.plan import ParameterSharding, ShardingPlan, ShardingType
+from recopt.sharding.planner.constraints import (
+    ParameterConstraints,
+    TableWorkload,
+    resolve_constraints,
+)
 from recopt.sharding.planner.enumerator import table_workload
 from recopt.sharding.planner.partitioner import Placement
 from recopt.sharding.planner.perf import replica_cost, shard_cost
@@ -160,24 +164,7 @@ def evaluate_plan(
             load = table_workload(t, c, batch_size, optimizer)
             for r in range(w):
                 rank_bytes[r] += rank_output_bytes(t.embedding_dim, load)
-            if ps.sharding_type is ShardingType.DATA_PARALLEL:
-                nbytes = replica_storage_bytes(t.num_embeddings, t.embedding_dim, load)
-                cost = replica_cost(t.num_embeddings, t.embedding_dim, load, topology).total
-                placed = [(r, nbytes, cost) for r in ps.ranks]
-            else:
-                rows = t.num_embeddings
-                placed = [
-                    (
-                        s.rank,
-                        shard_storage_bytes(
-                            ps.sharding_type, s.num_rows, s.num_cols, rows, load, w
-                        ),
-                        shard_cost(
-                            ps.sharding_type, s.num_rows, s.num_cols, rows, load, topology
-                        ).total,
-                    )
-                    for s in ps.shards
-                ]
+            placed = _placed_estimates(ps, t, load, topology)
             for r, nbytes, cost in placed:
                 rank_bytes[r] += nbytes
                 rank_seconds[r] += cost
@@ -200,6 +187,26 @@ def evaluate_plan(
         memory_bytes=topology.memory_bytes,
         tables=tuple(choices),
     )
+
+
+def _placed_estimates(
+    ps: ParameterSharding, table: Any, load: TableWorkload, topology: Topology
+) -> list[tuple[int, int, float]]:
+    """(rank, bytes, seconds) for every shard of one table (every rank for a replica)."""
+    rows, dim, w = table.num_embeddings, table.embedding_dim, topology.world_size
+    if ps.sharding_type is ShardingType.DATA_PARALLEL:
+        nbytes = replica_storage_bytes(rows, dim, load)
+        cost = replica_cost(rows, dim, load, topology).total
+        return [(r, nbytes, cost) for r in ps.ranks]
+    kind = ps.sharding_type
+    return [
+        (
+            s.rank,
+            shard_storage_bytes(kind, s.num_rows, s.num_cols, rows, load, w),
+            shard_cost(kind, s.num_rows, s.num_cols, rows, load, topology).total,
+        )
+        for s in ps.shards
+    ]
 
 
 def format_bytes(n: float) -> str:

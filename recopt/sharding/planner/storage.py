@@ -1,10 +1,8 @@
 """Storage estimator: bytes one shard of a table occupies on its rank during training.
 
-Counted per shard: the weights, the optimizer state of the fused optimizer actually chosen
-(`recopt.kernels.config.optimizer_state_floats`), and the step's buffers (ids and lengths received,
-pooled outputs and their gradients for every bag the shard serves, one gradient row per id looked
-up). Every rank also holds its own pooled outputs and their gradients for every table.
-docs/planner.md lists the formulas.
+Weights, the state of the fused optimizer actually chosen (`optimizer_state_floats`), and the
+step's buffers: ids and lengths received, pooled outputs and their gradients, a gradient row per
+id. Every rank also holds its own pooled outputs for every table. Formulas: docs/planner.md.
 """
 
 from __future__ import annotations
