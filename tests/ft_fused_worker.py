@@ -44,14 +44,18 @@ def _emulate_grad_hook(module: FusedEmbeddingBagCollection) -> None:
 
 
 class Model(nn.Module):
-    def __init__(self, optimizer: str) -> None:
+    def __init__(self) -> None:
         super().__init__()
         tables = [
             EmbeddingBagConfig(name="t0", num_embeddings=40, embedding_dim=8, feature_names=["f0"]),
             EmbeddingBagConfig(name="t1", num_embeddings=25, embedding_dim=8, feature_names=["f1"]),
         ]
-        config = FusedOptimizerConfig(name=optimizer, lr=0.05, backend=Backend.RECOPT)
-        self.sparse = FusedEmbeddingBagCollection(tables, optimizer=config)
+        # Two kernels: Adam (per-row 2-D state) on t0, row-wise Adagrad (1-D state) on t1.
+        config = FusedOptimizerConfig(name="adam", lr=0.05, backend=Backend.RECOPT)
+        rowwise = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.05, backend=Backend.RECOPT)
+        self.sparse = FusedEmbeddingBagCollection(
+            tables, optimizer=config, table_optimizers={"t1": rowwise}
+        )
         self.dense = nn.Linear(16, 1)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
@@ -77,14 +81,13 @@ def main() -> None:
     parser.add_argument("--rank-seed", type=int, default=0)
     parser.add_argument("--lighthouse-port", type=int, required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--optimizer", default="adam")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--wait-live", type=int, default=2)
     parser.add_argument("--no-sync", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(args.rank_seed)
-    model = Model(args.optimizer)
+    model = Model()
     _emulate_grad_hook(model.sparse)
     dense = KeyedOptimizerWrapper(
         dict(model.dense.named_parameters()), lambda p: torch.optim.AdamW(p, lr=0.01)

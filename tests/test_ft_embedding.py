@@ -69,8 +69,12 @@ def _train(module: nn.Module, seed: int) -> None:
     module(_batch(seed)).values().pow(2).sum().backward()
 
 
-@pytest.mark.parametrize("backend", [Backend.RECOPT, Backend.AUTO])
-@pytest.mark.parametrize("name", OPTIMIZERS)
+CASES = [(name, Backend.RECOPT) for name in OPTIMIZERS] + [
+    (name, Backend.FBGEMM) for name in ("sgd", "adagrad", "row_wise_adagrad")
+]
+
+
+@pytest.mark.parametrize("name, backend", CASES)
 def test_aborted_step_restores_every_table_and_state(name: str, backend: Backend) -> None:
     torch.manual_seed(0)
     config = FusedOptimizerConfig(name=name, lr=0.05, weight_decay=0.01, backend=backend)

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from ft_cluster import FUSED_WORKER, Cluster, assert_same_state
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "row_wise_adagrad"])
-def test_fused_tables_stay_identical_across_replicas(tmp_path: Path, optimizer: str) -> None:
+def test_fused_tables_stay_identical_across_replicas(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path)
     try:
         port = cluster.start_lighthouse(min_replicas=2, join_s=1.0, hb_s=2.0)
@@ -23,7 +23,6 @@ def test_fused_tables_stay_identical_across_replicas(tmp_path: Path, optimizer: 
                     f"--rank-seed={seed}",
                     f"--lighthouse-port={port}",
                     f"--out={tmp_path}",
-                    f"--optimizer={optimizer}",
                 ],
                 f"{name}.log",
             )
@@ -35,11 +34,10 @@ def test_fused_tables_stay_identical_across_replicas(tmp_path: Path, optimizer: 
         assert steps == cluster.steps_saved("b") == set(range(1, 9))
         first = cluster.state("a", 1)
         last = cluster.state("a", 8)
-        # Training moved the tables (each replica touched rows the other did not).
-        assert not (
-            first["model"]["sparse.embedding_bags.t0.weight"]
-            == last["model"]["sparse.embedding_bags.t0.weight"]
-        ).all()
+        # Training moved both tables (each replica touched rows the other did not).
+        for table in ("t0", "t1"):
+            key = f"sparse.embedding_bags.{table}.weight"
+            assert not torch.equal(first["model"][key], last["model"][key])
         for k in sorted(steps):
             assert_same_state(cluster.state("a", k), cluster.state("b", k))
     finally:

@@ -71,24 +71,46 @@ def test_vote_is_refused_by_one_no_or_one_dead_member() -> None:
     qs.join(_member("a"), now=0.0)
     r = qs.join(_member("b"), now=0.0)
     assert qs.try_form(now=0.0)
-    qs.vote(r, "a", True, now=0.5)
+    qs.vote(r, "a", 0, True, now=0.5)
     assert qs.decision(r, now=0.5) is None  # b has not voted and is alive
     assert qs.decision(r, now=2.6) is False  # b's heartbeat expired before it voted
-    qs.vote(r, "b", True, now=2.7)  # a late yes cannot change a decision
+    qs.vote(r, "b", 0, True, now=2.7)  # a late yes cannot change a decision
     assert qs.decision(r, now=2.7) is False
 
     r2 = qs.join(_member("a"), now=3.0)
     qs.join(_member("b"), now=3.0)
     assert qs.try_form(now=3.0)
-    qs.vote(r2, "b", False, now=3.1)
+    qs.vote(r2, "b", 0, False, now=3.1)
     assert qs.decision(r2, now=3.1) is False  # no need to wait for a
     r3 = qs.join(_member("a"), now=4.0)
     qs.join(_member("b"), now=4.0)
     assert qs.try_form(now=4.0)
-    qs.vote(r3, "a", True, now=4.0)
-    qs.vote(r3, "b", True, now=4.0)
+    qs.vote(r3, "a", 0, True, now=4.0)
+    qs.vote(r3, "b", 0, True, now=4.0)
     assert qs.decision(r3, now=4.0) is True
     assert qs.decision(12345, now=4.0) is False  # unknown round: refused, never committed
+
+
+def test_sharded_groups_join_and_vote_with_every_rank() -> None:
+    qs = _state()
+
+    def rank(name: str, r: int, size: int = 2) -> dict:
+        return {**_member(name), "group_rank": r, "group_world_size": size, "address": f"{name}{r}"}
+
+    qs.heartbeat("b", now=0.0)
+    qs.join(rank("a", 1), now=0.0)
+    qs.join(rank("b", 0), now=0.0)
+    assert not qs.try_form(now=0.5)  # neither group has all its ranks yet
+    r = qs.join(rank("a", 0), now=0.6)
+    assert not qs.try_form(now=0.7)  # b is live: wait for its rank 1
+    assert qs.try_form(now=5.5)  # ... until the join timeout: b is left out
+    quorum = qs.quorum(r)
+    assert quorum is not None and len(quorum["members"]) == 1
+    assert quorum["members"][0]["addresses"] == ["a0", "a1"]
+    qs.vote(r, "a", 0, True, now=5.6)
+    assert qs.decision(r, now=5.6) is None  # rank 1 of a has not voted
+    qs.vote(r, "a", 1, True, now=5.7)
+    assert qs.decision(r, now=5.7) is True
 
 
 def test_plan_recovery() -> None:

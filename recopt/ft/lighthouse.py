@@ -17,6 +17,7 @@ import os
 import socketserver
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,16 +65,18 @@ class _Round:
 class QuorumState:
     """The lighthouse's bookkeeping, without sockets or threads (callers pass the clock).
 
-    A quorum is formed per *round*: replicas join the open round; it closes when at least
-    ``min_replicas`` have joined and either every live replica has joined or the join timeout
-    has run out. The quorum id changes whenever the membership changes or a member reports
-    that its last collective failed, so that members rebuild their process group.
+    A quorum is formed per *round* over replica groups: the ranks of each group join the open
+    round (a group of ``group_world_size`` ranks counts once all its ranks have joined); the
+    round closes when at least ``min_replicas`` groups are complete and either every live
+    group is complete or the join timeout has run out. The quorum id changes whenever the
+    membership changes or a member reports that its last collective failed, so that members
+    rebuild their process groups.
     """
 
     def __init__(self, config: LighthouseConfig) -> None:
         self.config = config
         self._heartbeats: dict[str, float] = {}
-        self._pending: dict[str, dict[str, Any]] = {}
+        self._pending: dict[str, dict[int, dict[str, Any]]] = {}  # group -> rank -> member
         self._first_join: float | None = None
         self._round = 0
         self._quorum_id = 0
@@ -88,28 +91,35 @@ class QuorumState:
         return {r for r, t in self._heartbeats.items() if now - t <= limit}
 
     def join(self, member: dict[str, Any], now: float) -> int:
-        """Add a replica to the open round; returns the round it will get its quorum from."""
+        """Add a replica rank to the open round; returns the round it gets its quorum from."""
         replica_id = str(member["replica_id"])
         self.heartbeat(replica_id, now)
         if not self._pending:
             self._first_join = now
-        self._pending[replica_id] = member
+        self._pending.setdefault(replica_id, {})[int(member.get("group_rank", 0))] = member
         return self._round
+
+    def _complete(self) -> list[str]:
+        return sorted(
+            r
+            for r, ranks in self._pending.items()
+            if len(ranks) == int(next(iter(ranks.values())).get("group_world_size", 1))
+        )
 
     def try_form(self, now: float) -> bool:
         """Close the open round if its quorum can form now; returns whether it did."""
-        if len(self._pending) < self.config.min_replicas:
+        complete = self._complete()
+        if len(complete) < self.config.min_replicas:
             return False
         assert self._first_join is not None
         waited = now - self._first_join
-        stragglers = self.live(now) - set(self._pending)
+        stragglers = self.live(now) - set(complete)
         if stragglers and waited < self.config.join_timeout.total_seconds():
             return False
-        members = [self._pending[r] for r in sorted(self._pending)]
-        names = [str(m["replica_id"]) for m in members]
-        if names != self._last_members or any(m.get("errored") for m in members):
+        members = [_group_member(self._pending[r]) for r in complete]
+        if complete != self._last_members or any(m["errored"] for m in members):
             self._quorum_id += 1
-        self._last_members = names
+        self._last_members = complete
         quorum = {"round": self._round, "quorum_id": self._quorum_id, "members": members}
         self._rounds[self._round] = _Round(quorum=quorum)
         self._rounds.pop(self._round - _ROUNDS_KEPT, None)
@@ -117,7 +127,7 @@ class QuorumState:
             "round %d: quorum %d with %s (left out: %s)",
             self._round,
             self._quorum_id,
-            names,
+            complete,
             sorted(stragglers),
         )
         self._round += 1
@@ -125,10 +135,12 @@ class QuorumState:
         self._first_join = None
         return True
 
-    def leave(self, replica_id: str, round_no: int) -> None:
-        """Withdraw a replica that stopped waiting, so no quorum counts on it."""
-        if round_no == self._round:
-            self._pending.pop(replica_id, None)
+    def leave(self, replica_id: str, group_rank: int, round_no: int) -> None:
+        """Withdraw a rank that stopped waiting, so no quorum counts on its group."""
+        if round_no == self._round and replica_id in self._pending:
+            self._pending[replica_id].pop(group_rank, None)
+            if not self._pending[replica_id]:
+                del self._pending[replica_id]
             if not self._pending:
                 self._first_join = None
 
@@ -136,30 +148,34 @@ class QuorumState:
         entry = self._rounds.get(round_no)
         return None if entry is None else entry.quorum
 
-    def vote(self, round_no: int, replica_id: str, ok: bool, now: float) -> None:
-        """Record a member's vote; an unknown (forgotten) round counts as already refused."""
+    def vote(self, round_no: int, replica_id: str, group_rank: int, ok: bool, now: float) -> None:
+        """Record a rank's vote; an unknown (forgotten) round counts as already refused."""
         self.heartbeat(replica_id, now)
         entry = self._rounds.get(round_no)
         if entry is not None and entry.decision is None:
-            entry.votes[replica_id] = ok
+            entry.votes[f"{replica_id}/{group_rank}"] = ok
 
     def decision(self, round_no: int, now: float) -> bool | None:
         """Commit (True), refuse (False) or undecided (None) for a round; final once decided.
 
-        Refused as soon as one member votes no or dies before voting, so that survivors of a
-        crash do not wait for a vote that will never come.
+        Refused as soon as one rank votes no or its group dies before all voted, so that
+        survivors of a crash do not wait for a vote that will never come.
         """
         entry = self._rounds.get(round_no)
         if entry is None:
             return False
         if entry.decision is None:
-            names = [str(m["replica_id"]) for m in entry.quorum["members"]]
+            voters = [
+                (str(m["replica_id"]), f"{m['replica_id']}/{rank}")
+                for m in entry.quorum["members"]
+                for rank in range(int(m["group_world_size"]))
+            ]
             live = self.live(now)
-            if any(entry.votes.get(n) is False for n in names):
+            if any(entry.votes.get(v) is False for _, v in voters):
                 entry.decision = False
-            elif any(n not in entry.votes and n not in live for n in names):
+            elif any(v not in entry.votes and g not in live for g, v in voters):
                 entry.decision = False
-            elif all(n in entry.votes for n in names):
+            elif all(v in entry.votes for _, v in voters):
                 entry.decision = True
         return entry.decision
 
@@ -168,6 +184,19 @@ class QuorumState:
         entry = self._rounds.get(round_no)
         if entry is not None and entry.decision is None:
             entry.decision = False
+
+
+def _group_member(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """One quorum member from its ranks' requests: every rank's address, in rank order."""
+    first = ranks[0]
+    return {
+        "replica_id": first["replica_id"],
+        "group_world_size": len(ranks),
+        "step": min(int(m["step"]) for m in ranks.values()),
+        "first": any(m.get("first") for m in ranks.values()),
+        "errored": any(m.get("errored") for m in ranks.values()),
+        "addresses": [ranks[r].get("address") for r in sorted(ranks)],
+    }
 
 
 class _Handler(socketserver.StreamRequestHandler):
@@ -222,6 +251,9 @@ class Lighthouse:
             timeout=datetime.timedelta(seconds=60),
         )
         self._thread: threading.Thread | None = None
+        # Quorum ids restart with the process: the epoch tells replicas a new lighthouse's
+        # quorum 3 from the old one's, so they rebuild their group.
+        self._epoch = uuid.uuid4().hex[:12]
 
     @property
     def port(self) -> int:
@@ -249,9 +281,8 @@ class Lighthouse:
         if op == "quorum":
             return self._wait_quorum(request["member"], timeout_s)
         if op == "vote":
-            return self._wait_vote(
-                int(request["round"]), str(request["replica_id"]), bool(request["ok"]), timeout_s
-            )
+            voter = (str(request["replica_id"]), int(request.get("group_rank", 0)))
+            return self._wait_vote(int(request["round"]), voter, bool(request["ok"]), timeout_s)
         if op == "status":
             with self._cond:
                 return {"live": sorted(self._state.live(time.monotonic()))}
@@ -266,16 +297,19 @@ class Lighthouse:
                     self._cond.notify_all()
                 quorum = self._state.quorum(round_no)
                 if quorum is not None:
-                    return {**quorum, "store_port": self.store.port}
+                    return {**quorum, "store_port": self.store.port, "epoch": self._epoch}
                 if time.monotonic() >= deadline:
-                    self._state.leave(str(member["replica_id"]), round_no)
+                    rank = int(member.get("group_rank", 0))
+                    self._state.leave(str(member["replica_id"]), rank, round_no)
                     return {"error": f"TimeoutError: no quorum within {timeout_s:.1f} s"}
                 self._cond.wait(_TICK_S)
 
-    def _wait_vote(self, round_no: int, replica_id: str, ok: bool, timeout_s: float) -> dict:
+    def _wait_vote(
+        self, round_no: int, voter: tuple[str, int], ok: bool, timeout_s: float
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            self._state.vote(round_no, replica_id, ok, time.monotonic())
+            self._state.vote(round_no, voter[0], voter[1], ok, time.monotonic())
             self._cond.notify_all()
             while True:
                 decision = self._state.decision(round_no, time.monotonic())

@@ -39,6 +39,9 @@ class ManagerConfig:
         heartbeat_interval: how often the lighthouse hears this replica is alive.
         init_sync: at step 0, fresh replicas copy the first replica's state.
         hostname: name peers use to reach this replica's checkpoint server.
+        group_rank: this process's rank inside its replica group (a sharded replica group
+            runs one Manager per rank; rank r averages with rank r of the other groups).
+        group_world_size: number of ranks in the replica group.
     """
 
     replica_id: str
@@ -49,12 +52,20 @@ class ManagerConfig:
     heartbeat_interval: datetime.timedelta = datetime.timedelta(milliseconds=200)
     init_sync: bool = True
     hostname: str = dataclasses.field(default_factory=socket.gethostname)
+    group_rank: int = 0
+    group_world_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.replica_id:
             raise ValueError("replica_id is empty; give each replica group a unique name")
         if self.min_replica_size < 1:
             raise ValueError(f"min_replica_size={self.min_replica_size} must be at least 1")
+        if not 0 <= self.group_rank < self.group_world_size:
+            raise ValueError(
+                f"group_rank={self.group_rank} is not in [0, group_world_size="
+                f"{self.group_world_size}); pass the rank inside the replica group (LOCAL_RANK "
+                "or RANK of the group's torchrun) and its size"
+            )
         for name in ("timeout", "quorum_timeout", "heartbeat_interval"):
             if getattr(self, name).total_seconds() <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
@@ -102,7 +113,7 @@ class Manager:
         self._errored: Exception | None = None
         self._pg_broken = False
         self._round: int | None = None
-        self._quorum_id: int | None = None
+        self._quorum_id: str | None = None  # "<lighthouse epoch>/<quorum id>"
         self._rank = 0
         self._num_participants = 0
         # A gloo backend; typed Any because torch's stubs omit its collectives.
@@ -161,6 +172,8 @@ class Manager:
             "step": self._step,
             "first": self._first,
             "errored": self._pg_broken,
+            "group_rank": self.config.group_rank,
+            "group_world_size": self.config.group_world_size,
             "address": f"http://{self.config.hostname}:{self._server.port}",
         }
         try:
@@ -178,6 +191,11 @@ class Manager:
     def _apply_quorum(self, reply: dict[str, Any]) -> None:
         members: list[dict[str, Any]] = reply["members"]
         names = [str(m["replica_id"]) for m in members]
+        if self.config.replica_id not in names:
+            raise RuntimeError(
+                f"replica group {self.config.replica_id!r} was left out of round "
+                f"{reply['round']} (not all of its ranks joined in time)"
+            )
         self._round = int(reply["round"])
         self._rank = names.index(self.config.replica_id)
         self._num_participants = len(members)
@@ -192,7 +210,7 @@ class Manager:
         if source is not None:
             self._heal(by_name[source])
         self._first = False
-        quorum_id = int(reply["quorum_id"])
+        quorum_id = f"{reply['epoch']}/{reply['quorum_id']}"
         if len(members) == 1:
             self._pg, self._pg_broken = None, False  # alone: nothing to reduce with
         elif quorum_id != self._quorum_id or self._pg is None:
@@ -210,7 +228,8 @@ class Manager:
 
     def _heal(self, source: dict[str, Any]) -> None:
         start = time.monotonic()
-        url = f"{source['address']}/checkpoint/{int(source['step'])}"
+        address = source["addresses"][self.config.group_rank]
+        url = f"{address}/checkpoint/{int(source['step'])}"
         state = fetch_checkpoint(url, self.config.timeout)
         self._load_state_dict(state["user"])
         self._step = int(state["step"])
@@ -223,7 +242,7 @@ class Manager:
             time.monotonic() - start,
         )
 
-    def _connect(self, store_port: int, quorum_id: int) -> None:
+    def _connect(self, store_port: int, quorum_id: str) -> None:
         self._pg_broken = True  # until the rendezvous below has succeeded
         if self._store is None or self._store.port != store_port:
             self._store = dist.TCPStore(
@@ -233,7 +252,8 @@ class Manager:
                 wait_for_workers=False,
                 timeout=self.config.timeout,
             )
-        store = dist.PrefixStore(f"recopt-ft/{quorum_id}", self._store)
+        lane = self.config.group_rank  # rank r of every group: one gloo group per lane
+        store = dist.PrefixStore(f"recopt-ft/{quorum_id}/lane{lane}", self._store)
         self._pg = dist.ProcessGroupGloo(
             store, self._rank, self._num_participants, self.config.timeout
         )
@@ -373,7 +393,12 @@ class Manager:
             )
         commit = False
         if self._round is not None:
-            payload = {"op": "vote", "round": self._round, "replica_id": self.config.replica_id}
+            payload = {
+                "op": "vote",
+                "round": self._round,
+                "replica_id": self.config.replica_id,
+                "group_rank": self.config.group_rank,
+            }
             try:
                 reply = request(self.config.lighthouse, {**payload, "ok": ok}, self.config.timeout)
                 commit = bool(reply["commit"]) and ok
