@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -226,3 +228,76 @@ def test_resume_from_checkpoint_equals_an_uninterrupted_run(tmp_path: pathlib.Pa
 def test_main_reports_a_bad_config_before_any_work(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="unknown config key data.sourse"):
         dlrm_train.main(["--set", "data.sourse=criteo"])
+
+
+# ------------------------------------------------------------------------ two ranks (torchrun)
+
+
+def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    pytest.importorskip("recopt.sharding.model_parallel")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
+    return subprocess.run(
+        [*command, str(ROOT / "examples/dlrm/train.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_train_checkpoint_and_resume(tmp_path: pathlib.Path) -> None:
+    common = small_run(
+        tmp_path, 40, "--set", "training.eval_every=40", "--set", "checkpoint.every=20"
+    )
+    first = torchrun(*common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_000000020",
+        "step_000000040",
+    ]
+    longer = [a if a != "training.steps=40" else "training.steps=60" for a in common]
+    second = torchrun(*longer, "--resume")
+    assert second.returncode == 0, second.stderr[-3000:]
+    logged = records(tmp_path)
+    assert "resumed from step 40" in second.stderr
+    assert [r["step"] for r in logged if r["split"] == "val"] == [40, 60]
+    assert [r for r in logged if r["split"] == "val"][-1]["auc"] > 0.6
+
+
+@pytest.mark.multiprocess
+def test_a_failing_rank_stops_every_rank_with_its_message(tmp_path: pathlib.Path) -> None:
+    # Line 2 is malformed, and only rank 1 reads it (rank r reads lines r, r+2, ...): rank 0
+    # is left waiting in a collective and must not hang.
+    from test_data import criteo_line
+
+    data = tmp_path / "day.tsv"
+    lines = [criteo_line(i) for i in range(64)]
+    fields = lines[1].split("\t")
+    lines[1] = "\t".join([fields[0], "not-a-number", *fields[2:]])
+    data.write_text("".join(lines))
+    overrides = [
+        "data.source=criteo",
+        f"data.criteo.train_paths=['{data}']",
+        "embedding.tables=["
+        + ", ".join(
+            f"{{name='t{i}', num_embeddings=100, embedding_dim=16, feature_names=['cat_{i}']}}"
+            for i in range(26)
+        )
+        + "]",
+    ]
+    args = small_run(tmp_path, 10)
+    for item in overrides:
+        args += ["--set", item]
+    result = torchrun(*args, "--set", "data.batch_size=8", "--set", "training.timeout_s=60")
+    assert result.returncode != 0
+    assert "[rank 1/2] training failed: ValueError" in result.stderr
+    assert "day.tsv:2: column 1 (integer feature 1)" in result.stderr

@@ -87,20 +87,27 @@ def build_model(config: TrainingConfig, device: torch.device) -> DLRM:
 
 
 def shard_model(model: DLRM, config: TrainingConfig, env: RunEnv) -> nn.Module:
-    """PLUG-IN (sharding): one rank trains the model as is; N ranks need the model-parallel
-    wrapper, which shards the embedding bags (plan from the planner) and wraps the rest in DDP.
+    """PLUG-IN (sharding): one rank trains the model as is; on N ranks the planner (topology
+    from ``[planner]``) chooses a plan on rank 0, every rank receives it, and the model-parallel
+    wrapper shards the embedding bags by it and wraps the dense rest in DDP.
     """
     if env.world_size == 1:
         return model
-    try:
-        from recopt.sharding import DistributedModelParallel  # type: ignore[attr-defined]
-    except ImportError:
-        raise RuntimeError(
-            f"training on {env.world_size} ranks needs recopt.sharding."
-            "DistributedModelParallel, which this checkout does not have yet; run one process"
-        ) from None
-    wrapped: nn.Module = DistributedModelParallel(model)
-    return wrapped
+    from recopt.sharding.model_parallel import DistributedModelParallel
+    from recopt.sharding.planner import EmbeddingShardingPlanner, plan_collectively
+    from recopt.sharding.planner.topology import topology_from_dict
+
+    timeout = datetime.timedelta(seconds=config.training.timeout_s)
+    topology = topology_from_dict(config.planner, "[planner]", world_size=env.world_size)
+    planner = EmbeddingShardingPlanner(
+        topology,
+        batch_size=config.data.batch_size,
+        default_optimizer=config.embedding.optimizer,
+    )
+    plan = plan_collectively(
+        planner, {"embedding_bags": list(config.embedding.tables)}, timeout=timeout
+    )
+    return DistributedModelParallel(model, plan=plan, device=env.device, timeout=timeout)
 
 
 def build_optimizer(model: nn.Module, config: TrainingConfig) -> KeyedOptimizer:
@@ -109,7 +116,9 @@ def build_optimizer(model: nn.Module, config: TrainingConfig) -> KeyedOptimizer:
     sparse: KeyedOptimizer = (
         fused if fused is not None else CombinedOptimizer(fused_optimizers(model))
     )
-    _, dense_params = split_fused_parameters(model)
+    # The model-parallel wrapper is itself "fused" (it has .fused_optimizer): split the model
+    # it wraps, whose names are the wrapper's parameter names (no DDP prefix).
+    _, dense_params = split_fused_parameters(getattr(model, "plain_module", model))
     dense_params = {n: p for n, p in dense_params.items() if p.requires_grad}
     dense = KeyedOptimizerWrapper(dense_params, _dense_factory(config))
     stages = config.warmup.stages
@@ -279,7 +288,10 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Metrics over ``data.val_batches`` held-out batches (the same ones every time)."""
-        if self.config.data.val_batches == 0:
+        data_config = self.config.data
+        if data_config.val_batches == 0 or (
+            data_config.source == "criteo" and not data_config.criteo.val_paths
+        ):
             return {}
         self.model.eval()
         metrics = click_metrics().to(self.env.device)
