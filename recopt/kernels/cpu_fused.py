@@ -36,14 +36,13 @@ OPTIMIZER_CODES: dict[str, int] = {
 
 _C_SOURCE = r"""
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 typedef struct {
     int opt;
     int64_t begin, end, dim;
-    const int64_t *ids, *perm, *goff;
+    const int64_t *ids, *goff;
     const float *scale, *grad;
     float *weight, *s1, *s2;
     float lr, eps, wd, sign, one_minus_beta1, one_minus_beta2, step_size;
@@ -119,8 +118,7 @@ static void update_row(const job_t *j, int64_t row, float *restrict acc) {
 #define PREFETCH_ROW(p, n, rw) \
     for (int64_t i_ = 0; i_ < (n); i_ += 16) __builtin_prefetch((p) + i_, rw, 3)
 
-static void *run_job(void *arg) {
-    const job_t *j = (const job_t *)arg;
+static void run_job(const job_t *j) {
     const int64_t D = j->dim;
     float *restrict acc = (float *)malloc(sizeof(float) * (size_t)D);
     const int rowwise_s1 = j->opt == 2, dense_s1 = j->opt == 1 || j->opt == 3 || j->opt == 4;
@@ -132,64 +130,60 @@ static void *run_job(void *arg) {
             if (k + PF < j->end) {
                 const int64_t pf_row = j->ids[k + PF];
                 PREFETCH_ROW(j->weight + pf_row * D, D, 1);
-                PREFETCH_ROW(j->grad + j->goff[j->perm[k + PF]], D, 0);
+                PREFETCH_ROW(j->grad + j->goff[k + PF], D, 0);
                 if (rowwise_s1) __builtin_prefetch(j->s1 + pf_row, 1, 3);
                 if (dense_s1) PREFETCH_ROW(j->s1 + pf_row * D, D, 1);
                 if (j->opt == 3) PREFETCH_ROW(j->s2 + pf_row * D, D, 1);
                 if (j->opt == 4) __builtin_prefetch(j->s2 + pf_row, 1, 3);
             }
-            const int64_t o = j->perm[k];
-            const float s = j->sign * (j->scale ? j->scale[o] : 1.0f);
-            const float *restrict g = j->grad + j->goff[o];
+            const float s = j->sign * (j->scale ? j->scale[k] : 1.0f);
+            const float *restrict g = j->grad + j->goff[k];
             for (int64_t d = 0; d < D; d++) acc[d] += s * g[d];
             k++;
         } while (k < j->end && j->ids[k] == row);
         update_row(j, row, acc);
     }
     free(acc);
-    return NULL;
 }
 
-/* Threads split the sorted occurrences at run boundaries, so each row has one owner. */
-int recopt_sparse_update(int opt, int64_t n, const int64_t *ids, const int64_t *perm,
+/* Chunks split the sorted occurrences at run boundaries, so each row has one owner. More
+ * chunks than threads, taken dynamically, so a thread slowed by a busy core holds no one up.
+ * OpenMP (not pthreads): the library links libgomp.so.1, which resolves to the copy torch has
+ * loaded, so it shares torch's worker threads instead of fighting their spin-waits for cores. */
+#define MAX_CHUNKS 256
+int recopt_sparse_update(int opt, int64_t n, const int64_t *ids,
                          const int64_t *goff, const float *scale, const float *grad,
                          int64_t dim, float *weight, float *s1, float *s2, const float *hyper,
                          int num_threads) {
     if (num_threads < 1) num_threads = 1;
-    if (num_threads > 64) num_threads = 64;
-    if (n < 4096) num_threads = 1;
-    job_t jobs[64];
-    pthread_t tids[64];
-    int64_t cut[65];
+    int num_chunks = num_threads == 1 ? 1 : num_threads * 8;
+    if (num_chunks > MAX_CHUNKS) num_chunks = MAX_CHUNKS;
+    if (n < 2048 * (int64_t)num_chunks) num_chunks = (int)(n / 2048) + 1;
+    job_t jobs[MAX_CHUNKS];
+    int64_t cut[MAX_CHUNKS + 1];
     cut[0] = 0;
-    cut[num_threads] = n;
-    for (int t = 1; t < num_threads; t++) {
-        int64_t c = n * t / num_threads;
+    cut[num_chunks] = n;
+    for (int t = 1; t < num_chunks; t++) {
+        int64_t c = n * t / num_chunks;
         if (c < cut[t - 1]) c = cut[t - 1];
         while (c > 0 && c < n && ids[c] == ids[c - 1]) c++;
         cut[t] = c;
     }
-    for (int t = 0; t < num_threads; t++) {
+    for (int t = 0; t < num_chunks; t++) {
         job_t *j = &jobs[t];
         j->opt = opt; j->begin = cut[t]; j->end = cut[t + 1] > cut[t] ? cut[t + 1] : cut[t];
-        j->dim = dim; j->ids = ids; j->perm = perm; j->goff = goff; j->scale = scale;
+        j->dim = dim; j->ids = ids; j->goff = goff; j->scale = scale;
         j->grad = grad; j->weight = weight; j->s1 = s1; j->s2 = s2;
         j->lr = hyper[0]; j->eps = hyper[1]; j->wd = hyper[2]; j->sign = hyper[3];
         j->one_minus_beta1 = hyper[4]; j->one_minus_beta2 = hyper[5]; j->step_size = hyper[6];
     }
-    int started = 0;
-    for (int t = 1; t < num_threads; t++) {
-        if (pthread_create(&tids[t], NULL, run_job, &jobs[t]) != 0) break;
-        started = t;
-    }
-    run_job(&jobs[0]);
-    for (int t = started + 1; t < num_threads; t++) run_job(&jobs[t]);
-    for (int t = 1; t <= started; t++) pthread_join(tids[t], NULL);
+    #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_chunks > 1)
+    for (int t = 0; t < num_chunks; t++) run_job(&jobs[t]);
     return 0;
 }
 """
 
-_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
+_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp"]
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _load_failed = False
@@ -223,7 +217,7 @@ def _build() -> ctypes.CDLL:
     library = ctypes.CDLL(path)
     fn = library.recopt_sparse_update
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int64]
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64]
     fn.argtypes += [ctypes.c_void_p] * 4 + [ctypes.c_int]
     return library
 
@@ -248,7 +242,6 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
 def sparse_update(
     code: int,
     sorted_ids_N: torch.Tensor,
-    perm_N: torch.Tensor,
     goff_N: torch.Tensor,
     scale_N: torch.Tensor | None,
     grad: torch.Tensor,
@@ -262,9 +255,9 @@ def sparse_update(
     Args:
         code: optimizer code (`OPTIMIZER_CODES`).
         sorted_ids_N: the table's occurrence ids, sorted (int64, contiguous).
-        perm_N: original position of each sorted occurrence (int64).
-        goff_N: per original occurrence, element offset of its gradient row in ``grad``.
-        scale_N: per original occurrence, the factor on its gradient (per-sample weight,
+        goff_N: per sorted occurrence, element offset of its gradient row in ``grad`` (in
+            sorted order, so the pass reads it sequentially and can prefetch the row early).
+        scale_N: per sorted occurrence, the factor on its gradient (per-sample weight,
             1/length for mean pooling), or None for 1.
         grad: the pooled-output gradient, contiguous float32.
         weight: ``[R, D]`` contiguous float32 table, updated in place.
@@ -283,7 +276,6 @@ def sparse_update(
         code,
         sorted_ids_N.numel(),
         _ptr(sorted_ids_N),
-        _ptr(perm_N),
         _ptr(goff_N),
         _ptr(scale_N),
         _ptr(grad),

@@ -295,10 +295,9 @@ class RecoptTableBatchedEmbedding(nn.Module):
         first = state.get("momentum1", state.get("exp_avg"))
         cpu_fused.sparse_update(
             cpu_fused.OPTIMIZER_CODES[config.name],
-            sorted_ids_N.contiguous(),
-            perm_N.contiguous(),
-            occ.goff_N.contiguous(),
-            None if occ.scale_N is None else occ.scale_N.contiguous(),
+            sorted_ids_N,
+            occ.goff_N[perm_N],
+            None if occ.scale_N is None else occ.scale_N[perm_N],
             grad_out,
             weight,
             first,
