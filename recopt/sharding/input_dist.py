@@ -1,0 +1,351 @@
+"""Input distribution: route every id to the shards that hold its row, in two all-to-alls.
+
+A shard of feature f's table is a rectangle (rows [r0, r1), columns [c0, c1)) on a rank. Each
+rank sees the same list of *virtual features* (f, shard) per destination; an id of f goes to
+every virtual feature whose row range holds it, as the local id ``id - r0``, keeping its bag.
+Bucketization is vectorised (one searchsorted when a table is row-split, one stable sort).
+Legend: F features, B this rank's batch, Bm the largest batch of any rank, N ids, G virtual
+features of every destination together, W world size.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from recopt.sharding.comm import all_to_all_counts, all_to_all_flat
+from recopt.sparse import KeyedJaggedTensor
+
+Tensor = torch.Tensor
+
+# Columns of the count exchange: model-parallel ids to the destination, data-parallel ids,
+# this rank's batch size, and whether this rank's input was rejected.
+_MP_IDS, _DP_IDS, _BATCH, _FLAG = range(4)
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+class RemoteInputError(ValueError):
+    """Another rank's input was rejected, so this step was abandoned on every rank."""
+
+
+@dataclass(frozen=True, slots=True)
+class VirtualFeature:
+    """One feature looked up on one shard: what a destination rank's kernel sees as a feature."""
+
+    feature: int  # index in the collection's feature layout
+    table: int
+    shard: int  # index in the table's ParameterSharding.shards
+    row_offset: int
+    num_rows: int
+    col_offset: int
+    num_cols: int
+
+
+@dataclass(slots=True)
+class ReceivedInput:
+    """What one rank received for one step, per source rank (all tensors 1-D)."""
+
+    batch_sizes: list[int]
+    max_batch: int
+    mp_lengths: list[Tensor]  # per source: [n_vf * Bm]
+    mp_ids: list[Tensor]
+    mp_weights: list[Tensor | None]
+    dp_lengths: list[Tensor]  # per source: [F_dp * Bm]
+    dp_ids: list[Tensor]
+    dp_weights: list[Tensor | None]
+
+
+class Bucketizer:
+    """Static routing of every feature's ids to the virtual features of every rank.
+
+    Args:
+        num_rows: the row count of each feature's table (layout order).
+        dest_features: per destination rank, its virtual features in its kernels' order.
+        dp_features: the layout indices of the data-parallel features, in kernel order.
+        device: where the routing tensors live.
+    """
+
+    def __init__(
+        self,
+        num_rows: Sequence[int],
+        dest_features: Sequence[Sequence[VirtualFeature]],
+        dp_features: Sequence[int],
+        device: torch.device,
+    ) -> None:
+        self.world_size = len(dest_features)
+        self.num_features = len(num_rows)
+        self.dest_counts = [len(v) for v in dest_features]
+        self.dp_features = list(dp_features)
+        flat = [vf for vfs in dest_features for vf in vfs]
+        gv_dest = [d for d, vfs in enumerate(dest_features) for _ in vfs]
+        # Row blocks of each feature: the distinct row ranges of its table's shards.
+        blocks: list[list[int]] = [[0] for _ in num_rows]
+        for vf in flat:
+            if vf.row_offset not in blocks[vf.feature]:
+                blocks[vf.feature].append(vf.row_offset)
+        for b in blocks:
+            b.sort()
+        block_base = [0]
+        for b in blocks:
+            block_base.append(block_base[-1] + len(b))
+        routes: list[list[int]] = [[] for _ in range(block_base[-1])]
+        for gv, vf in enumerate(flat):
+            routes[block_base[vf.feature] + blocks[vf.feature].index(vf.row_offset)].append(gv)
+        feat_base = [0]
+        for n in num_rows:
+            feat_base.append(feat_base[-1] + n)
+        self.single_block = all(len(b) == 1 for b in blocks)
+        self.replicated = any(len(r) > 1 for r in routes)
+        self.has_unrouted = any(not r for r in routes)
+        self.num_virtual = len(flat)
+
+        def t(x: list[int]) -> Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        self.feat_base = t(feat_base[:-1])
+        self.block_bounds = t([feat_base[f] + r for f, b in enumerate(blocks) for r in b])
+        self.block_row_offset = t([r for b in blocks for r in b])
+        self.route_count = t([len(r) for r in routes])
+        self.route_start = t([sum(len(r) for r in routes[:i]) for i in range(len(routes))])
+        self.route_gv = t([gv for r in routes for gv in r])
+        self.gv_dest = t(gv_dest)
+
+    def bucketize(
+        self, features: KeyedJaggedTensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Sort this rank's model-parallel ids into destination / virtual-feature order.
+
+        Args:
+            features: the prepared input (layout order, ids checked).
+
+        Returns:
+            ``(gv_N, bag_N, ids_N, weights_N)``: per routed id (sorted by virtual feature,
+            bags in order), its global virtual feature, bag within the batch, local id and
+            weight.
+        """
+        values, lengths = features.values(), features.lengths()
+        weights = features.weights_or_none()
+        batch = features.stride()
+        n = values.numel()
+        if n == 0 or self.num_virtual == 0:
+            empty = values.new_zeros(0)
+            return empty, empty, empty, None if weights is None else weights[:0]
+        bag_N = torch.repeat_interleave(
+            torch.arange(lengths.numel(), device=values.device), lengths, output_size=n
+        )
+        feature_N = bag_N // batch
+        bag_N = bag_N - feature_N * batch
+        if self.single_block:
+            block_N = feature_N
+        else:
+            key_N = values + self.feat_base[feature_N]
+            block_N = torch.searchsorted(self.block_bounds, key_N, right=True) - 1
+        source_N: Tensor | None = None
+        if self.replicated:
+            count_N = self.route_count[block_N]
+            source_N = torch.repeat_interleave(torch.arange(n, device=values.device), count_N)
+            first_N = torch.cumsum(count_N, 0) - count_N
+            pos = torch.arange(source_N.numel(), device=values.device) - first_N[source_N]
+            block_N = block_N[source_N]
+            gv_N = self.route_gv[self.route_start[block_N] + pos]
+        else:
+            if self.has_unrouted:
+                source_N = torch.nonzero(self.route_count[block_N] > 0).squeeze(1)
+                block_N = block_N[source_N]
+            gv_N = self.route_gv[self.route_start[block_N]]
+        ids_N = values if source_N is None else values[source_N]
+        ids_N = ids_N - self.block_row_offset[block_N]
+        if source_N is not None:
+            bag_N = bag_N[source_N]
+            weights = None if weights is None else weights[source_N]
+        gv_N, order = torch.sort(gv_N, stable=True)
+        return (
+            gv_N,
+            bag_N[order],
+            ids_N[order],
+            None if weights is None else weights[order],
+        )
+
+    def dest_id_counts(self, gv_N: Tensor) -> Tensor:
+        """Number of routed ids for each destination rank."""
+        return torch.bincount(self.gv_dest[gv_N], minlength=self.world_size)
+
+    def lengths(self, gv_N: Tensor, bag_N: Tensor, max_batch: int) -> Tensor:
+        """``[G * Bm]`` bag lengths of every virtual feature (bags past B are empty)."""
+        size = self.num_virtual * max_batch
+        if gv_N.numel() == 0:
+            return gv_N.new_zeros(size)
+        return torch.bincount(gv_N * max_batch + bag_N, minlength=size)
+
+
+def segment_transpose(values: Tensor, seg_W_V: Tensor) -> Tensor:
+    """Reorder segments laid out (w, v)-major into (v, w)-major order, vectorised, no sync.
+
+    Args:
+        values: the concatenated segments, ``seg_W_V[0, 0]`` entries first, then ``[0, 1]``...
+        seg_W_V: ``[W, V]`` segment sizes (int64).
+
+    Returns:
+        The same entries with segment ``(w, v)`` moved to position ``(v, w)``.
+    """
+    n = values.numel()
+    if n == 0 or seg_W_V.shape[0] == 1 or seg_W_V.shape[1] == 1:
+        return values
+    flat = seg_W_V.reshape(-1)
+    starts_W_V = (torch.cumsum(flat, 0) - flat).view(seg_W_V.shape)
+    seg_V_W = seg_W_V.t().reshape(-1)
+    new_starts = torch.cumsum(seg_V_W, 0) - seg_V_W
+    shift = torch.repeat_interleave(starts_W_V.t().reshape(-1) - new_starts, seg_V_W, output_size=n)
+    return values[shift + torch.arange(n, device=values.device)]
+
+
+def pack_weights(weights: Tensor) -> Tensor:
+    """float32 weights as int64 (bit-exact), so they travel in the ids' all-to-all."""
+    return weights.to(torch.float32).view(torch.int32).to(torch.int64)
+
+
+def unpack_weights(packed: Tensor) -> Tensor:
+    """Inverse of `pack_weights`."""
+    return packed.to(torch.int32).view(torch.float32)
+
+
+def _dp_part(
+    features: KeyedJaggedTensor, dp_features: list[int], max_batch: int
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """This rank's data-parallel lengths ``[F_dp * Bm]`` (padded), ids and weights."""
+    batch = features.stride()
+    lengths = features.lengths().view(-1, batch) if batch else features.lengths().view(-1, 0)
+    padded = lengths.new_zeros(len(dp_features), max_batch)
+    if dp_features and batch:
+        padded[:, :batch] = lengths[dp_features]
+    opk = features.offset_per_key()
+    values = features.values()
+    weights = features.weights_or_none()
+    ids = [values[opk[f] : opk[f + 1]] for f in dp_features]
+    dp_ids = torch.cat(ids) if ids else values[:0]
+    dp_w = None
+    if weights is not None:
+        ws = [weights[opk[f] : opk[f + 1]] for f in dp_features]
+        dp_w = torch.cat(ws) if ws else weights[:0]
+    return padded.reshape(-1), dp_ids, dp_w
+
+
+def distribute_input(
+    features: KeyedJaggedTensor | None,
+    error: BaseException | None,
+    bucketizer: Bucketizer,
+    weighted: bool,
+    group: dist.ProcessGroup | None,
+    rank: int,
+) -> ReceivedInput:
+    """Exchange counts, then lengths + ids (+ weights) with every rank: two collectives.
+
+    Args:
+        features: this rank's prepared input, or ``None`` when it was rejected.
+        error: why this rank's input was rejected (re-raised here after the count exchange).
+        bucketizer: the static routing.
+        weighted: whether ids carry weights.
+        group: the process group.
+        rank: this rank.
+
+    Returns:
+        What this rank received.
+
+    Raises:
+        The local ``error`` on the rank whose input was rejected; `RemoteInputError` naming the
+        rejected ranks on every other rank. Nothing is sent past the count exchange then.
+    """
+    world = bucketizer.world_size
+    counts = torch.zeros(world, 4, dtype=torch.int64)
+    routed: tuple[Tensor, Tensor, Tensor, Tensor | None] | None = None
+    if features is None or error is not None:
+        counts[:, _FLAG] = 1
+    else:
+        routed = bucketizer.bucketize(features)
+        counts[:, _MP_IDS] = bucketizer.dest_id_counts(routed[0]).cpu()
+        counts[:, _BATCH] = features.stride()
+        opk = features.offset_per_key()
+        counts[:, _DP_IDS] = sum(opk[f + 1] - opk[f] for f in bucketizer.dp_features)
+    recv_counts = all_to_all_counts(counts, group).tolist()
+    bad = [s for s, row in enumerate(recv_counts) if row[_FLAG]]
+    if error is not None:
+        raise error
+    if bad:
+        raise RemoteInputError(
+            f"the input of rank(s) {bad} was rejected (see the error raised on that rank); "
+            "this step was abandoned on every rank and nothing was updated"
+        )
+    assert features is not None and routed is not None
+    gv_N, bag_N, ids_N, w_N = routed
+    batch_sizes = [row[_BATCH] for row in recv_counts]
+    max_batch = max(batch_sizes)
+    lengths = bucketizer.lengths(gv_N, bag_N, max_batch)
+    dp_len, dp_ids, dp_w = _dp_part(features, bucketizer.dp_features, max_batch)
+    send, send_splits = _pack(
+        bucketizer, counts, lengths, ids_N, w_N, dp_len, dp_ids, dp_w, max_batch, weighted
+    )
+    n_vf = bucketizer.dest_counts[rank]
+    n_dp = len(bucketizer.dp_features) * max_batch
+    factor = 2 if weighted else 1
+    recv_splits = [
+        n_vf * max_batch + n_dp + factor * (row[_MP_IDS] + row[_DP_IDS]) for row in recv_counts
+    ]
+    recv = all_to_all_flat(send, send_splits, recv_splits, group)
+    return _unpack(recv, recv_splits, recv_counts, n_vf, n_dp, max_batch, batch_sizes, weighted)
+
+
+def _pack(
+    bucketizer: Bucketizer,
+    counts: Tensor,
+    lengths: Tensor,
+    ids_N: Tensor,
+    w_N: Tensor | None,
+    dp_len: Tensor,
+    dp_ids: Tensor,
+    dp_w: Tensor | None,
+    max_batch: int,
+    weighted: bool,
+) -> tuple[Tensor, list[int]]:
+    id_counts = counts[:, _MP_IDS].tolist()
+    len_parts = lengths.split([c * max_batch for c in bucketizer.dest_counts])
+    id_parts = ids_N.split(id_counts)
+    w_parts = pack_weights(w_N).split(id_counts) if weighted and w_N is not None else None
+    dp_w_packed = pack_weights(dp_w) if weighted and dp_w is not None else None
+    pieces: list[Tensor] = []
+    splits: list[int] = []
+    for d in range(bucketizer.world_size):
+        part = [len_parts[d], dp_len, id_parts[d], dp_ids]
+        if w_parts is not None and dp_w_packed is not None:
+            part += [w_parts[d], dp_w_packed]
+        pieces += part
+        splits.append(sum(p.numel() for p in part))
+    return torch.cat(pieces), splits
+
+
+def _unpack(
+    recv: Tensor,
+    recv_splits: list[int],
+    recv_counts: list[list[int]],
+    n_vf: int,
+    n_dp: int,
+    max_batch: int,
+    batch_sizes: list[int],
+    weighted: bool,
+) -> ReceivedInput:
+    out = ReceivedInput(batch_sizes, max_batch, [], [], [], [], [], [])
+    for chunk, row in zip(recv.split(recv_splits), recv_counts, strict=True):
+        sizes = [n_vf * max_batch, n_dp, row[_MP_IDS], row[_DP_IDS]]
+        if weighted:
+            sizes += [row[_MP_IDS], row[_DP_IDS]]
+        parts = chunk.split(sizes)
+        out.mp_lengths.append(parts[0])
+        out.dp_lengths.append(parts[1])
+        out.mp_ids.append(parts[2])
+        out.dp_ids.append(parts[3])
+        out.mp_weights.append(unpack_weights(parts[4]) if weighted else None)
+        out.dp_weights.append(unpack_weights(parts[5]) if weighted else None)
+    return out

@@ -1,0 +1,216 @@
+"""The static layout of a sharded collection, computed identically on every rank from the plan.
+
+Every non-data-parallel table is a set of rectangles (ShardSpec). Each rank runs one kernel per
+(fused optimizer, backend) over its rectangles; the kernel's features are the virtual features
+(source rank, feature, shard). Data-parallel tables get one replica kernel per optimizer that
+looks up the global batch. Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.modules.config import EmbeddingBagConfig
+from recopt.modules.inputs import FeatureLayout
+from recopt.sharding.input_dist import VirtualFeature
+from recopt.sharding.plan import ParameterSharding, PlanError, ShardingType
+
+ROW_WISE_OPTIMIZERS = frozenset({"row_wise_adagrad", "row_wise_adam"})
+COLUMN_TYPES = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
+# Adafactor's column statistic spans every row and its row statistic every column: only a
+# whole table (table-wise) or a replica (data-parallel) sees both.
+ADAFACTOR_TYPES = (ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL)
+
+
+class Kernel(Protocol):
+    """The kernel contract of docs/design.md, as sharding uses it."""
+
+    def __call__(
+        self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
+    ) -> torch.Tensor: ...
+
+    def split_embedding_weights(self) -> list[torch.Tensor]: ...
+
+    def split_optimizer_states(self) -> list[dict[str, torch.Tensor]]: ...
+
+    def set_learning_rate(self, lr: float) -> None: ...
+
+
+@dataclass(slots=True)
+class GroupLayout:
+    """One kernel of this rank: its optimizer, local tables and per-source features."""
+
+    optimizer: FusedOptimizerConfig
+    param_group: int
+    tables: list[tuple[int, int]] = field(default_factory=list)  # (table, shard); shard -1: DP
+    features: list[VirtualFeature] = field(default_factory=list)  # one source's features
+
+    @property
+    def width(self) -> int:
+        """Output columns for one source rank."""
+        return sum(vf.num_cols for vf in self.features)
+
+
+def resolve_optimizer(
+    table: EmbeddingBagConfig,
+    ps: ParameterSharding,
+    optimizer: FusedOptimizerConfig,
+    module_path: str,
+) -> FusedOptimizerConfig:
+    """The optimizer a table's shards run with, its backend fixed by the plan and the type.
+
+    Raises:
+        PlanError: adafactor on a type other than table-wise / data-parallel, or a column-sharded
+            row-wise optimizer forced onto fbgemm (which has no row statistic hook).
+    """
+    where = f"table {table.name!r} (module {module_path!r})"
+    kind = ps.sharding_type
+    if optimizer.name == "adafactor" and kind not in ADAFACTOR_TYPES:
+        raise PlanError(
+            f"{where}: adafactor keeps row and column statistics over the whole table, so it "
+            f"supports table_wise and data_parallel sharding only, not {kind.value}; shard it "
+            "table-wise or pick another fused optimizer"
+        )
+    backend = ps.compute_kernel if ps.compute_kernel is not Backend.AUTO else optimizer.backend
+    if kind in COLUMN_TYPES and optimizer.name in ROW_WISE_OPTIMIZERS:
+        if backend is Backend.FBGEMM:
+            raise PlanError(
+                f"{where}: {kind.value} with {optimizer.name} needs the full-row statistic "
+                "hook, which only the recopt kernel has; use compute_kernel 'auto' or 'recopt'"
+            )
+        backend = Backend.RECOPT
+    return dataclasses.replace(optimizer, backend=backend)
+
+
+class ShardedLayout:
+    """Where every rectangle lives and which kernel on which rank looks it up.
+
+    Args:
+        tables: the collection's tables.
+        shardings: table name -> sharding (validated).
+        optimizers: table name -> the table's user-facing fused optimizer.
+        world_size: number of ranks.
+        rank: this rank.
+        module_path: for error messages.
+
+    Raises:
+        PlanError: see `resolve_optimizer`.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        shardings: Mapping[str, ParameterSharding],
+        optimizers: Mapping[str, FusedOptimizerConfig],
+        world_size: int,
+        rank: int,
+        module_path: str = "",
+    ) -> None:
+        self.tables = list(tables)
+        self.shardings = [shardings[t.name] for t in self.tables]
+        self.features = FeatureLayout(self.tables)
+        self.world_size = world_size
+        self.rank = rank
+        # User-facing param groups: one per distinct optimizer, in table order.
+        self.group_optimizers: list[FusedOptimizerConfig] = []
+        self.table_group: list[int] = []
+        resolved: list[FusedOptimizerConfig] = []
+        for table, ps in zip(self.tables, self.shardings, strict=True):
+            opt = optimizers[table.name]
+            if opt not in self.group_optimizers:
+                self.group_optimizers.append(opt)
+            self.table_group.append(self.group_optimizers.index(opt))
+            resolved.append(resolve_optimizer(table, ps, opt, module_path))
+        self.resolved = resolved
+        keys: list[tuple[int, FusedOptimizerConfig]] = []
+        for t in range(len(self.tables)):
+            key = (self.table_group[t], resolved[t])
+            if key not in keys:
+                keys.append(key)
+        self.kernel_key = [
+            keys.index((self.table_group[t], resolved[t])) for t in range(len(tables))
+        ]
+        self.dest_groups = [self._mp_groups(d, keys) for d in range(world_size)]
+        self.dest_features = [[vf for g in gs for vf in g.features] for gs in self.dest_groups]
+        self.mp_groups = self.dest_groups[rank]
+        self.dp_groups = self._dp_groups(keys)
+        self.dp_features = [vf.feature for g in self.dp_groups for vf in g.features]
+
+    def is_data_parallel(self, t: int) -> bool:
+        """Whether table ``t`` is replicated."""
+        return self.shardings[t].sharding_type is ShardingType.DATA_PARALLEL
+
+    def _table_features(self, t: int) -> list[int]:
+        return [f for f, ft in enumerate(self.features.feature_table) if ft == t]
+
+    def _mp_groups(
+        self, rank: int, keys: list[tuple[int, FusedOptimizerConfig]]
+    ) -> list[GroupLayout]:
+        groups: dict[int, GroupLayout] = {}
+        for t, ps in enumerate(self.shardings):
+            for k, s in enumerate(ps.shards):
+                if s.rank != rank:
+                    continue
+                key = self.kernel_key[t]
+                if key not in groups:
+                    groups[key] = GroupLayout(keys[key][1], keys[key][0])
+                g = groups[key]
+                g.tables.append((t, k))
+                for f in self._table_features(t):
+                    g.features.append(
+                        VirtualFeature(
+                            feature=f,
+                            table=t,
+                            shard=k,
+                            row_offset=s.row_offset,
+                            num_rows=s.num_rows,
+                            col_offset=s.col_offset,
+                            num_cols=s.num_cols,
+                        )
+                    )
+        return [groups[k] for k in sorted(groups)]
+
+    def _dp_groups(self, keys: list[tuple[int, FusedOptimizerConfig]]) -> list[GroupLayout]:
+        groups: dict[int, GroupLayout] = {}
+        for t, table in enumerate(self.tables):
+            if not self.is_data_parallel(t):
+                continue
+            key = self.kernel_key[t]
+            if key not in groups:
+                groups[key] = GroupLayout(keys[key][1], keys[key][0])
+            groups[key].tables.append((t, -1))
+            for f in self._table_features(t):
+                groups[key].features.append(
+                    VirtualFeature(
+                        feature=f,
+                        table=t,
+                        shard=-1,
+                        row_offset=0,
+                        num_rows=table.num_embeddings,
+                        col_offset=0,
+                        num_cols=table.embedding_dim,
+                    )
+                )
+        return [groups[k] for k in sorted(groups)]
+
+    def output_columns(self) -> list[int]:
+        """For every column of the received outputs (mp from each rank, then dp), its column in
+        the collection's output."""
+        starts = [0]
+        for d in self.features.dims:
+            starts.append(starts[-1] + d)
+        cols: list[int] = []
+        for vfs in self.dest_features:
+            for vf in vfs:
+                base = starts[vf.feature] + vf.col_offset
+                cols.extend(range(base, base + vf.num_cols))
+        for g in self.dp_groups:
+            for vf in g.features:
+                cols.extend(range(starts[vf.feature], starts[vf.feature] + vf.num_cols))
+        return cols

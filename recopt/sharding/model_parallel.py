@@ -1,0 +1,203 @@
+"""DistributedModelParallel: shard a model's embedding collections by a plan, DDP the rest.
+
+Every (Fused)EmbeddingBagCollection of the model is replaced in place by a
+`ShardedEmbeddingBagCollection` holding its current weights, so the sharded model starts equal
+to the unsharded one; the dense rest is wrapped in DDP on its own process group (so its
+gradient all-reduces never interleave with the sharding collectives).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.modules.embedding_bag import EmbeddingBagCollection
+from recopt.modules.fused import FusedEmbeddingBagCollection
+from recopt.optim.combined import CombinedOptimizer
+from recopt.optim.keyed import KeyedOptimizer
+from recopt.sharding.plan import ShardingPlan
+from recopt.sharding.plan_helpers import balanced_table_wise_plan
+from recopt.sharding.plan_validation import validate_plan
+from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+_EMBEDDING_TYPES = (EmbeddingBagCollection, FusedEmbeddingBagCollection)
+
+
+class DistributedModelParallel(nn.Module):
+    """A model whose embedding tables are sharded over ranks and whose dense part is DDP.
+
+    Args:
+        module: the unsharded model, identical on every rank (same seed); modified in place.
+        plan: the sharding plan (default: the planner's, else a balanced table-wise plan).
+        process_group: the ranks (default: the world).
+        device: where shards live (default: CPU).
+        default_optimizer: the fused optimizer of plain EmbeddingBagCollection tables whose plan
+            entry names none (default: `FusedOptimizerConfig()`).
+        ranks_per_host: for host-local sharding types and plan validation.
+        timeout: of the dense process group's collectives.
+
+    Raises:
+        PlanError: the plan does not fit the model (checked on every rank before any
+            collective), or names an optimizer/sharding pair recopt does not support.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        plan: ShardingPlan | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        *,
+        default_optimizer: FusedOptimizerConfig | None = None,
+        ranks_per_host: int | None = None,
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__()
+        world = dist.get_world_size(process_group)
+        found = _embedding_modules(module)
+        tables_by_module = {path: list(m.tables) for path, m in found}
+        if plan is None:
+            plan = _default_plan(
+                tables_by_module, world, ranks_per_host, default_optimizer, process_group, timeout
+            )
+        validate_plan(plan, tables_by_module, world, ranks_per_host)
+        self.plan = plan
+        sharded: list[tuple[str, ShardedEmbeddingBagCollection]] = []
+        for path, old in found:
+            new = ShardedEmbeddingBagCollection(
+                old.tables,
+                plan[path],
+                optimizer=default_optimizer,
+                table_optimizers=_table_optimizers(old),
+                is_weighted=old.is_weighted,
+                process_group=process_group,
+                device=device,
+                module_path=path,
+            )
+            new.load_state_dict(old.state_dict())
+            module = _replace(module, path, new)
+            sharded.append((path, new))
+        self._sharded = sharded
+        self.__dict__["_plain"] = module  # not registered: `module` below is the one child
+        dense = [p for p in module.parameters() if p.requires_grad]
+        if dense:
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            dense_group = dist.new_group(ranks=ranks, timeout=timeout)
+            self.module: nn.Module = DistributedDataParallel(module, process_group=dense_group)
+        else:
+            self.module = module
+        self._fused = CombinedOptimizer(
+            [(path, m.fused_optimizer) if path else m.fused_optimizer for path, m in sharded]
+        )
+
+    @property
+    def plain_module(self) -> nn.Module:
+        """The sharded model without the DDP wrapper."""
+        module: nn.Module = self.__dict__["_plain"]
+        return module
+
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer:
+        """Every sharded collection's fused optimizer, keys equal to the model's parameter names."""
+        return self._fused
+
+    def sharded_modules(self) -> list[tuple[str, ShardedEmbeddingBagCollection]]:
+        """``(path, module)`` of every sharded collection."""
+        return list(self._sharded)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model (DDP-wrapped when it has dense parameters)."""
+        return self.module(*args, **kwargs)
+
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """The unsharded model's keys (no ``module.`` prefix); sharded tables as ShardedTensors."""
+        result: dict[str, Any] = self.plain_module.state_dict(
+            *args, destination=destination, prefix=prefix, keep_vars=keep_vars
+        )
+        return result
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load a state dict with the unsharded model's keys (full tensors or ShardedTensors)."""
+        return self.plain_module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The dense parameters under the unsharded model's names."""
+        return self.plain_module.named_parameters(prefix, recurse, remove_duplicate)
+
+
+def _embedding_modules(module: nn.Module) -> list[tuple[str, Any]]:
+    found: list[tuple[str, Any]] = []
+    for path, m in module.named_modules():
+        inside = any(outer == "" or path.startswith(f"{outer}.") for outer, _ in found)
+        if isinstance(m, _EMBEDDING_TYPES) and not inside:
+            found.append((path, m))
+    return found
+
+
+def _table_optimizers(module: nn.Module) -> dict[str, FusedOptimizerConfig]:
+    """The per-table optimizers of a FusedEmbeddingBagCollection, read from its param groups."""
+    if not isinstance(module, FusedEmbeddingBagCollection):
+        return {}
+    opt = module.fused_optimizer
+    name_of = {id(p): n for n, p in opt.params.items()}
+    result: dict[str, FusedOptimizerConfig] = {}
+    for group in opt.param_groups:
+        config = FusedOptimizerConfig(
+            name=group["optimizer"],
+            lr=group["lr"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            betas=tuple(group["betas"]),
+            maximize=group["maximize"],
+            beta2_decay=group["beta2_decay"],
+            eps2=group["eps2"],
+            clip_threshold=group["clip_threshold"],
+            backend=Backend.AUTO,
+        )
+        for p in group["params"]:
+            table = name_of[id(p)].split(".")[1]
+            result[table] = config
+    return result
+
+
+def _replace(root: nn.Module, path: str, new: nn.Module) -> nn.Module:
+    if not path:
+        return new
+    parent_path, _, name = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    setattr(parent, name, new)
+    return root
+
+
+def _default_plan(
+    tables_by_module: Mapping[str, list[Any]],
+    world: int,
+    ranks_per_host: int | None,
+    default_optimizer: FusedOptimizerConfig | None,
+    process_group: dist.ProcessGroup | None,
+    timeout: datetime.timedelta,
+) -> ShardingPlan:
+    try:
+        from recopt.sharding.planner import EmbeddingShardingPlanner, Topology, plan_collectively
+    except ImportError:  # the planner is optional; a balanced table-wise plan always works
+        return balanced_table_wise_plan(tables_by_module, world)
+    planner = EmbeddingShardingPlanner(
+        Topology(world_size=world, ranks_per_host=ranks_per_host),
+        default_optimizer=default_optimizer,
+    )
+    # Planned on rank 0 and broadcast, so every rank holds the same plan.
+    return plan_collectively(planner, tables_by_module, process_group, timeout)

@@ -1,0 +1,216 @@
+"""Full-row statistics for column-sharded tables under row-wise optimizers.
+
+Row-wise Adagrad / Adam keep one statistic per row: the mean of the squared gradient over the
+row's FULL width. A column shard sees only its columns, so before the kernels update anything,
+each rank computes its shards' partial sums of squares per touched row and sends them to the
+ranks holding the other column shards of the same table (one all-to-all per backward). The
+kernel's ``row_stat_hook`` (docs/design.md) then adds the partials to its own and divides by
+the full width. Column shards see the same ids in the same order, so their unique rows align.
+Legend: U unique rows of a shard in this batch, W world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from recopt.sharding.comm import all_to_all_flat
+from recopt.sharding.layout import COLUMN_TYPES, ROW_WISE_OPTIMIZERS, Kernel, ShardedLayout
+
+Tensor = torch.Tensor
+
+
+def _needs_full_rows(layout: ShardedLayout, t: int) -> bool:
+    return (
+        layout.shardings[t].sharding_type in COLUMN_TYPES
+        and layout.resolved[t].name in ROW_WISE_OPTIMIZERS
+    )
+
+
+class RowStatExchange:
+    """Sets ``row_stat_hook`` on this rank's kernels and exchanges the partial row sums.
+
+    Args:
+        layout: the collection's layout.
+        kernels: this rank's model-parallel kernels (``layout.mp_groups`` order).
+        group: the process group.
+    """
+
+    def __init__(
+        self, layout: ShardedLayout, kernels: Sequence[Kernel], group: dist.ProcessGroup | None
+    ) -> None:
+        self._layout = layout
+        self._kernels = list(kernels)
+        self._group = group
+        world = layout.world_size
+        # Decided from the plan alone, so every rank agrees whether the exchange runs.
+        self.enabled = any(_needs_full_rows(layout, t) for t in range(len(layout.tables)))
+        # For each rank: its column shards that need full rows, in global (table, shard) order.
+        self._rank_shards: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+        for t, ps in enumerate(layout.shardings):
+            if _needs_full_rows(layout, t):
+                for k, s in enumerate(ps.shards):
+                    self._rank_shards[s.rank].append((t, k))
+        self._hooked = False
+        self._full: dict[tuple[int, int], Tensor] = {}
+        self._install_hooks()
+
+    @property
+    def hooked(self) -> bool:
+        """Whether the kernels take the hook (the recopt backend once it has ``row_stat_hook``)."""
+        return self._hooked
+
+    def _install_hooks(self) -> None:
+        if not self.enabled:
+            return
+        for g, kernel in zip(self._layout.mp_groups, self._kernels, strict=True):
+            if not any(_needs_full_rows(self._layout, t) for t, _ in g.tables):
+                continue
+            if not hasattr(kernel, "row_stat_hook"):
+                continue
+            kernel.row_stat_hook = self._make_hook(g.tables)
+            self._hooked = True
+
+    def _make_hook(self, tables: list[tuple[int, int]]) -> Any:
+        def hook(local_table: int, rows_U: Tensor, sum_sq_U: Tensor) -> Tensor:
+            t, k = tables[local_table]
+            if not _needs_full_rows(self._layout, t):
+                return sum_sq_U / self._layout.shardings[t].shards[k].num_cols
+            others = self._full.pop((t, k), None)
+            total = sum_sq_U if others is None else sum_sq_U + others.to(sum_sq_U.dtype)
+            return total / self._layout.tables[t].embedding_dim
+
+        return hook
+
+    def attach(
+        self, outs: list[Tensor], inputs: list[tuple[Tensor, Tensor, Tensor | None]]
+    ) -> list[Tensor]:
+        """Route the kernels' outputs through the exchange so it runs before their backward.
+
+        Args:
+            outs: each kernel's output.
+            inputs: each kernel's ``(indices, offsets, per_sample_weights)``.
+        """
+        if not self.enabled:
+            return outs
+        return list(_Exchange.apply(self, inputs, *outs))
+
+    # ------------------------------------------------------------------ backward side
+    def exchange(
+        self, grads: Sequence[Tensor], inputs: list[tuple[Tensor, Tensor, Tensor | None]]
+    ) -> None:
+        """Compute this rank's partial sums, swap them with the other column shards, and keep,
+        per local shard, the sum of the OTHER shards' partials for the hook."""
+        partials = self._partials(grads, inputs)
+        layout = self._layout
+        me = layout.rank
+        send: list[Tensor] = []
+        send_splits: list[int] = []
+        recv_splits: list[int] = []
+        sizes = {tk: p.numel() for tk, p in partials.items()}
+        for d in range(layout.world_size):
+            shared = self._shared(me, d)
+            pieces = [partials[(t, k)] for t, k in self._rank_shards[me] if t in shared]
+            send += pieces
+            send_splits.append(sum(p.numel() for p in pieces))
+            # Rank d sends its shards of the tables we share; their sizes equal ours (same ids).
+            theirs = [(t, k) for t, k in self._rank_shards[d] if t in self._shared(d, me)]
+            recv_splits.append(sum(sizes[self._any_local(t)] for t, _ in theirs))
+        buf = torch.cat(send) if send else torch.zeros(0)
+        recv = all_to_all_flat(buf, send_splits, recv_splits, self._group)
+        incoming: dict[int, Tensor] = {}
+        start = 0
+        for d in range(layout.world_size):
+            for t, _ in [(t, k) for t, k in self._rank_shards[d] if t in self._shared(d, me)]:
+                n = sizes[self._any_local(t)]
+                part = recv[start : start + n]
+                start += n
+                incoming[t] = part if t not in incoming else incoming[t] + part
+        self._full = {}
+        for t, k in self._rank_shards[me]:
+            total = incoming.get(t)
+            for t2, k2 in self._rank_shards[me]:  # other shards of t on this same rank
+                if t2 == t and k2 != k:
+                    total = partials[(t2, k2)] if total is None else total + partials[(t2, k2)]
+            if total is not None:
+                self._full[(t, k)] = total
+
+    def _shared(self, a: int, b: int) -> set[int]:
+        """Tables with full-row shards on both ranks ``a`` and ``b`` (``a != b``)."""
+        if a == b:
+            return set()
+        ta = {t for t, _ in self._rank_shards[a]}
+        return {t for t, _ in self._rank_shards[b] if t in ta}
+
+    def _any_local(self, t: int) -> tuple[int, int]:
+        return next(tk for tk in self._rank_shards[self._layout.rank] if tk[0] == t)
+
+    def _partials(
+        self, grads: Sequence[Tensor], inputs: list[tuple[Tensor, Tensor, Tensor | None]]
+    ) -> dict[tuple[int, int], Tensor]:
+        """Per local full-row shard: sum over its columns of the squared aggregated row grads."""
+        layout = self._layout
+        out: dict[tuple[int, int], Tensor] = {}
+        for g, grad, (ids, offsets, weights) in zip(layout.mp_groups, grads, inputs, strict=True):
+            rows_per_feature = grad.shape[0]
+            acc: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = {}
+            col = 0
+            for i, vf in enumerate(g.features):
+                c0, col = col, col + vf.num_cols
+                if not _needs_full_rows(layout, vf.table):
+                    continue
+                bag_offsets = offsets[i * rows_per_feature : (i + 1) * rows_per_feature + 1]
+                lo, hi = int(bag_offsets[0]), int(bag_offsets[-1])
+                bag = torch.repeat_interleave(
+                    torch.arange(rows_per_feature, device=ids.device),
+                    bag_offsets.diff(),
+                    output_size=hi - lo,
+                )
+                rows = grad[bag, c0 : c0 + vf.num_cols]
+                if weights is not None:
+                    rows = rows * weights[lo:hi].to(rows.dtype).unsqueeze(1)
+                acc.setdefault((vf.table, vf.shard), []).append((ids[lo:hi], rows))
+            for (t, k), parts in acc.items():
+                out[(t, k)] = self._row_sums(t, k, parts)
+        return out
+
+    def _row_sums(self, t: int, k: int, parts: list[tuple[Tensor, Tensor]]) -> Tensor:
+        ids = torch.cat([p[0] for p in parts])
+        rows = torch.cat([p[1] for p in parts])
+        uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        summed = rows.new_zeros(uniq.numel(), rows.shape[1]).index_add_(0, inverse, rows)
+        opt = self._layout.resolved[t]
+        if opt.maximize:
+            summed = -summed
+        if opt.weight_decay:
+            summed = summed + opt.weight_decay * self._weight(t, k).index_select(0, uniq)
+        return summed.square().sum(1)
+
+    def _weight(self, t: int, k: int) -> Tensor:
+        for g, kernel in zip(self._layout.mp_groups, self._kernels, strict=True):
+            if (t, k) in g.tables:
+                return kernel.split_embedding_weights()[g.tables.index((t, k))]
+        raise AssertionError((t, k))
+
+
+class _Exchange(torch.autograd.Function):
+    """Identity in forward; in backward, the row-statistic exchange before the kernels update."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        owner: RowStatExchange,
+        inputs: list[tuple[Tensor, Tensor, Tensor | None]],
+        *outs: Tensor,
+    ) -> tuple[Tensor, ...]:
+        ctx.owner = owner
+        ctx.inputs = inputs
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        ctx.owner.exchange([g.contiguous() for g in grads], ctx.inputs)
+        return (None, None, *grads)

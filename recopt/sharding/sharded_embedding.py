@@ -1,0 +1,366 @@
+"""ShardedEmbeddingBagCollection: the sharded twin of FusedEmbeddingBagCollection.
+
+One engine for every sharding type (docs/sharding.md): ids go to the rectangles that hold their
+rows (`input_dist`), each rank pools its rectangles with one kernel per optimizer, the pooled
+partials go back to their source rank, which adds them into the feature's columns. Backward
+sends the output gradients the reverse way; the kernels update their rows in place.
+Legend: B this rank's batch, Bm the largest batch, W world size, D output width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
+from recopt.kernels.factory import create_kernel
+from recopt.modules.config import EmbeddingBagConfig, validate_tables
+from recopt.optim.fused import FusedOptimizerModule
+from recopt.sharding.comm import ExchangeMeta, OutputExchange
+from recopt.sharding.input_dist import (
+    Bucketizer,
+    ReceivedInput,
+    distribute_input,
+    segment_transpose,
+)
+from recopt.sharding.layout import GroupLayout, Kernel, ShardedLayout
+from recopt.sharding.plan import ParameterSharding
+from recopt.sharding.row_stats import RowStatExchange
+from recopt.sharding.state import ShardedState
+from recopt.sparse import KeyedJaggedTensor, KeyedTensor
+
+Tensor = torch.Tensor
+
+
+class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
+    """A FusedEmbeddingBagCollection whose tables are split over ranks by a sharding plan.
+
+    Same input (this rank's batch) and output (its pooled ``KeyedTensor``) as the unsharded
+    module; batch sizes may differ between ranks. Every rank must call ``forward`` and
+    ``backward`` together. ``state_dict()`` holds ``embedding_bags.<t>.weight`` as a
+    ShardedTensor of the table's global shape (a plain tensor for data-parallel tables).
+
+    Args:
+        tables: the tables.
+        shardings: table name -> `ParameterSharding` (validated by the caller, e.g. DMP).
+        optimizer: the fused optimizer of tables whose sharding names none.
+        table_optimizers: per-table optimizers (the plan's ``optimizer`` takes precedence).
+        is_weighted: the input carries one weight per id.
+        process_group: the ranks (default: the world).
+        device: where the shards live.
+        module_path: the module's path in the model, for error messages.
+
+    Raises:
+        ValueError: invalid tables; ``PlanError`` for an unsupported optimizer/sharding pair.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        shardings: Mapping[str, ParameterSharding],
+        optimizer: FusedOptimizerConfig | None = None,
+        table_optimizers: Mapping[str, FusedOptimizerConfig] | None = None,
+        is_weighted: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        module_path: str = "",
+    ) -> None:
+        super().__init__()
+        validate_tables(tables)
+        self.tables = list(tables)
+        self.is_weighted = is_weighted
+        self.device = torch.device(device if device is not None else "cpu")
+        self._pg = process_group
+        self._rank = dist.get_rank(process_group)
+        world = dist.get_world_size(process_group)
+        default = optimizer if optimizer is not None else FusedOptimizerConfig()
+        overrides = dict(table_optimizers or {})
+        optimizers = {
+            t.name: shardings[t.name].optimizer or overrides.get(t.name, default)
+            for t in self.tables
+        }
+        self._layout = ShardedLayout(
+            self.tables, shardings, optimizers, world, self._rank, module_path
+        )
+        features = self._layout.features
+        self._bucketizer = Bucketizer(
+            features.num_rows, self._layout.dest_features, self._layout.dp_features, self.device
+        )
+        # Kernels are kept out of the module tree: their weights are exposed (sharded) through
+        # state_dict and the fused optimizer, and must not reach DDP or a dense optimizer.
+        self._mp_kernels = [self._make_kernel(g) for g in self._layout.mp_groups]
+        self._dp_kernels = [self._make_kernel(g) for g in self._layout.dp_groups]
+        self._init_weights()
+        self._dummy = torch.zeros(0, device=self.device, requires_grad=True)
+        self._state = ShardedState(self._layout, self._mp_kernels, self._dp_kernels, self._pg)
+        self._row_stats = RowStatExchange(self._layout, self._mp_kernels, self._pg)
+        self._applied_lr: list[float | None] = [None] * len(self._layout.group_optimizers)
+        self._prepare_output_maps()
+
+    def _make_kernel(self, group: GroupLayout) -> Kernel:
+        specs = []
+        for t, k in group.tables:
+            table = self.tables[t]
+            if k < 0:
+                specs.append(
+                    TableSpec(
+                        name=table.name,
+                        num_embeddings=table.num_embeddings,
+                        embedding_dim=table.embedding_dim,
+                    )
+                )
+            else:
+                s = self._layout.shardings[t].shards[k]
+                specs.append(
+                    TableSpec(
+                        name=f"{table.name}.shard{k}",
+                        num_embeddings=s.num_rows,
+                        embedding_dim=s.num_cols,
+                    )
+                )
+        local = {tk: i for i, tk in enumerate(group.tables)}
+        feature_table_map = [local[(vf.table, vf.shard)] for vf in group.features]
+        # Shards always pool with SUM: row-shard partials add up at the source, which divides
+        # mean-pooled features by the full bag length.
+        kernel = create_kernel(
+            specs, feature_table_map, group.optimizer, PoolingType.SUM, self.device
+        )
+        return cast(Kernel, kernel)
+
+    def _init_weights(self) -> None:
+        groups = [*self._layout.mp_groups, *self._layout.dp_groups]
+        for group, kernel in zip(groups, [*self._mp_kernels, *self._dp_kernels], strict=True):
+            for (t, _), weight in zip(group.tables, kernel.split_embedding_weights(), strict=True):
+                lo, hi = self.tables[t].init_bounds()
+                with torch.no_grad():
+                    weight.uniform_(lo, hi)
+
+    def _prepare_output_maps(self) -> None:
+        layout = self._layout
+        features = layout.features
+        self._out_dim = sum(features.dims)
+        cols = layout.output_columns()
+        self._colmap = torch.tensor(cols, dtype=torch.int64, device=self.device)
+        # A bijection (no row-split partials to add): a gather instead of an index_add.
+        self._inverse: Tensor | None = None
+        if sorted(cols) == list(range(self._out_dim)):
+            self._inverse = torch.argsort(self._colmap)
+        col_feature = [f for f, d in enumerate(features.dims) for _ in range(d)]
+        self._col_feature = torch.tensor(col_feature, dtype=torch.int64, device=self.device)
+        mean = [self.tables[t].pooling == PoolingType.MEAN for t in features.feature_table]
+        self._mean_F = torch.tensor(mean, dtype=torch.bool, device=self.device)
+        self._any_mean = any(mean)
+        self._dest_width = [sum(vf.num_cols for vf in vfs) for vfs in layout.dest_features]
+        self._dp_dim = sum(g.width for g in layout.dp_groups)
+
+    # ------------------------------------------------------------------------------ public
+    @property
+    def fused_optimizer(self) -> Any:
+        """KeyedOptimizer over ``embedding_bags.<t>.weight`` with plan-independent state keys."""
+        return self._state.optimizer
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The process group the collectives run on."""
+        return self._pg
+
+    def feature_names(self) -> list[str]:
+        """The output keys: features in table order."""
+        return list(self._layout.features.feature_names)
+
+    def kernels(self) -> list[Kernel]:
+        """This rank's kernels: model-parallel ones, then data-parallel replicas."""
+        return [*self._mp_kernels, *self._dp_kernels]
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pool this rank's batch; backward updates every rank's looked-up rows in place.
+
+        Raises:
+            InvalidIdError / ValueError: this rank's input is bad; `RemoteInputError`: another
+                rank's is. Every rank raises, before anything is looked up or updated.
+        """
+        prepared: KeyedJaggedTensor | None = None
+        error: ValueError | None = None
+        try:
+            prepared = self._layout.features.prepare(features, self.is_weighted)
+        except ValueError as e:
+            error = e
+        received = distribute_input(
+            prepared, error, self._bucketizer, self.is_weighted, self._pg, self._rank
+        )
+        assert prepared is not None
+        self._sync_learning_rates()
+        mp_send = self._lookup_model_parallel(received)
+        dp_global = self._lookup_data_parallel(received)
+        batch = prepared.stride()
+        meta = ExchangeMeta(
+            group=self._pg,
+            rank=self._rank,
+            device=self.device,
+            mp_send_splits=[b * self._dest_width[self._rank] for b in received.batch_sizes],
+            mp_recv_splits=[batch * w for w in self._dest_width],
+            batch_sizes=received.batch_sizes,
+            dp_stride=received.max_batch,
+            dp_dim=self._dp_dim,
+            backward_hooks=[self._state.on_backward],
+        )
+        mp_recv, dp_own = OutputExchange.apply(mp_send, dp_global, self._dummy, meta)
+        pooled = self._assemble(mp_recv, dp_own, meta, prepared)
+        return KeyedTensor(
+            keys=self._layout.features.feature_names,
+            length_per_key=self._layout.features.dims,
+            values=pooled,
+        )
+
+    # ------------------------------------------------------------------------------ lookup
+    def _lookup_model_parallel(self, received: ReceivedInput) -> Tensor:
+        groups = self._layout.mp_groups
+        if not groups:
+            return torch.zeros(0, device=self.device)
+        inputs = self._kernel_inputs(
+            len(self._layout.dest_features[self._rank]),
+            [len(g.features) for g in groups],
+            received.max_batch,
+            received.mp_lengths,
+            received.mp_ids,
+            received.mp_weights,
+        )
+        outs = [kernel(*args) for kernel, args in zip(self._mp_kernels, inputs, strict=True)]
+        outs = self._row_stats.attach(outs, inputs)
+        return self._send_buffer(outs, received.batch_sizes, received.max_batch)
+
+    def _kernel_inputs(
+        self,
+        num_features: int,
+        group_sizes: list[int],
+        max_batch: int,
+        lengths: list[Tensor],
+        ids: list[Tensor],
+        weights: list[Tensor | None],
+    ) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+        """Kernel inputs over the global (padded) batch: feature-major, each feature's bags of
+        rank 0, then rank 1, ... (received source-major; kernels need a table's features
+        contiguous, which fbgemm's exact optimizers rely on)."""
+        lengths_W_V_B = torch.stack([x.view(num_features, max_batch) for x in lengths])
+        seg_W_V = lengths_W_V_B.sum(2)
+        all_ids = segment_transpose(torch.cat(ids), seg_W_V)
+        all_w = None
+        if weights[0] is not None:
+            all_w = segment_transpose(torch.cat(weights), seg_W_V)  # type: ignore[arg-type]
+        lengths_V_W_B = lengths_W_V_B.transpose(0, 1)
+        if len(group_sizes) == 1:
+            return [(all_ids, _offsets(lengths_V_W_B.reshape(-1)), all_w)]
+        per_feature = seg_W_V.sum(0)
+        bounds = [0]
+        for n in group_sizes:
+            bounds.append(bounds[-1] + n)
+        id_sizes = [int(x) for x in per_feature.cumsum(0)[[b - 1 for b in bounds[1:]]].tolist()]
+        id_sizes = [c - p for p, c in zip([0, *id_sizes[:-1]], id_sizes, strict=True)]
+        id_parts = all_ids.split(id_sizes)
+        w_parts = None if all_w is None else all_w.split(id_sizes)
+        result = []
+        for i in range(len(group_sizes)):
+            lens = lengths_V_W_B[bounds[i] : bounds[i + 1]].reshape(-1)
+            result.append((id_parts[i], _offsets(lens), None if w_parts is None else w_parts[i]))
+        return result
+
+    def _send_buffer(self, outs: list[Tensor], batch_sizes: list[int], max_batch: int) -> Tensor:
+        pieces = []
+        for s, b in enumerate(batch_sizes):
+            rows = [out[s * max_batch : s * max_batch + b] for out in outs]
+            block = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
+            pieces.append(block.reshape(-1))
+        return torch.cat(pieces)
+
+    def _lookup_data_parallel(self, received: ReceivedInput) -> Tensor:
+        rows = received.max_batch * len(received.batch_sizes)
+        if not self._dp_kernels:
+            return torch.zeros(rows, 0, device=self.device)
+        inputs = self._kernel_inputs(
+            len(self._layout.dp_features),
+            [len(g.features) for g in self._layout.dp_groups],
+            received.max_batch,
+            received.dp_lengths,
+            received.dp_ids,
+            received.dp_weights,
+        )
+        outs = [kernel(*args) for kernel, args in zip(self._dp_kernels, inputs, strict=True)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def _assemble(
+        self, mp_recv: Tensor, dp_own: Tensor, meta: ExchangeMeta, prepared: KeyedJaggedTensor
+    ) -> Tensor:
+        batch = prepared.stride()
+        pieces = [
+            chunk.view(batch, w)
+            for chunk, w in zip(mp_recv.split(meta.mp_recv_splits), self._dest_width, strict=True)
+            if w
+        ]
+        if self._dp_dim:
+            pieces.append(dp_own)
+        cat_B_C = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+        if self._inverse is not None:
+            out_B_D = cat_B_C.index_select(1, self._inverse)
+        else:
+            out_B_D = cat_B_C.new_zeros(batch, self._out_dim).index_add(1, self._colmap, cat_B_C)
+        if self._any_mean and batch:
+            lengths_B_F = prepared.lengths().view(-1, batch).t()
+            ones = torch.ones_like(lengths_B_F)
+            div_B_F = torch.where(self._mean_F, lengths_B_F.clamp(min=1), ones)
+            out_B_D = out_B_D / div_B_F.index_select(1, self._col_feature).to(out_B_D.dtype)
+        return out_B_D
+
+    def _sync_learning_rates(self) -> None:
+        groups = self._state.optimizer.param_groups
+        for i, param_group in enumerate(groups):
+            lr = float(param_group["lr"])
+            if lr == self._applied_lr[i]:
+                continue
+            for group, kernel in zip(
+                [*self._layout.mp_groups, *self._layout.dp_groups],
+                [*self._mp_kernels, *self._dp_kernels],
+                strict=True,
+            ):
+                if group.param_group == i:
+                    kernel.set_learning_rate(lr)
+            self._applied_lr[i] = lr
+
+    # ------------------------------------------------------------------------------ state
+    def _save_to_state_dict(
+        self, destination: dict[str, Any], prefix: str, keep_vars: bool
+    ) -> None:
+        for name, value in self._state.weights.items():
+            destination[prefix + name] = value
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        own = set(self._state.weights)
+        for key in state_dict:
+            if key.startswith(prefix) and key[len(prefix) :] not in own:
+                unexpected_keys.append(key)
+        for name in self._state.weights:
+            if prefix + name not in state_dict:
+                missing_keys.append(prefix + name)
+                continue
+            try:
+                self._state.load_weight(name, state_dict[prefix + name])
+            except ValueError as e:
+                error_msgs.append(str(e))
+
+
+def _offsets(lengths: Tensor) -> Tensor:
+    offsets = lengths.new_zeros(lengths.numel() + 1)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return offsets

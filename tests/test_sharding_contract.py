@@ -1,0 +1,338 @@
+"""The sharding contract: every sharding type equals the unsharded module, step for step.
+
+For world sizes 1, 2 and 3 (one spawned gloo group each, every case in a loop): the sharded
+forward equals the unsharded forward on this rank's rows; after 3 training steps (fused
+embedding optimizer + a DDP dense layer) every weight and every optimizer state, gathered to
+full tensors, equals the unsharded FusedEmbeddingBagCollection trained on the concatenation of
+every rank's batch (embedding gradients sum over ranks; DDP averages dense gradients).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType
+from recopt.modules import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    FusedEmbeddingBagCollection,
+    InvalidIdError,
+)
+from recopt.sharding import (
+    PlanError,
+    ShardingPlan,
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_column_wise,
+    table_row_wise,
+    table_wise,
+)
+from recopt.sparse import KeyedJaggedTensor
+from recopt.testing import run_on_ranks
+
+OPTIMIZERS = ["sgd", "adagrad", "row_wise_adagrad", "adam", "row_wise_adam"]
+TYPES = [
+    "table_wise",
+    "row_wise",
+    "column_wise",
+    "table_row_wise",
+    "table_column_wise",
+    "data_parallel",
+    "mixed",
+]
+STEPS = 3
+BATCHES = [3, 2, 4]  # per rank: different batch sizes
+
+
+@dataclass
+class Case:
+    name: str
+    kind: str
+    optimizer: str
+    weighted: bool = False
+    pooling: PoolingType = PoolingType.SUM
+    plain_ebc: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _tables(case: Case) -> list[EmbeddingBagConfig]:
+    # Rows not divisible by 2 or 3 (uneven row shards); dims that split into 2 and 3 column
+    # shards (6: widths not multiples of 4, so fbgemm falls back to recopt); t1 has two
+    # features; mixed poolings.
+    return [
+        EmbeddingBagConfig(
+            name="t0",
+            num_embeddings=11,
+            embedding_dim=12,
+            feature_names=["f0"],
+            pooling=case.pooling,
+        ),
+        EmbeddingBagConfig(
+            name="t1",
+            num_embeddings=13,
+            embedding_dim=12,
+            feature_names=["f1", "f2"],
+            pooling=PoolingType.SUM,
+        ),
+        EmbeddingBagConfig(
+            name="t2",
+            num_embeddings=7,
+            embedding_dim=6,
+            feature_names=["f3"],
+            pooling=PoolingType.MEAN,
+        ),
+    ]
+
+
+def _requests(kind: str, world: int) -> dict[str, Any]:
+    last = world - 1
+    if kind == "table_wise":
+        return {"t0": table_wise(0), "t1": table_wise(last), "t2": table_wise(min(1, last))}
+    if kind == "row_wise":
+        return {t: row_wise() for t in ("t0", "t1", "t2")}
+    if kind == "column_wise":
+        # Repeated ranks: several column shards on one rank.
+        return {
+            "t0": column_wise([last, 0]),
+            "t1": column_wise([0] + list(range(world))),
+            "t2": column_wise([0]),
+        }
+    if kind == "table_row_wise":
+        return {t: table_row_wise(0) for t in ("t0", "t1", "t2")}
+    if kind == "table_column_wise":
+        return {t: table_column_wise(0) for t in ("t0", "t1", "t2")}
+    if kind == "data_parallel":
+        return {t: data_parallel() for t in ("t0", "t1", "t2")}
+    return {"t0": row_wise(), "t1": column_wise([last, 0]), "t2": data_parallel()}
+
+
+def _cases() -> list[Case]:
+    cases = [Case(f"{k}/{o}", k, o) for k in TYPES for o in OPTIMIZERS]
+    cases += [Case(f"{k}/adafactor", k, "adafactor") for k in ("table_wise", "data_parallel")]
+    cases += [
+        Case("mixed/weighted-mean", "mixed", "adagrad", weighted=True, pooling=PoolingType.MEAN),
+        Case("row_wise/weighted", "row_wise", "row_wise_adam", weighted=True),
+        Case("mixed/plain-ebc", "mixed", "adagrad", plain_ebc=True),
+    ]
+    return cases
+
+
+def _batch(case: Case, rank: int, step: int, world: int) -> dict[str, Any]:
+    """Bags per feature of ``rank``'s batch at ``step``; f2 is empty on rank 0 at step 1."""
+    g = torch.Generator().manual_seed(1000 * step + 17 * rank + 3)
+    rows = {"f0": 11, "f1": 13, "f2": 13, "f3": 7}
+    batch = BATCHES[rank]
+    bags: dict[str, list[list[int]]] = {}
+    for f, n in rows.items():
+        empty = f == "f2" and rank == 0 and step == 1
+        lengths = [
+            0 if empty else int(torch.randint(0, 4, (1,), generator=g)) for _ in range(batch)
+        ]
+        bags[f] = [torch.randint(0, n, (k,), generator=g).tolist() for k in lengths]
+    return bags
+
+
+def _kjt(bags_per_rank: list[dict[str, list[list[int]]]], weighted: bool) -> KeyedJaggedTensor:
+    keys = ["f0", "f1", "f2", "f3"]
+    lengths, values = [], []
+    for f in keys:
+        for bags in bags_per_rank:
+            for bag in bags[f]:
+                lengths.append(len(bag))
+                values.extend(bag)
+    v = torch.tensor(values, dtype=torch.int64)
+    w = None
+    if weighted:
+        w = ((v * 7 + torch.tensor(lengths).repeat_interleave(torch.tensor(lengths))) % 5 + 1) / 4
+    return KeyedJaggedTensor(keys=keys, values=v, lengths=torch.tensor(lengths), weights=w)
+
+
+class _Model(nn.Module):
+    def __init__(self, sparse: nn.Module, dim: int) -> None:
+        super().__init__()
+        self.sparse = sparse
+        self.dense = nn.Linear(dim, 1)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pooled = self.sparse(kjt).values()
+        return pooled, self.dense(pooled).square().sum()
+
+
+def _build(case: Case) -> _Model:
+    tables = _tables(case)
+    torch.manual_seed(0)
+    opt = FusedOptimizerConfig(name=case.optimizer, lr=0.05, eps=1e-3)
+    sparse: nn.Module
+    if case.plain_ebc:
+        sparse = EmbeddingBagCollection(tables, is_weighted=case.weighted)
+    else:
+        sparse = FusedEmbeddingBagCollection(tables, optimizer=opt, is_weighted=case.weighted)
+    return _Model(sparse, sum(t.embedding_dim * len(t.feature_names) for t in tables))
+
+
+def _global_rows(rank: int, world: int) -> slice:
+    start = sum(BATCHES[:rank])
+    return slice(start, start + BATCHES[rank])
+
+
+def _run_case(case: Case, rank: int, world: int) -> None:
+    from recopt.sharding.model_parallel import DistributedModelParallel
+    from recopt.sharding.state import full_tensor
+
+    model = _build(case)
+    ref = _build(case)  # not a deepcopy: kernels alias their weights, a copy would not
+    if case.plain_ebc:  # the reference of a plain EBC is the fused twin with the same weights
+        fused = FusedEmbeddingBagCollection(
+            _tables(case),
+            optimizer=FusedOptimizerConfig(name=case.optimizer, lr=0.05, eps=1e-3),
+            is_weighted=case.weighted,
+        )
+        fused.load_state_dict(model.sparse.state_dict())
+        ref.sparse = fused
+    requests = _requests(case.kind, world)
+    plan = ShardingPlan({"sparse": construct_module_sharding_plan(_tables(case), requests, world)})
+    default = FusedOptimizerConfig(name=case.optimizer, lr=0.05, eps=1e-3)
+    dmp = DistributedModelParallel(model, plan, default_optimizer=default)
+    dense_opt = torch.optim.SGD([p for _, p in dmp.named_parameters()], lr=0.01)
+    ref_dense = torch.optim.SGD(ref.dense.parameters(), lr=0.01)
+    for step in range(STEPS):
+        bags = [_batch(case, r, step, world) for r in range(world)]
+        pooled, loss = dmp(_kjt([bags[rank]], case.weighted))
+        ref_pooled, ref_loss = ref(_kjt(bags, case.weighted))
+        torch.testing.assert_close(
+            pooled,
+            ref_pooled[_global_rows(rank, world)],
+            atol=1e-5,
+            rtol=1e-5,
+            msg=lambda m, s=step: f"{case.name} step {s} forward: {m}",
+        )
+        dense_opt.zero_grad()
+        loss.backward()
+        dense_opt.step()
+        ref_dense.zero_grad()
+        ref_loss.backward()
+        for p in ref.dense.parameters():
+            assert p.grad is not None
+            p.grad /= world  # DDP averages dense gradients over ranks
+        ref_dense.step()
+    state = dmp.state_dict()
+    ref_state = ref.state_dict()
+    assert sorted(state) == sorted(ref_state), (case.name, sorted(state), sorted(ref_state))
+    for key, value in ref_state.items():
+        torch.testing.assert_close(
+            full_tensor(state[key]),
+            value,
+            atol=1e-5,
+            rtol=1e-5,
+            msg=lambda m, k=key: f"{case.name} {k}: {m}",
+        )
+    opt_state = dmp.fused_optimizer.state_dict()["state"]
+    ref_opt = ref.sparse.fused_optimizer.state_dict()["state"]
+    assert sorted(opt_state) == sorted(f"sparse.{k}" for k in ref_opt), case.name
+    for key, states in ref_opt.items():
+        mine = opt_state[f"sparse.{key}"]
+        assert sorted(mine) == sorted(states), (case.name, key, sorted(mine), sorted(states))
+        for name, value in states.items():
+            got = full_tensor(mine[name])
+            assert got.shape == value.shape, (case.name, name, got.shape, value.shape)
+            torch.testing.assert_close(
+                got.to(value.dtype),
+                value,
+                atol=1e-5,
+                rtol=1e-5,
+                msg=lambda m, n=name: f"{case.name} {n}: {m}",
+            )
+
+
+def _errors_case(rank: int, world: int) -> None:
+    """Bad plans fail before any collective; bad ids on one rank raise on every rank."""
+    from recopt.sharding.input_dist import RemoteInputError
+    from recopt.sharding.model_parallel import DistributedModelParallel
+
+    case = Case("errors", "row_wise", "adam")
+    tables = _tables(case)
+    bad_plan = ShardingPlan(
+        {"sparse": construct_module_sharding_plan(tables, _requests("row_wise", world), world)}
+    )
+    del bad_plan.plan["sparse"]["t2"]
+    with pytest.raises(PlanError, match="t2"):
+        DistributedModelParallel(_build(case), bad_plan)
+    ada = FusedOptimizerConfig(name="adafactor")
+    ada_plan = ShardingPlan(
+        {
+            "sparse": construct_module_sharding_plan(
+                tables, {**_requests("row_wise", world), "t0": row_wise(optimizer=ada)}, world
+            )
+        }
+    )
+    with pytest.raises(PlanError, match="adafactor"):
+        DistributedModelParallel(_build(case), ada_plan)
+    rw = FusedOptimizerConfig(name="row_wise_adagrad")
+    fb_plan = ShardingPlan(
+        {
+            "sparse": construct_module_sharding_plan(
+                tables,
+                {
+                    **_requests("row_wise", world),
+                    "t1": column_wise([0], compute_kernel=Backend.FBGEMM, optimizer=rw),
+                },
+                world,
+            )
+        }
+    )
+    with pytest.raises(PlanError, match="'t1'.*recopt"):
+        DistributedModelParallel(_build(case), fb_plan)
+    plan = ShardingPlan(
+        {"sparse": construct_module_sharding_plan(tables, _requests("mixed", world), world)}
+    )
+    dmp = DistributedModelParallel(_build(case), plan)
+    before = {k: v.detach().clone() for k, v in _full_state(dmp).items()}
+    bags = _batch(case, rank, 0, world)
+    if rank == world - 1:
+        bags["f1"][0] = [13]  # out of range for t1 (13 rows)
+    if rank == world - 1:
+        with pytest.raises(InvalidIdError, match="'t1'.*13"):
+            dmp(_kjt([bags], False))
+    else:
+        with pytest.raises(RemoteInputError, match=f"rank\\(s\\) \\[{world - 1}\\]"):
+            dmp(_kjt([bags], False))
+    # Nothing was updated, and the next good step works on every rank.
+    for key, value in _full_state(dmp).items():
+        torch.testing.assert_close(value, before[key], atol=0, rtol=0)
+    _, loss = dmp(_kjt([_batch(case, rank, 0, world)], False))
+    loss.backward()
+
+
+def _full_state(dmp: Any) -> dict[str, torch.Tensor]:
+    from recopt.sharding.state import full_tensor
+
+    return {k: full_tensor(v) for k, v in dmp.state_dict().items()}
+
+
+def _contract(rank: int, world: int) -> list[str]:
+    with warnings.catch_warnings():
+        # As pytest's config does in this process: a FutureWarning raised from recopt (e.g.
+        # ShardedTensor's deprecation reaching a user through recopt) is an error.
+        warnings.filterwarnings("error", category=FutureWarning, module=r"recopt(\..*)?$")
+        done = []
+        for case in _cases():
+            _run_case(case, rank, world)
+            done.append(case.name)
+        _errors_case(rank, world)
+        done.append("errors")
+    return done
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_sharding_contract(world: int) -> None:
+    results = run_on_ranks(_contract, world, timeout_s=240)
+    assert all(r == results[0] for r in results)
+    assert len(results[0]) == len(_cases()) + 1
