@@ -44,7 +44,7 @@ from recopt.checkpoint.manifest import (
     verify_files,
 )
 from recopt.checkpoint.reader import SafeFileSystemReader
-from recopt.checkpoint.state import CheckpointError
+from recopt.checkpoint.state import CheckpointError, archive_crc_off
 from recopt.sharding.plan import ShardingPlan, ShardingType
 
 # A table's keys: ``model/<module>.embedding_bags.<table>.weight`` and optimizer state under
@@ -223,7 +223,8 @@ def reshard(
                 new_chunks[key] = []
                 for offsets, sizes in rects:
                     begin = out.tell()
-                    torch.save(_chunk(full, offsets, sizes), out)
+                    with archive_crc_off():
+                        torch.save(_chunk(full, offsets, sizes), out)
                     storage[MetadataIndex(key, torch.Size(offsets))] = _StorageInfo(
                         name, begin, out.tell() - begin
                     )

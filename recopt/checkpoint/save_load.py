@@ -9,6 +9,7 @@ then lets DCP reshard: any plan and world size can read a checkpoint of any othe
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import shutil
 import warnings
@@ -39,6 +40,7 @@ from recopt.checkpoint.state import (
     CheckpointError,
     Stateful,
     TensorLike,
+    archive_crc_off,
     capture_rng,
     decode_tree,
     dtype_name,
@@ -162,26 +164,39 @@ def save(
             problems += _prepare_partial(final, partial, overwrite)
         group.agree(problems, f"cannot save checkpoint {final}")
 
-        with _dcp_quietly():
+        with _dcp_quietly(), archive_crc_off():
             metadata = dcp.save(
                 tensors,
                 storage_writer=dcp.FileSystemWriter(partial),
                 process_group=group.pg,
                 no_dist=group.pg is None,
             )
-        rank_file = partial / rank_file_name(group.rank)
-        write_durably(rank_file, _json_bytes({"rank": group.rank, "rng": capture_rng()}))
-        mine = {rank_file.name: file_entry(rank_file)}
-        for f in sorted(partial.glob(f"__{group.rank}_*.distcp")):
-            mine[f.name] = file_entry(f)
-        entries = group.all_gather(mine)
-        if group.rank == 0:
+        # Every rank sums its own files; a local failure is reported through the gather, so
+        # the other ranks raise it too instead of waiting for a timeout.
+        try:
+            mine = _sum_own_files(partial, group.rank)
+        except OSError as e:
+            mine, problems = {}, [f"rank {group.rank}: {type(e).__name__}: {e}"]
+        gathered = group.all_gather((mine, problems))
+        problems = [p for _, rank_problems in gathered for p in rank_problems]
+        if group.rank == 0 and not problems:
+            entries = [rank_entries for rank_entries, _ in gathered]
             try:
                 _finish(final, partial, entries, skeleton, metadata, group, step, plan_json)
-            except OSError as e:
+            except (OSError, CheckpointError) as e:
                 problems.append(f"{type(e).__name__}: {e}")
         group.agree(problems, f"cannot complete checkpoint {final}")
     return final
+
+
+def _sum_own_files(partial: Path, rank: int) -> dict[str, FileEntry]:
+    """Write this rank's RNG file; size and CRC of it and of this rank's DCP data files."""
+    rank_file = partial / rank_file_name(rank)
+    write_durably(rank_file, _json_bytes({"rank": rank, "rng": capture_rng()}))
+    mine = {rank_file.name: file_entry(rank_file)}
+    for f in sorted(partial.glob(f"__{rank}_*.distcp")):
+        mine[f.name] = file_entry(f)
+    return mine
 
 
 def _prepare_partial(final: Path, partial: Path, overwrite: bool) -> list[str]:
@@ -197,8 +212,6 @@ def _prepare_partial(final: Path, partial: Path, overwrite: bool) -> list[str]:
 
 
 def _json_bytes(value: Any) -> bytes:
-    import json
-
     return json.dumps(value).encode()
 
 
@@ -343,8 +356,6 @@ def _empty(entry: TensorEntry) -> torch.Tensor:
 
 def _verify(directory: Path, group: _Group) -> tuple[Manifest, Any, dict[str, Any] | None]:
     """Check every file (split over ranks) and read the skeleton and this rank's state."""
-    import json
-
     problems: list[str] = []
     manifest = None
     try:

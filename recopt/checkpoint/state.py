@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import base64
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+import torch.utils.serialization.config
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 
@@ -242,3 +244,19 @@ def tensor_dtype(t: TensorLike) -> torch.dtype:
     if isinstance(t, ShardedTensor):
         return t.metadata().tensor_properties.dtype
     return t.dtype
+
+
+@contextmanager
+def archive_crc_off() -> Iterator[None]:
+    """Let ``torch.save`` skip its zip CRC-32 (process-wide, restored on exit).
+
+    miniz's CRC runs at about half the speed of the write itself, and it is redundant here:
+    the manifest holds a zlib CRC-32 of every whole file, checked before every load.
+    """
+    config = torch.utils.serialization.config.save
+    previous = config.compute_crc32
+    config.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.compute_crc32 = previous
