@@ -1,5 +1,7 @@
 """recopt.sharding: sharding plans, sharded embedding modules, and the planner (``planner/``)."""
 
+from recopt.sharding.input_dist import RemoteInputError
+from recopt.sharding.model_parallel import DistributedModelParallel
 from recopt.sharding.plan import (
     ParameterSharding,
     PlanError,
@@ -22,8 +24,14 @@ from recopt.sharding.plan_helpers import (
     table_wise,
 )
 from recopt.sharding.plan_validation import validate_plan
+from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
+from recopt.sharding.state import full_tensor
 
 __all__ = [
+    "DistributedModelParallel",
+    "RemoteInputError",
+    "ShardedEmbeddingBagCollection",
+    "full_tensor",
     "ParameterSharding",
     "PlanError",
     "ShardSpec",
