@@ -5,6 +5,7 @@ See docs/checkpoint.md for the layout, the trust model and the ``recopt-reshard`
 
 from recopt.checkpoint.manager import CheckpointManager
 from recopt.checkpoint.manifest import Manifest, read_manifest
+from recopt.checkpoint.reshard import ReshardReport, export_full, reshard
 from recopt.checkpoint.save_load import load, save
 from recopt.checkpoint.state import CheckpointError, Stateful
 
@@ -12,8 +13,11 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "Manifest",
+    "ReshardReport",
     "Stateful",
+    "export_full",
     "load",
     "read_manifest",
+    "reshard",
     "save",
 ]
