@@ -22,7 +22,7 @@ from recopt.sharding.planner import (
     evaluate_plan,
 )
 from recopt.sharding.planner.constraints import TableWorkload
-from recopt.sharding.planner.perf import replica_cost, shard_cost
+from recopt.sharding.planner.perf import all_to_all_seconds, replica_cost, shard_cost
 from recopt.sharding.planner.stats import format_bytes, format_ranks
 from recopt.sharding.planner.storage import (
     rank_output_bytes,
@@ -76,7 +76,9 @@ def recomputed_rank_bytes(
                 used[r] += rank_output_bytes(t.embedding_dim, w)
             if ps.sharding_type is ShardingType.DATA_PARALLEL:
                 for r in ps.ranks:
-                    used[r] += replica_storage_bytes(t.num_embeddings, t.embedding_dim, w)
+                    used[r] += replica_storage_bytes(
+                        t.num_embeddings, t.embedding_dim, w, topo.world_size
+                    )
             for s in ps.shards:
                 used[s.rank] += shard_storage_bytes(
                     ps.sharding_type, s.num_rows, s.num_cols, t.num_embeddings, w, topo.world_size
@@ -469,9 +471,23 @@ def test_cost_model_shapes() -> None:
     rw8 = shard_cost(ShardingType.ROW_WISE, 125, 64, 1000, w, eight)
     # A row shard looks up 1/8 of the ids but still reduces pooled partial sums of every bag.
     assert rw8.fwd_compute < tw8.fwd_compute and rw8.bwd_comm == pytest.approx(tw8.bwd_comm)
-    dp_small = replica_cost(100, 8, w, eight)
-    dp_big = replica_cost(10_000_000, 8, w, eight)
-    assert dp_small.fwd_comm == 0.0 and dp_big.bwd_comm > 1000 * dp_small.bwd_comm
+    # A replica pools the global batch on every rank: a table-wise shard's work without the
+    # forward output exchange, whatever the table's size (sparse update, no dense all-reduce).
+    dp8 = replica_cost(1000, 64, w, eight)
+    assert dp8.fwd_compute == tw8.fwd_compute and dp8.bwd_compute == tw8.bwd_compute
+    assert dp8.bwd_comm == tw8.bwd_comm and dp8.fwd_comm < tw8.fwd_comm
+    assert replica_cost(10_000_000, 64, w, eight).bwd_comm == dp8.bwd_comm
+    # Row-wise optimizers on column shards exchange a partial row statistic per id.
+    cw = shard_cost(ShardingType.COLUMN_WISE, 1000, 32, 1000, w, eight, column_shards=2)
+    sgd = TableWorkload(
+        batch_size=512,
+        num_features=1,
+        pooling_factor=4.0,
+        optimizer=FusedOptimizerConfig(name="sgd"),
+    )
+    cw_sgd = shard_cost(ShardingType.COLUMN_WISE, 1000, 32, 1000, sgd, eight, column_shards=2)
+    ids = 8 * 512 * 4.0
+    assert cw.bwd_comm - cw_sgd.bwd_comm == pytest.approx(all_to_all_seconds(4 * ids, eight))
 
 
 def test_storage_counts_optimizer_state() -> None:

@@ -107,5 +107,9 @@ def topology_file_text(topology: Topology) -> str:
         "# Written by `recopt-plan --calibrate`; read with `recopt-plan --topology FILE`.\n"
         "# memory_bandwidth: one tensor copy; intra_host_bandwidth: gloo all-to-all between\n"
         "# local ranks. inter_host_bandwidth is NOT measured (one machine): 10 Gb/s capped at the\n"
-        "# local figure; edit it for your network (bytes/s; 1.25e9 is 10 Gb/s).\n" + body + "\n"
+        "# local figure; edit it for your network (bytes/s; 1.25e9 is 10 Gb/s).\n"
+        "# seconds_per_id and row_stat_seconds_per_id are NOT measured: the defaults come from\n"
+        "# the sharded module on the development VM (docs/planner.md, 'Does the model predict?').\n"
+        + body
+        + "\n"
     )

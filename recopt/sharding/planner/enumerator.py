@@ -14,7 +14,12 @@ from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.kernels.factory import FBGEMM_DIM_MULTIPLE, FBGEMM_OPTIMIZERS
 from recopt.sharding.plan import ParameterSharding, ShardingType, ShardSpec
 from recopt.sharding.plan_helpers import split_columns, split_evenly
-from recopt.sharding.planner.constraints import ParameterConstraints, TableWorkload
+from recopt.sharding.planner.constraints import (
+    ADAFACTOR_TYPES,
+    ROW_WISE_OPTIMIZERS,
+    ParameterConstraints,
+    TableWorkload,
+)
 from recopt.sharding.planner.perf import replica_cost, shard_cost
 from recopt.sharding.planner.storage import replica_storage_bytes, shard_storage_bytes
 from recopt.sharding.planner.topology import Topology
@@ -22,10 +27,6 @@ from recopt.sharding.planner.topology import Topology
 ROW_TYPES = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
 COLUMN_TYPES = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
 HOST_TYPES = (ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE)
-# Optimizer limits of the sharded module (recopt/sharding/layout.py), mirrored here so the
-# planner never proposes what the module would reject; a test checks the two agree.
-ADAFACTOR_TYPES = (ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL)
-ROW_WISE_OPTIMIZERS = frozenset({"row_wise_adagrad", "row_wise_adam"})
 # Preference among options of equal estimated cost: fewer shards and less communication first.
 TYPE_ORDER = {t: i for i, t in enumerate(ShardingType)}
 
@@ -158,7 +159,7 @@ def enumerate_options(
     assert layouts, where
     options: list[ShardingOption] = []
     rejected: list[str] = []
-    cache: dict[tuple[ShardingType, int, int], tuple[int, float]] = {}
+    cache: dict[tuple[ShardingType, int, int, int], tuple[int, float]] = {}
     for kind, (sizes, fixed) in layouts:
         for kernel in kernels:
             why = _kernel_problem(kernel, kind, sizes, workload.optimizer)
@@ -271,24 +272,25 @@ def _option(
     fixed: list[int] | None,
     workload: TableWorkload,
     topology: Topology,
-    cache: dict[tuple[ShardingType, int, int], tuple[int, float]],
+    cache: dict[tuple[ShardingType, int, int, int], tuple[int, float]],
 ) -> ShardingOption:
-    rows = table.num_embeddings
+    rows, w = table.num_embeddings, topology.world_size
+    k = len(sizes) if kind in COLUMN_TYPES else 1
     for n, d in set(sizes):  # row-wise layouts repeat two shapes: estimate each once
-        key = (kind, n, d)
+        key = (kind, k, n, d)
         if key in cache:
             continue
         if kind is ShardingType.DATA_PARALLEL:
             cache[key] = (
-                replica_storage_bytes(n, d, workload),
+                replica_storage_bytes(n, d, workload, w),
                 replica_cost(n, d, workload, topology).total,
             )
         else:
             cache[key] = (
-                shard_storage_bytes(kind, n, d, rows, workload, topology.world_size),
-                shard_cost(kind, n, d, rows, workload, topology).total,
+                shard_storage_bytes(kind, n, d, rows, workload, w),
+                shard_cost(kind, n, d, rows, workload, topology, column_shards=k).total,
             )
-    estimates = [cache[(kind, n, d)] for n, d in sizes]
+    estimates = [cache[(kind, k, n, d)] for n, d in sizes]
     shard_bytes = [b for b, _ in estimates]
     shard_costs = [t for _, t in estimates]
     return ShardingOption(

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from recopt.kernels.config import optimizer_state_floats
 from recopt.sharding.plan import ShardingType
-from recopt.sharding.planner.constraints import TableWorkload
+from recopt.sharding.planner.constraints import ROW_WISE_OPTIMIZERS, TableWorkload
 from recopt.sharding.planner.storage import FLOAT_BYTES, ID_BYTES, ids_to_shard
 from recopt.sharding.planner.topology import Topology
 
@@ -65,6 +65,7 @@ def shard_cost(
     table_rows: int,
     workload: TableWorkload,
     topology: Topology,
+    column_shards: int = 1,
 ) -> Cost:
     """Seconds one shard of a (non-data-parallel) table adds to its rank per step.
 
@@ -75,6 +76,7 @@ def shard_cost(
         table_rows: rows of the whole table.
         workload: batch size, features, ids per bag and optimizer.
         topology: bandwidths and ranks.
+        column_shards: how many column shards the table has (column-wise types).
 
     Returns:
         The per-phase estimate.
@@ -83,42 +85,53 @@ def shard_cost(
     ids = ids_to_shard(kind, num_rows, table_rows, workload, w)
     bags = w * workload.batch_size * workload.num_features
     pooled = FLOAT_BYTES * bags * num_cols
-    row_bytes = FLOAT_BYTES * num_cols
-    state_per_row = optimizer_state_floats(workload.optimizer.name, num_rows, num_cols) / num_rows
-    mem = topology.memory_bandwidth
-    # Forward: gather one row per id, write the pooled output.
-    fwd_compute = (ids * row_bytes + pooled) / mem
-    # Backward: read the output gradient, write a gradient row per id, then the fused update
-    # reads and writes each touched row and its state.
-    bwd_compute = (
-        pooled + ids * row_bytes + ids * (2 * row_bytes + 2 * FLOAT_BYTES * state_per_row)
-    ) / mem
+    fwd_compute, bwd_compute = _lookup_and_update_seconds(
+        ids, bags, num_rows, num_cols, workload, topology
+    )
     inputs = all_to_all_seconds(ID_BYTES * (ids + bags), topology)
     if kind in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
         outputs = _row_reduce_seconds(pooled, kind, topology)
     else:
         outputs = all_to_all_seconds(pooled, topology)
-    return Cost(fwd_compute, inputs + outputs, bwd_compute, outputs)
+    row_stats = 0.0
+    if column_shards > 1 and workload.optimizer.name in ROW_WISE_OPTIMIZERS:
+        # A row-wise optimizer on column shards: each shard sends its partial sum of squares of
+        # every touched row to the table's other column shards before the update.
+        row_stats = all_to_all_seconds(FLOAT_BYTES * ids * (column_shards - 1), topology)
+        bwd_compute += ids * topology.row_stat_seconds_per_id
+    return Cost(fwd_compute, inputs + outputs, bwd_compute, outputs + row_stats)
+
+
+def _lookup_and_update_seconds(
+    ids: float, bags: float, rows: int, cols: int, workload: TableWorkload, topology: Topology
+) -> tuple[float, float]:
+    """Memory time of the forward (gather + pool) and backward (grad rows + fused update)."""
+    pooled = FLOAT_BYTES * bags * cols
+    row_bytes = FLOAT_BYTES * cols
+    state_per_row = optimizer_state_floats(workload.optimizer.name, rows, cols) / rows
+    mem = topology.memory_bandwidth
+    # Forward: gather one row per id, write the pooled output.
+    fwd = (ids * row_bytes + pooled) / mem
+    # Backward: read the output gradient, write a gradient row per id, then the fused update
+    # reads and writes each touched row and its state.
+    bwd = (pooled + ids * row_bytes + ids * (2 * row_bytes + 2 * FLOAT_BYTES * state_per_row)) / mem
+    per_id = ids * topology.seconds_per_id  # what bytes do not capture (measured, see Topology)
+    return fwd + per_id, bwd + per_id
 
 
 def replica_cost(rows: int, dim: int, workload: TableWorkload, topology: Topology) -> Cost:
     """Seconds a data-parallel replica adds to every rank per step.
 
-    Local lookups of the rank's own ids; a ring all-reduce of the dense gradient (2 (w-1)/w of
-    the table's bytes over the slowest link used); a dense update of every row and its state.
+    As recopt's sharded module runs it: every rank receives every rank's ids (an all-gather),
+    pools the global batch on its replica, and in backward receives every rank's output
+    gradient (an all-gather), so it applies the same sparse fused update as the others. No
+    dense all-reduce: a replica costs each rank what a table-wise shard costs its one rank,
+    less the forward output exchange.
     """
     w = topology.world_size
-    bags = workload.batch_size * workload.num_features
+    bags = w * workload.batch_size * workload.num_features
     ids = bags * workload.pooling_factor
-    table_bytes = FLOAT_BYTES * rows * dim
-    state_bytes = FLOAT_BYTES * optimizer_state_floats(workload.optimizer.name, rows, dim)
-    mem = topology.memory_bandwidth
-    fwd_compute = (ids * FLOAT_BYTES * dim + FLOAT_BYTES * bags * dim) / mem
-    bwd_compute = (FLOAT_BYTES * bags * dim + ids * FLOAT_BYTES * dim) / mem + (
-        3 * table_bytes + 2 * state_bytes
-    ) / mem
-    bandwidth = (
-        topology.inter_host_bandwidth if topology.num_hosts > 1 else topology.intra_host_bandwidth
-    )
-    allreduce = 2 * (w - 1) / w * table_bytes / bandwidth
-    return Cost(fwd_compute, 0.0, bwd_compute, allreduce)
+    fwd_compute, bwd_compute = _lookup_and_update_seconds(ids, bags, rows, dim, workload, topology)
+    inputs = all_to_all_seconds(ID_BYTES * (ids + bags), topology)
+    grads = all_to_all_seconds(FLOAT_BYTES * bags * dim, topology)
+    return Cost(fwd_compute, inputs, bwd_compute, grads)

@@ -195,15 +195,16 @@ def _placed_estimates(
     """(rank, bytes, seconds) for every shard of one table (every rank for a replica)."""
     rows, dim, w = table.num_embeddings, table.embedding_dim, topology.world_size
     if ps.sharding_type is ShardingType.DATA_PARALLEL:
-        nbytes = replica_storage_bytes(rows, dim, load)
+        nbytes = replica_storage_bytes(rows, dim, load, w)
         cost = replica_cost(rows, dim, load, topology).total
         return [(r, nbytes, cost) for r in ps.ranks]
     kind = ps.sharding_type
+    k = len(ps.shards) if kind in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE) else 1
     return [
         (
             s.rank,
             shard_storage_bytes(kind, s.num_rows, s.num_cols, rows, load, w),
-            shard_cost(kind, s.num_rows, s.num_cols, rows, load, topology).total,
+            shard_cost(kind, s.num_rows, s.num_cols, rows, load, topology, column_shards=k).total,
         )
         for s in ps.shards
     ]

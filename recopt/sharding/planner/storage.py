@@ -61,16 +61,14 @@ def shard_storage_bytes(
     return int(weights_and_state + inputs + outputs + grad_rows)
 
 
-def replica_storage_bytes(rows: int, dim: int, workload: TableWorkload) -> int:
+def replica_storage_bytes(rows: int, dim: int, workload: TableWorkload, world_size: int) -> int:
     """Bytes a data-parallel replica holds on every rank.
 
-    Weights, optimizer state and a dense gradient of the whole table (what the all-reduce sums),
-    plus the rank's own ids and lengths.
+    recopt's sharded module pools the global batch on every replica (every rank's ids arrive by
+    all-gather) and updates it sparsely, so a replica holds what a table-wise shard of the whole
+    table holds; there is no dense gradient.
     """
-    state = optimizer_state_floats(workload.optimizer.name, rows, dim)
-    bags = workload.batch_size * workload.num_features
-    ids = bags * workload.pooling_factor
-    return int(FLOAT_BYTES * (2 * rows * dim + state) + ID_BYTES * (ids + bags))
+    return shard_storage_bytes(ShardingType.TABLE_WISE, rows, dim, rows, workload, world_size)
 
 
 def rank_output_bytes(dim: int, workload: TableWorkload) -> int:

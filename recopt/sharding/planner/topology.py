@@ -26,6 +26,13 @@ DEFAULT_MEMORY_BANDWIDTH = 8.0 * GB
 DEFAULT_INTRA_HOST_BANDWIDTH = 0.4 * GB
 DEFAULT_INTER_HOST_BANDWIDTH = 0.4 * GB
 NETWORK_10GBE_BANDWIDTH = 1.25 * GB
+# Per-id time beyond the bytes moved (index arithmetic, sorting, kernel and Python overheads),
+# per phase (forward, backward): the sharded module on 2 ranks on the development VM spent
+# 1.5-3 us per id looked up in forward + backward, where the bandwidth terms alone gave 0.2 us.
+DEFAULT_SECONDS_PER_ID = 1e-6
+# Extra per id and column shard for row-wise optimizers on column shards (the full-row
+# statistic exchange): column-wise plans measured 30-60 ms slower over ~36k shard-ids.
+DEFAULT_ROW_STAT_SECONDS_PER_ID = 1e-6
 DEVICES = ("cpu", "cuda")
 
 
@@ -49,6 +56,9 @@ class Topology:
         memory_bandwidth: bytes/s one rank reads or writes embedding rows at.
         intra_host_bandwidth: bytes/s one rank sends to ranks on its own host.
         inter_host_bandwidth: bytes/s one rank sends to ranks on other hosts.
+        seconds_per_id: time per id looked up, per phase, beyond the bytes it moves.
+        row_stat_seconds_per_id: extra time per id of a column shard of a row-wise optimizer
+            (the full-row statistic exchange).
     """
 
     world_size: int
@@ -60,6 +70,8 @@ class Topology:
     memory_bandwidth: float = DEFAULT_MEMORY_BANDWIDTH
     intra_host_bandwidth: float = DEFAULT_INTRA_HOST_BANDWIDTH
     inter_host_bandwidth: float = DEFAULT_INTER_HOST_BANDWIDTH
+    seconds_per_id: float = DEFAULT_SECONDS_PER_ID
+    row_stat_seconds_per_id: float = DEFAULT_ROW_STAT_SECONDS_PER_ID
 
     def __post_init__(self) -> None:
         for name in ("world_size", "hbm_bytes", "ddr_bytes"):
@@ -82,6 +94,9 @@ class Topology:
                 raise TopologyError(
                     f"topology {name} must be > 0 bytes/s, got {getattr(self, name)!r}"
                 )
+        for name in ("seconds_per_id", "row_stat_seconds_per_id"):
+            if not float(getattr(self, name)) >= 0.0:
+                raise TopologyError(f"topology {name} must be >= 0 s, got {getattr(self, name)!r}")
         if self.memory_bytes == 0:
             field = "hbm_bytes" if self.device == "cuda" else "ddr_bytes"
             raise TopologyError(
@@ -152,7 +167,14 @@ def topology_from_dict(values: dict[str, Any], where: str, **overrides: Any) -> 
     merged = {**values, **overrides}
     if "world_size" not in merged:
         raise TopologyError(f"{where}: world_size is not set; give it (or --world-size)")
-    for name in ("memory_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth"):
+    floats = (
+        "memory_bandwidth",
+        "intra_host_bandwidth",
+        "inter_host_bandwidth",
+        "seconds_per_id",
+        "row_stat_seconds_per_id",
+    )
+    for name in floats:
         if isinstance(merged.get(name), int):
             merged[name] = float(merged[name])
     return Topology(**merged)
