@@ -40,7 +40,7 @@ def table(name: str, rows: int, dim: int, features: int = 1) -> EmbeddingBagConf
         name=name,
         num_embeddings=rows,
         embedding_dim=dim,
-        feature_names=[f"{name}_f{i}" for i in range(features)],
+        feature_names=tuple(f"{name}_f{i}" for i in range(features)),
     )
 
 

@@ -31,7 +31,7 @@ def random_tables(n: int, seed: int, max_rows: int) -> list[EmbeddingBagConfig]:
             name=f"t{i}",
             num_embeddings=rng.randint(100, max_rows),
             embedding_dim=rng.choice([8, 16, 32]),
-            feature_names=[f"f{i}"],
+            feature_names=(f"f{i}",),
         )
         for i in range(n)
     ]

@@ -188,7 +188,7 @@ def test_any_input_plans_validly_or_explains(
             name=f"t{i}",
             num_embeddings=rows,
             embedding_dim=dim,
-            feature_names=[f"f{i}_{k}" for k in range(features)],
+            feature_names=tuple(f"f{i}_{k}" for k in range(features)),
         )
         for i, (rows, dim, features) in enumerate(shapes)
     ]
