@@ -71,7 +71,8 @@ def calibrate(ranks_per_host: int | None = None, quick: bool = False) -> Topolog
 
     Args:
         ranks_per_host: ranks that will share this machine (default: the GPU count on cuda,
-            else 1); its memory is divided among them.
+            else 2, the ranks the collective measurement spawns); its memory is divided among
+            them.
         quick: smaller transfers (for tests; less accurate).
 
     Returns:
@@ -79,7 +80,7 @@ def calibrate(ranks_per_host: int | None = None, quick: bool = False) -> Topolog
         measured local all-to-all bandwidth.
     """
     cuda = torch.cuda.is_available()
-    rph = ranks_per_host or (torch.cuda.device_count() if cuda else 1)
+    rph = ranks_per_host or (torch.cuda.device_count() if cuda else 2)
     scale = 16 if quick else 1
     memory_bw = measure_memory_bandwidth(256 * 2**20 // scale, repeats=3 if quick else 5)
     comm_bw = measure_collective_bandwidth(64 * 2**20 // scale, repeats=2 if quick else 5)
