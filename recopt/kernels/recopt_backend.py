@@ -31,8 +31,8 @@ class _Occurrences:
 
     ids_N: Tensor
     goff_N: Tensor  # element offset of the occurrence's bag row in the flat grad_out
-    bag_N: Tensor  # row of grad_out (sample) of each occurrence
-    col_N: Tensor  # first grad_out column of each occurrence's feature
+    row_N: Tensor  # row of the table's stacked feature gradients: feature slot * B + sample
+    cols: list[int]  # first grad_out column of each of the table's features (slot order)
     scale_N: Tensor | None  # per-sample weight x 1/length (mean), None when all ones
 
 
@@ -194,7 +194,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
         """Per table, the ids of all its features with their gradient rows and scales."""
         batch, starts = self._feature_bounds(offsets)
         mean = self.pooling == PoolingType.MEAN
-        parts: list[list[tuple[Tensor, Tensor, Tensor, Tensor | None]]] = [[] for _ in self.tables]
+        parts: list[list[tuple[Tensor, Tensor, int, Tensor | None]]] = [[] for _ in self.tables]
         for f, t in enumerate(self.feature_table_map):
             if starts[f + 1] == starts[f]:
                 continue
@@ -208,20 +208,20 @@ class RecoptTableBatchedEmbedding(nn.Module):
             if mean:
                 inv_B = 1.0 / lengths_B.clamp(min=1).float()
                 scale_N = inv_B[bag_N] if scale_N is None else scale_N * inv_B[bag_N]
-            col = torch.full_like(bag_N, self._col_offsets[f])
-            parts[t].append((indices[starts[f] : starts[f + 1]], bag_N, col, scale_N))
+            parts[t].append(
+                (indices[starts[f] : starts[f + 1]], bag_N, self._col_offsets[f], scale_N)
+            )
         result: list[_Occurrences | None] = []
         for table_parts in parts:
             if not table_parts:
                 result.append(None)
                 continue
             ids = torch.cat([p[0] for p in table_parts])
-            bag = torch.cat([p[1] for p in table_parts])
-            col = torch.cat([p[2] for p in table_parts])
+            goff = torch.cat([p[1] * self.output_dim + p[2] for p in table_parts])
+            row = torch.cat([p[1] + slot * batch for slot, p in enumerate(table_parts)])
             scales = [p[3] for p in table_parts]
             scale = None if scales[0] is None else torch.cat([x for x in scales if x is not None])
-            goff = bag * self.output_dim + col
-            result.append(_Occurrences(ids, goff, bag, col, scale))
+            result.append(_Occurrences(ids, goff, row, [p[2] for p in table_parts], scale))
         return result
 
     def _advance_steps(self) -> None:
@@ -249,8 +249,10 @@ class RecoptTableBatchedEmbedding(nn.Module):
                 self._native_update(t, grad_out, weight, states[t], occ)
                 continue
             rows_U, inverse_N = torch.unique(occ.ids_N, sorted=True, return_inverse=True)
-            cols = torch.arange(weight.shape[1], device=weight.device)
-            grad_N_D = grad_out[occ.bag_N.unsqueeze(1), occ.col_N.unsqueeze(1) + cols]
+            dim = weight.shape[1]
+            blocks = [grad_out[:, c0 : c0 + dim] for c0 in occ.cols]
+            grad_rows = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+            grad_N_D = grad_rows.index_select(0, occ.row_N)
             if occ.scale_N is not None:
                 grad_N_D = grad_N_D * occ.scale_N.to(grad_N_D.dtype).unsqueeze(1)
             grad_U_D = grad_N_D.new_zeros(rows_U.numel(), weight.shape[1])
