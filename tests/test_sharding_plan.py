@@ -15,6 +15,7 @@ from recopt.sharding import (
     ParameterSharding,
     PlanError,
     ShardingPlan,
+    ShardingRequest,
     ShardingType,
     ShardSpec,
     balanced_table_wise_plan,
@@ -45,11 +46,10 @@ def spans(ps: ParameterSharding) -> list[tuple[int, int, int, int, int]]:
 
 
 def one(
-    table: Table, request: object, world_size: int, rph: int | None = None
+    table: Table, request: ShardingRequest, world_size: int, rph: int | None = None
 ) -> ParameterSharding:
-    return construct_module_sharding_plan([table], {table.name: request}, world_size, rph)[  # type: ignore[dict-item]
-        table.name
-    ]
+    shardings = construct_module_sharding_plan([table], {table.name: request}, world_size, rph)
+    return shardings[table.name]
 
 
 # --------------------------------------------------------------------------------------------

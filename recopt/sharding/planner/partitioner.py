@@ -193,35 +193,38 @@ def _place_on_a_host(
 ) -> list[int] | None:
     """Put a host-local option on the host where it leaves the lowest peak (or most memory)."""
     best: tuple[float, list[int]] | None = None
-    distinct = opt.sharding_type is ShardingType.TABLE_ROW_WISE  # one row range per rank
     for host in range(topology.num_hosts):
-        host_ranks = list(topology.host_ranks(host))
-        bytes_, cost = (
-            {r: ranks.bytes[r] for r in host_ranks},
-            {r: ranks.cost[r] for r in host_ranks},
-        )
-        chosen: list[int] = []
-        for nbytes, c in zip(opt.shard_bytes, opt.shard_costs, strict=True):
-            free = [
-                r
-                for r in host_ranks
-                if bytes_[r] + nbytes <= ranks.cap and not (distinct and r in chosen)
-            ]
-            if not free:
-                break
-            load = bytes_ if memory_first else cost
-            r = min(free, key=lambda r: (load[r], r))  # noqa: B023 - used before the next loop
-            chosen.append(r)
-            bytes_[r] += nbytes
-            cost[r] += c
-        if len(chosen) < len(opt.shard_sizes):
-            continue
-        # Memory-first: keep the most free memory on the host's fullest rank; else the lowest peak.
-        score = -min(ranks.cap - b for b in bytes_.values()) if memory_first else max(cost.values())
-        if best is None or score < best[0]:
-            best = (score, chosen)
+        fitted = _fit_on_host(opt, list(topology.host_ranks(host)), ranks, memory_first)
+        if fitted is not None and (best is None or fitted[0] < best[0]):
+            best = fitted
     if best is None:
         return None
     for r, nbytes, c in zip(best[1], opt.shard_bytes, opt.shard_costs, strict=True):
         ranks.add(r, nbytes, c)
     return best[1]
+
+
+def _fit_on_host(
+    opt: ShardingOption, host_ranks: list[int], ranks: _Ranks, memory_first: bool
+) -> tuple[float, list[int]] | None:
+    """(score, rank per shard) of the option on one host, lower score better; None if it fails."""
+    distinct = opt.sharding_type is ShardingType.TABLE_ROW_WISE  # one row range per rank
+    used = {r: float(ranks.bytes[r]) for r in host_ranks}
+    cost = {r: ranks.cost[r] for r in host_ranks}
+    load = used if memory_first else cost
+    chosen: list[int] = []
+    for nbytes, c in zip(opt.shard_bytes, opt.shard_costs, strict=True):
+        free = [
+            r
+            for r in host_ranks
+            if used[r] + nbytes <= ranks.cap and not (distinct and r in chosen)
+        ]
+        if not free:
+            return None
+        r = min(free, key=lambda r: (load[r], r))
+        chosen.append(r)
+        used[r] += nbytes
+        cost[r] += c
+    # Memory-first: keep the most free memory on the host's fullest rank; else the lowest peak.
+    score = -min(ranks.cap - b for b in used.values()) if memory_first else max(cost.values())
+    return score, chosen
