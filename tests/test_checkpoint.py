@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from recopt.checkpoint import CheckpointError, CheckpointManager, load, read_manifest, save
-from recopt.checkpoint.manifest import DCP_METADATA_NAME, MANIFEST_NAME
+from recopt.checkpoint.manifest import DCP_METADATA_NAME, MANIFEST_NAME, file_entry
 from recopt.checkpoint.reader import SafeFileSystemReader
 from recopt.checkpoint.state import decode_tree, encode_tree
 
@@ -92,7 +92,10 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path) -> N
     model, opt, sched, data = make_run(123)
     extras = load(tmp_path / "ck", model, opt, extra={"sched": sched, "data": data})
     assert extras["note"] == "x" and extras["data"] == {"position": 4}
-    assert read_manifest(tmp_path / "ck").step == 4
+    manifest = read_manifest(tmp_path / "ck")
+    assert manifest.step == 4
+    # Sums taken while writing equal the files read back.
+    assert {n: file_entry(tmp_path / "ck" / n) for n in manifest.files} == manifest.files
     assert_same_state(opt.state_dict(), saved_opt)
     rest = [train_step(model, opt, sched, data) for _ in range(4)]
     assert first + rest == reference  # bit-identical losses

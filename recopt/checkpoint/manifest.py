@@ -8,14 +8,18 @@ byte reaches the model.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 import recopt
 from recopt.checkpoint.state import CheckpointError
@@ -194,3 +198,58 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class _SummingFile(io.RawIOBase):
+    """A write-only file that keeps the CRC-32 and size of everything written through it."""
+
+    def __init__(self, file: io.BufferedWriter) -> None:
+        super().__init__()
+        self._file = file
+        self.crc = 0
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        n = self._file.write(data)
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view[:n], self.crc)
+        self.size += n
+        return n
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+class SummingFileSystem(FileSystem):
+    """DCP's local file system, summing every file as it is written (no read-back pass).
+
+    ``sums`` maps each written file's name to its `FileEntry`. DCP only appends to its
+    streams (``torch.save`` writes archives front to back), so the running CRC is the file's.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sums: dict[str, FileEntry] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, "wb") as file:
+            summing = _SummingFile(file)
+            yield summing
+            file.flush()
+            self.sums[Path(path).name] = FileEntry(
+                size=summing.size, crc32=f"{summing.crc & 0xFFFFFFFF:08x}"
+            )

@@ -27,6 +27,7 @@ from recopt.checkpoint.manifest import (
     SKELETON_NAME,
     FileEntry,
     Manifest,
+    SummingFileSystem,
     TensorEntry,
     file_entry,
     fsync_dir,
@@ -164,17 +165,19 @@ def save(
             problems += _prepare_partial(final, partial, overwrite)
         group.agree(problems, f"cannot save checkpoint {final}")
 
+        writer = dcp.FileSystemWriter(partial)
+        writer.fs = summing = SummingFileSystem()
         with _dcp_quietly(), archive_crc_off():
             metadata = dcp.save(
                 tensors,
-                storage_writer=dcp.FileSystemWriter(partial),
+                storage_writer=writer,
                 process_group=group.pg,
                 no_dist=group.pg is None,
             )
         # Every rank sums its own files; a local failure is reported through the gather, so
         # the other ranks raise it too instead of waiting for a timeout.
         try:
-            mine = _sum_own_files(partial, group.rank)
+            mine = _sum_own_files(partial, group.rank, summing.sums)
         except OSError as e:
             mine, problems = {}, [f"rank {group.rank}: {type(e).__name__}: {e}"]
         gathered = group.all_gather((mine, problems))
@@ -189,13 +192,14 @@ def save(
     return final
 
 
-def _sum_own_files(partial: Path, rank: int) -> dict[str, FileEntry]:
-    """Write this rank's RNG file; size and CRC of it and of this rank's DCP data files."""
+def _sum_own_files(partial: Path, rank: int, sums: dict[str, FileEntry]) -> dict[str, FileEntry]:
+    """Write this rank's RNG file; size and CRC of it and of this rank's DCP data files
+    (summed while DCP wrote them; read back only if DCP wrote one some other way)."""
     rank_file = partial / rank_file_name(rank)
     write_durably(rank_file, _json_bytes({"rank": rank, "rng": capture_rng()}))
     mine = {rank_file.name: file_entry(rank_file)}
     for f in sorted(partial.glob(f"__{rank}_*.distcp")):
-        mine[f.name] = file_entry(f)
+        mine[f.name] = sums[f.name] if f.name in sums else file_entry(f)
     return mine
 
 
