@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from recopt.sharding.planner import (
     Topology,
     TopologyError,
     evaluate_plan,
+    local_topology,
 )
 from recopt.sharding.planner.constraints import TableWorkload
 from recopt.sharding.planner.perf import all_to_all_seconds, replica_cost, shard_cost
@@ -437,6 +439,13 @@ def test_parameter_constraints_errors(kwargs: dict[str, object], message: str) -
 def test_topology_errors(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(TopologyError, match=message):
         Topology(**kwargs)  # type: ignore[arg-type]
+
+
+def test_local_topology_uses_this_machines_memory() -> None:
+    topo = local_topology(4, ranks_per_host=2, device="cpu")
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert topo.device == "cpu" and topo.ddr_bytes == physical // 2 and topo.num_hosts == 2
+    assert local_topology(3, device="cpu").ddr_bytes == physical // 3
 
 
 def test_topology_hosts_and_file_round_trip(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from recopt.sharding.planner.planner import (
     plan_collectively,
 )
 from recopt.sharding.planner.stats import PlanStats, TableChoice, evaluate_plan
-from recopt.sharding.planner.topology import Topology, TopologyError
+from recopt.sharding.planner.topology import Topology, TopologyError, local_topology
 
 __all__ = [
     "ConstraintError",
@@ -23,5 +23,6 @@ __all__ = [
     "Topology",
     "TopologyError",
     "evaluate_plan",
+    "local_topology",
     "plan_collectively",
 ]

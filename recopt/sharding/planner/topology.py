@@ -14,6 +14,8 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 GIB = 1024**3
 GB = 1e9
 
@@ -141,6 +143,36 @@ class Topology:
                 continue
             lines.append(f"{f.name} = {json.dumps(value)}")
         return "\n".join(lines) + "\n"
+
+
+def local_topology(
+    world_size: int, ranks_per_host: int | None = None, device: str | None = None
+) -> Topology:
+    """A topology whose memory per rank is this machine's, for planning inside a job.
+
+    Args:
+        world_size: number of ranks.
+        ranks_per_host: ranks per host (default: all on one host); host memory is divided
+            among them.
+        device: ``cpu`` or ``cuda`` (default: ``cuda`` when available).
+
+    Returns:
+        The default bandwidths with HBM (the current CUDA device's) or DDR (physical memory
+        over the ranks of a host) filled in.
+    """
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rph = min(world_size, ranks_per_host or world_size)
+    ddr = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rph
+    hbm = 0
+    if device == "cuda":
+        hbm = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    return Topology(
+        world_size=world_size,
+        ranks_per_host=ranks_per_host,
+        device=device,
+        hbm_bytes=hbm,
+        ddr_bytes=int(ddr),
+    )
 
 
 def topology_fields() -> set[str]:
