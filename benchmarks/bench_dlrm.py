@@ -48,29 +48,39 @@ def measure(config: TrainingConfig, steps: int, warmup: int) -> dict[str, Any]:
     optimizer = build_optimizer(model, config)
     data = build_data(config, env, "train")
     times: dict[str, list[float]] = {p: [] for p in PHASES}
+    cpu_times: dict[str, list[float]] = {p: [] for p in PHASES}
     batch_size = config.data.batch_size
-    wall = 0.0
+    wall = cpu = 0.0
     for step in range(warmup + steps):
-        t0 = time.perf_counter()
+        marks = [(time.perf_counter(), time.process_time())]
         batch = next(data)
-        t1 = time.perf_counter()
+        marks.append((time.perf_counter(), time.process_time()))
         logits = model(batch.dense, batch.sparse)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-        t2 = time.perf_counter()
+        marks.append((time.perf_counter(), time.process_time()))
         optimizer.zero_grad()
         loss.backward()
-        t3 = time.perf_counter()
+        marks.append((time.perf_counter(), time.process_time()))
         optimizer.step()
-        t4 = time.perf_counter()
+        marks.append((time.perf_counter(), time.process_time()))
         if step >= warmup:
-            for phase, (a, b) in zip(PHASES, ((t0, t1), (t1, t2), (t2, t3), (t3, t4)), strict=True):
-                times[phase].append(b - a)
-            wall += t4 - t0
+            for i, phase in enumerate(PHASES):
+                times[phase].append(marks[i + 1][0] - marks[i][0])
+                cpu_times[phase].append(marks[i + 1][1] - marks[i][1])
+            wall += marks[-1][0] - marks[0][0]
+            cpu += marks[-1][1] - marks[0][1]
     medians = {p: statistics.median(v) * 1e3 for p, v in times.items()}
+    cpu_means = {p: statistics.mean(v) * 1e3 for p, v in cpu_times.items()}
     return {
         "samples_per_s": batch_size * steps / wall,
+        # On a shared machine wall time counts other processes' turns on the core; samples per
+        # CPU-second of this process is what the code would do with the cores to itself.
+        "samples_per_cpu_s": batch_size * steps / cpu,
+        # Without the data phase: comparable with bench_dlrm_torchrec.py (batches made ahead).
+        "model_samples_per_cpu_s": batch_size * steps / (cpu - sum(cpu_times["data"])),
         "median_step_samples_per_s": batch_size / (sum(medians.values()) / 1e3),
         "phase_ms": {p: round(v, 2) for p, v in medians.items()},
+        "phase_cpu_ms": {p: round(v, 2) for p, v in cpu_means.items()},
         "batch_size": batch_size,
     }
 
@@ -107,8 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--profile", choices=list(CONFIGS))
+    parser.add_argument(
+        "--matmul-precision",
+        default="highest",
+        choices=["highest", "high", "medium"],
+        help="float32 matmul precision (medium: bfloat16 inside oneDNN where the CPU has it)",
+    )
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
+    torch.set_float32_matmul_precision(args.matmul_precision)
     if args.profile:
         torch.set_num_threads(args.threads[0])
         path, overrides = CONFIGS[args.profile]
@@ -120,12 +137,21 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(str(ROOT / path), overrides)
         for threads in args.threads:
             torch.set_num_threads(threads)
-            result = {"config": name, "threads": threads, **measure(config, args.steps, args.warmup)}
+            result = {
+                "config": name,
+                "threads": threads,
+                **measure(config, args.steps, args.warmup),
+            }
             results.append(result)
             phases = " ".join(f"{p} {ms:.1f}" for p, ms in result["phase_ms"].items())
+            cpu_phases = " ".join(f"{p} {ms:.1f}" for p, ms in result["phase_cpu_ms"].items())
             print(
                 f"{name:11s} threads {threads}: {result['samples_per_s'] / 1e3:6.1f}k samples/s "
-                f"(median step {result['median_step_samples_per_s'] / 1e3:.1f}k) | ms: {phases}",
+                f"wall (median step {result['median_step_samples_per_s'] / 1e3:.1f}k), "
+                f"{result['samples_per_cpu_s'] / 1e3:.1f}k per CPU-s "
+                f"({result['model_samples_per_cpu_s'] / 1e3:.1f}k without data) | "
+                f"wall ms: {phases} | "
+                f"CPU ms: {cpu_phases}",
                 flush=True,
             )
     if args.json:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from recopt.models import DLRM, CrossNetwork, DLRMConfig, DotInteraction
+from recopt.models import DLRM, CrossNetwork, DLRMConfig, DotInteraction, FusedLinear
 from recopt.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedEmbeddingBagCollection
 from recopt.sparse import KeyedJaggedTensor
 
@@ -73,6 +73,37 @@ def test_cross_network_full_and_low_rank_match_the_formula() -> None:
     expected = x0 * (x0 @ v.weight.T @ u.weight.T + u.bias) + x0
     torch.testing.assert_close(low(x0), expected)
     assert sum(p.numel() for p in low.parameters()) == 6 * 2 + 2 * 6 + 6
+
+
+@pytest.mark.parametrize("activation", ["none", "relu"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_linear_equals_torch_linear_forward_and_backward(activation: str, bias: bool) -> None:
+    torch.manual_seed(0)
+    layer = FusedLinear(37, 19, activation, bias=bias)
+    reference = FusedLinear(37, 19, activation, bias=bias, use_onednn=False)
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(64, 37, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    grad = torch.randn(64, 19)
+    out, out_ref = layer(x), reference(x_ref)
+    expected = torch.nn.functional.linear(x_ref, reference.weight, reference.bias)
+    if activation == "relu":
+        expected = expected.relu()
+    torch.testing.assert_close(out_ref, expected)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    (out * grad).sum().backward()
+    (out_ref * grad).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    for p, q in zip(layer.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-4)
+
+
+def test_fused_linear_skips_the_input_gradient_when_the_input_needs_none() -> None:
+    layer = FusedLinear(5, 3, "relu")
+    layer(torch.randn(4, 5)).sum().backward()
+    assert layer.weight.grad is not None and layer.bias is not None and layer.bias.grad is not None
+    with pytest.raises(ValueError, match="activation 'gelu'"):
+        FusedLinear(5, 3, "gelu")
 
 
 # ------------------------------------------------------------------------ DLRM

@@ -22,6 +22,7 @@ from recopt.optim.warmup import WarmupPolicy, WarmupStage
 
 DATA_SOURCES = ("synthetic", "criteo")
 DENSE_OPTIMIZERS = ("adagrad", "adam", "sgd")
+MATMUL_PRECISIONS = ("highest", "high", "medium")
 
 
 def default_tables() -> tuple[EmbeddingBagConfig, ...]:
@@ -121,7 +122,9 @@ class LoopSection:
     ``num_threads`` 0 keeps torch's default (one per core); the default 1 is faster for
     small models on shared machines, where idle-spinning intra-op threads of several
     processes starve each other (measured: 69k vs 1.1k samples/s on 2 loaded cores).
-    ``timeout_s`` bounds every collective.
+    ``timeout_s`` bounds every collective. ``matmul_precision`` is torch's float32 matmul
+    precision: ``highest`` (exact fp32), or ``medium``, which lets oneDNN multiply in bfloat16
+    on CPUs that have it (measured 1.65x faster MLP layers on this AVX512-BF16 machine).
     """
 
     steps: int = 1500
@@ -132,8 +135,14 @@ class LoopSection:
     num_threads: int = 1
     timeout_s: float = 300.0
     plot: bool = True
+    matmul_precision: str = "highest"
 
     def __post_init__(self) -> None:
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(
+                f"training.matmul_precision {self.matmul_precision!r} is unknown; use one of "
+                f"{MATMUL_PRECISIONS}"
+            )
         for name in ("steps", "log_every", "eval_every"):
             if getattr(self, name) < 0 or (name == "log_every" and self.log_every < 1):
                 raise ValueError(f"training.{name} must be positive, got {getattr(self, name)}")

@@ -353,6 +353,7 @@ def train(config: TrainingConfig, env: RunEnv, resume: bool = False) -> dict[str
     """Builds everything and trains; returns the final validation metrics."""
     if config.training.num_threads:
         torch.set_num_threads(config.training.num_threads)
+    torch.set_float32_matmul_precision(config.training.matmul_precision)
     model = shard_model(build_model(config, env.device), config, env)
     trainer = Trainer(config, env, model)
     if resume:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from recopt.models.mlp import FusedLinear, mlp
 from recopt.sparse import KeyedJaggedTensor, KeyedTensor
 
 INTERACTIONS = ("dot", "dcn")
@@ -38,6 +39,8 @@ class DLRMConfig:
         dcn_num_layers: number of cross layers (``dcn`` only).
         dcn_low_rank: rank r of each cross layer's ``U @ V.T`` factorisation, or 0 for the
             full-rank matrix (``dcn`` only).
+        use_onednn: run the fp32 CPU matmuls of the MLPs and cross layers in oneDNN (see
+            `recopt.models.mlp`); False uses ``nn.functional.linear`` everywhere.
     """
 
     dense_in_features: int = 13
@@ -46,6 +49,7 @@ class DLRMConfig:
     interaction: str = "dot"
     dcn_num_layers: int = 2
     dcn_low_rank: int = 0
+    use_onednn: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bottom_mlp", tuple(self.bottom_mlp))
@@ -65,26 +69,6 @@ class DLRMConfig:
                 f"model.dcn_num_layers ({self.dcn_num_layers}) and model.dcn_low_rank "
                 f"({self.dcn_low_rank}) must be >= 0"
             )
-
-
-def mlp(in_features: int, widths: Sequence[int], final_relu: bool = True) -> nn.Sequential:
-    """Linear layers of the given widths with ReLU between them (and after the last if asked).
-
-    Args:
-        in_features: input width.
-        widths: output width of each layer.
-        final_relu: whether the last layer is followed by a ReLU too.
-
-    Returns:
-        The stack as an ``nn.Sequential``.
-    """
-    layers: list[nn.Module] = []
-    for i, width in enumerate(widths):
-        layers.append(nn.Linear(in_features, width))
-        if final_relu or i < len(widths) - 1:
-            layers.append(nn.ReLU())
-        in_features = width
-    return nn.Sequential(*layers)
 
 
 class _UpperTriangleGram(torch.autograd.Function):
@@ -146,16 +130,23 @@ class CrossNetwork(nn.Module):
         low_rank: 0 for full-rank ``W_l``, else the rank r of ``U_l V_l^T``.
     """
 
-    def __init__(self, width: int, num_layers: int, low_rank: int = 0) -> None:
+    def __init__(
+        self, width: int, num_layers: int, low_rank: int = 0, use_onednn: bool = True
+    ) -> None:
         super().__init__()
         if low_rank:
             self.down = nn.ModuleList(
-                nn.Linear(width, low_rank, bias=False) for _ in range(num_layers)
+                FusedLinear(width, low_rank, bias=False, use_onednn=use_onednn)
+                for _ in range(num_layers)
             )
-            self.up = nn.ModuleList(nn.Linear(low_rank, width) for _ in range(num_layers))
+            self.up = nn.ModuleList(
+                FusedLinear(low_rank, width, use_onednn=use_onednn) for _ in range(num_layers)
+            )
         else:
             self.down = nn.ModuleList()
-            self.up = nn.ModuleList(nn.Linear(width, width) for _ in range(num_layers))
+            self.up = nn.ModuleList(
+                FusedLinear(width, width, use_onednn=use_onednn) for _ in range(num_layers)
+            )
 
     def forward(self, x0: torch.Tensor) -> torch.Tensor:
         x = x0
@@ -211,7 +202,8 @@ class DLRM(nn.Module):
         self.feature_names = [name for name, _ in dims]
         self.embedding_bags = embedding_bags
         dense_dim = config.bottom_mlp[-1]
-        self.bottom_mlp = mlp(config.dense_in_features, config.bottom_mlp)
+        onednn = config.use_onednn
+        self.bottom_mlp = mlp(config.dense_in_features, config.bottom_mlp, use_onednn=onednn)
         if config.interaction == "dot":
             for name, dim in dims:
                 if dim != dense_dim:
@@ -224,11 +216,11 @@ class DLRM(nn.Module):
             top_in = dense_dim + self.interaction.num_outputs
         else:
             top_in = dense_dim + sum(dim for _, dim in dims)
-            self.interaction = CrossNetwork(top_in, config.dcn_num_layers, config.dcn_low_rank)
-        self.top_mlp = nn.Sequential(
-            mlp(top_in, config.top_mlp),
-            nn.Linear(config.top_mlp[-1] if config.top_mlp else top_in, 1),
-        )
+            self.interaction = CrossNetwork(
+                top_in, config.dcn_num_layers, config.dcn_low_rank, use_onednn=onednn
+            )
+        # The hidden layers with ReLU, then one more layer to the logit.
+        self.top_mlp = mlp(top_in, [*config.top_mlp, 1], final_relu=False, use_onednn=onednn)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         dense_B_D = self.bottom_mlp(dense)
