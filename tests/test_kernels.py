@@ -515,3 +515,22 @@ def test_create_kernel_builds_recopt_and_validates() -> None:
         create_kernel(TABLES, [0, 5], cfg, PoolingType.SUM, CPU)
     with pytest.raises(ValueError, match="tables is empty"):
         create_kernel([], [], cfg, PoolingType.SUM, CPU)
+
+
+def test_native_pass_is_the_one_that_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not cpu_fused.available():
+        pytest.skip("no C compiler here: the torch-ops path is what runs")
+    calls: list[int] = []
+    original = cpu_fused.fused_update
+
+    def counting(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_fused, "fused_update", counting)
+    for native, expected in ((True, 1), (False, 0)):
+        calls.clear()
+        kernel = _make_kernel(FusedOptimizerConfig(name="adam"), native)
+        indices, offsets, psw = make_batch(torch.Generator().manual_seed(0), [40, 7, 40], True)
+        kernel(indices, offsets, psw).sum().backward()
+        assert len(calls) == expected

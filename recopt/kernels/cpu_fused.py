@@ -6,7 +6,7 @@ intra-op thread. Each thread walks whole runs of equal ids in the id-sorted occu
 the (scaled) gradient rows of a run into a D-float buffer and updates that row and its state
 in place, so no [U, D] temporary is ever materialised. When no compiler is available,
 `available()` is False and the backend uses `updates.apply_update` (same formulas).
-Legend: N occurrences (ids) of one table, D its dim.
+Legend: N occurrences (ids) of all the kernel's tables, D a table's dim, T tables.
 """
 
 from __future__ import annotations
@@ -39,17 +39,30 @@ _C_SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 
+/* One table: its rows are keys [base, end) of the pass's global key space. */
 typedef struct {
-    int opt;
-    int64_t begin, end, dim;
-    const int64_t *ids, *goff;
-    const float *scale, *grad;
+    int64_t base, end, dim;
     float *weight, *s1, *s2;
-    float lr, eps, wd, sign, one_minus_beta1, one_minus_beta2, step_size;
-} job_t;
+    float step_size;
+} table_t;
+
+/* What every chunk of one backward pass shares. */
+typedef struct {
+    int opt, num_tables;
+    int64_t max_dim;
+    const int64_t *keys, *goff;
+    const float *scale, *grad;
+    const table_t *tables;
+    float lr, eps, wd, sign, one_minus_beta1, one_minus_beta2;
+} pass_t;
 
 /* Prefetch distance, in occurrences: hides the latency of the random row reads. */
 #define PF 12
+
+/* Prefetch every cache line of a row (D * 4 bytes: several lines). A macro, not a function:
+ * GCC treats a static function made only of prefetches as pure and deletes its calls. */
+#define PREFETCH_ROW(p, n, rw) \
+    for (int64_t i_ = 0; i_ < (n); i_ += 16) __builtin_prefetch((p) + i_, rw, 3)
 
 /* Sixteen partial sums: a vectorisable reduction (one serial chain would cost ~4 cycles/elem). */
 static inline float sum_sq(const float *restrict x, int64_t n) {
@@ -64,20 +77,20 @@ static inline float sum_sq(const float *restrict x, int64_t n) {
 }
 
 /* Hyperparameters are copied to locals and pointers are restrict: otherwise every store to a
- * row could alias the job struct, which forces reloads and blocks vectorisation. */
-static void update_row(const job_t *j, int64_t row, float *restrict acc) {
-    const int64_t D = j->dim;
-    const float lr = j->lr, eps = j->eps, wd = j->wd, step_size = j->step_size;
-    const float omb1 = j->one_minus_beta1, omb2 = j->one_minus_beta2;
-    float *restrict w = j->weight + row * D;
+ * row could alias the structs, which forces reloads and blocks vectorisation. */
+static void update_row(const pass_t *p, const table_t *tb, int64_t row, float *restrict acc) {
+    const int64_t D = tb->dim;
+    const float lr = p->lr, eps = p->eps, wd = p->wd, step_size = tb->step_size;
+    const float omb1 = p->one_minus_beta1, omb2 = p->one_minus_beta2;
+    float *restrict w = tb->weight + row * D;
     if (wd != 0.0f)
         for (int64_t d = 0; d < D; d++) acc[d] += wd * w[d];
-    switch (j->opt) {
+    switch (p->opt) {
     case 0:
         for (int64_t d = 0; d < D; d++) w[d] -= lr * acc[d];
         break;
     case 1: {
-        float *restrict m = j->s1 + row * D;
+        float *restrict m = tb->s1 + row * D;
         for (int64_t d = 0; d < D; d++) {
             m[d] += acc[d] * acc[d];
             w[d] -= lr * acc[d] / (sqrtf(m[d]) + eps);
@@ -85,14 +98,14 @@ static void update_row(const job_t *j, int64_t row, float *restrict acc) {
         break;
     }
     case 2: {
-        const float mom = j->s1[row] + sum_sq(acc, D) / (float)D;
-        j->s1[row] = mom;
+        const float mom = tb->s1[row] + sum_sq(acc, D) / (float)D;
+        tb->s1[row] = mom;
         const float r = lr / (sqrtf(mom) + eps);
         for (int64_t d = 0; d < D; d++) w[d] -= r * acc[d];
         break;
     }
     case 3: {
-        float *restrict m = j->s1 + row * D, *restrict v = j->s2 + row * D;
+        float *restrict m = tb->s1 + row * D, *restrict v = tb->s2 + row * D;
         for (int64_t d = 0; d < D; d++) {
             m[d] += (acc[d] - m[d]) * omb1;
             v[d] += (acc[d] * acc[d] - v[d]) * omb2;
@@ -101,11 +114,11 @@ static void update_row(const job_t *j, int64_t row, float *restrict acc) {
         break;
     }
     case 4: {
-        float *restrict m = j->s1 + row * D;
+        float *restrict m = tb->s1 + row * D;
         const float sq = sum_sq(acc, D);
         for (int64_t d = 0; d < D; d++) m[d] += (acc[d] - m[d]) * omb1;
-        const float v = j->s2[row] + (sq / (float)D - j->s2[row]) * omb2;
-        j->s2[row] = v;
+        const float v = tb->s2[row] + (sq / (float)D - tb->s2[row]) * omb2;
+        tb->s2[row] = v;
         const float r = -step_size / (sqrtf(v) + eps);
         for (int64_t d = 0; d < D; d++) w[d] += r * m[d];
         break;
@@ -113,72 +126,111 @@ static void update_row(const job_t *j, int64_t row, float *restrict acc) {
     }
 }
 
-/* Prefetch every cache line of a row (D * 4 bytes: several lines). A macro, not a function:
- * GCC treats a static function made only of prefetches as pure and deletes its calls. */
-#define PREFETCH_ROW(p, n, rw) \
-    for (int64_t i_ = 0; i_ < (n); i_ += 16) __builtin_prefetch((p) + i_, rw, 3)
+/* A macro for the reason PREFETCH_ROW is one. */
+#define PREFETCH_OCCURRENCE(p, tb, k)                                              \
+    do {                                                                           \
+        const int64_t row_ = (p)->keys[k] - (tb)->base, d_ = (tb)->dim;            \
+        PREFETCH_ROW((tb)->weight + row_ * d_, d_, 1);                             \
+        PREFETCH_ROW((p)->grad + (p)->goff[k], d_, 0);                             \
+        if ((p)->opt == 2) __builtin_prefetch((tb)->s1 + row_, 1, 3);              \
+        if ((p)->opt == 1 || (p)->opt == 3 || (p)->opt == 4)                       \
+            PREFETCH_ROW((tb)->s1 + row_ * d_, d_, 1);                             \
+        if ((p)->opt == 3) PREFETCH_ROW((tb)->s2 + row_ * d_, d_, 1);              \
+        if ((p)->opt == 4) __builtin_prefetch((tb)->s2 + row_, 1, 3);              \
+    } while (0)
 
-static void run_job(const job_t *j) {
-    const int64_t D = j->dim;
-    float *restrict acc = (float *)malloc(sizeof(float) * (size_t)D);
-    const int rowwise_s1 = j->opt == 2, dense_s1 = j->opt == 1 || j->opt == 3 || j->opt == 4;
-    int64_t k = j->begin;
-    while (k < j->end) {
-        const int64_t row = j->ids[k];
+/* Keys are sorted, so the table of the current (and of the prefetched) key only moves up. */
+static void run_chunk(const pass_t *p, int64_t begin, int64_t end) {
+    float *restrict acc = (float *)malloc(sizeof(float) * (size_t)p->max_dim);
+    int t = 0, pt = 0;
+    while (p->tables[t].end <= p->keys[begin]) t++;
+    pt = t;
+    int64_t k = begin;
+    while (k < end) {
+        const int64_t key = p->keys[k];
+        while (p->tables[t].end <= key) t++;
+        const table_t *tb = &p->tables[t];
+        const int64_t D = tb->dim;
         for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
         do {
-            if (k + PF < j->end) {
-                const int64_t pf_row = j->ids[k + PF];
-                PREFETCH_ROW(j->weight + pf_row * D, D, 1);
-                PREFETCH_ROW(j->grad + j->goff[k + PF], D, 0);
-                if (rowwise_s1) __builtin_prefetch(j->s1 + pf_row, 1, 3);
-                if (dense_s1) PREFETCH_ROW(j->s1 + pf_row * D, D, 1);
-                if (j->opt == 3) PREFETCH_ROW(j->s2 + pf_row * D, D, 1);
-                if (j->opt == 4) __builtin_prefetch(j->s2 + pf_row, 1, 3);
+            if (k + PF < end) {
+                while (p->tables[pt].end <= p->keys[k + PF]) pt++;
+                PREFETCH_OCCURRENCE(p, &p->tables[pt], k + PF);
             }
-            const float s = j->sign * (j->scale ? j->scale[k] : 1.0f);
-            const float *restrict g = j->grad + j->goff[k];
+            const float s = p->sign * (p->scale ? p->scale[k] : 1.0f);
+            const float *restrict g = p->grad + p->goff[k];
             for (int64_t d = 0; d < D; d++) acc[d] += s * g[d];
             k++;
-        } while (k < j->end && j->ids[k] == row);
-        update_row(j, row, acc);
+        } while (k < end && p->keys[k] == key);
+        update_row(p, tb, key - tb->base, acc);
     }
     free(acc);
 }
 
-/* Chunks split the sorted occurrences at run boundaries, so each row has one owner. More
- * chunks than threads, taken dynamically, so a thread slowed by a busy core holds no one up.
- * OpenMP (not pthreads): the library links libgomp.so.1, which resolves to the copy torch has
- * loaded, so it shares torch's worker threads instead of fighting their spin-waits for cores. */
+/* Per occurrence (parallel over bags): its key (table base + id), the offset of its bag's
+ * gradient row in grad_out, and its scale (per-sample weight, times 1/length when mean). */
+int recopt_prepare(int64_t num_bags, int64_t batch, const int64_t *offsets, const int64_t *ids,
+                   const float *weights, int mean, const int64_t *feature_base,
+                   const int64_t *feature_col, int64_t out_dim, int64_t *keys, int64_t *goff,
+                   float *scale, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_bags > 4096)
+    for (int64_t bag = 0; bag < num_bags; bag++) {
+        const int64_t f = bag / batch, lo = offsets[bag], hi = offsets[bag + 1];
+        const int64_t base = feature_base[f], row = (bag - f * batch) * out_dim + feature_col[f];
+        const float inv = mean && hi > lo ? 1.0f / (float)(hi - lo) : 1.0f;
+        for (int64_t k = lo; k < hi; k++) {
+            keys[k] = base + ids[k];
+            goff[k] = row;
+            if (scale) scale[k] = weights ? weights[k] * inv : inv;
+        }
+    }
+    return 0;
+}
+
+/* Chunks split the sorted keys at run boundaries, so each row has one owner. More chunks than
+ * threads, taken dynamically, so a thread slowed by a busy core holds no one up. OpenMP (not
+ * pthreads): the library links libgomp.so.1, which resolves to the copy torch has loaded, so
+ * it shares torch's worker threads instead of fighting their spin-waits for the cores.
+ * meta: bases[T+1], dims[T], then weight, state1, state2 pointers [T] each (as int64).
+ * hyper: lr, eps, weight_decay, sign, 1 - beta1, 1 - beta2, then step_size[T]. */
 #define MAX_CHUNKS 256
-int recopt_sparse_update(int opt, int64_t n, const int64_t *ids,
-                         const int64_t *goff, const float *scale, const float *grad,
-                         int64_t dim, float *weight, float *s1, float *s2, const float *hyper,
-                         int num_threads) {
+int recopt_fused_update(int opt, int64_t n, const int64_t *keys, const int64_t *goff,
+                        const float *scale, const float *grad, int num_tables,
+                        const int64_t *meta, const float *hyper, int num_threads) {
+    if (n == 0) return 0;
+    table_t *tables = (table_t *)malloc(sizeof(table_t) * (size_t)num_tables);
+    int64_t max_dim = 1;
+    for (int t = 0; t < num_tables; t++) {
+        table_t *tb = &tables[t];
+        tb->base = meta[t];
+        tb->end = meta[t + 1];
+        tb->dim = meta[num_tables + 1 + t];
+        tb->weight = (float *)(intptr_t)meta[2 * num_tables + 1 + t];
+        tb->s1 = (float *)(intptr_t)meta[3 * num_tables + 1 + t];
+        tb->s2 = (float *)(intptr_t)meta[4 * num_tables + 1 + t];
+        tb->step_size = hyper[6 + t];
+        if (tb->dim > max_dim) max_dim = tb->dim;
+    }
+    pass_t p = {opt, num_tables, max_dim, keys, goff, scale, grad, tables,
+                hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], hyper[5]};
     if (num_threads < 1) num_threads = 1;
     int num_chunks = num_threads == 1 ? 1 : num_threads * 8;
     if (num_chunks > MAX_CHUNKS) num_chunks = MAX_CHUNKS;
     if (n < 2048 * (int64_t)num_chunks) num_chunks = (int)(n / 2048) + 1;
-    job_t jobs[MAX_CHUNKS];
     int64_t cut[MAX_CHUNKS + 1];
     cut[0] = 0;
     cut[num_chunks] = n;
-    for (int t = 1; t < num_chunks; t++) {
-        int64_t c = n * t / num_chunks;
-        if (c < cut[t - 1]) c = cut[t - 1];
-        while (c > 0 && c < n && ids[c] == ids[c - 1]) c++;
-        cut[t] = c;
-    }
-    for (int t = 0; t < num_chunks; t++) {
-        job_t *j = &jobs[t];
-        j->opt = opt; j->begin = cut[t]; j->end = cut[t + 1] > cut[t] ? cut[t + 1] : cut[t];
-        j->dim = dim; j->ids = ids; j->goff = goff; j->scale = scale;
-        j->grad = grad; j->weight = weight; j->s1 = s1; j->s2 = s2;
-        j->lr = hyper[0]; j->eps = hyper[1]; j->wd = hyper[2]; j->sign = hyper[3];
-        j->one_minus_beta1 = hyper[4]; j->one_minus_beta2 = hyper[5]; j->step_size = hyper[6];
+    for (int c = 1; c < num_chunks; c++) {
+        int64_t at = n * c / num_chunks;
+        if (at < cut[c - 1]) at = cut[c - 1];
+        while (at > 0 && at < n && keys[at] == keys[at - 1]) at++;
+        cut[c] = at;
     }
     #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_chunks > 1)
-    for (int t = 0; t < num_chunks; t++) run_job(&jobs[t]);
+    for (int c = 0; c < num_chunks; c++)
+        if (cut[c + 1] > cut[c]) run_chunk(&p, cut[c], cut[c + 1]);
+    free(tables);
     return 0;
 }
 """
@@ -215,10 +267,15 @@ def _build() -> ctypes.CDLL:
         os.replace(tmp, path)  # atomic: concurrent builders never see a partial library
         os.remove(source)
     library = ctypes.CDLL(path)
-    fn = library.recopt_sparse_update
+    fn = library.recopt_fused_update
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64]
-    fn.argtypes += [ctypes.c_void_p] * 4 + [ctypes.c_int]
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int]
+    fn.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int]
+    prep = library.recopt_prepare
+    prep.restype = ctypes.c_int
+    prep.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+    prep.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
+    prep.argtypes += [ctypes.c_int]
     return library
 
 
@@ -239,50 +296,105 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def sparse_update(
-    code: int,
-    sorted_ids_N: torch.Tensor,
-    goff_N: torch.Tensor,
-    scale_N: torch.Tensor | None,
-    grad: torch.Tensor,
-    weight: torch.Tensor,
-    state1: torch.Tensor | None,
-    state2: torch.Tensor | None,
-    hyper: list[float],
-) -> None:
-    """Aggregate the gradient of every touched row and update the row and its state.
+def prepare(
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: torch.Tensor | None,
+    mean: bool,
+    batch: int,
+    feature_base: torch.Tensor,
+    feature_col: torch.Tensor,
+    out_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Keys, gradient-row offsets and scales of every occurrence, in input order.
 
     Args:
-        code: optimizer code (`OPTIMIZER_CODES`).
-        sorted_ids_N: the table's occurrence ids, sorted (int64, contiguous).
-        goff_N: per sorted occurrence, element offset of its gradient row in ``grad`` (in
-            sorted order, so the pass reads it sequentially and can prefetch the row early).
-        scale_N: per sorted occurrence, the factor on its gradient (per-sample weight,
-            1/length for mean pooling), or None for 1.
-        grad: the pooled-output gradient, contiguous float32.
-        weight: ``[R, D]`` contiguous float32 table, updated in place.
-        state1: first state tensor (momentum1 / exp_avg) or None.
-        state2: second state tensor (exp_avg_sq) or None.
-        hyper: lr, eps, weight_decay, sign (-1 to maximize), 1 - beta1, 1 - beta2,
-            step_size (the differences taken in double, as torch's optimizers do).
+        indices: int64 ids (KJT layout), contiguous.
+        offsets: int64 ``[F*B + 1]`` bag boundaries, contiguous.
+        weights: float32 per-sample weights, or None.
+        mean: mean pooling (scale by 1/bag length).
+        batch: B.
+        feature_base: int64 ``[F]``, key offset of each feature's table.
+        feature_col: int64 ``[F]``, first grad_out column of each feature.
+        out_dim: grad_out's row width.
+
+    Returns:
+        ``keys_N`` (base + id), ``goff_N`` and ``scale_N`` (None when all ones).
 
     Raises:
         RuntimeError: the native library is not available.
     """
     if _library is None:
-        raise RuntimeError("sparse_update: native library not loaded; call available() first")
-    hyper_t = torch.tensor(hyper + [0.0] * (8 - len(hyper)), dtype=torch.float32)
-    _library.recopt_sparse_update(
+        raise RuntimeError("prepare: native library not loaded; call available() first")
+    n = indices.numel()
+    keys = torch.empty(n, dtype=torch.int64)
+    goff = torch.empty(n, dtype=torch.int64)
+    scale = torch.empty(n, dtype=torch.float32) if weights is not None or mean else None
+    _library.recopt_prepare(
+        offsets.numel() - 1,
+        batch,
+        _ptr(offsets),
+        _ptr(indices),
+        _ptr(weights),
+        int(mean),
+        _ptr(feature_base),
+        _ptr(feature_col),
+        out_dim,
+        _ptr(keys),
+        _ptr(goff),
+        _ptr(scale),
+        torch.get_num_threads(),
+    )
+    return keys, goff, scale
+
+
+def fused_update(
+    code: int,
+    sorted_keys_N: torch.Tensor,
+    goff_N: torch.Tensor,
+    scale_N: torch.Tensor | None,
+    grad: torch.Tensor,
+    bases: list[int],
+    tables: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
+    hyper: list[float],
+    step_sizes: list[float],
+) -> None:
+    """Aggregate the gradient of every touched row of every table, update rows and state.
+
+    Args:
+        code: optimizer code (`OPTIMIZER_CODES`).
+        sorted_keys_N: sorted occurrence keys: table ``t``'s row ``r`` is ``bases[t] + r``.
+        goff_N: per sorted occurrence, element offset of its gradient row in ``grad`` (in
+            sorted order, so the pass reads it sequentially and can prefetch the row early).
+        scale_N: per sorted occurrence, the factor on its gradient (per-sample weight,
+            1/length for mean pooling), or None for 1.
+        grad: the pooled-output gradient, contiguous float32.
+        bases: ``T + 1`` key offsets of the tables (cumulative row counts).
+        tables: per table, contiguous float32 ``[R, D]`` weights and its first and second
+            state tensors (or None), all updated in place.
+        hyper: lr, eps, weight_decay, sign (-1 to maximize), 1 - beta1, 1 - beta2 (the
+            differences taken in double, as torch's optimizers do).
+        step_sizes: per table, Adam's bias-corrected step size (0 for other optimizers).
+
+    Raises:
+        RuntimeError: the native library is not available.
+    """
+    if _library is None:
+        raise RuntimeError("fused_update: native library not loaded; call available() first")
+    meta = bases + [w.shape[1] for w, _, _ in tables]
+    for slot in range(3):
+        meta += [0 if tensors[slot] is None else _ptr(tensors[slot]) or 0 for tensors in tables]
+    meta_t = torch.tensor(meta, dtype=torch.int64)
+    hyper_t = torch.tensor(hyper + step_sizes, dtype=torch.float32)
+    _library.recopt_fused_update(
         code,
-        sorted_ids_N.numel(),
-        _ptr(sorted_ids_N),
+        sorted_keys_N.numel(),
+        _ptr(sorted_keys_N),
         _ptr(goff_N),
         _ptr(scale_N),
         _ptr(grad),
-        weight.shape[1],
-        _ptr(weight),
-        _ptr(state1),
-        _ptr(state2),
+        len(tables),
+        _ptr(meta_t),
         _ptr(hyper_t),
         torch.get_num_threads(),
     )

@@ -97,6 +97,11 @@ class RecoptTableBatchedEmbedding(nn.Module):
         dims = [tables[t].embedding_dim for t in feature_table_map]
         self._col_offsets = [sum(dims[:f]) for f in range(len(dims))]
         self.output_dim = sum(dims)
+        # Native pass: table t's row r is key bases[t] + r in one key space over all tables.
+        rows = [table.num_embeddings for table in tables]
+        self._table_bases = [sum(rows[:t]) for t in range(len(rows) + 1)]
+        self._feature_base = torch.tensor([self._table_bases[t] for t in feature_table_map])
+        self._feature_col = torch.tensor(self._col_offsets, dtype=torch.int64)
         self._use_native = use_native
         # Set by fault tolerance (grad_hook) and column-wise sharding (row_stat_hook); either
         # one routes backward through the torch path, which has a point between gradient
@@ -234,6 +239,9 @@ class RecoptTableBatchedEmbedding(nn.Module):
     ) -> None:
         """Update every table's touched rows and state from the pooled-output gradient."""
         self._advance_steps()
+        if self._native_ok(grad_out, indices, offsets, weights):
+            self._native_update(grad_out, indices, offsets, weights)
+            return
         occurrences = self._occurrences(indices, offsets, weights)
         states = self.split_optimizer_states()
         for t, occ in enumerate(occurrences):
@@ -244,9 +252,6 @@ class RecoptTableBatchedEmbedding(nn.Module):
                     self._torch_update(
                         t, weight, states[t], empty, weight.new_zeros(0, weight.shape[1])
                     )
-                continue
-            if self._native_ok(weight, grad_out):
-                self._native_update(t, grad_out, weight, states[t], occ)
                 continue
             rows_U, inverse_N = torch.unique(occ.ids_N, sorted=True, return_inverse=True)
             dim = weight.shape[1]
@@ -270,41 +275,65 @@ class RecoptTableBatchedEmbedding(nn.Module):
             self.optimizer, self._lr, weight, state, rows_U, grad_U_D, self._norms[t], row_stat
         )
 
-    def _native_ok(self, weight: Tensor, grad_out: Tensor) -> bool:
+    def _native_ok(
+        self, grad_out: Tensor, indices: Tensor, offsets: Tensor, weights: Tensor | None
+    ) -> bool:
+        """The native pass runs CPU float32 tables with int64 ids and no hooks."""
         return (
             self._use_native
             and self.grad_hook is None
             and self.row_stat_hook is None
             and self.optimizer.name in cpu_fused.OPTIMIZER_CODES
-            and weight.device.type == "cpu"
-            and weight.dtype == torch.float32
+            and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in self.weights)
             and grad_out.dtype == torch.float32
+            and indices.dtype == torch.int64
+            and offsets.dtype == torch.int64
+            and (weights is None or weights.dtype == torch.float32)
             and cpu_fused.available()
         )
 
     def _native_update(
-        self, t: int, grad_out: Tensor, weight: Tensor, state: dict[str, Tensor], occ: _Occurrences
+        self, grad_out: Tensor, indices: Tensor, offsets: Tensor, weights: Tensor | None
     ) -> None:
+        """All tables in one pass: keys (table base + id) sorted once, then one native update."""
+        if indices.numel() == 0:
+            return
         config = self.optimizer
-        sorted_ids_N, perm_N = torch.sort(occ.ids_N)
+        batch = (offsets.numel() - 1) // len(self.feature_table_map)
+        keys_N, goff_N, scale_N = cpu_fused.prepare(
+            indices.contiguous(),
+            offsets.contiguous(),
+            None if weights is None else weights.contiguous(),
+            self.pooling == PoolingType.MEAN,
+            batch,
+            self._feature_base,
+            self._feature_col,
+            self.output_dim,
+        )
+        sorted_keys_N, perm_N = torch.sort(keys_N)
         beta1, beta2 = config.betas
-        step_size = 0.0
-        if "step" in state:
-            step = int(state["step"].item())
-            step_size = self._lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
+        step_sizes = [0.0] * len(self.tables)
+        states = self.split_optimizer_states()
+        if "step" in states[0]:
+            for t, state in enumerate(states):
+                step = int(state["step"].item())
+                step_sizes[t] = self._lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
         eps = config.eps if config.eps is not None else 1e-8
         sign = -1.0 if config.maximize else 1.0
-        first = state.get("momentum1", state.get("exp_avg"))
-        cpu_fused.sparse_update(
+        tensors = [
+            (w.detach(), s.get("momentum1", s.get("exp_avg")), s.get("exp_avg_sq"))
+            for w, s in zip(self.weights, states, strict=True)
+        ]
+        cpu_fused.fused_update(
             cpu_fused.OPTIMIZER_CODES[config.name],
-            sorted_ids_N,
-            occ.goff_N[perm_N],
-            None if occ.scale_N is None else occ.scale_N[perm_N],
+            sorted_keys_N,
+            goff_N[perm_N],
+            None if scale_N is None else scale_N[perm_N],
             grad_out,
-            weight,
-            first,
-            state.get("exp_avg_sq"),
-            [self._lr, eps, config.weight_decay, sign, 1.0 - beta1, 1.0 - beta2, step_size],
+            self._table_bases,
+            tensors,
+            [self._lr, eps, config.weight_decay, sign, 1.0 - beta1, 1.0 - beta2],
+            step_sizes,
         )
 
     def _per_sample_weight_grad(
