@@ -104,6 +104,11 @@ class OutputExchange(torch.autograd.Function):
             grad_mp_recv = torch.zeros(sum(meta.mp_recv_splits), device=meta.device)
         if grad_dp_own_B_D is None:
             grad_dp_own_B_D = torch.zeros(own_b, dp_dim, device=meta.device)
+        if dp_dim == 0:  # nothing to interleave: the gradients go back as they came
+            recv = all_to_all_flat(
+                grad_mp_recv.contiguous(), meta.mp_recv_splits, meta.mp_send_splits, meta.group
+            )
+            return recv, grad_mp_recv.new_zeros(meta.dp_rows, 0), None, None
         dp_flat = grad_dp_own_B_D.reshape(-1).to(grad_mp_recv.dtype)
         pieces: list[Tensor] = []
         for chunk in grad_mp_recv.split(meta.mp_recv_splits):

@@ -102,6 +102,12 @@ class Bucketizer:
         self.replicated = any(len(r) > 1 for r in routes)
         self.has_unrouted = any(not r for r in routes)
         self.num_virtual = len(flat)
+        # Every feature whole to at most one place: routing permutes feature segments.
+        self.whole_features = (
+            self.single_block and not self.replicated and all(vf.row_offset == 0 for vf in flat)
+        )
+        self.gv_feature_list = [vf.feature for vf in flat]
+        self.gv_dest_list = gv_dest
 
         def t(x: list[int]) -> Tensor:
             return torch.tensor(x, dtype=torch.int64, device=device)
@@ -113,27 +119,31 @@ class Bucketizer:
         self.route_start = t([sum(len(r) for r in routes[:i]) for i in range(len(routes))])
         self.route_gv = t([gv for r in routes for gv in r])
         self.gv_dest = t(gv_dest)
+        self.gv_feature = t(self.gv_feature_list)
 
     def bucketize(
         self, features: KeyedJaggedTensor
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    ) -> tuple[Tensor, Tensor | None, list[int], Tensor]:
         """Sort this rank's model-parallel ids into destination / virtual-feature order.
 
         Args:
             features: the prepared input (layout order, ids checked).
 
         Returns:
-            ``(gv_N, bag_N, ids_N, weights_N)``: per routed id (sorted by virtual feature,
-            bags in order), its global virtual feature, bag within the batch, local id and
-            weight.
+            ``(ids_N, weights_N, ids_per_destination, lengths_G_B)``: the routed local ids
+            (and weights) grouped by virtual feature, bags in order; how many go to each rank;
+            and every virtual feature's bag lengths over this rank's batch.
         """
+        if self.whole_features:
+            return self._bucketize_whole(features)
         values, lengths = features.values(), features.lengths()
         weights = features.weights_or_none()
         batch = features.stride()
         n = values.numel()
         if n == 0 or self.num_virtual == 0:
-            empty = values.new_zeros(0)
-            return empty, empty, empty, None if weights is None else weights[:0]
+            no_w = None if weights is None else weights[:0]
+            lengths_G_B = values.new_zeros(self.num_virtual, batch)
+            return values[:0], no_w, [0] * self.world_size, lengths_G_B
         bag_N = torch.repeat_interleave(
             torch.arange(lengths.numel(), device=values.device), lengths, output_size=n
         )
@@ -162,24 +172,30 @@ class Bucketizer:
         if source_N is not None:
             bag_N = bag_N[source_N]
             weights = None if weights is None else weights[source_N]
+        size = self.num_virtual * batch
+        lengths_G_B = torch.bincount(gv_N * batch + bag_N, minlength=size).view(-1, batch)
+        counts = torch.bincount(self.gv_dest[gv_N], minlength=self.world_size).tolist()
         gv_N, order = torch.sort(gv_N, stable=True)
-        return (
-            gv_N,
-            bag_N[order],
-            ids_N[order],
-            None if weights is None else weights[order],
-        )
+        return ids_N[order], None if weights is None else weights[order], counts, lengths_G_B
 
-    def dest_id_counts(self, gv_N: Tensor) -> Tensor:
-        """Number of routed ids for each destination rank."""
-        return torch.bincount(self.gv_dest[gv_N], minlength=self.world_size)
-
-    def lengths(self, gv_N: Tensor, bag_N: Tensor, max_batch: int) -> Tensor:
-        """``[G * Bm]`` bag lengths of every virtual feature (bags past B are empty)."""
-        size = self.num_virtual * max_batch
-        if gv_N.numel() == 0:
-            return gv_N.new_zeros(size)
-        return torch.bincount(gv_N * max_batch + bag_N, minlength=size)
+    def _bucketize_whole(
+        self, features: KeyedJaggedTensor
+    ) -> tuple[Tensor, Tensor | None, list[int], Tensor]:
+        """Every feature goes whole to at most one virtual feature (table-wise, and column-wise
+        with one shard): routing is a permutation of feature segments, no per-id work."""
+        values, weights = features.values(), features.weights_or_none()
+        opk = features.offset_per_key()
+        order = self.gv_feature_list
+        ids = torch.cat([values[opk[f] : opk[f + 1]] for f in order]) if order else values[:0]
+        w = None
+        if weights is not None:
+            w = torch.cat([weights[opk[f] : opk[f + 1]] for f in order]) if order else weights[:0]
+        counts = [0] * self.world_size
+        for gv, f in enumerate(order):
+            counts[self.gv_dest_list[gv]] += opk[f + 1] - opk[f]
+        batch = features.stride()
+        lengths_G_B = features.lengths().view(-1, batch)[self.gv_feature]
+        return ids, w, counts, lengths_G_B
 
 
 def segment_transpose(values: Tensor, seg_W_V: Tensor) -> Tensor:
@@ -261,12 +277,12 @@ def distribute_input(
     """
     world = bucketizer.world_size
     counts = torch.zeros(world, 4, dtype=torch.int64)
-    routed: tuple[Tensor, Tensor, Tensor, Tensor | None] | None = None
+    routed: tuple[Tensor, Tensor | None, list[int], Tensor] | None = None
     if features is None or error is not None:
         counts[:, _FLAG] = 1
     else:
         routed = bucketizer.bucketize(features)
-        counts[:, _MP_IDS] = bucketizer.dest_id_counts(routed[0]).cpu()
+        counts[:, _MP_IDS] = torch.tensor(routed[2], dtype=torch.int64)
         counts[:, _BATCH] = features.stride()
         opk = features.offset_per_key()
         counts[:, _DP_IDS] = sum(opk[f + 1] - opk[f] for f in bucketizer.dp_features)
@@ -280,10 +296,15 @@ def distribute_input(
             "this step was abandoned on every rank and nothing was updated"
         )
     assert features is not None and routed is not None
-    gv_N, bag_N, ids_N, w_N = routed
+    ids_N, w_N, _, lengths_G_B = routed
     batch_sizes = [row[_BATCH] for row in recv_counts]
     max_batch = max(batch_sizes)
-    lengths = bucketizer.lengths(gv_N, bag_N, max_batch)
+    if lengths_G_B.shape[1] == max_batch:
+        lengths = lengths_G_B.reshape(-1)
+    else:  # pad this rank's batch to the largest with empty bags
+        lengths = lengths_G_B.new_zeros(lengths_G_B.shape[0], max_batch)
+        lengths[:, : lengths_G_B.shape[1]] = lengths_G_B
+        lengths = lengths.reshape(-1)
     dp_len, dp_ids, dp_w = _dp_part(features, bucketizer.dp_features, max_batch)
     send, send_splits = _pack(
         bucketizer, counts, lengths, ids_N, w_N, dp_len, dp_ids, dp_w, max_batch, weighted

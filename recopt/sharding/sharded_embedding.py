@@ -9,6 +9,7 @@ Legend: B this rank's batch, Bm the largest batch, W world size, D output width.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -100,6 +101,8 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._row_stats = RowStatExchange(self._layout, self._mp_kernels, self._pg)
         self._applied_lr: list[float | None] = [None] * len(self._layout.group_optimizers)
         self._prepare_output_maps()
+        # Set to a dict to accumulate forward time per phase (input_dist, lookup, output_dist).
+        self.phase_seconds: dict[str, float] | None = None
 
     def _make_kernel(self, group: GroupLayout) -> Kernel:
         specs = []
@@ -156,6 +159,20 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._any_mean = any(mean)
         self._dest_width = [sum(vf.num_cols for vf in vfs) for vfs in layout.dest_features]
         self._dp_dim = sum(g.width for g in layout.dp_groups)
+        self._index_cache: dict[int, tuple[Tensor, bool]] = {}
+        # Row-wise layouts: every rank sends the same columns; the partials are then a sum over
+        # ranks of [B, D] blocks (no scatter), followed by one column permutation if needed.
+        per_dest = [cols[sum(self._dest_width[:d]) :][:w] for d, w in enumerate(self._dest_width)]
+        self._stacked: Tensor | None = None
+        if (
+            not self._dp_dim
+            and len(per_dest) > 1
+            and all(c == per_dest[0] for c in per_dest)
+            and sorted(per_dest[0]) == list(range(self._out_dim))
+        ):
+            self._stacked = torch.argsort(torch.tensor(per_dest[0], device=self.device))
+            if per_dest[0] == list(range(self._out_dim)):
+                self._stacked = torch.zeros(0, dtype=torch.int64)  # identity
 
     # ------------------------------------------------------------------------------ public
     @property
@@ -183,6 +200,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             InvalidIdError / ValueError: this rank's input is bad; `RemoteInputError`: another
                 rank's is. Every rank raises, before anything is looked up or updated.
         """
+        start = time.perf_counter()
         prepared: KeyedJaggedTensor | None = None
         error: ValueError | None = None
         try:
@@ -193,9 +211,11 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             prepared, error, self._bucketizer, self.is_weighted, self._pg, self._rank
         )
         assert prepared is not None
+        start = self._record("input_dist", start)
         self._sync_learning_rates()
         mp_send = self._lookup_model_parallel(received)
         dp_global = self._lookup_data_parallel(received)
+        start = self._record("lookup", start)
         batch = prepared.stride()
         meta = ExchangeMeta(
             group=self._pg,
@@ -210,11 +230,18 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         )
         mp_recv, dp_own = OutputExchange.apply(mp_send, dp_global, self._dummy, meta)
         pooled = self._assemble(mp_recv, dp_own, meta, prepared)
+        self._record("output_dist", start)
         return KeyedTensor(
             keys=self._layout.features.feature_names,
             length_per_key=self._layout.features.dims,
             values=pooled,
         )
+
+    def _record(self, phase: str, start: float) -> float:
+        now = time.perf_counter()
+        if self.phase_seconds is not None:
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + now - start
+        return now
 
     # ------------------------------------------------------------------------------ lookup
     def _lookup_model_parallel(self, received: ReceivedInput) -> Tensor:
@@ -269,6 +296,8 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         return result
 
     def _send_buffer(self, outs: list[Tensor], batch_sizes: list[int], max_batch: int) -> Tensor:
+        if len(outs) == 1 and min(batch_sizes) == max_batch:
+            return outs[0].reshape(-1)  # rows already in source order, no padding to drop
         pieces = []
         for s, b in enumerate(batch_sizes):
             rows = [out[s * max_batch : s * max_batch + b] for out in outs]
@@ -295,24 +324,61 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self, mp_recv: Tensor, dp_own: Tensor, meta: ExchangeMeta, prepared: KeyedJaggedTensor
     ) -> Tensor:
         batch = prepared.stride()
-        pieces = [
-            chunk.view(batch, w)
-            for chunk, w in zip(mp_recv.split(meta.mp_recv_splits), self._dest_width, strict=True)
-            if w
-        ]
-        if self._dp_dim:
-            pieces.append(dp_own)
-        cat_B_C = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
-        if self._inverse is not None:
-            out_B_D = cat_B_C.index_select(1, self._inverse)
+        if self._stacked is not None:
+            out_B_D = mp_recv.view(len(self._dest_width), batch, self._out_dim).sum(0)
+            if self._stacked.numel():
+                out_B_D = out_B_D.index_select(1, self._stacked)
+            return self._mean_pool(out_B_D, prepared)
+        src = mp_recv if not self._dp_dim else torch.cat([mp_recv, dp_own.reshape(-1)])
+        index, bijective = self._output_index(batch)
+        # One pass from the received buffer to [B, D]: a gather when every output column has
+        # one source, else a scatter-add (row shards' partials of one feature add up).
+        if bijective:
+            out_B_D = src.index_select(0, index).view(batch, self._out_dim)
         else:
-            out_B_D = cat_B_C.new_zeros(batch, self._out_dim).index_add(1, self._colmap, cat_B_C)
+            out_B_D = src.new_zeros(batch * self._out_dim).index_add(0, index, src)
+            out_B_D = out_B_D.view(batch, self._out_dim)
+        return self._mean_pool(out_B_D, prepared)
+
+    def _mean_pool(self, out_B_D: Tensor, prepared: KeyedJaggedTensor) -> Tensor:
+        """Divide mean-pooled features by their full bag lengths (shards pool with SUM)."""
+        batch = prepared.stride()
         if self._any_mean and batch:
             lengths_B_F = prepared.lengths().view(-1, batch).t()
             ones = torch.ones_like(lengths_B_F)
             div_B_F = torch.where(self._mean_F, lengths_B_F.clamp(min=1), ones)
             out_B_D = out_B_D / div_B_F.index_select(1, self._col_feature).to(out_B_D.dtype)
         return out_B_D
+
+    def _output_index(self, batch: int) -> tuple[Tensor, bool]:
+        """The gather (or scatter) index between the received buffer and the output, per batch
+        size: the buffer holds, per source rank, its ``[B, width]`` block, then the DP rows."""
+        cached = self._index_cache.get(batch)
+        if cached is not None:
+            return cached
+        widths = [w for w in self._dest_width] + [self._dp_dim]
+        block_start, block_width, col_in_block = [], [], []
+        before = 0
+        for w in widths:
+            block_start += [before] * w
+            block_width += [w] * w
+            col_in_block += list(range(w))
+            before += w
+        t = torch.tensor([block_start, block_width, col_in_block], device=self.device)
+        b_B_1 = torch.arange(batch, device=self.device).unsqueeze(1)
+        source_B_C = batch * t[0] + b_B_1 * t[1] + t[2]
+        target_B_C = b_B_1 * self._out_dim + self._colmap
+        bijective = self._inverse is not None
+        if bijective:
+            index = torch.empty(batch * self._out_dim, dtype=torch.int64, device=self.device)
+            index[target_B_C.reshape(-1)] = source_B_C.reshape(-1)
+        else:
+            index = torch.empty_like(source_B_C.reshape(-1))
+            index[source_B_C.reshape(-1)] = target_B_C.reshape(-1)
+        if len(self._index_cache) > 8:  # batch sizes vary: keep the cache small
+            self._index_cache.clear()
+        self._index_cache[batch] = (index, bijective)
+        return index, bijective
 
     def _sync_learning_rates(self) -> None:
         groups = self._state.optimizer.param_groups
