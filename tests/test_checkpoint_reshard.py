@@ -28,6 +28,8 @@ def test_reshard_chunks_follow_the_plan(tmp_path: Path) -> None:
     assert _load_and_check(tmp_path / "r3", ALL_DP, 0, 1, 4) == []
     with pytest.raises(CheckpointError, match="exists; choose a new output"):
         reshard(tmp_path / "ck", tmp_path / "r3", world_size=2)
+    with pytest.raises(ValueError, match="on rank 2, but --world-size is 2"):
+        reshard(tmp_path / "ck", tmp_path / "r2", world_size=2, plan=plan_for_c(3))
     with pytest.raises(ValueError, match="world_size must be at least 1"):
         reshard(tmp_path / "ck", tmp_path / "r0", world_size=0)
 

@@ -2,9 +2,11 @@
 
 A model (fused-Adam embedding tables + a dense layer with a name-keyed Adam, under a
 WarmupOptimizer) trains 2 steps on 2 ranks with a mixed plan and is saved. Resumed from that
-checkpoint it trains on exactly as the uninterrupted run; loaded under every sharding type on
-3 ranks (and, offline-resharded, on 3 ranks) every weight and optimizer state is bit-identical;
-saved again at 3 ranks it loads into the unsharded model in one process.
+checkpoint it trains on exactly as the uninterrupted run. On 3 ranks it goes through a chain
+table-wise -> row-wise -> column-wise -> table-row-wise -> data-parallel -> table-wise (each
+loading the previous one's checkpoint), and an offline-resharded copy loads too: every weight
+and optimizer state stays bit-identical. The last checkpoint loads into the unsharded model in
+one process.
 """
 
 from __future__ import annotations
@@ -146,14 +148,18 @@ def _two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
 
 def _three_ranks(rank: int, world: int, root: str, saved: dict) -> dict[str, list[str]]:
     out = {}
-    for kind in ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"):
+    # A chain: each checkpoint is saved by the previous layout and loaded by the next.
+    previous = Path(root) / "ck"
+    chain = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+    for i, kind in enumerate((*chain, "table_wise")):
         model, opt = build(kind, world)
-        load(Path(root) / "ck", model, opt)
-        out[kind] = _diff(full_state(model, opt), saved)
+        load(previous, model, opt)
+        out[f"{previous.name} -> {kind}"] = _diff(full_state(model, opt), saved)
+        previous = Path(root) / f"chain{i}"
+        save(previous, model, opt, step=2)
     model, opt = build("table_wise", world)
     load(Path(root) / "offline3", model, opt)
     out["offline"] = _diff(full_state(model, opt), saved)
-    save(Path(root) / "ck3", model, opt, step=2)
     return out
 
 
@@ -178,5 +184,5 @@ def test_sharded_model_round_trips_and_resumes(tmp_path: Path) -> None:
     )
     combined = CombinedOptimizer([("sparse", model.sparse.fused_optimizer), dense])
     opt = WarmupOptimizer(combined, [WarmupStage(max_iters=3, value=0.2)], lr=1.0)
-    load(tmp_path / "ck3", model, opt)
+    load(tmp_path / "chain5", model, opt)
     assert _diff(full_state(model, opt), saved) == []

@@ -204,6 +204,8 @@ def reshard(
     src, dst = Path(src), Path(dst)
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if plan is not None:
+        _check_plan_ranks(plan, world_size)
     manifest, metadata = _verified(src)
     partial = _fresh_partial(dst)
     reader = SafeFileSystemReader(src, metadata)
@@ -251,6 +253,17 @@ def reshard(
         source_world_size=manifest.world_size,
         target_world_size=world_size,
     )
+
+
+def _check_plan_ranks(plan: ShardingPlan, world_size: int) -> None:
+    for module, tables in plan.plan.items():
+        for table, sharding in tables.items():
+            ranks = set(sharding.ranks) | {s.rank for s in sharding.shards}
+            if ranks and max(ranks) >= world_size:
+                raise ValueError(
+                    f"plan places table {table!r} (module {module!r}) on rank {max(ranks)}, "
+                    f"but --world-size is {world_size}; give the plan made for that world size"
+                )
 
 
 def _fresh_partial(dst: Path) -> Path:
