@@ -56,7 +56,8 @@ class _OneDnnLinear(torch.autograd.Function):
     def backward(ctx: Any, grad_B_O: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x_B_I, weight_O_I, out_B_O = ctx.saved_tensors
         if ctx.activation == "relu":
-            grad_B_O = grad_B_O * (out_B_O > 0)
+            # One pass (what autograd runs for relu), not a compare and a multiply.
+            grad_B_O = torch.ops.aten.threshold_backward(grad_B_O, out_B_O, 0)
         grad_B_O = grad_B_O.contiguous()
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
