@@ -10,6 +10,7 @@ world size; ``export_full`` writes plain tensors as safetensors for inference or
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import pickle
@@ -222,17 +223,7 @@ def reshard(
                 full = _read_tensor(reader, key, entry.shape, entry.dtype)
                 sharded = len(getattr(metadata.state_dict_metadata[key], "chunks", [])) > 1
                 rects = target_chunks(key, entry.shape, plan, world_size, sharded)
-                new_chunks[key] = []
-                for offsets, sizes in rects:
-                    begin = out.tell()
-                    with archive_crc_off():
-                        torch.save(_chunk(full, offsets, sizes), out)
-                    storage[MetadataIndex(key, torch.Size(offsets))] = _StorageInfo(
-                        name, begin, out.tell() - begin
-                    )
-                    new_chunks[key].append(
-                        ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
-                    )
+                new_chunks[key] = _append_chunks(out, name, key, full, rects, storage)
                 del full
                 done += 1
                 done_bytes += _nbytes(entry.shape, entry.dtype)
@@ -253,6 +244,27 @@ def reshard(
         source_world_size=manifest.world_size,
         target_world_size=world_size,
     )
+
+
+def _append_chunks(
+    out: io.BufferedWriter,
+    name: str,
+    key: str,
+    full: torch.Tensor,
+    rects: list[Rect],
+    storage: dict[MetadataIndex, _StorageInfo],
+) -> list[ChunkStorageMetadata]:
+    """Append each rectangle of ``full`` to ``out`` as DCP does (one torch.save archive each)."""
+    chunks = []
+    for offsets, sizes in rects:
+        begin = out.tell()
+        with archive_crc_off():
+            torch.save(_chunk(full, offsets, sizes), out)
+        storage[MetadataIndex(key, torch.Size(offsets))] = _StorageInfo(
+            name, begin, out.tell() - begin
+        )
+        chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+    return chunks
 
 
 def _check_plan_ranks(plan: ShardingPlan, world_size: int) -> None:
