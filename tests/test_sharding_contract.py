@@ -311,6 +311,59 @@ def _errors_case(rank: int, world: int) -> None:
     loss.backward()
 
 
+def _state_case(rank: int, world: int) -> None:
+    """Weights load from full tensors and ShardedTensors; optimizer state loads into every
+    replica (row-wise state of column shards), so training continues identically."""
+    from recopt.sharding.model_parallel import DistributedModelParallel
+    from recopt.sharding.state import full_tensor
+
+    case = Case("state", "mixed", "row_wise_adagrad")
+    tables = _tables(case)
+
+    def make(seed: int) -> Any:
+        plan = ShardingPlan(
+            {"sparse": construct_module_sharding_plan(tables, _requests("mixed", world), world)}
+        )
+        torch.manual_seed(seed)
+        model = _Model(
+            FusedEmbeddingBagCollection(
+                tables, optimizer=FusedOptimizerConfig(name=case.optimizer)
+            ),
+            42,
+        )
+        return DistributedModelParallel(model, plan)
+
+    a, b = make(0), make(1)
+    for step, dmp in ((0, a), (1, b)):
+        _, loss = dmp(_kjt([_batch(case, rank, step, world)], False))
+        loss.backward()
+    # Full tensors: this rank's rectangles are copied.
+    doubled = {k: full_tensor(v) * 2 for k, v in a.state_dict().items()}
+    a.load_state_dict(doubled)
+    for k, v in _full_state(a).items():
+        torch.testing.assert_close(v, doubled[k], atol=0, rtol=0)
+    # ShardedTensors of the same layout: the overlapping local shards are copied.
+    a.load_state_dict(b.state_dict())
+    for k, v in _full_state(b).items():
+        torch.testing.assert_close(_full_state(a)[k], v, atol=0, rtol=0)
+    # Optimizer state: every key, including the replicas of t1's row-wise state.
+    a.fused_optimizer.load_state_dict(b.fused_optimizer.state_dict())
+    for step in (2, 3):
+        for dmp in (a, b):
+            _, loss = dmp(_kjt([_batch(case, rank, step, world)], False))
+            loss.backward()
+    for k, v in _full_state(b).items():
+        if k.startswith("sparse."):
+            torch.testing.assert_close(_full_state(a)[k], v, atol=1e-6, rtol=1e-6)
+    sa = a.fused_optimizer.state_dict()["state"]
+    sb = b.fused_optimizer.state_dict()["state"]
+    for param, states in sb.items():
+        for name, value in states.items():
+            torch.testing.assert_close(
+                full_tensor(sa[param][name]), full_tensor(value), atol=1e-6, rtol=1e-6
+            )
+
+
 def _full_state(dmp: Any) -> dict[str, torch.Tensor]:
     from recopt.sharding.state import full_tensor
 
@@ -328,6 +381,8 @@ def _contract(rank: int, world: int) -> list[str]:
             done.append(case.name)
         _errors_case(rank, world)
         done.append("errors")
+        _state_case(rank, world)
+        done.append("state")
     return done
 
 
@@ -335,4 +390,4 @@ def _contract(rank: int, world: int) -> list[str]:
 def test_sharding_contract(world: int) -> None:
     results = run_on_ranks(_contract, world, timeout_s=240)
     assert all(r == results[0] for r in results)
-    assert len(results[0]) == len(_cases()) + 1
+    assert len(results[0]) == len(_cases()) + 2

@@ -1,0 +1,191 @@
+"""Unit tests of the sharding engine's pure pieces: bucketization, segment reordering, weight
+packing and the optimizer / sharding-type rules (no process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.modules import EmbeddingBagConfig
+from recopt.sharding import (
+    PlanError,
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
+from recopt.sharding.input_dist import (
+    Bucketizer,
+    pack_weights,
+    segment_transpose,
+    unpack_weights,
+)
+from recopt.sharding.layout import ShardedLayout, resolve_optimizer
+from recopt.sparse import KeyedJaggedTensor
+
+TABLES = [
+    EmbeddingBagConfig(name="a", num_embeddings=10, embedding_dim=8, feature_names=("fa",)),
+    EmbeddingBagConfig(name="b", num_embeddings=7, embedding_dim=12, feature_names=("fb", "fc")),
+    EmbeddingBagConfig(name="c", num_embeddings=5, embedding_dim=4, feature_names=("fd",)),
+]
+OPT = FusedOptimizerConfig(name="sgd")
+
+
+def _layout(requests: dict[str, object], world: int, rank: int = 0) -> ShardedLayout:
+    shardings = construct_module_sharding_plan(TABLES, requests, world)  # type: ignore[arg-type]
+    return ShardedLayout(TABLES, shardings, {t.name: OPT for t in TABLES}, world, rank)
+
+
+def _random_kjt(seed: int, batch: int, weighted: bool) -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(seed)
+    rows = [10, 7, 7, 5]
+    lengths = torch.randint(0, 4, (4 * batch,), generator=g)
+    values = torch.cat(
+        [
+            torch.randint(
+                0, rows[f], (int(lengths[f * batch : (f + 1) * batch].sum()),), generator=g
+            )
+            for f in range(4)
+        ]
+    )
+    weights = torch.rand(values.numel(), generator=g) if weighted else None
+    return KeyedJaggedTensor(
+        keys=["fa", "fb", "fc", "fd"], values=values, lengths=lengths, weights=weights
+    )
+
+
+def _reference(
+    layout: ShardedLayout, kjt: KeyedJaggedTensor
+) -> tuple[list[int], list[float], list[int], list[list[int]]]:
+    """Bag by bag, in Python: what each destination's virtual features receive."""
+    batch = kjt.stride()
+    lengths = kjt.lengths().tolist()
+    values = kjt.values().tolist()
+    weights = kjt.weights_or_none()
+    wl = weights.tolist() if weights is not None else [0.0] * len(values)
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    ids: list[int] = []
+    ws: list[float] = []
+    counts = [0] * layout.world_size
+    bag_lengths: list[list[int]] = []
+    for d, vfs in enumerate(layout.dest_features):
+        for vf in vfs:
+            row = []
+            for b in range(batch):
+                bag = vf.feature * batch + b
+                n = 0
+                for i in range(offsets[bag], offsets[bag + 1]):
+                    if vf.row_offset <= values[i] < vf.row_offset + vf.num_rows:
+                        ids.append(values[i] - vf.row_offset)
+                        ws.append(wl[i])
+                        n += 1
+                row.append(n)
+                counts[d] += n
+            bag_lengths.append(row)
+    return ids, ws, counts, bag_lengths
+
+
+@pytest.mark.parametrize(
+    "requests",
+    [
+        {"a": table_wise(1), "b": table_wise(0), "c": table_wise(2)},
+        {"a": row_wise(), "b": row_wise(), "c": row_wise([0, 2])},
+        {"a": column_wise([2, 0]), "b": column_wise([0, 0, 1]), "c": column_wise([1])},
+        {"a": row_wise(), "b": column_wise([1, 2]), "c": data_parallel()},
+        {"a": data_parallel(), "b": data_parallel(), "c": data_parallel()},
+    ],
+    ids=["table_wise", "row_wise", "column_wise", "mixed", "data_parallel"],
+)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_bucketize_matches_bag_by_bag_reference(
+    requests: dict[str, object], weighted: bool
+) -> None:
+    layout = _layout(requests, world=3)
+    bucketizer = Bucketizer(
+        layout.features.num_rows, layout.dest_features, layout.dp_features, torch.device("cpu")
+    )
+    for seed, batch in [(0, 4), (1, 1), (2, 6)]:
+        kjt = _random_kjt(seed, batch, weighted)
+        ids, ws, counts, lengths_G_B = bucketizer.bucketize(kjt)
+        ref_ids, ref_ws, ref_counts, ref_lengths = _reference(layout, kjt)
+        assert ids.tolist() == ref_ids
+        assert counts == ref_counts
+        assert lengths_G_B.tolist() == ref_lengths or (not ref_lengths and lengths_G_B.numel() == 0)
+        if weighted:
+            assert ws is not None and ws.tolist() == ref_ws
+        else:
+            assert ws is None
+
+
+def test_bucketize_empty_batch_and_empty_features() -> None:
+    layout = _layout({"a": row_wise(), "b": column_wise([0, 1]), "c": table_wise(1)}, world=2)
+    bucketizer = Bucketizer(
+        layout.features.num_rows, layout.dest_features, layout.dp_features, torch.device("cpu")
+    )
+    kjt = KeyedJaggedTensor(
+        keys=["fa", "fb", "fc", "fd"],
+        values=torch.zeros(0, dtype=torch.int64),
+        lengths=torch.zeros(8, dtype=torch.int64),
+    )
+    ids, _, counts, lengths_G_B = bucketizer.bucketize(kjt)
+    assert ids.numel() == 0 and counts == [0, 0]
+    assert lengths_G_B.shape == (bucketizer.num_virtual, 2) and int(lengths_G_B.sum()) == 0
+
+
+def test_segment_transpose_matches_python() -> None:
+    g = torch.Generator().manual_seed(0)
+    for w, v in [(1, 3), (3, 1), (2, 3), (4, 5)]:
+        seg = torch.randint(0, 4, (w, v), generator=g)
+        values = torch.arange(int(seg.sum()))
+        pieces = list(values.split(seg.reshape(-1).tolist()))
+        expected = [pieces[i * v + j] for j in range(v) for i in range(w)]
+        want = torch.cat(expected) if expected else values
+        assert segment_transpose(values, seg).tolist() == want.tolist()
+
+
+def test_weight_packing_is_bit_exact() -> None:
+    w = torch.tensor([0.0, -0.0, 1e-42, -3.5, float("inf"), 1.1754944e-38, 123456.789])
+    back = unpack_weights(pack_weights(w))
+    assert torch.equal(back.view(torch.int32), w.view(torch.int32))
+    assert pack_weights(w).dtype == torch.int64
+
+
+def test_adafactor_only_table_wise_or_data_parallel() -> None:
+    ada = FusedOptimizerConfig(name="adafactor")
+    for request in (row_wise(), column_wise([0, 1])):
+        ps = construct_module_sharding_plan(TABLES[:1], {"a": request}, 2)["a"]
+        with pytest.raises(PlanError, match="'a'.*adafactor.*table_wise and data_parallel"):
+            resolve_optimizer(TABLES[0], ps, ada, "m")
+    for request in (table_wise(1), data_parallel()):
+        ps = construct_module_sharding_plan(TABLES[:1], {"a": request}, 2)["a"]
+        assert resolve_optimizer(TABLES[0], ps, ada, "m").name == "adafactor"
+
+
+def test_column_shards_with_row_wise_optimizers_run_on_recopt() -> None:
+    rw = FusedOptimizerConfig(name="row_wise_adagrad")
+    auto = construct_module_sharding_plan(TABLES[:1], {"a": column_wise([0, 1])}, 2)["a"]
+    assert resolve_optimizer(TABLES[0], auto, rw, "m").backend is Backend.RECOPT
+    forced = construct_module_sharding_plan(
+        TABLES[:1], {"a": column_wise([0, 1], compute_kernel=Backend.FBGEMM)}, 2
+    )["a"]
+    with pytest.raises(PlanError, match="'a'.*row_wise_adagrad.*'recopt'"):
+        resolve_optimizer(TABLES[0], forced, rw, "m")
+    # Element-wise optimizers keep the requested backend.
+    sgd = resolve_optimizer(TABLES[0], forced, FusedOptimizerConfig(name="sgd"), "m")
+    assert sgd.backend is Backend.FBGEMM
+
+
+def test_layout_groups_and_output_columns_cover_every_column() -> None:
+    layout = _layout({"a": row_wise(), "b": column_wise([1, 0, 1]), "c": data_parallel()}, 2, 1)
+    cols = layout.output_columns()
+    total = 8 + 12 * 2 + 4
+    assert sorted(set(cols)) == list(range(total))
+    # Row-wise table a: its 8 columns arrive once from each of the 2 ranks.
+    assert len(cols) == total + 8
+    # Rank 1 holds a's second row range and b's first and third column shards.
+    assert [(t, k) for g in layout.mp_groups for t, k in g.tables] == [(0, 1), (1, 0), (1, 2)]
+    assert layout.dp_features == [3]
