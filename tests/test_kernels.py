@@ -534,3 +534,27 @@ def test_native_pass_is_the_one_that_runs(monkeypatch: pytest.MonkeyPatch) -> No
         indices, offsets, psw = make_batch(torch.Generator().manual_seed(0), [40, 7, 40], True)
         kernel(indices, offsets, psw).sum().backward()
         assert len(calls) == expected
+
+
+@pytest.mark.parametrize("num_keys", [300, 5_000_000])  # one and three radix passes
+def test_native_sort_is_a_stable_sort_by_key(num_keys: int) -> None:
+    if not cpu_fused.available():
+        pytest.skip("no C compiler here: the torch-ops path is what runs")
+    gen = torch.Generator().manual_seed(0)
+    batch, n = 1000, 100_000  # above the size where the sort goes multi-threaded
+    lengths = torch.full((2 * batch,), n // (2 * batch), dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    indices = torch.randint(0, num_keys // 2, (n,), generator=gen)
+    psw = torch.rand(n, generator=gen)
+    base, col = torch.tensor([0, num_keys // 2]), torch.tensor([0, 8])
+    words, scale = cpu_fused.prepare_sorted(
+        indices, offsets, psw, True, batch, base, col, 16, num_keys
+    )
+    bag = torch.arange(2 * batch).repeat_interleave(lengths)
+    keys = indices + base[bag // batch]
+    goff = (bag % batch) * 16 + col[bag // batch]
+    order = torch.sort(keys, stable=True).indices
+    assert torch.equal(words >> 32, keys[order])
+    assert torch.equal(words & 0xFFFFFFFF, goff[order])
+    assert scale is not None
+    torch.testing.assert_close(scale, (psw / lengths[bag].float())[order])

@@ -38,6 +38,9 @@ _C_SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* One table: its rows are keys [base, end) of the pass's global key space. */
 typedef struct {
@@ -50,7 +53,7 @@ typedef struct {
 typedef struct {
     int opt, num_tables;
     int64_t max_dim;
-    const int64_t *keys, *goff;
+    const uint64_t *packed; /* key << 32 | gradient-row offset, sorted by key */
     const float *scale, *grad;
     const table_t *tables;
     float lr, eps, wd, sign, one_minus_beta1, one_minus_beta2;
@@ -58,6 +61,10 @@ typedef struct {
 
 /* Prefetch distance, in occurrences: hides the latency of the random row reads. */
 #define PF 12
+
+/* An occurrence is one word: its key (table base + row) above its gradient-row offset. */
+#define KEY(w) ((int64_t)((w) >> 32))
+#define GOFF(w) ((int64_t)((w) & 0xffffffffu))
 
 /* Prefetch every cache line of a row (D * 4 bytes: several lines). A macro, not a function:
  * GCC treats a static function made only of prefetches as pure and deletes its calls. */
@@ -129,9 +136,9 @@ static void update_row(const pass_t *p, const table_t *tb, int64_t row, float *r
 /* A macro for the reason PREFETCH_ROW is one. */
 #define PREFETCH_OCCURRENCE(p, tb, k)                                              \
     do {                                                                           \
-        const int64_t row_ = (p)->keys[k] - (tb)->base, d_ = (tb)->dim;            \
+        const int64_t row_ = KEY((p)->packed[k]) - (tb)->base, d_ = (tb)->dim;     \
         PREFETCH_ROW((tb)->weight + row_ * d_, d_, 1);                             \
-        PREFETCH_ROW((p)->grad + (p)->goff[k], d_, 0);                             \
+        PREFETCH_ROW((p)->grad + GOFF((p)->packed[k]), d_, 0);                     \
         if ((p)->opt == 2) __builtin_prefetch((tb)->s1 + row_, 1, 3);              \
         if ((p)->opt == 1 || (p)->opt == 3 || (p)->opt == 4)                       \
             PREFETCH_ROW((tb)->s1 + row_ * d_, d_, 1);                             \
@@ -143,25 +150,25 @@ static void update_row(const pass_t *p, const table_t *tb, int64_t row, float *r
 static void run_chunk(const pass_t *p, int64_t begin, int64_t end) {
     float *restrict acc = (float *)malloc(sizeof(float) * (size_t)p->max_dim);
     int t = 0, pt = 0;
-    while (p->tables[t].end <= p->keys[begin]) t++;
+    while (p->tables[t].end <= KEY(p->packed[begin])) t++;
     pt = t;
     int64_t k = begin;
     while (k < end) {
-        const int64_t key = p->keys[k];
+        const int64_t key = KEY(p->packed[k]);
         while (p->tables[t].end <= key) t++;
         const table_t *tb = &p->tables[t];
         const int64_t D = tb->dim;
         for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
         do {
             if (k + PF < end) {
-                while (p->tables[pt].end <= p->keys[k + PF]) pt++;
+                while (p->tables[pt].end <= KEY(p->packed[k + PF])) pt++;
                 PREFETCH_OCCURRENCE(p, &p->tables[pt], k + PF);
             }
             const float s = p->sign * (p->scale ? p->scale[k] : 1.0f);
-            const float *restrict g = p->grad + p->goff[k];
+            const float *restrict g = p->grad + GOFF(p->packed[k]);
             for (int64_t d = 0; d < D; d++) acc[d] += s * g[d];
             k++;
-        } while (k < end && p->keys[k] == key);
+        } while (k < end && KEY(p->packed[k]) == key);
         update_row(p, tb, key - tb->base, acc);
     }
     free(acc);
@@ -171,7 +178,7 @@ static void run_chunk(const pass_t *p, int64_t begin, int64_t end) {
  * gradient row in grad_out, and its scale (per-sample weight, times 1/length when mean). */
 int recopt_prepare(int64_t num_bags, int64_t batch, const int64_t *offsets, const int64_t *ids,
                    const float *weights, int mean, const int64_t *feature_base,
-                   const int64_t *feature_col, int64_t out_dim, int64_t *keys, int64_t *goff,
+                   const int64_t *feature_col, int64_t out_dim, uint64_t *packed,
                    float *scale, int num_threads) {
     if (num_threads < 1) num_threads = 1;
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_bags > 4096)
@@ -180,12 +187,61 @@ int recopt_prepare(int64_t num_bags, int64_t batch, const int64_t *offsets, cons
         const int64_t base = feature_base[f], row = (bag - f * batch) * out_dim + feature_col[f];
         const float inv = mean && hi > lo ? 1.0f / (float)(hi - lo) : 1.0f;
         for (int64_t k = lo; k < hi; k++) {
-            keys[k] = base + ids[k];
-            goff[k] = row;
+            packed[k] = ((uint64_t)(base + ids[k]) << 32) | (uint64_t)row;
             if (scale) scale[k] = weights ? weights[k] * inv : inv;
         }
     }
     return 0;
+}
+
+/* Stable LSD radix sort of the words by their key (bits 32 .. 32 + key_bits), the scales
+ * moved along. Threads histogram their slice, agree on offsets, scatter; 11-bit digits. */
+#define RADIX_BITS 11
+#define RADIX (1 << RADIX_BITS)
+#define MAX_SORT_THREADS 64
+int recopt_sort(int64_t n, uint64_t *words, float *scale, uint64_t *tmp_words,
+                float *tmp_scale, int key_bits, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > MAX_SORT_THREADS) num_threads = MAX_SORT_THREADS;
+    if (n < 65536) num_threads = 1;
+    int64_t *hist = (int64_t *)malloc(sizeof(int64_t) * RADIX * (size_t)num_threads);
+    uint64_t *src = words, *dst = tmp_words;
+    float *src_s = scale, *dst_s = tmp_scale;
+    int passes = 0;
+    for (int shift = 32; shift < 32 + key_bits; shift += RADIX_BITS, passes++) {
+        #pragma omp parallel num_threads(num_threads)
+        {
+            int tid = 0, nt = 1;
+#ifdef _OPENMP
+            tid = omp_get_thread_num();
+            nt = omp_get_num_threads();
+#endif
+            const int64_t lo = n * tid / nt, hi = n * (tid + 1) / nt;
+            int64_t *h = hist + (size_t)tid * RADIX;
+            for (int b = 0; b < RADIX; b++) h[b] = 0;
+            for (int64_t i = lo; i < hi; i++) h[(src[i] >> shift) & (RADIX - 1)]++;
+            #pragma omp barrier
+            #pragma omp single
+            {
+                int64_t running = 0;
+                for (int b = 0; b < RADIX; b++)
+                    for (int t = 0; t < nt; t++) {
+                        const int64_t c = hist[(size_t)t * RADIX + b];
+                        hist[(size_t)t * RADIX + b] = running;
+                        running += c;
+                    }
+            }
+            for (int64_t i = lo; i < hi; i++) {
+                const int64_t at = h[(src[i] >> shift) & (RADIX - 1)]++;
+                dst[at] = src[i];
+                if (src_s) dst_s[at] = src_s[i];
+            }
+        }
+        uint64_t *w = src; src = dst; dst = w;
+        float *f = src_s; src_s = dst_s; dst_s = f;
+    }
+    free(hist);
+    return passes % 2; /* 1: the sorted data is in the tmp buffers */
 }
 
 /* Chunks split the sorted keys at run boundaries, so each row has one owner. More chunks than
@@ -195,8 +251,8 @@ int recopt_prepare(int64_t num_bags, int64_t batch, const int64_t *offsets, cons
  * meta: bases[T+1], dims[T], then weight, state1, state2 pointers [T] each (as int64).
  * hyper: lr, eps, weight_decay, sign, 1 - beta1, 1 - beta2, then step_size[T]. */
 #define MAX_CHUNKS 256
-int recopt_fused_update(int opt, int64_t n, const int64_t *keys, const int64_t *goff,
-                        const float *scale, const float *grad, int num_tables,
+int recopt_fused_update(int opt, int64_t n, const uint64_t *packed, const float *scale,
+                        const float *grad, int num_tables,
                         const int64_t *meta, const float *hyper, int num_threads) {
     if (n == 0) return 0;
     table_t *tables = (table_t *)malloc(sizeof(table_t) * (size_t)num_tables);
@@ -212,7 +268,7 @@ int recopt_fused_update(int opt, int64_t n, const int64_t *keys, const int64_t *
         tb->step_size = hyper[6 + t];
         if (tb->dim > max_dim) max_dim = tb->dim;
     }
-    pass_t p = {opt, num_tables, max_dim, keys, goff, scale, grad, tables,
+    pass_t p = {opt, num_tables, max_dim, packed, scale, grad, tables,
                 hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], hyper[5]};
     if (num_threads < 1) num_threads = 1;
     int num_chunks = num_threads == 1 ? 1 : num_threads * 8;
@@ -224,7 +280,7 @@ int recopt_fused_update(int opt, int64_t n, const int64_t *keys, const int64_t *
     for (int c = 1; c < num_chunks; c++) {
         int64_t at = n * c / num_chunks;
         if (at < cut[c - 1]) at = cut[c - 1];
-        while (at > 0 && at < n && keys[at] == keys[at - 1]) at++;
+        while (at > 0 && at < n && KEY(packed[at]) == KEY(packed[at - 1])) at++;
         cut[c] = at;
     }
     #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_chunks > 1)
@@ -267,15 +323,16 @@ def _build() -> ctypes.CDLL:
         os.replace(tmp, path)  # atomic: concurrent builders never see a partial library
         os.remove(source)
     library = ctypes.CDLL(path)
-    fn = library.recopt_fused_update
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int]
-    fn.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int]
-    prep = library.recopt_prepare
-    prep.restype = ctypes.c_int
-    prep.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
-    prep.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
-    prep.argtypes += [ctypes.c_int]
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    signatures: dict[str, list[type]] = {
+        "recopt_prepare": [i64, i64, ptr, ptr, ptr, i32, ptr, ptr, i64, ptr, ptr, i32],
+        "recopt_sort": [i64, ptr, ptr, ptr, ptr, i32, i32],
+        "recopt_fused_update": [i32, i64, ptr, ptr, ptr, i32, ptr, ptr, i32],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(library, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = argtypes
     return library
 
 
@@ -296,7 +353,7 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def prepare(
+def prepare_sorted(
     indices: torch.Tensor,
     offsets: torch.Tensor,
     weights: torch.Tensor | None,
@@ -305,8 +362,9 @@ def prepare(
     feature_base: torch.Tensor,
     feature_col: torch.Tensor,
     out_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Keys, gradient-row offsets and scales of every occurrence, in input order.
+    num_keys: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every occurrence as one word (key << 32 | gradient-row offset), sorted by key.
 
     Args:
         indices: int64 ids (KJT layout), contiguous.
@@ -317,19 +375,21 @@ def prepare(
         feature_base: int64 ``[F]``, key offset of each feature's table.
         feature_col: int64 ``[F]``, first grad_out column of each feature.
         out_dim: grad_out's row width.
+        num_keys: total rows of all tables (keys are below it); under 2**32.
 
     Returns:
-        ``keys_N`` (base + id), ``goff_N`` and ``scale_N`` (None when all ones).
+        ``words_N`` (int64 storage of the unsigned words) and ``scale_N`` (the per-sample
+        weight times 1/length for mean pooling; None when all ones), in sorted order.
 
     Raises:
         RuntimeError: the native library is not available.
     """
     if _library is None:
-        raise RuntimeError("prepare: native library not loaded; call available() first")
+        raise RuntimeError("prepare_sorted: native library not loaded; call available() first")
     n = indices.numel()
-    keys = torch.empty(n, dtype=torch.int64)
-    goff = torch.empty(n, dtype=torch.int64)
+    words = torch.empty(n, dtype=torch.int64)
     scale = torch.empty(n, dtype=torch.float32) if weights is not None or mean else None
+    threads = torch.get_num_threads()
     _library.recopt_prepare(
         offsets.numel() - 1,
         batch,
@@ -340,18 +400,22 @@ def prepare(
         _ptr(feature_base),
         _ptr(feature_col),
         out_dim,
-        _ptr(keys),
-        _ptr(goff),
+        _ptr(words),
         _ptr(scale),
-        torch.get_num_threads(),
+        threads,
     )
-    return keys, goff, scale
+    tmp_words = torch.empty_like(words)
+    tmp_scale = None if scale is None else torch.empty_like(scale)
+    key_bits = max(1, (num_keys - 1).bit_length())
+    in_tmp = _library.recopt_sort(
+        n, _ptr(words), _ptr(scale), _ptr(tmp_words), _ptr(tmp_scale), key_bits, threads
+    )
+    return (tmp_words, tmp_scale) if in_tmp else (words, scale)
 
 
 def fused_update(
     code: int,
-    sorted_keys_N: torch.Tensor,
-    goff_N: torch.Tensor,
+    words_N: torch.Tensor,
     scale_N: torch.Tensor | None,
     grad: torch.Tensor,
     bases: list[int],
@@ -363,11 +427,9 @@ def fused_update(
 
     Args:
         code: optimizer code (`OPTIMIZER_CODES`).
-        sorted_keys_N: sorted occurrence keys: table ``t``'s row ``r`` is ``bases[t] + r``.
-        goff_N: per sorted occurrence, element offset of its gradient row in ``grad`` (in
-            sorted order, so the pass reads it sequentially and can prefetch the row early).
-        scale_N: per sorted occurrence, the factor on its gradient (per-sample weight,
-            1/length for mean pooling), or None for 1.
+        words_N: the occurrences from `prepare_sorted`: table ``t``'s row ``r`` has key
+            ``bases[t] + r``.
+        scale_N: per sorted occurrence, the factor on its gradient, or None for 1.
         grad: the pooled-output gradient, contiguous float32.
         bases: ``T + 1`` key offsets of the tables (cumulative row counts).
         tables: per table, contiguous float32 ``[R, D]`` weights and its first and second
@@ -388,9 +450,8 @@ def fused_update(
     hyper_t = torch.tensor(hyper + step_sizes, dtype=torch.float32)
     _library.recopt_fused_update(
         code,
-        sorted_keys_N.numel(),
-        _ptr(sorted_keys_N),
-        _ptr(goff_N),
+        words_N.numel(),
+        _ptr(words_N),
         _ptr(scale_N),
         _ptr(grad),
         len(tables),

@@ -289,6 +289,9 @@ class RecoptTableBatchedEmbedding(nn.Module):
             and indices.dtype == torch.int64
             and offsets.dtype == torch.int64
             and (weights is None or weights.dtype == torch.float32)
+            # An occurrence packs its key and gradient offset into 32 bits each.
+            and self._table_bases[-1] < 2**32
+            and grad_out.numel() < 2**32
             and cpu_fused.available()
         )
 
@@ -300,7 +303,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
             return
         config = self.optimizer
         batch = (offsets.numel() - 1) // len(self.feature_table_map)
-        keys_N, goff_N, scale_N = cpu_fused.prepare(
+        words_N, scale_N = cpu_fused.prepare_sorted(
             indices.contiguous(),
             offsets.contiguous(),
             None if weights is None else weights.contiguous(),
@@ -309,8 +312,8 @@ class RecoptTableBatchedEmbedding(nn.Module):
             self._feature_base,
             self._feature_col,
             self.output_dim,
+            self._table_bases[-1],
         )
-        sorted_keys_N, perm_N = torch.sort(keys_N)
         beta1, beta2 = config.betas
         step_sizes = [0.0] * len(self.tables)
         states = self.split_optimizer_states()
@@ -326,9 +329,8 @@ class RecoptTableBatchedEmbedding(nn.Module):
         ]
         cpu_fused.fused_update(
             cpu_fused.OPTIMIZER_CODES[config.name],
-            sorted_keys_N,
-            goff_N[perm_N],
-            None if scale_N is None else scale_N[perm_N],
+            words_N,
+            scale_N,
             grad_out,
             self._table_bases,
             tensors,
