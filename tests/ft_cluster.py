@@ -57,7 +57,11 @@ class Cluster:
         self.port = int(port_file.read_text())
         return self.port
 
-    def start_replica(self, replica_id: str, *extra: str, seed: int = 0) -> subprocess.Popen[bytes]:
+    def start_replica(
+        self, replica_id: str, *extra: str, seed: int = 0, name: str | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start a worker; ``name`` (default the replica id) keys its process and log."""
+        name = name or replica_id
         proc = self._spawn(
             [
                 str(WORKER),
@@ -67,9 +71,9 @@ class Cluster:
                 f"--out={self.out}",
                 *extra,
             ],
-            f"{replica_id}.log",
+            f"{name}.log",
         )
-        self.replicas[replica_id] = proc
+        self.replicas[name] = proc
         return proc
 
     def kill(self, replica_id: str) -> None:

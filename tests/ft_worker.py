@@ -69,9 +69,13 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.03)
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--wait-live", type=int, default=1)
+    parser.add_argument("--group-rank", type=int, default=0)
+    parser.add_argument("--group-size", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    torch.manual_seed(args.rank_seed)  # replicas start different: init_sync must fix it
+    # Replicas start different (init_sync must fix it); ranks of a group stand for shards.
+    torch.manual_seed(args.rank_seed * 100 + args.group_rank)
+    name = args.replica_id if args.group_size == 1 else f"{args.replica_id}-r{args.group_rank}"
     model = nn.Sequential(nn.Linear(8, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1))
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
@@ -90,8 +94,10 @@ def main() -> None:
         timeout=timeout,
         quorum_timeout=timeout * 2,
         hostname="127.0.0.1",
+        group_rank=args.group_rank,
+        group_world_size=args.group_size,
     )
-    marker = os.path.join(args.out, f"{args.replica_id}.paused")
+    marker = os.path.join(args.out, f"{name}.paused")
     manager = FaultyManager(
         config,
         state_dict=state_dict,
@@ -102,9 +108,9 @@ def main() -> None:
     )
     optim = OptimizerWrapper(manager, inner)
     wait_for_replicas(config.lighthouse, args.wait_live, datetime.timedelta(seconds=60))
-    step_dir = os.path.join(args.out, args.replica_id)
+    step_dir = os.path.join(args.out, name)
     os.makedirs(step_dir, exist_ok=True)
-    log = open(os.path.join(args.out, f"{args.replica_id}.jsonl"), "a", buffering=1)
+    log = open(os.path.join(args.out, f"{name}.jsonl"), "a", buffering=1)
     stop = os.path.join(args.out, "stop")
     for attempt in range(args.max_attempts):
         if os.path.exists(stop):
@@ -117,7 +123,7 @@ def main() -> None:
         before = digest(model, inner)
         # Data depends only on (step, rank in quorum), so replicas agree on what a step means.
         g = torch.Generator().manual_seed(
-            1000 * manager.current_step() + manager.participant_rank()
+            1000 * manager.current_step() + 10 * manager.participant_rank() + args.group_rank
         )
         x = torch.randn(16, 8, generator=g)
         loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()

@@ -107,10 +107,20 @@ def test_sharded_groups_join_and_vote_with_every_rank() -> None:
     quorum = qs.quorum(r)
     assert quorum is not None and len(quorum["members"]) == 1
     assert quorum["members"][0]["addresses"] == ["a0", "a1"]
+    qs.heartbeat("a", now=5.5, group_rank=1)
     qs.vote(r, "a", 0, True, now=5.6)
-    assert qs.decision(r, now=5.6) is None  # rank 1 of a has not voted
+    assert qs.decision(r, now=5.6) is None  # rank 1 of a has not voted, and is alive
     qs.vote(r, "a", 1, True, now=5.7)
     assert qs.decision(r, now=5.7) is True
+    # One silent rank makes its whole group dead: its pending vote is a no at once.
+    r2 = qs.join(rank("a", 0), now=6.0)
+    qs.join(rank("a", 1), now=6.0)
+    assert qs.try_form(now=6.0)
+    qs.vote(r2, "a", 0, True, now=6.1)
+    assert "a" in qs.live(now=7.9) and qs.decision(r2, now=7.9) is None
+    qs.heartbeat("a", now=8.5, group_rank=0)
+    assert "a" not in qs.live(now=8.5)  # rank 1 silent since 6.0
+    assert qs.decision(r2, now=8.5) is False
 
 
 def test_plan_recovery() -> None:
@@ -224,3 +234,70 @@ def test_wrapper_passes_state_through() -> None:
     optim.step()
     sched.step()
     assert inner.param_groups[0]["lr"] == 0.0625
+
+
+def test_manager_survives_a_lighthouse_restart() -> None:
+    """Steps error while the lighthouse is down, nothing is applied; then training resumes."""
+    from recopt.ft import Manager
+    from recopt.ft.lighthouse import Lighthouse
+
+    first = Lighthouse(LighthouseConfig(), host="127.0.0.1", port=0)
+    first.start()
+    port = first.port
+    model = nn.Linear(2, 1)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    short = datetime.timedelta(seconds=1)
+    config = ManagerConfig(
+        replica_id="solo",
+        lighthouse=("127.0.0.1", port),
+        timeout=short,
+        quorum_timeout=short,
+        hostname="127.0.0.1",
+    )
+    manager = Manager(config, state_dict=model.state_dict, load_state_dict=model.load_state_dict)
+    optim = OptimizerWrapper(manager, inner)
+
+    def step() -> None:
+        optim.zero_grad()
+        model(torch.ones(4, 2)).sum().backward()
+        optim.step()
+
+    second = None
+    try:
+        step()
+        assert manager.current_step() == 1
+        first.shutdown()
+        weight = model.weight.detach().clone()
+        step()
+        assert manager.errored() is not None and manager.current_step() == 1
+        assert torch.equal(weight, model.weight)
+        second = Lighthouse(LighthouseConfig(), host="127.0.0.1", port=port)
+        second.start()
+        step()
+        assert manager.errored() is None and manager.current_step() == 2
+    finally:
+        manager.shutdown()
+        if second is not None:
+            second.shutdown()
+
+
+def test_manager_config_from_env() -> None:
+    from recopt.ft.launch import manager_config_from_env, parse_address
+
+    env = {
+        "RECOPT_FT_LIGHTHOUSE": "node0:29510",
+        "RECOPT_FT_REPLICA_ID": "group1",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+    }
+    config = manager_config_from_env(env)
+    assert config.lighthouse == ("node0", 29510) and config.replica_id == "group1"
+    assert (config.group_rank, config.group_world_size, config.min_replica_size) == (1, 2, 1)
+    with pytest.raises(ValueError, match="RECOPT_FT_REPLICA_ID is not set"):
+        manager_config_from_env({"RECOPT_FT_LIGHTHOUSE": "node0:1"})
+    with pytest.raises(ValueError, match="RECOPT_FT_MIN_REPLICAS='two'"):
+        manager_config_from_env({**env, "RECOPT_FT_MIN_REPLICAS": "two"})
+    with pytest.raises(ValueError, match="group_rank=2"):
+        manager_config_from_env({**env, "RANK": "2"})
+    with pytest.raises(ValueError, match="not host:port"):
+        parse_address("node0")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import http.server
 import io
+import socketserver
 import threading
 import time
 import urllib.error
@@ -86,6 +87,12 @@ class CheckpointServer(http.server.ThreadingHTTPServer):
         self._payload = b""
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
         self._thread.start()
+
+    def server_bind(self) -> None:
+        # HTTPServer's own version resolves the host's FQDN, a reverse DNS lookup that can
+        # take seconds; the name is never used here.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), self.port
 
     @property
     def port(self) -> int:

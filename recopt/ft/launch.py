@@ -60,7 +60,11 @@ def parse_address(text: str) -> tuple[str, int]:
 def manager_config_from_env(
     environ: Mapping[str, str], *, timeout: datetime.timedelta = datetime.timedelta(seconds=60)
 ) -> ManagerConfig:
-    """Manager settings from the ``RECOPT_FT_*`` variables (lighthouse, replica id, min size).
+    """Manager settings from the environment of one process of a replica group.
+
+    Reads ``RECOPT_FT_LIGHTHOUSE``, ``RECOPT_FT_REPLICA_ID``, ``RECOPT_FT_MIN_REPLICAS`` and
+    torchrun's ``RANK`` / ``WORLD_SIZE`` (torchrun runs one replica group, so they are the
+    rank inside the group and its size).
 
     Args:
         environ: the entry point's ``os.environ``.
@@ -75,15 +79,21 @@ def manager_config_from_env(
                 f"{name} is not set; --fault-tolerant needs {ENV_LIGHTHOUSE}=host:port (from "
                 f"`python -m recopt.ft.lighthouse`) and a unique {ENV_REPLICA_ID} per replica group"
             )
-    min_replicas = environ.get(ENV_MIN_REPLICAS, "1")
-    if not min_replicas.isdigit():
-        raise ValueError(f"{ENV_MIN_REPLICAS}={min_replicas!r} is not a positive integer")
+    numbers = {}
+    for name, default in ((ENV_MIN_REPLICAS, "1"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        value = environ.get(name, default)
+        if not value.isdigit():
+            raise ValueError(f"{name}={value!r} is not a non-negative integer")
+        numbers[name] = int(value)
     return ManagerConfig(
         replica_id=environ[ENV_REPLICA_ID],
         lighthouse=parse_address(environ[ENV_LIGHTHOUSE]),
-        min_replica_size=int(min_replicas),
+        min_replica_size=numbers[ENV_MIN_REPLICAS],
         timeout=timeout,
         quorum_timeout=timeout,
+        # torchrun runs one replica group: its RANK / WORLD_SIZE are the rank in the group.
+        group_rank=numbers["RANK"],
+        group_world_size=numbers["WORLD_SIZE"],
     )
 
 

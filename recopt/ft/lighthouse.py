@@ -75,7 +75,7 @@ class QuorumState:
 
     def __init__(self, config: LighthouseConfig) -> None:
         self.config = config
-        self._heartbeats: dict[str, float] = {}
+        self._heartbeats: dict[tuple[str, int], float] = {}  # (group, rank) -> last seen
         self._pending: dict[str, dict[int, dict[str, Any]]] = {}  # group -> rank -> member
         self._first_join: float | None = None
         self._round = 0
@@ -83,20 +83,26 @@ class QuorumState:
         self._last_members: list[str] = []
         self._rounds: dict[int, _Round] = {}
 
-    def heartbeat(self, replica_id: str, now: float) -> None:
-        self._heartbeats[replica_id] = now
+    def heartbeat(self, replica_id: str, now: float, group_rank: int = 0) -> None:
+        self._heartbeats[(replica_id, group_rank)] = now
 
     def live(self, now: float) -> set[str]:
+        """Groups whose every known rank heartbeated recently.
+
+        One dead rank breaks its group: no quorum waits for it, and its missing votes are noes.
+        """
         limit = self.config.heartbeat_timeout.total_seconds()
-        return {r for r, t in self._heartbeats.items() if now - t <= limit}
+        groups = {g for g, _ in self._heartbeats}
+        dead = {g for (g, _), t in self._heartbeats.items() if now - t > limit}
+        return groups - dead
 
     def join(self, member: dict[str, Any], now: float) -> int:
         """Add a replica rank to the open round; returns the round it gets its quorum from."""
-        replica_id = str(member["replica_id"])
-        self.heartbeat(replica_id, now)
+        replica_id, rank = str(member["replica_id"]), int(member.get("group_rank", 0))
+        self.heartbeat(replica_id, now, rank)
         if not self._pending:
             self._first_join = now
-        self._pending.setdefault(replica_id, {})[int(member.get("group_rank", 0))] = member
+        self._pending.setdefault(replica_id, {})[rank] = member
         return self._round
 
     def _complete(self) -> list[str]:
@@ -150,7 +156,7 @@ class QuorumState:
 
     def vote(self, round_no: int, replica_id: str, group_rank: int, ok: bool, now: float) -> None:
         """Record a rank's vote; an unknown (forgotten) round counts as already refused."""
-        self.heartbeat(replica_id, now)
+        self.heartbeat(replica_id, now, group_rank)
         entry = self._rounds.get(round_no)
         if entry is not None and entry.decision is None:
             entry.votes[f"{replica_id}/{group_rank}"] = ok
@@ -276,7 +282,8 @@ class Lighthouse:
         timeout_s = float(request.get("timeout_s", 30.0))
         if op == "heartbeat":
             with self._cond:
-                self._state.heartbeat(str(request["replica_id"]), time.monotonic())
+                rank = int(request.get("group_rank", 0))
+                self._state.heartbeat(str(request["replica_id"]), time.monotonic(), rank)
             return {"ok": True}
         if op == "quorum":
             return self._wait_quorum(request["member"], timeout_s)

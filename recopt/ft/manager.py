@@ -417,7 +417,11 @@ class Manager:
     # -- lifecycle ----------------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval
-        payload = {"op": "heartbeat", "replica_id": self.config.replica_id}
+        payload = {
+            "op": "heartbeat",
+            "replica_id": self.config.replica_id,
+            "group_rank": self.config.group_rank,
+        }
         while not self._stop.wait(interval.total_seconds()):
             try:
                 request(self.config.lighthouse, payload, interval * 5)
