@@ -96,6 +96,7 @@ class CheckpointServer(http.server.ThreadingHTTPServer):
 
     @property
     def port(self) -> int:
+        """The TCP port the server listens on."""
         return int(self.server_address[1])
 
     def publish(self, step: int, state: dict[str, Any]) -> int:
@@ -107,12 +108,14 @@ class CheckpointServer(http.server.ThreadingHTTPServer):
             return len(self._payload)
 
     def get(self, path: str) -> bytes | None:
+        """The payload served at ``path``, or None if it is not the published step."""
         with self._lock:
             if self._step is not None and path == f"/checkpoint/{self._step}":
                 return self._payload
         return None
 
     def stop(self) -> None:
+        """Stop serving and close the listening socket."""
         self.shutdown()
         self.server_close()
 

@@ -84,6 +84,7 @@ class QuorumState:
         self._rounds: dict[int, _Round] = {}
 
     def heartbeat(self, replica_id: str, now: float, group_rank: int = 0) -> None:
+        """Record that a rank of a replica group is alive at ``now``."""
         self._heartbeats[(replica_id, group_rank)] = now
 
     def live(self, now: float) -> set[str]:
@@ -151,6 +152,7 @@ class QuorumState:
                 self._first_join = None
 
     def quorum(self, round_no: int) -> dict[str, Any] | None:
+        """The quorum a round formed, or None while it is open (or forgotten)."""
         entry = self._rounds.get(round_no)
         return None if entry is None else entry.quorum
 
@@ -263,6 +265,7 @@ class Lighthouse:
 
     @property
     def port(self) -> int:
+        """The TCP port the lighthouse listens on."""
         return int(self._server.server_address[1])
 
     def start(self) -> None:
@@ -271,13 +274,16 @@ class Lighthouse:
         self._thread.start()
 
     def serve_forever(self) -> None:
+        """Serve in the calling thread until `shutdown`."""
         self._server.serve_forever(poll_interval=0.1)
 
     def shutdown(self) -> None:
+        """Stop serving and close the listening socket."""
         self._server.shutdown()
         self._server.server_close()
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Answer one decoded request (``heartbeat``, ``quorum``, ``vote`` or ``status``)."""
         op = request.get("op")
         timeout_s = float(request.get("timeout_s", 30.0))
         if op == "heartbeat":

@@ -63,12 +63,15 @@ class OptimizerWrapper(torch.optim.Optimizer):
         self.optim.defaults = value
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the wrapped optimizer."""
         self.optim.add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict."""
         return self.optim.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load into the wrapped optimizer."""
         self.optim.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
