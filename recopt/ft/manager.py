@@ -254,9 +254,13 @@ class Manager:
             )
         lane = self.config.group_rank  # rank r of every group: one gloo group per lane
         store = dist.PrefixStore(f"recopt-ft/{quorum_id}/lane{lane}", self._store)
-        self._pg = dist.ProcessGroupGloo(
-            store, self._rank, self._num_participants, self.config.timeout
-        )
+        try:
+            self._pg = dist.ProcessGroupGloo(
+                store, self._rank, self._num_participants, self.config.timeout
+            )
+        except Exception:
+            self._store = None  # reconnect next time: the store itself may be what failed
+            raise
         self._pg_broken = False
 
     # -- collectives --------------------------------------------------------------------------
