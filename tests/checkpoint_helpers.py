@@ -9,12 +9,14 @@ element-wise state plus a per-table scalar.
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
+from recopt.checkpoint import load
 from recopt.optim.keyed import KeyedOptimizer
 from recopt.sharding.plan import ParameterSharding, ShardingPlan, ShardingType, ShardSpec
 
@@ -179,3 +181,28 @@ def plan_for_c(world: int) -> ShardingPlan:
             }
         }
     )
+
+
+# Layouts of t0, t1, t2 used by the tests.
+A = {"t0": "tw", "t1": "rw", "t2": "cw"}
+B = {"t0": "rw", "t1": "cw", "t2": "dp"}
+C = {"t0": "cw", "t1": "dp", "t2": "tw"}
+ALL_DP = {"t0": "dp", "t1": "dp", "t2": "dp"}
+
+
+def same_pieces(a: dict, b: dict) -> list[str]:
+    """The pieces (key and offsets) where two `full_snapshot` results differ."""
+    bad = []
+    assert a.keys() == b.keys()
+    for key in a:
+        if a[key].keys() != b[key].keys():
+            bad.append(f"{key}: pieces {sorted(a[key])} vs {sorted(b[key])}")
+        bad += [f"{key}{o}" for o in a[key] if not torch.equal(a[key][o], b[key][o])]
+    return bad
+
+
+def load_and_check(path: Path, layouts: dict, rank: int, world: int, seed: int) -> list[str]:
+    """Load ``path`` into a fresh model of ``layouts``; list what differs from a ``seed`` model."""
+    model = ShardedTables(layouts, rank, world, seed=99)
+    load(path, model, model.fused_optimizer)
+    return same_pieces(full_snapshot(model), expected_snapshot(layouts, rank, world, seed))

@@ -13,36 +13,14 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
-from checkpoint_helpers import ShardedTables, expected_snapshot, full_snapshot, plan_for_c
+from checkpoint_helpers import ALL_DP, A, B, C, ShardedTables, load_and_check, plan_for_c
 
-from recopt.checkpoint import load, read_manifest, save
+from recopt.checkpoint import read_manifest, save
 from recopt.checkpoint.cli import main
 from recopt.checkpoint.reshard import reshard
 from recopt.testing import RankFailure, run_on_ranks
 
 pytestmark = pytest.mark.multiprocess
-
-A = {"t0": "tw", "t1": "rw", "t2": "cw"}
-B = {"t0": "rw", "t1": "cw", "t2": "dp"}
-C = {"t0": "cw", "t1": "dp", "t2": "tw"}
-ALL_DP = {"t0": "dp", "t1": "dp", "t2": "dp"}
-
-
-def _same(a: dict, b: dict) -> list[str]:
-    bad = []
-    assert a.keys() == b.keys()
-    for key in a:
-        if a[key].keys() != b[key].keys():
-            bad.append(f"{key}: pieces {sorted(a[key])} vs {sorted(b[key])}")
-        bad += [f"{key}{o}" for o in a[key] if not torch.equal(a[key][o], b[key][o])]
-    return bad
-
-
-def _load_and_check(path: Path, layouts: dict, rank: int, world: int, seed: int) -> list[str]:
-    model = ShardedTables(layouts, rank, world, seed=99)
-    load(path, model, model.fused_optimizer)
-    return _same(full_snapshot(model), expected_snapshot(layouts, rank, world, seed))
 
 
 def _two_ranks(rank: int, world: int, root: str) -> dict[str, list[str]]:
@@ -50,23 +28,23 @@ def _two_ranks(rank: int, world: int, root: str) -> dict[str, list[str]]:
     model = ShardedTables(A, rank, world, seed=1)
     save(Path(root) / "a2", model, model.fused_optimizer, step=1, plan_json='{"x": 1}')
     for name, layouts in {"same": A, "b": B, "c": C}.items():
-        out[f"2->2 {name}"] = _load_and_check(Path(root) / "a2", layouts, rank, world, 1)
+        out[f"2->2 {name}"] = load_and_check(Path(root) / "a2", layouts, rank, world, 1)
     model = ShardedTables(B, rank, world, seed=2)
     save(Path(root) / "b2", model, model.fused_optimizer, step=2)
-    out["2->2 b->a"] = _load_and_check(Path(root) / "b2", A, rank, world, 2)
+    out["2->2 b->a"] = load_and_check(Path(root) / "b2", A, rank, world, 2)
     return out
 
 
 def _three_ranks(rank: int, world: int, root: str) -> dict[str, list[str]]:
     out = {}
     for name, layouts in {"a": A, "b": B, "c": C}.items():
-        out[f"2->3 a->{name}"] = _load_and_check(Path(root) / "a2", layouts, rank, world, 1)
-    out["2->3 b->c"] = _load_and_check(Path(root) / "b2", C, rank, world, 2)
+        out[f"2->3 a->{name}"] = load_and_check(Path(root) / "a2", layouts, rank, world, 1)
+    out["2->3 b->c"] = load_and_check(Path(root) / "b2", C, rank, world, 2)
     for offline in ("r3", "cli3"):
-        out[f"offline {offline}"] = _load_and_check(Path(root) / offline, C, rank, world, 1)
+        out[f"offline {offline}"] = load_and_check(Path(root) / offline, C, rank, world, 1)
     model = ShardedTables(C, rank, world, seed=3)
     save(Path(root) / "c3", model, model.fused_optimizer, step=3)
-    out["3->3 c->a"] = _load_and_check(Path(root) / "c3", A, rank, world, 3)
+    out["3->3 c->a"] = load_and_check(Path(root) / "c3", A, rank, world, 3)
     return out
 
 
@@ -107,7 +85,7 @@ def test_round_trips_across_layouts_and_world_sizes(
     # offline reshard with no plan down to 1 rank (sharded tensors split by rows).
     reshard(tmp_path / "r3", tmp_path / "r1", world_size=1)
     for path, seed in ((tmp_path / "c3", 3), (tmp_path / "a2", 1), (tmp_path / "r1", 1)):
-        assert _load_and_check(path, ALL_DP, 0, 1, seed) == []
+        assert load_and_check(path, ALL_DP, 0, 1, seed) == []
     # The RNG state of each saving rank is kept (one file per rank).
     assert {f for f in manifest.files if f.startswith("rank_")} == {"rank_0.json", "rank_1.json"}
 
@@ -141,4 +119,4 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint_and_no_new_one(tmp_path
     assert not (tmp_path / "new").exists()
     assert (tmp_path / ".new.partial").is_dir()  # the debris is only under the partial name
     assert read_manifest(tmp_path / "good").step == 1
-    assert _load_and_check(tmp_path / "good", ALL_DP, 0, 1, 1) == []
+    assert load_and_check(tmp_path / "good", ALL_DP, 0, 1, 1) == []

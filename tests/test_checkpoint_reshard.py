@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_helpers import TABLES, ShardedTables, full_value, plan_for_c
+from checkpoint_helpers import ALL_DP, TABLES, ShardedTables, full_value, load_and_check, plan_for_c
 from safetensors import safe_open
-from test_checkpoint_dist import ALL_DP, _load_and_check
 
 from recopt.checkpoint import CheckpointError, save
 from recopt.checkpoint.cli import main
@@ -25,7 +24,7 @@ def test_reshard_chunks_follow_the_plan(tmp_path: Path) -> None:
     t0 = chunks["model/ebc.embedding_bags.t0.weight"]
     assert sorted(tuple(c.offsets) for c in t0.chunks) == [(0, c) for c in range(4)]
     assert len(chunks["model/ebc.embedding_bags.t1.weight"].chunks) == 1
-    assert _load_and_check(tmp_path / "r3", ALL_DP, 0, 1, 4) == []
+    assert load_and_check(tmp_path / "r3", ALL_DP, 0, 1, 4) == []
     with pytest.raises(CheckpointError, match="exists; choose a new output"):
         reshard(tmp_path / "ck", tmp_path / "r3", world_size=2)
     with pytest.raises(ValueError, match="on rank 2, but --world-size is 2"):
