@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from recopt.kernels.config import (
+    Backend,
     FusedOptimizerConfig,
     PoolingType,
     TableSpec,
@@ -157,7 +158,7 @@ def fbgemm_kernel(cfg: Config, optimizer: str) -> Step:
     return step
 
 
-def fused_collection(cfg: Config, optimizer: str) -> Step:
+def fused_collection(cfg: Config, optimizer: str, backend: str = "auto") -> Step:
     from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection
     from recopt.sparse import KeyedJaggedTensor
 
@@ -168,7 +169,8 @@ def fused_collection(cfg: Config, optimizer: str) -> Step:
         )
         for i in range(cfg.num_tables)
     ]
-    module = FusedEmbeddingBagCollection(tables, FusedOptimizerConfig(name=optimizer))
+    config = FusedOptimizerConfig(name=optimizer, backend=Backend(backend))
+    module = FusedEmbeddingBagCollection(tables, config)
     lengths = torch.full((cfg.num_tables * cfg.batch,), cfg.ids_per_bag, dtype=torch.int64)
 
     def step(batch: Batch, grad: torch.Tensor) -> None:
@@ -210,28 +212,37 @@ def candidates(cfg: Config) -> list[tuple[str, str, Callable[[], Step]]]:
         out.append((f"recopt {name}", name, lambda n=name: recopt_kernel(cfg, n)))  # type: ignore[misc]
     for name in FBGEMM_OPTIMIZERS:
         out.append((f"fbgemm {name}", name, lambda n=name: fbgemm_kernel(cfg, n)))  # type: ignore[misc]
-    for name in ("row_wise_adagrad", "adam"):
-        out.append((f"FusedEBC {name}", name, lambda n=name: fused_collection(cfg, n)))  # type: ignore[misc]
+    for name, backend in (
+        ("row_wise_adagrad", "auto"),
+        ("row_wise_adagrad", "recopt"),
+        ("adam", "auto"),
+    ):
+        label = f"FusedEBC {name} ({backend})"
+        out.append((label, name, lambda n=name, b=backend: fused_collection(cfg, n, b)))  # type: ignore[misc]
     out.append(("torch SparseAdam", "adam", lambda: torch_sparse(cfg, "adam")))
     out.append(("torch Adagrad (sparse)", "adagrad", lambda: torch_sparse(cfg, "adagrad")))
     return out
 
 
-def time_steps(step: Step, batches: list[Batch], grad: torch.Tensor, steps: int) -> float:
-    step(batches[0], grad)  # warm-up: first-touch of state, native library load
-    times = []
+def time_steps(
+    step: Step, batches: list[Batch], grad: torch.Tensor, steps: int
+) -> tuple[float, float]:
+    """Median (wall seconds, process CPU seconds) per step, after one warm-up step."""
+    step(batches[0], grad)  # warm-up: first touch of state, native library load
+    walls, cpus = [], []
     for i in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step(batches[(i + 1) % len(batches)], grad)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def run_config(cfg: Config, rounds: int, steps: int) -> list[str]:
     batches = make_batches(cfg, 3)
     grad = torch.randn(cfg.batch, cfg.num_tables * cfg.dim)
     copy_gbs, gather_gbs = bandwidths(cfg, batches)
-    results: dict[str, list[float]] = {}
+    results: dict[str, list[tuple[float, float]]] = {}
     failures: dict[str, str] = {}
     for _ in range(rounds):  # rounds interleave the candidates, so load drifts hit all alike
         for label, _, build in candidates(cfg):
@@ -249,34 +260,39 @@ def run_config(cfg: Config, rounds: int, steps: int) -> list[str]:
 
 def format_table(
     cfg: Config,
-    results: dict[str, list[float]],
+    results: dict[str, list[tuple[float, float]]],
     failures: dict[str, str],
     batch: Batch,
     copy_gbs: float,
     gather_gbs: float,
 ) -> list[str]:
-    base = statistics.median(results.get("fbgemm row_wise_adagrad", [float("nan")]))
-    adam_ref = statistics.median(results.get("torch SparseAdam", [float("nan")]))
+    def wall(label: str) -> float:
+        return statistics.median(w for w, _ in results.get(label, [(float("nan"), 0.0)]))
+
+    base, adam_ref = wall("fbgemm row_wise_adagrad"), wall("torch SparseAdam")
     lines = [
-        f"config {cfg.name}: {cfg.num_tables} tables x {cfg.rows} rows x dim {cfg.dim}, batch {cfg.batch}, "
-        f"{cfg.ids_per_bag} uniform ids per bag, sum pooling, {torch.get_num_threads()} threads",
+        f"config {cfg.name}: {cfg.num_tables} tables x {cfg.rows} rows x dim {cfg.dim}, "
+        f"batch {cfg.batch}, {cfg.ids_per_bag} uniform ids per bag, sum pooling, "
+        f"{torch.get_num_threads()} threads",
         f"memory copy {copy_gbs:.1f} GB/s, random-row gather {gather_gbs:.1f} GB/s (rows read)",
-        "| candidate | ms/step | samples/s | vs fbgemm rw-adagrad | vs SparseAdam | eff. GB/s "
-        "| floor / time | opt. state MB/table |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| candidate | ms/step | CPU ms/step | samples/s | vs fbgemm rw-adagrad | vs SparseAdam "
+        "| eff. GB/s | floor / time | opt. state MB/table |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for label, _, _ in candidates(cfg):
         optimizer = next(o for lab, o, _ in candidates(cfg) if lab == label)
         state_mb = optimizer_state_floats(optimizer, cfg.rows, cfg.dim) * 4 / 2**20
         if label in failures:
-            lines.append(f"| {label} | failed: {failures[label]} | | | | | | {state_mb:.1f} |")
+            lines.append(f"| {label} | failed: {failures[label]} | | | | | | | {state_mb:.1f} |")
             continue
-        seconds = statistics.median(results[label])
+        seconds = wall(label)
+        cpu = statistics.median(c for _, c in results[label])
         moved = bytes_moved(cfg, batch, optimizer)
         floor = moved / (gather_gbs * 1e9)
         lines.append(
-            f"| {label} | {seconds * 1e3:.1f} | {cfg.batch / seconds:,.0f} | {base / seconds:.2f}x "
-            f"| {adam_ref / seconds:.2f}x | {moved / seconds / 1e9:.1f} | {floor / seconds:.0%} | {state_mb:.1f} |"
+            f"| {label} | {seconds * 1e3:.1f} | {cpu * 1e3:.1f} | {cfg.batch / seconds:,.0f} "
+            f"| {base / seconds:.2f}x | {adam_ref / seconds:.2f}x | {moved / seconds / 1e9:.1f} "
+            f"| {floor / seconds:.0%} | {state_mb:.1f} |"
         )
     return lines
 
@@ -289,7 +305,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--configs", default="A,B", help="comma-separated subset of A,B")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per candidate")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round (median)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     table = QUICK if args.quick else CONFIGS
     rounds, steps = (1, 2) if args.quick else (args.rounds, args.steps)
     for name in args.configs.split(","):

@@ -558,3 +558,13 @@ def test_native_sort_is_a_stable_sort_by_key(num_keys: int) -> None:
     assert torch.equal(words & 0xFFFFFFFF, goff[order])
     assert scale is not None
     torch.testing.assert_close(scale, (psw / lengths[bag].float())[order])
+
+
+def test_maximize_never_goes_to_fbgemm() -> None:
+    cfg = FusedOptimizerConfig(name="row_wise_adagrad", maximize=True)
+    assert choose_backend(TABLES, cfg, torch.device("cuda")) == Backend.RECOPT
+    assert choose_backend(TABLES, cfg, CPU) == Backend.RECOPT
+    with pytest.raises(ValueError, match="maximize"):
+        choose_backend(
+            TABLES, FusedOptimizerConfig(name="sgd", maximize=True, backend=Backend.FBGEMM), CPU
+        )

@@ -34,6 +34,10 @@ def _fbgemm_problems(tables: list[TableSpec], optimizer: FusedOptimizerConfig) -
             f"fbgemm backend (supported: {sorted(FBGEMM_OPTIMIZERS)}); use backend='recopt' "
             "or 'auto'"
         )
+    if optimizer.maximize:
+        problems.append(
+            "fbgemm has no 'maximize' option; use backend='recopt' or 'auto' (maximize=True)"
+        )
     for table in tables:
         if table.embedding_dim % FBGEMM_DIM_MULTIPLE != 0:
             fixed = -(-table.embedding_dim // FBGEMM_DIM_MULTIPLE) * FBGEMM_DIM_MULTIPLE
