@@ -364,6 +364,28 @@ def _state_case(rank: int, world: int) -> None:
             )
 
 
+def _wrapper_case(rank: int, world: int) -> None:
+    """The planner's plan by default; the fused optimizer combines with a dense one under the
+    unsharded model's parameter names."""
+    from recopt.optim import CombinedOptimizer, KeyedOptimizerWrapper
+    from recopt.sharding.model_parallel import DistributedModelParallel
+
+    case = Case("wrapper", "mixed", "adam")
+    reference_names = {n for n, _ in _build(case).named_parameters()}
+    dmp = DistributedModelParallel(_build(case))  # no plan: the planner's
+    assert set(dmp.plan.plan) == {"sparse"} and set(dmp.plan["sparse"]) == {"t0", "t1", "t2"}
+    dense = KeyedOptimizerWrapper(
+        dict(dmp.named_parameters()), lambda ps: torch.optim.Adagrad(ps, lr=0.1)
+    )
+    combined = CombinedOptimizer([dmp.fused_optimizer, dense])
+    _, loss = dmp(_kjt([_batch(case, rank, 0, world)], False))
+    combined.zero_grad()
+    loss.backward()
+    combined.step()
+    assert set(combined.state_dict()["state"]) == reference_names
+    assert set(dmp.state_dict()) == reference_names
+
+
 def _full_state(dmp: Any) -> dict[str, torch.Tensor]:
     from recopt.sharding.state import full_tensor
 
@@ -383,6 +405,8 @@ def _contract(rank: int, world: int) -> list[str]:
         done.append("errors")
         _state_case(rank, world)
         done.append("state")
+        _wrapper_case(rank, world)
+        done.append("wrapper")
     return done
 
 
@@ -390,4 +414,4 @@ def _contract(rank: int, world: int) -> list[str]:
 def test_sharding_contract(world: int) -> None:
     results = run_on_ranks(_contract, world, timeout_s=240)
     assert all(r == results[0] for r in results)
-    assert len(results[0]) == len(_cases()) + 2
+    assert len(results[0]) == len(_cases()) + 3

@@ -134,6 +134,17 @@ class ShardedFusedOptimizer(FusedOptimizer):
         """Write the loaded values into every replica."""
         self._after_load()
 
+    # KeyedOptimizer's checks read ShardedTensor metadata, which warns; a CombinedOptimizer
+    # holding this one calls both methods directly.
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """`KeyedOptimizer.load_state_dict`, without ShardedTensor's deprecation warning."""
+        with quiet_sharded_tensor():
+            super().load_state_dict(state_dict)
+
+    def _check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        with quiet_sharded_tensor():
+            super()._check_state_dict(state_dict)
+
 
 class ShardedState:
     """The weights and optimizer state of one rank of a sharded collection.
