@@ -69,7 +69,7 @@ def test_round_trips_across_layouts_and_world_sizes(
     args = [str(tmp_path / "a2"), str(tmp_path / "cli3"), "--world-size", "3"]
     assert main([*args, "--plan", str(tmp_path / "plan.json")]) == 0
     out = capsys.readouterr()
-    assert "(2 ranks) -> " in out.out and "(3 ranks): 12 tensors of 3 tables" in out.out
+    assert "(2 ranks) -> " in out.out and "(3 ranks): 12 tensors (3 embedding tables)" in out.out
     assert "12/12 tensors" in out.err  # the progress bar
     assert main(args) == 2 and "exists; choose a new output" in capsys.readouterr().err
 

@@ -84,8 +84,8 @@ def _summary(src: str, dst: str, report: ReshardReport) -> str:
     rate = report.bytes / max(report.seconds, 1e-9) / (1 << 20)
     return (
         f"{src} ({report.source_world_size} ranks) -> {dst} ({target}): {report.tensors} "
-        f"tensors of {report.tables} tables, {_mib(report.bytes)} in {report.seconds:.2f}s "
-        f"({rate:,.0f} MiB/s)"
+        f"tensors ({report.tables} embedding tables), {_mib(report.bytes)} in "
+        f"{report.seconds:.2f}s ({rate:,.0f} MiB/s)"
     )
 
 
