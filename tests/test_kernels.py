@@ -568,3 +568,14 @@ def test_maximize_never_goes_to_fbgemm() -> None:
         choose_backend(
             TABLES, FusedOptimizerConfig(name="sgd", maximize=True, backend=Backend.FBGEMM), CPU
         )
+
+
+def test_shared_table_keeps_fbgemm_cpu_adagrad_away() -> None:
+    rwa = FusedOptimizerConfig(name="row_wise_adagrad")
+    assert choose_backend(TABLES, rwa, CPU, FEATURE_TABLE_MAP) == Backend.RECOPT
+    assert choose_backend(TABLES, rwa, torch.device("cuda"), FEATURE_TABLE_MAP) == Backend.FBGEMM
+    forced = FusedOptimizerConfig(name="adagrad", backend=Backend.FBGEMM)
+    with pytest.raises(ValueError, match="'t0' is looked up by 2 features"):
+        choose_backend(TABLES, forced, CPU, FEATURE_TABLE_MAP)
+    sgd = FusedOptimizerConfig(name="sgd", backend=Backend.FBGEMM)
+    assert choose_backend(TABLES, sgd, CPU, FEATURE_TABLE_MAP) == Backend.FBGEMM

@@ -14,6 +14,9 @@ from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, Ta
 # Optimizers fbgemm's fused kernels run (in the lead's wrapper), and the dim multiple they need.
 FBGEMM_OPTIMIZERS: frozenset[str] = frozenset({"sgd", "adagrad", "row_wise_adagrad"})
 FBGEMM_DIM_MULTIPLE = 4
+# fbgemm's CPU kernels mishandle a table shared by several features (measured, fbgemm-gpu-cpu
+# 1.8.0): EXACT_ADAGRAD updates once per feature, EXACT_ROWWISE_ADAGRAD raises.
+FBGEMM_SHARED_TABLE_BROKEN: frozenset[str] = frozenset({"adagrad", "row_wise_adagrad"})
 
 # CPU policy for AUTO, per optimizer (docs/kernels.md has the measurements behind it);
 # optimizers not listed run on recopt's backend.
@@ -24,9 +27,22 @@ CPU_POLICY: dict[str, Backend] = {
 }
 
 
-def _fbgemm_problems(tables: list[TableSpec], optimizer: FusedOptimizerConfig) -> list[str]:
+def _fbgemm_problems(
+    tables: list[TableSpec],
+    optimizer: FusedOptimizerConfig,
+    device: torch.device,
+    feature_table_map: list[int] | None,
+) -> list[str]:
     """Reasons fbgemm cannot run these tables, each naming the table and the fix."""
     problems: list[str] = []
+    if device.type == "cpu" and optimizer.name in FBGEMM_SHARED_TABLE_BROKEN and feature_table_map:
+        for t, table in enumerate(tables):
+            if feature_table_map.count(t) > 1:
+                problems.append(
+                    f"table {table.name!r} is looked up by {feature_table_map.count(t)} features, "
+                    f"and fbgemm's CPU {optimizer.name!r} does not sum a shared row's gradient "
+                    "over features (docs/kernels.md); use backend='recopt' or 'auto'"
+                )
     if optimizer.name not in FBGEMM_OPTIMIZERS:
         names = ", ".join(repr(t.name) for t in tables)
         problems.append(
@@ -50,7 +66,10 @@ def _fbgemm_problems(tables: list[TableSpec], optimizer: FusedOptimizerConfig) -
 
 
 def choose_backend(
-    tables: list[TableSpec], optimizer: FusedOptimizerConfig, device: torch.device
+    tables: list[TableSpec],
+    optimizer: FusedOptimizerConfig,
+    device: torch.device,
+    feature_table_map: list[int] | None = None,
 ) -> Backend:
     """Resolve the backend that runs these tables with this optimizer on this device.
 
@@ -62,6 +81,8 @@ def choose_backend(
         tables: the tables the kernel batches.
         optimizer: the fused optimizer; its ``backend`` field may force a backend.
         device: where the kernel runs.
+        feature_table_map: the features' tables, when known (a table shared by several
+            features rules out fbgemm's CPU adagrad and row-wise adagrad).
 
     Returns:
         ``Backend.FBGEMM`` or ``Backend.RECOPT`` (never ``AUTO``).
@@ -71,7 +92,7 @@ def choose_backend(
             run; the message names the table and the fix.
     """
     device = torch.device(device)
-    problems = _fbgemm_problems(tables, optimizer)
+    problems = _fbgemm_problems(tables, optimizer, device, feature_table_map)
     if optimizer.backend == Backend.FBGEMM:
         if problems:
             raise ValueError("; ".join(problems))
@@ -115,7 +136,7 @@ def create_kernel(
                 f"feature_table_map[{feature}] = {table} is not a table index in "
                 f"[0, {len(tables)}); map every feature to one of the kernel's tables"
             )
-    backend = choose_backend(tables, optimizer, torch.device(device))
+    backend = choose_backend(tables, optimizer, torch.device(device), feature_table_map)
     if backend == Backend.FBGEMM:
         # Imported here: fbgemm is heavy to import, and the CUDA build may be the one installed.
         from recopt.kernels.fbgemm_backend import FbgemmTableBatchedEmbedding
