@@ -43,24 +43,21 @@ def kjt() -> KeyedJaggedTensor:
 
 def test_dot_interaction_is_the_strict_upper_triangle() -> None:
     x = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], [[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]]])
-    out = DotInteraction(2)(x[:, 0], x[:, 1:])
+    out = DotInteraction(3)(x)
     # pairs (0,1), (0,2), (1,2): 1*3+2*4, 1*5+2*6, 3*5+4*6 ; then the second sample
     assert out.tolist() == [[11.0, 17.0, 39.0], [0.0, 2.0, 2.0]]
-    assert DotInteraction(26).num_outputs == 351
+    assert DotInteraction(27).num_outputs == 351
 
 
 def test_dot_interaction_gradient_matches_autograd_of_the_plain_formula() -> None:
-    dense = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    emb = torch.randn(3, 5, 4, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(DotInteraction(5).double(), (dense, emb))
-    rows, cols = torch.triu_indices(6, 6, offset=1)
-    weights = torch.randn(3, 15, dtype=torch.float64)
-    (DotInteraction(5)(dense, emb) * weights).sum().backward()
-    ours = dense.grad, emb.grad
-    dense.grad = emb.grad = None
-    vectors = torch.cat([dense.unsqueeze(1), emb], dim=1)
-    (torch.bmm(vectors, vectors.transpose(1, 2))[:, rows, cols] * weights).sum().backward()
-    torch.testing.assert_close(ours, (dense.grad, emb.grad))
+    x = torch.randn(3, 5, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(DotInteraction(5).double(), (x,))
+    rows, cols = torch.triu_indices(5, 5, offset=1)
+    weights = torch.randn(3, 10, dtype=torch.float64)
+    (DotInteraction(5)(x) * weights).sum().backward()
+    ours, x.grad = x.grad, None
+    (torch.bmm(x, x.transpose(1, 2))[:, rows, cols] * weights).sum().backward()
+    torch.testing.assert_close(ours, x.grad)
 
 
 def test_cross_network_full_and_low_rank_match_the_formula() -> None:
