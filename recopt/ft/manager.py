@@ -122,6 +122,9 @@ class Manager:
         self._participants: list[StepParticipant] = []
         self._server = CheckpointServer("0.0.0.0", config.timeout)
         self._stop = threading.Event()
+        # Known to the lighthouse from now on, so that a quorum forming while this replica
+        # starts up waits for it rather than leaving it for the next round.
+        self._send_heartbeat()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True)
         self._heartbeat.start()
 
@@ -419,18 +422,20 @@ class Manager:
         return commit
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def _heartbeat_loop(self) -> None:
-        interval = self.config.heartbeat_interval
+    def _send_heartbeat(self) -> None:
         payload = {
             "op": "heartbeat",
             "replica_id": self.config.replica_id,
             "group_rank": self.config.group_rank,
         }
-        while not self._stop.wait(interval.total_seconds()):
-            try:
-                request(self.config.lighthouse, payload, interval * 5)
-            except (OSError, ConnectionError) as exc:
-                logger.debug("heartbeat failed: %s", exc)
+        try:
+            request(self.config.lighthouse, payload, self.config.heartbeat_interval * 5)
+        except (OSError, ConnectionError) as exc:
+            logger.debug("heartbeat failed: %s", exc)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_interval.total_seconds()):
+            self._send_heartbeat()
 
     def shutdown(self) -> None:
         """Stop heartbeating and serving; the lighthouse will see this replica leave."""
