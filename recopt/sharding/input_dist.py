@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -102,12 +103,19 @@ class Bucketizer:
         self.replicated = any(len(r) > 1 for r in routes)
         self.has_unrouted = any(not r for r in routes)
         self.num_virtual = len(flat)
-        # Every feature whole to at most one place: routing permutes feature segments.
-        self.whole_features = (
-            self.single_block and not self.replicated and all(vf.row_offset == 0 for vf in flat)
-        )
+        # No table is row-split: every virtual feature takes a whole feature's segment (column
+        # shards repeat it), so routing copies segments and needs no per-id work.
+        self.whole_features = self.single_block
         self.gv_feature_list = [vf.feature for vf in flat]
         self.gv_dest_list = gv_dest
+        self.row_split = self._pure_row_split(blocks, routes, block_base)
+        self.split_bounds = [
+            torch.tensor([*b, num_rows[f]], dtype=torch.int64, device=device)
+            for f, b in enumerate(blocks)
+        ]
+        self.split_sizes = torch.tensor(
+            [-(-n // self.world_size) for n in num_rows], dtype=torch.int64, device=device
+        )
 
         def t(x: list[int]) -> Tensor:
             return torch.tensor(x, dtype=torch.int64, device=device)
@@ -120,6 +128,23 @@ class Bucketizer:
         self.route_gv = t([gv for r in routes for gv in r])
         self.gv_dest = t(gv_dest)
         self.gv_feature = t(self.gv_feature_list)
+
+    def _pure_row_split(
+        self, blocks: list[list[int]], routes: list[list[int]], block_base: list[int]
+    ) -> bool:
+        """Whether every feature is split into one row range per rank, rank order, and every
+        rank's virtual features are all the features in order: fbgemm's block bucketization
+        then produces exactly our layout in one native pass."""
+        world, num_features = self.world_size, self.num_features
+        if self.replicated or self.has_unrouted or self.dest_counts != [num_features] * world:
+            return False
+        for f, b in enumerate(blocks):
+            if len(b) != world:
+                return False
+            for d in range(world):
+                if routes[block_base[f] + d] != [d * num_features + f]:
+                    return False
+        return _block_bucketize_op() is not None
 
     def bucketize(
         self, features: KeyedJaggedTensor
@@ -136,6 +161,8 @@ class Bucketizer:
         """
         if self.whole_features:
             return self._bucketize_whole(features)
+        if self.row_split and features.stride() > 0:
+            return self._bucketize_rows(features)
         values, lengths = features.values(), features.lengths()
         weights = features.weights_or_none()
         batch = features.stride()
@@ -178,11 +205,33 @@ class Bucketizer:
         gv_N, order = torch.sort(gv_N, stable=True)
         return ids_N[order], None if weights is None else weights[order], counts, lengths_G_B
 
+    def _bucketize_rows(
+        self, features: KeyedJaggedTensor
+    ) -> tuple[Tensor, Tensor | None, list[int], Tensor]:
+        """Row-wise layouts: fbgemm's block bucketization, one native pass over the ids."""
+        op = _block_bucketize_op()
+        assert op is not None
+        lengths, ids, weights, _, _ = op(
+            features.lengths(),
+            features.values(),
+            False,
+            False,
+            self.split_sizes,
+            self.world_size,
+            features.weights_or_none(),
+            None,
+            -1,
+            self.split_bounds,
+        )
+        lengths_G_B = lengths.view(self.num_virtual, features.stride())
+        counts = lengths.view(self.world_size, -1).sum(1).tolist()
+        return ids, weights, counts, lengths_G_B
+
     def _bucketize_whole(
         self, features: KeyedJaggedTensor
     ) -> tuple[Tensor, Tensor | None, list[int], Tensor]:
-        """Every feature goes whole to at most one virtual feature (table-wise, and column-wise
-        with one shard): routing is a permutation of feature segments, no per-id work."""
+        """No row split (table-wise, column-wise, data-parallel): each virtual feature gets its
+        feature's whole segment, so routing copies segments and does no per-id work."""
         values, weights = features.values(), features.weights_or_none()
         opk = features.offset_per_key()
         order = self.gv_feature_list
@@ -196,6 +245,16 @@ class Bucketizer:
         batch = features.stride()
         lengths_G_B = features.lengths().view(-1, batch)[self.gv_feature]
         return ids, w, counts, lengths_G_B
+
+
+def _block_bucketize_op() -> Any:
+    """fbgemm's ``block_bucketize_sparse_features`` if fbgemm is installed, else ``None``."""
+    try:
+        import fbgemm_gpu  # noqa: F401  (registers the torch.ops.fbgemm operators)
+
+        return torch.ops.fbgemm.block_bucketize_sparse_features
+    except (ImportError, AttributeError, RuntimeError):
+        return None
 
 
 def segment_transpose(values: Tensor, seg_W_V: Tensor) -> Tensor:
