@@ -125,6 +125,13 @@ def _adam_like(
     weight.index_add_(0, rows_U, m_U_D.div_(denom).mul_(-step_size))
 
 
+def _sum_sq(x_R_D: Tensor) -> float:
+    """Sum of squares in float64 without a full-size temporary: row norms, then their sum."""
+    if x_R_D.numel() == 0:
+        return 0.0
+    return float(torch.linalg.vector_norm(x_R_D, dim=1).double().square().sum().item())
+
+
 def _adafactor(
     config: FusedOptimizerConfig,
     lr: float,
@@ -145,17 +152,19 @@ def _adafactor(
     beta2_t = step**config.beta2_decay
     rho = min(lr, 1.0 / math.sqrt(step))
     if norm.version != weight._version:
-        norm.sum_sq = float(weight.double().square().sum().item())
+        norm.sum_sq = _sum_sq(weight)
     alpha = max(config.eps2, math.sqrt(norm.sum_sq / weight.numel())) * rho
     w_U_D = weight.index_select(0, rows_U)
-    old_sum_sq = float(w_U_D.double().square().sum().item())
+    old_sum_sq = _sum_sq(w_U_D)
     if config.weight_decay != 0.0:
         w_U_D.mul_(1.0 - lr * config.weight_decay)
     # Absent rows have a zero gradient: their row statistic decays, nothing else changes.
     row_var, col_var = state["row_var"], state["col_var"]
     row_var.mul_(1.0 - beta2_t)
-    row_var.index_add_(0, rows_U, grad.square().mean(dim=1).mul_(beta2_t))
-    col_var.lerp_(grad.square().sum(dim=0).div_(rows), beta2_t)
+    grad_sq_U_D = grad.square()
+    row_var.index_add_(0, rows_U, grad_sq_U_D.mean(dim=1).mul_(beta2_t))
+    col_var.lerp_(grad_sq_U_D.sum(dim=0).div_(rows), beta2_t)
+    del grad_sq_U_D
     row_scale = row_var.mean().clamp(min=eps1)
     var_U_D = torch.outer(row_var.index_select(0, rows_U), col_var).div_(row_scale)
     update_U_D = var_U_D.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad)
@@ -164,7 +173,7 @@ def _adafactor(
     )
     w_U_D.add_(update_U_D, alpha=-alpha / clip)
     weight.index_copy_(0, rows_U, w_U_D)
-    norm.sum_sq += float(w_U_D.double().square().sum().item()) - old_sum_sq
+    norm.sum_sq += _sum_sq(w_U_D) - old_sum_sq
     norm.version = weight._version
 
 
