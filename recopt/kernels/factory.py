@@ -18,11 +18,13 @@ FBGEMM_DIM_MULTIPLE = 4
 # 1.8.0): EXACT_ADAGRAD updates once per feature, EXACT_ROWWISE_ADAGRAD raises.
 FBGEMM_SHARED_TABLE_BROKEN: frozenset[str] = frozenset({"adagrad", "row_wise_adagrad"})
 
-# CPU policy for AUTO, per optimizer (docs/kernels.md has the measurements behind it);
-# optimizers not listed run on recopt's backend.
+# CPU policy for AUTO, per optimizer, from benchmarks/bench_fused_embedding.py (docs/kernels.md):
+# recopt's sgd and adagrad cost half and a quarter of fbgemm's CPU time; row-wise adagrad is
+# even on config A and fbgemm's is cheaper on config B, so it stays on fbgemm. Optimizers not
+# listed (and fbgemm's when it cannot run the tables) run on recopt.
 CPU_POLICY: dict[str, Backend] = {
-    "sgd": Backend.FBGEMM,
-    "adagrad": Backend.FBGEMM,
+    "sgd": Backend.RECOPT,
+    "adagrad": Backend.RECOPT,
     "row_wise_adagrad": Backend.FBGEMM,
 }
 
