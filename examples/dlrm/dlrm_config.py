@@ -123,8 +123,8 @@ class LoopSection:
     small models on shared machines, where idle-spinning intra-op threads of several
     processes starve each other (measured: 69k vs 1.1k samples/s on 2 loaded cores).
     ``timeout_s`` bounds every collective. ``matmul_precision`` is torch's float32 matmul
-    precision: ``highest`` (exact fp32), or ``medium``, which lets oneDNN multiply in bfloat16
-    on CPUs that have it (measured 1.65x faster MLP layers on this AVX512-BF16 machine).
+    precision: ``highest`` (exact fp32), or ``medium`` (bfloat16 products where torch calls
+    MKL/oneDNN matmul; see docs/dlrm.md for what it gains next to ``model.use_onednn``).
     """
 
     steps: int = 1500
