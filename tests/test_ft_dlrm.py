@@ -20,6 +20,7 @@ from torch import nn
 from recopt.ft.launch import FaultTolerantTraining, make_fault_tolerant
 from recopt.ft.lighthouse import Lighthouse, LighthouseConfig
 from recopt.ft.manager import ManagerConfig
+from recopt.kernels.config import Backend
 from recopt.models.dlrm import DLRM, DLRMConfig
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, FusedOptimizerConfig
 from recopt.optim import CombinedOptimizer, KeyedOptimizerWrapper
@@ -37,7 +38,8 @@ def _dlrm(seed: int) -> tuple[nn.Module, CombinedOptimizer]:
         for i in range(2)
     ]
     sparse = FusedEmbeddingBagCollection(
-        tables, optimizer=FusedOptimizerConfig(name="row_wise_adagrad", lr=0.05)
+        tables,
+        optimizer=FusedOptimizerConfig(name="row_wise_adagrad", lr=0.05, backend=Backend.FBGEMM),
     )
     model = DLRM(sparse, DLRMConfig(dense_in_features=4, bottom_mlp=(8, 8), top_mlp=(8,)))
     dense = {n: p for n, p in model.named_parameters() if p.requires_grad}
