@@ -1,9 +1,9 @@
 """A replica group training fused embedding tables + a dense layer under fault tolerance.
 
 Run as ``python tests/ft_fused_worker.py --replica-id A --lighthouse-port P --out DIR``. The
-kernel's ``grad_hook`` is emulated here as docs/design.md specifies it (called in backward
-with each table's unique ids and aggregated row gradients, before the update), so that the
-cross-replica path runs before the kernel ships it. Writes the same files as ft_worker.py.
+recopt kernel's ``grad_hook`` (docs/design.md) carries the cross-replica row averaging. Every
+batch looks up every table, because the kernel calls the hook only for tables with ids.
+Writes the same files as ft_worker.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import datetime
 import json
 import os
 import time
-from typing import Any
 
 import torch
 from torch import nn
@@ -21,26 +20,9 @@ from torch import nn
 from recopt.ft.launch import make_fault_tolerant
 from recopt.ft.manager import ManagerConfig
 from recopt.kernels.config import Backend
-from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, FusedOptimizerConfig
 from recopt.optim import CombinedOptimizer, KeyedOptimizerWrapper
 from recopt.sparse import KeyedJaggedTensor
-
-_torch_update = RecoptTableBatchedEmbedding._torch_update
-
-
-def _hooked_update(self: Any, t: int, weight: Any, state: Any, rows: Any, grads: Any) -> None:
-    hook = getattr(self, "grad_hook", None)
-    if hook is not None:
-        grads = hook(t, rows, grads)
-    _torch_update(self, t, weight, state, rows, grads)
-
-
-def _emulate_grad_hook(module: FusedEmbeddingBagCollection) -> None:
-    RecoptTableBatchedEmbedding._torch_update = _hooked_update  # type: ignore[method-assign]
-    for kernel in module.kernels():
-        kernel._use_native = False  # the torch path aggregates row gradients first
-        kernel.grad_hook = None
 
 
 class Model(nn.Module):
@@ -88,7 +70,6 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(args.rank_seed)
     model = Model()
-    _emulate_grad_hook(model.sparse)
     dense = KeyedOptimizerWrapper(
         dict(model.dense.named_parameters()), lambda p: torch.optim.AdamW(p, lr=0.01)
     )
