@@ -78,6 +78,7 @@ class Bucketizer:
         device: torch.device,
     ) -> None:
         self.world_size = len(dest_features)
+        self.device = device
         self.num_features = len(num_rows)
         self.dest_counts = [len(v) for v in dest_features]
         self.dp_features = list(dp_features)
@@ -335,13 +336,14 @@ def distribute_input(
         rejected ranks on every other rank. Nothing is sent past the count exchange then.
     """
     world = bucketizer.world_size
-    counts = torch.zeros(world, 4, dtype=torch.int64)
+    # On the ids' device: NCCL exchanges device tensors only.
+    counts = torch.zeros(world, 4, dtype=torch.int64, device=bucketizer.device)
     routed: tuple[Tensor, Tensor | None, list[int], Tensor] | None = None
     if features is None or error is not None:
         counts[:, _FLAG] = 1
     else:
         routed = bucketizer.bucketize(features)
-        counts[:, _MP_IDS] = torch.tensor(routed[2], dtype=torch.int64)
+        counts[:, _MP_IDS] = torch.tensor(routed[2], dtype=torch.int64, device=counts.device)
         counts[:, _BATCH] = features.stride()
         opk = features.offset_per_key()
         counts[:, _DP_IDS] = sum(opk[f + 1] - opk[f] for f in bucketizer.dp_features)

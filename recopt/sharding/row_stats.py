@@ -119,7 +119,7 @@ class RowStatExchange:
             # Rank d sends its shards of the tables we share; their sizes equal ours (same ids).
             theirs = [(t, k) for t, k in self._rank_shards[d] if t in self._shared(d, me)]
             recv_splits.append(sum(sizes[self._any_local(t)] for t, _ in theirs))
-        buf = torch.cat(send) if send else torch.zeros(0)
+        buf = torch.cat(send) if send else grads[0].new_zeros(0) if grads else self._empty()
         recv = all_to_all_flat(buf, send_splits, recv_splits, self._group)
         incoming: dict[int, Tensor] = {}
         start = 0
@@ -137,6 +137,10 @@ class RowStatExchange:
                     total = partials[(t2, k2)] if total is None else total + partials[(t2, k2)]
             if total is not None:
                 self._full[(t, k)] = total
+
+    def _empty(self) -> Tensor:
+        weights = self._kernels[0].split_embedding_weights() if self._kernels else []
+        return weights[0].new_zeros(0) if weights else torch.zeros(0)
 
     def _shared(self, a: int, b: int) -> set[int]:
         """Tables with full-row shards on both ranks ``a`` and ``b`` (``a != b``)."""

@@ -29,7 +29,8 @@ from recopt.sharding.input_dist import (
     segment_transpose,
 )
 from recopt.sharding.layout import GroupLayout, Kernel, ShardedLayout
-from recopt.sharding.plan import ParameterSharding
+from recopt.sharding.plan import ParameterSharding, ShardingPlan
+from recopt.sharding.plan_validation import validate_plan
 from recopt.sharding.row_stats import RowStatExchange
 from recopt.sharding.state import ShardedState
 from recopt.sparse import KeyedJaggedTensor, KeyedTensor
@@ -47,7 +48,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
 
     Args:
         tables: the tables.
-        shardings: table name -> `ParameterSharding` (validated by the caller, e.g. DMP).
+        shardings: table name -> `ParameterSharding` (checked with `validate_plan`).
         optimizer: the fused optimizer of tables whose sharding names none.
         table_optimizers: per-table optimizers (the plan's ``optimizer`` takes precedence).
         is_weighted: the input carries one weight per id.
@@ -56,7 +57,8 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         module_path: the module's path in the model, for error messages.
 
     Raises:
-        ValueError: invalid tables; ``PlanError`` for an unsupported optimizer/sharding pair.
+        ValueError: invalid tables; ``PlanError`` for an invalid plan or an unsupported
+            optimizer/sharding pair.
     """
 
     def __init__(
@@ -78,6 +80,10 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._pg = process_group
         self._rank = dist.get_rank(process_group)
         world = dist.get_world_size(process_group)
+        # Pure and identical on every rank: a bad plan fails here, before any collective.
+        validate_plan(
+            ShardingPlan({module_path: dict(shardings)}), {module_path: self.tables}, world
+        )
         default = optimizer if optimizer is not None else FusedOptimizerConfig()
         overrides = dict(table_optimizers or {})
         optimizers = {
@@ -97,7 +103,9 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._dp_kernels = [self._make_kernel(g) for g in self._layout.dp_groups]
         self._init_weights()
         self._dummy = torch.zeros(0, device=self.device, requires_grad=True)
-        self._state = ShardedState(self._layout, self._mp_kernels, self._dp_kernels, self._pg)
+        self._state = ShardedState(
+            self._layout, self._mp_kernels, self._dp_kernels, self._pg, self.device
+        )
         self._row_stats = RowStatExchange(self._layout, self._mp_kernels, self._pg)
         self._applied_lr: list[float | None] = [None] * len(self._layout.group_optimizers)
         self._prepare_output_maps()

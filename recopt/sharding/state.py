@@ -45,7 +45,11 @@ def quiet_sharded_tensor() -> Iterator[None]:
 
 @quiet_sharded_tensor()
 def make_sharded_tensor(
-    pieces: Sequence[Piece], size: Sequence[int], rank: int, group: dist.ProcessGroup | None
+    pieces: Sequence[Piece],
+    size: Sequence[int],
+    rank: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device | None = None,
 ) -> ShardedTensor:
     """A ShardedTensor from every rank's rectangles; this rank's are views (no copy, no collective).
 
@@ -54,14 +58,19 @@ def make_sharded_tensor(
         size: the global shape.
         rank: this rank (in ``group``).
         group: the process group.
+        device: this rank's device (default: its pieces', else CPU). Other ranks' pieces are
+            placed on the same device type (``cuda:<rank % device count>`` on GPUs).
 
     Returns:
         The ShardedTensor.
     """
-    device = next((p[3].device for p in pieces if p[3] is not None), torch.device("cpu"))
+    if device is None:
+        device = next((p[3].device for p in pieces if p[3] is not None), torch.device("cpu"))
     dtype = next((p[3].dtype for p in pieces if p[3] is not None), torch.float32)
     metas = [
-        ShardMetadata(shard_offsets=list(o), shard_sizes=list(s), placement=f"rank:{r}/{device}")
+        ShardMetadata(
+            shard_offsets=list(o), shard_sizes=list(s), placement=_placement(r, rank, device)
+        )
         for o, s, r, _ in pieces
     ]
     local = [
@@ -79,6 +88,12 @@ def make_sharded_tensor(
     )
 
 
+def _placement(owner: int, rank: int, device: torch.device) -> str:
+    if owner == rank or device.type == "cpu":
+        return f"rank:{owner}/{device}"
+    return f"rank:{owner}/{device.type}:{owner % max(1, torch.cuda.device_count())}"
+
+
 @quiet_sharded_tensor()
 def full_tensor(value: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
     """The whole tensor on every rank: a ShardedTensor is summed from its shards (a collective).
@@ -93,8 +108,12 @@ def full_tensor(value: Tensor, group: dist.ProcessGroup | None = None) -> Tensor
     if not isinstance(value, ShardedTensor):
         return value.detach().clone()
     local = value.local_shards()
-    like = local[0].tensor if local else torch.empty(0)
-    full = torch.zeros(value.size(), dtype=value.dtype, device=like.device)
+    if local:
+        device = local[0].tensor.device
+    else:  # no shard here: the device its placement names (NCCL reduces device tensors)
+        placement = value.metadata().shards_metadata[0].placement
+        device = placement.device() if placement is not None else torch.device("cpu")
+    full = torch.zeros(value.size(), dtype=value.dtype, device=device)
     for shard in local:
         index = tuple(
             slice(o, o + s)
@@ -154,6 +173,7 @@ class ShardedState:
         mp_kernels: this rank's model-parallel kernels (``layout.mp_groups`` order).
         dp_kernels: its data-parallel kernels (``layout.dp_groups`` order).
         group: the process group.
+        device: where this rank's shards live.
     """
 
     def __init__(
@@ -162,9 +182,11 @@ class ShardedState:
         mp_kernels: Sequence[Kernel],
         dp_kernels: Sequence[Kernel],
         group: dist.ProcessGroup | None,
+        device: torch.device,
     ) -> None:
         self._layout = layout
         self._group = group
+        self._layout_device = device
         self._rank = layout.rank
         # (table, shard) -> (weight view, state views) of this rank's rectangles.
         self._local: dict[tuple[int, int], tuple[Tensor, dict[str, Tensor]]] = {}
@@ -204,7 +226,11 @@ class ShardedState:
             )
         table = self._layout.tables[t]
         return make_sharded_tensor(
-            pieces, [table.num_embeddings, table.embedding_dim], self._rank, self._group
+            pieces,
+            [table.num_embeddings, table.embedding_dim],
+            self._rank,
+            self._group,
+            self._device(),
         )
 
     def _states(self, t: int) -> dict[str, Tensor]:
@@ -231,7 +257,7 @@ class ShardedState:
                 elif s.col_offset == 0:  # row-wise state: the first column shard's copy
                     pieces.append(([s.row_offset], [s.num_rows], s.rank, view))
             size = [rows, dim] if proto.dim() == 2 else [dim if name == "col_var" else rows]
-            out[name] = make_sharded_tensor(pieces, size, self._rank, self._group)
+            out[name] = make_sharded_tensor(pieces, size, self._rank, self._group, self._device())
         return out
 
     def _scalar(self, t: int, name: str, proto: Tensor) -> Tensor:
@@ -244,9 +270,7 @@ class ShardedState:
         return mirror
 
     def _device(self) -> torch.device:
-        for w, _ in self._local.values():
-            return w.device
-        return torch.device("cpu")
+        return self._layout_device
 
     def _build_optimizer(self) -> ShardedFusedOptimizer:
         layout = self._layout
@@ -300,7 +324,11 @@ class ShardedState:
                     continue
                 src_k = ps.shards.index(first)
                 local = self._local.get((t, src_k))
-                buf = local[1][name].clone() if local is not None else torch.empty(rows)
+                buf = (
+                    local[1][name].clone()
+                    if local is not None
+                    else torch.empty(rows, device=self._device())
+                )
                 if dist.get_world_size(self._group) > 1:
                     src = first.rank
                     if self._group is not None:
