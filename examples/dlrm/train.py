@@ -252,6 +252,7 @@ class Trainer:
         cfg = self.config.training
         window_start, window_samples = time.perf_counter(), 0
         last_val: dict[str, float] = {}
+        validated_at = -1
         for batch in self._batches():
             self.train_step(batch.to(self.env.device))
             self.step += 1
@@ -260,12 +261,14 @@ class Trainer:
                 rate = window_samples / max(time.perf_counter() - window_start, 1e-9)
                 self._report_train(rate)
                 window_start, window_samples = time.perf_counter(), 0
-            if cfg.eval_every and self.step % cfg.eval_every == 0 or self.step == cfg.steps:
-                last_val = self.validate()
+            if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
+                last_val, validated_at = self.validate(), self.step
             if self.config.checkpoint.every and self.step % self.config.checkpoint.every == 0:
                 self.save()
             if self.step >= cfg.steps:
                 break
+        if validated_at != self.step:  # the data ran out before training.steps
+            last_val = self.validate()
         if self.bar is not None:
             self.bar.close()
         return last_val
