@@ -13,6 +13,7 @@ from torch import nn
 
 from recopt.ft import Manager, ManagerConfig, OptimizerWrapper
 from recopt.ft.embedding import (
+    EmbeddingReplicaSync,
     FusedEmbeddingGuard,
     average_row_gradients,
     union_row_gradients,
@@ -177,3 +178,58 @@ def test_manager_rolls_back_fused_tables_with_dense_model(lighthouse: Lighthouse
         _assert_equal(before, state_dict())
     finally:
         manager.shutdown()
+
+
+class _TwoReplicaStub:
+    """A Manager stand-in whose peer ran the hook for ``peer_table`` (or the same table)."""
+
+    def __init__(self, peer_table: int | None = None) -> None:
+        self.peer_table = peer_table
+        self.errors: list[Exception] = []
+        self.participants: list[Any] = []
+
+    def register_participant(self, participant: Any) -> None:
+        self.participants.append(participant)
+
+    def participant_rank(self) -> int:
+        return 0
+
+    def report_error(self, exc: Exception) -> None:
+        self.errors.append(exc)
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        peer = tensor.clone()
+        if self.peer_table is not None and tensor.dtype == torch.int64:
+            peer[1] = self.peer_table
+        elif tensor.dtype != torch.int64:
+            peer = peer * 3  # the peer's gradients for the same rows
+        return [tensor, peer]
+
+
+def test_row_exchange_averages_and_refuses_mismatched_tables() -> None:
+    config = FusedOptimizerConfig(name="adam", backend=Backend.RECOPT)
+    tables = _tables()
+    ids, grads = torch.tensor([2, 5]), torch.ones(2, 8)
+
+    stub = _TwoReplicaStub()
+    module = FusedEmbeddingBagCollection(tables, optimizer=config)
+    EmbeddingReplicaSync(module, stub, FusedEmbeddingGuard(module))  # type: ignore[arg-type]
+    hook = module.kernels()[0].grad_hook
+    averaged = hook(0, ids, grads)
+    assert torch.equal(averaged, torch.full((2, 8), 2.0)) and not stub.errors  # (1 + 3) / 2
+
+    stub = _TwoReplicaStub(peer_table=1)
+    module = FusedEmbeddingBagCollection(tables, optimizer=config)
+    EmbeddingReplicaSync(module, stub, FusedEmbeddingGuard(module))  # type: ignore[arg-type]
+    local = module.kernels()[0].grad_hook(0, ids, grads)
+    assert local is grads  # no averaging with another table's rows
+    assert len(stub.errors) == 1 and "grad_hook for every table" in str(stub.errors[0])
+
+
+def test_replica_sync_refuses_kernels_without_hook() -> None:
+    module = FusedEmbeddingBagCollection(
+        [EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=8, feature_names=["f"])],
+        optimizer=FusedOptimizerConfig(name="sgd", backend=Backend.FBGEMM),
+    )
+    with pytest.raises(ValueError, match="backend='recopt'"):
+        EmbeddingReplicaSync(module, _TwoReplicaStub(), FusedEmbeddingGuard(module))  # type: ignore[arg-type]

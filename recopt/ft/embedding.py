@@ -284,10 +284,24 @@ class EmbeddingReplicaSync(StepParticipant):
 
     def _hook_for(self, kernel: int) -> Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]:
         def hook(table: int, ids_U: torch.Tensor, grads_U_D: torch.Tensor) -> torch.Tensor:
-            all_ids = self._manager.allgather(ids_U)
-            all_grads = self._manager.allgather(grads_U_D) if all_ids is not None else None
-            if all_ids is None or all_grads is None:
+            # The ids travel behind (kernel, table), so that replicas whose hooks ran for
+            # different tables drop the step instead of averaging unrelated rows.
+            tag = torch.tensor([kernel, table], dtype=ids_U.dtype, device=ids_U.device)
+            tagged = self._manager.allgather(torch.cat([tag, ids_U]))
+            if tagged is not None and any(not torch.equal(t[:2], tag) for t in tagged):
+                seen = sorted({tuple(t[:2].tolist()) for t in tagged})
+                self._manager.report_error(
+                    RuntimeError(
+                        f"replicas ran the row-gradient exchange for different (kernel, table) "
+                        f"pairs {seen}; the kernel must call grad_hook for every table on every "
+                        "backward, in table order, also with no ids"
+                    )
+                )
+                tagged = None
+            all_grads = self._manager.allgather(grads_U_D) if tagged is not None else None
+            if tagged is None or all_grads is None:
                 return grads_U_D  # errored: the step is dropped and rolled back anyway
+            all_ids = [t[2:] for t in tagged]
             self._touched.append(_Touched(kernel, table, all_ids))
             return average_row_gradients(ids_U, all_ids, all_grads)
 
