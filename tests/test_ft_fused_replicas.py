@@ -42,3 +42,4 @@ def test_fused_tables_stay_identical_across_replicas(tmp_path: Path) -> None:
             assert_same_state(cluster.state("a", k), cluster.state("b", k))
     finally:
         cluster.close()
+        print(cluster.logs())  # shown by pytest for a failed test only

@@ -16,11 +16,9 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     c = Cluster(tmp_path)
     try:
         yield c
-    except BaseException:
-        print(c.logs())
-        raise
     finally:
         c.close()
+        print(c.logs())  # pytest shows captured teardown output for failed tests only
 
 
 def _committed(cluster: Cluster, replica: str) -> list[dict]:
