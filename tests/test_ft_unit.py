@@ -123,6 +123,19 @@ def test_sharded_groups_join_and_vote_with_every_rank() -> None:
     assert qs.decision(r2, now=8.5) is False
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"min_replicas": 0}, "min_replicas=0"),
+        ({"join_timeout": datetime.timedelta(seconds=-1)}, "join_timeout"),
+        ({"heartbeat_timeout": datetime.timedelta(0)}, "heartbeat_timeout"),
+    ],
+)
+def test_lighthouse_config_errors_name_the_field(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LighthouseConfig(**kwargs)
+
+
 def test_plan_recovery() -> None:
     members = [_member("a", 5), _member("b", 3), _member("c", 5), _member("d", 0, first=True)]
     assert plan_recovery(members, init_sync=True) == {"b": "a", "d": "c"}

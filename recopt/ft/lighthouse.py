@@ -51,6 +51,8 @@ class LighthouseConfig:
     def __post_init__(self) -> None:
         if self.min_replicas < 1:
             raise ValueError(f"min_replicas={self.min_replicas} must be at least 1")
+        if self.join_timeout.total_seconds() < 0:
+            raise ValueError(f"join_timeout={self.join_timeout} must be >= 0 (0: never wait)")
         if self.heartbeat_timeout.total_seconds() <= 0:
             raise ValueError(f"heartbeat_timeout={self.heartbeat_timeout} must be positive")
 
