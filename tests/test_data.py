@@ -207,3 +207,19 @@ def test_criteo_malformed_lines_name_file_line_and_column(tmp_path: pathlib.Path
         next(criteo([path], batch_size=1))
     with pytest.raises(ValueError, match="too small"):
         CriteoClickLog([path], [f"c{i}" for i in range(26)], [1] * 26, batch_size=1)
+
+
+def test_criteo_bulk_and_line_by_line_parsers_agree(tmp_path: pathlib.Path) -> None:
+    from recopt.data.criteo import _parse_columns_checked, _parse_columns_fast
+
+    lines = [criteo_line(i, i % 3 == 0).rstrip("\n").encode() for i in range(50)]
+    rows = [("f", i + 1, line) for i, line in enumerate(lines)]
+    for fast, checked in zip(_parse_columns_fast(lines), _parse_columns_checked(rows), strict=True):
+        np.testing.assert_array_equal(fast, checked)
+    # A short hex token is valid Criteo-like input the bulk path does not take: same ids.
+    short = criteo_line(1).replace(format(0x1000 + 31, "08x"), "41f", 1)
+    path = tmp_path / "short.tsv"
+    path.write_text(short)
+    batch = next(criteo([path], batch_size=1))
+    expected = hash_categorical(np.array([0x41F], dtype=np.uint64), 0, 1000)[0]
+    assert batch.sparse["cat_0"].values().tolist() == [expected]

@@ -112,7 +112,7 @@ class CriteoClickLog:
 
     def __next__(self) -> Batch:
         window = self.batch_size * self.world_size
-        rows: list[tuple[str, int, list[bytes]]] = []
+        rows: list[tuple[str, int, bytes]] = []
         complete = False
         while not complete:
             line = self._next_line()
@@ -120,7 +120,7 @@ class CriteoClickLog:
                 break
             path, number, raw = line
             if (self._lines_read - 1) % self.world_size == self.rank:
-                rows.append((path, number, raw.rstrip(b"\r\n").split(b"\t")))
+                rows.append((path, number, raw.rstrip(b"\r\n")))
             complete = self._lines_read % window == 0
         # A window cut short by the end of the data is partial on every rank at once.
         if not rows or (self.drop_last and not complete):
@@ -186,36 +186,14 @@ class CriteoClickLog:
         self._lines_read = int(state["lines_read"])
 
     def _parse(
-        self, rows: list[tuple[str, int, list[bytes]]]
+        self, rows: list[tuple[str, int, bytes]]
     ) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
+        try:
+            labels, dense, cats, present = _parse_columns_fast([raw for _, _, raw in rows])
+        except ValueError:
+            # The line-by-line parser finds the line and column at fault and says so.
+            labels, dense, cats, present = _parse_columns_checked(rows)
         batch = len(rows)
-        labels = np.zeros(batch, dtype=np.float32)
-        dense = np.zeros((batch, NUM_DENSE), dtype=np.float32)
-        cats = np.zeros((batch, NUM_SPARSE), dtype=np.uint64)
-        present = np.zeros((batch, NUM_SPARSE), dtype=bool)
-        for i, (path, number, fields) in enumerate(rows):
-            if len(fields) != NUM_COLUMNS:
-                raise ValueError(
-                    f"{path}:{number}: expected {NUM_COLUMNS} tab-separated columns (label, "
-                    f"{NUM_DENSE} integer, {NUM_SPARSE} categorical), found {len(fields)}"
-                )
-            column = 0
-            try:
-                labels[i] = _parse_label(fields[0])
-                for column in range(1, 1 + NUM_DENSE):
-                    token = fields[column]
-                    if token:
-                        dense[i, column - 1] = math.log1p(max(int(token), 0))
-                for column in range(1 + NUM_DENSE, NUM_COLUMNS):
-                    token = fields[column]
-                    if token:
-                        cats[i, column - 1 - NUM_DENSE] = int(token, 16)
-                        present[i, column - 1 - NUM_DENSE] = True
-            except ValueError as err:
-                raise ValueError(
-                    f"{path}:{number}: column {column} ({_column_name(column)}) holds "
-                    f"{fields[column]!r}, which does not parse: {err}"
-                ) from None
         ids = np.full((NUM_SPARSE, batch), MISSING_ID, dtype=np.int64)
         for col, rows_n in enumerate(self.num_embeddings):
             hashed = hash_categorical(cats[:, col], col, rows_n)
@@ -226,6 +204,79 @@ class CriteoClickLog:
             torch.ones(NUM_SPARSE * batch, dtype=torch.int64),
         )
         return torch.from_numpy(dense), sparse, torch.from_numpy(labels)
+
+
+_Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _parse_columns_fast(lines: list[bytes]) -> _Columns:
+    """Labels, dense, categorical values and their presence, parsed by numpy in bulk.
+
+    About 10x the line-by-line parser. Raises ValueError on anything unusual (a wrong
+    column count, a bad token, a categorical that is not 8 hex digits) without saying where;
+    the caller then re-parses line by line for the message.
+    """
+    batch = len(lines)
+    tokens = b"\t".join(lines).split(b"\t")
+    if len(tokens) != batch * NUM_COLUMNS:
+        raise ValueError("column count")
+    table = np.array(tokens, dtype=np.bytes_).reshape(batch, NUM_COLUMNS)
+    labels = table[:, 0].astype(np.int64)
+    if ((labels != 0) & (labels != 1)).any():
+        raise ValueError("label")
+    ints = table[:, 1 : 1 + NUM_DENSE]
+    ints = np.where(ints == b"", b"0", ints).astype(np.int64)
+    dense = np.log1p(np.maximum(ints, 0)).astype(np.float32)
+    hexes = table[:, 1 + NUM_DENSE :]
+    lengths = np.char.str_len(hexes)
+    if not ((lengths == 0) | (lengths == 8)).all():
+        raise ValueError("categorical width")
+    present = lengths == 8
+    filled = np.where(present, hexes, b"00000000").astype("S8")
+    raw = bytes.fromhex(filled.tobytes().decode("ascii"))
+    cats = np.frombuffer(raw, dtype=">u4").astype(np.uint64).reshape(batch, NUM_SPARSE)
+    return labels.astype(np.float32), dense, cats, present
+
+
+def _parse_columns_checked(rows: list[tuple[str, int, bytes]]) -> _Columns:
+    """Line by line; raises naming the file, line, column and token of the first bad field."""
+    batch = len(rows)
+    labels = np.zeros(batch, dtype=np.float32)
+    dense = np.zeros((batch, NUM_DENSE), dtype=np.float32)
+    cats = np.zeros((batch, NUM_SPARSE), dtype=np.uint64)
+    present = np.zeros((batch, NUM_SPARSE), dtype=bool)
+    for i, (path, number, raw) in enumerate(rows):
+        fields = raw.split(b"\t")
+        if len(fields) != NUM_COLUMNS:
+            raise ValueError(
+                f"{path}:{number}: expected {NUM_COLUMNS} tab-separated columns (label, "
+                f"{NUM_DENSE} integer, {NUM_SPARSE} categorical), found {len(fields)}"
+            )
+        column = 0
+        try:
+            labels[i] = _parse_label(fields[0])
+            for column in range(1, 1 + NUM_DENSE):
+                token = fields[column]
+                if token:
+                    dense[i, column - 1] = math.log1p(max(int(token), 0))
+            for column in range(1 + NUM_DENSE, NUM_COLUMNS):
+                token = fields[column]
+                if token:
+                    cats[i, column - 1 - NUM_DENSE] = _parse_hex(token)
+                    present[i, column - 1 - NUM_DENSE] = True
+        except ValueError as err:
+            raise ValueError(
+                f"{path}:{number}: column {column} ({_column_name(column)}) holds "
+                f"{fields[column]!r}, which does not parse: {err}"
+            ) from None
+    return labels, dense, cats, present
+
+
+def _parse_hex(token: bytes) -> int:
+    value = int(token, 16)
+    if not 0 <= value < 2**32:
+        raise ValueError("a categorical value must be a 32-bit hex number (8 digits)")
+    return value
 
 
 def _parse_label(token: bytes) -> float:
