@@ -1,0 +1,67 @@
+"""Tests of the backend choice: `choose_backend`'s AUTO policy and its errors, `create_kernel`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
+from recopt.kernels.factory import CPU_POLICY, choose_backend, create_kernel
+from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
+
+CPU = torch.device("cpu")
+TABLES = [
+    TableSpec(name="t0", num_embeddings=40, embedding_dim=8),
+    TableSpec(name="t1", num_embeddings=7, embedding_dim=4),
+]
+FEATURE_TABLE_MAP = [0, 1, 0]  # features 0 and 2 share table 0
+
+
+def test_choose_backend_policy_and_errors() -> None:
+    adam = FusedOptimizerConfig(name="adam")
+    assert choose_backend(TABLES, adam, CPU) == Backend.RECOPT
+    assert choose_backend(TABLES, adam, torch.device("cuda")) == Backend.RECOPT
+    rwa = FusedOptimizerConfig(name="row_wise_adagrad")
+    assert choose_backend(TABLES, rwa, torch.device("cuda")) == Backend.FBGEMM
+    for name in ("sgd", "adagrad", "row_wise_adagrad"):
+        cfg = FusedOptimizerConfig(name=name)
+        assert choose_backend(TABLES, cfg, CPU) == CPU_POLICY.get(name, Backend.RECOPT)
+    odd = [TableSpec(name="user_id", num_embeddings=10, embedding_dim=6)]
+    assert choose_backend(odd, rwa, torch.device("cuda")) == Backend.RECOPT
+    with pytest.raises(ValueError, match="'user_id'.*embedding_dim 6.*use 8"):
+        choose_backend(odd, FusedOptimizerConfig(name="sgd", backend=Backend.FBGEMM), CPU)
+    with pytest.raises(ValueError, match="'t0'.*'adam' is not supported.*backend='recopt'"):
+        choose_backend(TABLES, FusedOptimizerConfig(name="adam", backend=Backend.FBGEMM), CPU)
+    forced = FusedOptimizerConfig(name="sgd", backend=Backend.RECOPT)
+    assert choose_backend(TABLES, forced, torch.device("cuda")) == Backend.RECOPT
+
+
+def test_create_kernel_builds_recopt_and_validates() -> None:
+    cfg = FusedOptimizerConfig(name="adam")
+    kernel = create_kernel(TABLES, FEATURE_TABLE_MAP, cfg, PoolingType.SUM, CPU)
+    assert isinstance(kernel, RecoptTableBatchedEmbedding)
+    with pytest.raises(ValueError, match=r"feature_table_map\[1\] = 5"):
+        create_kernel(TABLES, [0, 5], cfg, PoolingType.SUM, CPU)
+    with pytest.raises(ValueError, match="tables is empty"):
+        create_kernel([], [], cfg, PoolingType.SUM, CPU)
+
+
+def test_maximize_never_goes_to_fbgemm() -> None:
+    cfg = FusedOptimizerConfig(name="row_wise_adagrad", maximize=True)
+    assert choose_backend(TABLES, cfg, torch.device("cuda")) == Backend.RECOPT
+    assert choose_backend(TABLES, cfg, CPU) == Backend.RECOPT
+    with pytest.raises(ValueError, match="maximize"):
+        choose_backend(
+            TABLES, FusedOptimizerConfig(name="sgd", maximize=True, backend=Backend.FBGEMM), CPU
+        )
+
+
+def test_shared_table_keeps_fbgemm_cpu_adagrad_away() -> None:
+    rwa = FusedOptimizerConfig(name="row_wise_adagrad")
+    assert choose_backend(TABLES, rwa, CPU, FEATURE_TABLE_MAP) == Backend.RECOPT
+    assert choose_backend(TABLES, rwa, torch.device("cuda"), FEATURE_TABLE_MAP) == Backend.FBGEMM
+    forced = FusedOptimizerConfig(name="adagrad", backend=Backend.FBGEMM)
+    with pytest.raises(ValueError, match="'t0' is looked up by 2 features"):
+        choose_backend(TABLES, forced, CPU, FEATURE_TABLE_MAP)
+    sgd = FusedOptimizerConfig(name="sgd", backend=Backend.FBGEMM)
+    assert choose_backend(TABLES, sgd, CPU, FEATURE_TABLE_MAP) == Backend.FBGEMM
