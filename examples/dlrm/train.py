@@ -253,7 +253,8 @@ class Trainer:
         window_start, window_samples = time.perf_counter(), 0
         last_val: dict[str, float] = {}
         validated_at = -1
-        for batch in self._batches():
+        batches = self._batches() if self.step < cfg.steps else iter(())  # resumed at the end
+        for batch in batches:
             self.train_step(batch.to(self.env.device))
             self.step += 1
             window_samples += batch.labels.numel() * self.env.world_size
