@@ -336,3 +336,26 @@ def test_a_failing_rank_stops_every_rank_with_its_message(tmp_path: pathlib.Path
     assert result.returncode != 0
     assert "[rank 1/2] training failed: ValueError" in result.stderr
     assert "day.tsv:2: column 1 (integer feature 1)" in result.stderr
+
+
+def test_reporting_without_matplotlib_and_on_a_pipe(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    import dlrm_report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
+    notice = dlrm_report.plot_curves(
+        [{"step": 1, "split": "train", "loss": 0.5}], str(tmp_path / "c.png")
+    )
+    assert notice is not None and "matplotlib is not installed" in notice
+    assert not (tmp_path / "c.png").exists()
+    stream = io.StringIO()  # not a terminal: one line per update, no carriage returns
+    bar = dlrm_report.ProgressBar(10, stream=stream)
+    bar.update(5, 12_345.0, {"loss": 0.5, "auc": float("nan")})
+    bar.message("validation ...")
+    assert stream.getvalue().splitlines() == [
+        "step 5/10 [============>           ]  50% | 12.3k samples/s | loss 0.5000",
+        "validation ...",
+    ]
