@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from recopt.ft.manager import Manager, StepParticipant
 
@@ -152,6 +153,12 @@ def _collect_tables(module: nn.Module) -> list[_Table]:
         if key not in params:
             raise ValueError(f"table {config.name!r}: fused_optimizer has no param {key!r}")
         weight = params[key]
+        if isinstance(weight, ShardedTensor):
+            raise ValueError(
+                f"table {config.name!r} is sharded (ShardedTensor); FusedEmbeddingGuard "
+                "snapshots plain tables only: pass the unsharded FusedEmbeddingBagCollection "
+                "(one full copy per replica group), or run with fault tolerance off"
+            )
         prefix = f"{config.name}."
         states = {
             k[len(prefix) :]: v
