@@ -16,7 +16,7 @@ $(STAMP): setup.cfg pyproject.toml
 install: $(STAMP)
 
 train: $(STAMP)
-	$(PY) examples/click_model/train.py
+	$(PY) examples/dlrm/train.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
