@@ -88,7 +88,8 @@ def test_hung_replica_times_out(cluster: Cluster) -> None:
     hung = a_at(2)
     assert hung is not None and not hung["committed"] and hung["error"] is not None, hung
     assert hung["digest_after"] == hung["digest_before"]
-    assert 1.5 < hung["seconds"] < 5.0, hung  # bounded by the 2 s collective timeout
+    assert "timed out" in hung["error"].lower(), hung  # the collective's own timeout
+    assert 1.5 < hung["seconds"] < 5.5, hung  # 2 s timeout, well before b wakes (6 s)
     wait_for(lambda: any(e["participants"] == 1 for e in _committed(cluster, "a")), 30, "a alone")
     # b wakes up, its late step is dropped, and it heals and rejoins.
     wait_for(
