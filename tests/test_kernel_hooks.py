@@ -79,3 +79,27 @@ def test_row_stat_hook_makes_column_shards_equal_the_whole_table(name: str) -> N
         torch.testing.assert_close(
             h.split_optimizer_states()[0][state], whole.split_optimizer_states()[0][state]
         )
+
+
+def test_grad_hook_runs_for_every_table_even_without_ids() -> None:
+    two_tables = RecoptTableBatchedEmbedding(
+        [
+            TableSpec(name="a", num_embeddings=8, embedding_dim=4),
+            TableSpec(name="b", num_embeddings=8, embedding_dim=4),
+        ],
+        [0, 1],
+        FusedOptimizerConfig(name="sgd", lr=0.1),
+        PoolingType.SUM,
+        CPU,
+    )
+    calls: list[tuple[int, int]] = []
+
+    def record(table: int, rows: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        calls.append((table, rows.numel()))
+        return grad
+
+    two_tables.grad_hook = record
+    # Feature 1 (table b) has no ids in this batch of 3.
+    out = two_tables(IDS, torch.cat([OFFSETS, torch.tensor([6, 6, 6])]))
+    out.sum().backward()
+    assert calls == [(0, 4), (1, 0)]

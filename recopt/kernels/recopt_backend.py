@@ -247,8 +247,12 @@ class RecoptTableBatchedEmbedding(nn.Module):
         for t, occ in enumerate(occurrences):
             weight = self.weights[t].detach()
             if occ is None:
+                empty = torch.empty(0, dtype=torch.int64, device=weight.device)
+                if self.grad_hook is not None:
+                    # Called for every table on every backward, even with no rows, so hooks
+                    # that run collectives stay in step with their peers.
+                    self.grad_hook(t, empty, weight.new_zeros(0, weight.shape[1]))
                 if self.optimizer.name == "adafactor":  # absent rows still decay their stats
-                    empty = torch.empty(0, dtype=torch.int64, device=weight.device)
                     self._torch_update(
                         t, weight, states[t], empty, weight.new_zeros(0, weight.shape[1])
                     )
