@@ -27,8 +27,10 @@ class Cluster:
         self.replicas: dict[str, subprocess.Popen[bytes]] = {}
         self.port = 0
 
-    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    def _spawn(
+        self, args: list[str], log_name: str, extra_env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(extra_env or {})}
         log = open(self.out / log_name, "ab")
         proc = subprocess.Popen(
             [sys.executable, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
@@ -74,6 +76,14 @@ class Cluster:
             f"{name}.log",
         )
         self.replicas[name] = proc
+        return proc
+
+    def start_dlrm(self, replica_id: str, *args: str) -> subprocess.Popen[bytes]:
+        """Run examples/dlrm/train.py --fault-tolerant as replica group ``replica_id``."""
+        env = {"RECOPT_FT_LIGHTHOUSE": f"127.0.0.1:{self.port}", "RECOPT_FT_REPLICA_ID": replica_id}
+        script = str(ROOT / "examples" / "dlrm" / "train.py")
+        proc = self._spawn([script, "--fault-tolerant", *args], f"{replica_id}.log", env)
+        self.replicas[replica_id] = proc
         return proc
 
     def kill(self, replica_id: str) -> None:

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from ft_cluster import Cluster, wait_for
 from torch import nn
 
-from recopt.ft.launch import FaultTolerantTraining, make_fault_tolerant
+from recopt.ft.launch import FaultTolerantTraining, make_fault_tolerant, manager_config_from_env
 from recopt.ft.lighthouse import Lighthouse, LighthouseConfig
 from recopt.ft.manager import ManagerConfig
 from recopt.kernels.config import Backend
@@ -26,14 +29,14 @@ from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, Fuse
 from recopt.optim import CombinedOptimizer, KeyedOptimizerWrapper
 from recopt.sparse import KeyedJaggedTensor
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 
 def _dlrm(seed: int) -> tuple[nn.Module, CombinedOptimizer]:
     torch.manual_seed(seed)
     tables = [
         EmbeddingBagConfig(
-            name=f"t{i}", num_embeddings=20, embedding_dim=8, feature_names=[f"f{i}"]
+            name=f"t{i}", num_embeddings=20, embedding_dim=8, feature_names=(f"f{i}",)
         )
         for i in range(2)
     ]
@@ -144,3 +147,77 @@ def test_late_replica_heals_to_the_exact_dlrm_state(lighthouse: Lighthouse) -> N
         ft_a.shutdown()
         if ft_b is not None:
             ft_b.shutdown()
+
+
+# ------------------------------------------------------------------ the DLRM script, processes
+
+
+def _dlrm_args(out: Path, steps: int, seed: int) -> list[str]:
+    sets = {
+        "training.steps": steps,
+        "training.log_every": 1,
+        "training.eval_every": 0,
+        "training.plot": "false",
+        "training.output_dir": str(out),
+        "checkpoint.every": 0,
+        "data.batch_size": 32,
+        "data.val_batches": 0,
+        "data.synthetic.seed": seed,  # each replica group reads its own data
+        "fault_tolerance.replicas": 2,
+        "fault_tolerance.timeout_s": 30,
+    }
+    return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+
+
+def _train_steps(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [int(json.loads(line)["step"]) for line in lines if '"train"' in line]
+
+
+@pytest.mark.multiprocess
+def test_dlrm_script_replicas_agree_and_a_restarted_one_heals(tmp_path: Path) -> None:
+    """Lighthouse + 2 `train.py --fault-tolerant` replicas; b is SIGKILLed and restarted.
+
+    Both finish bit-identical (state digest of model and optimizer); the restarted b starts
+    at the step it healed to, not at step 1. ``--min-replicas 2`` makes a wait for b.
+    """
+    steps = 12
+    cluster = Cluster(tmp_path)
+    try:
+        cluster.start_lighthouse(min_replicas=2, join_s=1.0, hb_s=1.0)
+        cluster.start_dlrm("a", *_dlrm_args(tmp_path / "a", steps, seed=1))
+        cluster.start_dlrm("b", *_dlrm_args(tmp_path / "b", steps, seed=2))
+        wait_for(lambda: len(_train_steps(tmp_path / "b")) >= 3, 120, "b's third step")
+        cluster.kill("b")
+        before = _train_steps(tmp_path / "b")
+        assert before == list(range(1, len(before) + 1)) and len(before) < steps
+        cluster.start_dlrm("b", *_dlrm_args(tmp_path / "b", steps, seed=2))
+        for name in ("a", "b"):
+            assert cluster.replicas[name].wait(timeout=120) == 0, cluster.logs()
+        after = _train_steps(tmp_path / "b")[len(before) :]
+        assert after[0] > 1 and after[-1] == steps, after  # healed, not restarted at step 1
+        digests = [json.loads((tmp_path / n / "state_digest.json").read_text()) for n in "ab"]
+        assert digests[0] == digests[1] and digests[0]["step"] == steps, cluster.logs()
+    finally:
+        cluster.close()
+
+
+def test_dlrm_script_fault_tolerant_settings() -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "dlrm"))
+    import dlrm_config
+    import train as dlrm_train
+
+    config = dlrm_config.load_config(None)
+    synced = dlrm_config.fault_tolerant_config(config)
+    assert synced.embedding.optimizer.backend == Backend.RECOPT  # kernels with a grad_hook
+    own = dlrm_config.load_config(None, ["fault_tolerance.sync_embeddings=false"])
+    assert dlrm_config.fault_tolerant_config(own).embedding.optimizer.backend == Backend.AUTO
+    with pytest.raises(ValueError, match="drop --resume"):
+        dlrm_train.train(config, dlrm_train.RunEnv(), resume=True, ft_config=_config("a", 1))
+    with pytest.raises(ValueError, match="fault_tolerance.replicas must be >= 1"):
+        dlrm_config.load_config(None, ["fault_tolerance.replicas=0"])
+    env = {"RECOPT_FT_LIGHTHOUSE": "h:1", "RECOPT_FT_REPLICA_ID": "g", "RECOPT_FT_HOSTNAME": "n1"}
+    assert manager_config_from_env(env).hostname == "n1"

@@ -8,6 +8,7 @@ reads a TOML file, applies ``--set key=value`` overrides and rejects any unknown
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from recopt.config import apply_overrides, from_dict, load_toml, merge, to_plain
 from recopt.data import SyntheticConfig
 from recopt.kernels import FusedOptimizerConfig
+from recopt.kernels.config import Backend
 from recopt.models import DLRMConfig
 from recopt.modules import EmbeddingBagConfig
 from recopt.optim.clipping import GradientClipping
@@ -158,6 +160,32 @@ class CheckpointSection:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class FaultToleranceSection:
+    """``[fault_tolerance]``, read only under ``--fault-tolerant`` (docs/fault_tolerance.md).
+
+    ``replicas``: wait until this many replica groups are live before the first step, so the
+    first quorum has them all. ``sync_embeddings``: keep the fused tables identical across
+    replica groups (row gradients averaged in the kernel's ``grad_hook``; the ``auto``
+    backend then becomes ``recopt``, whose kernels have the hook); false lets each group
+    train its own tables. ``timeout_s`` bounds every cross-replica collective, vote, quorum
+    and healing transfer.
+    """
+
+    replicas: int = 1
+    sync_embeddings: bool = True
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(
+                f"fault_tolerance.replicas must be >= 1 (replica groups to wait for), got "
+                f"{self.replicas}"
+            )
+        if self.timeout_s <= 0:
+            raise ValueError(f"fault_tolerance.timeout_s must be positive, got {self.timeout_s}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TrainingConfig:
     """The whole run: one field per TOML section."""
 
@@ -169,6 +197,7 @@ class TrainingConfig:
     data: DataSection = field(default_factory=DataSection)
     training: LoopSection = field(default_factory=LoopSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    fault_tolerance: FaultToleranceSection = field(default_factory=FaultToleranceSection)
     # The planner's Topology fields (world_size comes from the launcher).
     planner: dict[str, Any] = field(
         default_factory=lambda: {"device": "cpu", "ddr_bytes": 4 * 1024**3}
@@ -213,3 +242,14 @@ def _check_planner(values: dict[str, Any], where: str) -> None:
             f"{where}: unknown config key {', '.join('planner.' + k for k in unknown)}; "
             f"valid keys in [planner]: {sorted(topology_fields())}"
         )
+
+
+def fault_tolerant_config(config: TrainingConfig) -> TrainingConfig:
+    """With ``sync_embeddings``, the ``auto`` kernel backend becomes ``recopt`` (its kernels
+    have the ``grad_hook`` that averages row gradients across replica groups)."""
+    optimizer = config.embedding.optimizer
+    if not config.fault_tolerance.sync_embeddings or optimizer.backend != Backend.AUTO:
+        return config
+    optimizer = dataclasses.replace(optimizer, backend=Backend.RECOPT)
+    embedding = dataclasses.replace(config.embedding, optimizer=optimizer)
+    return dataclasses.replace(config, embedding=embedding)

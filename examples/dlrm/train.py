@@ -4,11 +4,15 @@
     python examples/dlrm/train.py --config configs/dlrm_small.toml --set training.steps=300
     torchrun --nproc-per-node 2 examples/dlrm/train.py --config configs/dlrm_small.toml
     python examples/dlrm/train.py --config ... --resume      # continue from the last checkpoint
+    RECOPT_FT_LIGHTHOUSE=host:29510 RECOPT_FT_REPLICA_ID=group0 \
+        torchrun --nproc-per-node 1 examples/dlrm/train.py --fault-tolerant   # one replica group
 
 Sparse tables train with their fused optimizer (the update runs inside backward), the MLPs
 with a torch optimizer; both sit in one CombinedOptimizer under warmup and gradient clipping.
 Rank 0 draws a progress bar, appends metrics to ``<output_dir>/metrics.jsonl`` and, at the
-end, draws ``<output_dir>/curves.png``.
+end, draws ``<output_dir>/curves.png``. With ``--fault-tolerant`` each torchrun is one replica
+group of a fault-tolerant job (docs/fault_tolerance.md): steps commit only when every live
+group agrees, and a restarted group heals from a peer.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
 import sys
 import time
@@ -30,11 +35,17 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dlrm_config import TrainingConfig, load_config  # noqa: E402
+from dlrm_config import TrainingConfig, fault_tolerant_config, load_config  # noqa: E402
 from dlrm_report import MetricsLog, ProgressBar, plot_curves  # noqa: E402
 
 from recopt.checkpoint import CheckpointManager  # noqa: E402
 from recopt.data import Batch, CriteoClickLog, SyntheticClickLog  # noqa: E402
+from recopt.ft.launch import (  # noqa: E402
+    make_fault_tolerant,
+    manager_config_from_env,
+    state_digest,
+)
+from recopt.ft.manager import ManagerConfig  # noqa: E402
 from recopt.metrics import click_metrics  # noqa: E402
 from recopt.models import DLRM  # noqa: E402
 from recopt.modules import FusedEmbeddingBagCollection  # noqa: E402
@@ -196,11 +207,32 @@ def build_data(
 class Trainer:
     """The loop: steps, windowed training metrics, periodic validation and checkpoints."""
 
-    def __init__(self, config: TrainingConfig, env: RunEnv, model: nn.Module) -> None:
+    def __init__(
+        self,
+        config: TrainingConfig,
+        env: RunEnv,
+        model: nn.Module,
+        ft_config: ManagerConfig | None = None,
+    ) -> None:
         self.config = config
         self.env = env
         self.model = model
-        self.optimizer = build_optimizer(model, config)
+        self.base_optimizer = build_optimizer(model, config)  # what checkpoints hold
+        # The loop's optimizer: the base one, or its fault-tolerant wrapper.
+        self.optimizer: torch.optim.Optimizer = self.base_optimizer
+        self.ft = None
+        if ft_config is not None:
+            # PLUG-IN (fault tolerance): the wrapper's zero_grad joins the step's quorum (and
+            # may heal this group), its step averages, votes and commits or rolls back.
+            ft = config.fault_tolerance
+            self.ft = make_fault_tolerant(
+                model,
+                self.base_optimizer,
+                ft_config,
+                wait_for=ft.replicas,
+                sync_embeddings=ft.sync_embeddings,
+            )
+            self.optimizer = self.ft.optimizer
         self.train_data = build_data(config, env, "train")
         self.metrics = click_metrics().to(env.device)
         self.loss_mean = torchmetrics.MeanMetric().to(env.device)
@@ -218,9 +250,9 @@ class Trainer:
 
     def resume(self) -> None:
         """Loads the newest checkpoint (weights, optimizer, data position, step), if any."""
-        self.optimizer.init_state()  # lazily created state must exist to be loaded in place
+        self.base_optimizer.init_state()  # lazily created state must exist to be loaded in place
         found = self.checkpoints.load_latest(
-            self.model, self.optimizer, extra={"data": self.train_data}
+            self.model, self.base_optimizer, extra={"data": self.train_data}
         )
         if found is None:
             self._say("--resume: no checkpoint yet, starting from step 0")
@@ -232,15 +264,17 @@ class Trainer:
         self.checkpoints.save(
             self.step,
             self.model,
-            self.optimizer,
+            self.base_optimizer,
             extra={"data": self.train_data, "step": self.step},
         )
 
     def train_step(self, batch: Batch) -> None:
         self.model.train()
+        # First: under fault tolerance this is the step's quorum, which may heal (replace) the
+        # weights, and the embedding guard snapshots rows in the forward that follows.
+        self.optimizer.zero_grad()
         logits = self.model(batch.dense, batch.sparse)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-        self.optimizer.zero_grad()
         loss.backward()  # the embedding rows are updated here, by the fused optimizer
         self.optimizer.step()
         with torch.no_grad():
@@ -256,7 +290,10 @@ class Trainer:
         batches = self._batches() if self.step < cfg.steps else iter(())  # resumed at the end
         for batch in batches:
             self.train_step(batch.to(self.env.device))
-            self.step += 1
+            committed = self.step + 1 if self.ft is None else self.ft.manager.current_step()
+            if committed == self.step:
+                continue  # dropped by the replica groups' vote: nothing changed
+            self.step = committed  # a heal may jump ahead to the peer's step
             window_samples += batch.labels.numel() * self.env.world_size
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                 rate = window_samples / max(time.perf_counter() - window_start, 1e-9)
@@ -272,7 +309,19 @@ class Trainer:
             last_val = self.validate()
         if self.bar is not None:
             self.bar.close()
+        if self.ft is not None:
+            self._write_digest()
         return last_val
+
+    def _write_digest(self) -> None:
+        """``<output_dir>/state_digest.json``: replica groups that agree have equal digests."""
+        if not self.env.is_main:
+            return
+        digest = state_digest(self.model.state_dict(), self.base_optimizer.state_dict())
+        path = os.path.join(self.config.training.output_dir, "state_digest.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"step": self.step, "sha256": digest}, f)
+        self._say(f"fault tolerance: step {self.step}, state sha256 {digest[:16]}")
 
     def _batches(self) -> Iterator[Batch]:
         """Training batches until the data ends, in lockstep across ranks."""
@@ -350,20 +399,54 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="override a config key, e.g. --set training.steps=100 (repeatable)",
     )
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument(
+        "--fault-tolerant",
+        action="store_true",
+        help="run as one replica group of a fault-tolerant job (needs RECOPT_FT_LIGHTHOUSE, "
+        "RECOPT_FT_REPLICA_ID; see docs/fault_tolerance.md)",
+    )
     return parser.parse_args(argv)
 
 
-def train(config: TrainingConfig, env: RunEnv, resume: bool = False) -> dict[str, float]:
-    """Builds everything and trains; returns the final validation metrics."""
+def train(
+    config: TrainingConfig,
+    env: RunEnv,
+    resume: bool = False,
+    ft_config: ManagerConfig | None = None,
+) -> dict[str, float]:
+    """Builds everything and trains; returns the final validation metrics.
+
+    Args:
+        config: the run.
+        env: this process's rank and device.
+        resume: continue from the newest checkpoint.
+        ft_config: this replica group's fault-tolerance manager settings, or None.
+
+    Raises:
+        ValueError: ``resume`` together with fault tolerance (a restarted replica group heals
+            from a live peer instead).
+    """
+    if ft_config is not None:
+        if resume:
+            raise ValueError(
+                "--resume and --fault-tolerant together: a restarted replica group heals from "
+                "a live peer; drop --resume (checkpoints restart the whole job, without "
+                "--fault-tolerant)"
+            )
+        config = fault_tolerant_config(config)
     if config.training.num_threads:
         torch.set_num_threads(config.training.num_threads)
     torch.set_float32_matmul_precision(config.training.matmul_precision)
     model = shard_model(build_model(config, env.device), config, env)
-    trainer = Trainer(config, env, model)
-    if resume:
-        trainer.resume()
-    result = trainer.run()
-    trainer.finish()
+    trainer = Trainer(config, env, model, ft_config)
+    try:
+        if resume:
+            trainer.resume()
+        result = trainer.run()
+        trainer.finish()
+    finally:
+        if trainer.ft is not None:
+            trainer.ft.shutdown()
     return result
 
 
@@ -372,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = load_config(args.config, args.set)
     env = _env_from_environ()
+    ft_config = None
+    if args.fault_tolerant:
+        timeout = datetime.timedelta(seconds=config.fault_tolerance.timeout_s)
+        ft_config = manager_config_from_env(os.environ, timeout=timeout)
     if env.world_size > 1:
         backend = "nccl" if env.device.type == "cuda" else "gloo"
         if env.device.type == "cuda":
@@ -380,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             backend, timeout=datetime.timedelta(seconds=config.training.timeout_s)
         )
     try:
-        train(config, env, resume=args.resume)
+        train(config, env, resume=args.resume, ft_config=ft_config)
     except BaseException as err:
         sys.stderr.write(
             f"[rank {env.rank}/{env.world_size}] training failed: {type(err).__name__}: {err}\n"

@@ -8,14 +8,16 @@ the forward pass (the quorum may heal the model), and ``optimizer.step()`` after
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import hashlib
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from recopt.ft.client import wait_for_replicas
 from recopt.ft.embedding import EmbeddingReplicaSync, FusedEmbeddingGuard
@@ -27,16 +29,17 @@ logger = logging.getLogger(__name__)
 ENV_LIGHTHOUSE = "RECOPT_FT_LIGHTHOUSE"  # host:port of the lighthouse
 ENV_REPLICA_ID = "RECOPT_FT_REPLICA_ID"  # this replica group's stable name
 ENV_MIN_REPLICAS = "RECOPT_FT_MIN_REPLICAS"  # min_replica_size (default 1)
+ENV_HOSTNAME = "RECOPT_FT_HOSTNAME"  # name peers heal from (default: this host's name)
 
 
-@dataclass(slots=True)
+@dataclasses.dataclass(slots=True)
 class FaultTolerantTraining:
     """What `make_fault_tolerant` built; ``optimizer`` replaces the loop's optimizer."""
 
     manager: Manager
     optimizer: OptimizerWrapper
-    guards: list[FusedEmbeddingGuard] = field(default_factory=list)
-    syncs: list[EmbeddingReplicaSync] = field(default_factory=list)
+    guards: list[FusedEmbeddingGuard] = dataclasses.field(default_factory=list)
+    syncs: list[EmbeddingReplicaSync] = dataclasses.field(default_factory=list)
 
     def shutdown(self) -> None:
         """Stop heartbeats and the checkpoint server, detach the guards."""
@@ -62,9 +65,10 @@ def manager_config_from_env(
 ) -> ManagerConfig:
     """Manager settings from the environment of one process of a replica group.
 
-    Reads ``RECOPT_FT_LIGHTHOUSE``, ``RECOPT_FT_REPLICA_ID``, ``RECOPT_FT_MIN_REPLICAS`` and
-    torchrun's ``RANK`` / ``WORLD_SIZE`` (torchrun runs one replica group, so they are the
-    rank inside the group and its size).
+    Reads ``RECOPT_FT_LIGHTHOUSE``, ``RECOPT_FT_REPLICA_ID``, ``RECOPT_FT_MIN_REPLICAS``,
+    ``RECOPT_FT_HOSTNAME`` (the name peers reach this process's checkpoint server by; default
+    the host name) and torchrun's ``RANK`` / ``WORLD_SIZE`` (torchrun runs one replica group,
+    so they are the rank inside the group and its size).
 
     Args:
         environ: the entry point's ``os.environ``.
@@ -85,7 +89,7 @@ def manager_config_from_env(
         if not value.isdigit():
             raise ValueError(f"{name}={value!r} is not a non-negative integer")
         numbers[name] = int(value)
-    return ManagerConfig(
+    config = ManagerConfig(
         replica_id=environ[ENV_REPLICA_ID],
         lighthouse=parse_address(environ[ENV_LIGHTHOUSE]),
         min_replica_size=numbers[ENV_MIN_REPLICAS],
@@ -95,6 +99,9 @@ def manager_config_from_env(
         group_rank=numbers["RANK"],
         group_world_size=numbers["WORLD_SIZE"],
     )
+    if environ.get(ENV_HOSTNAME):
+        config = dataclasses.replace(config, hostname=environ[ENV_HOSTNAME])
+    return config
 
 
 def _fused_collections(model: nn.Module) -> list[nn.Module]:
@@ -170,3 +177,39 @@ def make_fault_tolerant(
         live = wait_for_replicas(config.lighthouse, wait_for, config.quorum_timeout)
         logger.info("replica %s: %d replica groups live: %s", config.replica_id, len(live), live)
     return FaultTolerantTraining(manager, OptimizerWrapper(manager, optimizer), guards, syncs)
+
+
+def state_digest(*states: Any) -> str:
+    """SHA-256 over nested state dicts: replica groups that agree have equal digests.
+
+    Covers tensor bytes, dtypes and shapes, dict keys (sorted) and plain values; a
+    ShardedTensor contributes its local shards, so ranks compare with the same rank elsewhere.
+
+    Args:
+        states: e.g. ``model.state_dict()`` and ``optimizer.state_dict()``.
+
+    Returns:
+        The hex digest.
+    """
+    hasher = hashlib.sha256()
+
+    def visit(value: Any) -> None:
+        if isinstance(value, dict):
+            for key in sorted(value, key=str):
+                hasher.update(repr(key).encode())
+                visit(value[key])
+        elif isinstance(value, list | tuple):
+            for item in value:
+                visit(item)
+        elif isinstance(value, ShardedTensor):
+            visit([shard.tensor for shard in value.local_shards()])
+        elif isinstance(value, torch.Tensor):
+            plain = value.detach().cpu().contiguous().reshape(-1)
+            hasher.update(f"{value.dtype}{tuple(value.shape)}".encode())
+            hasher.update(plain.view(torch.uint8).numpy().tobytes())
+        else:
+            hasher.update(repr(value).encode())
+
+    for state in states:
+        visit(state)
+    return hasher.hexdigest()
