@@ -63,6 +63,10 @@ class Case:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _optimizer(case: Case) -> FusedOptimizerConfig:
+    return FusedOptimizerConfig(name=case.optimizer, lr=0.05, eps=1e-3, **case.extra)
+
+
 def _tables(case: Case) -> list[EmbeddingBagConfig]:
     # Rows not divisible by 2 or 3 (uneven row shards); dims that split into 2 and 3 column
     # shards (6: widths not multiples of 4, so fbgemm falls back to recopt); t1 has two
@@ -121,6 +125,19 @@ def _cases() -> list[Case]:
         Case("mixed/weighted-mean", "mixed", "adagrad", weighted=True, pooling=PoolingType.MEAN),
         Case("row_wise/weighted", "row_wise", "row_wise_adam", weighted=True),
         Case("mixed/plain-ebc", "mixed", "adagrad", plain_ebc=True),
+        Case(
+            "mixed/weighted-mean-row-wise",
+            "mixed",
+            "row_wise_adagrad",
+            weighted=True,
+            pooling=PoolingType.MEAN,
+        ),
+        Case(
+            "column_wise/decay-maximize",
+            "column_wise",
+            "row_wise_adam",
+            extra={"weight_decay": 0.01, "maximize": True},
+        ),
     ]
     return cases
 
@@ -169,7 +186,7 @@ class _Model(nn.Module):
 def _build(case: Case) -> _Model:
     tables = _tables(case)
     torch.manual_seed(0)
-    opt = FusedOptimizerConfig(name=case.optimizer, lr=0.05, eps=1e-3)
+    opt = _optimizer(case)
     sparse: nn.Module
     if case.plain_ebc:
         sparse = EmbeddingBagCollection(tables, is_weighted=case.weighted)
@@ -192,14 +209,14 @@ def _run_case(case: Case, rank: int, world: int) -> None:
     if case.plain_ebc:  # the reference of a plain EBC is the fused twin with the same weights
         fused = FusedEmbeddingBagCollection(
             _tables(case),
-            optimizer=FusedOptimizerConfig(name=case.optimizer, lr=0.05, eps=1e-3),
+            optimizer=_optimizer(case),
             is_weighted=case.weighted,
         )
         fused.load_state_dict(model.sparse.state_dict())
         ref.sparse = fused
     requests = _requests(case.kind, world)
     plan = ShardingPlan({"sparse": construct_module_sharding_plan(_tables(case), requests, world)})
-    default = FusedOptimizerConfig(name=case.optimizer, lr=0.05, eps=1e-3)
+    default = _optimizer(case)
     dmp = DistributedModelParallel(model, plan, default_optimizer=default)
     dense_opt = torch.optim.SGD([p for _, p in dmp.named_parameters()], lr=0.01)
     ref_dense = torch.optim.SGD(ref.dense.parameters(), lr=0.01)
