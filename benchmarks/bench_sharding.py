@@ -27,7 +27,9 @@ from recopt.sharding import (
 from recopt.sparse import KeyedJaggedTensor
 from recopt.testing import run_on_ranks
 
-OPTIMIZER = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.01)
+
+def _optimizer(args: argparse.Namespace) -> FusedOptimizerConfig:
+    return FusedOptimizerConfig(name=args.optimizer, lr=0.01)
 
 
 def _tables(args: argparse.Namespace) -> list[EmbeddingBagConfig]:
@@ -84,7 +86,7 @@ def _sharded(rank: int, world: int, args: argparse.Namespace, kind: str) -> dict
     torch.set_num_threads(1)  # one core per rank on this 2-core machine
     tables = _tables(args)
     shardings = construct_module_sharding_plan(tables, _requests(kind, tables, world), world)
-    module = ShardedEmbeddingBagCollection(tables, shardings, optimizer=OPTIMIZER)
+    module = ShardedEmbeddingBagCollection(tables, shardings, optimizer=_optimizer(args))
     batches = _batches(args, args.batch, 100 + rank, args.steps + args.warmup)
     step, backward = _time_steps(module, batches, args.warmup)
     phases = {k: v / args.steps for k, v in (module.phase_seconds or {}).items()}
@@ -93,7 +95,7 @@ def _sharded(rank: int, world: int, args: argparse.Namespace, kind: str) -> dict
 
 def _single(args: argparse.Namespace, world: int) -> dict[str, float]:
     torch.set_num_threads(world)
-    module = FusedEmbeddingBagCollection(_tables(args), optimizer=OPTIMIZER)
+    module = FusedEmbeddingBagCollection(_tables(args), optimizer=_optimizer(args))
     batches = _batches(args, args.batch * world, 7, args.steps + args.warmup)
     step, backward = _time_steps(module, batches, args.warmup)
     return {"step_s": step, "backward_s": backward}
@@ -110,19 +112,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--types", default="table_wise,row_wise,column_wise,data_parallel")
+    parser.add_argument("--optimizer", default="row_wise_adagrad")
+    parser.add_argument("--rounds", type=int, default=2, help="best of, interleaved")
     args = parser.parse_args(argv)
     global_batch = args.batch * args.world
     results: dict[str, Any] = {}
-    single = _single(args, args.world)
-    results["single_process"] = {**single, "samples_per_s": global_batch / single["step_s"]}
-    for kind in args.types.split(","):
-        per_rank = run_on_ranks(_sharded, args.world, args, kind, timeout_s=900)
-        step = max(r["step_s"] for r in per_rank)
-        row = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
-        row["samples_per_s"] = global_batch / step
-        row["vs_single"] = single["step_s"] / step
-        results[kind] = row
-    config = {k: getattr(args, k) for k in ("tables", "rows", "dim", "batch", "ids", "world")}
+
+    def keep_best(name: str, row: dict[str, float]) -> None:
+        # The machine is shared: keep each configuration's fastest round.
+        if name not in results or row["step_s"] < results[name]["step_s"]:
+            results[name] = row
+
+    for _ in range(args.rounds):  # interleaved, so every configuration sees the same noise
+        single = _single(args, args.world)
+        keep_best("single_process", {**single, "samples_per_s": global_batch / single["step_s"]})
+        for kind in args.types.split(","):
+            per_rank = run_on_ranks(_sharded, args.world, args, kind, timeout_s=900)
+            row = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+            row["samples_per_s"] = global_batch / row["step_s"]
+            keep_best(kind, row)
+    for row in results.values():
+        row["vs_single"] = results["single_process"]["step_s"] / row["step_s"]
+    names = ("tables", "rows", "dim", "batch", "ids", "world", "optimizer", "rounds")
+    config = {k: getattr(args, k) for k in names}
     print(json.dumps({"config": config, "results": results}, indent=1))  # noqa: T201
 
 
