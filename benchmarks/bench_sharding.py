@@ -93,10 +93,10 @@ def _sharded(rank: int, world: int, args: argparse.Namespace, kind: str) -> dict
     return {"step_s": step, "backward_s": backward, **phases}
 
 
-def _single(args: argparse.Namespace, world: int) -> dict[str, float]:
-    torch.set_num_threads(world)
+def _single(args: argparse.Namespace, threads: int) -> dict[str, float]:
+    torch.set_num_threads(threads)
     module = FusedEmbeddingBagCollection(_tables(args), optimizer=_optimizer(args))
-    batches = _batches(args, args.batch * world, 7, args.steps + args.warmup)
+    batches = _batches(args, args.batch * args.world, 7, args.steps + args.warmup)
     step, backward = _time_steps(module, batches, args.warmup)
     return {"step_s": step, "backward_s": backward}
 
@@ -124,8 +124,11 @@ def main(argv: list[str] | None = None) -> None:
             results[name] = row
 
     for _ in range(args.rounds):  # interleaved, so every configuration sees the same noise
-        single = _single(args, args.world)
-        keep_best("single_process", {**single, "samples_per_s": global_batch / single["step_s"]})
+        # One process with as many threads as there are ranks (the same cores), and with one
+        # thread (OpenMP threads spin badly on a loaded machine; this bounds that effect).
+        for name, threads in (("single_process", args.world), ("single_process_1_thread", 1)):
+            single = _single(args, threads)
+            keep_best(name, {**single, "samples_per_s": global_batch / single["step_s"]})
         for kind in args.types.split(","):
             per_rank = run_on_ranks(_sharded, args.world, args, kind, timeout_s=900)
             row = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
