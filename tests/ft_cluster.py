@@ -78,6 +78,12 @@ class Cluster:
         self.replicas[name] = proc
         return proc
 
+    def start_script(self, name: str, script: Path, *args: str) -> subprocess.Popen[bytes]:
+        """Run ``script`` with ``args``; ``name`` keys its process and log."""
+        proc = self._spawn([str(script), *args], f"{name}.log")
+        self.replicas[name] = proc
+        return proc
+
     def start_dlrm(self, replica_id: str, *args: str) -> subprocess.Popen[bytes]:
         """Run examples/dlrm/train.py --fault-tolerant as replica group ``replica_id``."""
         env = {"RECOPT_FT_LIGHTHOUSE": f"127.0.0.1:{self.port}", "RECOPT_FT_REPLICA_ID": replica_id}

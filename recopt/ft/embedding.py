@@ -2,14 +2,17 @@
 
 A `FusedEmbeddingBagCollection` updates its rows inside backward, before the step's vote.
 `FusedEmbeddingGuard` snapshots, at forward time, every row the batch will touch (weights and
-optimizer state) and writes them back if the vote is no. `average_row_gradients` and
-`union_row_gradients` are the cross-replica halves of the kernel's ``grad_hook``.
+optimizer state) and writes them back if the vote is no; on a sharded collection it does so
+per local kernel, from the ids each kernel receives after the input all-to-all.
+`average_row_gradients` and `union_row_gradients` are the cross-replica halves of the
+kernel's ``grad_hook``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,8 +56,16 @@ class FusedEmbeddingGuard(StepParticipant):
     weight and state (plus whole scalar / per-column state, and whole per-row state for
     Adafactor, which decays every row).
 
+    On a sharded collection (``recopt.sharding.ShardedEmbeddingBagCollection``, whose fused
+    weights are ShardedTensors) the rows a rank updates are only known after the input
+    all-to-all, so the pre-hooks sit on the rank's local kernels instead: each kernel's
+    forward receives exactly the (local) ids its backward will update, and the guard
+    snapshots those rows of its local shards. The step counters the collection keeps for
+    tables held on other ranks (advanced at every backward) are copied whole.
+
     Args:
-        module: a `FusedEmbeddingBagCollection` (``tables``, ``fused_optimizer``).
+        module: a `FusedEmbeddingBagCollection` (``tables``, ``fused_optimizer``) or a
+            sharded one (``kernels()``, ``fused_optimizer``).
         manager: told about this guard so it restores on a dropped step; None to drive
             `on_commit` / `on_abort` yourself.
 
@@ -64,11 +75,48 @@ class FusedEmbeddingGuard(StepParticipant):
     """
 
     def __init__(self, module: nn.Module, manager: Manager | None = None) -> None:
-        self._tables = _collect_tables(module)
         self._snapshots: list[_Snapshot] = []
-        self._handle = module.register_forward_pre_hook(self._before_forward)
+        self._scalars: list[torch.Tensor] = []  # sharded: step counters of remote tables
+        self._saved_scalars: list[list[torch.Tensor]] = []
+        if _is_sharded(module):
+            self._tables = []
+            self._handles = []
+            for kernel in module.kernels():  # type: ignore[operator]
+                tables = _kernel_tables(kernel)
+                self._tables += tables
+                hook = functools.partial(self._before_kernel, _feature_table_map(kernel), tables)
+                self._handles.append(kernel.register_forward_pre_hook(hook))
+            self._scalars = _scalar_states(module)
+            self._handles.append(module.register_forward_pre_hook(self._save_scalars))
+        else:
+            self._tables = _collect_tables(module)
+            self._handles = [module.register_forward_pre_hook(self._before_forward)]
         if manager is not None:
             manager.register_participant(self)
+
+    def _save_scalars(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if torch.is_grad_enabled() and self._scalars:
+            self._saved_scalars.append([t.clone() for t in self._scalars])
+
+    def _before_kernel(
+        self, feature_table_map: Sequence[int], tables: list[_Table], kernel: nn.Module, args: Any
+    ) -> None:
+        """Snapshot, for each local table, the rows this kernel's backward will update."""
+        if not torch.is_grad_enabled() or len(args) < 2:
+            return
+        indices, offsets = args[0], args[1]
+        num_features = len(feature_table_map)
+        batch = (offsets.numel() - 1) // num_features
+        bounds = offsets[::batch].tolist() if batch > 0 else [0] * (num_features + 1)
+        for t, table in enumerate(tables):
+            parts = [
+                indices[bounds[f] : bounds[f + 1]]
+                for f, owner in enumerate(feature_table_map)
+                if owner == t
+            ]
+            # Every table, also without ids: its scalar state advances at every backward.
+            ids = torch.unique(torch.cat(parts)) if parts else indices.new_zeros(0)
+            self.snapshot(table, ids)
 
     def _before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not torch.is_grad_enabled() or not args:
@@ -109,7 +157,15 @@ class FusedEmbeddingGuard(StepParticipant):
                 snap.table.states[key].index_copy_(0, snap.ids, saved)
             for key, saved in snap.state_whole.items():
                 snap.table.states[key].copy_(saved)
+        for saved_scalars in reversed(self._saved_scalars):
+            for tensor, saved in zip(self._scalars, saved_scalars, strict=True):
+                tensor.copy_(saved)
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the current step's snapshots."""
         self._snapshots.clear()
+        self._saved_scalars.clear()
 
     def snapshot_bytes(self) -> int:
         """Memory held by the current step's snapshots."""
@@ -121,17 +177,64 @@ class FusedEmbeddingGuard(StepParticipant):
         return total
 
     def on_start(self) -> None:
-        self._snapshots.clear()  # leftovers of forwards that never reached a vote
+        self.clear()  # leftovers of forwards that never reached a vote
 
     def on_commit(self) -> None:
-        self._snapshots.clear()
+        self.clear()
 
     def on_abort(self) -> None:
         self.restore()
 
     def remove(self) -> None:
-        """Detach the forward pre-hook."""
-        self._handle.remove()
+        """Detach the forward pre-hooks."""
+        for handle in self._handles:
+            handle.remove()
+
+
+def _is_sharded(module: nn.Module) -> bool:
+    """A collection whose fused weights are ShardedTensors, with local kernels to hook."""
+    optimizer = getattr(module, "fused_optimizer", None)
+    params = dict(getattr(optimizer, "params", {}) or {})
+    return callable(getattr(module, "kernels", None)) and any(
+        isinstance(p, ShardedTensor) for p in params.values()
+    )
+
+
+def _feature_table_map(kernel: nn.Module) -> list[int]:
+    """The kernel's feature -> local table map (recopt kernels and fbgemm's TBE keep one)."""
+    for owner in (kernel, getattr(kernel, "_tbe", None)):
+        found = getattr(owner, "feature_table_map", None)
+        if found is not None:
+            return [int(t) for t in found]
+    raise ValueError(
+        f"kernel {type(kernel).__name__} exposes no feature_table_map; FusedEmbeddingGuard "
+        "needs it to tell which rows of which local table a sharded batch touches"
+    )
+
+
+def _kernel_tables(kernel: nn.Module) -> list[_Table]:
+    """The kernel's local tables (shards or replicas) with views of their weight and state."""
+    specs = list(kernel.tables)  # type: ignore[arg-type]
+    weights = kernel.split_embedding_weights()  # type: ignore[operator]
+    states = kernel.split_optimizer_states()  # type: ignore[operator]
+    name = str(getattr(getattr(kernel, "optimizer", None), "name", ""))
+    rows_only = name not in _DENSE_STATE_OPTIMIZERS
+    return [
+        _Table(spec.name, (), weight, dict(state), rows_only)
+        for spec, weight, state in zip(specs, weights, states, strict=True)
+    ]
+
+
+def _scalar_states(module: nn.Module) -> list[torch.Tensor]:
+    """Plain 0-dim state tensors of a sharded collection's optimizer (step counters)."""
+    optimizer = getattr(module, "fused_optimizer", None)
+    found: dict[int, torch.Tensor] = {}
+    for state in getattr(optimizer, "state", {}).values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and not isinstance(value, ShardedTensor):
+                if value.dim() == 0:
+                    found[id(value)] = value
+    return list(found.values())
 
 
 def _collect_tables(module: nn.Module) -> list[_Table]:
@@ -153,12 +256,6 @@ def _collect_tables(module: nn.Module) -> list[_Table]:
         if key not in params:
             raise ValueError(f"table {config.name!r}: fused_optimizer has no param {key!r}")
         weight = params[key]
-        if isinstance(weight, ShardedTensor):
-            raise ValueError(
-                f"table {config.name!r} is sharded (ShardedTensor); FusedEmbeddingGuard "
-                "snapshots plain tables only: pass the unsharded FusedEmbeddingBagCollection "
-                "(one full copy per replica group), or run with fault tolerance off"
-            )
         prefix = f"{config.name}."
         states = {
             k[len(prefix) :]: v

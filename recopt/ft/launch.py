@@ -21,6 +21,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from recopt.ft.client import wait_for_replicas
 from recopt.ft.embedding import EmbeddingReplicaSync, FusedEmbeddingGuard
+from recopt.ft.healing import into_local_shards, to_local_shards
 from recopt.ft.manager import Manager, ManagerConfig
 from recopt.ft.optim import OptimizerWrapper
 
@@ -155,11 +156,13 @@ def make_fault_tolerant(
 
     def state_dict() -> dict[str, Any]:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-        return state | {f"extra.{k}": v.state_dict() for k, v in extras.items()}
+        state |= {f"extra.{k}": v.state_dict() for k, v in extras.items()}
+        return dict(to_local_shards(state))  # sharded tables: this rank's shards, plain
 
     def load_state_dict(state: dict[str, Any]) -> None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        # Local shards are copied into this rank's ShardedTensors, which are then loaded.
+        model.load_state_dict(into_local_shards(state["model"], model.state_dict()))
+        optimizer.load_state_dict(into_local_shards(state["optimizer"], optimizer.state_dict()))
         for k, v in extras.items():
             v.load_state_dict(state[f"extra.{k}"])
 
