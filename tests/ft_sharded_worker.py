@@ -8,7 +8,9 @@ Each attempt appends to ``DIR/<id>-r<R>.jsonl``: the step, whether it committed,
 of the rank's local state after the quorum (healing), after backward (the fused update) and
 after the vote. ``--drop-at S`` marks step S errored after backward (every rank of every
 group does it, so the step is dropped everywhere); ``--wait-peers-at S`` waits at step S
-until two replica groups are live, so that a late group joins (and heals) there.
+until two replica groups are live, so that a late group joins (and heals) there;
+``--step-sleep`` paces the steps (so that a test can kill a rank between them);
+``--hold-file F`` builds everything, then waits for F before joining the replica groups.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import datetime
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -78,6 +81,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--drop-at", type=int, default=-1)
     parser.add_argument("--wait-peers-at", type=int, default=-1)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--hold-file", default="")
     args = parser.parse_args()
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=20)
@@ -94,6 +99,11 @@ def main() -> None:
         group_rank=rank,
         group_world_size=2,
     )
+    deadline = time.monotonic() + 120
+    while args.hold_file and not os.path.exists(args.hold_file):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{args.hold_file} did not appear within 120 s")
+        time.sleep(0.05)
     ft = make_fault_tolerant(model, optimizer, config)
     manager = ft.manager
 
@@ -107,6 +117,7 @@ def main() -> None:
             break
         if manager.current_step() == args.wait_peers_at:
             wait_for_replicas(config.lighthouse, 2, timeout * 3)
+        time.sleep(args.step_sleep)
         ft.optimizer.zero_grad()
         step = manager.current_step()
         after_quorum = digest()
@@ -127,6 +138,7 @@ def main() -> None:
             "after_quorum": after_quorum,
             "after_backward": after_backward,
             "after_vote": digest(),
+            "time": time.time(),
         }
         log.write(json.dumps(entry) + "\n")
     ft.shutdown()

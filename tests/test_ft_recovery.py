@@ -1,4 +1,7 @@
-"""Fault tolerance with real processes: a lighthouse and replica groups, killed and restarted."""
+"""Fault tolerance with real processes: a lighthouse and replica groups, killed and restarted.
+
+Sharded groups (several ranks per group, a rank killed) are in tests/test_ft_sharded.py.
+"""
 
 from __future__ import annotations
 
@@ -119,42 +122,3 @@ def test_no_commit_below_min_replica_size(cluster: Cluster) -> None:
     assert all(not e["committed"] and e["step_after"] == e["step_before"] for e in alone)
     assert all(e["digest_after"] == e["digest_before"] for e in alone)
     assert len({e["step_after"] for e in alone}) == 1  # the step counter never moved
-
-
-def test_sharded_replica_groups_agree_rank_by_rank(cluster: Cluster) -> None:
-    """Two groups of two ranks (stand-ins for shards): rank r agrees with rank r elsewhere.
-
-    Each group starts from its own seeds; init_sync heals each rank from the same rank of the
-    first group. Killing one rank refuses its whole group's step, at once.
-    """
-    cluster.start_lighthouse(min_replicas=1, join_s=1.0, hb_s=1.0)
-    group = ["--group-size=2", "--wait-live=2", "--timeout-s=10"]
-    for replica, seed in (("a", 1), ("b", 2)):
-        for rank in (0, 1):
-            name = f"{replica}-r{rank}"
-            cluster.start_replica(replica, *group, f"--group-rank={rank}", seed=seed, name=name)
-    wait_for(lambda: len(_committed(cluster, "b-r1")) >= 3, 60, "three joint steps")
-    cluster.kill("b-r1")
-    wait_for(
-        lambda: any(e["participants"] == 1 for e in _committed(cluster, "a-r0")), 30, "a alone"
-    )
-    # b's surviving rank never commits alone: its group is broken.
-    cluster.kill("b-r0")
-    b0 = cluster.entries("b-r0")
-    assert not any(e["committed"] for e in b0[3:]), b0[3:]
-    assert all(e["digest_after"] == e["digest_before"] for e in b0[3:])
-    # A dead rank's group is given up on its heartbeat (1 s), not the 10 s vote timeout.
-    a0 = _committed(cluster, "a-r0")
-    last_joint = max(e["time"] for e in a0 if e["participants"] == 2)
-    first_alone = min(e["time"] for e in a0 if e["participants"] == 1)
-    assert first_alone - last_joint < 8.0, (last_joint, first_alone)
-    cluster.stop()
-    for rank in (0, 1):
-        a, b = f"a-r{rank}", f"b-r{rank}"
-        common = cluster.steps_saved(a) & cluster.steps_saved(b)
-        assert {1, 2, 3} <= common
-        for k in sorted(common):
-            assert_same_state(cluster.state(a, k), cluster.state(b, k))
-    # The ranks hold different shards: the lanes are not mixed up.
-    with pytest.raises(AssertionError):
-        assert_same_state(cluster.state("a-r0", 3), cluster.state("a-r1", 3))
