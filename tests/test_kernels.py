@@ -528,3 +528,24 @@ def test_native_sort_is_a_stable_sort_by_key(num_keys: int) -> None:
     assert torch.equal(words & 0xFFFFFFFF, goff[order])
     assert scale is not None
     torch.testing.assert_close(scale, (psw / lengths[bag].float())[order])
+
+
+@pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
+def test_native_forward_specialised_dims(pooling: PoolingType) -> None:
+    # dims 16/32/64/128/256 take the register-accumulator forward; 12 the generic one.
+    tables = [
+        TableSpec(name=f"d{d}", num_embeddings=30, embedding_dim=d) for d in (16, 12, 64, 256)
+    ]
+    ftm = [0, 1, 2, 3, 2]
+    gen = torch.Generator().manual_seed(9)
+    lengths = torch.randint(0, 5, (len(ftm) * BATCH,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    indices = torch.randint(0, 30, (int(offsets[-1]),), generator=gen)
+    psw = torch.rand(indices.numel(), generator=gen)
+    cfg = FusedOptimizerConfig(name="sgd")
+    kernel = RecoptTableBatchedEmbedding(tables, ftm, cfg, pooling, CPU)
+    weights64 = [w.double() for w in kernel.split_embedding_weights()]
+    for weights in (None, psw):
+        expected = reference_pool(weights64, ftm, indices, offsets, weights, pooling)
+        out = kernel(indices, offsets, weights)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)

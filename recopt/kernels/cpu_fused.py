@@ -194,6 +194,59 @@ int recopt_prepare(int64_t num_bags, int64_t batch, const int64_t *offsets, cons
     return 0;
 }
 
+/* One bag: the accumulator lives in registers when D is a compile-time constant. */
+#define POOL_BAG(DIM)                                                                      \
+    do {                                                                                   \
+        float acc_[DIM];                                                                   \
+        for (int64_t d = 0; d < (DIM); d++) acc_[d] = 0.0f;                                \
+        for (int64_t k = lo; k < hi; k++) {                                                \
+            if (k + PF < feature_end) PREFETCH_ROW(table + ids[k + PF] * (DIM), (DIM), 0); \
+            const float s = weights ? weights[k] : 1.0f;                                   \
+            const float *restrict row = table + ids[k] * (DIM);                            \
+            for (int64_t d = 0; d < (DIM); d++) acc_[d] += s * row[d];                     \
+        }                                                                                  \
+        const float inv = mean && hi > lo ? 1.0f / (float)(hi - lo) : 1.0f;                \
+        for (int64_t d = 0; d < (DIM); d++) o[d] = acc_[d] * inv;                          \
+    } while (0)
+
+/* Forward: every bag of every feature in one parallel loop (one fork/join per batch, not
+ * one per feature). meta: per feature, the table's weight pointer (as int64) and dim. */
+int recopt_pool(int64_t num_bags, int64_t batch, const int64_t *offsets, const int64_t *ids,
+                const float *weights, int mean, const int64_t *meta, const int64_t *feature_col,
+                int64_t out_dim, float *out, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    const int64_t num_features = num_bags / (batch > 0 ? batch : 1);
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_bags > 1024)
+    for (int64_t bag = 0; bag < num_bags; bag++) {
+        const int64_t f = bag / batch, lo = offsets[bag], hi = offsets[bag + 1];
+        const float *restrict table = (const float *)(intptr_t)meta[f];
+        const int64_t D = meta[num_features + f];
+        const int64_t feature_end = offsets[(f + 1) * batch];
+        float *restrict o = out + (bag - f * batch) * out_dim + feature_col[f];
+        switch (D) {
+        case 16: POOL_BAG(16); break;
+        case 32: POOL_BAG(32); break;
+        case 64: POOL_BAG(64); break;
+        case 128: POOL_BAG(128); break;
+        case 256: POOL_BAG(256); break;
+        default: {
+            for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+            for (int64_t k = lo; k < hi; k++) {
+                if (k + PF < feature_end) PREFETCH_ROW(table + ids[k + PF] * D, D, 0);
+                const float s = weights ? weights[k] : 1.0f;
+                const float *restrict row = table + ids[k] * D;
+                for (int64_t d = 0; d < D; d++) o[d] += s * row[d];
+            }
+            if (mean && hi > lo) {
+                const float inv = 1.0f / (float)(hi - lo);
+                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+            }
+        }
+        }
+    }
+    return 0;
+}
+
 /* Stable LSD radix sort of the words by their key (bits 32 .. 32 + key_bits), the scales
  * moved along. Threads histogram their slice, agree on offsets, scatter; 11-bit digits. */
 #define RADIX_BITS 11
@@ -327,6 +380,7 @@ def _build() -> ctypes.CDLL:
     signatures: dict[str, list[type]] = {
         "recopt_prepare": [i64, i64, ptr, ptr, ptr, i32, ptr, ptr, i64, ptr, ptr, i32],
         "recopt_sort": [i64, ptr, ptr, ptr, ptr, i32, i32],
+        "recopt_pool": [i64, i64, ptr, ptr, ptr, i32, ptr, ptr, i64, ptr, i32],
         "recopt_fused_update": [i32, i64, ptr, ptr, ptr, i32, ptr, ptr, i32],
     }
     for name, argtypes in signatures.items():
@@ -351,6 +405,55 @@ def available() -> bool:
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
+
+
+def pool(
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: torch.Tensor | None,
+    mean: bool,
+    batch: int,
+    feature_tables: list[torch.Tensor],
+    feature_col: torch.Tensor,
+    out_dim: int,
+) -> torch.Tensor:
+    """Pooled ``[B, out_dim]`` output of every feature's bags (sum, or mean with ``mean``).
+
+    Args:
+        indices: int64 ids (KJT layout), contiguous.
+        offsets: int64 ``[F*B + 1]`` bag boundaries, contiguous.
+        weights: float32 per-sample weights, or None.
+        mean: divide each bag by its length (empty bags give zeros either way).
+        batch: B.
+        feature_tables: per feature, its table's contiguous float32 ``[R, D]`` weights.
+        feature_col: int64 ``[F]``, first output column of each feature.
+        out_dim: output width (sum of the features' dims).
+
+    Returns:
+        The pooled output.
+
+    Raises:
+        RuntimeError: the native library is not available.
+    """
+    if _library is None:
+        raise RuntimeError("pool: native library not loaded; call available() first")
+    out = torch.empty(batch, out_dim, dtype=torch.float32)
+    meta = [_ptr(w) or 0 for w in feature_tables] + [w.shape[1] for w in feature_tables]
+    meta_t = torch.tensor(meta, dtype=torch.int64)
+    _library.recopt_pool(
+        offsets.numel() - 1,
+        batch,
+        _ptr(offsets),
+        _ptr(indices),
+        _ptr(weights),
+        int(mean),
+        _ptr(meta_t),
+        _ptr(feature_col),
+        out_dim,
+        _ptr(out),
+        torch.get_num_threads(),
+    )
+    return out
 
 
 def prepare_sorted(

@@ -174,6 +174,17 @@ class RecoptTableBatchedEmbedding(nn.Module):
     def _pool(self, indices: Tensor, offsets: Tensor, weights: Tensor | None) -> Tensor:
         batch, starts = self._feature_bounds(offsets)
         mean = self.pooling == PoolingType.MEAN
+        if batch > 0 and self._native_ok(None, indices, offsets, weights):
+            return cpu_fused.pool(
+                indices.contiguous(),
+                offsets.contiguous(),
+                None if weights is None else weights.contiguous(),
+                mean,
+                batch,
+                [self.weights[t].detach() for t in self.feature_table_map],
+                self._feature_col,
+                self.output_dim,
+            )
         pooled = []
         for f, t in enumerate(self.feature_table_map):
             ids = indices[starts[f] : starts[f + 1]]
@@ -280,22 +291,29 @@ class RecoptTableBatchedEmbedding(nn.Module):
         )
 
     def _native_ok(
-        self, grad_out: Tensor, indices: Tensor, offsets: Tensor, weights: Tensor | None
+        self, grad_out: Tensor | None, indices: Tensor, offsets: Tensor, weights: Tensor | None
     ) -> bool:
-        """The native pass runs CPU float32 tables with int64 ids and no hooks."""
-        return (
-            self._use_native
-            and self.grad_hook is None
+        """The native passes run CPU float32 tables with int64 ids (backward: and no hooks).
+
+        ``grad_out`` None asks about the forward, which every optimizer and hook can use.
+        """
+        backward_ok = grad_out is not None and (
+            self.grad_hook is None
             and self.row_stat_hook is None
             and self.optimizer.name in cpu_fused.OPTIMIZER_CODES
-            and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in self.weights)
             and grad_out.dtype == torch.float32
+            and grad_out.numel() < 2**32
+        )
+        return (
+            self._use_native
+            and (grad_out is None or backward_ok)
+            and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in self.weights)
+            and indices.device.type == "cpu"
             and indices.dtype == torch.int64
             and offsets.dtype == torch.int64
             and (weights is None or weights.dtype == torch.float32)
             # An occurrence packs its key and gradient offset into 32 bits each.
             and self._table_bases[-1] < 2**32
-            and grad_out.numel() < 2**32
             and cpu_fused.available()
         )
 
