@@ -1,10 +1,10 @@
-"""Native CPU pass that aggregates embedding gradients and applies the optimizer in one go.
+"""Native CPU passes of the recopt kernel: pooling, and gradient aggregation fused with the update.
 
-A small C library (no torch headers, so it compiles in about a second) built with the system
-C compiler at first use and cached; it works on raw float32 pointers, one thread per torch
-intra-op thread. Each thread walks whole runs of equal ids in the id-sorted occurrences, sums
-the (scaled) gradient rows of a run into a D-float buffer and updates that row and its state
-in place, so no [U, D] temporary is ever materialised. When no compiler is available,
+A small C library (no torch headers: it compiles in about a second) built with the system C
+compiler at first use and cached; it works on raw float32 pointers with torch's OpenMP
+threads. Backward turns occurrences into sorted (key, gradient offset) words, then each
+thread walks whole runs of equal keys, sums their scaled gradient rows into a D-float buffer
+and updates that row and its state in place: no [U, D] temporary. Without a compiler,
 `available()` is False and the backend uses `updates.apply_update` (same formulas).
 Legend: N occurrences (ids) of all the kernel's tables, D a table's dim, T tables.
 """

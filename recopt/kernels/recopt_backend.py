@@ -1,8 +1,8 @@
-"""recopt's own table-batched embedding kernel: torch pooling, optimizer fused into backward.
+"""recopt's own table-batched embedding kernel, the optimizer fused into backward.
 
-Forward pools with ``F.embedding_bag`` per feature. Backward sorts each table's ids once,
-sums the gradient of every touched row over its occurrences and updates only those rows and
-their state: in one native pass (`cpu_fused`) on CPU, with vectorised torch ops otherwise.
+On CPU (float32) forward and backward are native passes (`cpu_fused`): one sort of all the
+tables' ids, then one pass that sums each touched row's gradient and updates only that row
+and its state. Otherwise (or with hooks, or for Adafactor) torch ops do the same per table.
 Legend: B batch, F features, N ids (occurrences) of one table, D a table's dim.
 """
 
