@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recopt.ft.client import wait_for_replicas
-from recopt.ft.launch import make_fault_tolerant, state_digest
+from recopt.ft.launch import FaultTolerantTraining, make_fault_tolerant, state_digest
 from recopt.ft.manager import ManagerConfig
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.models.dlrm import DLRM, DLRMConfig
@@ -71,6 +71,52 @@ def batch(seed: int, step: int, rank: int) -> tuple[torch.Tensor, KeyedJaggedTen
     return torch.randn(6, 4, generator=g), KeyedJaggedTensor.from_id_lists(ids)
 
 
+def run(
+    ft: FaultTolerantTraining,
+    model: nn.Module,
+    optimizer: CombinedOptimizer,
+    args: argparse.Namespace,
+) -> None:
+    """Train until ``args.steps`` commits, one JSON line per attempt."""
+    manager = ft.manager
+    rank = args.group_rank
+
+    def digest() -> str:
+        return state_digest(model.state_dict(), optimizer.state_dict())
+
+    log = open(os.path.join(args.out, f"{args.replica_id}-r{rank}.jsonl"), "a", buffering=1)
+    dropped = False
+    for attempt in range(100):
+        if manager.current_step() >= args.steps:
+            break
+        if manager.current_step() == args.wait_peers_at:
+            wait_for_replicas(manager.config.lighthouse, 2, manager.config.timeout * 3)
+        time.sleep(args.step_sleep)
+        ft.optimizer.zero_grad()
+        step = manager.current_step()
+        after_quorum = digest()
+        dense, sparse = batch(args.seed, step, rank)
+        logits = model(dense, sparse)
+        nn.functional.binary_cross_entropy_with_logits(logits, torch.ones(6)).backward()
+        if step == args.drop_at and not dropped:
+            manager.report_error(RuntimeError("injected by the test"))
+            dropped = True
+        after_backward = digest()
+        ft.optimizer.step()
+        entry = {
+            "attempt": attempt,
+            "step": step,
+            "committed": manager.current_step() > step,
+            "participants": manager.num_participants(),
+            "error": None if manager.errored() is None else repr(manager.errored()),
+            "after_quorum": after_quorum,
+            "after_backward": after_backward,
+            "after_vote": digest(),
+            "time": time.time(),
+        }
+        log.write(json.dumps(entry) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--replica-id", required=True)
@@ -105,42 +151,8 @@ def main() -> None:
             raise TimeoutError(f"{args.hold_file} did not appear within 120 s")
         time.sleep(0.05)
     ft = make_fault_tolerant(model, optimizer, config)
-    manager = ft.manager
 
-    def digest() -> str:
-        return state_digest(model.state_dict(), optimizer.state_dict())
-
-    log = open(os.path.join(args.out, f"{args.replica_id}-r{rank}.jsonl"), "a", buffering=1)
-    dropped = False
-    for attempt in range(100):
-        if manager.current_step() >= args.steps:
-            break
-        if manager.current_step() == args.wait_peers_at:
-            wait_for_replicas(config.lighthouse, 2, timeout * 3)
-        time.sleep(args.step_sleep)
-        ft.optimizer.zero_grad()
-        step = manager.current_step()
-        after_quorum = digest()
-        dense, sparse = batch(args.seed, step, rank)
-        logits = model(dense, sparse)
-        nn.functional.binary_cross_entropy_with_logits(logits, torch.ones(6)).backward()
-        if step == args.drop_at and not dropped:
-            manager.report_error(RuntimeError("injected by the test"))
-            dropped = True
-        after_backward = digest()
-        ft.optimizer.step()
-        entry = {
-            "attempt": attempt,
-            "step": step,
-            "committed": manager.current_step() > step,
-            "participants": manager.num_participants(),
-            "error": None if manager.errored() is None else repr(manager.errored()),
-            "after_quorum": after_quorum,
-            "after_backward": after_backward,
-            "after_vote": digest(),
-            "time": time.time(),
-        }
-        log.write(json.dumps(entry) + "\n")
+    run(ft, model, optimizer, args)
     ft.shutdown()
     dist.destroy_process_group()
 

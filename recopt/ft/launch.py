@@ -12,7 +12,7 @@ import dataclasses
 import datetime
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -114,6 +114,26 @@ def _fused_collections(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def _healing_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, extras: Mapping[str, Any]
+) -> tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]:
+    """The Manager's state callbacks: what a healthy replica serves and a healer loads."""
+
+    def state_dict() -> dict[str, Any]:
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        state |= {f"extra.{k}": v.state_dict() for k, v in extras.items()}
+        return dict(to_local_shards(state))  # sharded tables: this rank's shards, plain
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        # Local shards are copied into this rank's ShardedTensors, which are then loaded.
+        model.load_state_dict(into_local_shards(state["model"], model.state_dict()))
+        optimizer.load_state_dict(into_local_shards(state["optimizer"], optimizer.state_dict()))
+        for k, v in extras.items():
+            v.load_state_dict(state[f"extra.{k}"])
+
+    return state_dict, load_state_dict
+
+
 def make_fault_tolerant(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -154,18 +174,7 @@ def make_fault_tolerant(
     if callable(init_state):
         init_state()  # strict in-place loaders need the lazily created state on both sides
 
-    def state_dict() -> dict[str, Any]:
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-        state |= {f"extra.{k}": v.state_dict() for k, v in extras.items()}
-        return dict(to_local_shards(state))  # sharded tables: this rank's shards, plain
-
-    def load_state_dict(state: dict[str, Any]) -> None:
-        # Local shards are copied into this rank's ShardedTensors, which are then loaded.
-        model.load_state_dict(into_local_shards(state["model"], model.state_dict()))
-        optimizer.load_state_dict(into_local_shards(state["optimizer"], optimizer.state_dict()))
-        for k, v in extras.items():
-            v.load_state_dict(state[f"extra.{k}"])
-
+    state_dict, load_state_dict = _healing_state(model, optimizer, extras)
     manager = Manager(config, state_dict=state_dict, load_state_dict=load_state_dict)
     guards, syncs = [], []
     try:
