@@ -113,6 +113,8 @@ def _requests(kind: str, world: int) -> dict[str, Any]:
         return {t: table_row_wise(0) for t in ("t0", "t1", "t2")}
     if kind == "table_column_wise":
         return {t: table_column_wise(0) for t in ("t0", "t1", "t2")}
+    if kind == "one_rank":  # every other rank holds nothing and still joins every collective
+        return {t: table_wise(0) for t in ("t0", "t1", "t2")}
     if kind == "data_parallel":
         return {t: data_parallel() for t in ("t0", "t1", "t2")}
     return {"t0": row_wise(), "t1": column_wise([last, 0]), "t2": data_parallel()}
@@ -125,6 +127,7 @@ def _cases() -> list[Case]:
         Case("mixed/weighted-mean", "mixed", "adagrad", weighted=True, pooling=PoolingType.MEAN),
         Case("row_wise/weighted", "row_wise", "row_wise_adam", weighted=True),
         Case("mixed/plain-ebc", "mixed", "adagrad", plain_ebc=True),
+        Case("one_rank/row_wise_adam", "one_rank", "row_wise_adam", weighted=True),
         Case(
             "mixed/weighted-mean-row-wise",
             "mixed",
