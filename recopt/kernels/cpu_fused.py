@@ -247,6 +247,25 @@ int recopt_pool(int64_t num_bags, int64_t batch, const int64_t *offsets, const i
     return 0;
 }
 
+/* Gradient of each run of equal keys (one touched row), for updates done outside: run u
+ * spans sorted words [starts[u], starts[u + 1]); its summed, scaled rows go to out[u]. */
+int recopt_aggregate(int64_t num_runs, const int64_t *starts, const uint64_t *packed,
+                     const float *scale, const float *grad, int64_t dim, float *out,
+                     int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_runs > 1024)
+    for (int64_t u = 0; u < num_runs; u++) {
+        float *restrict o = out + u * dim;
+        for (int64_t d = 0; d < dim; d++) o[d] = 0.0f;
+        for (int64_t k = starts[u]; k < starts[u + 1]; k++) {
+            const float s = scale ? scale[k] : 1.0f;
+            const float *restrict g = grad + GOFF(packed[k]);
+            for (int64_t d = 0; d < dim; d++) o[d] += s * g[d];
+        }
+    }
+    return 0;
+}
+
 /* Stable LSD radix sort of the words by their key (bits 32 .. 32 + key_bits), the scales
  * moved along. Threads histogram their slice, agree on offsets, scatter; 11-bit digits. */
 #define RADIX_BITS 11
@@ -381,6 +400,7 @@ def _build() -> ctypes.CDLL:
         "recopt_prepare": [i64, i64, ptr, ptr, ptr, i32, ptr, ptr, i64, ptr, ptr, i32],
         "recopt_sort": [i64, ptr, ptr, ptr, ptr, i32, i32],
         "recopt_pool": [i64, i64, ptr, ptr, ptr, i32, ptr, ptr, i64, ptr, i32],
+        "recopt_aggregate": [i64, ptr, ptr, ptr, ptr, i64, ptr, i32],
         "recopt_fused_update": [i32, i64, ptr, ptr, ptr, i32, ptr, ptr, i32],
     }
     for name, argtypes in signatures.items():
@@ -514,6 +534,45 @@ def prepare_sorted(
         n, _ptr(words), _ptr(scale), _ptr(tmp_words), _ptr(tmp_scale), key_bits, threads
     )
     return (tmp_words, tmp_scale) if in_tmp else (words, scale)
+
+
+def aggregate(
+    words_N: torch.Tensor,
+    scale_N: torch.Tensor | None,
+    grad: torch.Tensor,
+    starts_U: torch.Tensor,
+    dim: int,
+) -> torch.Tensor:
+    """Summed, scaled gradient rows of runs of equal keys in `prepare_sorted`'s words.
+
+    Args:
+        words_N: sorted words (a slice of `prepare_sorted`'s output, contiguous).
+        scale_N: their scales, or None for 1.
+        grad: the pooled-output gradient, contiguous float32.
+        starts_U: int64 ``[U + 1]``: run u is ``words_N[starts_U[u] : starts_U[u + 1]]``.
+        dim: D of the runs' table.
+
+    Returns:
+        ``[U, D]`` gradient per run (per touched row, in key order).
+
+    Raises:
+        RuntimeError: the native library is not available.
+    """
+    if _library is None:
+        raise RuntimeError("aggregate: native library not loaded; call available() first")
+    num_runs = starts_U.numel() - 1
+    out = torch.empty(num_runs, dim, dtype=torch.float32)
+    _library.recopt_aggregate(
+        num_runs,
+        _ptr(starts_U),
+        _ptr(words_N),
+        _ptr(scale_N),
+        _ptr(grad),
+        dim,
+        _ptr(out),
+        torch.get_num_threads(),
+    )
+    return out
 
 
 def fused_update(

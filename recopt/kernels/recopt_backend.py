@@ -253,11 +253,20 @@ class RecoptTableBatchedEmbedding(nn.Module):
         if self._native_ok(grad_out, indices, offsets, weights):
             self._native_update(grad_out, indices, offsets, weights)
             return
-        occurrences = self._occurrences(indices, offsets, weights)
+        native_sums = (
+            self._native_ok(None, indices, offsets, weights)
+            and grad_out.dtype == torch.float32
+            and grad_out.numel() < 2**32
+        )
+        row_grads = (
+            self._native_row_grads(grad_out, indices, offsets, weights)
+            if native_sums
+            else self._torch_row_grads(grad_out, indices, offsets, weights)
+        )
         states = self.split_optimizer_states()
-        for t, occ in enumerate(occurrences):
+        for t, row_grad in enumerate(row_grads):
             weight = self.weights[t].detach()
-            if occ is None:
+            if row_grad is None:
                 empty = torch.empty(0, dtype=torch.int64, device=weight.device)
                 if self.grad_hook is not None:
                     # Called for every table on every backward, even with no rows, so hooks
@@ -268,18 +277,70 @@ class RecoptTableBatchedEmbedding(nn.Module):
                         t, weight, states[t], empty, weight.new_zeros(0, weight.shape[1])
                     )
                 continue
+            rows_U, grad_U_D = row_grad
+            if self.grad_hook is not None:
+                grad_U_D = self.grad_hook(t, rows_U, grad_U_D)
+            self._torch_update(t, weight, states[t], rows_U, grad_U_D.to(weight.dtype))
+
+    def _torch_row_grads(
+        self, grad_out: Tensor, indices: Tensor, offsets: Tensor, weights: Tensor | None
+    ) -> list[tuple[Tensor, Tensor] | None]:
+        """Per table, its sorted unique touched rows and their summed gradients (torch ops)."""
+        result: list[tuple[Tensor, Tensor] | None] = []
+        for t, occ in enumerate(self._occurrences(indices, offsets, weights)):
+            if occ is None:
+                result.append(None)
+                continue
             rows_U, inverse_N = torch.unique(occ.ids_N, sorted=True, return_inverse=True)
-            dim = weight.shape[1]
+            dim = self.tables[t].embedding_dim
             blocks = [grad_out[:, c0 : c0 + dim] for c0 in occ.cols]
             grad_rows = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
             grad_N_D = grad_rows.index_select(0, occ.row_N)
             if occ.scale_N is not None:
                 grad_N_D = grad_N_D * occ.scale_N.to(grad_N_D.dtype).unsqueeze(1)
-            grad_U_D = grad_N_D.new_zeros(rows_U.numel(), weight.shape[1])
+            grad_U_D = grad_N_D.new_zeros(rows_U.numel(), dim)
             grad_U_D.index_add_(0, inverse_N, grad_N_D)
-            if self.grad_hook is not None:
-                grad_U_D = self.grad_hook(t, rows_U, grad_U_D)
-            self._torch_update(t, weight, states[t], rows_U, grad_U_D.to(weight.dtype))
+            result.append((rows_U, grad_U_D))
+        return result
+
+    def _native_row_grads(
+        self, grad_out: Tensor, indices: Tensor, offsets: Tensor, weights: Tensor | None
+    ) -> list[tuple[Tensor, Tensor] | None]:
+        """As `_torch_row_grads`, from the native sort and a native sum per touched row."""
+        if indices.numel() == 0:
+            return [None] * len(self.tables)
+        batch = (offsets.numel() - 1) // len(self.feature_table_map)
+        words_N, scale_N = cpu_fused.prepare_sorted(
+            indices.contiguous(),
+            offsets.contiguous(),
+            None if weights is None else weights.contiguous(),
+            self.pooling == PoolingType.MEAN,
+            batch,
+            self._feature_base,
+            self._feature_col,
+            self.output_dim,
+            self._table_bases[-1],
+        )
+        keys_N = (words_N >> 32) & 0xFFFFFFFF  # the words are unsigned, stored as int64
+        keys_U, counts_U = torch.unique_consecutive(keys_N, return_counts=True)
+        starts_U = torch.cat([counts_U.new_zeros(1), counts_U.cumsum(0)])
+        runs = torch.searchsorted(keys_U, torch.tensor(self._table_bases)).tolist()
+        result: list[tuple[Tensor, Tensor] | None] = []
+        for t, table in enumerate(self.tables):
+            u0, u1 = runs[t], runs[t + 1]
+            if u0 == u1:
+                result.append(None)
+                continue
+            first, last = int(starts_U[u0]), int(starts_U[u1])
+            grad_U_D = cpu_fused.aggregate(
+                words_N[first:last],
+                None if scale_N is None else scale_N[first:last],
+                grad_out,
+                starts_U[u0 : u1 + 1] - first,
+                table.embedding_dim,
+            )
+            result.append((keys_U[u0:u1] - self._table_bases[t], grad_U_D))
+        return result
 
     def _torch_update(
         self, t: int, weight: Tensor, state: dict[str, Tensor], rows_U: Tensor, grad_U_D: Tensor
