@@ -264,3 +264,22 @@ def test_configs_and_plain_module_pickle() -> None:
     ebc = EmbeddingBagCollection(t)
     clone = pickle.loads(pickle.dumps(ebc))
     torch.testing.assert_close(clone(batch()).values(), ebc(batch()).values())
+
+
+@pytest.mark.parametrize("backend", [Backend.FBGEMM, Backend.RECOPT])
+def test_deepcopy_keeps_weights_tied_to_the_copied_kernel(backend: Backend) -> None:
+    import copy
+
+    _, fused = make_pair(FusedOptimizerConfig(name="row_wise_adagrad", lr=0.1, backend=backend))
+    fused.fused_optimizer.param_groups[0]["lr"] = 0.3
+    clone = copy.deepcopy(fused)
+    original = {k: v.clone() for k, v in fused.state_dict().items()}
+    before = {k: v.clone() for k, v in clone.state_dict().items()}
+    clone(batch()).values().sum().backward()
+    after = clone.state_dict()
+    assert not torch.equal(after["embedding_bags.t0.weight"], before["embedding_bags.t0.weight"])
+    for key, value in fused.state_dict().items():  # the original is untouched
+        assert torch.equal(value, original[key])
+    assert clone.fused_optimizer.param_groups[0]["lr"] == 0.3
+    state = clone.fused_optimizer.state_dict()["state"]["embedding_bags.t1.weight"]["t1.momentum1"]
+    assert state.abs().sum() > 0  # the copy's optimizer shows the copy's kernel state

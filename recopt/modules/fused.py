@@ -7,6 +7,7 @@ a view of the kernel's storage, so state_dict keys match `EmbeddingBagCollection
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -174,6 +175,25 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             hyper["backend"] = str(type(group.kernel).__name__)
             param_groups.append({"params": group_params, **hyper})
         return EmbeddingFusedOptimizer(params, state, param_groups)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FusedEmbeddingBagCollection:
+        # nn.Parameter's deepcopy clones its data, which would cut each table weight loose from
+        # the copied kernel's storage; re-point the copies at the new kernels' weights.
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        old_groups = [dict(g) for g in new._optimizer.param_groups]
+        for group in new._groups:
+            for t, weight in zip(
+                group.table_indices, group.kernel.split_embedding_weights(), strict=True
+            ):
+                holder = new.embedding_bags[new.tables[t].name]
+                assert isinstance(holder, _TableWeight)
+                holder.weight = nn.Parameter(weight, requires_grad=False)
+        new._optimizer = new._build_optimizer()
+        for param_group, old in zip(new._optimizer.param_groups, old_groups, strict=True):
+            param_group.update({k: v for k, v in old.items() if k != "params"})
+        return new
 
     def _table_weight(self, name: str) -> torch.Tensor:
         holder = self.embedding_bags[name]
