@@ -74,6 +74,12 @@ class RunEnv:
         return self.rank == 0
 
 
+def default_threads(env: RunEnv) -> int:
+    """This machine's cores shared among the ranks on it (torchrun's LOCAL_WORLD_SIZE)."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(env.world_size)))
+    return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+
+
 def _env_from_environ() -> RunEnv:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -434,8 +440,7 @@ def train(
                 "--fault-tolerant)"
             )
         config = fault_tolerant_config(config)
-    if config.training.num_threads:
-        torch.set_num_threads(config.training.num_threads)
+    torch.set_num_threads(config.training.num_threads or default_threads(env))
     torch.set_float32_matmul_precision(config.training.matmul_precision)
     model = shard_model(build_model(config, env.device), config, env)
     trainer = Trainer(config, env, model, ft_config)

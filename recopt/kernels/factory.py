@@ -10,13 +10,9 @@ import torch
 from torch import nn
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
-
-# Optimizers fbgemm's fused kernels run (in the lead's wrapper), and the dim multiple they need.
-FBGEMM_OPTIMIZERS: frozenset[str] = frozenset({"sgd", "adagrad", "row_wise_adagrad"})
-FBGEMM_DIM_MULTIPLE = 4
-# fbgemm's CPU kernels mishandle a table shared by several features (measured, fbgemm-gpu-cpu
-# 1.8.0): EXACT_ADAGRAD updates once per feature, EXACT_ROWWISE_ADAGRAD raises.
-FBGEMM_SHARED_TABLE_BROKEN: frozenset[str] = frozenset({"adagrad", "row_wise_adagrad"})
+from recopt.kernels.fbgemm_backend import (  # fbgemm itself is imported only when used
+    fbgemm_problems,
+)
 
 # CPU policy for AUTO, per optimizer, from benchmarks/bench_fused_embedding.py (docs/kernels.md):
 # recopt's sgd and adagrad cost half and a quarter of fbgemm's CPU time; row-wise adagrad is
@@ -27,44 +23,6 @@ CPU_POLICY: dict[str, Backend] = {
     "adagrad": Backend.RECOPT,
     "row_wise_adagrad": Backend.FBGEMM,
 }
-
-
-def _fbgemm_problems(
-    tables: list[TableSpec],
-    optimizer: FusedOptimizerConfig,
-    device: torch.device,
-    feature_table_map: list[int] | None,
-) -> list[str]:
-    """Reasons fbgemm cannot run these tables, each naming the table and the fix."""
-    problems: list[str] = []
-    if device.type == "cpu" and optimizer.name in FBGEMM_SHARED_TABLE_BROKEN and feature_table_map:
-        for t, table in enumerate(tables):
-            if feature_table_map.count(t) > 1:
-                problems.append(
-                    f"table {table.name!r} is looked up by {feature_table_map.count(t)} features, "
-                    f"and fbgemm's CPU {optimizer.name!r} does not sum a shared row's gradient "
-                    "over features (docs/kernels.md); use backend='recopt' or 'auto'"
-                )
-    if optimizer.name not in FBGEMM_OPTIMIZERS:
-        names = ", ".join(repr(t.name) for t in tables)
-        problems.append(
-            f"tables {names}: fused optimizer {optimizer.name!r} is not supported by the "
-            f"fbgemm backend (supported: {sorted(FBGEMM_OPTIMIZERS)}); use backend='recopt' "
-            "or 'auto'"
-        )
-    if optimizer.maximize:
-        problems.append(
-            "fbgemm has no 'maximize' option; use backend='recopt' or 'auto' (maximize=True)"
-        )
-    for table in tables:
-        if table.embedding_dim % FBGEMM_DIM_MULTIPLE != 0:
-            fixed = -(-table.embedding_dim // FBGEMM_DIM_MULTIPLE) * FBGEMM_DIM_MULTIPLE
-            problems.append(
-                f"table {table.name!r}: embedding_dim {table.embedding_dim} is not a multiple "
-                f"of {FBGEMM_DIM_MULTIPLE}, which the fbgemm backend requires; use "
-                f"{fixed}, or backend='recopt' or 'auto'"
-            )
-    return problems
 
 
 def choose_backend(
@@ -94,7 +52,7 @@ def choose_backend(
             run; the message names the table and the fix.
     """
     device = torch.device(device)
-    problems = _fbgemm_problems(tables, optimizer, device, feature_table_map)
+    problems = fbgemm_problems(tables, optimizer, device, feature_table_map)
     if optimizer.backend == Backend.FBGEMM:
         if problems:
             raise ValueError("; ".join(problems))
@@ -140,7 +98,6 @@ def create_kernel(
             )
     backend = choose_backend(tables, optimizer, torch.device(device), feature_table_map)
     if backend == Backend.FBGEMM:
-        # Imported here: fbgemm is heavy to import, and the CUDA build may be the one installed.
         from recopt.kernels.fbgemm_backend import FbgemmTableBatchedEmbedding
 
         return FbgemmTableBatchedEmbedding(tables, feature_table_map, optimizer, pooling, device)

@@ -14,35 +14,67 @@ from torch import nn
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
 
 # recopt optimizer name -> (fbgemm optimizer enum name, state names in fbgemm's order)
-FBGEMM_OPTIMIZERS: dict[str, tuple[str, tuple[str, ...]]] = {
+FBGEMM_STATE_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
     "sgd": ("EXACT_SGD", ()),
     "adagrad": ("EXACT_ADAGRAD", ("momentum1",)),
     "row_wise_adagrad": ("EXACT_ROWWISE_ADAGRAD", ("momentum1",)),
 }
-# fbgemm's kernels read rows in vectors of 4 floats.
+# Optimizers fbgemm's fused kernels run here, and the dim multiple they need (fbgemm reads
+# rows in vectors of 4 floats).
+FBGEMM_OPTIMIZERS: frozenset[str] = frozenset(FBGEMM_STATE_NAMES)
 FBGEMM_DIM_MULTIPLE = 4
+# fbgemm's CPU kernels mishandle a table shared by several features (measured, fbgemm-gpu-cpu
+# 1.8.0): EXACT_ADAGRAD updates once per feature, EXACT_ROWWISE_ADAGRAD can raise.
+FBGEMM_SHARED_TABLE_BROKEN: frozenset[str] = frozenset({"adagrad", "row_wise_adagrad"})
 
 
-def fbgemm_unsupported_reason(
-    optimizer: FusedOptimizerConfig, tables: Sequence[TableSpec], device: torch.device
-) -> str | None:
-    """Why fbgemm cannot run these tables with this optimizer, or None if it can."""
-    if device.type == "cpu" and optimizer.name not in FBGEMM_OPTIMIZERS:
-        return (
-            f"fbgemm's CPU kernels do not train with {optimizer.name!r} (only "
-            f"{sorted(FBGEMM_OPTIMIZERS)}); use backend 'recopt' or 'auto'"
+def fbgemm_problems(
+    tables: Sequence[TableSpec],
+    optimizer: FusedOptimizerConfig,
+    device: torch.device,
+    feature_table_map: Sequence[int] | None = None,
+) -> list[str]:
+    """Reasons fbgemm cannot run these tables with this optimizer, each naming the fix.
+
+    Args:
+        tables: the tables of one kernel.
+        optimizer: the fused optimizer.
+        device: where the kernel would run.
+        feature_table_map: the features' tables, when known (shared tables are checked).
+
+    Returns:
+        One message per problem; empty when fbgemm can run them.
+    """
+    problems: list[str] = []
+    if device.type == "cpu" and optimizer.name in FBGEMM_SHARED_TABLE_BROKEN and feature_table_map:
+        for t, table in enumerate(tables):
+            count = list(feature_table_map).count(t)
+            if count > 1:
+                problems.append(
+                    f"table {table.name!r} is looked up by {count} features, and fbgemm's CPU "
+                    f"{optimizer.name!r} does not sum a shared row's gradient over features "
+                    "(docs/kernels.md); use backend='recopt' or 'auto'"
+                )
+    if optimizer.name not in FBGEMM_OPTIMIZERS:
+        names = ", ".join(repr(t.name) for t in tables)
+        problems.append(
+            f"tables {names}: fused optimizer {optimizer.name!r} is not supported by the "
+            f"fbgemm backend (supported: {sorted(FBGEMM_OPTIMIZERS)}); use backend='recopt' "
+            "or 'auto'"
         )
     if optimizer.maximize:
-        return "fbgemm has no 'maximize' option; use backend 'recopt' or 'auto'"
+        problems.append(
+            "fbgemm has no 'maximize' option; use backend='recopt' or 'auto' (maximize=True)"
+        )
     for table in tables:
-        if table.embedding_dim % FBGEMM_DIM_MULTIPLE:
+        if table.embedding_dim % FBGEMM_DIM_MULTIPLE != 0:
             fixed = -(-table.embedding_dim // FBGEMM_DIM_MULTIPLE) * FBGEMM_DIM_MULTIPLE
-            return (
-                f"table {table.name!r}: embedding_dim {table.embedding_dim} is not a multiple of "
-                f"{FBGEMM_DIM_MULTIPLE}, which fbgemm's kernel requires; use {fixed}, or backend "
-                "'recopt' / 'auto'"
+            problems.append(
+                f"table {table.name!r}: embedding_dim {table.embedding_dim} is not a multiple "
+                f"of {FBGEMM_DIM_MULTIPLE}, which the fbgemm backend requires; use "
+                f"{fixed}, or backend='recopt' or 'auto'"
             )
-    return None
+    return problems
 
 
 class FbgemmTableBatchedEmbedding(nn.Module):
@@ -80,13 +112,13 @@ class FbgemmTableBatchedEmbedding(nn.Module):
             WeightDecayMode,
         )
 
-        reason = fbgemm_unsupported_reason(optimizer, tables, device)
-        if reason is not None:
-            raise ValueError(reason)
+        problems = fbgemm_problems(tables, optimizer, device, feature_table_map)
+        if problems:
+            raise ValueError("; ".join(problems))
         on_cuda = device.type == "cuda"
         location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
         compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
-        fbgemm_name, self._state_names = FBGEMM_OPTIMIZERS.get(optimizer.name, ("", ()))
+        fbgemm_name, self._state_names = FBGEMM_STATE_NAMES[optimizer.name]
         self.tables = list(tables)
         self.optimizer = optimizer
         self.pooling = pooling

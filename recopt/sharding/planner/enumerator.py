@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig
-from recopt.kernels.factory import FBGEMM_DIM_MULTIPLE, FBGEMM_OPTIMIZERS
+from recopt.kernels.fbgemm_backend import FBGEMM_DIM_MULTIPLE, FBGEMM_OPTIMIZERS
 from recopt.sharding.plan import ParameterSharding, ShardingType, ShardSpec
 from recopt.sharding.plan_helpers import split_columns, split_evenly
 from recopt.sharding.planner.constraints import (
