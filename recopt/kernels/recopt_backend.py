@@ -303,12 +303,10 @@ class RecoptTableBatchedEmbedding(nn.Module):
             result.append((rows_U, grad_U_D))
         return result
 
-    def _native_row_grads(
-        self, grad_out: Tensor, indices: Tensor, offsets: Tensor, weights: Tensor | None
-    ) -> list[tuple[Tensor, Tensor] | None]:
-        """As `_torch_row_grads`, from the native sort and a native sum per touched row."""
-        if indices.numel() == 0:
-            return [None] * len(self.tables)
+    def _sorted_occurrences(
+        self, indices: Tensor, offsets: Tensor, weights: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """Every id of the batch as a (table base + id, grad offset) word, sorted by key."""
         batch = (offsets.numel() - 1) // len(self.feature_table_map)
         words_N, scale_N = cpu_fused.prepare_sorted(
             indices.contiguous(),
@@ -321,6 +319,15 @@ class RecoptTableBatchedEmbedding(nn.Module):
             self.output_dim,
             self._table_bases[-1],
         )
+        return words_N, scale_N
+
+    def _native_row_grads(
+        self, grad_out: Tensor, indices: Tensor, offsets: Tensor, weights: Tensor | None
+    ) -> list[tuple[Tensor, Tensor] | None]:
+        """As `_torch_row_grads`, from the native sort and a native sum per touched row."""
+        if indices.numel() == 0:
+            return [None] * len(self.tables)
+        words_N, scale_N = self._sorted_occurrences(indices, offsets, weights)
         keys_N = (words_N >> 32) & 0xFFFFFFFF  # the words are unsigned, stored as int64
         keys_U, counts_U = torch.unique_consecutive(keys_N, return_counts=True)
         starts_U = torch.cat([counts_U.new_zeros(1), counts_U.cumsum(0)])
@@ -385,18 +392,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
         if indices.numel() == 0:
             return
         config = self.optimizer
-        batch = (offsets.numel() - 1) // len(self.feature_table_map)
-        words_N, scale_N = cpu_fused.prepare_sorted(
-            indices.contiguous(),
-            offsets.contiguous(),
-            None if weights is None else weights.contiguous(),
-            self.pooling == PoolingType.MEAN,
-            batch,
-            self._feature_base,
-            self._feature_col,
-            self.output_dim,
-            self._table_bases[-1],
-        )
+        words_N, scale_N = self._sorted_occurrences(indices, offsets, weights)
         beta1, beta2 = config.betas
         step_sizes = [0.0] * len(self.tables)
         states = self.split_optimizer_states()
