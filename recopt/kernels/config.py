@@ -100,3 +100,27 @@ class TableSpec:
     name: str
     num_embeddings: int
     embedding_dim: int
+
+
+def validate_kernel_layout(tables: list[TableSpec], feature_table_map: list[int]) -> None:
+    """Check a kernel's tables and feature-to-table map, whichever backend will run them.
+
+    Raises:
+        ValueError: no tables, an empty table, no features, or a feature mapped to no table.
+    """
+    if not tables:
+        raise ValueError("tables is empty; a kernel needs at least one TableSpec")
+    for table in tables:
+        if table.num_embeddings <= 0 or table.embedding_dim <= 0:
+            raise ValueError(
+                f"table {table.name!r}: num_embeddings {table.num_embeddings} and "
+                f"embedding_dim {table.embedding_dim} must both be >= 1"
+            )
+    if not feature_table_map:
+        raise ValueError("feature_table_map is empty; map at least one feature to a table")
+    for feature, t in enumerate(feature_table_map):
+        if not 0 <= t < len(tables):
+            raise ValueError(
+                f"feature_table_map[{feature}] = {t} is not a table index in [0, {len(tables)}); "
+                "map every feature to one of the kernel's tables"
+            )

@@ -9,7 +9,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
+from recopt.kernels.config import (
+    Backend,
+    FusedOptimizerConfig,
+    PoolingType,
+    TableSpec,
+    validate_kernel_layout,
+)
 from recopt.kernels.fbgemm_backend import (  # fbgemm itself is imported only when used
     fbgemm_problems,
 )
@@ -88,14 +94,7 @@ def create_kernel(
     Raises:
         ValueError: no tables, a feature maps to no table, or a backend that cannot run them.
     """
-    if not tables:
-        raise ValueError("create_kernel: tables is empty; pass at least one TableSpec")
-    for feature, table in enumerate(feature_table_map):
-        if not 0 <= table < len(tables):
-            raise ValueError(
-                f"feature_table_map[{feature}] = {table} is not a table index in "
-                f"[0, {len(tables)}); map every feature to one of the kernel's tables"
-            )
+    validate_kernel_layout(tables, feature_table_map)
     backend = choose_backend(tables, optimizer, torch.device(device), feature_table_map)
     if backend == Backend.FBGEMM:
         from recopt.kernels.fbgemm_backend import FbgemmTableBatchedEmbedding

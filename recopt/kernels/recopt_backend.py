@@ -18,7 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from recopt.kernels import cpu_fused, updates
-from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
+from recopt.kernels.config import (
+    FusedOptimizerConfig,
+    PoolingType,
+    TableSpec,
+    validate_kernel_layout,
+)
 
 Tensor = torch.Tensor
 # Hooks of docs/design.md: (table index, unique rows [U] ascending, per-row tensor) -> tensor.
@@ -73,7 +78,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
         use_native: bool = True,
     ) -> None:
         super().__init__()
-        _validate(tables, feature_table_map)
+        validate_kernel_layout(tables, feature_table_map)
         self.tables = list(tables)
         self.feature_table_map = list(feature_table_map)
         self.optimizer = optimizer
@@ -475,21 +480,3 @@ class _FusedEmbeddingFunction(torch.autograd.Function):
         with torch.no_grad():
             kernel._apply_optimizer(grad_out, indices, offsets, psw)
         return (None, None, None, grad_psw, *([None] * ctx.num_weights))
-
-
-def _validate(tables: list[TableSpec], feature_table_map: list[int]) -> None:
-    if not tables:
-        raise ValueError("tables is empty; a kernel needs at least one TableSpec")
-    for table in tables:
-        if table.num_embeddings <= 0 or table.embedding_dim <= 0:
-            raise ValueError(
-                f"table {table.name!r}: num_embeddings {table.num_embeddings} and "
-                f"embedding_dim {table.embedding_dim} must both be >= 1"
-            )
-    if not feature_table_map:
-        raise ValueError("feature_table_map is empty; map at least one feature to a table")
-    for feature, t in enumerate(feature_table_map):
-        if not 0 <= t < len(tables):
-            raise ValueError(
-                f"feature_table_map[{feature}] = {t} is not a table index in [0, {len(tables)})"
-            )
