@@ -236,13 +236,20 @@ def reshard(
     _write_metadata(partial, metadata, new_chunks, storage)
     plan_json = plan.to_json() if plan is not None else manifest.plan
     _finish_copy(src, dst, partial, manifest, world_size, plan_json)
+    return _report(manifest, total, start, world_size)
+
+
+def _report(
+    manifest: Manifest, total: int, start: float, target_world_size: int | None
+) -> ReshardReport:
+    """What a rewrite or an export did: tensors, tables, bytes, seconds since ``start``."""
     return ReshardReport(
         tensors=len(manifest.tensors),
         tables=len({t for k in manifest.tensors if (t := _table_of(k)) is not None}),
         bytes=total,
         seconds=time.perf_counter() - start,
         source_world_size=manifest.world_size,
-        target_world_size=world_size,
+        target_world_size=target_world_size,
     )
 
 
@@ -379,14 +386,7 @@ def export_full(
                     elapsed = time.perf_counter() - start
                     progress(Progress(done, len(manifest.tensors), done_bytes, total, elapsed, key))
     partial.rename(dst)
-    return ReshardReport(
-        tensors=len(manifest.tensors),
-        tables=len({t for k in manifest.tensors if (t := _table_of(k)) is not None}),
-        bytes=total,
-        seconds=time.perf_counter() - start,
-        source_world_size=manifest.world_size,
-        target_world_size=None,
-    )
+    return _report(manifest, total, start, None)
 
 
 def _safetensors_header(manifest: Manifest, keys: list[str], names: dict[str, str]) -> bytes:
