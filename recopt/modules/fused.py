@@ -42,6 +42,10 @@ class _KernelGroup:
     table_indices: list[int]
     feature_indices: list[int]
     kernel: Any = None
+    applied_lr: float = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.applied_lr = self.optimizer.lr
 
 
 class EmbeddingFusedOptimizer(FusedOptimizer):
@@ -252,6 +256,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     def _sync_learning_rates(self) -> None:
         for group, param_group in zip(self._groups, self._optimizer.param_groups, strict=True):
             lr = float(param_group["lr"])
-            if lr != group.optimizer.lr or lr != getattr(group, "_applied_lr", group.optimizer.lr):
+            # Compared with the last value set, not the kernel's (fbgemm keeps float32).
+            if lr != group.applied_lr:
                 group.kernel.set_learning_rate(lr)
-                group._applied_lr = lr  # type: ignore[attr-defined]
+                group.applied_lr = lr
