@@ -158,6 +158,9 @@ def _dlrm_args(out: Path, steps: int, seed: int) -> list[str]:
         "training.log_every": 1,
         "training.eval_every": 0,
         "training.plot": "false",
+        # Two replica processes share the machine's cores; the default (all cores each)
+        # oversubscribes them and spinning OpenMP threads can stall a replica for minutes.
+        "training.num_threads": 1,
         "training.output_dir": str(out),
         "checkpoint.every": 0,
         "data.batch_size": 32,
