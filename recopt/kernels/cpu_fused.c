@@ -1,0 +1,329 @@
+/* recopt's native CPU embedding kernel: pooling, sorted-occurrence preparation, gradient
+ * aggregation fused with the optimizer update. Loaded through ctypes by cpu_fused.py, which
+ * compiles it with the system C compiler at first use (no torch headers). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* One table: its rows are keys [base, end) of the pass's global key space. */
+typedef struct {
+    int64_t base, end, dim;
+    float *weight, *s1, *s2;
+    float step_size;
+} table_t;
+
+/* What every chunk of one backward pass shares. */
+typedef struct {
+    int opt, num_tables;
+    int64_t max_dim;
+    const uint64_t *packed; /* key << 32 | gradient-row offset, sorted by key */
+    const float *scale, *grad;
+    const table_t *tables;
+    float lr, eps, wd, sign, one_minus_beta1, one_minus_beta2;
+} pass_t;
+
+/* Prefetch distance, in occurrences: hides the latency of the random row reads. */
+#define PF 12
+
+/* An occurrence is one word: its key (table base + row) above its gradient-row offset. */
+#define KEY(w) ((int64_t)((w) >> 32))
+#define GOFF(w) ((int64_t)((w) & 0xffffffffu))
+
+/* Prefetch every cache line of a row (D * 4 bytes: several lines). A macro, not a function:
+ * GCC treats a static function made only of prefetches as pure and deletes its calls. */
+#define PREFETCH_ROW(p, n, rw) \
+    for (int64_t i_ = 0; i_ < (n); i_ += 16) __builtin_prefetch((p) + i_, rw, 3)
+
+/* Sixteen partial sums: a vectorisable reduction (one serial chain would cost ~4 cycles/elem). */
+static inline float sum_sq(const float *restrict x, int64_t n) {
+    float part[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) part[l] += x[i + l] * x[i + l];
+    float total = 0.0f;
+    for (; i < n; i++) total += x[i] * x[i];
+    for (int l = 0; l < 16; l++) total += part[l];
+    return total;
+}
+
+/* Hyperparameters are copied to locals and pointers are restrict: otherwise every store to a
+ * row could alias the structs, which forces reloads and blocks vectorisation. */
+static void update_row(const pass_t *p, const table_t *tb, int64_t row, float *restrict acc) {
+    const int64_t D = tb->dim;
+    const float lr = p->lr, eps = p->eps, wd = p->wd, step_size = tb->step_size;
+    const float omb1 = p->one_minus_beta1, omb2 = p->one_minus_beta2;
+    float *restrict w = tb->weight + row * D;
+    if (wd != 0.0f)
+        for (int64_t d = 0; d < D; d++) acc[d] += wd * w[d];
+    switch (p->opt) {
+    case 0:
+        for (int64_t d = 0; d < D; d++) w[d] -= lr * acc[d];
+        break;
+    case 1: {
+        float *restrict m = tb->s1 + row * D;
+        for (int64_t d = 0; d < D; d++) {
+            m[d] += acc[d] * acc[d];
+            w[d] -= lr * acc[d] / (sqrtf(m[d]) + eps);
+        }
+        break;
+    }
+    case 2: {
+        const float mom = tb->s1[row] + sum_sq(acc, D) / (float)D;
+        tb->s1[row] = mom;
+        const float r = lr / (sqrtf(mom) + eps);
+        for (int64_t d = 0; d < D; d++) w[d] -= r * acc[d];
+        break;
+    }
+    case 3: {
+        float *restrict m = tb->s1 + row * D, *restrict v = tb->s2 + row * D;
+        for (int64_t d = 0; d < D; d++) {
+            m[d] += (acc[d] - m[d]) * omb1;
+            v[d] += (acc[d] * acc[d] - v[d]) * omb2;
+            w[d] += -step_size * (m[d] / (sqrtf(v[d]) + eps));
+        }
+        break;
+    }
+    case 4: {
+        float *restrict m = tb->s1 + row * D;
+        const float sq = sum_sq(acc, D);
+        for (int64_t d = 0; d < D; d++) m[d] += (acc[d] - m[d]) * omb1;
+        const float v = tb->s2[row] + (sq / (float)D - tb->s2[row]) * omb2;
+        tb->s2[row] = v;
+        const float r = -step_size / (sqrtf(v) + eps);
+        for (int64_t d = 0; d < D; d++) w[d] += r * m[d];
+        break;
+    }
+    }
+}
+
+/* A macro for the reason PREFETCH_ROW is one. */
+#define PREFETCH_OCCURRENCE(p, tb, k)                                              \
+    do {                                                                           \
+        const int64_t row_ = KEY((p)->packed[k]) - (tb)->base, d_ = (tb)->dim;     \
+        PREFETCH_ROW((tb)->weight + row_ * d_, d_, 1);                             \
+        PREFETCH_ROW((p)->grad + GOFF((p)->packed[k]), d_, 0);                     \
+        if ((p)->opt == 2) __builtin_prefetch((tb)->s1 + row_, 1, 3);              \
+        if ((p)->opt == 1 || (p)->opt == 3 || (p)->opt == 4)                       \
+            PREFETCH_ROW((tb)->s1 + row_ * d_, d_, 1);                             \
+        if ((p)->opt == 3) PREFETCH_ROW((tb)->s2 + row_ * d_, d_, 1);              \
+        if ((p)->opt == 4) __builtin_prefetch((tb)->s2 + row_, 1, 3);              \
+    } while (0)
+
+/* Keys are sorted, so the table of the current (and of the prefetched) key only moves up. */
+static void run_chunk(const pass_t *p, int64_t begin, int64_t end) {
+    float *restrict acc = (float *)malloc(sizeof(float) * (size_t)p->max_dim);
+    int t = 0, pt = 0;
+    while (p->tables[t].end <= KEY(p->packed[begin])) t++;
+    pt = t;
+    int64_t k = begin;
+    while (k < end) {
+        const int64_t key = KEY(p->packed[k]);
+        while (p->tables[t].end <= key) t++;
+        const table_t *tb = &p->tables[t];
+        const int64_t D = tb->dim;
+        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+        do {
+            if (k + PF < end) {
+                while (p->tables[pt].end <= KEY(p->packed[k + PF])) pt++;
+                PREFETCH_OCCURRENCE(p, &p->tables[pt], k + PF);
+            }
+            const float s = p->sign * (p->scale ? p->scale[k] : 1.0f);
+            const float *restrict g = p->grad + GOFF(p->packed[k]);
+            for (int64_t d = 0; d < D; d++) acc[d] += s * g[d];
+            k++;
+        } while (k < end && KEY(p->packed[k]) == key);
+        update_row(p, tb, key - tb->base, acc);
+    }
+    free(acc);
+}
+
+/* Per occurrence (parallel over bags): its key (table base + id), the offset of its bag's
+ * gradient row in grad_out, and its scale (per-sample weight, times 1/length when mean). */
+int recopt_prepare(int64_t num_bags, int64_t batch, const int64_t *offsets, const int64_t *ids,
+                   const float *weights, int mean, const int64_t *feature_base,
+                   const int64_t *feature_col, int64_t out_dim, uint64_t *packed,
+                   float *scale, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_bags > 4096)
+    for (int64_t bag = 0; bag < num_bags; bag++) {
+        const int64_t f = bag / batch, lo = offsets[bag], hi = offsets[bag + 1];
+        const int64_t base = feature_base[f], row = (bag - f * batch) * out_dim + feature_col[f];
+        const float inv = mean && hi > lo ? 1.0f / (float)(hi - lo) : 1.0f;
+        for (int64_t k = lo; k < hi; k++) {
+            packed[k] = ((uint64_t)(base + ids[k]) << 32) | (uint64_t)row;
+            if (scale) scale[k] = weights ? weights[k] * inv : inv;
+        }
+    }
+    return 0;
+}
+
+/* One bag: the accumulator lives in registers when D is a compile-time constant. */
+#define POOL_BAG(DIM)                                                                      \
+    do {                                                                                   \
+        float acc_[DIM];                                                                   \
+        for (int64_t d = 0; d < (DIM); d++) acc_[d] = 0.0f;                                \
+        for (int64_t k = lo; k < hi; k++) {                                                \
+            if (k + PF < feature_end) PREFETCH_ROW(table + ids[k + PF] * (DIM), (DIM), 0); \
+            const float s = weights ? weights[k] : 1.0f;                                   \
+            const float *restrict row = table + ids[k] * (DIM);                            \
+            for (int64_t d = 0; d < (DIM); d++) acc_[d] += s * row[d];                     \
+        }                                                                                  \
+        const float inv = mean && hi > lo ? 1.0f / (float)(hi - lo) : 1.0f;                \
+        for (int64_t d = 0; d < (DIM); d++) o[d] = acc_[d] * inv;                          \
+    } while (0)
+
+/* Forward: every bag of every feature in one parallel loop (one fork/join per batch, not
+ * one per feature). meta: per feature, the table's weight pointer (as int64) and dim. */
+int recopt_pool(int64_t num_bags, int64_t batch, const int64_t *offsets, const int64_t *ids,
+                const float *weights, int mean, const int64_t *meta, const int64_t *feature_col,
+                int64_t out_dim, float *out, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    const int64_t num_features = num_bags / (batch > 0 ? batch : 1);
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_bags > 1024)
+    for (int64_t bag = 0; bag < num_bags; bag++) {
+        const int64_t f = bag / batch, lo = offsets[bag], hi = offsets[bag + 1];
+        const float *restrict table = (const float *)(intptr_t)meta[f];
+        const int64_t D = meta[num_features + f];
+        const int64_t feature_end = offsets[(f + 1) * batch];
+        float *restrict o = out + (bag - f * batch) * out_dim + feature_col[f];
+        switch (D) {
+        case 16: POOL_BAG(16); break;
+        case 32: POOL_BAG(32); break;
+        case 64: POOL_BAG(64); break;
+        case 128: POOL_BAG(128); break;
+        case 256: POOL_BAG(256); break;
+        default: {
+            for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+            for (int64_t k = lo; k < hi; k++) {
+                if (k + PF < feature_end) PREFETCH_ROW(table + ids[k + PF] * D, D, 0);
+                const float s = weights ? weights[k] : 1.0f;
+                const float *restrict row = table + ids[k] * D;
+                for (int64_t d = 0; d < D; d++) o[d] += s * row[d];
+            }
+            if (mean && hi > lo) {
+                const float inv = 1.0f / (float)(hi - lo);
+                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+            }
+        }
+        }
+    }
+    return 0;
+}
+
+/* Gradient of each run of equal keys (one touched row), for updates done outside: run u
+ * spans sorted words [starts[u], starts[u + 1]); its summed, scaled rows go to out[u]. */
+int recopt_aggregate(int64_t num_runs, const int64_t *starts, const uint64_t *packed,
+                     const float *scale, const float *grad, int64_t dim, float *out,
+                     int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_runs > 1024)
+    for (int64_t u = 0; u < num_runs; u++) {
+        float *restrict o = out + u * dim;
+        for (int64_t d = 0; d < dim; d++) o[d] = 0.0f;
+        for (int64_t k = starts[u]; k < starts[u + 1]; k++) {
+            const float s = scale ? scale[k] : 1.0f;
+            const float *restrict g = grad + GOFF(packed[k]);
+            for (int64_t d = 0; d < dim; d++) o[d] += s * g[d];
+        }
+    }
+    return 0;
+}
+
+/* Stable LSD radix sort of the words by their key (bits 32 .. 32 + key_bits), the scales
+ * moved along. Threads histogram their slice, agree on offsets, scatter; 11-bit digits. */
+#define RADIX_BITS 11
+#define RADIX (1 << RADIX_BITS)
+#define MAX_SORT_THREADS 64
+int recopt_sort(int64_t n, uint64_t *words, float *scale, uint64_t *tmp_words,
+                float *tmp_scale, int key_bits, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > MAX_SORT_THREADS) num_threads = MAX_SORT_THREADS;
+    if (n < 65536) num_threads = 1;
+    int64_t *hist = (int64_t *)malloc(sizeof(int64_t) * RADIX * (size_t)num_threads);
+    uint64_t *src = words, *dst = tmp_words;
+    float *src_s = scale, *dst_s = tmp_scale;
+    int passes = 0;
+    for (int shift = 32; shift < 32 + key_bits; shift += RADIX_BITS, passes++) {
+        #pragma omp parallel num_threads(num_threads)
+        {
+            int tid = 0, nt = 1;
+#ifdef _OPENMP
+            tid = omp_get_thread_num();
+            nt = omp_get_num_threads();
+#endif
+            const int64_t lo = n * tid / nt, hi = n * (tid + 1) / nt;
+            int64_t *h = hist + (size_t)tid * RADIX;
+            for (int b = 0; b < RADIX; b++) h[b] = 0;
+            for (int64_t i = lo; i < hi; i++) h[(src[i] >> shift) & (RADIX - 1)]++;
+            #pragma omp barrier
+            #pragma omp single
+            {
+                int64_t running = 0;
+                for (int b = 0; b < RADIX; b++)
+                    for (int t = 0; t < nt; t++) {
+                        const int64_t c = hist[(size_t)t * RADIX + b];
+                        hist[(size_t)t * RADIX + b] = running;
+                        running += c;
+                    }
+            }
+            for (int64_t i = lo; i < hi; i++) {
+                const int64_t at = h[(src[i] >> shift) & (RADIX - 1)]++;
+                dst[at] = src[i];
+                if (src_s) dst_s[at] = src_s[i];
+            }
+        }
+        uint64_t *w = src; src = dst; dst = w;
+        float *f = src_s; src_s = dst_s; dst_s = f;
+    }
+    free(hist);
+    return passes % 2; /* 1: the sorted data is in the tmp buffers */
+}
+
+/* Chunks split the sorted keys at run boundaries, so each row has one owner. More chunks than
+ * threads, taken dynamically, so a thread slowed by a busy core holds no one up. OpenMP (not
+ * pthreads): the library links libgomp.so.1, which resolves to the copy torch has loaded, so
+ * it shares torch's worker threads instead of fighting their spin-waits for the cores.
+ * meta: bases[T+1], dims[T], then weight, state1, state2 pointers [T] each (as int64).
+ * hyper: lr, eps, weight_decay, sign, 1 - beta1, 1 - beta2, then step_size[T]. */
+#define MAX_CHUNKS 256
+int recopt_fused_update(int opt, int64_t n, const uint64_t *packed, const float *scale,
+                        const float *grad, int num_tables,
+                        const int64_t *meta, const float *hyper, int num_threads) {
+    if (n == 0) return 0;
+    table_t *tables = (table_t *)malloc(sizeof(table_t) * (size_t)num_tables);
+    int64_t max_dim = 1;
+    for (int t = 0; t < num_tables; t++) {
+        table_t *tb = &tables[t];
+        tb->base = meta[t];
+        tb->end = meta[t + 1];
+        tb->dim = meta[num_tables + 1 + t];
+        tb->weight = (float *)(intptr_t)meta[2 * num_tables + 1 + t];
+        tb->s1 = (float *)(intptr_t)meta[3 * num_tables + 1 + t];
+        tb->s2 = (float *)(intptr_t)meta[4 * num_tables + 1 + t];
+        tb->step_size = hyper[6 + t];
+        if (tb->dim > max_dim) max_dim = tb->dim;
+    }
+    pass_t p = {opt, num_tables, max_dim, packed, scale, grad, tables,
+                hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], hyper[5]};
+    if (num_threads < 1) num_threads = 1;
+    int num_chunks = num_threads == 1 ? 1 : num_threads * 8;
+    if (num_chunks > MAX_CHUNKS) num_chunks = MAX_CHUNKS;
+    if (n < 2048 * (int64_t)num_chunks) num_chunks = (int)(n / 2048) + 1;
+    int64_t cut[MAX_CHUNKS + 1];
+    cut[0] = 0;
+    cut[num_chunks] = n;
+    for (int c = 1; c < num_chunks; c++) {
+        int64_t at = n * c / num_chunks;
+        if (at < cut[c - 1]) at = cut[c - 1];
+        while (at > 0 && at < n && KEY(packed[at]) == KEY(packed[at - 1])) at++;
+        cut[c] = at;
+    }
+    #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_chunks > 1)
+    for (int c = 0; c < num_chunks; c++)
+        if (cut[c + 1] > cut[c]) run_chunk(&p, cut[c], cut[c + 1]);
+    free(tables);
+    return 0;
+}
