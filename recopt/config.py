@@ -38,7 +38,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     """Splits ``a.b.c=value`` into the key path and the value, read as a TOML value.
 
     ``steps=100`` gives an int, ``lr=0.1`` a float, ``bottom_mlp=[32, 16]`` a list and
-    ``name=adam`` (not valid TOML) the string ``"adam"``. A numeric path part indexes a list
+    ``activation=relu`` (not valid TOML) the string ``"relu"``. A numeric path part indexes a list
     (``embedding.tables.0.embedding_dim=32``).
 
     Raises:

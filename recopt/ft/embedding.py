@@ -21,12 +21,18 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from recopt.ft.manager import Manager, StepParticipant
+from recopt.kernels.registry import OPTIMIZERS
 
 logger = logging.getLogger(__name__)
 
-# Optimizers whose update also changes rows the batch did not touch (Adafactor decays the
-# row statistics of every row): their per-row state is snapshotted whole, not by rows.
-_DENSE_STATE_OPTIMIZERS = frozenset({"adafactor"})
+
+def _rows_only(optimizer_name: str) -> bool:
+    """Whether an update changes only the touched rows' state, so snapshots may go by rows.
+
+    Not for optimizers with a dense state (Adafactor decays the row statistic of every row).
+    """
+    spec = OPTIMIZERS.get(optimizer_name)
+    return spec is None or not spec.dense_state
 
 
 @dataclass(slots=True)
@@ -218,7 +224,7 @@ def _kernel_tables(kernel: nn.Module) -> list[_Table]:
     weights = kernel.split_embedding_weights()  # type: ignore[operator]
     states = kernel.split_optimizer_states()  # type: ignore[operator]
     name = str(getattr(getattr(kernel, "optimizer", None), "name", ""))
-    rows_only = name not in _DENSE_STATE_OPTIMIZERS
+    rows_only = _rows_only(name)
     return [
         _Table(spec.name, (), weight, dict(state), rows_only)
         for spec, weight, state in zip(specs, weights, states, strict=True)
@@ -262,7 +268,7 @@ def _collect_tables(module: nn.Module) -> list[_Table]:
             for k, v in optimizer.state.get(weight, {}).items()
             if isinstance(v, torch.Tensor) and k.startswith(prefix)
         }
-        rows_only = optimizer_of.get(id(weight)) not in _DENSE_STATE_OPTIMIZERS
+        rows_only = _rows_only(optimizer_of.get(id(weight), ""))
         tables.append(_Table(config.name, tuple(config.feature_names), weight, states, rows_only))
     return tables
 

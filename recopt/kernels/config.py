@@ -1,13 +1,15 @@
 """Configuration of table-batched embedding kernels: tables, pooling, fused optimizer.
 
 These frozen dataclasses are shared by the kernels, the modules, the sharding plan and the
-planner: one place says which optimizers exist and what state each keeps per table.
+planner. Which optimizers exist, their state and defaults: kernels/registry.py.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from recopt.kernels.registry import ADAFACTOR, ROW_WISE_ADAGRAD, optimizer_spec
 
 
 class PoolingType(enum.StrEnum):
@@ -25,72 +27,108 @@ class Backend(enum.StrEnum):
     RECOPT = "recopt"
 
 
-# Fused optimizers, and the number of float32 state values each keeps for a table of
-# `rows` x `dim`. The planner's storage estimator and the docs read this table.
-OPTIMIZER_STATE_FLOATS: dict[str, str] = {
-    "sgd": "0",
-    "adagrad": "rows * dim",
-    "row_wise_adagrad": "rows",
-    "adam": "2 * rows * dim",
-    "row_wise_adam": "rows * dim + rows",
-    "adafactor": "rows + dim",
-}
-
-
 def optimizer_state_floats(name: str, rows: int, dim: int) -> int:
-    """Number of float32 optimizer-state values for one table (per-table scalars excluded)."""
-    table = {
-        "sgd": 0,
-        "adagrad": rows * dim,
-        "row_wise_adagrad": rows,
-        "adam": 2 * rows * dim,
-        "row_wise_adam": rows * dim + rows,
-        "adafactor": rows + dim,
-    }
-    if name not in table:
-        raise ValueError(f"unknown fused optimizer {name!r}; valid: {sorted(table)}")
-    return table[name]
+    """Number of float32 optimizer-state values for one table (per-table scalars excluded).
+
+    Raises:
+        ValueError: ``name`` is not a fused optimizer.
+    """
+    return optimizer_spec(name).state_floats(rows, dim)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FusedOptimizerConfig:
     """The optimizer applied to embedding tables inside the backward pass.
 
+    Hyperparameters left ``None`` take the reference optimizer's default for ``name``
+    (kernels/registry.py), resolved at construction so the config shows the value used.
+
     Args:
         name: one of ``sgd``, ``adagrad``, ``row_wise_adagrad``, ``adam``, ``row_wise_adam``,
             ``adafactor``.
-        lr: learning rate (Adafactor: the maximum relative step, as in ``torch.optim.Adafactor``).
-        eps: term added to denominators (Adafactor: epsilon1, ``None`` for its default).
+        lr: learning rate (Adafactor: the maximum relative step, as in
+            ``torch.optim.Adafactor``); ``None``: the optimizer's default (adam 1e-3, as
+            ``torch.optim.SparseAdam``; the others 0.01).
+        eps: term added to denominators (Adafactor: epsilon1, ``None`` for the dtype's machine
+            epsilon). Adafactor also takes torch's ``(eps1, eps2)`` pair. ``None`` elsewhere:
+            the default 1e-8.
         weight_decay: L2 penalty (Adam, Adagrad, SGD) / decoupled decay (Adafactor).
         betas: Adam's moment coefficients.
         maximize: ascend instead of descend, where the reference optimizer has the option.
-        beta2_decay: Adafactor's beta2 decay exponent.
+        beta2_decay: Adafactor's beta2 decay exponent (<= 0).
         eps2: Adafactor's epsilon2 (parameter-scale floor).
-        clip_threshold: Adafactor's update clipping threshold ``d``.
+        clip_threshold: Adafactor's update clipping threshold (>= 1).
+        d: torch's name for ``clip_threshold``; folded into it at construction.
         backend: ``auto`` (measured per optimizer and table shape), ``fbgemm`` or ``recopt``.
+
+    Raises:
+        ValueError: an unknown name or an out-of-range hyperparameter (torch's rules: lr,
+            eps1, eps2, weight_decay >= 0, beta2_decay <= 0, clip_threshold >= 1).
     """
 
-    name: str = "row_wise_adagrad"
-    lr: float = 0.01
-    eps: float | None = 1e-8
+    name: str = ROW_WISE_ADAGRAD.name
+    lr: float | None = None
+    eps: float | tuple[float | None, float] | None = None
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     maximize: bool = False
     beta2_decay: float = -0.8
     eps2: float = 1e-3
     clip_threshold: float = 1.0
+    d: float | None = None
     backend: Backend = Backend.AUTO
 
     def __post_init__(self) -> None:
-        if self.name not in OPTIMIZER_STATE_FLOATS:
-            raise ValueError(
-                f"fused optimizer {self.name!r} is unknown; valid: {sorted(OPTIMIZER_STATE_FLOATS)}"
-            )
-        if not self.lr >= 0.0:
-            raise ValueError(f"fused optimizer lr must be >= 0, got {self.lr}")
-        if not self.weight_decay >= 0.0:
-            raise ValueError(f"fused optimizer weight_decay must be >= 0, got {self.weight_decay}")
+        spec = optimizer_spec(self.name)
+        if isinstance(self.eps, tuple):
+            if spec is not ADAFACTOR or len(self.eps) != 2:
+                raise ValueError(
+                    f"fused optimizer {self.name!r}: eps={self.eps!r} is a pair, which only "
+                    "adafactor takes (as (eps1, eps2)); pass one float"
+                )
+            object.__setattr__(self, "eps2", float(self.eps[1]))
+            object.__setattr__(self, "eps", self.eps[0])
+        if self.eps is None:
+            object.__setattr__(self, "eps", spec.default_eps)
+        if self.lr is None:
+            object.__setattr__(self, "lr", spec.default_lr)
+        if self.d is not None:
+            if self.clip_threshold not in (1.0, self.d):
+                raise ValueError(
+                    f"fused optimizer: d={self.d} and clip_threshold={self.clip_threshold} "
+                    "name the same setting; pass one of them"
+                )
+            object.__setattr__(self, "clip_threshold", float(self.d))
+            object.__setattr__(self, "d", None)
+        self._validate()
         object.__setattr__(self, "backend", Backend(self.backend))
+
+    def _validate(self) -> None:
+        checks = [
+            ("lr", self.learning_rate, self.learning_rate >= 0.0, ">= 0"),
+            ("weight_decay", self.weight_decay, self.weight_decay >= 0.0, ">= 0"),
+            ("beta2_decay", self.beta2_decay, self.beta2_decay <= 0.0, "<= 0"),
+            ("eps2", self.eps2, self.eps2 >= 0.0, ">= 0"),
+            ("clip_threshold (d)", self.clip_threshold, self.clip_threshold >= 1.0, ">= 1"),
+        ]
+        if self.eps1 is not None:
+            checks.append(("eps (eps1)", self.eps1, self.eps1 >= 0.0, ">= 0"))
+        for field_name, value, ok, rule in checks:
+            if not ok:
+                raise ValueError(
+                    f"fused optimizer {self.name!r}: {field_name} should be {rule} but is "
+                    f"{value}; pass a value {rule}"
+                )
+
+    @property
+    def learning_rate(self) -> float:
+        """``lr`` as resolved at construction (never ``None``)."""
+        return float(self.lr if self.lr is not None else optimizer_spec(self.name).default_lr)
+
+    @property
+    def eps1(self) -> float | None:
+        """``eps`` as resolved at construction: a float, or ``None`` (Adafactor's dtype eps)."""
+        return None if isinstance(self.eps, tuple) else self.eps
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -26,15 +26,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Optimizer codes shared with the C source.
-OPTIMIZER_CODES: dict[str, int] = {
-    "sgd": 0,
-    "adagrad": 1,
-    "row_wise_adagrad": 2,
-    "adam": 3,
-    "row_wise_adam": 4,
-}
-
 # The C source ships as package data beside this file (setup.cfg).
 _C_SOURCE_PATH = Path(__file__).with_name("cpu_fused.c")
 
@@ -264,7 +255,7 @@ def fused_update(
     """Aggregate the gradient of every touched row of every table, update rows and state.
 
     Args:
-        code: optimizer code (`OPTIMIZER_CODES`).
+        code: the optimizer's code in the C source (`OptimizerSpec.c_code`).
         words_N: the occurrences from `prepare_sorted`: table ``t``'s row ``r`` has key
             ``bases[t] + r``.
         scale_N: per sorted occurrence, the factor on its gradient, or None for 1.

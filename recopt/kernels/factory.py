@@ -19,15 +19,15 @@ from recopt.kernels.config import (
 from recopt.kernels.fbgemm_backend import (  # fbgemm itself is imported only when used
     fbgemm_problems,
 )
+from recopt.kernels.registry import OPTIMIZERS
 
-# CPU policy for AUTO, per optimizer, from benchmarks/bench_fused_embedding.py (docs/kernels.md):
-# recopt's sgd and adagrad cost half and a quarter of fbgemm's CPU time; row-wise adagrad is
-# even on config A and fbgemm's is cheaper on config B, so it stays on fbgemm. Optimizers not
-# listed (and fbgemm's when it cannot run the tables) run on recopt.
+# CPU policy for AUTO, per optimizer fbgemm's CPU build runs, from the registry's
+# `cpu_prefers_fbgemm` (measured with benchmarks/bench_fused_embedding.py, docs/kernels.md).
+# Optimizers not listed (and fbgemm's when it cannot run the tables) run on recopt.
 CPU_POLICY: dict[str, Backend] = {
-    "sgd": Backend.RECOPT,
-    "adagrad": Backend.RECOPT,
-    "row_wise_adagrad": Backend.FBGEMM,
+    spec.name: Backend.FBGEMM if spec.cpu_prefers_fbgemm else Backend.RECOPT
+    for spec in OPTIMIZERS.values()
+    if spec.fbgemm_cpu is not None
 }
 
 

@@ -12,20 +12,15 @@ import torch
 from torch import nn
 
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
+from recopt.kernels.registry import OPTIMIZERS, optimizer_spec
 
-# recopt optimizer name -> (fbgemm optimizer enum name, state names in fbgemm's order)
-FBGEMM_STATE_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "sgd": ("EXACT_SGD", ()),
-    "adagrad": ("EXACT_ADAGRAD", ("momentum1",)),
-    "row_wise_adagrad": ("EXACT_ROWWISE_ADAGRAD", ("momentum1",)),
-}
-# Optimizers fbgemm's fused kernels run here, and the dim multiple they need (fbgemm reads
-# rows in vectors of 4 floats).
-FBGEMM_OPTIMIZERS: frozenset[str] = frozenset(FBGEMM_STATE_NAMES)
+# Optimizers fbgemm's fused kernels run here (its CPU build's; the registry also records its
+# CUDA names, which this backend does not use yet: their step counter is not mapped), and the
+# dim multiple they need (fbgemm reads rows in vectors of 4 floats).
+FBGEMM_OPTIMIZERS: frozenset[str] = frozenset(
+    spec.name for spec in OPTIMIZERS.values() if spec.fbgemm_cpu is not None
+)
 FBGEMM_DIM_MULTIPLE = 4
-# fbgemm's CPU kernels mishandle a table shared by several features (measured, fbgemm-gpu-cpu
-# 1.8.0): EXACT_ADAGRAD updates once per feature, EXACT_ROWWISE_ADAGRAD can raise.
-FBGEMM_SHARED_TABLE_BROKEN: frozenset[str] = frozenset({"adagrad", "row_wise_adagrad"})
 
 
 def fbgemm_problems(
@@ -46,7 +41,8 @@ def fbgemm_problems(
         One message per problem; empty when fbgemm can run them.
     """
     problems: list[str] = []
-    if device.type == "cpu" and optimizer.name in FBGEMM_SHARED_TABLE_BROKEN and feature_table_map:
+    spec = optimizer_spec(optimizer.name)
+    if device.type == "cpu" and spec.fbgemm_cpu_shared_table_broken and feature_table_map:
         for t, table in enumerate(tables):
             count = list(feature_table_map).count(t)
             if count > 1:
@@ -118,7 +114,10 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         on_cuda = device.type == "cuda"
         location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
         compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
-        fbgemm_name, self._state_names = FBGEMM_STATE_NAMES[optimizer.name]
+        spec = optimizer_spec(optimizer.name)
+        fbgemm_name = spec.fbgemm_cpu
+        assert fbgemm_name is not None  # fbgemm_problems checked it
+        self._state_names = spec.fbgemm_states
         self.tables = list(tables)
         self.optimizer = optimizer
         self.pooling = pooling
@@ -126,8 +125,8 @@ class FbgemmTableBatchedEmbedding(nn.Module):
             [(t.num_embeddings, t.embedding_dim, location, compute) for t in tables],
             feature_table_map=list(feature_table_map),
             optimizer=EmbOptimType[fbgemm_name],
-            learning_rate=optimizer.lr,
-            eps=1e-8 if optimizer.eps is None else optimizer.eps,
+            learning_rate=optimizer.learning_rate,
+            eps=1e-8 if optimizer.eps1 is None else optimizer.eps1,
             weight_decay=optimizer.weight_decay,
             weight_decay_mode=WeightDecayMode.L2
             if optimizer.weight_decay

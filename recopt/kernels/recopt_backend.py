@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recopt.kernels import cpu_fused, updates
+from recopt.kernels import cpu_fused, registry, updates
 from recopt.kernels.config import (
     FusedOptimizerConfig,
     PoolingType,
@@ -50,7 +50,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
         kernel = RecoptTableBatchedEmbedding(
             [TableSpec(name="t0", num_embeddings=10, embedding_dim=4),
              TableSpec(name="t1", num_embeddings=5, embedding_dim=8)],
-            [0, 1, 0], FusedOptimizerConfig(name="adam"), PoolingType.SUM, torch.device("cpu"))
+            [0, 1, 0], FusedOptimizerConfig(), PoolingType.SUM, torch.device("cpu"))
         out = kernel(indices, offsets)   # [2, 4 + 8 + 4]; offsets has 3 * 2 + 1 entries
         out.sum().backward()             # updates the touched rows of t0 and t1
 
@@ -82,8 +82,9 @@ class RecoptTableBatchedEmbedding(nn.Module):
         self.tables = list(tables)
         self.feature_table_map = list(feature_table_map)
         self.optimizer = optimizer
+        self._spec = registry.optimizer_spec(optimizer.name)
         self.pooling = PoolingType(pooling)
-        self._lr = float(optimizer.lr)
+        self._lr = optimizer.learning_rate
         device = torch.device(device)
         self.weights = nn.ParameterList()
         for table in tables:
@@ -246,7 +247,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
         return result
 
     def _advance_steps(self) -> None:
-        if self.optimizer.name in updates.STEPPED_OPTIMIZERS:
+        if self._spec.stepped:
             for t in range(len(self.tables)):
                 getattr(self, f"_state_{t}_step").add_(1)
 
@@ -277,7 +278,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
                     # Called for every table on every backward, even with no rows, so hooks
                     # that run collectives stay in step with their peers.
                     self.grad_hook(t, empty, weight.new_zeros(0, weight.shape[1]))
-                if self.optimizer.name == "adafactor":  # absent rows still decay their stats
+                if self._spec.dense_state:  # absent rows still decay their stats (adafactor)
                     self._torch_update(
                         t, weight, states[t], empty, weight.new_zeros(0, weight.shape[1])
                     )
@@ -373,7 +374,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
         backward_ok = grad_out is not None and (
             self.grad_hook is None
             and self.row_stat_hook is None
-            and self.optimizer.name in cpu_fused.OPTIMIZER_CODES
+            and self._spec.c_code is not None
             and grad_out.dtype == torch.float32
             and grad_out.numel() < 2**32
         )
@@ -405,14 +406,16 @@ class RecoptTableBatchedEmbedding(nn.Module):
             for t, state in enumerate(states):
                 step = int(state["step"].item())
                 step_sizes[t] = self._lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
-        eps = config.eps if config.eps is not None else 1e-8
+        eps = config.eps1 if config.eps1 is not None else 1e-8
         sign = -1.0 if config.maximize else 1.0
         tensors = [
             (w.detach(), s.get("momentum1", s.get("exp_avg")), s.get("exp_avg_sq"))
             for w, s in zip(self.weights, states, strict=True)
         ]
+        code = self._spec.c_code
+        assert code is not None  # checked by _native_ok
         cpu_fused.fused_update(
-            cpu_fused.OPTIMIZER_CODES[config.name],
+            code,
             words_N,
             scale_N,
             grad_out,

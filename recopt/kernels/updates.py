@@ -14,12 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from recopt.kernels import registry
 from recopt.kernels.config import FusedOptimizerConfig
 
 Tensor = torch.Tensor
-
-# Optimizers that keep a per-table step counter (bias correction, Adafactor's schedule).
-STEPPED_OPTIMIZERS: frozenset[str] = frozenset({"adam", "row_wise_adam", "adafactor"})
 
 # (sum of squared gradients over this table's columns [U]) -> mean over the full row [U].
 RowStat = Callable[[Tensor], Tensor]
@@ -47,26 +45,12 @@ def init_state(name: str, rows: int, dim: int, device: torch.device) -> dict[str
     Raises:
         ValueError: unknown optimizer name.
     """
-
-    def zeros(*shape: int) -> Tensor:
-        return torch.zeros(*shape, dtype=torch.float32, device=device)
-
-    states: dict[str, dict[str, Tensor]] = {
-        "sgd": {},
-        "adagrad": {"momentum1": zeros(rows, dim)} if name == "adagrad" else {},
-        "row_wise_adagrad": {"momentum1": zeros(rows)} if name == "row_wise_adagrad" else {},
-        "adam": {"exp_avg": zeros(rows, dim), "exp_avg_sq": zeros(rows, dim)}
-        if name == "adam"
-        else {},
-        "row_wise_adam": {"exp_avg": zeros(rows, dim), "exp_avg_sq": zeros(rows)}
-        if name == "row_wise_adam"
-        else {},
-        "adafactor": {"row_var": zeros(rows), "col_var": zeros(dim)} if name == "adafactor" else {},
+    spec = registry.optimizer_spec(name)
+    state = {
+        key: torch.zeros(shape.size(rows, dim), dtype=torch.float32, device=device)
+        for key, shape in spec.states
     }
-    if name not in states:
-        raise ValueError(f"fused optimizer {name!r} is unknown; valid: {sorted(states)}")
-    state = states[name]
-    if name in STEPPED_OPTIMIZERS:
+    if spec.stepped:
         state["step"] = torch.zeros((), dtype=torch.int64, device=device)
     return state
 
@@ -103,7 +87,7 @@ def _adam_like(
 ) -> None:
     """Adam (SparseAdam's formulas) and row-wise Adam on the touched rows."""
     beta1, beta2 = config.betas
-    eps = config.eps if config.eps is not None else 1e-8
+    eps = config.eps1 if config.eps1 is not None else 1e-8
     exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
     step = int(state["step"].item())
     m_U_D = exp_avg.index_select(0, rows_U)
@@ -147,7 +131,7 @@ def _adafactor(
     """
     rows, dim = weight.shape
     grad = -grad_U_D if config.maximize else grad_U_D
-    eps1 = config.eps if config.eps is not None else torch.finfo(weight.dtype).eps
+    eps1 = config.eps1 if config.eps1 is not None else torch.finfo(weight.dtype).eps
     step = float(state["step"].item())
     beta2_t = step**config.beta2_decay
     rho = min(lr, 1.0 / math.sqrt(step))
@@ -175,6 +159,41 @@ def _adafactor(
     weight.index_copy_(0, rows_U, w_U_D)
     norm.sum_sq += _sum_sq(w_U_D) - old_sum_sq
     norm.version = weight._version
+
+
+def _sgd(
+    config: FusedOptimizerConfig,
+    lr: float,
+    weight: Tensor,
+    state: dict[str, Tensor],
+    rows_U: Tensor,
+    grad_U_D: Tensor,
+    row_stat: RowStat | None = None,
+) -> None:
+    """Plain SGD on the touched rows."""
+    weight.index_add_(0, rows_U, grad_U_D, alpha=-lr)
+
+
+def _adagrad(
+    config: FusedOptimizerConfig,
+    lr: float,
+    weight: Tensor,
+    state: dict[str, Tensor],
+    rows_U: Tensor,
+    grad_U_D: Tensor,
+    row_stat: RowStat | None = None,
+) -> None:
+    """Adagrad (per element) and row-wise Adagrad (one statistic per row)."""
+    eps = config.eps1 if config.eps1 is not None else 1e-8
+    momentum = state["momentum1"]
+    if momentum.dim() == 2:
+        m_U_D = momentum.index_select(0, rows_U).add_(grad_U_D.square())
+        momentum.index_copy_(0, rows_U, m_U_D)
+        weight.index_add_(0, rows_U, grad_U_D.div(m_U_D.sqrt_().add_(eps)), alpha=-lr)
+        return
+    m_U = momentum.index_select(0, rows_U).add_(_row_mean_sq(grad_U_D, row_stat))
+    momentum.index_copy_(0, rows_U, m_U)
+    weight.index_add_(0, rows_U, grad_U_D.div(m_U.sqrt_().add_(eps).unsqueeze(1)), alpha=-lr)
 
 
 def apply_update(
@@ -205,8 +224,8 @@ def apply_update(
     Raises:
         ValueError: ``adafactor`` without ``norm``.
     """
-    name = config.name
-    if name == "adafactor":
+    update = _UPDATES[config.name]
+    if update is _adafactor:
         if norm is None:
             raise ValueError("apply_update: adafactor needs its AdafactorNorm; pass norm=")
         _adafactor(config, lr, weight, state, rows_U, grad_U_D, norm)
@@ -215,18 +234,15 @@ def apply_update(
         return
     w_U_D = weight.index_select(0, rows_U)
     grad = _l2_and_sign(config, w_U_D, grad_U_D)
-    eps = config.eps if config.eps is not None else 1e-8
-    if name == "sgd":
-        weight.index_add_(0, rows_U, grad, alpha=-lr)
-    elif name == "adagrad":
-        momentum = state["momentum1"]
-        m_U_D = momentum.index_select(0, rows_U).add_(grad.square())
-        momentum.index_copy_(0, rows_U, m_U_D)
-        weight.index_add_(0, rows_U, grad.div(m_U_D.sqrt_().add_(eps)), alpha=-lr)
-    elif name == "row_wise_adagrad":
-        momentum = state["momentum1"]
-        m_U = momentum.index_select(0, rows_U).add_(_row_mean_sq(grad, row_stat))
-        momentum.index_copy_(0, rows_U, m_U)
-        weight.index_add_(0, rows_U, grad.div(m_U.sqrt_().add_(eps).unsqueeze(1)), alpha=-lr)
-    else:
-        _adam_like(config, lr, weight, state, rows_U, grad, row_stat)
+    update(config, lr, weight, state, rows_U, grad, row_stat)
+
+
+# The update rule of each optimizer in the registry (adafactor also takes its norm).
+_UPDATES: dict[str, Callable[..., None]] = {
+    registry.SGD.name: _sgd,
+    registry.ADAGRAD.name: _adagrad,
+    registry.ROW_WISE_ADAGRAD.name: _adagrad,
+    registry.ADAM.name: _adam_like,
+    registry.ROW_WISE_ADAM.name: _adam_like,
+    registry.ADAFACTOR.name: _adafactor,
+}

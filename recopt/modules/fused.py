@@ -45,7 +45,7 @@ class _KernelGroup:
     applied_lr: float = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        self.applied_lr = self.optimizer.lr
+        self.applied_lr = self.optimizer.learning_rate
 
 
 class EmbeddingFusedOptimizer(FusedOptimizer):

@@ -16,16 +16,11 @@ from typing import Protocol
 import torch
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.kernels.registry import optimizer_spec
 from recopt.modules.config import EmbeddingBagConfig
 from recopt.modules.inputs import FeatureLayout
 from recopt.sharding.input_dist import VirtualFeature
 from recopt.sharding.plan import ParameterSharding, PlanError, ShardingType
-
-ROW_WISE_OPTIMIZERS = frozenset({"row_wise_adagrad", "row_wise_adam"})
-COLUMN_TYPES = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
-# Adafactor's column statistic spans every row and its row statistic every column: only a
-# whole table (table-wise) or a replica (data-parallel) sees both.
-ADAFACTOR_TYPES = (ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL)
 
 
 class Kernel(Protocol):
@@ -71,14 +66,17 @@ def resolve_optimizer(
     """
     where = f"table {table.name!r} (module {module_path!r})"
     kind = ps.sharding_type
-    if optimizer.name == "adafactor" and kind not in ADAFACTOR_TYPES:
+    spec = optimizer_spec(optimizer.name)
+    # A column statistic spans every row and a row statistic every column (adafactor): only a
+    # whole table (table-wise) or a replica (data-parallel) sees both.
+    if spec.whole_table_statistics and not kind.whole_table:
         raise PlanError(
-            f"{where}: adafactor keeps row and column statistics over the whole table, so it "
+            f"{where}: {spec.name} keeps row and column statistics over the whole table, so it "
             f"supports table_wise and data_parallel sharding only, not {kind.value}; shard it "
             "table-wise or pick another fused optimizer"
         )
     backend = ps.compute_kernel if ps.compute_kernel is not Backend.AUTO else optimizer.backend
-    if kind in COLUMN_TYPES and optimizer.name in ROW_WISE_OPTIMIZERS:
+    if kind.splits_columns and spec.row_wise:
         if backend is Backend.FBGEMM:
             raise PlanError(
                 f"{where}: {kind.value} with {optimizer.name} needs the full-row statistic "

@@ -49,6 +49,31 @@ class ShardingType(enum.StrEnum):
     TABLE_ROW_WISE = "table_row_wise"
     TABLE_COLUMN_WISE = "table_column_wise"
 
+    @property
+    def splits_rows(self) -> bool:
+        """Shards are row ranges of the full width (row-wise, table-row-wise)."""
+        return self in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+
+    @property
+    def splits_columns(self) -> bool:
+        """Shards are column ranges of the full height (column-wise, table-column-wise)."""
+        return self in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
+
+    @property
+    def host_local(self) -> bool:
+        """All shards of a table stay on the ranks of one host (the table-* types)."""
+        return self in (ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE)
+
+    @property
+    def replicated(self) -> bool:
+        """Every rank holds the whole table (data-parallel)."""
+        return self is ShardingType.DATA_PARALLEL
+
+    @property
+    def whole_table(self) -> bool:
+        """Each rank that holds the table sees all its rows and columns (table-wise, DP)."""
+        return not (self.splits_rows or self.splits_columns)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ShardSpec:

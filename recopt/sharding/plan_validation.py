@@ -20,10 +20,6 @@ from recopt.sharding.plan import (
     table_names,
 )
 
-_ROW_TYPES = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
-_COL_TYPES = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
-_HOST_TYPES = (ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE)
-
 
 def validate_plan(
     plan: ShardingPlan,
@@ -108,7 +104,7 @@ def _validate_table(
             f"{list(shard_ranks)}, ascending and distinct"
         )
     _check_type_layout(ps, rows, dim, where, rph)
-    if ps.sharding_type in _COL_TYPES:
+    if ps.sharding_type.splits_columns:
         _check_tiling([(s.col_offset, s.num_cols) for s in ps.shards], dim, "columns", where)
     else:
         _check_tiling([(s.row_offset, s.num_rows) for s in ps.shards], rows, "rows", where)
@@ -122,32 +118,32 @@ def _check_type_layout(ps: ParameterSharding, rows: int, dim: int, where: str, r
             f"{where}: table_wise needs exactly one shard (the whole table), got "
             f"{len(ps.shards)}; use row_wise or column_wise to split it"
         )
-    if kind in _ROW_TYPES or kind is ShardingType.TABLE_WISE:
+    if kind.splits_rows or kind is ShardingType.TABLE_WISE:
         for s in ps.shards:
             if s.col_offset != 0 or s.num_cols != dim:
                 raise PlanError(
                     f"{where}: {kind.value} shards span every column (0..{dim}); "
                     f"shard {_rect(s)} on rank {s.rank} does not"
                 )
-    if kind in _COL_TYPES or kind is ShardingType.TABLE_WISE:
+    if kind.splits_columns or kind is ShardingType.TABLE_WISE:
         for s in ps.shards:
             if s.row_offset != 0 or s.num_rows != rows:
                 raise PlanError(
                     f"{where}: {kind.value} shards span every row (0..{rows}); "
                     f"shard {_rect(s)} on rank {s.rank} does not"
                 )
-    if kind in _ROW_TYPES and len(ps.ranks) != len(ps.shards):
+    if kind.splits_rows and len(ps.ranks) != len(ps.shards):
         raise PlanError(
             f"{where}: {kind.value} puts at most one row range on a rank; "
             f"{len(ps.shards)} shards on ranks {list(ps.ranks)}"
         )
-    if kind in _HOST_TYPES:
+    if kind.host_local:
         hosts = sorted({r // rph for r in ps.ranks})
         if len(hosts) > 1:
             raise PlanError(
                 f"{where}: {kind.value} keeps a table inside one host, but its ranks "
                 f"{list(ps.ranks)} span hosts {hosts} ({rph} ranks per host); "
-                f"use {'row_wise' if kind in _ROW_TYPES else 'column_wise'} instead"
+                f"use {'row_wise' if kind.splits_rows else 'column_wise'} instead"
             )
 
 

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from recopt.kernels.registry import optimizer_spec
 from recopt.sharding.comm import all_to_all_flat
-from recopt.sharding.layout import COLUMN_TYPES, ROW_WISE_OPTIMIZERS, Kernel, ShardedLayout
+from recopt.sharding.layout import Kernel, ShardedLayout
 
 Tensor = torch.Tensor
 # One feature's occurrences on a shard: ids, their rows of the output gradient, their weights,
@@ -29,8 +30,8 @@ _Part = tuple[Tensor, Tensor, Tensor | None, Tensor]
 
 def _needs_full_rows(layout: ShardedLayout, t: int) -> bool:
     return (
-        layout.shardings[t].sharding_type in COLUMN_TYPES
-        and layout.resolved[t].name in ROW_WISE_OPTIMIZERS
+        layout.shardings[t].sharding_type.splits_columns
+        and optimizer_spec(layout.resolved[t].name).row_wise
     )
 
 

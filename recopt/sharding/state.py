@@ -22,7 +22,7 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from recopt.kernels.updates import init_state
 from recopt.optim.fused import FusedOptimizer
-from recopt.sharding.layout import COLUMN_TYPES, Kernel, ShardedLayout
+from recopt.sharding.layout import Kernel, ShardedLayout
 
 Tensor = torch.Tensor
 # (offsets, sizes, rank, local tensor or None): one rectangle of a ShardedTensor.
@@ -308,12 +308,12 @@ class ShardedState:
                     local = self._local.get((t, k))
                     if local is not None and local[1][name] is not value:
                         local[1][name].copy_(value)
-        if any(ps.sharding_type in COLUMN_TYPES for ps in self._layout.shardings):
+        if any(ps.sharding_type.splits_columns for ps in self._layout.shardings):
             self._sync_row_replicas()
 
     def _sync_row_replicas(self) -> None:
         for t, ps in enumerate(self._layout.shardings):
-            if ps.sharding_type not in COLUMN_TYPES:
+            if not ps.sharding_type.splits_columns:
                 continue
             first = next(s for s in ps.shards if s.col_offset == 0)
             rows = self._layout.tables[t].num_embeddings

@@ -14,11 +14,6 @@ from typing import Any
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.sharding.plan import ShardingType
 
-# Optimizer limits of the sharded module (recopt/sharding/layout.py), mirrored here so the
-# planner never proposes what the module would reject; a test checks the two agree.
-ADAFACTOR_TYPES = (ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL)
-ROW_WISE_OPTIMIZERS = frozenset({"row_wise_adagrad", "row_wise_adam"})
-
 
 class ConstraintError(ValueError):
     """A constraint is malformed or names a table that does not exist."""

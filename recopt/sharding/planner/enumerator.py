@@ -12,21 +12,14 @@ from typing import Any
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.kernels.fbgemm_backend import FBGEMM_DIM_MULTIPLE, FBGEMM_OPTIMIZERS
+from recopt.kernels.registry import optimizer_spec
 from recopt.sharding.plan import ParameterSharding, ShardingType, ShardSpec
 from recopt.sharding.plan_helpers import split_columns, split_evenly
-from recopt.sharding.planner.constraints import (
-    ADAFACTOR_TYPES,
-    ROW_WISE_OPTIMIZERS,
-    ParameterConstraints,
-    TableWorkload,
-)
+from recopt.sharding.planner.constraints import ParameterConstraints, TableWorkload
 from recopt.sharding.planner.perf import replica_cost, shard_cost
 from recopt.sharding.planner.storage import replica_storage_bytes, shard_storage_bytes
 from recopt.sharding.planner.topology import Topology
 
-ROW_TYPES = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
-COLUMN_TYPES = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
-HOST_TYPES = (ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE)
 # Preference among options of equal estimated cost: fewer shards and less communication first.
 TYPE_ORDER = {t: i for i, t in enumerate(ShardingType)}
 
@@ -81,7 +74,7 @@ class ShardingOption:
     @property
     def host_local(self) -> bool:
         """All shards must land on the ranks of one host."""
-        return self.sharding_type in HOST_TYPES
+        return self.sharding_type.host_local
 
     def describe(self) -> str:
         """A short label, e.g. ``row_wise x8`` or ``column_wise x4``."""
@@ -104,7 +97,7 @@ class ShardingOption:
             )
         shards, offset = [], 0
         for (rows, cols), rank in zip(self.shard_sizes, shard_ranks, strict=True):
-            if self.sharding_type in COLUMN_TYPES:
+            if self.sharding_type.splits_columns:
                 shards.append(
                     ShardSpec(
                         rank=rank, row_offset=0, num_rows=rows, col_offset=offset, num_cols=cols
@@ -190,16 +183,16 @@ def _allowed_types(
     c: ParameterConstraints, optimizer: FusedOptimizerConfig, topology: Topology, where: str
 ) -> tuple[ShardingType, ...]:
     kinds = c.sharding_types or _default_types(topology)
-    if optimizer.name != "adafactor":
+    if not optimizer_spec(optimizer.name).whole_table_statistics:
         return kinds
-    # Adafactor's row and column statistics span the whole table: only a whole table or a
-    # replica sees both (the sharded module rejects the other types; see sharding/layout.py).
-    allowed = tuple(k for k in kinds if k in ADAFACTOR_TYPES)
+    # Statistics that span the whole table (adafactor's): only a whole table or a replica
+    # sees them (the sharded module rejects the other types; see sharding/layout.py).
+    allowed = tuple(k for k in kinds if k.whole_table)
     if not allowed:
         raise EnumerationError(
-            f"{where}: the fused optimizer adafactor supports table_wise and data_parallel "
-            f"sharding only, and the constraints allow {[k.value for k in kinds]}; allow one of "
-            "those or pick another optimizer"
+            f"{where}: the fused optimizer {optimizer.name} supports table_wise and "
+            f"data_parallel sharding only, and the constraints allow "
+            f"{[k.value for k in kinds]}; allow one of those or pick another optimizer"
         )
     return allowed
 
@@ -208,7 +201,7 @@ def _default_types(topology: Topology) -> tuple[ShardingType, ...]:
     if topology.num_hosts > 1:
         return tuple(ShardingType)
     # On one host the table-* types are the same layouts as row-wise / column-wise.
-    return tuple(t for t in ShardingType if t not in HOST_TYPES)
+    return tuple(t for t in ShardingType if not t.host_local)
 
 
 def _layouts(
@@ -219,7 +212,7 @@ def _layouts(
         return [([(rows, dim)], list(range(w)))]
     if kind is ShardingType.TABLE_WISE:
         return [([(rows, dim)], None)]
-    if kind in ROW_TYPES:
+    if kind.splits_rows:
         n = w if kind is ShardingType.ROW_WISE else topology.local_world_size
         sizes = [(r, dim) for r in split_evenly(rows, n) if r > 0]
         fixed = list(range(len(sizes))) if kind is ShardingType.ROW_WISE else None
@@ -248,7 +241,7 @@ def _kernel_problem(
 ) -> str:
     if kernel is not Backend.FBGEMM:
         return ""
-    if kind in COLUMN_TYPES and optimizer.name in ROW_WISE_OPTIMIZERS:
+    if kind.splits_columns and optimizer_spec(optimizer.name).row_wise:
         # A column shard of a row-wise optimizer needs the statistic of the full row, which
         # only recopt's kernel computes (sharding/layout.py).
         return f"fbgemm cannot run {optimizer.name!r} on column shards (no full-row statistic)"
@@ -275,7 +268,7 @@ def _option(
     cache: dict[tuple[ShardingType, int, int, int], tuple[int, float]],
 ) -> ShardingOption:
     rows, w = table.num_embeddings, topology.world_size
-    k = len(sizes) if kind in COLUMN_TYPES else 1
+    k = len(sizes) if kind.splits_columns else 1
     for n, d in set(sizes):  # row-wise layouts repeat two shapes: estimate each once
         key = (kind, k, n, d)
         if key in cache:

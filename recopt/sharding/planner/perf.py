@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from recopt.kernels.config import optimizer_state_floats
+from recopt.kernels.registry import optimizer_spec
 from recopt.sharding.plan import ShardingType
-from recopt.sharding.planner.constraints import ROW_WISE_OPTIMIZERS, TableWorkload
+from recopt.sharding.planner.constraints import TableWorkload
 from recopt.sharding.planner.storage import FLOAT_BYTES, ID_BYTES, ids_to_shard
 from recopt.sharding.planner.topology import Topology
 
@@ -94,7 +95,7 @@ def shard_cost(
     else:
         outputs = all_to_all_seconds(pooled, topology)
     row_stats = 0.0
-    if column_shards > 1 and workload.optimizer.name in ROW_WISE_OPTIMIZERS:
+    if column_shards > 1 and optimizer_spec(workload.optimizer.name).row_wise:
         # A row-wise optimizer on column shards: each shard sends its partial sum of squares of
         # every touched row to the table's other column shards before the update.
         row_stats = all_to_all_seconds(FLOAT_BYTES * ids * (column_shards - 1), topology)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from recopt.kernels.config import FusedOptimizerConfig
+from recopt.kernels.registry import optimizer_spec
 from recopt.sharding.plan import ParameterSharding, ShardingPlan, table_names
 from recopt.sharding.plan_validation import validate_plan
 from recopt.sharding.planner.constraints import (
@@ -185,7 +186,7 @@ class EmbeddingShardingPlanner:
         heavy = Counter(
             opts[0].optimizer.name
             for opts in options
-            if opts[0].optimizer.name not in ("sgd", "row_wise_adagrad")
+            if not optimizer_spec(opts[0].optimizer.name).light_state
         )
         if not heavy:
             return ""
@@ -210,7 +211,7 @@ class EmbeddingShardingPlanner:
         )
         room = (topo.usable_bytes - base) * topo.world_size
         fixes = ["add ranks or memory per rank"]
-        if opt.optimizer.name not in ("sgd", "row_wise_adagrad"):
+        if not optimizer_spec(opt.optimizer.name).light_state:
             fixes.append(
                 f"use a fused optimizer with less state than {opt.optimizer.name!r} "
                 "(row_wise_adagrad keeps one float per row)"

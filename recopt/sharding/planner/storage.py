@@ -14,8 +14,6 @@ from recopt.sharding.planner.constraints import TableWorkload
 FLOAT_BYTES = 4  # weights, optimizer state, pooled outputs: float32
 ID_BYTES = 8  # ids and lengths: int64 (the KeyedJaggedTensor layout)
 
-_ROW_TYPES = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
-
 
 def ids_to_shard(
     kind: ShardingType, num_rows: int, table_rows: int, workload: TableWorkload, world_size: int
@@ -25,7 +23,7 @@ def ids_to_shard(
     Ids are assumed uniform over rows, so a row range of ``num_rows`` receives that share.
     """
     global_ids = world_size * workload.batch_size * workload.num_features * workload.pooling_factor
-    if kind in _ROW_TYPES:
+    if kind.splits_rows:
         return global_ids * num_rows / table_rows
     return global_ids
 
