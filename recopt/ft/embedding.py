@@ -384,7 +384,8 @@ class EmbeddingReplicaSync(StepParticipant):
             self._tables.append([by_name[s.name] for s in specs])
             if any(not t.rows_only for t in self._tables[-1]):
                 raise ValueError(
-                    f"kernel {k}: fused optimizer 'adafactor' keeps per-column statistics that "
+                    f"kernel {k}: fused optimizer {kernel.optimizer.name!r} keeps per-column "
+                    "statistics that "
                     "replicas cannot agree on row by row; use another fused optimizer or "
                     "sync_embeddings=False"
                 )

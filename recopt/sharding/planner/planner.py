@@ -182,7 +182,7 @@ class EmbeddingShardingPlanner:
 
     @staticmethod
     def _state_hint(options: Sequence[Sequence[ShardingOption]]) -> str:
-        """Which heavy-state optimizers are in use, e.g. `` (now: 'adam' on 3 tables)``."""
+        """Which optimizers with more than one float per row are in use, and on how many tables."""
         heavy = Counter(
             opts[0].optimizer.name
             for opts in options
