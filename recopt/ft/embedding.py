@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from recopt.ft.manager import Manager, StepParticipant
+from recopt.kernels.contract import Kernel, KernelOwner
 from recopt.kernels.registry import OPTIMIZERS
 
 logger = logging.getLogger(__name__)
@@ -87,10 +88,10 @@ class FusedEmbeddingGuard(StepParticipant):
         if _is_sharded(module):
             self._tables = []
             self._handles = []
-            for kernel in module.kernels():  # type: ignore[operator]
+            for kernel in _kernels_of(module):
                 tables = _kernel_tables(kernel)
                 self._tables += tables
-                hook = functools.partial(self._before_kernel, _feature_table_map(kernel), tables)
+                hook = functools.partial(self._before_kernel, kernel.feature_table_map, tables)
                 self._handles.append(kernel.register_forward_pre_hook(hook))
             self._scalars = _scalar_states(module)
             self._handles.append(module.register_forward_pre_hook(self._save_scalars))
@@ -206,25 +207,22 @@ def _is_sharded(module: nn.Module) -> bool:
     )
 
 
-def _feature_table_map(kernel: nn.Module) -> list[int]:
-    """The kernel's feature -> local table map (recopt kernels and fbgemm's TBE keep one)."""
-    for owner in (kernel, getattr(kernel, "_tbe", None)):
-        found = getattr(owner, "feature_table_map", None)
-        if found is not None:
-            return [int(t) for t in found]
-    raise ValueError(
-        f"kernel {type(kernel).__name__} exposes no feature_table_map; FusedEmbeddingGuard "
-        "needs it to tell which rows of which local table a sharded batch touches"
-    )
+def _kernels_of(module: nn.Module) -> list[Kernel]:
+    """The module's kernels; it must run its tables on kernels (an embedding twin)."""
+    if not isinstance(module, KernelOwner):
+        raise ValueError(
+            f"{type(module).__name__} has no kernels(); pass a FusedEmbeddingBagCollection or "
+            "a ShardedEmbeddingBagCollection"
+        )
+    return module.kernels()
 
 
-def _kernel_tables(kernel: nn.Module) -> list[_Table]:
+def _kernel_tables(kernel: Kernel) -> list[_Table]:
     """The kernel's local tables (shards or replicas) with views of their weight and state."""
-    specs = list(kernel.tables)  # type: ignore[arg-type]
-    weights = kernel.split_embedding_weights()  # type: ignore[operator]
-    states = kernel.split_optimizer_states()  # type: ignore[operator]
-    name = str(getattr(getattr(kernel, "optimizer", None), "name", ""))
-    rows_only = _rows_only(name)
+    specs = list(kernel.tables)
+    weights = kernel.split_embedding_weights()
+    states = kernel.split_optimizer_states()
+    rows_only = _rows_only(kernel.optimizer.name)
     return [
         _Table(spec.name, (), weight, dict(state), rows_only)
         for spec, weight, state in zip(specs, weights, states, strict=True)
@@ -369,18 +367,18 @@ class EmbeddingReplicaSync(StepParticipant):
     def __init__(self, module: nn.Module, manager: Manager, guard: FusedEmbeddingGuard) -> None:
         self._manager = manager
         self._guard = guard
-        self._kernels: list[nn.Module] = list(module.kernels())  # type: ignore[operator]
+        self._kernels = _kernels_of(module)
         by_name = {t.name: t for t in guard._tables}
         self._tables: list[list[_Table]] = []
         for k, kernel in enumerate(self._kernels):
-            if not hasattr(kernel, "grad_hook"):
+            if not kernel.supports_hooks:
                 raise ValueError(
                     f"kernel {k} ({type(kernel).__name__}) has no grad_hook, so its rows cannot "
                     "be kept identical across replica groups; use "
                     "FusedOptimizerConfig(backend='recopt'), or sync_embeddings=False to let "
                     "each replica group train its own tables"
                 )
-            specs = list(kernel.tables)  # type: ignore[arg-type]
+            specs = list(kernel.tables)
             self._tables.append([by_name[s.name] for s in specs])
             if any(not t.rows_only for t in self._tables[-1]):
                 raise ValueError(
@@ -389,7 +387,7 @@ class EmbeddingReplicaSync(StepParticipant):
                     "replicas cannot agree on row by row; use another fused optimizer or "
                     "sync_embeddings=False"
                 )
-            setattr(kernel, "grad_hook", self._hook_for(k))  # noqa: B010 - nn.Module typing
+            kernel.grad_hook = self._hook_for(k)
         self._touched: list[_Touched] = []
         manager.register_participant(self)
 

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from recopt.kernels.config import (
     Backend,
@@ -16,6 +15,7 @@ from recopt.kernels.config import (
     TableSpec,
     validate_kernel_layout,
 )
+from recopt.kernels.contract import Kernel
 from recopt.kernels.fbgemm_backend import (  # fbgemm itself is imported only when used
     fbgemm_problems,
 )
@@ -78,7 +78,7 @@ def create_kernel(
     optimizer: FusedOptimizerConfig,
     pooling: PoolingType,
     device: torch.device,
-) -> nn.Module:
+) -> Kernel:
     """Build the kernel that runs these tables, on the backend `choose_backend` picks.
 
     Args:
@@ -89,7 +89,7 @@ def create_kernel(
         device: where the weights live and the kernel runs.
 
     Returns:
-        An ``nn.Module`` with the kernel contract of docs/design.md.
+        An ``nn.Module`` implementing the `Kernel` contract (kernels/contract.py).
 
     Raises:
         ValueError: no tables, a feature maps to no table, or a backend that cannot run them.

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
+from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
+from recopt.kernels.contract import KernelHook
 from recopt.kernels.registry import OPTIMIZERS, optimizer_spec
 
 # Optimizers fbgemm's fused kernels run here (its CPU build's; the registry also records its
@@ -119,8 +120,14 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         assert fbgemm_name is not None  # fbgemm_problems checked it
         self._state_names = spec.fbgemm_states
         self.tables = list(tables)
+        self.feature_table_map = list(feature_table_map)
         self.optimizer = optimizer
         self.pooling = pooling
+        # fbgemm updates inside its fused backward: no point where the hooks could run.
+        self.backend = Backend.FBGEMM
+        self.supports_hooks = False
+        self.grad_hook: KernelHook | None = None
+        self.row_stat_hook: KernelHook | None = None
         self._tbe = SplitTableBatchedEmbeddingBagsCodegen(
             [(t.num_embeddings, t.embedding_dim, location, compute) for t in tables],
             feature_table_map=list(feature_table_map),

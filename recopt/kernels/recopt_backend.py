@@ -9,7 +9,6 @@ Legend: B batch, F features, N ids (occurrences) of one table, D a table's dim.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,15 +18,15 @@ from torch import nn
 
 from recopt.kernels import cpu_fused, registry, updates
 from recopt.kernels.config import (
+    Backend,
     FusedOptimizerConfig,
     PoolingType,
     TableSpec,
     validate_kernel_layout,
 )
+from recopt.kernels.contract import KernelHook
 
 Tensor = torch.Tensor
-# Hooks of docs/design.md: (table index, unique rows [U] ascending, per-row tensor) -> tensor.
-KernelHook = Callable[[int, Tensor, Tensor], Tensor]
 
 
 @dataclass(slots=True)
@@ -112,6 +111,8 @@ class RecoptTableBatchedEmbedding(nn.Module):
         # Set by fault tolerance (grad_hook) and column-wise sharding (row_stat_hook); either
         # one routes backward through the torch path, which has a point between gradient
         # aggregation and update where they can run.
+        self.backend = Backend.RECOPT
+        self.supports_hooks = True
         self.grad_hook: KernelHook | None = None
         self.row_stat_hook: KernelHook | None = None
 

@@ -16,8 +16,14 @@ import torch
 from torch import nn
 
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
+from recopt.kernels.contract import Kernel
 from recopt.kernels.factory import create_kernel
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
+from recopt.modules.fused_groups import (
+    LearningRateSync,
+    make_param_group,
+    resolve_table_optimizers,
+)
 from recopt.modules.inputs import FeatureLayout
 from recopt.optim.fused import FusedOptimizer, FusedOptimizerModule
 from recopt.sparse import KeyedJaggedTensor, KeyedTensor
@@ -41,11 +47,7 @@ class _KernelGroup:
     pooling: PoolingType
     table_indices: list[int]
     feature_indices: list[int]
-    kernel: Any = None
-    applied_lr: float = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        self.applied_lr = self.optimizer.learning_rate
+    kernel: Kernel
 
 
 class EmbeddingFusedOptimizer(FusedOptimizer):
@@ -104,15 +106,11 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self.is_weighted = is_weighted
         self.device = torch.device(device if device is not None else "cpu")
         self._layout = FeatureLayout(self.tables)
-        default = optimizer if optimizer is not None else FusedOptimizerConfig()
-        overrides = dict(table_optimizers or {})
-        unknown = sorted(set(overrides) - {t.name for t in self.tables})
-        if unknown:
-            raise ValueError(f"table_optimizers names unknown tables {unknown}")
+        optimizers = resolve_table_optimizers(self.tables, optimizer, table_optimizers)
         # Kernel construction may draw random numbers (fbgemm initialises its weights); restore
         # the RNG so our uniform_ draws equal EmbeddingBagCollection's under the same seed.
         rng_state = torch.random.get_rng_state()
-        self._groups = self._build_groups(default, overrides)
+        self._groups = self._build_groups(optimizers)
         torch.random.set_rng_state(rng_state)
         self.embedding_bags = nn.ModuleDict()
         weights: dict[int, torch.Tensor] = {}
@@ -127,39 +125,39 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 weights[t].uniform_(lo, hi)  # table order: same draws as EmbeddingBagCollection
             self.embedding_bags[table.name] = _TableWeight(weights[t])
         self._optimizer = self._build_optimizer()
+        self._lr_sync = LearningRateSync(
+            [[g.kernel] for g in self._groups], [g.optimizer.learning_rate for g in self._groups]
+        )
         self._single_group = len(self._groups) == 1
 
-    def _build_groups(
-        self, default: FusedOptimizerConfig, overrides: dict[str, FusedOptimizerConfig]
-    ) -> list[_KernelGroup]:
-        groups: dict[tuple[FusedOptimizerConfig, PoolingType], _KernelGroup] = {}
+    def _build_groups(self, optimizers: Mapping[str, FusedOptimizerConfig]) -> list[_KernelGroup]:
+        tables_of: dict[tuple[FusedOptimizerConfig, PoolingType], list[int]] = {}
         for t, table in enumerate(self.tables):
-            opt = overrides.get(table.name, default)
-            key = (opt, table.pooling)
-            if key not in groups:
-                groups[key] = _KernelGroup(opt, table.pooling, [], [])
-            groups[key].table_indices.append(t)
-        for f, t in enumerate(self._layout.feature_table):
-            for group in groups.values():
-                if t in group.table_indices:
-                    group.feature_indices.append(f)
-        for group in groups.values():
-            specs = [
-                TableSpec(
-                    name=self.tables[t].name,
-                    num_embeddings=self.tables[t].num_embeddings,
-                    embedding_dim=self.tables[t].embedding_dim,
-                )
-                for t in group.table_indices
-            ]
-            feature_table_map = [
-                group.table_indices.index(self._layout.feature_table[f])
-                for f in group.feature_indices
-            ]
-            group.kernel = create_kernel(
-                specs, feature_table_map, group.optimizer, group.pooling, self.device
+            tables_of.setdefault((optimizers[table.name], table.pooling), []).append(t)
+        return [
+            self._build_group(optimizer, pooling, table_indices)
+            for (optimizer, pooling), table_indices in tables_of.items()
+        ]
+
+    def _build_group(
+        self, optimizer: FusedOptimizerConfig, pooling: PoolingType, table_indices: list[int]
+    ) -> _KernelGroup:
+        feature_indices = [
+            f for f, t in enumerate(self._layout.feature_table) if t in table_indices
+        ]
+        specs = [
+            TableSpec(
+                name=self.tables[t].name,
+                num_embeddings=self.tables[t].num_embeddings,
+                embedding_dim=self.tables[t].embedding_dim,
             )
-        return list(groups.values())
+            for t in table_indices
+        ]
+        feature_table_map = [
+            table_indices.index(self._layout.feature_table[f]) for f in feature_indices
+        ]
+        kernel = create_kernel(specs, feature_table_map, optimizer, pooling, self.device)
+        return _KernelGroup(optimizer, pooling, table_indices, feature_indices, kernel)
 
     def _build_optimizer(self) -> EmbeddingFusedOptimizer:
         params: dict[str, torch.Tensor] = {}
@@ -174,10 +172,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 params[f"embedding_bags.{name}.weight"] = param
                 state[param] = {f"{name}.{key}": value for key, value in table_state.items()}
                 group_params.append(param)
-            hyper = dataclasses.asdict(group.optimizer)
-            hyper["optimizer"] = hyper.pop("name")
-            hyper["backend"] = str(type(group.kernel).__name__)
-            param_groups.append({"params": group_params, **hyper})
+            param_groups.append(make_param_group(group.optimizer, group_params, [group.kernel]))
         return EmbeddingFusedOptimizer(params, state, param_groups)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FusedEmbeddingBagCollection:
@@ -213,7 +208,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         """The output keys: features in table order."""
         return list(self._layout.feature_names)
 
-    def kernels(self) -> list[nn.Module]:
+    def kernels(self) -> list[Kernel]:
         """The kernels, one per (optimizer, pooling) group."""
         return [g.kernel for g in self._groups]
 
@@ -224,7 +219,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             ValueError: missing features or weights mismatch; ``InvalidIdError`` for bad ids.
         """
         features = self._layout.prepare(features, self.is_weighted)
-        self._sync_learning_rates()
+        self._lr_sync.apply(self._optimizer.param_groups)
         if self._single_group:
             pooled = self._lookup(self._groups[0], features)
         else:
@@ -252,11 +247,3 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 columns[f] = out[:, start : start + dim]
                 start += dim
         return torch.cat(columns, dim=1)
-
-    def _sync_learning_rates(self) -> None:
-        for group, param_group in zip(self._groups, self._optimizer.param_groups, strict=True):
-            lr = float(param_group["lr"])
-            # Compared with the last value set, not the kernel's (fbgemm keeps float32).
-            if lr != group.applied_lr:
-                group.kernel.set_learning_rate(lr)
-                group.applied_lr = lr

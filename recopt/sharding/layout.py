@@ -11,9 +11,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
-
-import torch
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.kernels.registry import optimizer_spec
@@ -21,20 +18,6 @@ from recopt.modules.config import EmbeddingBagConfig
 from recopt.modules.inputs import FeatureLayout
 from recopt.sharding.input_dist import VirtualFeature
 from recopt.sharding.plan import ParameterSharding, PlanError, ShardingType
-
-
-class Kernel(Protocol):
-    """The kernel contract of docs/design.md, as sharding uses it."""
-
-    def __call__(
-        self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
-    ) -> torch.Tensor: ...
-
-    def split_embedding_weights(self) -> list[torch.Tensor]: ...
-
-    def split_optimizer_states(self) -> list[dict[str, torch.Tensor]]: ...
-
-    def set_learning_rate(self, lr: float) -> None: ...
 
 
 @dataclass(slots=True)

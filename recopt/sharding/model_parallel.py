@@ -17,9 +17,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.kernels.config import FusedOptimizerConfig
 from recopt.modules.embedding_bag import EmbeddingBagCollection
 from recopt.modules.fused import FusedEmbeddingBagCollection
+from recopt.modules.fused_groups import optimizer_from_param_group
 from recopt.optim.combined import CombinedOptimizer
 from recopt.optim.keyed import KeyedOptimizer
 from recopt.sharding.plan import ShardingPlan
@@ -156,18 +157,7 @@ def _table_optimizers(module: nn.Module) -> dict[str, FusedOptimizerConfig]:
     name_of = {id(p): n for n, p in opt.params.items()}
     result: dict[str, FusedOptimizerConfig] = {}
     for group in opt.param_groups:
-        config = FusedOptimizerConfig(
-            name=group["optimizer"],
-            lr=group["lr"],
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            betas=tuple(group["betas"]),
-            maximize=group["maximize"],
-            beta2_decay=group["beta2_decay"],
-            eps2=group["eps2"],
-            clip_threshold=group["clip_threshold"],
-            backend=Backend.AUTO,
-        )
+        config = optimizer_from_param_group(group)
         for p in group["params"]:
             table = name_of[id(p)].split(".")[1]
             result[table] = config

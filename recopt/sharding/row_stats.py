@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from recopt.kernels.contract import Kernel
 from recopt.kernels.registry import optimizer_spec
 from recopt.sharding.comm import all_to_all_flat
-from recopt.sharding.layout import Kernel, ShardedLayout
+from recopt.sharding.layout import ShardedLayout
 
 Tensor = torch.Tensor
 # One feature's occurrences on a shard: ids, their rows of the output gradient, their weights,
@@ -74,7 +75,7 @@ class RowStatExchange:
         for g, kernel in zip(self._layout.mp_groups, self._kernels, strict=True):
             if not any(_needs_full_rows(self._layout, t) for t, _ in g.tables):
                 continue
-            if not hasattr(kernel, "row_stat_hook"):
+            if not kernel.supports_hooks:
                 continue
             kernel.row_stat_hook = self._make_hook(g.tables)
             self._hooked = True

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
+from recopt.kernels.contract import Kernel
 from recopt.kernels.factory import create_kernel
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
+from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
 from recopt.optim.fused import FusedOptimizerModule
 from recopt.sharding.comm import ExchangeMeta, OutputExchange
 from recopt.sharding.input_dist import (
@@ -28,7 +30,7 @@ from recopt.sharding.input_dist import (
     distribute_input,
     segment_transpose,
 )
-from recopt.sharding.layout import GroupLayout, Kernel, ShardedLayout
+from recopt.sharding.layout import GroupLayout, ShardedLayout
 from recopt.sharding.plan import ParameterSharding, ShardingPlan
 from recopt.sharding.plan_validation import validate_plan
 from recopt.sharding.row_stats import RowStatExchange
@@ -84,12 +86,8 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         validate_plan(
             ShardingPlan({module_path: dict(shardings)}), {module_path: self.tables}, world
         )
-        default = optimizer if optimizer is not None else FusedOptimizerConfig()
-        overrides = dict(table_optimizers or {})
-        optimizers = {
-            t.name: shardings[t.name].optimizer or overrides.get(t.name, default)
-            for t in self.tables
-        }
+        planned = {t.name: shardings[t.name].optimizer for t in self.tables}
+        optimizers = resolve_table_optimizers(self.tables, optimizer, table_optimizers, planned)
         self._layout = ShardedLayout(
             self.tables, shardings, optimizers, world, self._rank, module_path
         )
@@ -107,7 +105,10 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             self._layout, self._mp_kernels, self._dp_kernels, self._pg, self.device
         )
         self._row_stats = RowStatExchange(self._layout, self._mp_kernels, self._pg)
-        self._applied_lr: list[float | None] = [None] * len(self._layout.group_optimizers)
+        self._lr_sync = LearningRateSync(
+            self._state.group_kernels,
+            [opt.learning_rate for opt in self._layout.group_optimizers],
+        )
         self._prepare_output_maps()
         # Set to a dict to accumulate forward time per phase (input_dist, lookup, output_dist).
         self.phase_seconds: dict[str, float] | None = None
@@ -137,10 +138,9 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         feature_table_map = [local[(vf.table, vf.shard)] for vf in group.features]
         # Shards always pool with SUM: row-shard partials add up at the source, which divides
         # mean-pooled features by the full bag length.
-        kernel = create_kernel(
+        return create_kernel(
             specs, feature_table_map, group.optimizer, PoolingType.SUM, self.device
         )
-        return cast(Kernel, kernel)
 
     def _init_weights(self) -> None:
         groups = [*self._layout.mp_groups, *self._layout.dp_groups]
@@ -220,7 +220,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         )
         assert prepared is not None
         start = self._record("input_dist", start)
-        self._sync_learning_rates()
+        self._lr_sync.apply(self._state.optimizer.param_groups)
         mp_send = self._lookup_model_parallel(received)
         dp_global = self._lookup_data_parallel(received)
         start = self._record("lookup", start)
@@ -387,21 +387,6 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             self._index_cache.clear()
         self._index_cache[batch] = (index, bijective)
         return index, bijective
-
-    def _sync_learning_rates(self) -> None:
-        groups = self._state.optimizer.param_groups
-        for i, param_group in enumerate(groups):
-            lr = float(param_group["lr"])
-            if lr == self._applied_lr[i]:
-                continue
-            for group, kernel in zip(
-                [*self._layout.mp_groups, *self._layout.dp_groups],
-                [*self._mp_kernels, *self._dp_kernels],
-                strict=True,
-            ):
-                if group.param_group == i:
-                    kernel.set_learning_rate(lr)
-            self._applied_lr[i] = lr
 
     # ------------------------------------------------------------------------------ state
     def _save_to_state_dict(

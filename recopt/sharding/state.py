@@ -9,7 +9,6 @@ equal on every rank). Built without a collective: every rank knows the whole pla
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -20,9 +19,11 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
+from recopt.kernels.contract import Kernel
 from recopt.kernels.updates import init_state
+from recopt.modules.fused_groups import make_param_group
 from recopt.optim.fused import FusedOptimizer
-from recopt.sharding.layout import Kernel, ShardedLayout
+from recopt.sharding.layout import ShardedLayout
 
 Tensor = torch.Tensor
 # (offsets, sizes, rank, local tensor or None): one rectangle of a ShardedTensor.
@@ -191,7 +192,10 @@ class ShardedState:
         # (table, shard) -> (weight view, state views) of this rank's rectangles.
         self._local: dict[tuple[int, int], tuple[Tensor, dict[str, Tensor]]] = {}
         groups = [*layout.mp_groups, *layout.dp_groups]
+        # For each user-facing param group, this rank's kernels that run its tables.
+        self.group_kernels: list[list[Kernel]] = [[] for _ in layout.group_optimizers]
         for g, kernel in zip(groups, [*mp_kernels, *dp_kernels], strict=True):
+            self.group_kernels[g.param_group].append(kernel)
             weights = kernel.split_embedding_weights()
             states = kernel.split_optimizer_states()
             for tk, w, s in zip(g.tables, weights, states, strict=True):
@@ -277,11 +281,8 @@ class ShardedState:
         params: dict[str, Tensor] = {}
         state: dict[Tensor, dict[str, Tensor]] = {}
         groups: list[dict[str, Any]] = []
-        for _i, opt in enumerate(layout.group_optimizers):
-            hyper = dataclasses.asdict(opt)
-            hyper["optimizer"] = hyper.pop("name")
-            hyper["backend"] = str(opt.backend.value)
-            groups.append({"params": [], **hyper})
+        for i, opt in enumerate(layout.group_optimizers):
+            groups.append(make_param_group(opt, [], self.group_kernels[i]))
         for t, table in enumerate(layout.tables):
             name = f"embedding_bags.{table.name}.weight"
             param = self.weights[name]

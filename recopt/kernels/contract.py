@@ -1,0 +1,83 @@
+"""The kernel contract (docs/design.md, "Embedding kernels") as a typing.Protocol.
+
+Every backend (`RecoptTableBatchedEmbedding`, `FbgemmTableBatchedEmbedding`) implements it and
+`create_kernel` returns it, so modules, sharding and fault tolerance call kernels through
+declared, typed members: no ``setattr``, no backend-private attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
+
+Tensor = torch.Tensor
+# (table index, unique rows [U] ascending, per-row tensor) -> tensor. ``grad_hook`` gets the
+# rows' gradients [U, D] before the update and returns the gradients to apply;
+# ``row_stat_hook`` gets each row's sum of squared gradients over the kernel's columns [U]
+# and returns the mean over the full row (for row-wise optimizers on column shards).
+KernelHook = Callable[[int, Tensor, Tensor], Tensor]
+
+
+class Kernel(Protocol):
+    """Several tables pooled in one module, with the fused optimizer applied in backward.
+
+    Attributes:
+        tables: the kernel's tables (whole tables or shards), in kernel order.
+        feature_table_map: for each input feature, the index of its table.
+        optimizer: the fused optimizer and its hyperparameters.
+        pooling: sum or mean.
+        backend: which implementation this is (``Backend.FBGEMM`` or ``Backend.RECOPT``).
+        supports_hooks: whether backward calls ``grad_hook`` / ``row_stat_hook`` (recopt's
+            kernel; fbgemm's fused kernel has no point between aggregation and update).
+        grad_hook: called per table on every backward, also with no rows; ``None``: off.
+        row_stat_hook: the full-row statistic of row-wise optimizers; ``None``: off.
+    """
+
+    tables: list[TableSpec]
+    feature_table_map: list[int]
+    optimizer: FusedOptimizerConfig
+    pooling: PoolingType
+    backend: Backend
+    supports_hooks: bool
+    grad_hook: KernelHook | None
+    row_stat_hook: KernelHook | None
+
+    def __call__(
+        self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None
+    ) -> Tensor:
+        """Pooled outputs ``[B, sum of the features' dims]``, features in map order."""
+        ...
+
+    def split_embedding_weights(self) -> list[Tensor]:
+        """Each table's ``[rows, dim]`` weight, a view of the kernel's storage."""
+        ...
+
+    def split_optimizer_states(self) -> list[dict[str, Tensor]]:
+        """Each table's optimizer state (registry state keys), views of the kernel's storage."""
+        ...
+
+    def set_learning_rate(self, lr: float) -> None:
+        """The learning rate of the next backward."""
+        ...
+
+    def get_learning_rate(self) -> float:
+        """The learning rate the next backward uses."""
+        ...
+
+    def register_forward_pre_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
+        """``nn.Module``'s: ``hook(kernel, args)`` runs before each forward."""
+        ...
+
+
+@runtime_checkable
+class KernelOwner(Protocol):
+    """A module that runs its tables on kernels (both embedding twins)."""
+
+    def kernels(self) -> list[Kernel]:
+        """This module's (this rank's) kernels."""
+        ...
