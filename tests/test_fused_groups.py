@@ -6,10 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+import recopt.ft
+from recopt.ft import FaultTolerantOptimizer, replica_sync_optimizer
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.modules.config import EmbeddingBagConfig
 from recopt.modules.fused import FusedEmbeddingBagCollection
 from recopt.modules.fused_groups import optimizer_from_param_group
+from recopt.optim.fused import FusedOptimizer, is_fused
 from recopt.sharding.plan_helpers import balanced_table_wise_plan
 from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 from recopt.sparse import KeyedJaggedTensor
@@ -69,3 +72,20 @@ def test_learning_rate_change_reaches_the_kernel_once() -> None:
     )
     fused(kjt)
     assert kernel.get_learning_rate() == pytest.approx(0.25)
+
+
+def test_replica_sync_optimizer_makes_auto_hookable_and_keeps_forced_backends() -> None:
+    auto = FusedOptimizerConfig(name="sgd")
+    assert replica_sync_optimizer(auto, True).backend == Backend.RECOPT
+    assert replica_sync_optimizer(auto, False) == auto
+    forced = FusedOptimizerConfig(name="sgd", backend=Backend.FBGEMM)
+    assert replica_sync_optimizer(forced, True) == forced
+
+
+def test_names_fault_tolerant_optimizer_alias_and_concrete_fused_optimizer() -> None:
+    assert recopt.ft.OptimizerWrapper is FaultTolerantOptimizer
+    fused = FusedOptimizer({}, {}, [])  # concrete: step runs the closure, nothing else
+    assert fused.step(lambda: 3.0) == 3.0 and fused.step() is None
+    collection = FusedEmbeddingBagCollection(TABLES)
+    assert is_fused(collection) and not is_fused(torch.nn.Linear(2, 2))
+    assert isinstance(collection.fused_optimizer, FusedOptimizer)

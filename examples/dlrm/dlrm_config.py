@@ -15,8 +15,8 @@ from typing import Any
 
 from recopt.config import apply_overrides, from_dict, load_toml, merge, to_plain
 from recopt.data import SyntheticConfig
+from recopt.ft import replica_sync_optimizer
 from recopt.kernels import FusedOptimizerConfig
-from recopt.kernels.config import Backend
 from recopt.models import DLRMConfig
 from recopt.modules import EmbeddingBagConfig
 from recopt.optim.clipping import GradientClipping
@@ -249,9 +249,10 @@ def _check_planner(values: dict[str, Any], where: str) -> None:
 def fault_tolerant_config(config: TrainingConfig) -> TrainingConfig:
     """With ``sync_embeddings``, the ``auto`` kernel backend becomes ``recopt`` (its kernels
     have the ``grad_hook`` that averages row gradients across replica groups)."""
-    optimizer = config.embedding.optimizer
-    if not config.fault_tolerance.sync_embeddings or optimizer.backend != Backend.AUTO:
+    optimizer = replica_sync_optimizer(
+        config.embedding.optimizer, config.fault_tolerance.sync_embeddings
+    )
+    if optimizer == config.embedding.optimizer:
         return config
-    optimizer = dataclasses.replace(optimizer, backend=Backend.RECOPT)
     embedding = dataclasses.replace(config.embedding, optimizer=optimizer)
     return dataclasses.replace(config, embedding=embedding)

@@ -54,6 +54,7 @@ from recopt.optim import (  # noqa: E402
     KeyedOptimizer,
     KeyedOptimizerWrapper,
     fused_optimizers,
+    is_fused,
     split_fused_parameters,
 )
 from recopt.optim.clipping import GradientClippingOptimizer  # noqa: E402
@@ -129,9 +130,8 @@ def shard_model(model: DLRM, config: TrainingConfig, env: RunEnv) -> nn.Module:
 
 def build_optimizer(model: nn.Module, config: TrainingConfig) -> KeyedOptimizer:
     """Fused sparse + torch dense optimizer, each under its own warmup, all under clipping."""
-    fused = getattr(model, "fused_optimizer", None)
     sparse: KeyedOptimizer = (
-        fused if fused is not None else CombinedOptimizer(fused_optimizers(model))
+        model.fused_optimizer if is_fused(model) else CombinedOptimizer(fused_optimizers(model))
     )
     # The model-parallel wrapper is itself "fused" (it has .fused_optimizer): split the model
     # it wraps, whose names are the wrapper's parameter names (no DDP prefix).

@@ -1,16 +1,22 @@
-"""Fault-tolerant training: the per-replica-group Manager and OptimizerWrapper.
+"""Fault-tolerant training: the per-replica-group Manager and FaultTolerantOptimizer.
 
 The coordinator runs as ``python -m recopt.ft.lighthouse`` (`recopt.ft.lighthouse.Lighthouse`).
 
 docs/fault_tolerance.md describes the step protocol, healing and the fused-embedding rules.
 """
 
+from recopt.ft.embedding import replica_sync_optimizer
 from recopt.ft.manager import Manager, ManagerConfig, StepParticipant
-from recopt.ft.optim import OptimizerWrapper
+from recopt.ft.optim import FaultTolerantOptimizer
+
+# torchft's name for the same wrapper, kept for users coming from it.
+OptimizerWrapper = FaultTolerantOptimizer
 
 __all__ = [
+    "FaultTolerantOptimizer",
     "Manager",
     "ManagerConfig",
     "OptimizerWrapper",
     "StepParticipant",
+    "replica_sync_optimizer",
 ]

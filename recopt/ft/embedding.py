@@ -10,6 +10,7 @@ kernel's ``grad_hook``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from recopt.ft.manager import Manager, StepParticipant
+from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.kernels.contract import Kernel, KernelOwner
 from recopt.kernels.registry import OPTIMIZERS
 
@@ -202,9 +204,30 @@ def _is_sharded(module: nn.Module) -> bool:
     """A collection whose fused weights are ShardedTensors, with local kernels to hook."""
     optimizer = getattr(module, "fused_optimizer", None)
     params = dict(getattr(optimizer, "params", {}) or {})
-    return callable(getattr(module, "kernels", None)) and any(
+    return isinstance(module, KernelOwner) and any(
         isinstance(p, ShardedTensor) for p in params.values()
     )
+
+
+def replica_sync_optimizer(
+    optimizer: FusedOptimizerConfig, sync_embeddings: bool
+) -> FusedOptimizerConfig:
+    """The fused optimizer to build embedding tables with under fault tolerance.
+
+    With ``sync_embeddings`` (`EmbeddingReplicaSync`), the ``auto`` backend becomes
+    ``recopt``: its kernels have the ``grad_hook`` that averages row gradients across replica
+    groups, fbgemm's do not. A backend the user forced is kept (the sync then says the fix).
+
+    Args:
+        optimizer: the tables' fused optimizer as configured.
+        sync_embeddings: whether replica groups keep their tables identical.
+
+    Returns:
+        ``optimizer``, with ``backend=recopt`` where the rule applies.
+    """
+    if not sync_embeddings or optimizer.backend != Backend.AUTO:
+        return optimizer
+    return dataclasses.replace(optimizer, backend=Backend.RECOPT)
 
 
 def _kernels_of(module: nn.Module) -> list[Kernel]:

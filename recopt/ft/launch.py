@@ -1,4 +1,4 @@
-"""One call to make a training loop fault tolerant: Manager, OptimizerWrapper, embedding guards.
+"""One call to make a training loop fault tolerant: Manager, optimizer, embedding guards.
 
 `make_fault_tolerant(model, optimizer, config)` is what a training script's
 ``--fault-tolerant`` flag calls; `manager_config_from_env` reads the launcher's variables
@@ -23,7 +23,9 @@ from recopt.ft.client import wait_for_replicas
 from recopt.ft.embedding import EmbeddingReplicaSync, FusedEmbeddingGuard
 from recopt.ft.healing import into_local_shards, to_local_shards
 from recopt.ft.manager import Manager, ManagerConfig
-from recopt.ft.optim import OptimizerWrapper
+from recopt.ft.optim import FaultTolerantOptimizer
+from recopt.kernels.contract import KernelOwner
+from recopt.optim.fused import is_fused
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ class FaultTolerantTraining:
     """What `make_fault_tolerant` built; ``optimizer`` replaces the loop's optimizer."""
 
     manager: Manager
-    optimizer: OptimizerWrapper
+    optimizer: FaultTolerantOptimizer
     guards: list[FusedEmbeddingGuard] = dataclasses.field(default_factory=list)
     syncs: list[EmbeddingReplicaSync] = dataclasses.field(default_factory=list)
 
@@ -106,12 +108,8 @@ def manager_config_from_env(
 
 
 def _fused_collections(model: nn.Module) -> list[nn.Module]:
-    """Modules whose optimizer runs inside backward (they carry a ``fused_optimizer``)."""
-    found = []
-    for module in model.modules():
-        if hasattr(module, "fused_optimizer") and hasattr(module, "tables"):
-            found.append(module)
-    return found
+    """The embedding collections whose optimizer runs inside backward (both twins)."""
+    return [m for m in model.modules() if is_fused(m) and isinstance(m, KernelOwner)]
 
 
 def _healing_state(
@@ -188,7 +186,7 @@ def make_fault_tolerant(
     if wait_for > 1:
         live = wait_for_replicas(config.lighthouse, wait_for, config.quorum_timeout)
         logger.info("replica %s: %d replica groups live: %s", config.replica_id, len(live), live)
-    return FaultTolerantTraining(manager, OptimizerWrapper(manager, optimizer), guards, syncs)
+    return FaultTolerantTraining(manager, FaultTolerantOptimizer(manager, optimizer), guards, syncs)
 
 
 def state_digest(*states: Any) -> str:

@@ -1,4 +1,4 @@
-"""OptimizerWrapper: a torch optimizer whose steps commit only when the whole quorum agrees.
+"""FaultTolerantOptimizer: a torch optimizer whose steps commit only when the whole quorum agrees.
 
 ``zero_grad()`` opens the step (quorum, healing) and ``step()`` averages the gradients over
 the replicas, votes, and runs the wrapped optimizer only on a yes; on a no the parameters
@@ -15,7 +15,7 @@ import torch
 from recopt.ft.manager import Manager
 
 
-class OptimizerWrapper(torch.optim.Optimizer):
+class FaultTolerantOptimizer(torch.optim.Optimizer):
     """Wrap ``optim`` so that each step is a fault-tolerant transaction run by ``manager``.
 
     Call ``zero_grad()`` before the forward pass and ``step()`` after backward. Everything
@@ -94,4 +94,4 @@ class OptimizerWrapper(torch.optim.Optimizer):
         return None
 
     def __repr__(self) -> str:
-        return f"OptimizerWrapper({self.optim!r})"
+        return f"FaultTolerantOptimizer({self.optim!r})"

@@ -57,22 +57,6 @@ class EmbeddingFusedOptimizer(FusedOptimizer):
     hyperparameters are fixed at construction.
     """
 
-    def __init__(
-        self,
-        params: Mapping[str, torch.Tensor],
-        state: Mapping[torch.Tensor, Any],
-        param_groups: Sequence[Mapping[str, Any]],
-    ) -> None:
-        super().__init__(params, state, param_groups)
-
-    def step(self, closure: Any = None) -> Any:
-        # The update already happened in backward; a closure is still honoured.
-        return closure() if closure is not None else None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        # Fused tables never accumulate .grad.
-        return None
-
 
 class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     """`EmbeddingBagCollection` with the sparse optimizer fused into backward.

@@ -7,6 +7,7 @@ from recopt.optim.fused import (
     FusedOptimizer,
     FusedOptimizerModule,
     fused_optimizers,
+    is_fused,
     split_fused_parameters,
 )
 from recopt.optim.keyed import KeyedOptimizer, KeyedOptimizerWrapper, OptimizerWrapper
@@ -34,6 +35,7 @@ __all__ = [
     "WarmupPolicy",
     "WarmupStage",
     "fused_optimizers",
+    "is_fused",
     "lr_multiplier",
     "resolve_stages",
     "split_fused_parameters",

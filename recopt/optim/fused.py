@@ -17,20 +17,22 @@ from torch import nn
 from recopt.optim.keyed import KeyedOptimizer
 
 
-class FusedOptimizer(KeyedOptimizer, abc.ABC):
+class FusedOptimizer(KeyedOptimizer):
     """A KeyedOptimizer whose update happens in backward; ``step()`` applies no update.
 
     Its state exists from construction (the kernel allocates it), so ``init_state()`` has
-    nothing to do.
+    nothing to do. Fused tables never accumulate ``.grad``, so ``zero_grad()`` neither.
     """
 
-    @abc.abstractmethod
     def step(self, closure: Callable[[], float] | None = None) -> Any:
-        """Run ``closure`` if given; the update already happened in backward."""
+        """Run ``closure`` if given (with grad enabled); the update already happened."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
 
-    @abc.abstractmethod
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset whatever gradient the fused module keeps (usually nothing)."""
+        """Nothing to reset: fused tables keep no gradient."""
 
     def init_state(self, sparse_grad_parameter_names: Iterable[str] | None = None) -> None:
         """No-op: fused state is allocated eagerly by the kernel."""
@@ -51,19 +53,14 @@ class EmptyFusedOptimizer(FusedOptimizer):
     def __init__(self) -> None:
         super().__init__({}, {}, [])
 
-    def step(self, closure: Callable[[], float] | None = None) -> Any:
-        """Run ``closure`` if given; there is nothing to update."""
-        if closure is None:
-            return None
-        with torch.enable_grad():
-            return closure()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to reset."""
+def is_fused(module: nn.Module) -> bool:
+    """Whether ``module`` updates its own weights in backward: the one rule recopt uses.
 
-
-def _is_fused(module: nn.Module) -> bool:
-    # Sharded twins may not subclass FusedOptimizerModule but still expose the property.
+    True for a `FusedOptimizerModule` (the embedding twins) and for any module whose class
+    exposes a ``fused_optimizer`` property (``DistributedModelParallel``, whose whole model is
+    then fused, and duck-typed twins).
+    """
     return isinstance(module, FusedOptimizerModule) or isinstance(
         getattr(type(module), "fused_optimizer", None), property
     )
@@ -74,8 +71,7 @@ def split_fused_parameters(
 ) -> tuple[dict[str, nn.Parameter], dict[str, nn.Parameter]]:
     """Split a model's parameters into those updated in backward and the rest.
 
-    A parameter is fused when it belongs to a submodule that is a ``FusedOptimizerModule``
-    or exposes a ``fused_optimizer`` property (sharded modules). A parameter shared between
+    A parameter is fused when it belongs to a submodule that `is_fused`. A parameter shared between
     a fused and a regular module counts as fused (its update already happens in backward).
 
     Args:
@@ -87,7 +83,7 @@ def split_fused_parameters(
     """
     fused_ids: set[int] = set()
     for _, module in model.named_modules():
-        if _is_fused(module):
+        if is_fused(module):
             fused_ids.update(id(p) for p in module.parameters())
     fused: dict[str, nn.Parameter] = {}
     other: dict[str, nn.Parameter] = {}
@@ -108,6 +104,6 @@ def fused_optimizers(model: nn.Module) -> list[tuple[str, KeyedOptimizer]]:
     found: list[tuple[str, KeyedOptimizer]] = []
     for name, module in model.named_modules():
         inside = any(outer == "" or name.startswith(f"{outer}.") for outer, _ in found)
-        if _is_fused(module) and not inside:
+        if is_fused(module) and not inside:
             found.append((name, module.fused_optimizer))
     return found

@@ -143,13 +143,6 @@ class ShardedFusedOptimizer(FusedOptimizer):
         super().__init__(params, state, param_groups)
         self._after_load = after_load
 
-    def step(self, closure: Any = None) -> Any:
-        """Run ``closure`` if given; the update already happened in backward."""
-        return closure() if closure is not None else None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Fused tables never accumulate ``.grad``."""
-
     def post_load_state_dict(self) -> None:
         """Write the loaded values into every replica."""
         self._after_load()
