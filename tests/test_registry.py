@@ -20,6 +20,8 @@ from recopt.kernels.fbgemm_backend import FBGEMM_OPTIMIZERS
 from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
 from recopt.kernels.registry import OPTIMIZERS, StateShape
 from recopt.kernels.updates import init_state
+from recopt.sharding.plan import ShardingType
+from recopt.sharding.plan_helpers import ShardingRequest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROWS, DIM, BATCH = 12, 8, 4
@@ -153,3 +155,23 @@ def test_optimizer_names_live_only_in_the_registry() -> None:
         if pattern.search(line)
     ]
     assert not offenders, "optimizer names outside kernels/registry.py:\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize("ranks", [None, (), (0, 1)])
+def test_table_wise_request_without_one_rank_is_a_value_error(
+    ranks: tuple[int, ...] | None,
+) -> None:
+    with pytest.raises(ValueError, match=r"needs exactly one rank.*table_wise\(r\)"):
+        ShardingRequest(sharding_type=ShardingType.TABLE_WISE, ranks=ranks)
+
+
+def test_sharding_type_traits() -> None:
+    rows = {t for t in ShardingType if t.splits_rows}
+    cols = {t for t in ShardingType if t.splits_columns}
+    host = {t for t in ShardingType if t.host_local}
+    whole = {t for t in ShardingType if t.whole_table}
+    assert rows == {ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE}
+    assert cols == {ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE}
+    assert host == {ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE}
+    assert whole == {ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL}
+    assert [t for t in ShardingType if t.replicated] == [ShardingType.DATA_PARALLEL]

@@ -46,6 +46,15 @@ class ShardingRequest:
     compute_kernel: Backend = Backend.AUTO
     optimizer: FusedOptimizerConfig | None = None
 
+    def __post_init__(self) -> None:
+        if self.sharding_type == ShardingType.TABLE_WISE and (
+            self.ranks is None or len(self.ranks) != 1
+        ):
+            raise PlanError(
+                f"ShardingRequest(sharding_type=table_wise) needs exactly one rank, got ranks="
+                f"{self.ranks}; pass ranks=(r,) or use table_wise(r)"
+            )
+
     def resolve(
         self,
         table: TableLike,
@@ -67,7 +76,7 @@ class ShardingRequest:
             shards: list[ShardSpec] = []
             ranks: Sequence[int] = range(world_size)
         elif kind is ShardingType.TABLE_WISE:
-            assert self.ranks is not None and len(self.ranks) == 1
+            assert self.ranks is not None  # checked in __post_init__
             shards = [
                 ShardSpec(
                     rank=self.ranks[0], row_offset=0, num_rows=rows, col_offset=0, num_cols=dim
