@@ -52,3 +52,52 @@ def test_torch_load_is_never_unrestricted() -> None:
                 if not ok:
                     offenders.append(f"{path}:{node.lineno}")
     assert not offenders, f"torch.load without weights_only=True: {offenders}"
+
+
+# The import layering: what each part of recopt may import from the others (lower layers
+# first). kernels and optim stand alone, so a kernel or an optimizer never depends on how
+# tables are sharded; fault tolerance sits on top of everything.
+_ALLOWED_IMPORTS: dict[str, set[str]] = {
+    "sparse": set(),
+    "kernels": set(),
+    "optim": set(),
+    "config": set(),
+    "metrics": set(),
+    "testing": set(),
+    "data": {"sparse", "config"},
+    "modules": {"kernels", "optim", "sparse", "config"},
+    "models": {"modules", "kernels", "optim", "sparse", "config"},
+    "sharding": {"modules", "kernels", "optim", "sparse", "config", "metrics", "testing"},
+    "checkpoint": {"sharding", "modules", "kernels", "optim", "sparse", "config"},
+    "ft": {"checkpoint", "sharding", "modules", "kernels", "optim", "sparse", "config", "metrics"},
+}
+
+
+def _part_of(path: pathlib.Path) -> str:
+    rel = path.relative_to(LIBRARY)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imported_parts(tree: ast.AST) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        found += [(node.lineno, n.split(".")[1]) for n in names if n.startswith("recopt.")]
+    return found
+
+
+def test_import_layering() -> None:
+    offenders = []
+    for path in library_files():
+        part = _part_of(path)
+        if part == "__init__":
+            continue  # the package root re-exports
+        assert part in _ALLOWED_IMPORTS, f"{path}: add {part!r} to _ALLOWED_IMPORTS"
+        for lineno, imported in _imported_parts(ast.parse(path.read_text())):
+            if imported != part and imported not in _ALLOWED_IMPORTS[part]:
+                offenders.append(f"{path}:{lineno}: recopt.{part} imports recopt.{imported}")
+    assert not offenders, "\n".join(offenders)
