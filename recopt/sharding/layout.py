@@ -35,6 +35,12 @@ class GroupLayout:
         return sum(vf.num_cols for vf in self.features)
 
 
+def needs_row_stat_hook(kind: ShardingType, optimizer: FusedOptimizerConfig) -> bool:
+    """A column shard of a row-wise optimizer needs the full row's statistic, which only the
+    recopt kernel's ``row_stat_hook`` gives (fbgemm cannot run it)."""
+    return kind.splits_columns and optimizer_spec(optimizer.name).row_wise
+
+
 def resolve_optimizer(
     table: EmbeddingBagConfig,
     ps: ParameterSharding,
@@ -59,7 +65,7 @@ def resolve_optimizer(
             "table-wise or pick another fused optimizer"
         )
     backend = ps.compute_kernel if ps.compute_kernel is not Backend.AUTO else optimizer.backend
-    if kind.splits_columns and spec.row_wise:
+    if needs_row_stat_hook(kind, optimizer):
         if backend is Backend.FBGEMM:
             raise PlanError(
                 f"{where}: {kind.value} with {optimizer.name} needs the full-row statistic "

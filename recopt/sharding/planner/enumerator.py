@@ -13,6 +13,7 @@ from typing import Any
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.kernels.fbgemm_backend import FBGEMM_DIM_MULTIPLE, FBGEMM_OPTIMIZERS
 from recopt.kernels.registry import optimizer_spec
+from recopt.sharding.layout import needs_row_stat_hook
 from recopt.sharding.plan import ParameterSharding, ShardingType, ShardSpec
 from recopt.sharding.plan_helpers import split_columns, split_evenly
 from recopt.sharding.planner.constraints import ParameterConstraints, TableWorkload
@@ -241,7 +242,7 @@ def _kernel_problem(
 ) -> str:
     if kernel is not Backend.FBGEMM:
         return ""
-    if kind.splits_columns and optimizer_spec(optimizer.name).row_wise:
+    if needs_row_stat_hook(kind, optimizer):
         # A column shard of a row-wise optimizer needs the statistic of the full row, which
         # only recopt's kernel computes (sharding/layout.py).
         return f"fbgemm cannot run {optimizer.name!r} on column shards (no full-row statistic)"
