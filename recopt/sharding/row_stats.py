@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from recopt.kernels.contract import Kernel
+from recopt.kernels.contract import Kernel, KernelHook
 from recopt.kernels.registry import optimizer_spec
 from recopt.sharding.comm import all_to_all_flat
 from recopt.sharding.layout import ShardedLayout
@@ -80,7 +80,7 @@ class RowStatExchange:
             kernel.row_stat_hook = self._make_hook(g.tables)
             self._hooked = True
 
-    def _make_hook(self, tables: list[tuple[int, int]]) -> Any:
+    def _make_hook(self, tables: list[tuple[int, int]]) -> KernelHook:
         def hook(local_table: int, rows_U: Tensor, sum_sq_U: Tensor) -> Tensor:
             t, k = tables[local_table]
             if not _needs_full_rows(self._layout, t):
