@@ -200,6 +200,29 @@ def test_config_errors_name_the_key(override: str, message: str) -> None:
         dlrm_config.load_config(None, [override])
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("checkpoint.every=-1", r"checkpoint\.every must be >= 0 .*got -1"),
+        ("checkpoint.keep=-1", r"checkpoint\.keep must be >= 1 .*got -1"),
+        ("checkpoint.keep=0", r"checkpoint\.keep must be >= 1 .*got 0"),
+        ("training.timeout_s=0", r"training\.timeout_s must be finite and > 0 .*got 0"),
+        ("training.timeout_s=inf", r"training\.timeout_s must be finite and > 0 .*got inf"),
+        ("training.steps=0", r"training\.steps must be >= 1, got 0"),
+        ("training.num_threads=-1", r"training\.num_threads must be >= 0, got -1"),
+        ("dense_optimizer.lr=inf", r"dense_optimizer\.lr must be finite and > 0, got inf"),
+        ("dense_optimizer.lr=nan", r"dense_optimizer\.lr must be finite and > 0, got nan"),
+        ("dense_optimizer.lr=-inf", r"dense_optimizer\.lr must be finite and > 0, got -inf"),
+        ("dense_optimizer.eps=0", r"dense_optimizer\.eps must be finite and > 0"),
+        ("dense_optimizer.betas=[0.9, 1.0]", r"dense_optimizer\.betas must each be in \[0, 1\)"),
+        ("fault_tolerance.timeout_s=inf", r"fault_tolerance\.timeout_s must be finite and > 0"),
+    ],
+)
+def test_config_values_out_of_range_name_key_and_range(override: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        dlrm_config.load_config(None, [override])
+
+
 def test_config_file_errors(tmp_path: pathlib.Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[model]\nbottom_mlp = [8, 4\n")

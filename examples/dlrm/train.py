@@ -250,7 +250,7 @@ class Trainer:
         ckpt = config.checkpoint
         self.checkpoints = CheckpointManager(
             ckpt.dir or os.path.join(out, "checkpoints"),
-            keep_last=max(ckpt.keep, 1),
+            keep_last=ckpt.keep,
             timeout=datetime.timedelta(seconds=config.training.timeout_s),
         )
 
