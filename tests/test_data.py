@@ -62,7 +62,7 @@ def test_ranks_take_disjoint_interleaved_shares_of_one_stream() -> None:
             assert same_batch(flat(next(it)), stream[step * 3 + r])
 
 
-def test_synthetic_resumes_exactly_and_checks_world_size() -> None:
+def test_synthetic_resumes_exactly_and_checks_batch_size() -> None:
     first = synthetic(rank=1, world_size=2)
     for _ in range(3):
         next(first)
@@ -72,8 +72,34 @@ def test_synthetic_resumes_exactly_and_checks_world_size() -> None:
     resumed.load_state_dict(state)
     batch = next(resumed)
     assert same_batch(flat(batch), expected) and batch.position == 4
-    with pytest.raises(ValueError, match="world_size 2"):
-        synthetic().load_state_dict(state)
+    with pytest.raises(ValueError, match="data.batch_size 64, this run has 32"):
+        synthetic(batch_size=32).load_state_dict(state)
+
+
+def _resumed_stream(make: object, sizes: tuple[int, int], steps: tuple[int, int]) -> list[object]:
+    """What N ranks yield for steps[0] steps, then M ranks resumed from rank 0's state, in
+    (step, rank) order: the order an uninterrupted single stream would hold them in."""
+    before, after = sizes
+    ranks = [make(rank=r, world_size=before) for r in range(before)]  # type: ignore[operator]
+    seen = [next(it) for _ in range(steps[0]) for it in ranks]
+    state = ranks[0].state_dict()
+    resumed = [make(rank=r, world_size=after) for r in range(after)]  # type: ignore[operator]
+    for it in resumed:
+        it.load_state_dict(state)
+    seen += [next(it) for _ in range(steps[1]) for it in resumed]
+    return seen
+
+
+@pytest.mark.parametrize("sizes", [(1, 2), (2, 3), (3, 1)])
+def test_synthetic_resumes_at_another_world_size_without_repeat_or_skip(
+    sizes: tuple[int, int],
+) -> None:
+    seen = _resumed_stream(synthetic, sizes, (3, 2))
+    single = synthetic()
+    stream = [flat(next(single)) for _ in range(len(seen))]
+    assert len(seen) == 3 * sizes[0] + 2 * sizes[1]
+    for got, want in zip(seen, stream, strict=True):
+        assert same_batch(flat(got), want)  # the same batches, in the same order
 
 
 def test_synthetic_ids_follow_a_power_law() -> None:
@@ -193,8 +219,24 @@ def test_criteo_reads_files_in_sequence_and_resumes(tmp_path: pathlib.Path) -> N
     resumed = criteo(paths, batch_size=4)
     resumed.load_state_dict(state)
     assert [line_ids(b) for b in resumed] == expected
-    with pytest.raises(ValueError, match="world_size, batch_size"):
-        criteo(paths, batch_size=2).load_state_dict(state)
+
+
+@pytest.mark.parametrize("sizes", [(1, 2), (2, 3), (3, 2)])
+def test_criteo_resumes_at_another_world_size_without_repeat_or_skip(
+    tmp_path: pathlib.Path, sizes: tuple[int, int]
+) -> None:
+    paths = [
+        write_criteo(tmp_path / "a.tsv", range(7)),
+        write_criteo(tmp_path / "b.tsv", range(7, 40)),
+    ]
+
+    def make(**kw: object) -> CriteoClickLog:
+        return criteo(paths, batch_size=2, **kw)
+
+    seen = _resumed_stream(make, sizes, (2, 3))
+    lines = sorted(i for b in seen for i in line_ids(b))
+    total = 2 * 2 * sizes[0] + 3 * 2 * sizes[1]
+    assert lines == list(range(total))  # every line once: none repeated, none skipped
 
 
 def test_criteo_malformed_lines_name_file_line_and_column(tmp_path: pathlib.Path) -> None:

@@ -287,7 +287,7 @@ def test_main_reports_a_bad_config_before_any_work(capsys: pytest.CaptureFixture
 # ------------------------------------------------------------------------ two ranks (torchrun)
 
 
-def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def torchrun(*args: str, timeout: float = 240, nproc: int = 2) -> subprocess.CompletedProcess[str]:
     pytest.importorskip("recopt.sharding.model_parallel")
     command = [
         sys.executable,
@@ -295,7 +295,7 @@ def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[st
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "2",
+        str(nproc),
     ]
     return subprocess.run(
         [*command, str(ROOT / "examples/dlrm/train.py"), *args],
@@ -329,6 +329,38 @@ def test_two_ranks_resume_equals_an_uninterrupted_run(tmp_path: pathlib.Path) ->
 
     assert last_val(tmp_path / "parts") == last_val(tmp_path / "whole")  # bit-identical
     assert last_val(tmp_path / "whole")["auc"] > 0.6
+
+
+def _run(out: pathlib.Path, steps: int, ranks: int, *extra: str) -> None:
+    args = small_run(out, steps, "--set", "training.eval_every=0", *extra)
+    if ranks == 1:
+        assert dlrm_train.main(args) == 0
+        return
+    result = torchrun(*args, nproc=ranks)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("before", "after", "first_steps"), [(1, 2, 20), (2, 3, 30)])
+def test_resume_at_another_world_size_continues_the_stream(
+    tmp_path: pathlib.Path, before: int, after: int, first_steps: int
+) -> None:
+    # N ranks for first_steps steps, then M ranks for 10 more, against M ranks throughout
+    # over the same samples: the resumed run sees exactly those samples (none repeated or
+    # skipped, the data position is a global one) and ends at a loss close to the reference's.
+    save = ("--set", f"checkpoint.every={first_steps}", "--set", "training.log_every=10")
+    _run(tmp_path / "parts", first_steps, before, *save)
+    _run(tmp_path / "parts", first_steps + 10, after, *save, "--resume")
+    reference_steps = first_steps * before // after + 10
+    _run(tmp_path / "whole", reference_steps, after, "--set", "training.log_every=10")
+
+    def last(out: pathlib.Path, split: str) -> dict[str, float]:
+        return [r for r in records(out) if r["split"] == split][-1]
+
+    parts, whole = last(tmp_path / "parts", "train"), last(tmp_path / "whole", "train")
+    assert parts["samples"] == whole["samples"] == 256 * after * reference_steps
+    parts_val, whole_val = last(tmp_path / "parts", "val"), last(tmp_path / "whole", "val")
+    assert parts_val["loss"] == pytest.approx(whole_val["loss"], rel=0.05)
 
 
 @pytest.mark.multiprocess

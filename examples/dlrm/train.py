@@ -243,6 +243,7 @@ class Trainer:
         self.metrics = click_metrics().to(env.device)
         self.loss_mean = torchmetrics.MeanMetric().to(env.device)
         self.step = 0
+        self.samples = 0  # training samples all ranks consumed (continues across resumes)
         out = config.training.output_dir
         self.log = MetricsLog(os.path.join(out, "metrics.jsonl")) if env.is_main else None
         self.bar = ProgressBar(config.training.steps) if env.is_main else None
@@ -264,14 +265,15 @@ class Trainer:
             self._say("--resume: no checkpoint yet, starting from step 0")
             return
         self.step = int(found[1]["step"])
-        self._say(f"resumed from step {self.step}")
+        self.samples = int(found[1].get("samples", 0))
+        self._say(f"resumed from step {self.step} ({self.samples} samples seen)")
 
     def save(self) -> None:
         self.checkpoints.save(
             self.step,
             self.model,
             self.base_optimizer,
-            extra={"data": self.train_data, "step": self.step},
+            extra={"data": self.train_data, "step": self.step, "samples": self.samples},
         )
 
     def train_step(self, batch: Batch) -> None:
@@ -301,6 +303,7 @@ class Trainer:
                 continue  # dropped by the replica groups' vote: nothing changed
             self.step = committed  # a heal may jump ahead to the peer's step
             window_samples += batch.labels.numel() * self.env.world_size
+            self.samples += batch.labels.numel() * self.env.world_size
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                 rate = window_samples / max(time.perf_counter() - window_start, 1e-9)
                 self._report_train(rate)
@@ -341,7 +344,8 @@ class Trainer:
         self.metrics.reset()
         self.loss_mean.reset()
         if self.log is not None and self.bar is not None:
-            self.log.write(self.step, "train", {**values, "samples_per_s": samples_per_s})
+            record = {**values, "samples_per_s": samples_per_s, "samples": self.samples}
+            self.log.write(self.step, "train", record)
             self.bar.update(self.step, samples_per_s, {k: values[k] for k in ("loss", "auc", "ne")})
 
     @torch.no_grad()

@@ -2,10 +2,11 @@
 
 Dense columns become log(1 + max(x, 0)) (missing: 0); categoricals are hashed into their
 table (missing: id 0, present values: 1..N-1, so "missing" never collides with a value).
-Ranks split by line: rank r of N takes lines r, r+N, r+2N, ... of the concatenated files;
-batch k of every rank comes from the same window of N*B lines, so all ranks yield the same
-number of batches (a final partial window is dropped by default). Every rank scans the
-whole stream (cheap next to training); the state holds the byte offset, so resuming seeks.
+Ranks split by line: each step reads a window of N*B lines and rank r of N takes lines
+r, r+N, r+2N, ... of it, so all ranks yield the same number of batches (a final partial
+window is dropped by default). Every rank scans the whole stream (cheap next to training);
+the state holds the global line position and its byte offset, the same on every rank and
+independent of N, so a resume with any number of ranks seeks there and continues the stream.
 """
 
 from __future__ import annotations
@@ -113,15 +114,16 @@ class CriteoClickLog:
     def __next__(self) -> Batch:
         window = self.batch_size * self.world_size
         rows: list[tuple[str, int, bytes]] = []
-        complete = False
-        while not complete:
+        taken = 0  # lines of this window read so far (every window starts on every rank alike)
+        while taken < window:
             line = self._next_line()
             if line is None:
                 break
             path, number, raw = line
-            if (self._lines_read - 1) % self.world_size == self.rank:
+            if taken % self.world_size == self.rank:
                 rows.append((path, number, raw.rstrip(b"\r\n")))
-            complete = self._lines_read % window == 0
+            taken += 1
+        complete = taken == window
         # A window cut short by the end of the data is partial on every rank at once.
         if not rows or (self.drop_last and not complete):
             self.close()
@@ -169,15 +171,9 @@ class CriteoClickLog:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continues exactly after the batch at which ``state`` was taken.
 
-        Raises:
-            ValueError: if the state comes from a run with another number of ranks.
+        The position is a global line (with its byte offset), so the state of a run with any
+        number of ranks or batch size resumes the stream at the line where it stopped.
         """
-        saved = (state["world_size"], state["batch_size"])
-        if saved != (self.world_size, self.batch_size):
-            raise ValueError(
-                f"Criteo reader state was saved with (world_size, batch_size) {saved}, this "
-                f"run has {(self.world_size, self.batch_size)}; the line split depends on both"
-            )
         self.close()
         self._position = int(state["position"])
         self._file_index = int(state["file_index"])
