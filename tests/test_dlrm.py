@@ -279,6 +279,42 @@ def test_resume_from_checkpoint_equals_an_uninterrupted_run(tmp_path: pathlib.Pa
     assert steps == [25, 50, 75, 80, 100, 120]  # the resumed run continued at step 81
 
 
+def _criteo_args(tmp_path: pathlib.Path, lines: int, steps: int, *extra: str) -> list[str]:
+    from test_data import criteo_line
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data = tmp_path / "day.tsv"
+    data.write_text("".join(criteo_line(i) for i in range(lines)))
+    tables = ", ".join(
+        f"{{name='t{i}', num_embeddings=100, embedding_dim=16, feature_names=['cat_{i}']}}"
+        for i in range(26)
+    )
+    args = small_run(tmp_path / "out", steps, "--set", "data.val_batches=0", *extra)
+    for item in ["data.source=criteo", f"data.criteo.train_paths=['{data}']"]:
+        args += ["--set", item]
+    return [*args, "--set", f"embedding.tables=[{tables}]", "--set", "data.batch_size=8"]
+
+
+def test_criteo_smaller_than_a_batch_or_empty_is_an_error(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError, match=r"holds 5 samples, fewer than one batch of 8"):
+        dlrm_train.main(_criteo_args(tmp_path, 5, 10))
+    with pytest.raises(ValueError, match=r"day.tsv is empty"):
+        dlrm_train.main(_criteo_args(tmp_path, 0, 10))
+
+
+def test_training_epochs_pass_over_criteo_again(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log_each = ("--set", "training.log_every=1")
+    assert dlrm_train.main(_criteo_args(tmp_path / "one", 20, 100, *log_each)) == 0
+    assert "exhausted after 2 steps (1 epoch(s)" in capsys.readouterr().err
+    args = _criteo_args(tmp_path / "three", 20, 100, *log_each, "--set", "training.epochs=3")
+    assert dlrm_train.main(args) == 0
+    train = [r for r in records(tmp_path / "three" / "out") if r["split"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]  # 2 batches of 8 per pass over 20
+    assert train[-1]["samples"] == 48
+
+
 def test_main_reports_a_bad_config_before_any_work(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="unknown config key data.sourse"):
         dlrm_train.main(["--set", "data.sourse=criteo"])

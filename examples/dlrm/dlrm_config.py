@@ -134,6 +134,10 @@ class DataSection:
 class LoopSection:
     """``[training]``: steps, logging, validation cadence, seed, outputs, threads, timeouts.
 
+    ``epochs`` is the number of passes over a finite (Criteo) training set; training ends at
+    ``steps`` or at the end of the last pass, whichever comes first (the synthetic stream is
+    endless, so only ``steps`` ends it).
+
     ``num_threads`` 0 (default) gives each rank its share of the machine's cores (cores /
     local ranks); on a machine shared with other busy processes 1 can be much faster, since
     idle-spinning intra-op threads starve each other (measured: 69k vs 1.1k samples/s on 2
@@ -145,6 +149,7 @@ class LoopSection:
     """
 
     steps: int = 1500
+    epochs: int = 1
     log_every: int = 50
     eval_every: int = 250
     seed: int = 0
@@ -162,6 +167,7 @@ class LoopSection:
             )
         for name, low, hint in (
             ("steps", 1, ""),
+            ("epochs", 1, ""),
             ("log_every", 1, ""),
             ("eval_every", 0, "; 0 never evaluates"),
             ("num_threads", 0, "; 0 gives each rank its share of the cores"),

@@ -202,6 +202,7 @@ def build_data(
         data.batch_size,
         rank=env.rank,
         world_size=env.world_size,
+        epochs=config.training.epochs if split == "train" else 1,
     )
 
 
@@ -336,7 +337,12 @@ class Trainer:
         """Training batches until the data ends, in lockstep across ranks."""
         yield from self.train_data
         if self.step < self.config.training.steps:
-            self._say(f"training data exhausted after {self.step} steps")
+            epochs = self.config.training.epochs
+            self._say(
+                f"training data exhausted after {self.step} steps ({epochs} epoch(s), "
+                f"training.steps {self.config.training.steps}); raise training.epochs to "
+                "pass over the data again"
+            )
 
     def _report_train(self, samples_per_s: float) -> None:
         values = {k: float(v) for k, v in self.metrics.compute().items()}
