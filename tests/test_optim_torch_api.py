@@ -171,6 +171,9 @@ def test_keyed_and_combined_malformed_param_groups_are_value_errors() -> None:
     combined = CombinedOptimizer([("a", opt)])
     with pytest.raises(ValueError, match=r"must be a list of groups"):
         combined.load_state_dict({"state": {}, "param_groups": None})
+    for wrapper in (opt, combined, GradientClippingOptimizer(combined)):
+        with pytest.raises(ValueError, match=r"state_dict must be a mapping .*got NoneType"):
+            wrapper.load_state_dict(None)  # type: ignore[arg-type]
 
 
 def test_warmup_warns_when_its_lr_replaces_the_configured_one() -> None:

@@ -167,6 +167,11 @@ class KeyedOptimizer(torch.optim.Optimizer):
                 a state key, shape, dtype or sharding that differs (naming the parameter and
                 the key). Nothing is modified when it raises.
         """
+        if not isinstance(state_dict, Mapping):
+            raise ValueError(
+                f"state_dict must be a mapping with a 'state' entry (from state_dict()), got "
+                f"{type(state_dict).__name__}"
+            )
         loaded: dict[str, Any] = dict(state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, loaded)
