@@ -315,6 +315,19 @@ def test_training_epochs_pass_over_criteo_again(
     assert train[-1]["samples"] == 48
 
 
+def test_progress_off_a_terminal_is_one_plain_line_per_log_every(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = small_run(tmp_path, 6, "--set", "training.log_every=3", "--set", "data.val_batches=0")
+    assert dlrm_train.main(argv) == 0
+    err = capsys.readouterr().err  # captured: not a terminal
+    assert "\r" not in err
+    assert [line.split(" [")[0] for line in err.splitlines() if line.startswith("step ")] == [
+        "step 3/6",
+        "step 6/6",
+    ]
+
+
 def test_main_reports_a_bad_config_before_any_work(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="unknown config key data.sourse"):
         dlrm_train.main(["--set", "data.sourse=criteo"])
