@@ -62,7 +62,7 @@ def test_ranks_take_disjoint_interleaved_shares_of_one_stream() -> None:
             assert same_batch(flat(next(it)), stream[step * 3 + r])
 
 
-def test_synthetic_resumes_exactly_and_checks_world_size() -> None:
+def test_synthetic_resumes_exactly_and_checks_batch_size() -> None:
     first = synthetic(rank=1, world_size=2)
     for _ in range(3):
         next(first)
@@ -72,8 +72,34 @@ def test_synthetic_resumes_exactly_and_checks_world_size() -> None:
     resumed.load_state_dict(state)
     batch = next(resumed)
     assert same_batch(flat(batch), expected) and batch.position == 4
-    with pytest.raises(ValueError, match="world_size 2"):
-        synthetic().load_state_dict(state)
+    with pytest.raises(ValueError, match="data.batch_size 64, this run has 32"):
+        synthetic(batch_size=32).load_state_dict(state)
+
+
+def _resumed_stream(make: object, sizes: tuple[int, int], steps: tuple[int, int]) -> list[object]:
+    """What N ranks yield for steps[0] steps, then M ranks resumed from rank 0's state, in
+    (step, rank) order: the order an uninterrupted single stream would hold them in."""
+    before, after = sizes
+    ranks = [make(rank=r, world_size=before) for r in range(before)]  # type: ignore[operator]
+    seen = [next(it) for _ in range(steps[0]) for it in ranks]
+    state = ranks[0].state_dict()
+    resumed = [make(rank=r, world_size=after) for r in range(after)]  # type: ignore[operator]
+    for it in resumed:
+        it.load_state_dict(state)
+    seen += [next(it) for _ in range(steps[1]) for it in resumed]
+    return seen
+
+
+@pytest.mark.parametrize("sizes", [(1, 2), (2, 3), (3, 1)])
+def test_synthetic_resumes_at_another_world_size_without_repeat_or_skip(
+    sizes: tuple[int, int],
+) -> None:
+    seen = _resumed_stream(synthetic, sizes, (3, 2))
+    single = synthetic()
+    stream = [flat(next(single)) for _ in range(len(seen))]
+    assert len(seen) == 3 * sizes[0] + 2 * sizes[1]
+    for got, want in zip(seen, stream, strict=True):
+        assert same_batch(flat(got), want)  # the same batches, in the same order
 
 
 def test_synthetic_ids_follow_a_power_law() -> None:
@@ -193,8 +219,24 @@ def test_criteo_reads_files_in_sequence_and_resumes(tmp_path: pathlib.Path) -> N
     resumed = criteo(paths, batch_size=4)
     resumed.load_state_dict(state)
     assert [line_ids(b) for b in resumed] == expected
-    with pytest.raises(ValueError, match="world_size, batch_size"):
-        criteo(paths, batch_size=2).load_state_dict(state)
+
+
+@pytest.mark.parametrize("sizes", [(1, 2), (2, 3), (3, 2)])
+def test_criteo_resumes_at_another_world_size_without_repeat_or_skip(
+    tmp_path: pathlib.Path, sizes: tuple[int, int]
+) -> None:
+    paths = [
+        write_criteo(tmp_path / "a.tsv", range(7)),
+        write_criteo(tmp_path / "b.tsv", range(7, 40)),
+    ]
+
+    def make(**kw: object) -> CriteoClickLog:
+        return criteo(paths, batch_size=2, **kw)
+
+    seen = _resumed_stream(make, sizes, (2, 3))
+    lines = sorted(i for b in seen for i in line_ids(b))
+    total = 2 * 2 * sizes[0] + 3 * 2 * sizes[1]
+    assert lines == list(range(total))  # every line once: none repeated, none skipped
 
 
 def test_criteo_malformed_lines_name_file_line_and_column(tmp_path: pathlib.Path) -> None:
@@ -207,6 +249,74 @@ def test_criteo_malformed_lines_name_file_line_and_column(tmp_path: pathlib.Path
         next(criteo([path], batch_size=1))
     with pytest.raises(ValueError, match="too small"):
         CriteoClickLog([path], [f"c{i}" for i in range(26)], [1] * 26, batch_size=1)
+
+
+def test_criteo_smaller_than_a_batch_or_empty_says_so(tmp_path: pathlib.Path) -> None:
+    small = write_criteo(tmp_path / "small.tsv", range(5))
+    with pytest.raises(
+        ValueError, match=r"holds 5 samples, fewer than one batch of 6 \(batch_size 3 x 2 ranks\)"
+    ):
+        next(criteo([small], batch_size=3, rank=1, world_size=2))
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=r"empty.tsv is empty: there is no sample"):
+        next(criteo([empty], batch_size=1))
+    with pytest.raises(ValueError, match="epochs must be >= 1, got 0"):
+        criteo([small], batch_size=1, epochs=0)
+
+
+def test_criteo_epochs_pass_over_the_files_again_and_resume(tmp_path: pathlib.Path) -> None:
+    paths = [
+        write_criteo(tmp_path / "a.tsv", range(3)),
+        write_criteo(tmp_path / "b.tsv", range(3, 7)),
+    ]
+    reader = criteo(paths, batch_size=3, epochs=3)
+    first = [line_ids(next(reader)) for _ in range(3)]
+    assert first == [[0, 1, 2], [3, 4, 5], [0, 1, 2]]  # line 6 is a partial window: dropped
+    assert reader.epoch == 1
+    state = reader.state_dict()
+    rest = [line_ids(b) for b in reader]
+    assert rest == [[3, 4, 5], [0, 1, 2], [3, 4, 5]]
+    resumed = criteo(paths, batch_size=3, epochs=3)
+    resumed.load_state_dict(state)
+    assert [line_ids(b) for b in resumed] == rest
+
+
+def _with_field(line: str, column: int, token: str) -> str:
+    fields = line.rstrip("\n").split("\t")
+    fields[column] = token
+    return "\t".join(fields) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("column", "token", "message"),
+    [
+        (1, "99999999999999999999", r"column 1 \(integer feature 1\).*fit in 64 bits"),
+        (1, " 12 ", r"column 1 \(integer feature 1\).*decimal digits"),
+        (2, "+3", r"column 2 \(integer feature 2\).*decimal digits"),
+        (3, "1_000", r"column 3 \(integer feature 3\).*decimal digits"),
+        (3, "-", r"column 3 \(integer feature 3\).*decimal digits"),
+        (14, "0x1f", r"column 14 \(categorical feature 1\).*no '0x'"),
+        (15, " 1f ", r"column 15 \(categorical feature 2\).*no spaces"),
+        (16, "1f2a3b4c5", r"column 16 \(categorical feature 3\).*up to 8 hex digits"),
+        (0, " 1", r"column 0 \(label\).*0 or 1"),
+    ],
+)
+def test_criteo_rejects_tokens_python_would_accept_with_file_and_line(
+    tmp_path: pathlib.Path, column: int, token: str, message: str
+) -> None:
+    path = tmp_path / "odd.tsv"
+    path.write_text(criteo_line(0) + _with_field(criteo_line(1), column, token))
+    with pytest.raises(ValueError, match=r"odd.tsv:2: " + message):
+        next(criteo([path], batch_size=2))
+
+
+def test_criteo_short_hex_tokens_still_parse(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "short.tsv"
+    path.write_text(_with_field(criteo_line(0), 14, "1f"))
+    batch = next(criteo([path], batch_size=1))
+    expected = hash_categorical(np.array([0x1F], dtype=np.uint64), 0, 1000)[0]
+    assert batch.sparse["cat_0"].values().tolist() == [expected]
 
 
 def test_criteo_bulk_and_line_by_line_parsers_agree(tmp_path: pathlib.Path) -> None:

@@ -200,6 +200,29 @@ def test_config_errors_name_the_key(override: str, message: str) -> None:
         dlrm_config.load_config(None, [override])
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("checkpoint.every=-1", r"checkpoint\.every must be >= 0 .*got -1"),
+        ("checkpoint.keep=-1", r"checkpoint\.keep must be >= 1 .*got -1"),
+        ("checkpoint.keep=0", r"checkpoint\.keep must be >= 1 .*got 0"),
+        ("training.timeout_s=0", r"training\.timeout_s must be finite and > 0 .*got 0"),
+        ("training.timeout_s=inf", r"training\.timeout_s must be finite and > 0 .*got inf"),
+        ("training.steps=0", r"training\.steps must be >= 1, got 0"),
+        ("training.num_threads=-1", r"training\.num_threads must be >= 0, got -1"),
+        ("dense_optimizer.lr=inf", r"dense_optimizer\.lr must be finite and > 0, got inf"),
+        ("dense_optimizer.lr=nan", r"dense_optimizer\.lr must be finite and > 0, got nan"),
+        ("dense_optimizer.lr=-inf", r"dense_optimizer\.lr must be finite and > 0, got -inf"),
+        ("dense_optimizer.eps=0", r"dense_optimizer\.eps must be finite and > 0"),
+        ("dense_optimizer.betas=[0.9, 1.0]", r"dense_optimizer\.betas must each be in \[0, 1\)"),
+        ("fault_tolerance.timeout_s=inf", r"fault_tolerance\.timeout_s must be finite and > 0"),
+    ],
+)
+def test_config_values_out_of_range_name_key_and_range(override: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        dlrm_config.load_config(None, [override])
+
+
 def test_config_file_errors(tmp_path: pathlib.Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[model]\nbottom_mlp = [8, 4\n")
@@ -256,6 +279,55 @@ def test_resume_from_checkpoint_equals_an_uninterrupted_run(tmp_path: pathlib.Pa
     assert steps == [25, 50, 75, 80, 100, 120]  # the resumed run continued at step 81
 
 
+def _criteo_args(tmp_path: pathlib.Path, lines: int, steps: int, *extra: str) -> list[str]:
+    from test_data import criteo_line
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data = tmp_path / "day.tsv"
+    data.write_text("".join(criteo_line(i) for i in range(lines)))
+    tables = ", ".join(
+        f"{{name='t{i}', num_embeddings=100, embedding_dim=16, feature_names=['cat_{i}']}}"
+        for i in range(26)
+    )
+    args = small_run(tmp_path / "out", steps, "--set", "data.val_batches=0", *extra)
+    for item in ["data.source=criteo", f"data.criteo.train_paths=['{data}']"]:
+        args += ["--set", item]
+    return [*args, "--set", f"embedding.tables=[{tables}]", "--set", "data.batch_size=8"]
+
+
+def test_criteo_smaller_than_a_batch_or_empty_is_an_error(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError, match=r"holds 5 samples, fewer than one batch of 8"):
+        dlrm_train.main(_criteo_args(tmp_path, 5, 10))
+    with pytest.raises(ValueError, match=r"day.tsv is empty"):
+        dlrm_train.main(_criteo_args(tmp_path, 0, 10))
+
+
+def test_training_epochs_pass_over_criteo_again(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log_each = ("--set", "training.log_every=1")
+    assert dlrm_train.main(_criteo_args(tmp_path / "one", 20, 100, *log_each)) == 0
+    assert "exhausted after 2 steps (1 epoch(s)" in capsys.readouterr().err
+    args = _criteo_args(tmp_path / "three", 20, 100, *log_each, "--set", "training.epochs=3")
+    assert dlrm_train.main(args) == 0
+    train = [r for r in records(tmp_path / "three" / "out") if r["split"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]  # 2 batches of 8 per pass over 20
+    assert train[-1]["samples"] == 48
+
+
+def test_progress_off_a_terminal_is_one_plain_line_per_log_every(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = small_run(tmp_path, 6, "--set", "training.log_every=3", "--set", "data.val_batches=0")
+    assert dlrm_train.main(argv) == 0
+    err = capsys.readouterr().err  # captured: not a terminal
+    assert "\r" not in err
+    assert [line.split(" [")[0] for line in err.splitlines() if line.startswith("step ")] == [
+        "step 3/6",
+        "step 6/6",
+    ]
+
+
 def test_main_reports_a_bad_config_before_any_work(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="unknown config key data.sourse"):
         dlrm_train.main(["--set", "data.sourse=criteo"])
@@ -264,7 +336,7 @@ def test_main_reports_a_bad_config_before_any_work(capsys: pytest.CaptureFixture
 # ------------------------------------------------------------------------ two ranks (torchrun)
 
 
-def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def torchrun(*args: str, timeout: float = 240, nproc: int = 2) -> subprocess.CompletedProcess[str]:
     pytest.importorskip("recopt.sharding.model_parallel")
     command = [
         sys.executable,
@@ -272,7 +344,7 @@ def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[st
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "2",
+        str(nproc),
     ]
     return subprocess.run(
         [*command, str(ROOT / "examples/dlrm/train.py"), *args],
@@ -306,6 +378,38 @@ def test_two_ranks_resume_equals_an_uninterrupted_run(tmp_path: pathlib.Path) ->
 
     assert last_val(tmp_path / "parts") == last_val(tmp_path / "whole")  # bit-identical
     assert last_val(tmp_path / "whole")["auc"] > 0.6
+
+
+def _run(out: pathlib.Path, steps: int, ranks: int, *extra: str) -> None:
+    args = small_run(out, steps, "--set", "training.eval_every=0", *extra)
+    if ranks == 1:
+        assert dlrm_train.main(args) == 0
+        return
+    result = torchrun(*args, nproc=ranks)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("before", "after", "first_steps"), [(1, 2, 20), (2, 3, 30)])
+def test_resume_at_another_world_size_continues_the_stream(
+    tmp_path: pathlib.Path, before: int, after: int, first_steps: int
+) -> None:
+    # N ranks for first_steps steps, then M ranks for 10 more, against M ranks throughout
+    # over the same samples: the resumed run sees exactly those samples (none repeated or
+    # skipped, the data position is a global one) and ends at a loss close to the reference's.
+    save = ("--set", f"checkpoint.every={first_steps}", "--set", "training.log_every=10")
+    _run(tmp_path / "parts", first_steps, before, *save)
+    _run(tmp_path / "parts", first_steps + 10, after, *save, "--resume")
+    reference_steps = first_steps * before // after + 10
+    _run(tmp_path / "whole", reference_steps, after, "--set", "training.log_every=10")
+
+    def last(out: pathlib.Path, split: str) -> dict[str, float]:
+        return [r for r in records(out) if r["split"] == split][-1]
+
+    parts, whole = last(tmp_path / "parts", "train"), last(tmp_path / "whole", "train")
+    assert parts["samples"] == whole["samples"] == 256 * after * reference_steps
+    parts_val, whole_val = last(tmp_path / "parts", "val"), last(tmp_path / "whole", "val")
+    assert parts_val["loss"] == pytest.approx(whole_val["loss"], rel=0.05)
 
 
 @pytest.mark.multiprocess

@@ -58,6 +58,36 @@ def test_cli_on_the_example_config(tmp_path: Path, capsys: pytest.CaptureFixture
     assert qt.optimizer is not None and qt.optimizer.name == "adam"
 
 
+def test_plan_json_shards_have_named_fields_and_the_old_form_still_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    out = tmp_path / "plan.json"
+    assert main([str(EXAMPLE), "--world-size", "4", "--output", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    shards = [s for tables in doc["plan"].values() for t in tables.values() for s in t["shards"]]
+    assert shards and all(
+        set(s) == {"rank", "row_offset", "num_rows", "col_offset", "num_cols"} for s in shards
+    )
+    plan = ShardingPlan.load(out)
+    for tables in doc["plan"].values():  # the unlabeled 5-tuples earlier versions wrote
+        for t in tables.values():
+            t["shards"] = [
+                [s["rank"], s["row_offset"], s["num_rows"], s["col_offset"], s["num_cols"]]
+                for s in t["shards"]
+            ]
+    assert ShardingPlan.from_json(json.dumps(doc)) == plan
+    # The stats table shows the assumed usable memory per rank next to each rank's usage.
+    printed = capsys.readouterr().out
+    header = next(line for line in printed.splitlines() if line.split()[:2] == ["rank", "memory"])
+    assert "of usable" in header
+    usable = re.search(r"usable memory per rank (\S+ \S+) of", printed)
+    assert usable is not None
+    rows = [line for line in printed.splitlines() if re.match(r"\s+[0-3] ", line)][:4]
+    assert len(rows) == 4 and all(usable.group(1) in row for row in rows)
+
+
 def test_cli_topology_file_overrides_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

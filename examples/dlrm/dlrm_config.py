@@ -9,6 +9,7 @@ reads a TOML file, applies ``--set key=value`` overrides and rejects any unknown
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,8 +64,20 @@ class DenseOptimizerConfig:
             raise ValueError(
                 f"dense_optimizer.name {self.name!r} is unknown; use one of {DENSE_OPTIMIZERS}"
             )
-        if not self.lr > 0:
-            raise ValueError(f"dense_optimizer.lr must be > 0, got {self.lr}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(
+                f"dense_optimizer.lr must be finite and > 0, got {self.lr}; e.g. lr=0.02"
+            )
+        if not (self.eps > 0 and math.isfinite(self.eps)):
+            raise ValueError(f"dense_optimizer.eps must be finite and > 0, got {self.eps}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(
+                f"dense_optimizer.weight_decay must be finite and >= 0, got {self.weight_decay}"
+            )
+        if not all(0 <= beta < 1 for beta in self.betas):
+            raise ValueError(
+                f"dense_optimizer.betas must each be in [0, 1), got {list(self.betas)}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,6 +134,10 @@ class DataSection:
 class LoopSection:
     """``[training]``: steps, logging, validation cadence, seed, outputs, threads, timeouts.
 
+    ``epochs`` is the number of passes over a finite (Criteo) training set; training ends at
+    ``steps`` or at the end of the last pass, whichever comes first (the synthetic stream is
+    endless, so only ``steps`` ends it).
+
     ``num_threads`` 0 (default) gives each rank its share of the machine's cores (cores /
     local ranks); on a machine shared with other busy processes 1 can be much faster, since
     idle-spinning intra-op threads starve each other (measured: 69k vs 1.1k samples/s on 2
@@ -132,6 +149,7 @@ class LoopSection:
     """
 
     steps: int = 1500
+    epochs: int = 1
     log_every: int = 50
     eval_every: int = 250
     seed: int = 0
@@ -147,9 +165,22 @@ class LoopSection:
                 f"training.matmul_precision {self.matmul_precision!r} is unknown; use one of "
                 f"{MATMUL_PRECISIONS}"
             )
-        for name in ("steps", "log_every", "eval_every"):
-            if getattr(self, name) < 0 or (name == "log_every" and self.log_every < 1):
-                raise ValueError(f"training.{name} must be positive, got {getattr(self, name)}")
+        for name, low, hint in (
+            ("steps", 1, ""),
+            ("epochs", 1, ""),
+            ("log_every", 1, ""),
+            ("eval_every", 0, "; 0 never evaluates"),
+            ("num_threads", 0, "; 0 gives each rank its share of the cores"),
+        ):
+            if getattr(self, name) < low:
+                raise ValueError(
+                    f"training.{name} must be >= {low}, got {getattr(self, name)}{hint}"
+                )
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise ValueError(
+                f"training.timeout_s must be finite and > 0 (seconds each collective may take), "
+                f"got {self.timeout_s}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -159,6 +190,16 @@ class CheckpointSection:
     every: int = 500
     dir: str = ""
     keep: int = 2
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(
+                f"checkpoint.every must be >= 0 (steps between saves, 0: never), got {self.every}"
+            )
+        if self.keep < 1:
+            raise ValueError(
+                f"checkpoint.keep must be >= 1 (complete checkpoints kept), got {self.keep}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -183,8 +224,10 @@ class FaultToleranceSection:
                 f"fault_tolerance.replicas must be >= 1 (replica groups to wait for), got "
                 f"{self.replicas}"
             )
-        if self.timeout_s <= 0:
-            raise ValueError(f"fault_tolerance.timeout_s must be positive, got {self.timeout_s}")
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise ValueError(
+                f"fault_tolerance.timeout_s must be finite and > 0, got {self.timeout_s}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

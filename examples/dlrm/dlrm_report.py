@@ -1,7 +1,8 @@
 """What the DLRM example shows and keeps: a progress bar, a JSONL metrics log, a PNG of the curves.
 
-Only rank 0 reports. The bar redraws in place on a terminal and prints one line per update
-otherwise (logs of batch jobs stay readable); matplotlib is optional.
+Only rank 0 reports. The bar redraws in place on a terminal and otherwise prints one plain
+line per update, which the trainer makes every ``log_every`` steps (logs of batch jobs stay
+readable; recopt.progress.ProgressLine); matplotlib is optional.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 import sys
 import time
 from typing import Any, TextIO
+
+from recopt.progress import ProgressLine
 
 
 class ProgressBar:
@@ -25,10 +28,10 @@ class ProgressBar:
 
     def __init__(self, total: int, stream: TextIO | None = None, width: int = 24) -> None:
         self.total = max(total, 1)
-        self.stream = stream if stream is not None else sys.stderr
         self.width = width
-        self.interactive = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._last_len = 0
+        self._line = ProgressLine(stream if stream is not None else sys.stderr)
+        self.stream = self._line.stream
+        self.interactive = self._line.interactive
 
     def update(self, step: int, samples_per_s: float, metrics: dict[str, float]) -> None:
         """Redraws the bar at ``step`` with the throughput and the latest metrics."""
@@ -40,28 +43,15 @@ class ProgressBar:
             f"step {step}/{self.total} [{bar[: self.width]}] {done:4.0%} | "
             f"{samples_per_s / 1e3:.1f}k samples/s | {shown}"
         )
-        if self.interactive:
-            pad = " " * max(0, self._last_len - len(line))
-            self.stream.write("\r" + line + pad)
-            self._last_len = len(line)
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+        self._line.show(line, final=step >= self.total)
 
     def message(self, text: str) -> None:
         """Prints a line (validation results, notices) without breaking the bar."""
-        if self.interactive and self._last_len:
-            self.stream.write("\n")
-            self._last_len = 0
-        self.stream.write(text + "\n")
-        self.stream.flush()
+        self._line.message(text)
 
     def close(self) -> None:
         """Ends the bar's line."""
-        if self.interactive and self._last_len:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._last_len = 0
+        self._line.close()
 
 
 class MetricsLog:

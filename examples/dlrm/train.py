@@ -202,6 +202,7 @@ def build_data(
         data.batch_size,
         rank=env.rank,
         world_size=env.world_size,
+        epochs=config.training.epochs if split == "train" else 1,
     )
 
 
@@ -243,6 +244,7 @@ class Trainer:
         self.metrics = click_metrics().to(env.device)
         self.loss_mean = torchmetrics.MeanMetric().to(env.device)
         self.step = 0
+        self.samples = 0  # training samples all ranks consumed (continues across resumes)
         out = config.training.output_dir
         self.log = MetricsLog(os.path.join(out, "metrics.jsonl")) if env.is_main else None
         self.bar = ProgressBar(config.training.steps) if env.is_main else None
@@ -250,7 +252,7 @@ class Trainer:
         ckpt = config.checkpoint
         self.checkpoints = CheckpointManager(
             ckpt.dir or os.path.join(out, "checkpoints"),
-            keep_last=max(ckpt.keep, 1),
+            keep_last=ckpt.keep,
             timeout=datetime.timedelta(seconds=config.training.timeout_s),
         )
 
@@ -264,14 +266,15 @@ class Trainer:
             self._say("--resume: no checkpoint yet, starting from step 0")
             return
         self.step = int(found[1]["step"])
-        self._say(f"resumed from step {self.step}")
+        self.samples = int(found[1].get("samples", 0))
+        self._say(f"resumed from step {self.step} ({self.samples} samples seen)")
 
     def save(self) -> None:
         self.checkpoints.save(
             self.step,
             self.model,
             self.base_optimizer,
-            extra={"data": self.train_data, "step": self.step},
+            extra={"data": self.train_data, "step": self.step, "samples": self.samples},
         )
 
     def train_step(self, batch: Batch) -> None:
@@ -301,6 +304,7 @@ class Trainer:
                 continue  # dropped by the replica groups' vote: nothing changed
             self.step = committed  # a heal may jump ahead to the peer's step
             window_samples += batch.labels.numel() * self.env.world_size
+            self.samples += batch.labels.numel() * self.env.world_size
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                 rate = window_samples / max(time.perf_counter() - window_start, 1e-9)
                 self._report_train(rate)
@@ -333,7 +337,12 @@ class Trainer:
         """Training batches until the data ends, in lockstep across ranks."""
         yield from self.train_data
         if self.step < self.config.training.steps:
-            self._say(f"training data exhausted after {self.step} steps")
+            epochs = self.config.training.epochs
+            self._say(
+                f"training data exhausted after {self.step} steps ({epochs} epoch(s), "
+                f"training.steps {self.config.training.steps}); raise training.epochs to "
+                "pass over the data again"
+            )
 
     def _report_train(self, samples_per_s: float) -> None:
         values = {k: float(v) for k, v in self.metrics.compute().items()}
@@ -341,7 +350,8 @@ class Trainer:
         self.metrics.reset()
         self.loss_mean.reset()
         if self.log is not None and self.bar is not None:
-            self.log.write(self.step, "train", {**values, "samples_per_s": samples_per_s})
+            record = {**values, "samples_per_s": samples_per_s, "samples": self.samples}
+            self.log.write(self.step, "train", record)
             self.bar.update(self.step, samples_per_s, {k: values[k] for k in ("loss", "auc", "ne")})
 
     @torch.no_grad()

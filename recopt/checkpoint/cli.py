@@ -11,6 +11,7 @@ import sys
 
 from recopt.checkpoint.reshard import Progress, ReshardReport, export_full, reshard
 from recopt.checkpoint.state import CheckpointError
+from recopt.progress import ProgressLine
 from recopt.sharding.plan import PlanError, ShardingPlan
 
 _BAR = 30
@@ -40,20 +41,31 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):,.1f} MiB"
 
 
-def _draw(p: Progress) -> None:
-    filled = _BAR * p.done_bytes // max(p.total_bytes, 1)
-    line = (
-        f"\r[{'#' * filled}{'.' * (_BAR - filled)}] {p.done_tensors}/{p.total_tensors} tensors "
-        f"{_mib(p.done_bytes)} / {_mib(p.total_bytes)} {p.seconds:.1f}s"
-    )
-    sys.stderr.write(line)
-    sys.stderr.flush()
+class _Bar:
+    """The tensor-by-tensor bar; off a terminal about ten plain lines in all."""
+
+    def __init__(self) -> None:
+        self.line: ProgressLine | None = None
+
+    def __call__(self, p: Progress) -> None:
+        if self.line is None:
+            self.line = ProgressLine(sys.stderr, plain_every=max(1, -(-p.total_tensors // 10)))
+        filled = _BAR * p.done_bytes // max(p.total_bytes, 1)
+        self.line.show(
+            f"[{'#' * filled}{'.' * (_BAR - filled)}] {p.done_tensors}/{p.total_tensors} "
+            f"tensors {_mib(p.done_bytes)} / {_mib(p.total_bytes)} {p.seconds:.1f}s",
+            final=p.done_tensors == p.total_tensors,
+        )
+
+    def close(self) -> None:
+        if self.line is not None:
+            self.line.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the tool; returns the process exit status (0 ok, 2 bad arguments or checkpoint)."""
     args = _parser().parse_args(argv)
-    progress = None if args.quiet else _draw
+    progress = None if args.quiet else _Bar()
     try:
         if args.to_full:
             if args.plan:
@@ -66,11 +78,11 @@ def main(argv: list[str] | None = None) -> int:
             )
     except (CheckpointError, PlanError, ValueError, OSError) as e:
         if progress is not None:
-            sys.stderr.write("\n")
+            progress.close()
         print(f"recopt-reshard: error: {e}", file=sys.stderr)
         return 2
     if progress is not None:
-        sys.stderr.write("\n")
+        progress.close()
     print(_summary(args.src, args.dst, report))
     return 0
 

@@ -2,16 +2,18 @@
 
 Dense columns become log(1 + max(x, 0)) (missing: 0); categoricals are hashed into their
 table (missing: id 0, present values: 1..N-1, so "missing" never collides with a value).
-Ranks split by line: rank r of N takes lines r, r+N, r+2N, ... of the concatenated files;
-batch k of every rank comes from the same window of N*B lines, so all ranks yield the same
-number of batches (a final partial window is dropped by default). Every rank scans the
-whole stream (cheap next to training); the state holds the byte offset, so resuming seeks.
+Ranks split by line: each step reads a window of N*B lines and rank r of N takes lines
+r, r+N, r+2N, ... of it, so all ranks yield the same number of batches (a final partial
+window is dropped by default). Every rank scans the whole stream (cheap next to training);
+the state holds the global line position and its byte offset, the same on every rank and
+independent of N, so a resume with any number of ranks seeks there and continues the stream.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
@@ -26,6 +28,11 @@ NUM_SPARSE = 26
 NUM_COLUMNS = 1 + NUM_DENSE + NUM_SPARSE
 MISSING_ID = 0
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: a well-spread multiplier
+# Exactly what the format holds: no sign but '-', no spaces, no '0x' or '_' (which Python's
+# int() and numpy would accept), so a corrupted file is reported, not silently read.
+_DENSE_TOKEN = re.compile(rb"-?[0-9]+")
+_HEX_TOKEN = re.compile(rb"[0-9a-fA-F]{1,8}")
+_INT64_MAX = 2**63 - 1
 
 
 def hash_categorical(values: np.ndarray, column: int, num_embeddings: int) -> np.ndarray:
@@ -59,10 +66,13 @@ class CriteoClickLog:
         rank: this rank.
         world_size: number of ranks.
         drop_last: drop this rank's final partial batch (keeps ranks in lockstep).
+        epochs: passes over the files; each pass starts again at the first line (a partial
+            final window is dropped at the end of each pass when ``drop_last``).
 
     Raises:
         ValueError: on a bad argument; while iterating, on a malformed line (naming the
-            file, the line number and the column).
+            file, the line number and the column), or when the files hold fewer samples
+            than one batch of all ranks (naming how many they hold).
     """
 
     def __init__(
@@ -74,6 +84,7 @@ class CriteoClickLog:
         rank: int = 0,
         world_size: int = 1,
         drop_last: bool = True,
+        epochs: int = 1,
     ) -> None:
         if not paths:
             raise ValueError("CriteoClickLog needs at least one file in paths")
@@ -93,6 +104,8 @@ class CriteoClickLog:
                 f"need batch_size >= 1 and 0 <= rank < world_size; got batch_size "
                 f"{batch_size}, rank {rank}, world_size {world_size}"
             )
+        if epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {epochs}")
         self.paths = [os.fspath(p) for p in paths]
         self.keys = list(feature_names)
         self.num_embeddings = list(num_embeddings)
@@ -100,6 +113,8 @@ class CriteoClickLog:
         self.rank = rank
         self.world_size = world_size
         self.drop_last = drop_last
+        self.epochs = epochs
+        self._epoch = 0
         self._file_index = 0
         self._byte_offset = 0
         self._line_number = 0  # lines read in the current file, all ranks' included
@@ -111,24 +126,55 @@ class CriteoClickLog:
         return self
 
     def __next__(self) -> Batch:
+        while True:
+            rows, complete = self._read_window()
+            if rows and (complete or not self.drop_last):
+                break
+            # The end of a pass: a window cut short is partial on every rank at once.
+            self.close()
+            if self._position == 0:
+                raise self._too_small()
+            if self._epoch + 1 >= self.epochs:
+                raise StopIteration
+            self._rewind()
+        self._position += 1
+        dense, sparse, labels = self._parse(rows)
+        return Batch(dense, sparse, labels, self._position)
+
+    @property
+    def epoch(self) -> int:
+        """The pass over the files being read (0-based)."""
+        return self._epoch
+
+    def _too_small(self) -> ValueError:
+        window = self.batch_size * self.world_size
+        files = ", ".join(self.paths)
+        if self._lines_read == 0:
+            return ValueError(f"Criteo data {files} is empty: there is no sample to read")
+        return ValueError(
+            f"Criteo data {files} holds {self._lines_read} samples, fewer than one batch of "
+            f"{window} (batch_size {self.batch_size} x {self.world_size} ranks): no batch can "
+            "be made; lower the batch size or add data"
+        )
+
+    def _rewind(self) -> None:
+        self._epoch += 1
+        self._file_index = self._byte_offset = self._line_number = self._lines_read = 0
+
+    def _read_window(self) -> tuple[list[tuple[str, int, bytes]], bool]:
+        """This rank's lines of the next window of ``batch_size * world_size`` lines."""
         window = self.batch_size * self.world_size
         rows: list[tuple[str, int, bytes]] = []
-        complete = False
-        while not complete:
+        taken = 0  # lines of this window read so far (every window starts on every rank alike)
+        while taken < window:
             line = self._next_line()
             if line is None:
                 break
             path, number, raw = line
-            if (self._lines_read - 1) % self.world_size == self.rank:
+            if taken % self.world_size == self.rank:
                 rows.append((path, number, raw.rstrip(b"\r\n")))
-            complete = self._lines_read % window == 0
-        # A window cut short by the end of the data is partial on every rank at once.
-        if not rows or (self.drop_last and not complete):
-            self.close()
-            raise StopIteration
-        self._position += 1
-        dense, sparse, labels = self._parse(rows)
-        return Batch(dense, sparse, labels, self._position)
+            taken += 1
+        return rows, taken == window
 
     def _next_line(self) -> tuple[str, int, bytes] | None:
         """The next line of the concatenated files with its 1-based number in its file."""
@@ -158,6 +204,7 @@ class CriteoClickLog:
         """Returns where this rank stopped: file, byte offset, line number and batches yielded."""
         return {
             "position": self._position,
+            "epoch": self._epoch,
             "file_index": self._file_index,
             "byte_offset": self._byte_offset,
             "line_number": self._line_number,
@@ -169,17 +216,12 @@ class CriteoClickLog:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continues exactly after the batch at which ``state`` was taken.
 
-        Raises:
-            ValueError: if the state comes from a run with another number of ranks.
+        The position is a global line (with its byte offset), so the state of a run with any
+        number of ranks or batch size resumes the stream at the line where it stopped.
         """
-        saved = (state["world_size"], state["batch_size"])
-        if saved != (self.world_size, self.batch_size):
-            raise ValueError(
-                f"Criteo reader state was saved with (world_size, batch_size) {saved}, this "
-                f"run has {(self.world_size, self.batch_size)}; the line split depends on both"
-            )
         self.close()
         self._position = int(state["position"])
+        self._epoch = int(state.get("epoch", 0))
         self._file_index = int(state["file_index"])
         self._byte_offset = int(state["byte_offset"])
         self._line_number = int(state["line_number"])
@@ -190,7 +232,7 @@ class CriteoClickLog:
     ) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
         try:
             labels, dense, cats, present = _parse_columns_fast([raw for _, _, raw in rows])
-        except ValueError:
+        except (ValueError, OverflowError):
             # The line-by-line parser finds the line and column at fault and says so.
             labels, dense, cats, present = _parse_columns_checked(rows)
         batch = len(rows)
@@ -221,11 +263,15 @@ def _parse_columns_fast(lines: list[bytes]) -> _Columns:
     if len(tokens) != batch * NUM_COLUMNS:
         raise ValueError("column count")
     table = np.array(tokens, dtype=np.bytes_).reshape(batch, NUM_COLUMNS)
-    labels = table[:, 0].astype(np.int64)
-    if ((labels != 0) & (labels != 1)).any():
+    if not ((table[:, 0] == b"0") | (table[:, 0] == b"1")).all():
         raise ValueError("label")
+    labels = table[:, 0].astype(np.int64)
     ints = table[:, 1 : 1 + NUM_DENSE]
-    ints = np.where(ints == b"", b"0", ints).astype(np.int64)
+    signed = np.char.startswith(ints, b"-")
+    digits = np.where(signed, np.char.replace(ints, b"-", b"", 1), ints)
+    if not (np.char.isdigit(digits) | (ints == b"")).all():
+        raise ValueError("dense token")  # spaces, '+', '_', a lone '-', ...
+    ints = np.where(ints == b"", b"0", ints).astype(np.int64)  # OverflowError past int64
     dense = np.log1p(np.maximum(ints, 0)).astype(np.float32)
     hexes = table[:, 1 + NUM_DENSE :]
     lengths = np.char.str_len(hexes)
@@ -233,7 +279,10 @@ def _parse_columns_fast(lines: list[bytes]) -> _Columns:
         raise ValueError("categorical width")
     present = lengths == 8
     filled = np.where(present, hexes, b"00000000").astype("S8")
-    raw = bytes.fromhex(filled.tobytes().decode("ascii"))
+    text = filled.tobytes()
+    if re.fullmatch(rb"[0-9a-fA-F]*", text) is None:
+        raise ValueError("categorical token")  # '0x', spaces, ...
+    raw = bytes.fromhex(text.decode("ascii"))
     cats = np.frombuffer(raw, dtype=">u4").astype(np.uint64).reshape(batch, NUM_SPARSE)
     return labels.astype(np.float32), dense, cats, present
 
@@ -258,7 +307,7 @@ def _parse_columns_checked(rows: list[tuple[str, int, bytes]]) -> _Columns:
             for column in range(1, 1 + NUM_DENSE):
                 token = fields[column]
                 if token:
-                    dense[i, column - 1] = math.log1p(max(int(token), 0))
+                    dense[i, column - 1] = math.log1p(max(_parse_dense(token), 0))
             for column in range(1 + NUM_DENSE, NUM_COLUMNS):
                 token = fields[column]
                 if token:
@@ -272,18 +321,28 @@ def _parse_columns_checked(rows: list[tuple[str, int, bytes]]) -> _Columns:
     return labels, dense, cats, present
 
 
-def _parse_hex(token: bytes) -> int:
-    value = int(token, 16)
-    if not 0 <= value < 2**32:
-        raise ValueError("a categorical value must be a 32-bit hex number (8 digits)")
+def _parse_dense(token: bytes) -> int:
+    if _DENSE_TOKEN.fullmatch(token) is None:
+        raise ValueError("an integer feature must be decimal digits with an optional '-'")
+    value = int(token)
+    if not -_INT64_MAX - 1 <= value <= _INT64_MAX:
+        raise ValueError("an integer feature must fit in 64 bits (|value| < 2**63)")
     return value
 
 
+def _parse_hex(token: bytes) -> int:
+    if _HEX_TOKEN.fullmatch(token) is None:
+        raise ValueError(
+            "a categorical value must be a 32-bit hex number (up to 8 hex digits, no '0x', "
+            "no spaces)"
+        )
+    return int(token, 16)
+
+
 def _parse_label(token: bytes) -> float:
-    value = int(token)
-    if value not in (0, 1):
-        raise ValueError(f"a label must be 0 or 1, got {value}")
-    return float(value)
+    if token not in (b"0", b"1"):
+        raise ValueError("a label must be 0 or 1")
+    return float(token)
 
 
 def _column_name(column: int) -> str:

@@ -1,8 +1,9 @@
 """A synthetic click log with a planted signal: ids follow a power law, labels a hidden model.
 
 Every batch is a pure function of (seed, split, global batch index), generated with vectorised
-torch ops, so ranks split the stream without talking (rank r of N takes global batches
-r, r+N, r+2N, ...) and a resumed run sees exactly the batches it would have seen.
+torch ops, so ranks split the stream without talking (each step, rank r of N takes global batch
+G + r, where G counts the global batches all ranks consumed before it) and a resumed run, with
+the same or another number of ranks, continues at global batch G: nothing repeated or skipped.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class SyntheticClickLog:
         self._split_salt = _SPLIT_SALT[split]
         self._num_ids = torch.tensor([n for _, n in features], dtype=torch.float64)
         self._position = 0
+        self._global_batches = 0  # consumed by all ranks together: independent of world_size
         self._init_hidden_model()
 
     def _init_hidden_model(self) -> None:
@@ -144,27 +146,38 @@ class SyntheticClickLog:
     def __next__(self) -> Batch:
         if self.num_batches is not None and self._position >= self.num_batches:
             raise StopIteration
-        global_index = self._position * self.world_size + self.rank
+        global_index = self._global_batches + self.rank
         self._position += 1
+        self._global_batches += self.world_size
         dense, sparse, labels = self.generate(global_index)
         return Batch(dense, sparse, labels, self._position)
 
     def state_dict(self) -> dict[str, Any]:
-        """Returns the position: batches yielded so far by this rank."""
-        return {"position": self._position, "rank": self.rank, "world_size": self.world_size}
+        """Returns the position: batches this rank yielded, global batches all ranks consumed."""
+        return {
+            "position": self._position,
+            "global_batches": self._global_batches,
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continues after ``state["position"]`` batches (of this rank's share of the stream).
+        """Continues after the global batches ``state`` counts, with any number of ranks.
 
         Raises:
-            ValueError: if the state was saved by a run with another number of ranks.
+            ValueError: if the state's per-rank batch size differs (a global batch is
+                ``batch_size`` samples, so the stream would not continue where it stopped).
         """
-        if state.get("world_size", self.world_size) != self.world_size:
+        saved_batch = int(state.get("batch_size", self.batch_size))
+        if saved_batch != self.batch_size:
             raise ValueError(
-                f"data state was saved with world_size {state['world_size']}, this run has "
-                f"{self.world_size}; the per-rank split of the synthetic stream depends on it"
+                f"data state was saved with data.batch_size {saved_batch}, this run has "
+                f"{self.batch_size}; keep data.batch_size to resume the synthetic stream"
             )
         self._position = int(state["position"])
+        # States from before global_batches existed: every rank had taken `position` steps.
+        default = self._position * int(state.get("world_size", self.world_size))
+        self._global_batches = int(state.get("global_batches", default))
 
     def generate(self, global_index: int) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
         """Batch number ``global_index`` of the whole stream (all ranks' batches interleaved).

@@ -76,7 +76,8 @@ class EmbeddingBagCollection(nn.Module):
         Raises:
             ValueError: missing features or weights mismatch; ``InvalidIdError`` for bad ids.
         """
-        features = self._layout.prepare(features, self.is_weighted)
+        dtype = next((p.dtype for p in self.embedding_bags.parameters()), torch.float32)
+        features = self._layout.prepare(features, self.is_weighted, dtype)
         batch = features.stride()
         values, offsets = features.values(), features.offsets()
         weights = features.weights_or_none()

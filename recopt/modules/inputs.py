@@ -32,8 +32,16 @@ class FeatureLayout:
         self.num_rows = [tables[t].num_embeddings for t in self.feature_table]
         self.dims = [tables[t].embedding_dim for t in self.feature_table]
 
-    def prepare(self, features: KeyedJaggedTensor, is_weighted: bool) -> KeyedJaggedTensor:
+    def prepare(
+        self,
+        features: KeyedJaggedTensor,
+        is_weighted: bool,
+        weight_dtype: torch.dtype = torch.float32,
+    ) -> KeyedJaggedTensor:
         """Return ``features`` restricted to and ordered as this layout, with ids checked.
+
+        Per-id weights are converted to ``weight_dtype`` (the tables' dtype), as fbgemm
+        does, so every backend accepts e.g. float64 weights alike.
 
         Raises:
             ValueError: a feature is missing, or weights are missing / unexpected.
@@ -58,6 +66,15 @@ class FeatureLayout:
             raise ValueError(
                 "the input carries per-id weights but the collection was built with "
                 "is_weighted=False; build it with is_weighted=True or drop the weights"
+            )
+        weights = features.weights_or_none()
+        if weights is not None and weights.dtype != weight_dtype:
+            features = KeyedJaggedTensor.from_offsets_sync(
+                features.keys(),
+                features.values(),
+                features.offsets(),
+                weights=weights.to(weight_dtype),
+                stride=features.stride(),
             )
         check_ids_in_range(
             features.values(),

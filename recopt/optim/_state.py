@@ -20,11 +20,23 @@ if TYPE_CHECKING:
 _STATE_DICT_KEYS = frozenset({"state", "param_groups"})
 
 
+def is_stateful(value: Any) -> bool:
+    """Whether ``value`` is saved through its ``state_dict()`` and loaded through its
+    ``load_state_dict()`` (an object kept in optimizer state, as TorchRec allows)."""
+    return (
+        not isinstance(value, torch.Tensor)
+        and callable(getattr(value, "state_dict", None))
+        and callable(getattr(value, "load_state_dict", None))
+    )
+
+
 def _kind(value: Any) -> str:
     if isinstance(value, ShardedTensor):
         return "ShardedTensor"
     if isinstance(value, torch.Tensor):
         return "tensor"
+    if is_stateful(value):
+        return "stateful object"
     if isinstance(value, dict):
         return "dict"
     if isinstance(value, (list, tuple)):
@@ -44,6 +56,10 @@ def check_value(where: str, current: Any, new: Any) -> None:
         ValueError: naming ``where`` and what differs.
     """
     kind, new_kind = _kind(current), _kind(new)
+    if kind == "stateful object":
+        # Saved as its state_dict(): the loaded value must have that one's layout.
+        check_value(f"{where} ({type(current).__name__})", current.state_dict(), new)
+        return
     if kind != new_kind:
         raise ValueError(
             f"{where}: the optimizer holds a {kind} but the state_dict has a {new_kind}; "
@@ -124,6 +140,9 @@ def copy_value(current: Any, new: Any) -> Any:
         with torch.no_grad():
             current.detach().copy_(new)
         return current
+    if is_stateful(current):
+        current.load_state_dict(new)
+        return current
     if isinstance(current, MutableMapping):
         for key in list(current):
             current[key] = copy_value(current[key], new[key])
@@ -145,6 +164,8 @@ def export_value(value: Any) -> Any:
     """
     if isinstance(value, torch.Tensor):
         return value
+    if is_stateful(value):
+        return export_value(value.state_dict())
     if isinstance(value, dict):
         return {k: export_value(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -179,6 +200,32 @@ def top_level_state(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
             f"state_dict['state'] must be a mapping name -> state, got {type(new_state).__name__}"
         )
     return new_state
+
+
+def saved_param_groups(state_dict: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """``state_dict["param_groups"]`` after checking it is a list of groups with ``params``.
+
+    Raises:
+        ValueError: the entry is missing or not a list, or a group is not a mapping or has
+            no ``params`` list.
+    """
+    if "param_groups" not in state_dict:
+        raise ValueError(
+            "state_dict has no 'param_groups' entry; load a state_dict from the optimizer's "
+            "state_dict()"
+        )
+    groups = state_dict["param_groups"]
+    if not isinstance(groups, (list, tuple)):
+        raise ValueError(
+            f"state_dict['param_groups'] must be a list of groups, got {type(groups).__name__}"
+        )
+    for i, group in enumerate(groups):
+        if not isinstance(group, Mapping) or not isinstance(group.get("params"), (list, tuple)):
+            raise ValueError(
+                f"state_dict['param_groups'][{i}] must be a mapping with a 'params' list; "
+                f"got {group!r:.80}"
+            )
+    return list(groups)
 
 
 def validate_structure(

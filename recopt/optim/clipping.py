@@ -21,7 +21,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from recopt.optim._state import describe
 from recopt.optim.combined import CombinedOptimizer
 from recopt.optim.fused import FusedOptimizer
-from recopt.optim.keyed import KeyedOptimizer, OptimizerWrapper
+from recopt.optim.keyed import KeyedOptimizer, OptimizerWrapper, evaluated
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +216,11 @@ class GradientClippingOptimizer(OptimizerWrapper):
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Evaluate ``closure`` (if any), clip, then step the wrapped optimizer.
 
+        The closure runs once, before clipping, since clipping needs its gradients; the
+        wrapped optimizer's ``step`` gets a closure returning that loss (``None`` when no
+        closure was given), so gradients are never recomputed behind the clipping.
+        Optimizers that re-evaluate the closure several times (LBFGS) are not supported.
+
         Returns:
             The closure's loss, or None.
         """
@@ -242,5 +247,5 @@ class GradientClippingOptimizer(OptimizerWrapper):
         elif self._clipping == GradientClipping.VALUE:
             for g in self._all_local_grads():
                 g.clamp_(-self._max_gradient, self._max_gradient)
-        self._optimizer.step()
+        self._optimizer.step(None if closure is None else evaluated(loss))
         return loss

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from recopt.optim._state import describe, top_level_state
-from recopt.optim.keyed import KeyedOptimizer
+from recopt.optim._state import describe, saved_param_groups, top_level_state
+from recopt.optim.keyed import KeyedOptimizer, evaluated
 
 
 def _prefixed(child: str, key: str) -> str:
@@ -143,13 +143,17 @@ class CombinedOptimizer(KeyedOptimizer):
         return list(self._routes())
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
-        """Evaluate ``closure`` once (if given), then step every child; returns its loss."""
+        """Evaluate ``closure`` once (if given), then step every child; returns its loss.
+
+        Each child's ``step`` gets a closure returning that loss (``None`` without one), so
+        the model is evaluated once however many children there are.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for _, opt in self._optims:
-            opt.step()
+            opt.step(None if closure is None else evaluated(loss))
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -209,7 +213,7 @@ class CombinedOptimizer(KeyedOptimizer):
         if "param_groups" in state_dict:
             for part in parts:
                 part["param_groups"] = []
-            for g in state_dict["param_groups"]:
+            for g in saved_param_groups(state_dict):
                 owners = {routes[k] if k in routes else None for k in g["params"]}
                 children = {owner[0] for owner in owners if owner is not None}
                 if None in owners or len(children) != 1:

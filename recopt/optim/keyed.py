@@ -20,6 +20,7 @@ from recopt.optim._state import (
     copy_value,
     describe,
     export_value,
+    saved_param_groups,
     top_level_state,
     validate_structure,
     zero_grad_step,
@@ -29,11 +30,21 @@ from recopt.optim._state import (
 _OPTIONAL_GROUP_KEYS = frozenset({"initial_lr", "param_names"})
 
 
+def evaluated(loss: Any) -> Callable[[], Any]:
+    """A closure returning ``loss``, for an inner ``step`` after the wrapper ran the closure.
+
+    Wrappers that must see gradients before stepping (clipping) or step several children
+    (CombinedOptimizer) evaluate the user's closure once; each inner ``step(closure)`` still
+    receives a closure, as torch's API defines it, that hands back that loss.
+    """
+    return lambda: loss
+
+
 def unhooked_step(optimizer: torch.optim.Optimizer) -> Any:
     """Run ``optimizer``'s own step without step hooks or an LR scheduler's instance patch."""
     step = type(optimizer).step
     raw = getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
-    return raw(optimizer)
+    return raw(optimizer, None)  # positional: an inner ``step(self, closure)`` needs one
 
 
 class KeyedOptimizer(torch.optim.Optimizer):
@@ -156,6 +167,11 @@ class KeyedOptimizer(torch.optim.Optimizer):
                 a state key, shape, dtype or sharding that differs (naming the parameter and
                 the key). Nothing is modified when it raises.
         """
+        if not isinstance(state_dict, Mapping):
+            raise ValueError(
+                f"state_dict must be a mapping with a 'state' entry (from state_dict()), got "
+                f"{type(state_dict).__name__}"
+            )
         loaded: dict[str, Any] = dict(state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, loaded)
@@ -223,7 +239,7 @@ class KeyedOptimizer(torch.optim.Optimizer):
                 "state_dict has no 'param_groups' but save_param_groups(True) is set; save "
                 "with save_param_groups(True), or call save_param_groups(False) before loading"
             )
-        new_groups = state_dict["param_groups"]
+        new_groups = saved_param_groups(state_dict)
         if len(new_groups) != len(self.param_groups):
             raise ValueError(
                 f"state_dict has {len(new_groups)} param groups, this optimizer "

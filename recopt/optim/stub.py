@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from recopt.optim._state import saved_param_groups
+
 
 class OptimizerStub(torch.optim.Optimizer):
     """An optimizer whose ``step`` runs the closure (if any) and touches no gradient.
@@ -54,3 +56,22 @@ class OptimizerStub(torch.optim.Optimizer):
             return None
         with torch.enable_grad():
             return closure()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from ``state_dict()``, as ``torch.optim.Optimizer`` does.
+
+        Args:
+            state_dict: ``{"state": ..., "param_groups": [...]}``.
+
+        Raises:
+            ValueError: the state dict is not a mapping, lacks ``state`` or
+                ``param_groups``, or a group lacks ``params`` (torch would raise a bare
+                KeyError), or its groups do not match this optimizer's.
+        """
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict):
+            raise ValueError(
+                "state_dict must be a dict with a 'state' dict and a 'param_groups' list "
+                f"(from OptimizerStub.state_dict()); got {state_dict!r:.80}"
+            )
+        saved_param_groups(state_dict)
+        super().load_state_dict(state_dict)

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import math
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum, unique
 from typing import Any
@@ -136,11 +137,16 @@ class WarmupOptimizer(OptimizerWrapper):
     ``load_state_dict``, also when the wrapped optimizer is a CombinedOptimizer (where the
     reference's fake parameter is silently lost). The caller's stages are never modified.
 
+    ``lr`` is the base learning rate of the schedule and *replaces* whatever LR the wrapped
+    optimizer was configured with (e.g. a fused embedding optimizer's ``lr``): from
+    construction on, every group's LR is ``lr * multiplier``. Pass the wrapped optimizer's
+    own LR as ``lr`` to schedule around it; a UserWarning is emitted when the two differ.
+
     Args:
         optimizer: the KeyedOptimizer whose LR is scheduled.
         stages: the stages, with strictly increasing ``max_iters``; after the last one the
             multiplier is 1.
-        lr: the base learning rate.
+        lr: the base learning rate; it overrides the wrapped optimizer's configured LR.
         lr_param: the param group key to set.
         param_name: the state dict key of the warmup position.
 
@@ -166,8 +172,23 @@ class WarmupOptimizer(OptimizerWrapper):
         self._lr = lr
         self._lr_param = lr_param
         self._param_name = param_name
+        self._warn_if_lr_replaced()
         self._position = torch.zeros(2, dtype=torch.long)  # [iteration, stage index]
         self._set_lr()  # a fused optimizer runs backward (and its update) before step()
+
+    def _warn_if_lr_replaced(self) -> None:
+        configured = sorted(
+            {float(g[self._lr_param]) for g in self.param_groups if self._lr_param in g}
+        )
+        if configured and configured != [float(self._lr)]:
+            warnings.warn(
+                f"WarmupOptimizer(lr={self._lr}) replaces the wrapped optimizer's configured "
+                f"{self._lr_param} {', '.join(map(str, configured))}: the schedule sets every "
+                f"group's {self._lr_param} to lr * multiplier. Pass lr equal to the wrapped "
+                "optimizer's to keep it as the base",
+                UserWarning,
+                stacklevel=3,
+            )
 
     @property
     def iteration(self) -> int:

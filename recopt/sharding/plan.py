@@ -201,7 +201,7 @@ def _sharding_to_dict(ps: ParameterSharding) -> dict[str, Any]:
     return {
         "sharding_type": ps.sharding_type.value,
         "ranks": list(ps.ranks),
-        "shards": [[s.rank, s.row_offset, s.num_rows, s.col_offset, s.num_cols] for s in ps.shards],
+        "shards": [dataclasses.asdict(s) for s in ps.shards],
         "compute_kernel": ps.compute_kernel.value,
         "optimizer": opt,
     }
@@ -212,10 +212,7 @@ def _sharding_from_dict(d: dict[str, Any], table: str, module: str) -> Parameter
     keys = {"sharding_type", "ranks", "shards", "compute_kernel", "optimizer"}
     _check_keys(d, keys, where, required=keys)
     try:
-        shards = tuple(
-            ShardSpec(rank=r, row_offset=ro, num_rows=nr, col_offset=co, num_cols=nc)
-            for r, ro, nr, co, nc in d["shards"]
-        )
+        shards = tuple(_shard_from_json(s, where) for s in d["shards"])
         opt = d["optimizer"]
         optimizer = None
         if opt is not None:
@@ -239,6 +236,23 @@ def _sharding_from_dict(d: dict[str, Any], table: str, module: str) -> Parameter
         if type(v) is not int:
             raise PlanError(f"{where}: ranks and shard fields must be integers, got {v!r}")
     return ps
+
+
+_SHARD_FIELDS = ("rank", "row_offset", "num_rows", "col_offset", "num_cols")
+
+
+def _shard_from_json(value: object, where: str) -> ShardSpec:
+    """A shard as written now (named fields) or by older versions (a 5-item list, same order)."""
+    if isinstance(value, list):
+        if len(value) != len(_SHARD_FIELDS):
+            raise PlanError(
+                f"{where}: malformed sharding in plan JSON: a shard list must have "
+                f"{len(_SHARD_FIELDS)} items {list(_SHARD_FIELDS)}, got {value!r}"
+            )
+        value = dict(zip(_SHARD_FIELDS, value, strict=True))
+    fields = set(_SHARD_FIELDS)
+    _check_keys(_as_dict(value, f"{where} shard"), fields, f"{where} shard", required=fields)
+    return ShardSpec(**value)  # type: ignore[arg-type]
 
 
 def _as_dict(value: object, where: str) -> dict[str, Any]:

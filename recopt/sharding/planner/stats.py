@@ -76,11 +76,12 @@ class PlanStats:
             f"{format_bytes(self.usable_bytes)} of {format_bytes(self.memory_bytes)}; "
             f"estimated step {self.max_seconds * 1e3:.3f} ms "
             f"(lower bound {self.lower_bound_seconds * 1e3:.3f} ms)",
-            f"{'rank':>5} {'memory':>11} {'used':>6} {'est. ms':>10}",
+            f"{'rank':>5} {'memory':>11} {'of usable':>11} {'used':>6} {'est. ms':>10}",
         ]
+        usable = format_bytes(self.usable_bytes)  # the assumed memory the percentage is of
         for r, (b, s) in enumerate(zip(self.rank_bytes, self.rank_seconds, strict=True)):
             used = b / self.usable_bytes if self.usable_bytes else 0.0
-            lines.append(f"{r:>5} {format_bytes(b):>11} {used:>6.1%} {s * 1e3:>10.3f}")
+            lines.append(f"{r:>5} {format_bytes(b):>11} {usable:>11} {used:>6.1%} {s * 1e3:>10.3f}")
         ordered = sorted(self.tables, key=lambda t: (-t.bytes, t.module, t.table))
         width = max([len(t.table) for t in ordered] + [5])
         lines.append(
