@@ -248,3 +248,76 @@ def test_non_contiguous_and_odd_dtypes_round_trip(tmp_path: Path) -> None:
     fresh = Odd(2)
     load(tmp_path / "ck", fresh)
     assert_same_state(fresh.state_dict(), Odd(1).state_dict())
+
+
+def _rewrite_manifest(path: Path, **changes: Any) -> None:
+    """Re-sign the manifest after a change, as a forger (or a bug) would: CRCs all consistent."""
+    manifest = read_manifest(path)
+    for name in manifest.files:
+        manifest.files[name] = file_entry(path / name)
+    for key, value in changes.items():
+        setattr(manifest, key, value)
+    manifest.write(path)
+
+
+def _trained(seed: int) -> tuple[torch.nn.Module, Any, dict[str, torch.Tensor]]:
+    model, opt, sched, data = make_run(seed)
+    train_step(model, opt, sched, data)  # the optimizer has live state too
+    live = {f"model/{k}": v.clone() for k, v in model.state_dict().items()}
+    for i, state in opt.state_dict()["state"].items():
+        live |= {f"optim/{i}/{k}": v.clone() for k, v in state.items()}
+    return model, opt, live
+
+
+def _assert_live_unchanged(model: torch.nn.Module, opt: Any, live: dict) -> None:
+    now = {f"model/{k}": v for k, v in model.state_dict().items()}
+    for i, state in opt.state_dict()["state"].items():
+        now |= {f"optim/{i}/{k}": v for k, v in state.items()}
+    assert now.keys() == live.keys()
+    for key, value in live.items():
+        assert torch.equal(now[key], value), key
+
+
+def test_load_failing_partway_changes_nothing(tmp_path: Path) -> None:
+    path, saved_model, _ = _checkpoint(tmp_path)
+    # Spoil the stored item read last (checksums re-signed): DCP fails after it has already
+    # copied the items before it into the live tensors.
+    metadata = SafeFileSystemReader(path).read_metadata()
+    last = max(metadata.storage_data.values(), key=lambda info: info.offset)
+    data = bytearray((path / last.relative_path).read_bytes())
+    data[last.offset : last.offset + 64] = bytes(64)
+    (path / last.relative_path).write_bytes(bytes(data))
+    _rewrite_manifest(path)
+    model, opt, live = _trained(7)
+    assert not torch.equal(model.state_dict()["0.weight"], saved_model.state_dict()["0.weight"])
+    with pytest.raises(CheckpointError, match="nothing was changed") as info:
+        load(path, model, opt)
+    assert not isinstance(info.value, AssertionError)
+    _assert_live_unchanged(model, opt, live)
+
+
+def test_undecodable_skeleton_changes_nothing(tmp_path: Path) -> None:
+    path, _, _ = _checkpoint(tmp_path)
+    skeleton = json.loads((path / "objects.json").read_text())
+    skeleton["d"][1][1] = {"?": 1}  # the optimizer's node: an unknown tag
+    (path / "objects.json").write_text(json.dumps(skeleton))
+    _rewrite_manifest(path)
+    model, opt, live = _trained(7)
+    with pytest.raises(CheckpointError, match="unknown checkpoint skeleton tag"):
+        load(path, model, opt)
+    _assert_live_unchanged(model, opt, live)
+
+
+def test_forged_manifest_shape_fails_before_allocating(tmp_path: Path) -> None:
+    path, _, _ = _checkpoint(tmp_path)
+    manifest = read_manifest(path)
+    key = "optim/state/0.weight/exp_avg"
+    tensors = dict(manifest.tensors)
+    tensors["extra/huge"] = type(tensors[key])(shape=[10**7, 10**7], dtype="float32")  # 400 TB
+    _rewrite_manifest(path, tensors=tensors)
+    with pytest.raises(CheckpointError, match=r"tensors need 4\d{14} bytes but its data files"):
+        load(path, make_model(), extra={})
+    manifest.tensors = {key: type(tensors[key])(shape=[-1], dtype="float32")}
+    manifest.write(path)
+    with pytest.raises(CheckpointError, match="invalid shape"):
+        read_manifest(path)

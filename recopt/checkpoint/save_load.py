@@ -8,12 +8,14 @@ then lets DCP reshard: any plan and world size can read a checkpoint of any othe
 
 from __future__ import annotations
 
+import copy
 import datetime
+import functools
 import json
 import logging
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint.api import CheckpointException
 
 from recopt.checkpoint.manifest import (
     DCP_METADATA_NAME,
@@ -308,14 +312,31 @@ def load(
             for key, entry in manifest.tensors.items()
             if key.split("/", 1)[0] in wanted
         }
-        with _dcp_quietly():
-            dcp.load(
-                dict(targets),
-                storage_reader=SafeFileSystemReader(directory),
-                process_group=group.pg,
-                no_dist=group.pg is None,
-            )
-        return _apply(skeleton, targets, model, optimizer, extra, rank_state, restore_rng_state)
+        # Everything is decoded and checked before a byte reaches live state; the live tensors
+        # are copied aside so that a failure inside DCP or a load_state_dict can be undone.
+        undo: list[Callable[[], None]] = []
+        backup: _Backup | None = None
+        try:
+            decoded = _decode(skeleton, targets, model, optimizer)
+            backup = _Backup(live_tensors)
+            with _dcp_quietly():
+                dcp.load(
+                    dict(targets),
+                    storage_reader=SafeFileSystemReader(directory),
+                    process_group=group.pg,
+                    no_dist=group.pg is None,
+                )
+            return _apply(decoded, model, optimizer, extra, rank_state, restore_rng_state, undo)
+        except (Exception, CheckpointException) as e:
+            # Tensors first: the saved optimizer state dicts below refer to them.
+            if backup is not None:
+                backup.restore()
+            for step in reversed(undo):
+                step()
+            raise CheckpointError(
+                f"cannot load checkpoint {directory}: {type(e).__name__}: {e}; nothing was "
+                "changed (the model, optimizer, extras and RNG states are as before the load)"
+            ) from e
 
 
 def _init_state(optimizer: Optimizers) -> None:
@@ -423,33 +444,79 @@ def _listing(items: list[str], limit: int = 20) -> str:
     return ", ".join(items[:limit]) + more
 
 
-def _apply(
+class _Backup:
+    """Copies of this rank's live tensors (local shards only), to restore after a failed load."""
+
+    def __init__(self, tensors: Mapping[str, TensorLike]) -> None:
+        self._pairs = [(t, t.detach().clone()) for t in _local_parts(tensors.values())]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for live, saved in self._pairs:
+            live.copy_(saved)
+
+
+def _local_parts(tensors: Iterable[TensorLike]) -> list[torch.Tensor]:
+    parts: list[torch.Tensor] = []
+    for t in tensors:
+        if isinstance(t, ShardedTensor):
+            parts += [shard.tensor for shard in t.local_shards()]
+        else:
+            parts.append(t)
+    return parts
+
+
+def _decode(
     skeleton: Any,
     targets: Mapping[str, TensorLike],
+    model: torch.nn.Module,
+    optimizer: Optimizers | None,
+) -> dict[str, Any]:
+    """Every saved tree rebuilt around ``targets`` (filled later, in place), optimizer state
+    mapped back to this optimizer's keys: all that can fail before live state changes."""
+    decoded: dict[str, Any] = {"model": decode_tree(subtree(skeleton, "model"), targets)}
+    if optimizer is not None:
+        saved = decode_tree(subtree(skeleton, "optim"), targets)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            decoded["optim"] = to_optimizer_keys(saved, optimizer, model)
+        else:
+            decoded["optim"] = {
+                name: to_optimizer_keys(saved[name], opt, model) for name, opt in optimizer.items()
+            }
+    node = subtree(skeleton, "extra")
+    decoded["extra"] = {} if node is None else decode_tree(node, targets)
+    return decoded
+
+
+def _apply(
+    decoded: dict[str, Any],
     model: torch.nn.Module,
     optimizer: Optimizers | None,
     extra: Mapping[str, Any],
     rank_state: dict[str, Any] | None,
     restore_rng_state: bool,
+    undo: list[Callable[[], None]],
 ) -> dict[str, Any]:
-    model.load_state_dict(decode_tree(subtree(skeleton, "model"), targets))
+    """Load the decoded trees into live objects, recording in ``undo`` how to take it back."""
+    model.load_state_dict(decoded["model"])
     if optimizer is not None:
-        saved = decode_tree(subtree(skeleton, "optim"), targets)
-        if isinstance(optimizer, torch.optim.Optimizer):
-            optimizer.load_state_dict(to_optimizer_keys(saved, optimizer, model))
-        else:
-            for name, opt in optimizer.items():
-                opt.load_state_dict(to_optimizer_keys(saved[name], opt, model))
-    extras: dict[str, Any] = {}
-    node = subtree(skeleton, "extra")
-    if node is not None:
-        extras = decode_tree(node, targets)
+        pairs = (
+            [(optimizer, decoded["optim"])]
+            if isinstance(optimizer, torch.optim.Optimizer)
+            else [(opt, decoded["optim"][name]) for name, opt in optimizer.items()]
+        )
+        for opt, state in pairs:
+            undo.append(functools.partial(opt.load_state_dict, opt.state_dict()))
+            opt.load_state_dict(state)
+    extras: dict[str, Any] = decoded["extra"]
     for name, obj in extra.items():
         if isinstance(obj, Stateful):
+            undo.append(functools.partial(obj.load_state_dict, copy.deepcopy(obj.state_dict())))
             obj.load_state_dict(extras[name])
     if restore_rng_state:
         if rank_state is None:
             logger.warning("no saved RNG state for this rank (the world size grew); kept")
         else:
+            undo.append(functools.partial(restore_rng, capture_rng()))
             restore_rng(rank_state["rng"])
     return extras
