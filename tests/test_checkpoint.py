@@ -321,3 +321,36 @@ def test_forged_manifest_shape_fails_before_allocating(tmp_path: Path) -> None:
     manifest.write(path)
     with pytest.raises(CheckpointError, match="invalid shape"):
         read_manifest(path)
+
+
+@pytest.mark.parametrize("where", ["tensor data", "manifest"])
+def test_disk_full_during_save_names_it_and_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    import errno
+
+    from recopt.checkpoint import manifest as manifest_module
+    from recopt.checkpoint import save_load
+
+    manager = CheckpointManager(tmp_path / "run", keep_last=1)
+    model, opt, sched, data = make_run(0)
+    train_step(model, opt, sched, data)
+    manager.save(1, model, opt)
+
+    def full(*args: Any, **kwargs: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if where == "tensor data":
+        monkeypatch.setattr(manifest_module._SummingFile, "write", full)
+    else:
+        monkeypatch.setattr(manifest_module.Manifest, "write", full)
+    train_step(model, opt, sched, data)
+    with pytest.raises(CheckpointError, match="no space left on device") as info:
+        manager.save(2, model, opt)
+    message = str(info.value)
+    assert ".step_000000002.partial" in message and "bytes of tensors" in message
+    assert save_load._is_no_space(OSError(errno.ENOSPC, "x"))
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_000000001"]
+    fresh, fresh_opt, _, _ = make_run(3)
+    load(manager.latest(), fresh, fresh_opt)  # type: ignore[arg-type]
+    assert read_manifest(tmp_path / "run" / "step_000000001").step == 1

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import copy
 import datetime
+import errno
 import functools
 import json
 import logging
+import math
 import shutil
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -171,19 +173,21 @@ def save(
 
         writer = dcp.FileSystemWriter(partial)
         writer.fs = summing = SummingFileSystem()
-        with _dcp_quietly(), archive_crc_off():
-            metadata = dcp.save(
-                tensors,
-                storage_writer=writer,
-                process_group=group.pg,
-                no_dist=group.pg is None,
-            )
-        # Every rank sums its own files; a local failure is reported through the gather, so
-        # the other ranks raise it too instead of waiting for a timeout.
+        mine: dict[str, FileEntry] = {}
+        metadata: Any = None
         try:
+            with _dcp_quietly(), archive_crc_off():
+                metadata = dcp.save(
+                    tensors,
+                    storage_writer=writer,
+                    process_group=group.pg,
+                    no_dist=group.pg is None,
+                )
+            # Every rank sums its own files; a local failure is reported through the gather,
+            # so the other ranks raise it too instead of waiting for a timeout.
             mine = _sum_own_files(partial, group.rank, summing.sums)
-        except OSError as e:
-            mine, problems = {}, [f"rank {group.rank}: {type(e).__name__}: {e}"]
+        except (Exception, CheckpointException) as e:
+            problems = [_write_failure(e, group.rank, final, partial, tensors)]
         gathered = group.all_gather((mine, problems))
         problems = [p for _, rank_problems in gathered for p in rank_problems]
         if group.rank == 0 and not problems:
@@ -191,9 +195,45 @@ def save(
             try:
                 _finish(final, partial, entries, skeleton, metadata, group, step, plan_json)
             except (OSError, CheckpointError) as e:
-                problems.append(f"{type(e).__name__}: {e}")
+                problems.append(_write_failure(e, group.rank, final, partial, tensors))
+        if problems and group.rank == 0:
+            # Never leave a failed save's files behind: on a full disk they keep it full.
+            shutil.rmtree(partial, ignore_errors=True)
         group.agree(problems, f"cannot complete checkpoint {final}")
     return final
+
+
+def _write_failure(
+    error: BaseException, rank: int, final: Path, partial: Path, tensors: Mapping[str, TensorLike]
+) -> str:
+    """One line on why a save failed; a full disk is named as such, with the bytes needed."""
+    if not _is_no_space(error):
+        return f"rank {rank}: {type(error).__name__}: {error}"
+    needed = sum(math.prod(global_shape(t)) * tensor_dtype(t).itemsize for t in tensors.values())
+    try:
+        free = f"{shutil.disk_usage(final.parent).free} bytes free"
+    except OSError:
+        free = "free space unknown"
+    return (
+        f"no space left on device writing {partial} (for {final}): the checkpoint needs "
+        f"about {needed} bytes of tensors, {free}; the partial checkpoint was removed and "
+        "the previous checkpoints are kept; free space or save elsewhere"
+    )
+
+
+def _is_no_space(error: BaseException | None, depth: int = 0) -> bool:
+    """Whether ``error``, its causes, or (for DCP's CheckpointException) any rank's failure is
+    an ``ENOSPC`` OSError."""
+    if error is None or depth > 8:
+        return False
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return True
+    if isinstance(error, CheckpointException):
+        for failure in error.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException) and _is_no_space(inner, depth + 1):
+                return True
+    return _is_no_space(error.__cause__, depth + 1) or _is_no_space(error.__context__, depth + 1)
 
 
 def _sum_own_files(partial: Path, rank: int, sums: dict[str, FileEntry]) -> dict[str, FileEntry]:
