@@ -220,6 +220,7 @@ def test_manager_keeps_last_k_and_finds_latest(tmp_path: Path) -> None:
     assert_same_state(fresh.state_dict(), model.state_dict())
     with pytest.raises(ValueError, match="keep_last"):
         CheckpointManager(tmp_path, keep_last=0)
+    manager.close()
 
 
 def test_weights_only_load_and_missing_stateful_extra(tmp_path: Path) -> None:
@@ -350,7 +351,66 @@ def test_disk_full_during_save_names_it_and_keeps_the_previous_checkpoint(
     message = str(info.value)
     assert ".step_000000002.partial" in message and "bytes of tensors" in message
     assert save_load._is_no_space(OSError(errno.ENOSPC, "x"))
+    manager.close()
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_000000001"]
     fresh, fresh_opt, _, _ = make_run(3)
     load(manager.latest(), fresh, fresh_opt)  # type: ignore[arg-type]
     assert read_manifest(tmp_path / "run" / "step_000000001").step == 1
+
+
+def test_manager_never_rotates_away_the_last_finite_checkpoint(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path / "run", keep_last=2)
+    model, opt, sched, data = make_run(0)
+    train_step(model, opt, sched, data)
+    manager.save(1, model, opt)
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")  # the run diverged
+    for step in (2, 3, 4):
+        manager.save(step, model, opt)
+    assert [s for s, _ in manager.complete()] == [1, 3, 4]
+    assert read_manifest(tmp_path / "run" / "step_000000001").finite is True
+    assert read_manifest(tmp_path / "run" / "step_000000004").finite is False
+    with torch.no_grad():
+        model[0].weight[0, 0] = 0.0
+    manager.save(5, model, opt)  # finite again: the old good one may go now
+    manager.save(6, model, opt)
+    assert [s for s, _ in manager.complete()] == [5, 6]
+    manager.close()
+    fresh = make_model()
+    load(tmp_path / "run" / "step_000000005", fresh)
+    assert torch.equal(fresh.state_dict()["0.weight"][1:], good["0.weight"][1:])
+
+
+def test_manager_refuses_another_runs_checkpoints_unless_resuming_or_overwriting(
+    tmp_path: Path,
+) -> None:
+    model, opt, sched, data = make_run(0)
+    with CheckpointManager(tmp_path / "run", keep_last=2) as old_run:
+        for step in (10, 20):
+            train_step(model, opt, sched, data)
+            old_run.save(step, model, opt)
+    with pytest.raises(CheckpointError, match=r"another run \(steps \[10, 20\]\).*resume=True"):
+        CheckpointManager(tmp_path / "run", keep_last=2)
+    with CheckpointManager(tmp_path / "run", keep_last=2, resume=True) as resumed:
+        restored = resumed.load_latest(make_model())
+        assert restored is not None and restored[0] == 20
+    # A fresh run told to overwrite: its own checkpoints are kept, the old run's go.
+    with CheckpointManager(tmp_path / "run", keep_last=2, overwrite=True) as fresh:
+        assert [s for s, _ in fresh.complete()] == [10, 20]
+        fresh.save(1, model, opt)
+        assert [s for s, _ in fresh.complete()] == [1]
+        fresh.save(2, model, opt)
+        assert [s for s, _ in fresh.complete()] == [1, 2]
+
+
+def test_manager_locks_its_directory_against_a_second_writer(tmp_path: Path) -> None:
+    import os
+
+    first = CheckpointManager(tmp_path / "run")
+    with pytest.raises(CheckpointError, match=f"in use by another run \\(pid {os.getpid()} "):
+        CheckpointManager(tmp_path / "run", resume=True)
+    first.close()
+    second = CheckpointManager(tmp_path / "run", resume=True)
+    second.close()
+    assert list((tmp_path / "run").iterdir()) == []  # the lock file goes with the lock

@@ -63,6 +63,8 @@ class Manifest:
         plan: the sharding plan's JSON (``ShardingPlan.to_json``), if any.
         files: relative file name -> `FileEntry`, for every file but the manifest.
         tensors: flat state key -> `TensorEntry`.
+        finite: every floating-point tensor was free of NaN and inf when saved (None: not
+            recorded, a checkpoint of an older recopt).
         recopt_version: writer's recopt version.
         torch_version: writer's torch version.
     """
@@ -72,6 +74,7 @@ class Manifest:
     plan: str | None = None
     files: dict[str, FileEntry] = field(default_factory=dict)
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
+    finite: bool | None = None
     recopt_version: str = recopt.__version__
     torch_version: str = torch.__version__
 
@@ -115,6 +118,7 @@ class Manifest:
                 plan=body["plan"],
                 files={k: FileEntry(**v) for k, v in body["files"].items()},
                 tensors={k: TensorEntry(**v) for k, v in body["tensors"].items()},
+                finite=body.get("finite"),
                 recopt_version=body["recopt_version"],
                 torch_version=body["torch_version"],
             )

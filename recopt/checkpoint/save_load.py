@@ -188,12 +188,13 @@ def save(
             mine = _sum_own_files(partial, group.rank, summing.sums)
         except (Exception, CheckpointException) as e:
             problems = [_write_failure(e, group.rank, final, partial, tensors)]
-        gathered = group.all_gather((mine, problems))
-        problems = [p for _, rank_problems in gathered for p in rank_problems]
+        gathered = group.all_gather((mine, problems, _all_finite(tensors.values())))
+        problems = [p for _, rank_problems, _ in gathered for p in rank_problems]
         if group.rank == 0 and not problems:
-            entries = [rank_entries for rank_entries, _ in gathered]
+            entries = [rank_entries for rank_entries, _, _ in gathered]
+            finite = all(rank_finite for _, _, rank_finite in gathered)
             try:
-                _finish(final, partial, entries, skeleton, metadata, group, step, plan_json)
+                _finish(final, partial, entries, skeleton, metadata, group, step, plan_json, finite)
             except (OSError, CheckpointError) as e:
                 problems.append(_write_failure(e, group.rank, final, partial, tensors))
         if problems and group.rank == 0:
@@ -201,6 +202,16 @@ def save(
             shutil.rmtree(partial, ignore_errors=True)
         group.agree(problems, f"cannot complete checkpoint {final}")
     return final
+
+
+@torch.no_grad()
+def _all_finite(tensors: Iterable[TensorLike]) -> bool:
+    """Whether this rank's floating-point tensors (its local shards) hold no NaN or inf."""
+    return all(
+        bool(torch.isfinite(t).all())
+        for t in _local_parts(tensors)
+        if t.is_floating_point() or t.is_complex()
+    )
 
 
 def _write_failure(
@@ -272,6 +283,7 @@ def _finish(
     group: _Group,
     step: int | None,
     plan_json: str | None,
+    finite: bool,
 ) -> None:
     """Rank 0, after every rank wrote and summed its files: manifest, then rename into place."""
     write_durably(partial / SKELETON_NAME, _json_bytes(skeleton))
@@ -287,7 +299,12 @@ def _finish(
         if hasattr(md, "size")
     }
     Manifest(
-        world_size=group.world_size, step=step, plan=plan_json, files=files, tensors=tensors
+        world_size=group.world_size,
+        step=step,
+        plan=plan_json,
+        files=files,
+        tensors=tensors,
+        finite=finite,
     ).write(partial)
     fsync_dir(partial)
     old = final.parent / f".{final.name}.old"
