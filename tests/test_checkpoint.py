@@ -413,4 +413,9 @@ def test_manager_locks_its_directory_against_a_second_writer(tmp_path: Path) -> 
     first.close()
     second = CheckpointManager(tmp_path / "run", resume=True)
     second.close()
-    assert list((tmp_path / "run").iterdir()) == []  # the lock file goes with the lock
+    assert not (tmp_path / "run").exists()  # the lock file (and the empty root) go with it
+
+
+def test_manager_leaves_no_directory_when_it_saved_nothing(tmp_path: Path) -> None:
+    CheckpointManager(tmp_path / "run").close()
+    assert not (tmp_path / "run").exists()

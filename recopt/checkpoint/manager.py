@@ -187,11 +187,13 @@ def _finite(path: Path) -> bool:
 class _RootLock:
     """This rank's exclusive ``flock`` on ``root/.lock.rank<r>``; the file holds the pid.
 
-    The file is removed on `close`. A process that opened it just before the removal would
-    lock a deleted file, so a lock counts only if the path still names the locked file.
+    The file is removed on `close` (and ``root`` too if the lock created it and it is still
+    empty). A process that opened the file just before its removal would lock a deleted
+    file, so a lock counts only if the path still names the locked file.
     """
 
     def __init__(self, root: Path, rank: int) -> None:
+        self._created_root = not root.exists()
         root.mkdir(parents=True, exist_ok=True)
         self.path = root / f".lock.rank{rank}"
         while True:
@@ -225,3 +227,8 @@ class _RootLock:
             self.path.unlink(missing_ok=True)
             self._file.close()
             self._file = None
+            if self._created_root:
+                try:
+                    self.path.parent.rmdir()
+                except OSError:
+                    pass  # not empty: it holds checkpoints (or another rank's lock)
