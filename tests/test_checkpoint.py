@@ -419,3 +419,19 @@ def test_manager_locks_its_directory_against_a_second_writer(tmp_path: Path) -> 
 def test_manager_leaves_no_directory_when_it_saved_nothing(tmp_path: Path) -> None:
     CheckpointManager(tmp_path / "run").close()
     assert not (tmp_path / "run").exists()
+
+
+def test_reshard_of_an_undecodable_item_is_a_checkpoint_error(tmp_path: Path) -> None:
+    from recopt.checkpoint.reshard import export_full, reshard
+
+    path, _, _ = _checkpoint(tmp_path)
+    metadata = SafeFileSystemReader(path).read_metadata()
+    last = max(metadata.storage_data.values(), key=lambda info: info.offset)
+    data = bytearray((path / last.relative_path).read_bytes())
+    data[last.offset : last.offset + 64] = bytes(64)
+    (path / last.relative_path).write_bytes(bytes(data))
+    _rewrite_manifest(path)
+    with pytest.raises(CheckpointError, match="cannot read"):
+        reshard(path, tmp_path / "r", world_size=2)
+    with pytest.raises(CheckpointError, match="cannot read"):
+        export_full(path, tmp_path / "full")

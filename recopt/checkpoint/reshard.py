@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -98,9 +99,15 @@ def _read_tensor(
 ) -> torch.Tensor:
     """The full tensor ``key``: DCP reads just the chunks of that key, no process group."""
     full = torch.empty(shape, dtype=getattr(torch, dtype))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load({key: full}, storage_reader=reader, no_dist=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load({key: full}, storage_reader=reader, no_dist=True)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:
+        # DCP's CheckpointException is a BaseException: never let it (or an assert) escape.
+        raise CheckpointError(f"cannot read {key!r}: {type(e).__name__}: {e}") from e
     return full
 
 
