@@ -330,8 +330,8 @@ def test_disk_full_during_save_names_it_and_keeps_the_previous_checkpoint(
 ) -> None:
     import errno
 
+    from recopt.checkpoint import guards
     from recopt.checkpoint import manifest as manifest_module
-    from recopt.checkpoint import save_load
 
     manager = CheckpointManager(tmp_path / "run", keep_last=1)
     model, opt, sched, data = make_run(0)
@@ -350,7 +350,7 @@ def test_disk_full_during_save_names_it_and_keeps_the_previous_checkpoint(
         manager.save(2, model, opt)
     message = str(info.value)
     assert ".step_000000002.partial" in message and "bytes of tensors" in message
-    assert save_load._is_no_space(OSError(errno.ENOSPC, "x"))
+    assert guards.is_no_space(OSError(errno.ENOSPC, "x"))
     manager.close()
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_000000001"]
     fresh, fresh_opt, _, _ = make_run(3)

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import copy
 import datetime
-import errno
 import functools
 import json
 import logging
-import math
 import shutil
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 
+from recopt.checkpoint.guards import Backup, all_finite, write_failure
 from recopt.checkpoint.manifest import (
     DCP_METADATA_NAME,
     SKELETON_NAME,
@@ -187,8 +185,8 @@ def save(
             # so the other ranks raise it too instead of waiting for a timeout.
             mine = _sum_own_files(partial, group.rank, summing.sums)
         except (Exception, CheckpointException) as e:
-            problems = [_write_failure(e, group.rank, final, partial, tensors)]
-        gathered = group.all_gather((mine, problems, _all_finite(tensors.values())))
+            problems = [write_failure(e, group.rank, final, partial, tensors)]
+        gathered = group.all_gather((mine, problems, all_finite(tensors.values())))
         problems = [p for _, rank_problems, _ in gathered for p in rank_problems]
         if group.rank == 0 and not problems:
             entries = [rank_entries for rank_entries, _, _ in gathered]
@@ -196,55 +194,12 @@ def save(
             try:
                 _finish(final, partial, entries, skeleton, metadata, group, step, plan_json, finite)
             except (OSError, CheckpointError) as e:
-                problems.append(_write_failure(e, group.rank, final, partial, tensors))
+                problems.append(write_failure(e, group.rank, final, partial, tensors))
         if problems and group.rank == 0:
             # Never leave a failed save's files behind: on a full disk they keep it full.
             shutil.rmtree(partial, ignore_errors=True)
         group.agree(problems, f"cannot complete checkpoint {final}")
     return final
-
-
-@torch.no_grad()
-def _all_finite(tensors: Iterable[TensorLike]) -> bool:
-    """Whether this rank's floating-point tensors (its local shards) hold no NaN or inf."""
-    return all(
-        bool(torch.isfinite(t).all())
-        for t in _local_parts(tensors)
-        if t.is_floating_point() or t.is_complex()
-    )
-
-
-def _write_failure(
-    error: BaseException, rank: int, final: Path, partial: Path, tensors: Mapping[str, TensorLike]
-) -> str:
-    """One line on why a save failed; a full disk is named as such, with the bytes needed."""
-    if not _is_no_space(error):
-        return f"rank {rank}: {type(error).__name__}: {error}"
-    needed = sum(math.prod(global_shape(t)) * tensor_dtype(t).itemsize for t in tensors.values())
-    try:
-        free = f"{shutil.disk_usage(final.parent).free} bytes free"
-    except OSError:
-        free = "free space unknown"
-    return (
-        f"no space left on device writing {partial} (for {final}): the checkpoint needs "
-        f"about {needed} bytes of tensors, {free}; the partial checkpoint was removed and "
-        "the previous checkpoints are kept; free space or save elsewhere"
-    )
-
-
-def _is_no_space(error: BaseException | None, depth: int = 0) -> bool:
-    """Whether ``error``, its causes, or (for DCP's CheckpointException) any rank's failure is
-    an ``ENOSPC`` OSError."""
-    if error is None or depth > 8:
-        return False
-    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-        return True
-    if isinstance(error, CheckpointException):
-        for failure in error.failures.values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(inner, BaseException) and _is_no_space(inner, depth + 1):
-                return True
-    return _is_no_space(error.__cause__, depth + 1) or _is_no_space(error.__context__, depth + 1)
 
 
 def _sum_own_files(partial: Path, rank: int, sums: dict[str, FileEntry]) -> dict[str, FileEntry]:
@@ -372,10 +327,10 @@ def load(
         # Everything is decoded and checked before a byte reaches live state; the live tensors
         # are copied aside so that a failure inside DCP or a load_state_dict can be undone.
         undo: list[Callable[[], None]] = []
-        backup: _Backup | None = None
+        backup: Backup | None = None
         try:
             decoded = _decode(skeleton, targets, model, optimizer)
-            backup = _Backup(live_tensors)
+            backup = Backup(live_tensors)
             with _dcp_quietly():
                 dcp.load(
                     dict(targets),
@@ -499,28 +454,6 @@ def _compare(manifest: Manifest, skeleton: Any, live: dict[str, Any], directory:
 def _listing(items: list[str], limit: int = 20) -> str:
     more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
     return ", ".join(items[:limit]) + more
-
-
-class _Backup:
-    """Copies of this rank's live tensors (local shards only), to restore after a failed load."""
-
-    def __init__(self, tensors: Mapping[str, TensorLike]) -> None:
-        self._pairs = [(t, t.detach().clone()) for t in _local_parts(tensors.values())]
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        for live, saved in self._pairs:
-            live.copy_(saved)
-
-
-def _local_parts(tensors: Iterable[TensorLike]) -> list[torch.Tensor]:
-    parts: list[torch.Tensor] = []
-    for t in tensors:
-        if isinstance(t, ShardedTensor):
-            parts += [shard.tensor for shard in t.local_shards()]
-        else:
-            parts.append(t)
-    return parts
 
 
 def _decode(
