@@ -12,7 +12,7 @@ import torch
 
 from recopt.ft import ManagerConfig
 from recopt.ft.auth import AuthError, read_secret
-from recopt.ft.client import envelope, request
+from recopt.ft.client import envelope, request, wait_for_replicas
 from recopt.ft.healing import CheckpointServer, HealingRefused, fetch_checkpoint
 from recopt.ft.lighthouse import DuplicateReplicaError, Lighthouse, LighthouseConfig, QuorumState
 from recopt.ft.manager import Manager
@@ -59,6 +59,8 @@ def test_lighthouse_refuses_clients_without_or_with_a_wrong_secret(lighthouse: L
         request(_address(lighthouse), beat, SHORT)
     with pytest.raises(ConnectionError, match="reply refused .*bad signature"):
         request(_address(lighthouse), beat, SHORT, WRONG)
+    with pytest.raises(ConnectionError, match="reply refused"):
+        wait_for_replicas(_address(lighthouse), 1, datetime.timedelta(seconds=60), WRONG)
     status = {"op": "status"}
     assert request(_address(lighthouse), status, SHORT, SECRET)["live"] == []  # rogue not let in
     # A recorded, correctly signed request cannot be replayed.

@@ -127,6 +127,7 @@ def wait_for_replicas(
 
     Raises:
         TimeoutError: fewer than ``count`` were live when the timeout ran out.
+        ConnectionError: the lighthouse refused this client, or failed authentication.
     """
     deadline = time.monotonic() + timeout.total_seconds()
     live: list[str] = []
@@ -134,7 +135,9 @@ def wait_for_replicas(
         try:
             reply = request(address, {"op": "status"}, datetime.timedelta(seconds=5), secret)
             live = list(reply["live"])
-        except ConnectionError:
+        except ConnectionError as exc:
+            if "AuthError" in str(exc) or "reply refused" in str(exc):
+                raise  # a wrong or missing secret does not fix itself by waiting
             live = []  # the lighthouse may still be starting
         if len(live) >= count:
             return live
