@@ -220,6 +220,7 @@ def test_manager_keeps_last_k_and_finds_latest(tmp_path: Path) -> None:
     assert_same_state(fresh.state_dict(), model.state_dict())
     with pytest.raises(ValueError, match="keep_last"):
         CheckpointManager(tmp_path, keep_last=0)
+    manager.close()
 
 
 def test_weights_only_load_and_missing_stateful_extra(tmp_path: Path) -> None:
@@ -248,3 +249,189 @@ def test_non_contiguous_and_odd_dtypes_round_trip(tmp_path: Path) -> None:
     fresh = Odd(2)
     load(tmp_path / "ck", fresh)
     assert_same_state(fresh.state_dict(), Odd(1).state_dict())
+
+
+def _rewrite_manifest(path: Path, **changes: Any) -> None:
+    """Re-sign the manifest after a change, as a forger (or a bug) would: CRCs all consistent."""
+    manifest = read_manifest(path)
+    for name in manifest.files:
+        manifest.files[name] = file_entry(path / name)
+    for key, value in changes.items():
+        setattr(manifest, key, value)
+    manifest.write(path)
+
+
+def _trained(seed: int) -> tuple[torch.nn.Module, Any, dict[str, torch.Tensor]]:
+    model, opt, sched, data = make_run(seed)
+    train_step(model, opt, sched, data)  # the optimizer has live state too
+    live = {f"model/{k}": v.clone() for k, v in model.state_dict().items()}
+    for i, state in opt.state_dict()["state"].items():
+        live |= {f"optim/{i}/{k}": v.clone() for k, v in state.items()}
+    return model, opt, live
+
+
+def _assert_live_unchanged(model: torch.nn.Module, opt: Any, live: dict) -> None:
+    now = {f"model/{k}": v for k, v in model.state_dict().items()}
+    for i, state in opt.state_dict()["state"].items():
+        now |= {f"optim/{i}/{k}": v for k, v in state.items()}
+    assert now.keys() == live.keys()
+    for key, value in live.items():
+        assert torch.equal(now[key], value), key
+
+
+def test_load_failing_partway_changes_nothing(tmp_path: Path) -> None:
+    path, saved_model, _ = _checkpoint(tmp_path)
+    # Spoil the stored item read last (checksums re-signed): DCP fails after it has already
+    # copied the items before it into the live tensors.
+    metadata = SafeFileSystemReader(path).read_metadata()
+    last = max(metadata.storage_data.values(), key=lambda info: info.offset)
+    data = bytearray((path / last.relative_path).read_bytes())
+    data[last.offset : last.offset + 64] = bytes(64)
+    (path / last.relative_path).write_bytes(bytes(data))
+    _rewrite_manifest(path)
+    model, opt, live = _trained(7)
+    assert not torch.equal(model.state_dict()["0.weight"], saved_model.state_dict()["0.weight"])
+    with pytest.raises(CheckpointError, match="nothing was changed") as info:
+        load(path, model, opt)
+    assert not isinstance(info.value, AssertionError)
+    _assert_live_unchanged(model, opt, live)
+
+
+def test_undecodable_skeleton_changes_nothing(tmp_path: Path) -> None:
+    path, _, _ = _checkpoint(tmp_path)
+    skeleton = json.loads((path / "objects.json").read_text())
+    skeleton["d"][1][1] = {"?": 1}  # the optimizer's node: an unknown tag
+    (path / "objects.json").write_text(json.dumps(skeleton))
+    _rewrite_manifest(path)
+    model, opt, live = _trained(7)
+    with pytest.raises(CheckpointError, match="unknown checkpoint skeleton tag"):
+        load(path, model, opt)
+    _assert_live_unchanged(model, opt, live)
+
+
+def test_forged_manifest_shape_fails_before_allocating(tmp_path: Path) -> None:
+    path, _, _ = _checkpoint(tmp_path)
+    manifest = read_manifest(path)
+    key = "optim/state/0.weight/exp_avg"
+    tensors = dict(manifest.tensors)
+    tensors["extra/huge"] = type(tensors[key])(shape=[10**7, 10**7], dtype="float32")  # 400 TB
+    _rewrite_manifest(path, tensors=tensors)
+    with pytest.raises(CheckpointError, match=r"tensors need 4\d{14} bytes but its data files"):
+        load(path, make_model(), extra={})
+    manifest.tensors = {key: type(tensors[key])(shape=[-1], dtype="float32")}
+    manifest.write(path)
+    with pytest.raises(CheckpointError, match="invalid shape"):
+        read_manifest(path)
+
+
+@pytest.mark.parametrize("where", ["tensor data", "manifest"])
+def test_disk_full_during_save_names_it_and_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    import errno
+
+    from recopt.checkpoint import guards
+    from recopt.checkpoint import manifest as manifest_module
+
+    manager = CheckpointManager(tmp_path / "run", keep_last=1)
+    model, opt, sched, data = make_run(0)
+    train_step(model, opt, sched, data)
+    manager.save(1, model, opt)
+
+    def full(*args: Any, **kwargs: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if where == "tensor data":
+        monkeypatch.setattr(manifest_module._SummingFile, "write", full)
+    else:
+        monkeypatch.setattr(manifest_module.Manifest, "write", full)
+    train_step(model, opt, sched, data)
+    with pytest.raises(CheckpointError, match="no space left on device") as info:
+        manager.save(2, model, opt)
+    message = str(info.value)
+    assert ".step_000000002.partial" in message and "bytes of tensors" in message
+    assert guards.is_no_space(OSError(errno.ENOSPC, "x"))
+    manager.close()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_000000001"]
+    fresh, fresh_opt, _, _ = make_run(3)
+    load(manager.latest(), fresh, fresh_opt)  # type: ignore[arg-type]
+    assert read_manifest(tmp_path / "run" / "step_000000001").step == 1
+
+
+def test_manager_never_rotates_away_the_last_finite_checkpoint(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path / "run", keep_last=2)
+    model, opt, sched, data = make_run(0)
+    train_step(model, opt, sched, data)
+    manager.save(1, model, opt)
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")  # the run diverged
+    for step in (2, 3, 4):
+        manager.save(step, model, opt)
+    assert [s for s, _ in manager.complete()] == [1, 3, 4]
+    assert read_manifest(tmp_path / "run" / "step_000000001").finite is True
+    assert read_manifest(tmp_path / "run" / "step_000000004").finite is False
+    with torch.no_grad():
+        model[0].weight[0, 0] = 0.0
+    manager.save(5, model, opt)  # finite again: the old good one may go now
+    manager.save(6, model, opt)
+    assert [s for s, _ in manager.complete()] == [5, 6]
+    manager.close()
+    fresh = make_model()
+    load(tmp_path / "run" / "step_000000005", fresh)
+    assert torch.equal(fresh.state_dict()["0.weight"][1:], good["0.weight"][1:])
+
+
+def test_manager_refuses_another_runs_checkpoints_unless_resuming_or_overwriting(
+    tmp_path: Path,
+) -> None:
+    model, opt, sched, data = make_run(0)
+    with CheckpointManager(tmp_path / "run", keep_last=2) as old_run:
+        for step in (10, 20):
+            train_step(model, opt, sched, data)
+            old_run.save(step, model, opt)
+    with pytest.raises(CheckpointError, match=r"another run \(steps \[10, 20\]\).*resume=True"):
+        CheckpointManager(tmp_path / "run", keep_last=2)
+    with CheckpointManager(tmp_path / "run", keep_last=2, resume=True) as resumed:
+        restored = resumed.load_latest(make_model())
+        assert restored is not None and restored[0] == 20
+    # A fresh run told to overwrite: its own checkpoints are kept, the old run's go.
+    with CheckpointManager(tmp_path / "run", keep_last=2, overwrite=True) as fresh:
+        assert [s for s, _ in fresh.complete()] == [10, 20]
+        fresh.save(1, model, opt)
+        assert [s for s, _ in fresh.complete()] == [1]
+        fresh.save(2, model, opt)
+        assert [s for s, _ in fresh.complete()] == [1, 2]
+
+
+def test_manager_locks_its_directory_against_a_second_writer(tmp_path: Path) -> None:
+    import os
+
+    first = CheckpointManager(tmp_path / "run")
+    with pytest.raises(CheckpointError, match=f"in use by another run \\(pid {os.getpid()} "):
+        CheckpointManager(tmp_path / "run", resume=True)
+    first.close()
+    second = CheckpointManager(tmp_path / "run", resume=True)
+    second.close()
+    assert not (tmp_path / "run").exists()  # the lock file (and the empty root) go with it
+
+
+def test_manager_leaves_no_directory_when_it_saved_nothing(tmp_path: Path) -> None:
+    CheckpointManager(tmp_path / "run").close()
+    assert not (tmp_path / "run").exists()
+
+
+def test_reshard_of_an_undecodable_item_is_a_checkpoint_error(tmp_path: Path) -> None:
+    from recopt.checkpoint.reshard import export_full, reshard
+
+    path, _, _ = _checkpoint(tmp_path)
+    metadata = SafeFileSystemReader(path).read_metadata()
+    last = max(metadata.storage_data.values(), key=lambda info: info.offset)
+    data = bytearray((path / last.relative_path).read_bytes())
+    data[last.offset : last.offset + 64] = bytes(64)
+    (path / last.relative_path).write_bytes(bytes(data))
+    _rewrite_manifest(path)
+    with pytest.raises(CheckpointError, match="cannot read"):
+        reshard(path, tmp_path / "r", world_size=2)
+    with pytest.raises(CheckpointError, match="cannot read"):
+        export_full(path, tmp_path / "full")

@@ -73,3 +73,46 @@ def test_target_chunks_follow_the_plan() -> None:
     ]
     assert target_chunks("model/dense.weight", [7, 3], None, 3, False) == [((0, 0), (7, 3))]
     assert target_chunks("optim/x/step", [], plan, 3, False) == [((), ())]
+
+
+def _save_dmp_with_named_children(rank: int, world: int, root: str) -> None:
+    from test_checkpoint_sharded import Model, plan, train
+
+    from recopt.optim import CombinedOptimizer, KeyedOptimizerWrapper
+    from recopt.sharding.model_parallel import DistributedModelParallel
+
+    model = DistributedModelParallel(Model(), plan("mixed", world))
+    dense = KeyedOptimizerWrapper(
+        dict(model.named_parameters()), lambda ps: torch.optim.Adam(ps, lr=0.01)
+    )
+    # Named children: their state keys carry the names ("fused.<param>").
+    opt = CombinedOptimizer([("fused", model.fused_optimizer), ("dense", dense)])
+    train(model, opt, rank, range(2))  # type: ignore[arg-type]
+    save(Path(root) / "ck", model, opt, step=2)
+
+
+@pytest.mark.multiprocess
+def test_reshard_of_a_dmp_checkpoint_with_named_optimizer_children(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from test_checkpoint_sharded import plan
+
+    from recopt.checkpoint import read_manifest
+    from recopt.testing import run_on_ranks
+
+    run_on_ranks(_save_dmp_with_named_children, 2, str(tmp_path), timeout_s=240)
+    state_keys = [k for k in read_manifest(tmp_path / "ck").tensors if k.startswith("optim/")]
+    assert any("/fused." in k for k in state_keys), state_keys
+    target = plan("row_wise", 3)
+    target.save(str(tmp_path / "plan.json"))
+    argv = [str(tmp_path / "ck"), str(tmp_path / "r3"), "--world-size", "3"]
+    assert main([*argv, "--plan", str(tmp_path / "plan.json"), "--quiet"]) == 0
+    assert "(3 embedding tables)" in capsys.readouterr().out
+    chunks = SafeFileSystemReader(tmp_path / "r3").read_metadata().state_dict_metadata
+    for table in ("t0", "t1", "t2"):
+        weight = chunks[f"model/sparse.embedding_bags.{table}.weight"]
+        rows = sorted(tuple(c.offsets)[0] for c in weight.chunks)
+        assert len(rows) == 3  # row-wise over 3 ranks
+        states = [k for k in chunks if "/fused." in k and k.endswith((".momentum1", ".momentum2"))]
+        for key in (k for k in states if f"embedding_bags.{table}.weight" in k):
+            assert sorted(tuple(c.offsets)[0] for c in chunks[key].chunks) == rows, key

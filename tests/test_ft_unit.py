@@ -244,9 +244,67 @@ def test_wrapper_passes_state_through() -> None:
     assert inner.param_groups[0]["lr"] == 0.125
     # LR schedulers accept the wrapper as an optimizer.
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
+    optim.zero_grad()
     optim.step()
     sched.step()
     assert inner.param_groups[0]["lr"] == 0.0625
+
+
+def test_wrapper_refuses_a_closure_before_touching_anything() -> None:
+    model = nn.Linear(2, 1)
+    inner = torch.optim.SGD(model.parameters(), lr=0.5)
+    manager = _StubManager([True])
+    optim = OptimizerWrapper(manager, inner)  # type: ignore[arg-type]
+    optim.zero_grad()
+    model(torch.ones(3, 2)).sum().backward()
+    weight = model.weight.detach().clone()
+    with pytest.raises(ValueError, match="closure.*never averaged"):
+        optim.step(lambda: 0.0)
+    assert torch.equal(weight, model.weight) and manager.reduced == 0
+    # The refused step left the step open: a plain step() still commits it once.
+    optim.step()
+    assert not torch.equal(weight, model.weight)
+
+
+def test_wrapper_refuses_a_step_without_zero_grad() -> None:
+    model = nn.Linear(2, 1)
+    inner = torch.optim.SGD(model.parameters(), lr=0.5)
+    manager = _StubManager([True, True])
+    optim = OptimizerWrapper(manager, inner)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match=r"without zero_grad\(\).*call optimizer.zero_grad"):
+        optim.step()
+    optim.zero_grad()
+    model(torch.ones(3, 2)).sum().backward()
+    optim.step()
+    weight = model.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="previous quorum round"):
+        optim.step()
+    assert torch.equal(weight, model.weight) and manager.reduced == 1 and manager.quorums == 1
+
+
+def test_wrapper_delegates_torch_hooks_to_the_inner_optimizer() -> None:
+    model = nn.Linear(2, 1)
+    inner = torch.optim.SGD(model.parameters(), lr=0.5)
+    optim = OptimizerWrapper(_StubManager([True, False]), inner)  # type: ignore[arg-type]
+    calls: list[str] = []
+    handles = [
+        optim.register_step_pre_hook(lambda o, a, k: calls.append("pre")),
+        optim.register_step_post_hook(lambda o, a, k: calls.append("post")),
+        optim.register_state_dict_pre_hook(lambda o: calls.append("sd_pre")),
+        optim.register_state_dict_post_hook(lambda o, sd: calls.append("sd_post")),
+        optim.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load_pre")),
+        optim.register_load_state_dict_post_hook(lambda o: calls.append("load_post")),
+    ]
+    for _ in range(2):  # one commit, one dropped step: hooks run on the commit only
+        optim.zero_grad()
+        model(torch.ones(3, 2)).sum().backward()
+        optim.step()
+    optim.load_state_dict(optim.state_dict())
+    assert calls == ["pre", "post", "sd_pre", "sd_post", "load_pre", "load_post"]
+    for handle in handles:
+        handle.remove()
+    optim.load_state_dict(optim.state_dict())
+    assert len(calls) == 6
 
 
 def test_manager_survives_a_lighthouse_restart() -> None:

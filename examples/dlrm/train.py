@@ -220,6 +220,9 @@ class Trainer:
         env: RunEnv,
         model: nn.Module,
         ft_config: ManagerConfig | None = None,
+        *,
+        resume: bool = False,
+        overwrite_checkpoints: bool = False,
     ) -> None:
         self.config = config
         self.env = env
@@ -254,6 +257,8 @@ class Trainer:
             ckpt.dir or os.path.join(out, "checkpoints"),
             keep_last=ckpt.keep,
             timeout=datetime.timedelta(seconds=config.training.timeout_s),
+            resume=resume,
+            overwrite=overwrite_checkpoints,
         )
 
     def resume(self) -> None:
@@ -416,6 +421,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     parser.add_argument(
+        "--overwrite-checkpoints",
+        action="store_true",
+        help="start afresh in a checkpoint directory holding another run's checkpoints "
+        "(deleted after this run's first checkpoint)",
+    )
+    parser.add_argument(
         "--fault-tolerant",
         action="store_true",
         help="run as one replica group of a fault-tolerant job (needs RECOPT_FT_LIGHTHOUSE, "
@@ -429,6 +440,7 @@ def train(
     env: RunEnv,
     resume: bool = False,
     ft_config: ManagerConfig | None = None,
+    overwrite_checkpoints: bool = False,
 ) -> dict[str, float]:
     """Builds everything and trains; returns the final validation metrics.
 
@@ -437,6 +449,8 @@ def train(
         env: this process's rank and device.
         resume: continue from the newest checkpoint.
         ft_config: this replica group's fault-tolerance manager settings, or None.
+        overwrite_checkpoints: replace another run's checkpoints in the checkpoint directory
+            (without it, or ``resume``, such a directory is refused).
 
     Raises:
         ValueError: ``resume`` together with fault tolerance (a restarted replica group heals
@@ -453,13 +467,21 @@ def train(
     torch.set_num_threads(config.training.num_threads or default_threads(env))
     torch.set_float32_matmul_precision(config.training.matmul_precision)
     model = shard_model(build_model(config, env.device), config, env)
-    trainer = Trainer(config, env, model, ft_config)
+    trainer = Trainer(
+        config,
+        env,
+        model,
+        ft_config,
+        resume=resume,
+        overwrite_checkpoints=overwrite_checkpoints,
+    )
     try:
         if resume:
             trainer.resume()
         result = trainer.run()
         trainer.finish()
     finally:
+        trainer.checkpoints.close()
         if trainer.ft is not None:
             trainer.ft.shutdown()
     return result
@@ -482,7 +504,13 @@ def main(argv: list[str] | None = None) -> int:
             backend, timeout=datetime.timedelta(seconds=config.training.timeout_s)
         )
     try:
-        train(config, env, resume=args.resume, ft_config=ft_config)
+        train(
+            config,
+            env,
+            resume=args.resume,
+            ft_config=ft_config,
+            overwrite_checkpoints=args.overwrite_checkpoints,
+        )
     except BaseException as err:
         sys.stderr.write(
             f"[rank {env.rank}/{env.world_size}] training failed: {type(err).__name__}: {err}\n"

@@ -63,6 +63,8 @@ class Manifest:
         plan: the sharding plan's JSON (``ShardingPlan.to_json``), if any.
         files: relative file name -> `FileEntry`, for every file but the manifest.
         tensors: flat state key -> `TensorEntry`.
+        finite: every floating-point tensor was free of NaN and inf when saved (None: not
+            recorded, a checkpoint of an older recopt).
         recopt_version: writer's recopt version.
         torch_version: writer's torch version.
     """
@@ -72,6 +74,7 @@ class Manifest:
     plan: str | None = None
     files: dict[str, FileEntry] = field(default_factory=dict)
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
+    finite: bool | None = None
     recopt_version: str = recopt.__version__
     torch_version: str = torch.__version__
 
@@ -108,19 +111,64 @@ class Manifest:
                 f"{where}: format {body.get('format')!r} version {body.get('version')!r}; this "
                 f"recopt reads {FORMAT!r} version {FORMAT_VERSION}"
             )
-        return cls(
-            world_size=body["world_size"],
-            step=body["step"],
-            plan=body["plan"],
-            files={k: FileEntry(**v) for k, v in body["files"].items()},
-            tensors={k: TensorEntry(**v) for k, v in body["tensors"].items()},
-            recopt_version=body["recopt_version"],
-            torch_version=body["torch_version"],
-        )
+        try:
+            manifest = cls(
+                world_size=body["world_size"],
+                step=body["step"],
+                plan=body["plan"],
+                files={k: FileEntry(**v) for k, v in body["files"].items()},
+                tensors={k: TensorEntry(**v) for k, v in body["tensors"].items()},
+                finite=body.get("finite"),
+                recopt_version=body["recopt_version"],
+                torch_version=body["torch_version"],
+            )
+            check_sizes(manifest, where)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{where} is malformed ({type(e).__name__}: {e})") from e
+        return manifest
 
     def write(self, directory: Path) -> None:
         """Write ``manifest.json`` into ``directory`` and flush it to disk."""
         write_durably(directory / MANIFEST_NAME, self.to_json().encode())
+
+
+def tensor_bytes(entry: TensorEntry) -> int:
+    """Bytes of one tensor of the manifest (its global shape times its element size)."""
+    numel = 1
+    for size in entry.shape:
+        numel *= size
+    return numel * getattr(torch, entry.dtype).itemsize
+
+
+def check_sizes(manifest: Manifest, where: str = MANIFEST_NAME) -> None:
+    """Check the manifest's tensors against its files before anything is allocated for them.
+
+    Every tensor is stored once in the ``.distcp`` data files, so the tensors' bytes cannot
+    exceed those files' sizes (themselves checked against the disk before loading): a forged
+    shape asking for terabytes fails here, fast.
+
+    Raises:
+        CheckpointError: a malformed shape or dtype, or more tensor bytes than data bytes.
+    """
+    problems, total = [], 0
+    for key, entry in manifest.tensors.items():
+        shape_ok = isinstance(entry.shape, list) and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in entry.shape
+        )
+        dtype_ok = isinstance(entry.dtype, str) and isinstance(
+            getattr(torch, entry.dtype, None), torch.dtype
+        )
+        if not (shape_ok and dtype_ok):
+            problems.append(f"{key}: invalid shape {entry.shape!r} or dtype {entry.dtype!r}")
+            continue
+        total += tensor_bytes(entry)
+    data = sum(e.size for name, e in manifest.files.items() if name.endswith(".distcp"))
+    if not problems and total > data:
+        problems.append(f"its tensors need {total} bytes but its data files hold only {data} bytes")
+    if problems:
+        raise CheckpointError(
+            f"{where} is inconsistent (forged or damaged): " + "; ".join(problems[:5])
+        )
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:

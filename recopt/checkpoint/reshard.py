@@ -19,12 +19,13 @@ import shutil
 import struct
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -98,19 +99,44 @@ def _read_tensor(
 ) -> torch.Tensor:
     """The full tensor ``key``: DCP reads just the chunks of that key, no process group."""
     full = torch.empty(shape, dtype=getattr(torch, dtype))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load({key: full}, storage_reader=reader, no_dist=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load({key: full}, storage_reader=reader, no_dist=True)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:
+        # DCP's CheckpointException is a BaseException: never let it (or an assert) escape.
+        raise CheckpointError(f"cannot read {key!r}: {type(e).__name__}: {e}") from e
     return full
 
 
-def _table_of(key: str) -> tuple[str, str] | None:
-    """(module path, table) of a table's weight or optimizer-state key, else ``None``."""
+def _table_of(
+    key: str, tables: Collection[tuple[str, str]] | None = None
+) -> tuple[str, str] | None:
+    """(module path, table) of a table's weight or optimizer-state key, else ``None``.
+
+    Optimizer state of a named `CombinedOptimizer` child carries the child's name in front of
+    the weight's path (``optim/state/fused.sparse.ebc.embedding_bags.t0.weight/...``): with
+    ``tables`` (the model's, from `model_tables`) such a key resolves to the model's table
+    whose module path ends its own (the longest such), not to a table of its own.
+    """
     match = _TABLE_FQN.search(key)
     if match is None:
         return None
-    module = match.group("fqn")[: -len(f"embedding_bags.{match.group('table')}.weight")]
-    return module.rstrip("."), match.group("table")
+    table = match.group("table")
+    module = match.group("fqn")[: -len(f"embedding_bags.{table}.weight")].rstrip(".")
+    if tables is None or (module, table) in tables:
+        return module, table
+    owners = [
+        m for m, t in tables if t == table and (not m or module == m or module.endswith(f".{m}"))
+    ]
+    return (max(owners, key=len), table) if owners else (module, table)
+
+
+def model_tables(keys: Iterable[str]) -> set[tuple[str, str]]:
+    """(module path, table) of every embedding table whose weight is among ``keys``."""
+    return {t for k in keys if k.startswith("model/") and (t := _table_of(k)) is not None}
 
 
 def _even_rows(shape: list[int], world_size: int) -> list[Rect]:
@@ -123,15 +149,21 @@ def _even_rows(shape: list[int], world_size: int) -> list[Rect]:
 
 
 def target_chunks(
-    key: str, shape: list[int], plan: ShardingPlan | None, world_size: int, was_sharded: bool
+    key: str,
+    shape: list[int],
+    plan: ShardingPlan | None,
+    world_size: int,
+    was_sharded: bool,
+    tables: Collection[tuple[str, str]] | None = None,
 ) -> list[Rect]:
     """The chunks ``key`` is written in: the plan's rectangles for a table's weight and
     element-wise state, its row ranges for row-wise state, otherwise one chunk (replicated
-    tensors, scalars) or an even row split over ``world_size`` (sharded tensors, no plan)."""
+    tensors, scalars) or an even row split over ``world_size`` (sharded tensors, no plan).
+    ``tables`` (`model_tables`) resolves optimizer state keyed under a child's name."""
     whole: list[Rect] = [((0,) * len(shape), tuple(shape))]
     if not shape:
         return whole
-    table = _table_of(key)
+    table = _table_of(key, tables)
     sharding = None
     if plan is not None and table is not None:
         sharding = (plan.get(table[0]) or {}).get(table[1])
@@ -214,6 +246,7 @@ def reshard(
     total = sum(_nbytes(e.shape, e.dtype) for e in manifest.tensors.values())
     new_chunks: dict[str, list[ChunkStorageMetadata]] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
+    tables = model_tables(manifest.tensors)
     done = done_bytes = 0
     for file_index, keys in enumerate(_batches(manifest, batch_bytes)):
         name = f"__{file_index}_0.distcp"
@@ -222,7 +255,7 @@ def reshard(
                 entry = manifest.tensors[key]
                 full = _read_tensor(reader, key, entry.shape, entry.dtype)
                 sharded = len(getattr(metadata.state_dict_metadata[key], "chunks", [])) > 1
-                rects = target_chunks(key, entry.shape, plan, world_size, sharded)
+                rects = target_chunks(key, entry.shape, plan, world_size, sharded, tables)
                 new_chunks[key] = _append_chunks(out, name, key, full, rects, storage)
                 del full
                 done += 1
@@ -243,9 +276,10 @@ def _report(
     manifest: Manifest, total: int, start: float, target_world_size: int | None
 ) -> ReshardReport:
     """What a rewrite or an export did: tensors, tables, bytes, seconds since ``start``."""
+    owners = model_tables(manifest.tensors)
     return ReshardReport(
         tensors=len(manifest.tensors),
-        tables=len({t for k in manifest.tensors if (t := _table_of(k)) is not None}),
+        tables=len({t for k in manifest.tensors if (t := _table_of(k, owners))}),
         bytes=total,
         seconds=time.perf_counter() - start,
         source_world_size=manifest.world_size,

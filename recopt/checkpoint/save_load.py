@@ -8,12 +8,14 @@ then lets DCP reshard: any plan and world size can read a checkpoint of any othe
 
 from __future__ import annotations
 
+import copy
 import datetime
+import functools
 import json
 import logging
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from recopt.checkpoint.guards import Backup, all_finite, write_failure
 from recopt.checkpoint.manifest import (
     DCP_METADATA_NAME,
     SKELETON_NAME,
@@ -167,27 +171,33 @@ def save(
 
         writer = dcp.FileSystemWriter(partial)
         writer.fs = summing = SummingFileSystem()
-        with _dcp_quietly(), archive_crc_off():
-            metadata = dcp.save(
-                tensors,
-                storage_writer=writer,
-                process_group=group.pg,
-                no_dist=group.pg is None,
-            )
-        # Every rank sums its own files; a local failure is reported through the gather, so
-        # the other ranks raise it too instead of waiting for a timeout.
+        mine: dict[str, FileEntry] = {}
+        metadata: Any = None
         try:
+            with _dcp_quietly(), archive_crc_off():
+                metadata = dcp.save(
+                    tensors,
+                    storage_writer=writer,
+                    process_group=group.pg,
+                    no_dist=group.pg is None,
+                )
+            # Every rank sums its own files; a local failure is reported through the gather,
+            # so the other ranks raise it too instead of waiting for a timeout.
             mine = _sum_own_files(partial, group.rank, summing.sums)
-        except OSError as e:
-            mine, problems = {}, [f"rank {group.rank}: {type(e).__name__}: {e}"]
-        gathered = group.all_gather((mine, problems))
-        problems = [p for _, rank_problems in gathered for p in rank_problems]
+        except (Exception, CheckpointException) as e:
+            problems = [write_failure(e, group.rank, final, partial, tensors)]
+        gathered = group.all_gather((mine, problems, all_finite(tensors.values())))
+        problems = [p for _, rank_problems, _ in gathered for p in rank_problems]
         if group.rank == 0 and not problems:
-            entries = [rank_entries for rank_entries, _ in gathered]
+            entries = [rank_entries for rank_entries, _, _ in gathered]
+            finite = all(rank_finite for _, _, rank_finite in gathered)
             try:
-                _finish(final, partial, entries, skeleton, metadata, group, step, plan_json)
+                _finish(final, partial, entries, skeleton, metadata, group, step, plan_json, finite)
             except (OSError, CheckpointError) as e:
-                problems.append(f"{type(e).__name__}: {e}")
+                problems.append(write_failure(e, group.rank, final, partial, tensors))
+        if problems and group.rank == 0:
+            # Never leave a failed save's files behind: on a full disk they keep it full.
+            shutil.rmtree(partial, ignore_errors=True)
         group.agree(problems, f"cannot complete checkpoint {final}")
     return final
 
@@ -228,6 +238,7 @@ def _finish(
     group: _Group,
     step: int | None,
     plan_json: str | None,
+    finite: bool,
 ) -> None:
     """Rank 0, after every rank wrote and summed its files: manifest, then rename into place."""
     write_durably(partial / SKELETON_NAME, _json_bytes(skeleton))
@@ -243,7 +254,12 @@ def _finish(
         if hasattr(md, "size")
     }
     Manifest(
-        world_size=group.world_size, step=step, plan=plan_json, files=files, tensors=tensors
+        world_size=group.world_size,
+        step=step,
+        plan=plan_json,
+        files=files,
+        tensors=tensors,
+        finite=finite,
     ).write(partial)
     fsync_dir(partial)
     old = final.parent / f".{final.name}.old"
@@ -308,14 +324,31 @@ def load(
             for key, entry in manifest.tensors.items()
             if key.split("/", 1)[0] in wanted
         }
-        with _dcp_quietly():
-            dcp.load(
-                dict(targets),
-                storage_reader=SafeFileSystemReader(directory),
-                process_group=group.pg,
-                no_dist=group.pg is None,
-            )
-        return _apply(skeleton, targets, model, optimizer, extra, rank_state, restore_rng_state)
+        # Everything is decoded and checked before a byte reaches live state; the live tensors
+        # are copied aside so that a failure inside DCP or a load_state_dict can be undone.
+        undo: list[Callable[[], None]] = []
+        backup: Backup | None = None
+        try:
+            decoded = _decode(skeleton, targets, model, optimizer)
+            backup = Backup(live_tensors)
+            with _dcp_quietly():
+                dcp.load(
+                    dict(targets),
+                    storage_reader=SafeFileSystemReader(directory),
+                    process_group=group.pg,
+                    no_dist=group.pg is None,
+                )
+            return _apply(decoded, model, optimizer, extra, rank_state, restore_rng_state, undo)
+        except (Exception, CheckpointException) as e:
+            # Tensors first: the saved optimizer state dicts below refer to them.
+            if backup is not None:
+                backup.restore()
+            for step in reversed(undo):
+                step()
+            raise CheckpointError(
+                f"cannot load checkpoint {directory}: {type(e).__name__}: {e}; nothing was "
+                "changed (the model, optimizer, extras and RNG states are as before the load)"
+            ) from e
 
 
 def _init_state(optimizer: Optimizers) -> None:
@@ -423,33 +456,57 @@ def _listing(items: list[str], limit: int = 20) -> str:
     return ", ".join(items[:limit]) + more
 
 
-def _apply(
+def _decode(
     skeleton: Any,
     targets: Mapping[str, TensorLike],
+    model: torch.nn.Module,
+    optimizer: Optimizers | None,
+) -> dict[str, Any]:
+    """Every saved tree rebuilt around ``targets`` (filled later, in place), optimizer state
+    mapped back to this optimizer's keys: all that can fail before live state changes."""
+    decoded: dict[str, Any] = {"model": decode_tree(subtree(skeleton, "model"), targets)}
+    if optimizer is not None:
+        saved = decode_tree(subtree(skeleton, "optim"), targets)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            decoded["optim"] = to_optimizer_keys(saved, optimizer, model)
+        else:
+            decoded["optim"] = {
+                name: to_optimizer_keys(saved[name], opt, model) for name, opt in optimizer.items()
+            }
+    node = subtree(skeleton, "extra")
+    decoded["extra"] = {} if node is None else decode_tree(node, targets)
+    return decoded
+
+
+def _apply(
+    decoded: dict[str, Any],
     model: torch.nn.Module,
     optimizer: Optimizers | None,
     extra: Mapping[str, Any],
     rank_state: dict[str, Any] | None,
     restore_rng_state: bool,
+    undo: list[Callable[[], None]],
 ) -> dict[str, Any]:
-    model.load_state_dict(decode_tree(subtree(skeleton, "model"), targets))
+    """Load the decoded trees into live objects, recording in ``undo`` how to take it back."""
+    model.load_state_dict(decoded["model"])
     if optimizer is not None:
-        saved = decode_tree(subtree(skeleton, "optim"), targets)
-        if isinstance(optimizer, torch.optim.Optimizer):
-            optimizer.load_state_dict(to_optimizer_keys(saved, optimizer, model))
-        else:
-            for name, opt in optimizer.items():
-                opt.load_state_dict(to_optimizer_keys(saved[name], opt, model))
-    extras: dict[str, Any] = {}
-    node = subtree(skeleton, "extra")
-    if node is not None:
-        extras = decode_tree(node, targets)
+        pairs = (
+            [(optimizer, decoded["optim"])]
+            if isinstance(optimizer, torch.optim.Optimizer)
+            else [(opt, decoded["optim"][name]) for name, opt in optimizer.items()]
+        )
+        for opt, state in pairs:
+            undo.append(functools.partial(opt.load_state_dict, opt.state_dict()))
+            opt.load_state_dict(state)
+    extras: dict[str, Any] = decoded["extra"]
     for name, obj in extra.items():
         if isinstance(obj, Stateful):
+            undo.append(functools.partial(obj.load_state_dict, copy.deepcopy(obj.state_dict())))
             obj.load_state_dict(extras[name])
     if restore_rng_state:
         if rank_state is None:
             logger.warning("no saved RNG state for this rank (the world size grew); kept")
         else:
+            undo.append(functools.partial(restore_rng, capture_rng()))
             restore_rng(rank_state["rng"])
     return extras

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from recopt.ft.auth import read_secret
 from recopt.ft.client import wait_for_replicas
 from recopt.ft.embedding import EmbeddingReplicaSync, FusedEmbeddingGuard
 from recopt.ft.healing import into_local_shards, to_local_shards
@@ -32,7 +33,8 @@ logger = logging.getLogger(__name__)
 ENV_LIGHTHOUSE = "RECOPT_FT_LIGHTHOUSE"  # host:port of the lighthouse
 ENV_REPLICA_ID = "RECOPT_FT_REPLICA_ID"  # this replica group's stable name
 ENV_MIN_REPLICAS = "RECOPT_FT_MIN_REPLICAS"  # min_replica_size (default 1)
-ENV_HOSTNAME = "RECOPT_FT_HOSTNAME"  # name peers heal from (default: this host's name)
+ENV_HOSTNAME = "RECOPT_FT_HOSTNAME"  # name peers heal from (default: loopback)
+ENV_BIND_HOST = "RECOPT_FT_BIND_HOST"  # interface the state server listens on (default loopback)
 
 
 @dataclasses.dataclass(slots=True)
@@ -70,8 +72,10 @@ def manager_config_from_env(
 
     Reads ``RECOPT_FT_LIGHTHOUSE``, ``RECOPT_FT_REPLICA_ID``, ``RECOPT_FT_MIN_REPLICAS``,
     ``RECOPT_FT_HOSTNAME`` (the name peers reach this process's checkpoint server by; default
-    the host name) and torchrun's ``RANK`` / ``WORLD_SIZE`` (torchrun runs one replica group,
-    so they are the rank inside the group and its size).
+    loopback), ``RECOPT_FT_BIND_HOST`` (the interface it listens on; default loopback), the
+    shared secret (``RECOPT_FT_SECRET``, or a file named by ``RECOPT_FT_SECRET_FILE``) and
+    torchrun's ``RANK`` / ``WORLD_SIZE`` (torchrun runs one replica group, so they are the
+    rank inside the group and its size).
 
     Args:
         environ: the entry point's ``os.environ``.
@@ -101,6 +105,8 @@ def manager_config_from_env(
         # torchrun runs one replica group: its RANK / WORLD_SIZE are the rank in the group.
         group_rank=numbers["RANK"],
         group_world_size=numbers["WORLD_SIZE"],
+        bind_host=environ.get(ENV_BIND_HOST) or "127.0.0.1",
+        secret=read_secret(environ),
     )
     if environ.get(ENV_HOSTNAME):
         config = dataclasses.replace(config, hostname=environ[ENV_HOSTNAME])
@@ -184,7 +190,7 @@ def make_fault_tolerant(
         manager.shutdown()
         raise
     if wait_for > 1:
-        live = wait_for_replicas(config.lighthouse, wait_for, config.quorum_timeout)
+        live = wait_for_replicas(config.lighthouse, wait_for, config.quorum_timeout, config.secret)
         logger.info("replica %s: %d replica groups live: %s", config.replica_id, len(live), live)
     return FaultTolerantTraining(manager, FaultTolerantOptimizer(manager, optimizer), guards, syncs)
 

@@ -4,14 +4,14 @@ Replica groups heartbeat to it, ask it for the step's quorum (who participates, 
 step, under which quorum id) and send it their commit vote; it also hosts the TCPStore on
 which each quorum's cross-replica gloo group meets. Run it with
 ``python -m recopt.ft.lighthouse --port P --min-replicas K``. The protocol is one JSON line
-per request and one per reply, over a short-lived TCP connection.
+per request and one per reply, over a short-lived TCP connection, each signed with the job's
+shared secret (`recopt.ft.auth`); it listens on loopback unless given another host.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import os
 import socketserver
@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
+
+from recopt.ft.auth import LOOPBACK, AuthError, Verifier, check_bind, read_secret
+from recopt.ft.client import LIGHTHOUSE_CONTEXT, envelope, open_envelope
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,14 @@ class LighthouseConfig:
             raise ValueError(f"heartbeat_timeout={self.heartbeat_timeout} must be positive")
 
 
+class DuplicateReplicaError(ValueError):
+    """Two live processes claim the same replica id and rank."""
+
+    def __init__(self, message: str, expires_in_s: float) -> None:
+        super().__init__(message)
+        self.expires_in_s = expires_in_s
+
+
 @dataclass(slots=True)
 class _Round:
     quorum: dict[str, Any]
@@ -84,10 +95,36 @@ class QuorumState:
         self._quorum_id = 0
         self._last_members: list[str] = []
         self._rounds: dict[int, _Round] = {}
+        self._sessions: dict[tuple[str, int], str] = {}  # (group, rank) -> its process's id
 
-    def heartbeat(self, replica_id: str, now: float, group_rank: int = 0) -> None:
-        """Record that a rank of a replica group is alive at ``now``."""
-        self._heartbeats[(replica_id, group_rank)] = now
+    def heartbeat(
+        self, replica_id: str, now: float, group_rank: int = 0, session: str | None = None
+    ) -> None:
+        """Record that a rank of a replica group is alive at ``now``.
+
+        Args:
+            session: a random id of the sending process (each Manager has its own); None
+                skips the duplicate check.
+
+        Raises:
+            DuplicateReplicaError: another live process already uses this replica id and
+                rank (two replica groups were given the same id).
+        """
+        key = (replica_id, group_rank)
+        if session is not None:
+            other = self._sessions.get(key)
+            last = self._heartbeats.get(key)
+            limit = self.config.heartbeat_timeout.total_seconds()
+            if other is not None and other != session and last is not None and now - last <= limit:
+                raise DuplicateReplicaError(
+                    f"replica id {replica_id!r} (rank {group_rank}) is already used by another "
+                    f"live process (heard {now - last:.1f} s ago); give every replica group a "
+                    f"unique replica id (RECOPT_FT_REPLICA_ID). A restarted replica is let in "
+                    f"once its predecessor has been silent for {limit:g} s",
+                    expires_in_s=limit - (now - last),
+                )
+            self._sessions[key] = session
+        self._heartbeats[key] = now
 
     def live(self, now: float) -> set[str]:
         """Groups whose every known rank heartbeated recently.
@@ -102,7 +139,7 @@ class QuorumState:
     def join(self, member: dict[str, Any], now: float) -> int:
         """Add a replica rank to the open round; returns the round it gets its quorum from."""
         replica_id, rank = str(member["replica_id"]), int(member.get("group_rank", 0))
-        self.heartbeat(replica_id, now, rank)
+        self.heartbeat(replica_id, now, rank, member.get("session"))
         if not self._pending:
             self._first_join = now
         self._pending.setdefault(replica_id, {})[rank] = member
@@ -214,13 +251,22 @@ class _Handler(socketserver.StreamRequestHandler):
 
     def handle(self) -> None:
         self.connection.settimeout(self.server.io_timeout_s)
+        nonce: str | None = None
         try:
-            request = json.loads(self.rfile.readline())
+            line = self.rfile.readline()
+            try:
+                request, nonce = open_envelope(line, self.server.verifier, LIGHTHOUSE_CONTEXT)
+            except AuthError as exc:
+                logger.warning("refused a request from %s: %s", self.client_address[0], exc)
+                raise
             reply = self.server.dispatch(request)
         except Exception as exc:  # noqa: BLE001 - any bad request gets an error reply
             reply = {"error": f"{type(exc).__name__}: {exc}"}
+            if isinstance(exc, DuplicateReplicaError):
+                reply["expires_in_s"] = exc.expires_in_s
         try:
-            self.wfile.write((json.dumps(reply) + "\n").encode())
+            secret = self.server.verifier.secret
+            self.wfile.write(envelope(secret, f"reply {nonce or ''}", reply))
         except OSError:
             pass  # the client gave up (its own timeout); nothing to tell it
 
@@ -229,8 +275,11 @@ class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], lighthouse: Lighthouse) -> None:
+    def __init__(
+        self, address: tuple[str, int], lighthouse: Lighthouse, secret: bytes | None
+    ) -> None:
         self.lighthouse = lighthouse
+        self.verifier = Verifier(secret)
         self.io_timeout_s = 30.0
         super().__init__(address, _Handler)
 
@@ -243,15 +292,29 @@ class Lighthouse:
 
     Args:
         config: quorum and liveness rules.
-        host: interface to listen on.
+        host: interface to listen on; loopback by default (one machine). Another interface
+            (``0.0.0.0`` for all) needs a ``secret``.
         port: TCP port; 0 picks a free one (read it back from ``address``).
+        secret: the job's shared secret: every request must be signed with it (and every
+            reply is). None: no authentication, allowed only on loopback.
+
+    Raises:
+        ValueError: a non-loopback ``host`` without a ``secret``.
     """
 
-    def __init__(self, config: LighthouseConfig, host: str = "0.0.0.0", port: int = 0) -> None:
+    def __init__(
+        self,
+        config: LighthouseConfig,
+        host: str = LOOPBACK,
+        port: int = 0,
+        *,
+        secret: bytes | None = None,
+    ) -> None:
+        check_bind(host, secret, "the lighthouse")
         self.config = config
         self._state = QuorumState(config)
         self._cond = threading.Condition()
-        self._server = _Server((host, port), self)
+        self._server = _Server((host, port), self, secret)
         # Each quorum's gloo group meets under a fresh prefix of this store.
         self.store = dist.TCPStore(
             host,
@@ -291,7 +354,8 @@ class Lighthouse:
         if op == "heartbeat":
             with self._cond:
                 rank = int(request.get("group_rank", 0))
-                self._state.heartbeat(str(request["replica_id"]), time.monotonic(), rank)
+                session = request.get("session")
+                self._state.heartbeat(str(request["replica_id"]), time.monotonic(), rank, session)
             return {"ok": True}
         if op == "quorum":
             return self._wait_quorum(request["member"], timeout_s)
@@ -348,22 +412,32 @@ def _write_port_file(path: str, port: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: ``python -m recopt.ft.lighthouse --port P --min-replicas K``."""
     parser = argparse.ArgumentParser(prog="python -m recopt.ft.lighthouse", description=__doc__)
-    parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
+    parser.add_argument(
+        "--host",
+        default=LOOPBACK,
+        help="interface to listen on (default loopback; another one needs the shared secret "
+        "in RECOPT_FT_SECRET or RECOPT_FT_SECRET_FILE)",
+    )
     parser.add_argument("--port", type=int, default=29510, help="TCP port (0: any free one)")
     parser.add_argument("--min-replicas", type=int, default=1, help="smallest quorum")
     parser.add_argument("--join-timeout-s", type=float, default=5.0, help="wait for stragglers")
     parser.add_argument("--heartbeat-timeout-s", type=float, default=2.0, help="declare dead")
     parser.add_argument("--port-file", default=None, help="write the bound port here")
     args = parser.parse_args(argv)
+    secret = read_secret(os.environ)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s lighthouse %(message)s")
     config = LighthouseConfig(
         min_replicas=args.min_replicas,
         join_timeout=datetime.timedelta(seconds=args.join_timeout_s),
         heartbeat_timeout=datetime.timedelta(seconds=args.heartbeat_timeout_s),
     )
-    lighthouse = Lighthouse(config, host=args.host, port=args.port)
+    lighthouse = Lighthouse(config, host=args.host, port=args.port, secret=secret)
     logger.info(
-        "listening on %s:%d (store port %d)", args.host, lighthouse.port, lighthouse.store.port
+        "listening on %s:%d (store port %d), %s",
+        args.host,
+        lighthouse.port,
+        lighthouse.store.port,
+        "authenticated" if secret is not None else "UNAUTHENTICATED (no shared secret)",
     )
     if args.port_file:
         _write_port_file(args.port_file, lighthouse.port)

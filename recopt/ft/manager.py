@@ -11,16 +11,17 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from recopt.ft.client import request
+from recopt.ft.auth import LOOPBACK, check_bind
+from recopt.ft.client import LighthouseError, request
 from recopt.ft.healing import CheckpointServer, fetch_checkpoint, plan_recovery
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,13 @@ class ManagerConfig:
         quorum_timeout: limit for forming a quorum (covers peers still starting up).
         heartbeat_interval: how often the lighthouse hears this replica is alive.
         init_sync: at step 0, fresh replicas copy the first replica's state.
-        hostname: name peers use to reach this replica's checkpoint server.
+        hostname: name peers use to reach this replica's checkpoint server (loopback by
+            default; on several hosts, a name the other hosts resolve to ``bind_host``).
+        bind_host: interface the checkpoint server listens on (loopback by default; another
+            one needs a ``secret``).
+        secret: the job's shared secret, signing every lighthouse request and healing
+            transfer (the same on every replica and the lighthouse); None: unauthenticated,
+            allowed only on loopback.
         group_rank: this process's rank inside its replica group (a sharded replica group
             runs one Manager per rank; rank r averages with rank r of the other groups).
         group_world_size: number of ranks in the replica group.
@@ -51,9 +58,11 @@ class ManagerConfig:
     quorum_timeout: datetime.timedelta = datetime.timedelta(seconds=60)
     heartbeat_interval: datetime.timedelta = datetime.timedelta(milliseconds=200)
     init_sync: bool = True
-    hostname: str = dataclasses.field(default_factory=socket.gethostname)
+    hostname: str = LOOPBACK
     group_rank: int = 0
     group_world_size: int = 1
+    bind_host: str = LOOPBACK
+    secret: bytes | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.replica_id:
@@ -69,6 +78,7 @@ class ManagerConfig:
         for name in ("timeout", "quorum_timeout", "heartbeat_interval"):
             if getattr(self, name).total_seconds() <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        check_bind(self.bind_host, self.secret, f"replica {self.replica_id!r}'s state server")
 
 
 class StepParticipant:
@@ -120,11 +130,17 @@ class Manager:
         self._pg: Any = None
         self._store: dist.TCPStore | None = None
         self._participants: list[StepParticipant] = []
-        self._server = CheckpointServer("0.0.0.0", config.timeout)
+        self._server = CheckpointServer(config.bind_host, config.timeout, config.secret)
         self._stop = threading.Event()
+        # Tells this process from another one that was given the same replica id.
+        self._session = uuid.uuid4().hex
         # Known to the lighthouse from now on, so that a quorum forming while this replica
         # starts up waits for it rather than leaving it for the next round.
-        self._send_heartbeat()
+        try:
+            self._register()
+        except BaseException:
+            self._server.stop()
+            raise
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True)
         self._heartbeat.start()
 
@@ -178,12 +194,14 @@ class Manager:
             "group_rank": self.config.group_rank,
             "group_world_size": self.config.group_world_size,
             "address": f"http://{self.config.hostname}:{self._server.port}",
+            "session": self._session,
         }
         try:
             reply = request(
                 self.config.lighthouse,
                 {"op": "quorum", "member": member},
                 self.config.quorum_timeout,
+                self.config.secret,
             )
             self._apply_quorum(reply)
         except Exception as exc:  # noqa: BLE001 - any failure here only drops the step
@@ -233,7 +251,7 @@ class Manager:
         start = time.monotonic()
         address = source["addresses"][self.config.group_rank]
         url = f"{address}/checkpoint/{int(source['step'])}"
-        state = fetch_checkpoint(url, self.config.timeout)
+        state = fetch_checkpoint(url, self.config.timeout, self.config.secret)
         self._load_state_dict(state["user"])
         self._step = int(state["step"])
         self._batches_committed = int(state["batches_committed"])
@@ -407,7 +425,12 @@ class Manager:
                 "group_rank": self.config.group_rank,
             }
             try:
-                reply = request(self.config.lighthouse, {**payload, "ok": ok}, self.config.timeout)
+                reply = request(
+                    self.config.lighthouse,
+                    {**payload, "ok": ok},
+                    self.config.timeout,
+                    self.config.secret,
+                )
                 commit = bool(reply["commit"]) and ok
             except Exception as exc:  # noqa: BLE001 - no answer is a no
                 self.report_error(exc)
@@ -422,16 +445,44 @@ class Manager:
         return commit
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def _send_heartbeat(self) -> None:
+    def _send_heartbeat(self) -> LighthouseError | None:
+        """One heartbeat; returns the lighthouse's error, if it answered with one."""
         payload = {
             "op": "heartbeat",
             "replica_id": self.config.replica_id,
             "group_rank": self.config.group_rank,
+            "session": self._session,
         }
         try:
-            request(self.config.lighthouse, payload, self.config.heartbeat_interval * 5)
+            timeout = self.config.heartbeat_interval * 5
+            request(self.config.lighthouse, payload, timeout, self.config.secret)
+        except LighthouseError as exc:
+            logger.warning("heartbeat refused: %s", exc)
+            return exc
         except (OSError, ConnectionError) as exc:
             logger.debug("heartbeat failed: %s", exc)
+        return None
+
+    def _register(self) -> None:
+        """First heartbeat; refuses a replica id that another live process already uses.
+
+        A restarted replica may find its dead predecessor not yet expired: it retries until
+        the predecessor's heartbeat would have expired (the refusal says when), not longer.
+
+        Raises:
+            ValueError: the replica id (and rank) belongs to another live process.
+        """
+        deadline: float | None = None
+        while True:
+            error = self._send_heartbeat()
+            if error is None or "expires_in_s" not in error.reply:
+                return
+            if deadline is None:
+                wait = float(error.reply["expires_in_s"]) + 0.5
+                deadline = time.monotonic() + wait
+            if time.monotonic() >= deadline:
+                raise ValueError(str(error).split("DuplicateReplicaError: ", 1)[-1])
+            time.sleep(self.config.heartbeat_interval.total_seconds())
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.config.heartbeat_interval.total_seconds()):
