@@ -7,8 +7,11 @@ duplicate table names and a feature claimed by two tables are errors that name b
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from recopt.kernels.config import PoolingType
 
@@ -26,6 +29,8 @@ class EmbeddingBagConfig:
         weight_init_min: lower bound of the uniform initialisation; default
             ``-sqrt(1 / num_embeddings)``.
         weight_init_max: upper bound; default ``sqrt(1 / num_embeddings)``.
+        init_fn: optional function called (under ``torch.no_grad``) on the table's weight
+            to initialise it in place, instead of the uniform initialisation (as TorchRec).
 
     Example::
 
@@ -40,6 +45,7 @@ class EmbeddingBagConfig:
     pooling: PoolingType = PoolingType.SUM
     weight_init_min: float | None = None
     weight_init_max: float | None = None
+    init_fn: Callable[[torch.Tensor], Any] | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (from TOML/JSON) but store tuples so the config stays hashable.
@@ -65,6 +71,14 @@ class EmbeddingBagConfig:
         lo, hi = self.init_bounds()
         if not lo <= hi:
             raise ValueError(f"{where}: weight_init_min {lo} is above weight_init_max {hi}")
+
+    def init_weight(self, weight: torch.Tensor) -> None:
+        """Initialises ``weight`` in place: ``init_fn`` if given, else uniform in init_bounds."""
+        with torch.no_grad():
+            if self.init_fn is not None:
+                self.init_fn(weight)
+            else:
+                weight.uniform_(*self.init_bounds())
 
     def init_bounds(self) -> tuple[float, float]:
         """The uniform initialisation range of this table's weights."""

@@ -25,7 +25,9 @@ class EmbeddingBagCollection(nn.Module):
     Args:
         tables: the tables (``validate_tables`` rules apply).
         is_weighted: the input carries one weight per id (weighted sum / mean pooling).
-        device: where the weights live.
+        device: where the weights live; None follows torch's default device (so
+            ``with torch.device("meta"):`` builds on meta); ``"meta"`` allocates nothing
+            and forward returns meta tensors of the right shapes.
         sparse_grad: produce sparse gradients (for ``torch.optim.SparseAdam``).
 
     Example::
@@ -61,10 +63,15 @@ class EmbeddingBagCollection(nn.Module):
                 # the global RNG draws only our uniform_ below, as FusedEmbeddingBagCollection does.
                 _weight=torch.empty(table.num_embeddings, table.embedding_dim, device=device),
             )
-            lo, hi = table.init_bounds()
-            with torch.no_grad():
-                bag.weight.uniform_(lo, hi)
+            table.init_weight(bag.weight)
             self.embedding_bags[table.name] = bag
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live (``meta`` when built there: no memory is allocated)."""
+        bag = self.embedding_bags[self.tables[0].name]
+        assert isinstance(bag, nn.EmbeddingBag)
+        return bag.weight.device
 
     def feature_names(self) -> list[str]:
         """The output keys: features in table order."""
@@ -76,6 +83,10 @@ class EmbeddingBagCollection(nn.Module):
         Raises:
             ValueError: missing features or weights mismatch; ``InvalidIdError`` for bad ids.
         """
+        if self.device.type == "meta":
+            # Shapes only (build-on-meta, then shard): ids cannot be read, nor need to be.
+            pooled_meta = torch.empty(features.stride(), sum(self._layout.dims), device="meta")
+            return KeyedTensor(self._layout.feature_names, self._layout.dims, pooled_meta)
         features = self._layout.prepare(features, self.is_weighted)
         batch = features.stride()
         values, offsets = features.values(), features.offsets()

@@ -122,9 +122,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             ):
                 weights[t] = w
         for t, table in enumerate(self.tables):
-            lo, hi = table.init_bounds()
-            with torch.no_grad():
-                weights[t].uniform_(lo, hi)  # table order: same draws as EmbeddingBagCollection
+            table.init_weight(weights[t])  # table order: same draws as EmbeddingBagCollection
             self.embedding_bags[table.name] = _TableWeight(weights[t])
         self._optimizer = self._build_optimizer()
         self._single_group = len(self._groups) == 1

@@ -70,14 +70,20 @@ class KeyedTensor:
 
     @classmethod
     def from_tensor_list(
-        cls, keys: Sequence[str], tensors: Sequence[torch.Tensor], key_dim: int = 1
+        cls,
+        keys: Sequence[str],
+        tensors: Sequence[torch.Tensor],
+        key_dim: int = 1,
+        cat_dim: int | None = None,
     ) -> KeyedTensor:
         """Concatenates one tensor per key along ``key_dim``.
 
         Args:
             keys: the feature names, one per tensor.
             tensors: e.g. ``[B, D_key]`` each; all sizes but ``key_dim`` must agree.
-            key_dim: the dimension to concatenate along.
+            key_dim: the dimension the keys' widths are read from.
+            cat_dim: the dimension to concatenate along; default ``key_dim`` (the
+                result must hold the keys side by side along key_dim).
 
         Returns:
             The KeyedTensor.
@@ -90,7 +96,8 @@ class KeyedTensor:
         if not tensors:
             raise ValueError("from_tensor_list needs at least one tensor to know the shape")
         widths = [t.shape[key_dim] for t in tensors]
-        return cls(keys, widths, torch.cat(list(tensors), dim=key_dim), key_dim=key_dim)
+        dim = key_dim if cat_dim is None else cat_dim
+        return cls(keys, widths, torch.cat(list(tensors), dim=dim), key_dim=key_dim)
 
     def keys(self) -> list[str]:
         """Returns the feature names, in column order."""
@@ -103,6 +110,14 @@ class KeyedTensor:
     def key_dim(self) -> int:
         """Returns the dimension the features are concatenated along."""
         return self._key_dim
+
+    def device(self) -> torch.device:
+        """Returns the device of the values."""
+        return self._values.device
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Marks the values as used by ``stream`` (see ``torch.Tensor.record_stream``)."""
+        self._values.record_stream(stream)
 
     def length_per_key(self) -> list[int]:
         """Returns each feature's width along ``key_dim``."""
