@@ -422,7 +422,8 @@ KEYS = ["user_id", "f2"]
             {"offsets": torch.tensor([0, 2, 3, 4, 6, 5, 8])},
             r"^feature 'f2', bag 1: offsets decrease by 1; they must be non-decreasing",
         ),
-        ({"offsets": torch.tensor([], dtype=torch.int64)}, r"offsets must have at least one entry"),
+        # Empty offsets mean no bags (as in TorchRec); with 8 ids that is an error.
+        ({"offsets": torch.tensor([], dtype=torch.int64)}, r"offsets end at 0 but values hold 8"),
         (
             {
                 "lengths": torch.tensor([2, 1, 1, 2, 1, 1]),

@@ -170,3 +170,20 @@ def test_init_fn_initialises_the_weight() -> None:
     fused = FusedEmbeddingBagCollection(tables(init_fn=fill))
     assert torch.equal(fused.embedding_bags["t"].weight, torch.full((10, 4), 0.25))
     assert fused.device == torch.device("cpu")
+
+
+def test_feature_shared_by_two_tables() -> None:
+    shared = [
+        EmbeddingBagConfig(name="t1", num_embeddings=10, embedding_dim=3, feature_names=["f"]),
+        EmbeddingBagConfig(name="t2", num_embeddings=10, embedding_dim=2, feature_names=["f"]),
+    ]
+    ebc = EmbeddingBagCollection(shared)
+    kjt = KeyedJaggedTensor.from_id_lists({"f": [[0, 1], [], [7]]})
+    out = ebc(kjt)
+    assert out.keys() == ["f@t1", "f@t2"] and out.length_per_key() == [3, 2]
+    for key, table in (("f@t1", "t1"), ("f@t2", "t2")):
+        weight = ebc.embedding_bags[table].weight.detach()
+        expected = torch.stack([weight[0] + weight[1], torch.zeros_like(weight[0]), weight[7]])
+        torch.testing.assert_close(out[key].detach(), expected)
+    with pytest.raises(ValueError, match=r"feature 'f' is in two tables, 't1' and 't2'"):
+        FusedEmbeddingBagCollection(shared)

@@ -88,8 +88,14 @@ class EmbeddingBagConfig:
         return lo, hi
 
 
-def validate_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
+def validate_tables(
+    tables: Sequence[EmbeddingBagConfig], allow_shared_features: bool = False
+) -> None:
     """Check a collection of tables: at least one, unique names, each feature in one table.
+
+    ``allow_shared_features`` lets a feature look up several tables (the plain
+    `EmbeddingBagCollection` allows it, naming outputs ``feature@table``); the fused and
+    sharded collections do not support that yet.
 
     Raises:
         ValueError: naming the duplicated table or feature and the tables involved.
@@ -107,9 +113,10 @@ def validate_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
             )
         seen_tables.add(table.name)
         for feature in table.feature_names:
-            if feature in owner:
+            if feature in owner and not allow_shared_features:
                 raise ValueError(
                     f"feature {feature!r} is in two tables, {owner[feature]!r} and {table.name!r}; "
-                    "a feature looks up exactly one table"
+                    "a feature looks up exactly one table in the fused and sharded collections "
+                    "(EmbeddingBagCollection allows sharing)"
                 )
             owner[feature] = table.name

@@ -23,7 +23,8 @@ class EmbeddingBagCollection(nn.Module):
     the features in table order and whose values are ``[B, sum of each feature's table dim]``.
 
     Args:
-        tables: the tables (``validate_tables`` rules apply).
+        tables: the tables (``validate_tables`` rules apply, except that a feature may
+            look up several tables: its outputs are then keyed ``feature@table``).
         is_weighted: the input carries one weight per id (weighted sum / mean pooling).
         device: where the weights live; None follows torch's default device (so
             ``with torch.device("meta"):`` builds on meta); ``"meta"`` allocates nothing
@@ -47,7 +48,7 @@ class EmbeddingBagCollection(nn.Module):
         sparse_grad: bool = False,
     ) -> None:
         super().__init__()
-        validate_tables(tables)
+        validate_tables(tables, allow_shared_features=True)
         self.tables = list(tables)
         self.is_weighted = is_weighted
         self._layout = FeatureLayout(self.tables)
@@ -74,7 +75,7 @@ class EmbeddingBagCollection(nn.Module):
         return bag.weight.device
 
     def feature_names(self) -> list[str]:
-        """The output keys: features in table order."""
+        """The features looked up, in table order (repeated when shared by tables)."""
         return list(self._layout.feature_names)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -86,7 +87,7 @@ class EmbeddingBagCollection(nn.Module):
         if self.device.type == "meta":
             # Shapes only (build-on-meta, then shard): ids cannot be read, nor need to be.
             pooled_meta = torch.empty(features.stride(), sum(self._layout.dims), device="meta")
-            return KeyedTensor(self._layout.feature_names, self._layout.dims, pooled_meta)
+            return KeyedTensor(self._layout.output_keys, self._layout.dims, pooled_meta)
         features = self._layout.prepare(features, self.is_weighted)
         batch = features.stride()
         values, offsets = features.values(), features.offsets()
@@ -106,7 +107,7 @@ class EmbeddingBagCollection(nn.Module):
                 )
             )
         return KeyedTensor(
-            keys=self._layout.feature_names,
+            keys=self._layout.output_keys,
             length_per_key=self._layout.dims,
             values=torch.cat(pooled, dim=1),
         )

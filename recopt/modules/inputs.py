@@ -31,6 +31,12 @@ class FeatureLayout:
         self.table_names = [tables[t].name for t in self.feature_table]
         self.num_rows = [tables[t].num_embeddings for t in self.feature_table]
         self.dims = [tables[t].embedding_dim for t in self.feature_table]
+        # A feature looked up by several tables yields one output per table: "feature@table".
+        shared = {f for f in self.feature_names if self.feature_names.count(f) > 1}
+        self.output_keys = [
+            f"{f}@{name}" if f in shared else f
+            for f, name in zip(self.feature_names, self.table_names, strict=True)
+        ]
 
     def prepare(self, features: KeyedJaggedTensor, is_weighted: bool) -> KeyedJaggedTensor:
         """Return ``features`` restricted to and ordered as this layout, with ids checked.

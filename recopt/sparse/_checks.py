@@ -21,6 +21,8 @@ def as_index_tensor(tensor: torch.Tensor, field: str) -> torch.Tensor:
     """Checks a 1-D integer tensor (lengths, offsets) and returns it as int64."""
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{field} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.numel() == 0:  # nothing to misread: any dtype or shape of "no entries" will do
+        return tensor.reshape(0).long()
     if tensor.dim() != 1:
         raise ValueError(f"{field} must be 1-D, got shape {list(tensor.shape)}; flatten it")
     if not is_integer(tensor):
@@ -104,13 +106,15 @@ def check_layout_shapes(
     Lengths missing are derived from offsets on the device (no sync).
     """
     if lengths is None and offsets is None:
+        if values.shape[0] == 0:  # no entries and no bags: an empty batch
+            return values.new_zeros(0, dtype=torch.int64), None
         raise ValueError("pass lengths or offsets (one count per bag); neither was given")
     if lengths is not None:
         lengths = as_index_tensor(lengths, "lengths")
     if offsets is not None:
         offsets = as_index_tensor(offsets, "offsets")
-        if offsets.numel() == 0:
-            raise ValueError("offsets must have at least one entry (offsets[0] = 0)")
+        if offsets.numel() == 0:  # TorchRec's spelling of "no bags"; [0] in recopt's
+            offsets = offsets.new_zeros(1)
         if lengths is not None and offsets.numel() != lengths.numel() + 1:
             raise ValueError(
                 f"offsets has {offsets.numel()} entries but lengths has {lengths.numel()}; "

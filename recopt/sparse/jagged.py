@@ -250,6 +250,22 @@ class JaggedTensor:
         assert values is not None and lengths is not None
         return JaggedTensor._trusted(values, lengths, move(self._weights), move(self._offsets))
 
+    def __str__(self) -> str:
+        """TorchRec's readable form: the bags (and weights) as nested lists.
+
+        Raises:
+            ValueError: for values of more than 2 dimensions.
+        """
+        if self._values.dim() > 2:
+            raise ValueError(f"str() shows 1-D or 2-D values, got {self._values.dim()}-D")
+        values = [bag.tolist() for bag in self.to_dense()]
+        weights = self.to_dense_weights()
+        if weights is None:
+            return f"JaggedTensor({{\n    {values}\n}})\n"
+        weight_lists = [bag.tolist() for bag in weights]
+        body = f'    "values": {values},\n    "weights": {weight_lists}'
+        return f"JaggedTensor({{\n{body}\n}})\n"
+
     def __repr__(self) -> str:
         if self._values.numel() > _REPR_MAX_IDS:
             num_bags, num_values = self._lengths.numel(), self._values.numel()

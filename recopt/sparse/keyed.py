@@ -41,7 +41,7 @@ class KeyedTensor:
         length_per_key = list(length_per_key)
         if not isinstance(values, torch.Tensor):
             raise ValueError(f"values must be a torch.Tensor, got {type(values).__name__}")
-        if not 0 <= key_dim < values.dim():
+        if keys and not 0 <= key_dim < values.dim():
             raise ValueError(
                 f"key_dim {key_dim} is not a dimension of values with shape {list(values.shape)}"
             )
@@ -53,7 +53,7 @@ class KeyedTensor:
         for key, width in zip(keys, length_per_key, strict=True):
             if isinstance(width, bool) or not isinstance(width, int) or width < 0:
                 raise ValueError(f"key {key!r}: width {width!r} must be a non-negative int")
-        if sum(length_per_key) != values.shape[key_dim]:
+        if keys and sum(length_per_key) != values.shape[key_dim]:
             raise ValueError(
                 f"length_per_key sums to {sum(length_per_key)} but values has "
                 f"{values.shape[key_dim]} columns along key_dim {key_dim} "
@@ -151,6 +151,13 @@ class KeyedTensor:
         """Returns a copy on ``device`` (shares the tensor when already there)."""
         values = self._values.to(device, non_blocking=non_blocking)
         return KeyedTensor(self._keys, self._length_per_key, values, self._key_dim)
+
+    def __str__(self) -> str:
+        """TorchRec's readable form: each key's slice as nested lists."""
+        if not self._keys:
+            return "KeyedTensor()\n"
+        parts = [f'    "{key}": {self[key].tolist()}' for key in self._keys]
+        return "KeyedTensor({\n" + ",\n".join(parts) + "\n})\n"
 
     def __repr__(self) -> str:
         widths = dict(zip(self._keys, self._length_per_key, strict=True))

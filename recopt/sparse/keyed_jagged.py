@@ -440,9 +440,17 @@ class KeyedJaggedTensor:
     def length_per_key(self) -> list[int]:
         """Returns the entries of each feature (one sync off the CPU, then cached).
 
+        On the meta device, where counts cannot be read, a placeholder: the entries
+        split evenly across the keys.
+
         Raises:
             ValueError: if lengths are negative or do not add up to ``len(values)``.
         """
+        if self._length_per_key is None and self._values.device.type == "meta":
+            # Counts cannot be read on meta: a placeholder that splits the entries evenly
+            # (the first key takes the remainder), so shape-only code can run.
+            share, extra = divmod(self._values.shape[0], max(len(self._keys), 1))
+            return [share + (extra if i == 0 else 0) for i in range(len(self._keys))]
         if self._length_per_key is None:
             num_ids = self._values.shape[0]
             check_offsets(self._offsets, self._lengths, num_ids, self._keys, self._stride_per_key)
@@ -541,7 +549,7 @@ class KeyedJaggedTensor:
                 lpk[first:last],
                 per_rank=None if rows is None else rows[first:last],
             )
-            part._stride = self._stride
+            part._stride = self.stride()
             parts.append(part)
             first = last
         return parts
@@ -629,6 +637,24 @@ class KeyedJaggedTensor:
         for tensor in (self._values, self._weights, self._lengths, self._offsets):
             if tensor is not None:
                 tensor.record_stream(stream)
+
+    def __str__(self) -> str:
+        """TorchRec's readable form: each key's bags (and weights) as nested lists."""
+        if not self._keys:
+            return "KeyedJaggedTensor()\n"
+        parts = []
+        for key, jt in self.to_dict().items():
+            values = [bag.tolist() for bag in jt.to_dense()]
+            weights = jt.to_dense_weights()
+            if weights is None:
+                parts.append(f'    "{key}": {values}')
+                continue
+            weight_lists = [bag.tolist() for bag in weights]
+            parts.append(
+                f'    "{key}": {{\n        "values": {values},\n'
+                f'        "weights": {weight_lists}\n    }}'
+            )
+        return "KeyedJaggedTensor({\n" + ",\n".join(parts) + "\n})\n"
 
     def __repr__(self) -> str:
         head = f"KeyedJaggedTensor(stride={self.stride()}, weighted={self._weights is not None}"
