@@ -187,3 +187,26 @@ def test_feature_shared_by_two_tables() -> None:
         torch.testing.assert_close(out[key].detach(), expected)
     with pytest.raises(ValueError, match=r"feature 'f' is in two tables, 't1' and 't2'"):
         FusedEmbeddingBagCollection(shared)
+
+
+def test_reordering_all_keys_needs_no_counts() -> None:
+    from recopt.sparse.keyed_jagged import _reorder_on_device
+
+    kjt = KeyedJaggedTensor.from_id_lists(
+        {"a": [[1, 2], []], "b": [[3], [4, 5, 6]], "c": [[], [7]]},
+        weights={"a": [[0.1, 0.2], []], "b": [[0.3], [0.4, 0.5, 0.6]], "c": [[], [0.7]]},
+    )
+    # The device path, run on the CPU for its numbers: c, a, b.
+    reordered = _reorder_on_device(kjt, [2, 0, 1])
+    assert reordered.keys() == ["c", "a", "b"]
+    assert reordered.lengths().tolist() == [0, 1, 2, 0, 1, 3]
+    assert reordered.values().tolist() == [7, 1, 2, 3, 4, 5, 6]
+    assert reordered.weights().tolist() == pytest.approx([0.7, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    assert reordered.length_per_key() == [1, 2, 4]
+    # On meta (standing in for CUDA) a full reordering computes no per-key counts.
+    meta = KeyedJaggedTensor(
+        ["a", "b"], torch.zeros(5, device="meta"), lengths=torch.ones(4, device="meta").long()
+    )
+    swapped = meta.permute([1, 0])
+    assert swapped.keys() == ["b", "a"] and swapped.length_per_key_or_none() is None
+    assert meta.length_per_key_or_none() is None and swapped.values().shape == (5,)

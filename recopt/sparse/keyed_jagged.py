@@ -560,7 +560,9 @@ class KeyedJaggedTensor:
         """Returns a KJT whose key ``i`` is this KJT's key ``indices[i]``.
 
         Indices may repeat a key (it then appears twice) or leave keys out. Costs one
-        gather over lengths and one concatenation over the chosen entries.
+        gather over lengths and one concatenation over the chosen entries. A reordering
+        of all keys whose counts are not yet known (an accelerator KJT) is done on the
+        device without a sync; other cases need ``length_per_key`` (one sync, cached).
         ``indices_tensor`` is accepted for TorchRec compatibility and not needed.
 
         Raises:
@@ -574,6 +576,8 @@ class KeyedJaggedTensor:
                 raise ValueError(
                     f"permute: index {index!r} is not in range({num_keys}) of the keys"
                 )
+        if self._length_per_key is None and sorted(indices) == list(range(num_keys)):
+            return _reorder_on_device(self, indices)
         opk, lpk = self.offset_per_key(), self.length_per_key()
 
         def gather(t: torch.Tensor, cuts: Sequence[int]) -> torch.Tensor:
@@ -666,6 +670,37 @@ class KeyedJaggedTensor:
 
 
 _TensorFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _reorder_on_device(kjt: KeyedJaggedTensor, order: list[int]) -> KeyedJaggedTensor:
+    """Reorders all keys with device ops only: the output holds exactly the input's entries,
+    so every size is known on the host and nothing needs reading back."""
+    device = kjt._lengths.device
+    bpk = kjt._bag_offset_per_key
+    source_bags = [b for i in order for b in range(bpk[i], bpk[i + 1])]
+    bag_index = torch.tensor(source_bags, dtype=torch.int64, device=device)
+    lengths = kjt._lengths.index_select(0, bag_index)
+    num_entries = kjt._values.shape[0]
+    new_bag_of_entry = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=device), lengths, output_size=num_entries
+    )
+    new_starts = exclusive_cumsum(lengths)[new_bag_of_entry]
+    old_starts = kjt.offsets()[bag_index][new_bag_of_entry]
+    entry_index = torch.arange(num_entries, device=device) - new_starts + old_starts
+    weights = kjt._weights
+    rows = kjt._stride_per_key_per_rank
+    reordered = KeyedJaggedTensor._trusted(
+        [kjt._keys[i] for i in order],
+        kjt._values.index_select(0, entry_index),
+        None if weights is None else weights.index_select(0, entry_index),
+        lengths,
+        [kjt._stride_per_key[i] for i in order],
+        None,
+        per_rank=None if rows is None else [rows[i] for i in order],
+    )
+    reordered._stride = kjt._stride
+    reordered._inverse_indices = kjt._inverse_indices
+    return reordered
 
 
 def _flat_weights(
