@@ -210,3 +210,15 @@ def test_reordering_all_keys_needs_no_counts() -> None:
     swapped = meta.permute([1, 0])
     assert swapped.keys() == ["b", "a"] and swapped.length_per_key_or_none() is None
     assert meta.length_per_key_or_none() is None and swapped.values().shape == (5,)
+
+
+def test_modules_refuse_a_variable_batch_per_feature() -> None:
+    ebc = EmbeddingBagCollection(tables())
+    kjt = KeyedJaggedTensor(
+        ["f", "g", "h"],
+        torch.tensor([1, 2, 3]),
+        lengths=torch.tensor([1, 1, 0, 1]),
+        stride_per_key_per_rank=[[1], [2], [1]],
+    )
+    with pytest.raises(ValueError, match=r"variable batch per feature .*pad the smaller"):
+        ebc(kjt)

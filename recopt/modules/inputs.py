@@ -42,9 +42,16 @@ class FeatureLayout:
         """Return ``features`` restricted to and ordered as this layout, with ids checked.
 
         Raises:
-            ValueError: a feature is missing, or weights are missing / unexpected.
+            ValueError: a feature is missing, weights are missing / unexpected, or the
+                input has a variable batch per feature.
             InvalidIdError: an id is outside its table.
         """
+        if features.variable_stride_per_key():
+            raise ValueError(
+                "the input has a variable batch per feature (stride_per_key_per_rank "
+                f"{features.stride_per_key_per_rank()}); the embedding-bag modules need one "
+                "batch size for all features: pad the smaller features with empty bags"
+            )
         keys = features.keys()
         if keys != self.feature_names:
             index = {k: i for i, k in enumerate(keys)}
