@@ -5,29 +5,36 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 import torch
 
-from recopt.modules import EmbeddingBagCollection, EmbeddingBagConfig
+from recopt.modules import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    FusedEmbeddingBagCollection,
+)
 from recopt.sharding import DistributedModelParallel, full_tensor
 from recopt.sparse import KeyedJaggedTensor
 from recopt.testing import run_on_ranks
 
 
-def _meta_then_shard(rank: int, world: int) -> dict[str, Any]:
+def _meta_then_shard(rank: int, world: int, fused: bool) -> dict[str, Any]:
     tables = [
         EmbeddingBagConfig(name="a", num_embeddings=16, embedding_dim=4, feature_names=["fa"]),
         EmbeddingBagConfig(name="b", num_embeddings=9, embedding_dim=8, feature_names=["fb"]),
     ]
-    dmp = DistributedModelParallel(EmbeddingBagCollection(tables, device="meta"))
+    kind = FusedEmbeddingBagCollection if fused else EmbeddingBagCollection
+    dmp = DistributedModelParallel(kind(tables, device="meta"))
     kjt = KeyedJaggedTensor.from_id_lists({"fa": [[1, 2], [15]], "fb": [[0], [3, 8]]})
     out = dmp(kjt)
     full = {k: full_tensor(v) for k, v in sorted(dmp.state_dict().items()) if "weight" in k}
     return {"shape": tuple(out.values().shape), "keys": out.keys(), "full": full}
 
 
-def test_meta_collection_is_materialised_by_dmp() -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_meta_collection_is_materialised_by_dmp(fused: bool) -> None:
     for world in (1, 2):
-        results = run_on_ranks(_meta_then_shard, world, timeout_s=120)
+        results = run_on_ranks(_meta_then_shard, world, fused, timeout_s=120)
         for result in results:
             assert result["shape"] == (2, 12) and result["keys"] == ["fa", "fb"]
             for name, rows in (("a", 16), ("b", 9)):

@@ -222,3 +222,17 @@ def test_modules_refuse_a_variable_batch_per_feature() -> None:
     )
     with pytest.raises(ValueError, match=r"variable batch per feature .*pad the smaller"):
         ebc(kjt)
+
+
+def test_fused_collection_on_meta() -> None:
+    fused = FusedEmbeddingBagCollection(tables(), device="meta")
+    assert fused.device == torch.device("meta")
+    assert fused.embedding_bags["u"].weight.device.type == "meta"
+    kjt = KeyedJaggedTensor(
+        ["h", "g", "f"],
+        torch.zeros(3, dtype=torch.int64, device="meta"),
+        lengths=torch.ones(3, dtype=torch.int64, device="meta"),
+    )
+    out = fused(kjt)
+    assert out.values().device.type == "meta" and tuple(out.values().shape) == (1, 16)
+    assert out.keys() == ["f", "g", "h"]

@@ -221,6 +221,10 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         Raises:
             ValueError: missing features or weights mismatch; ``InvalidIdError`` for bad ids.
         """
+        if self.device.type == "meta":
+            # Shapes only (build-on-meta, then shard): ids cannot be read, nor need to be.
+            pooled_meta = torch.empty(features.stride(), sum(self._layout.dims), device="meta")
+            return KeyedTensor(self._layout.feature_names, self._layout.dims, pooled_meta)
         features = self._layout.prepare(features, self.is_weighted)
         self._sync_learning_rates()
         if self._single_group:
