@@ -190,14 +190,14 @@ def test_feature_shared_by_two_tables() -> None:
 
 
 def test_reordering_all_keys_needs_no_counts() -> None:
-    from recopt.sparse.keyed_jagged import _reorder_on_device
+    from recopt.sparse._kjt_helpers import reorder_on_device
 
     kjt = KeyedJaggedTensor.from_id_lists(
         {"a": [[1, 2], []], "b": [[3], [4, 5, 6]], "c": [[], [7]]},
         weights={"a": [[0.1, 0.2], []], "b": [[0.3], [0.4, 0.5, 0.6]], "c": [[], [0.7]]},
     )
     # The device path, run on the CPU for its numbers: c, a, b.
-    reordered = _reorder_on_device(kjt, [2, 0, 1])
+    reordered = reorder_on_device(kjt, [2, 0, 1])
     assert reordered.keys() == ["c", "a", "b"]
     assert reordered.lengths().tolist() == [0, 1, 2, 0, 1, 3]
     assert reordered.values().tolist() == [7, 1, 2, 3, 4, 5, 6]
