@@ -236,3 +236,12 @@ def test_fused_collection_on_meta() -> None:
     out = fused(kjt)
     assert out.values().device.type == "meta" and tuple(out.values().shape) == (1, 16)
     assert out.keys() == ["f", "g", "h"]
+
+
+def test_regroup_as_dict() -> None:
+    left = KeyedTensor(["a", "b"], [1, 2], torch.tensor([[1.0, 2.0, 3.0]]))
+    right = KeyedTensor(["c"], [1], torch.tensor([[4.0]]))
+    named = KeyedTensor.regroup_as_dict([left, right], [["c", "a"], ["b"]], ["x", "y"])
+    assert named["x"].tolist() == [[4.0, 1.0]] and named["y"].tolist() == [[2.0, 3.0]]
+    with pytest.raises(ValueError, match=r"regroup_as_dict: 1 names for 2 groups"):
+        KeyedTensor.regroup_as_dict([left, right], [["c"], ["b"]], ["x"])

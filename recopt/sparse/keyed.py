@@ -213,6 +213,23 @@ class KeyedTensor:
                     )
         return [_gather_group(keyed_tensors, owner, group) for group in groups]
 
+    @staticmethod
+    def regroup_as_dict(
+        keyed_tensors: Sequence[KeyedTensor],
+        groups: Sequence[Sequence[str]],
+        keys: Sequence[str],
+    ) -> dict[str, torch.Tensor]:
+        """``regroup``, with each group's tensor named by the matching entry of ``keys``.
+
+        Raises:
+            ValueError: if ``keys`` and ``groups`` differ in length, or as ``regroup``.
+        """
+        if len(keys) != len(groups):
+            raise ValueError(
+                f"regroup_as_dict: {len(keys)} names for {len(groups)} groups; give one per group"
+            )
+        return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups), strict=True))
+
 
 def _gather_group(
     keyed_tensors: Sequence[KeyedTensor], owner: dict[str, int], group: Sequence[str]
