@@ -7,8 +7,11 @@ duplicate table names and a feature claimed by two tables are errors that name b
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from recopt.kernels.config import PoolingType
 
@@ -26,6 +29,8 @@ class EmbeddingBagConfig:
         weight_init_min: lower bound of the uniform initialisation; default
             ``-sqrt(1 / num_embeddings)``.
         weight_init_max: upper bound; default ``sqrt(1 / num_embeddings)``.
+        init_fn: optional function called (under ``torch.no_grad``) on the table's weight
+            to initialise it in place, instead of the uniform initialisation (as TorchRec).
 
     Example::
 
@@ -40,6 +45,7 @@ class EmbeddingBagConfig:
     pooling: PoolingType = PoolingType.SUM
     weight_init_min: float | None = None
     weight_init_max: float | None = None
+    init_fn: Callable[[torch.Tensor], Any] | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (from TOML/JSON) but store tuples so the config stays hashable.
@@ -66,6 +72,14 @@ class EmbeddingBagConfig:
         if not lo <= hi:
             raise ValueError(f"{where}: weight_init_min {lo} is above weight_init_max {hi}")
 
+    def init_weight(self, weight: torch.Tensor) -> None:
+        """Initialises ``weight`` in place: ``init_fn`` if given, else uniform in init_bounds."""
+        with torch.no_grad():
+            if self.init_fn is not None:
+                self.init_fn(weight)
+            else:
+                weight.uniform_(*self.init_bounds())
+
     def init_bounds(self) -> tuple[float, float]:
         """The uniform initialisation range of this table's weights."""
         bound = math.sqrt(1.0 / self.num_embeddings)
@@ -74,8 +88,14 @@ class EmbeddingBagConfig:
         return lo, hi
 
 
-def validate_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
+def validate_tables(
+    tables: Sequence[EmbeddingBagConfig], allow_shared_features: bool = False
+) -> None:
     """Check a collection of tables: at least one, unique names, each feature in one table.
+
+    ``allow_shared_features`` lets a feature look up several tables (the plain
+    `EmbeddingBagCollection` allows it, naming outputs ``feature@table``); the fused and
+    sharded collections do not support that yet.
 
     Raises:
         ValueError: naming the duplicated table or feature and the tables involved.
@@ -93,9 +113,10 @@ def validate_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
             )
         seen_tables.add(table.name)
         for feature in table.feature_names:
-            if feature in owner:
+            if feature in owner and not allow_shared_features:
                 raise ValueError(
                     f"feature {feature!r} is in two tables, {owner[feature]!r} and {table.name!r}; "
-                    "a feature looks up exactly one table"
+                    "a feature looks up exactly one table in the fused and sharded collections "
+                    "(EmbeddingBagCollection allows sharing)"
                 )
             owner[feature] = table.name

@@ -23,9 +23,12 @@ class EmbeddingBagCollection(nn.Module):
     the features in table order and whose values are ``[B, sum of each feature's table dim]``.
 
     Args:
-        tables: the tables (``validate_tables`` rules apply).
+        tables: the tables (``validate_tables`` rules apply, except that a feature may
+            look up several tables: its outputs are then keyed ``feature@table``).
         is_weighted: the input carries one weight per id (weighted sum / mean pooling).
-        device: where the weights live.
+        device: where the weights live; None follows torch's default device (so
+            ``with torch.device("meta"):`` builds on meta); ``"meta"`` allocates nothing
+            and forward returns meta tensors of the right shapes.
         sparse_grad: produce sparse gradients (for ``torch.optim.SparseAdam``).
 
     Example::
@@ -45,7 +48,7 @@ class EmbeddingBagCollection(nn.Module):
         sparse_grad: bool = False,
     ) -> None:
         super().__init__()
-        validate_tables(tables)
+        validate_tables(tables, allow_shared_features=True)
         self.tables = list(tables)
         self.is_weighted = is_weighted
         self._layout = FeatureLayout(self.tables)
@@ -61,13 +64,18 @@ class EmbeddingBagCollection(nn.Module):
                 # the global RNG draws only our uniform_ below, as FusedEmbeddingBagCollection does.
                 _weight=torch.empty(table.num_embeddings, table.embedding_dim, device=device),
             )
-            lo, hi = table.init_bounds()
-            with torch.no_grad():
-                bag.weight.uniform_(lo, hi)
+            table.init_weight(bag.weight)
             self.embedding_bags[table.name] = bag
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live (``meta`` when built there: no memory is allocated)."""
+        bag = self.embedding_bags[self.tables[0].name]
+        assert isinstance(bag, nn.EmbeddingBag)
+        return bag.weight.device
+
     def feature_names(self) -> list[str]:
-        """The output keys: features in table order."""
+        """The features looked up, in table order (repeated when shared by tables)."""
         return list(self._layout.feature_names)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -76,6 +84,10 @@ class EmbeddingBagCollection(nn.Module):
         Raises:
             ValueError: missing features or weights mismatch; ``InvalidIdError`` for bad ids.
         """
+        if self.device.type == "meta":
+            # Shapes only (build-on-meta, then shard): ids cannot be read, nor need to be.
+            pooled_meta = torch.empty(features.stride(), sum(self._layout.dims), device="meta")
+            return KeyedTensor(self._layout.output_keys, self._layout.dims, pooled_meta)
         dtype = next((p.dtype for p in self.embedding_bags.parameters()), torch.float32)
         features = self._layout.prepare(features, self.is_weighted, dtype)
         batch = features.stride()
@@ -96,7 +108,7 @@ class EmbeddingBagCollection(nn.Module):
                 )
             )
         return KeyedTensor(
-            keys=self._layout.feature_names,
+            keys=self._layout.output_keys,
             length_per_key=self._layout.dims,
             values=torch.cat(pooled, dim=1),
         )

@@ -104,9 +104,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             ):
                 weights[t] = w
         for t, table in enumerate(self.tables):
-            lo, hi = table.init_bounds()
-            with torch.no_grad():
-                weights[t].uniform_(lo, hi)  # table order: same draws as EmbeddingBagCollection
+            table.init_weight(weights[t])  # table order: same draws as EmbeddingBagCollection
             self.embedding_bags[table.name] = _TableWeight(weights[t])
         self._optimizer = self._build_optimizer()
         self._lr_sync = LearningRateSync(
@@ -202,6 +200,10 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         Raises:
             ValueError: missing features or weights mismatch; ``InvalidIdError`` for bad ids.
         """
+        if self.device.type == "meta":
+            # Shapes only (build-on-meta, then shard): ids cannot be read, nor need to be.
+            pooled_meta = torch.empty(features.stride(), sum(self._layout.dims), device="meta")
+            return KeyedTensor(self._layout.feature_names, self._layout.dims, pooled_meta)
         features = self._layout.prepare(features, self.is_weighted)
         self._lr_sync.apply(self._optimizer.param_groups)
         if self._single_group:

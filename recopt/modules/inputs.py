@@ -31,6 +31,12 @@ class FeatureLayout:
         self.table_names = [tables[t].name for t in self.feature_table]
         self.num_rows = [tables[t].num_embeddings for t in self.feature_table]
         self.dims = [tables[t].embedding_dim for t in self.feature_table]
+        # A feature looked up by several tables yields one output per table: "feature@table".
+        shared = {f for f in self.feature_names if self.feature_names.count(f) > 1}
+        self.output_keys = [
+            f"{f}@{name}" if f in shared else f
+            for f, name in zip(self.feature_names, self.table_names, strict=True)
+        ]
 
     def prepare(
         self,
@@ -44,9 +50,16 @@ class FeatureLayout:
         does, so every backend accepts e.g. float64 weights alike.
 
         Raises:
-            ValueError: a feature is missing, or weights are missing / unexpected.
+            ValueError: a feature is missing, weights are missing / unexpected, or the
+                input has a variable batch per feature.
             InvalidIdError: an id is outside its table.
         """
+        if features.variable_stride_per_key():
+            raise ValueError(
+                "the input has a variable batch per feature (stride_per_key_per_rank "
+                f"{features.stride_per_key_per_rank()}); the embedding-bag modules need one "
+                "batch size for all features: pad the smaller features with empty bags"
+            )
         keys = features.keys()
         if keys != self.feature_names:
             index = {k: i for i, k in enumerate(keys)}

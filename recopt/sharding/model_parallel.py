@@ -83,7 +83,8 @@ class DistributedModelParallel(nn.Module):
                 device=device,
                 module_path=path,
             )
-            new.load_state_dict(old.state_dict())
+            if not _on_meta(old):  # a meta module has no values: keep the fresh init
+                new.load_state_dict(old.state_dict())
             module = _replace(module, path, new)
             sharded.append((path, new))
         self._sharded = sharded
@@ -162,6 +163,11 @@ def _table_optimizers(module: nn.Module) -> dict[str, FusedOptimizerConfig]:
             table = name_of[id(p)].split(".")[1]
             result[table] = config
     return result
+
+
+def _on_meta(module: nn.Module) -> bool:
+    """True when the module was built on the meta device (build-on-meta, then shard)."""
+    return any(p.device.type == "meta" for p in module.parameters())
 
 
 def _replace(root: nn.Module, path: str, new: nn.Module) -> nn.Module:

@@ -146,9 +146,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         groups = [*self._layout.mp_groups, *self._layout.dp_groups]
         for group, kernel in zip(groups, [*self._mp_kernels, *self._dp_kernels], strict=True):
             for (t, _), weight in zip(group.tables, kernel.split_embedding_weights(), strict=True):
-                lo, hi = self.tables[t].init_bounds()
-                with torch.no_grad():
-                    weight.uniform_(lo, hi)
+                self.tables[t].init_weight(weight)  # init_fn, when given, sees each shard
 
     def _prepare_output_maps(self) -> None:
         layout = self._layout

@@ -41,7 +41,7 @@ class KeyedTensor:
         length_per_key = list(length_per_key)
         if not isinstance(values, torch.Tensor):
             raise ValueError(f"values must be a torch.Tensor, got {type(values).__name__}")
-        if not 0 <= key_dim < values.dim():
+        if keys and not 0 <= key_dim < values.dim():
             raise ValueError(
                 f"key_dim {key_dim} is not a dimension of values with shape {list(values.shape)}"
             )
@@ -53,7 +53,7 @@ class KeyedTensor:
         for key, width in zip(keys, length_per_key, strict=True):
             if isinstance(width, bool) or not isinstance(width, int) or width < 0:
                 raise ValueError(f"key {key!r}: width {width!r} must be a non-negative int")
-        if sum(length_per_key) != values.shape[key_dim]:
+        if keys and sum(length_per_key) != values.shape[key_dim]:
             raise ValueError(
                 f"length_per_key sums to {sum(length_per_key)} but values has "
                 f"{values.shape[key_dim]} columns along key_dim {key_dim} "
@@ -70,14 +70,20 @@ class KeyedTensor:
 
     @classmethod
     def from_tensor_list(
-        cls, keys: Sequence[str], tensors: Sequence[torch.Tensor], key_dim: int = 1
+        cls,
+        keys: Sequence[str],
+        tensors: Sequence[torch.Tensor],
+        key_dim: int = 1,
+        cat_dim: int | None = None,
     ) -> KeyedTensor:
         """Concatenates one tensor per key along ``key_dim``.
 
         Args:
             keys: the feature names, one per tensor.
             tensors: e.g. ``[B, D_key]`` each; all sizes but ``key_dim`` must agree.
-            key_dim: the dimension to concatenate along.
+            key_dim: the dimension the keys' widths are read from.
+            cat_dim: the dimension to concatenate along; default ``key_dim`` (the
+                result must hold the keys side by side along key_dim).
 
         Returns:
             The KeyedTensor.
@@ -90,7 +96,8 @@ class KeyedTensor:
         if not tensors:
             raise ValueError("from_tensor_list needs at least one tensor to know the shape")
         widths = [t.shape[key_dim] for t in tensors]
-        return cls(keys, widths, torch.cat(list(tensors), dim=key_dim), key_dim=key_dim)
+        dim = key_dim if cat_dim is None else cat_dim
+        return cls(keys, widths, torch.cat(list(tensors), dim=dim), key_dim=key_dim)
 
     def keys(self) -> list[str]:
         """Returns the feature names, in column order."""
@@ -103,6 +110,14 @@ class KeyedTensor:
     def key_dim(self) -> int:
         """Returns the dimension the features are concatenated along."""
         return self._key_dim
+
+    def device(self) -> torch.device:
+        """Returns the device of the values."""
+        return self._values.device
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Marks the values as used by ``stream`` (see ``torch.Tensor.record_stream``)."""
+        self._values.record_stream(stream)
 
     def length_per_key(self) -> list[int]:
         """Returns each feature's width along ``key_dim``."""
@@ -136,6 +151,13 @@ class KeyedTensor:
         """Returns a copy on ``device`` (shares the tensor when already there)."""
         values = self._values.to(device, non_blocking=non_blocking)
         return KeyedTensor(self._keys, self._length_per_key, values, self._key_dim)
+
+    def __str__(self) -> str:
+        """TorchRec's readable form: each key's slice as nested lists."""
+        if not self._keys:
+            return "KeyedTensor()\n"
+        parts = [f'    "{key}": {self[key].tolist()}' for key in self._keys]
+        return "KeyedTensor({\n" + ",\n".join(parts) + "\n})\n"
 
     def __repr__(self) -> str:
         widths = dict(zip(self._keys, self._length_per_key, strict=True))
@@ -190,6 +212,23 @@ class KeyedTensor:
                         f"regroup: key {key!r} is in no input (inputs hold {sorted(owner)})"
                     )
         return [_gather_group(keyed_tensors, owner, group) for group in groups]
+
+    @staticmethod
+    def regroup_as_dict(
+        keyed_tensors: Sequence[KeyedTensor],
+        groups: Sequence[Sequence[str]],
+        keys: Sequence[str],
+    ) -> dict[str, torch.Tensor]:
+        """``regroup``, with each group's tensor named by the matching entry of ``keys``.
+
+        Raises:
+            ValueError: if ``keys`` and ``groups`` differ in length, or as ``regroup``.
+        """
+        if len(keys) != len(groups):
+            raise ValueError(
+                f"regroup_as_dict: {len(keys)} names for {len(groups)} groups; give one per group"
+            )
+        return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups), strict=True))
 
 
 def _gather_group(

@@ -1,0 +1,624 @@
+"""KeyedJaggedTensor: F features' jagged values for one batch, in the key-major layout.
+
+Layout (docs/design.md): ``lengths`` counts the entries of each (feature, bag), all of
+feature 0's bags first; ``values`` holds the entries in the same order, ``weights`` one per
+entry, ``offsets`` is the exclusive cumsum of ``lengths``. Each feature's entries are one
+contiguous slice, so per-key work is slicing. Feature ``f`` has ``stride_per_key()[f]`` bags:
+the batch size B for all features, or a per-feature size (variable batch per feature).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from recopt.sparse._checks import (
+    check_keys,
+    check_layout_shapes,
+    check_offsets,
+    check_values,
+    check_weights,
+    exclusive_cumsum,
+    resolve_stride,
+    resolve_variable_strides,
+    validate_lengths,
+)
+from recopt.sparse._kjt_helpers import concat_kjts, flat_weights, kjt_text, reorder_on_device
+from recopt.sparse.jagged import _REPR_MAX_IDS, JaggedTensor, _bags_text
+
+InverseIndices = tuple[list[str], torch.Tensor]
+
+
+class KeyedJaggedTensor:
+    """F features' jagged values for one batch, key-major.
+
+    Example: keys ``["a", "b"]``, stride 2, lengths ``[2, 0, 1, 1]`` and values
+    ``[10, 11, 20, 21]`` mean sample 0 has ids ``a: [10, 11], b: [20]`` and sample 1 has
+    ``a: [], b: [21]``. ``length_per_key()`` is ``[2, 2]``, ``offset_per_key()`` ``[0, 2, 4]``.
+
+    Checks: shapes, dtypes and devices always (no sync). The numbers (lengths >= 0 and
+    summing to ``len(values)``, offsets agreeing) are checked at construction when values
+    are on the CPU; on an accelerator they are checked when ``length_per_key`` is first
+    computed (the one sync that needs anyway), so building a CUDA KJT and passing it to an
+    embedding module whose features are in order costs no sync here. The results of
+    ``split``, ``permute``, ``concat`` and ``[]`` are valid by construction.
+
+    Args:
+        keys: the F unique feature names.
+        values: entries of every (feature, bag), key-major, along dim 0: ids (stored as
+            int64), floats, or rows of a 2-D tensor.
+        weights: optional tensor, one weight per entry.
+        lengths: 1-D integer tensor, the entries per (feature, bag).
+        offsets: 1-D integer tensor, the exclusive cumsum of lengths (one more entry).
+            Give lengths, offsets or both (then they must agree).
+        stride: B, the batch size; inferred as ``len(lengths) // F`` when None.
+        stride_per_key_per_rank: variable batch per feature: for each key, the batch size
+            contributed by each rank; feature ``f`` then has ``sum(row f)`` bags.
+        stride_per_key: ignored when stride_per_key_per_rank is given (derived from it).
+        length_per_key: optional trusted entries per key (skips the sync that derives it;
+            then the sums are not checked).
+        inverse_indices: optional ``(keys, [F, B] tensor)`` mapping each sample of the full
+            batch to its row in a variable-batch feature (kept for the caller).
+
+    Raises:
+        ValueError: on a malformed layout; the message names the feature, the bag and the
+            numbers at fault.
+    """
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        values: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+        stride: int | None = None,
+        stride_per_key_per_rank: Sequence[Sequence[int]] | torch.Tensor | None = None,
+        stride_per_key: Sequence[int] | None = None,
+        length_per_key: Sequence[int] | None = None,
+        inverse_indices: InverseIndices | None = None,
+    ) -> None:
+        keys = check_keys(keys)
+        values = check_values(values)
+        check_weights(weights, values)
+        lengths, offsets = check_layout_shapes(values, lengths, offsets)
+        per_rank, batch = None, None
+        if stride_per_key_per_rank is not None and len(stride_per_key_per_rank) > 0:
+            per_rank = resolve_variable_strides(stride_per_key_per_rank, keys, lengths.numel())
+            strides = [sum(row) for row in per_rank]
+        else:
+            batch = resolve_stride(lengths.numel(), len(keys), stride, "lengths")
+            strides = [batch] * len(keys)
+        lpk = None if length_per_key is None else [int(n) for n in length_per_key]
+        self._init(keys, values, weights, lengths, strides, lpk, offsets)
+        self._stride_per_key_per_rank: list[list[int]] | None = per_rank
+        self._inverse_indices: InverseIndices | None = inverse_indices
+        self._stride: int | None = batch if per_rank is None else stride
+        if values.device.type == "cpu" and lpk is None:
+            self.length_per_key()  # validates now: on the CPU it costs no device sync
+
+    def _init(
+        self,
+        keys: list[str],
+        values: torch.Tensor,
+        weights: torch.Tensor | None,
+        lengths: torch.Tensor,
+        stride_per_key: list[int],
+        length_per_key: list[int] | None,
+        offsets: torch.Tensor | None,
+    ) -> None:
+        self._keys = keys
+        self._values = values
+        self._weights = weights
+        self._lengths = lengths
+        self._offsets = offsets
+        self._stride_per_key = stride_per_key
+        self._stride_per_key_per_rank = None
+        self._inverse_indices = None
+        self._stride = None
+        self._length_per_key = length_per_key
+        self._offset_per_key: list[int] | None = None
+        self._index_per_key: dict[str, int] | None = None
+        self._bag_offset_per_key = [0]
+        for count in stride_per_key:
+            self._bag_offset_per_key.append(self._bag_offset_per_key[-1] + count)
+
+    @classmethod
+    def _trusted(
+        cls,
+        keys: list[str],
+        values: torch.Tensor,
+        weights: torch.Tensor | None,
+        lengths: torch.Tensor,
+        stride_per_key: list[int],
+        length_per_key: list[int] | None,
+        offsets: torch.Tensor | None = None,
+        per_rank: list[list[int]] | None = None,
+    ) -> KeyedJaggedTensor:
+        """Builds from parts that are already valid (the results of our own operations)."""
+        kjt = cls.__new__(cls)
+        kjt._init(keys, values, weights, lengths, stride_per_key, length_per_key, offsets)
+        kjt._stride_per_key_per_rank = per_rank
+        return kjt
+
+    @classmethod
+    def from_lengths_sync(
+        cls,
+        keys: Sequence[str],
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        stride: int | None = None,
+        stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
+        inverse_indices: InverseIndices | None = None,
+    ) -> KeyedJaggedTensor:
+        """Builds from lengths and computes ``length_per_key`` now (one sync off the CPU)."""
+        kjt = cls(
+            keys,
+            values,
+            weights=weights,
+            lengths=lengths,
+            stride=stride,
+            stride_per_key_per_rank=stride_per_key_per_rank,
+            inverse_indices=inverse_indices,
+        )
+        return kjt.sync()
+
+    @classmethod
+    def from_offsets_sync(
+        cls,
+        keys: Sequence[str],
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        stride: int | None = None,
+        stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
+        inverse_indices: InverseIndices | None = None,
+    ) -> KeyedJaggedTensor:
+        """Builds from offsets and computes ``length_per_key`` now (one sync off the CPU)."""
+        kjt = cls(
+            keys,
+            values,
+            weights=weights,
+            offsets=offsets,
+            stride=stride,
+            stride_per_key_per_rank=stride_per_key_per_rank,
+            inverse_indices=inverse_indices,
+        )
+        return kjt.sync()
+
+    @classmethod
+    def from_id_lists(
+        cls,
+        ids: Mapping[str, Sequence[Sequence[int]]],
+        weights: Mapping[str, Sequence[Sequence[float]]] | None = None,
+    ) -> KeyedJaggedTensor:
+        """Builds from Python lists: ``ids[feature][sample]`` is that bag's ids.
+
+        Args:
+            ids: feature name -> one list of ids per sample; every feature has the same
+                number of samples (the stride). Dict order gives the key order.
+            weights: optional, the same structure with one float per id (float32).
+
+        Returns:
+            The KeyedJaggedTensor on CPU.
+
+        Raises:
+            ValueError: if batch sizes differ between features, or weights do not match ids.
+        """
+        keys = check_keys(list(ids))
+        stride = len(ids[keys[0]]) if keys else 0
+        for key in keys:
+            if len(ids[key]) != stride:
+                raise ValueError(
+                    f"feature {key!r} has {len(ids[key])} samples but feature {keys[0]!r} has "
+                    f"{stride}; every feature needs one bag per sample"
+                )
+        lengths = [len(bag) for key in keys for bag in ids[key]]
+        values = torch.tensor(
+            [i for key in keys for bag in ids[key] for i in bag], dtype=torch.int64
+        )
+        weights_flat = None if weights is None else flat_weights(ids, weights, keys, stride)
+        lengths_tensor = torch.tensor(lengths, dtype=torch.int64)
+        return cls(keys, values, weights=weights_flat, lengths=lengths_tensor, stride=stride)
+
+    @classmethod
+    def from_jt_dict(cls, jt_dict: Mapping[str, JaggedTensor]) -> KeyedJaggedTensor:
+        """Builds from one JaggedTensor per feature (dict order gives the key order).
+
+        Features with different bag counts give a variable-batch KJT (one rank per key).
+
+        Raises:
+            ValueError: if some features are weighted and some not.
+        """
+        keys = check_keys(list(jt_dict))
+        if not keys:
+            return cls.empty()
+        first = keys[0]
+        weighted = jt_dict[first].weights_or_none() is not None
+        for key in keys:
+            if (jt_dict[key].weights_or_none() is not None) != weighted:
+                raise ValueError(
+                    f"feature {first!r} is {'' if weighted else 'un'}weighted but {key!r} is not; "
+                    "give weights to all features or to none"
+                )
+        jts = [jt_dict[key] for key in keys]
+        strides = [jt.lengths().numel() for jt in jts]
+        per_rank = None if len(set(strides)) == 1 else [[s] for s in strides]
+        return cls(
+            keys,
+            torch.cat([jt.values() for jt in jts]),
+            weights=torch.cat([jt.weights() for jt in jts]) if weighted else None,
+            lengths=torch.cat([jt.lengths() for jt in jts]),
+            stride=strides[0] if per_rank is None else None,
+            stride_per_key_per_rank=per_rank,
+        )
+
+    @classmethod
+    def empty(
+        cls,
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
+        values_dtype: torch.dtype | None = None,
+        weights_dtype: torch.dtype | None = None,
+        lengths_dtype: torch.dtype = torch.int64,
+        *,
+        keys: Sequence[str] = (),
+        stride: int = 0,
+    ) -> KeyedJaggedTensor:
+        """Returns a KJT with no entries: every bag of every key (default none) is empty.
+
+        Lengths are int64 whatever ``lengths_dtype`` asks (recopt's kernels take int64).
+        """
+        keys = check_keys(keys)
+        resolve_stride(0, 0, stride, "empty")
+        values = check_values(torch.empty(0, dtype=values_dtype or torch.int64, device=device))
+        weights = (
+            torch.empty(0, dtype=weights_dtype or torch.float32, device=device)
+            if is_weighted
+            else None
+        )
+        lengths = torch.zeros(len(keys) * stride, dtype=torch.int64, device=device)
+        empty = cls._trusted(keys, values, weights, lengths, [stride] * len(keys), [0] * len(keys))
+        empty._stride = stride
+        return empty
+
+    @staticmethod
+    def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """Returns a KJT with the keys, batch sizes, dtypes and device of ``kjt`` but no entries."""
+        weights = kjt.weights_or_none()
+        empty = KeyedJaggedTensor._trusted(
+            kjt.keys(),
+            kjt.values()[:0],
+            None if weights is None else weights[:0],
+            torch.zeros_like(kjt.lengths()),
+            list(kjt._stride_per_key),
+            [0] * len(kjt.keys()),
+            per_rank=kjt._stride_per_key_per_rank,
+        )
+        empty._stride = kjt._stride
+        return empty
+
+    @staticmethod
+    def concat(kjts: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+        """Joins KJTs of the same batch; keys follow in order and must be disjoint.
+
+        Raises:
+            ValueError: if the list is empty, strides differ (unless some input has a
+                variable batch per feature), a key repeats, or some inputs are weighted
+                and some not.
+        """
+        return concat_kjts(kjts)
+
+    def sync(self) -> KeyedJaggedTensor:
+        """Computes (and so checks) ``length_per_key`` now; returns self."""
+        if self._values.device.type != "meta":
+            self.length_per_key()
+        return self
+
+    def unsync(self) -> KeyedJaggedTensor:
+        """Forgets the cached per-key counts (they are recomputed on demand); returns self."""
+        if self._values.device.type != "cpu":
+            self._length_per_key = self._offset_per_key = None
+        return self
+
+    def keys(self) -> list[str]:
+        """Returns the feature names, in layout order."""
+        return list(self._keys)
+
+    def values(self) -> torch.Tensor:
+        """Returns the entries, key-major (ids are int64)."""
+        return self._values
+
+    def weights(self) -> torch.Tensor:
+        """Returns the per-entry weights.
+
+        Raises:
+            ValueError: if this KJT has no weights.
+        """
+        if self._weights is None:
+            raise ValueError("this KeyedJaggedTensor has no weights; use weights_or_none()")
+        return self._weights
+
+    def weights_or_none(self) -> torch.Tensor | None:
+        """Returns the per-entry weights, or None when unweighted."""
+        return self._weights
+
+    def lengths(self) -> torch.Tensor:
+        """Returns the int64 lengths, one per (feature, bag), key-major."""
+        return self._lengths
+
+    def lengths_or_none(self) -> torch.Tensor | None:
+        """Returns the lengths (always present: derived from offsets when needed)."""
+        return self._lengths
+
+    def offsets(self) -> torch.Tensor:
+        """Returns the int64 offsets, the exclusive cumsum of lengths."""
+        if self._offsets is None:
+            self._offsets = exclusive_cumsum(self._lengths)
+        return self._offsets
+
+    def offsets_or_none(self) -> torch.Tensor | None:
+        """Returns the offsets if given or already computed, else None."""
+        return self._offsets
+
+    def stride(self) -> int:
+        """Returns B, the batch size; with a variable batch, the largest feature's (or the
+        width of ``inverse_indices`` when given)."""
+        if self._stride is not None:
+            return self._stride
+        if self._inverse_indices is not None and self._inverse_indices[1].numel() > 0:
+            return int(self._inverse_indices[1].shape[-1])
+        return max(self._stride_per_key, default=0)
+
+    def stride_per_key(self) -> list[int]:
+        """Returns the number of bags of each feature."""
+        return list(self._stride_per_key)
+
+    def stride_per_key_per_rank(self) -> list[list[int]]:
+        """Returns each feature's batch size per rank ([] without a variable batch)."""
+        rows = self._stride_per_key_per_rank
+        return [] if rows is None else [list(row) for row in rows]
+
+    def variable_stride_per_key(self) -> bool:
+        """True when built with ``stride_per_key_per_rank`` (a batch size per feature)."""
+        return self._stride_per_key_per_rank is not None
+
+    def inverse_indices(self) -> InverseIndices:
+        """Returns ``(keys, [F, B] tensor)`` given at construction.
+
+        Raises:
+            ValueError: if none were given.
+        """
+        if self._inverse_indices is None:
+            raise ValueError("this KeyedJaggedTensor has no inverse_indices; pass them to build")
+        return self._inverse_indices
+
+    def inverse_indices_or_none(self) -> InverseIndices | None:
+        """Returns the inverse indices, or None."""
+        return self._inverse_indices
+
+    def device(self) -> torch.device:
+        """Returns the device of the values."""
+        return self._values.device
+
+    def length_per_key(self) -> list[int]:
+        """Returns the entries of each feature (one sync off the CPU, then cached).
+
+        On the meta device, where counts cannot be read, a placeholder: the entries
+        split evenly across the keys.
+
+        Raises:
+            ValueError: if lengths are negative or do not add up to ``len(values)``.
+        """
+        if self._length_per_key is None and self._values.device.type == "meta":
+            # Counts cannot be read on meta: a placeholder that splits the entries evenly
+            # (the first key takes the remainder), so shape-only code can run.
+            share, extra = divmod(self._values.shape[0], max(len(self._keys), 1))
+            return [share + (extra if i == 0 else 0) for i in range(len(self._keys))]
+        if self._length_per_key is None:
+            num_ids = self._values.shape[0]
+            check_offsets(self._offsets, self._lengths, num_ids, self._keys, self._stride_per_key)
+            self._length_per_key = validate_lengths(
+                self._lengths, num_ids, self._keys, self._stride_per_key, self._offsets is not None
+            )
+        return list(self._length_per_key)
+
+    def length_per_key_or_none(self) -> list[int] | None:
+        """Returns the entries of each feature if already known, else None (no sync)."""
+        return None if self._length_per_key is None else list(self._length_per_key)
+
+    def offset_per_key(self) -> list[int]:
+        """Returns F+1 entries: feature ``f``'s entries are ``values()[opk[f]:opk[f+1]]``."""
+        if self._offset_per_key is None:
+            offsets = [0]
+            for count in self.length_per_key():
+                offsets.append(offsets[-1] + count)
+            self._offset_per_key = offsets
+        return list(self._offset_per_key)
+
+    def offset_per_key_or_none(self) -> list[int] | None:
+        """Returns the offset per key if already known, else None (no sync)."""
+        return None if self._offset_per_key is None else list(self._offset_per_key)
+
+    def lengths_offset_per_key(self) -> list[int]:
+        """Returns F+1 entries: feature ``f``'s lengths are ``lengths()[lopk[f]:lopk[f+1]]``."""
+        return list(self._bag_offset_per_key)
+
+    def index_per_key(self) -> dict[str, int]:
+        """Returns feature name -> its position in ``keys()``."""
+        if self._index_per_key is None:
+            self._index_per_key = {k: i for i, k in enumerate(self._keys)}
+        return dict(self._index_per_key)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def _key_index(self, key: str) -> int:
+        if self._index_per_key is None:
+            self._index_per_key = {k: i for i, k in enumerate(self._keys)}
+        if key not in self._index_per_key:
+            raise KeyError(f"feature {key!r} is not in this KeyedJaggedTensor (keys {self._keys})")
+        return self._index_per_key[key]
+
+    def _bags(self, index: int) -> slice:
+        return slice(self._bag_offset_per_key[index], self._bag_offset_per_key[index + 1])
+
+    def __getitem__(self, key: str) -> JaggedTensor:
+        """Returns feature ``key``'s bags as a JaggedTensor of views.
+
+        Raises:
+            KeyError: if the feature is not among the keys.
+        """
+        index = self._key_index(key)
+        opk = self.offset_per_key()
+        start, end = opk[index], opk[index + 1]
+        weights = None if self._weights is None else self._weights[start:end]
+        return JaggedTensor._trusted(
+            self._values[start:end], self._lengths[self._bags(index)], weights
+        )
+
+    def to_dict(self) -> dict[str, JaggedTensor]:
+        """Returns feature name -> its JaggedTensor, in key order."""
+        return {key: self[key] for key in self._keys}
+
+    def split(self, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
+        """Splits the keys into consecutive groups of the given sizes (0 allowed).
+
+        Every part is made of views of this KJT's tensors: no copy.
+
+        Raises:
+            ValueError: if a size is negative or the sizes do not add up to ``len(self)``.
+        """
+        segments = list(segments)
+        for size in segments:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ValueError(f"split: segment sizes must be non-negative ints, got {size!r}")
+        if sum(segments) != len(self._keys):
+            raise ValueError(
+                f"split: segments {segments} sum to {sum(segments)} but there are "
+                f"{len(self._keys)} keys"
+            )
+        opk, lpk, bpk = self.offset_per_key(), self.length_per_key(), self._bag_offset_per_key
+        rows = self._stride_per_key_per_rank
+        parts, first = [], 0
+        for size in segments:
+            last = first + size
+            start, end = opk[first], opk[last]
+            part = KeyedJaggedTensor._trusted(
+                self._keys[first:last],
+                self._values[start:end],
+                None if self._weights is None else self._weights[start:end],
+                self._lengths[bpk[first] : bpk[last]],
+                self._stride_per_key[first:last],
+                lpk[first:last],
+                per_rank=None if rows is None else rows[first:last],
+            )
+            part._stride = self.stride()
+            parts.append(part)
+            first = last
+        return parts
+
+    def permute(
+        self, indices: Sequence[int], indices_tensor: torch.Tensor | None = None
+    ) -> KeyedJaggedTensor:
+        """Returns a KJT whose key ``i`` is this KJT's key ``indices[i]``.
+
+        Indices may repeat a key (it then appears twice) or leave keys out. Costs one
+        gather over lengths and one concatenation over the chosen entries. A reordering
+        of all keys whose counts are not yet known (an accelerator KJT) is done on the
+        device without a sync; other cases need ``length_per_key`` (one sync, cached).
+        ``indices_tensor`` is accepted for TorchRec compatibility and not needed.
+
+        Raises:
+            ValueError: if an index is not in ``range(len(self))``.
+        """
+        del indices_tensor
+        indices = list(indices)
+        num_keys = len(self._keys)
+        for index in indices:
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_keys:
+                raise ValueError(
+                    f"permute: index {index!r} is not in range({num_keys}) of the keys"
+                )
+        if self._length_per_key is None and sorted(indices) == list(range(num_keys)):
+            return reorder_on_device(self, indices)
+        opk, lpk = self.offset_per_key(), self.length_per_key()
+
+        def gather(t: torch.Tensor, cuts: Sequence[int]) -> torch.Tensor:
+            if not indices:
+                return t[:0]
+            return torch.cat([t[cuts[i] : cuts[i + 1]] for i in indices])
+
+        rows = self._stride_per_key_per_rank
+        permuted = KeyedJaggedTensor._trusted(
+            [self._keys[i] for i in indices],
+            gather(self._values, opk),
+            None if self._weights is None else gather(self._weights, opk),
+            gather(self._lengths, self._bag_offset_per_key),
+            [self._stride_per_key[i] for i in indices],
+            [lpk[i] for i in indices],
+            per_rank=None if rows is None else [rows[i] for i in indices],
+        )
+        permuted._stride = self._stride
+        permuted._inverse_indices = self._inverse_indices
+        return permuted
+
+    def _map(self, fn: _TensorFn) -> KeyedJaggedTensor:
+        """Applies ``fn`` to every tensor; keeps keys, batch sizes and cached counts."""
+        moved = KeyedJaggedTensor._trusted(
+            list(self._keys),
+            fn(self._values),
+            None if self._weights is None else fn(self._weights),
+            fn(self._lengths),
+            list(self._stride_per_key),
+            self._length_per_key,
+            None if self._offsets is None else fn(self._offsets),
+            per_rank=self._stride_per_key_per_rank,
+        )
+        moved._stride = self._stride
+        if self._inverse_indices is not None:
+            moved._inverse_indices = (self._inverse_indices[0], fn(self._inverse_indices[1]))
+        return moved
+
+    def to(
+        self,
+        device: torch.device | str,
+        non_blocking: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> KeyedJaggedTensor:
+        """Returns this KJT on ``device`` (sharing tensors already there); ``dtype``, when
+        given, converts floating values and weights."""
+        moved = self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        if dtype is not None:
+            if moved._values.is_floating_point():
+                moved._values = moved._values.to(dtype)
+            if moved._weights is not None:
+                moved._weights = moved._weights.to(dtype)
+        return moved
+
+    def pin_memory(self) -> KeyedJaggedTensor:
+        """Returns a copy in pinned host memory."""
+        return self._map(lambda t: t.pin_memory())
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Marks every tensor as used by ``stream`` (see ``torch.Tensor.record_stream``)."""
+        for tensor in (self._values, self._weights, self._lengths, self._offsets):
+            if tensor is not None:
+                tensor.record_stream(stream)
+
+    def __str__(self) -> str:
+        """TorchRec's readable form: each key's bags (and weights) as nested lists."""
+        return kjt_text(self)
+
+    def __repr__(self) -> str:
+        head = f"KeyedJaggedTensor(stride={self.stride()}, weighted={self._weights is not None}"
+        if self._values.numel() > _REPR_MAX_IDS:
+            counts = dict(zip(self._keys, self.length_per_key(), strict=True))
+            return f"{head}, ids per key={counts})"
+        features = [f"{key!r}: {_bags_text(self[key])}" for key in self._keys]
+        return ",\n  ".join([head, *features]) + ")"
+
+
+_TensorFn = Callable[[torch.Tensor], torch.Tensor]

@@ -1,0 +1,48 @@
+"""DistributedModelParallel materialises an EmbeddingBagCollection built on the meta device."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from recopt.modules import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    FusedEmbeddingBagCollection,
+)
+from recopt.sharding import DistributedModelParallel, full_tensor
+from recopt.sparse import KeyedJaggedTensor
+from recopt.testing import run_on_ranks
+
+
+def _meta_then_shard(rank: int, world: int, fused: bool) -> dict[str, Any]:
+    tables = [
+        EmbeddingBagConfig(name="a", num_embeddings=16, embedding_dim=4, feature_names=["fa"]),
+        EmbeddingBagConfig(name="b", num_embeddings=9, embedding_dim=8, feature_names=["fb"]),
+    ]
+    kind = FusedEmbeddingBagCollection if fused else EmbeddingBagCollection
+    dmp = DistributedModelParallel(kind(tables, device="meta"))
+    kjt = KeyedJaggedTensor.from_id_lists({"fa": [[1, 2], [15]], "fb": [[0], [3, 8]]})
+    out = dmp(kjt)
+    full = {k: full_tensor(v) for k, v in sorted(dmp.state_dict().items()) if "weight" in k}
+    return {"shape": tuple(out.values().shape), "keys": out.keys(), "full": full}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_meta_collection_is_materialised_by_dmp(fused: bool) -> None:
+    for world in (1, 2):
+        results = run_on_ranks(_meta_then_shard, world, fused, timeout_s=120)
+        for result in results:
+            assert result["shape"] == (2, 12) and result["keys"] == ["fa", "fb"]
+            for name, rows in (("a", 16), ("b", 9)):
+                weight = result["full"][f"embedding_bags.{name}.weight"]
+                bound = math.sqrt(1.0 / rows)
+                assert weight.device.type == "cpu" and weight.shape[0] == rows
+                assert float(weight.abs().max()) <= bound and float(weight.abs().max()) > 0
+        assert torch.equal(
+            results[0]["full"]["embedding_bags.a.weight"],
+            results[-1]["full"]["embedding_bags.a.weight"],
+        )
