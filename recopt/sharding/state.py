@@ -22,6 +22,7 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from recopt.kernels.updates import init_state
 from recopt.optim.fused import FusedOptimizer
+from recopt.sharding import comm
 from recopt.sharding.layout import COLUMN_TYPES, Kernel, ShardedLayout
 
 Tensor = torch.Tensor
@@ -120,9 +121,7 @@ def full_tensor(value: Tensor, group: dist.ProcessGroup | None = None) -> Tensor
             for o, s in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True)
         )
         full[index] = shard.tensor
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(full, group=group)
-    return full
+    return comm.all_reduce(full, group)
 
 
 class ShardedFusedOptimizer(FusedOptimizer):
@@ -333,7 +332,7 @@ class ShardedState:
                     src = first.rank
                     if self._group is not None:
                         src = dist.get_global_rank(self._group, first.rank)
-                    dist.broadcast(buf, src=src, group=self._group)
+                    comm.broadcast(buf, src, self._group)
                 for k, _ in self._shards(t):
                     mine = self._local.get((t, k))
                     if mine is not None:
