@@ -96,7 +96,7 @@ def check_ids_in_range(
     if total == 0:
         return
     device = values.device
-    limits = torch.tensor(list(num_rows), dtype=values.dtype).to(device, non_blocking=True)
+    limits = torch.tensor(list(num_rows), dtype=torch.int64).to(device, non_blocking=True)
     repeats = torch.tensor(list(length_per_key), dtype=torch.int64).to(device, non_blocking=True)
     # output_size makes repeat_interleave size its result without reading ``repeats`` back.
     limit_per_id = torch.repeat_interleave(limits, repeats, output_size=total)
