@@ -54,3 +54,21 @@ def _small_collectives(rank: int, world_size: int) -> list[float]:
 @pytest.mark.multiprocess
 def test_small_collectives_on_two_ranks() -> None:
     assert run_on_ranks(_small_collectives, 2) == [[3.0, 7.0, 0.0, 10.0]] * 2
+
+
+@pytest.mark.parametrize(
+    ("config", "device", "expected"),
+    [
+        ("cpu:gloo,cuda:nccl", "cpu", "cpu"),
+        ("cpu:gloo,cuda:nccl", "cuda:1", "cuda:1"),
+        ("cuda:nccl", "cpu", "cuda:1"),  # NCCL alone: a CPU tensor goes to the current GPU
+        ("cuda:gloo", "cpu", "cuda:1"),
+        ("cpu:gloo", "cuda:0", "cpu"),
+    ],
+)
+def test_collective_device_follows_the_group(
+    monkeypatch: pytest.MonkeyPatch, config: str, device: str, expected: str
+) -> None:
+    monkeypatch.setattr(comm.dist, "get_backend_config", lambda group=None: config)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert comm.collective_device(None, torch.device(device)) == torch.device(expected)
