@@ -106,7 +106,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._state = ShardedState(
             self._layout, self._mp_kernels, self._dp_kernels, self._pg, self.device
         )
-        self._row_stats = RowStatExchange(self._layout, self._mp_kernels, self._pg)
+        self._row_stats = RowStatExchange(self._layout, self._mp_kernels, self._pg, self.device)
         self._applied_lr: list[float | None] = [None] * len(self._layout.group_optimizers)
         self._prepare_output_maps()
         # Set to a dict to accumulate forward time per phase (input_dist, lookup, output_dist).
