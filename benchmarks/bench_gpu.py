@@ -201,7 +201,7 @@ def run_kernels(cfg: Config, warmup: int, steps: int) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------- DLRM
 
 
-def recopt_dlrm_step(dim: int, batch_size: int) -> Step:
+def recopt_dlrm_step(dim: int, batch_size: int, device: torch.device) -> Step:
     sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
     from dlrm_config import load_config
     from train import RunEnv, build_data, build_model, build_optimizer
@@ -209,7 +209,6 @@ def recopt_dlrm_step(dim: int, batch_size: int) -> Step:
     overrides = [f"data.batch_size={batch_size}", f"model.bottom_mlp=[512, 256, {dim}]"]
     overrides += [f"embedding.tables.{i}.embedding_dim={dim}" for i in range(26)]
     config = load_config(str(ROOT / "configs" / "dlrm_criteo_shape.toml"), overrides)
-    device = torch.device("cuda", torch.cuda.current_device())
     env = RunEnv(device=device)
     model = build_model(config, device)
     optimizer = build_optimizer(model, config)
@@ -226,7 +225,7 @@ def recopt_dlrm_step(dim: int, batch_size: int) -> Step:
     return step
 
 
-def torchrec_dlrm_step(dim: int, batch_size: int) -> Step:
+def torchrec_dlrm_step(dim: int, batch_size: int, device: torch.device) -> Step:
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec.distributed import DistributedModelParallel
     from torchrec.models.dlrm import DLRM
@@ -235,7 +234,6 @@ def torchrec_dlrm_step(dim: int, batch_size: int) -> Step:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    device = torch.device("cuda", torch.cuda.current_device())
     rows, features = 100_000, 26
     tables = [
         EmbeddingBagConfig(
@@ -298,7 +296,7 @@ def run_dlrm(dims: list[int], batches: list[int], warmup: int, steps: int) -> li
                     row["torchrec_ms"] = None
                     continue
                 try:
-                    step = build(dim, batch_size)
+                    step = build(dim, batch_size, torch.device("cuda", torch.cuda.current_device()))
                     row[f"{name}_ms"] = round(time_ms(step, warmup, steps), 3)
                     row[f"{name}_syncs"] = round(host_syncs(step, 3)["syncs"], 2)
                 except Exception as err:  # keep the other side's figure
