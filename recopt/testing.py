@@ -79,7 +79,8 @@ def run_on_ranks(
         timeout_s: limit for the whole run and for every collective of the process group.
         grace_s: once a rank has failed, how long the others get to report before being killed.
         backend: the default group's backend: ``"gloo"`` (CPU), or one naming ``cuda``, such as
-            ``"cuda:gloo"`` (every rank shares GPU 0, made its current device).
+            ``"cuda:gloo"`` (every rank shares GPU 0, made its current device; NCCL refuses
+            two ranks on one GPU, so a backend with NCCL suits one rank per GPU only).
 
     Returns:
         The return values of ``fn``, indexed by rank.
