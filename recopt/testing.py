@@ -42,7 +42,9 @@ def _rank_main(
 ) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        device = torch.device("cuda", 0) if "cuda" in backend else torch.device("cpu")
+        device = torch.device("cpu")
+        if "cuda" in backend or "nccl" in backend:  # ranks spread over the GPUs, or share one
+            device = torch.device("cuda", rank % torch.cuda.device_count())
         comm.init_process_group(
             device,
             backend=backend,
@@ -79,8 +81,8 @@ def run_on_ranks(
         timeout_s: limit for the whole run and for every collective of the process group.
         grace_s: once a rank has failed, how long the others get to report before being killed.
         backend: the default group's backend: ``"gloo"`` (CPU), or one naming ``cuda``, such as
-            ``"cuda:gloo"`` (every rank shares GPU 0, made its current device; NCCL refuses
-            two ranks on one GPU, so a backend with NCCL suits one rank per GPU only).
+            ``"cuda:gloo"``: rank ``r`` uses GPU ``r % device_count`` (on a one-GPU host every
+            rank shares it; NCCL refuses that, so a backend with NCCL needs a GPU per rank).
 
     Returns:
         The return values of ``fn``, indexed by rank.
