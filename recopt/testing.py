@@ -1,8 +1,11 @@
-"""Run a function on N spawned ranks joined in a gloo process group, for tests and benchmarks.
+"""Run a function on N spawned ranks joined in a process group, for tests and benchmarks.
 
-Every rank gets a `file://` rendezvous in a private temporary directory (no port races) and a
-timeout on its process group; the parent collects each rank's return value or traceback and
-kills the group as soon as one rank fails, so a failure surfaces as that error, not a hang.
+The group is gloo on CPU by default; ``backend="cuda:gloo"`` puts every rank on the one GPU of
+the host (gloo moves CUDA tensors and, like NCCL, refuses CPU tensors in such a group), so the
+multi-GPU logic runs on a single GPU. Every rank gets a `file://` rendezvous in a private
+temporary directory (no port races) and a timeout on its process group; the parent collects
+each rank's return value or traceback and kills the group as soon as one rank fails, so a
+failure surfaces as that error, not a hang.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from recopt.sharding import comm
+
 
 class RankFailure(RuntimeError):
     """One or more ranks raised, died or timed out; the message holds every rank's report."""
@@ -33,11 +38,16 @@ def _rank_main(
     results: Any,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
+    backend: str,
 ) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        dist.init_process_group(
-            "gloo",
+        device = torch.device("cpu")
+        if "cuda" in backend or "nccl" in backend:  # ranks spread over the GPUs, or share one
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+        comm.init_process_group(
+            device,
+            backend=backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
@@ -60,15 +70,19 @@ def run_on_ranks(
     *args: Any,
     timeout_s: float = 120.0,
     grace_s: float = 5.0,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
 
     Args:
-        fn: a module-level (picklable) function; it runs after the gloo group is initialised.
+        fn: a module-level (picklable) function; it runs after the group is initialised.
         world_size: number of ranks.
         *args: extra picklable arguments passed to every rank.
         timeout_s: limit for the whole run and for every collective of the process group.
         grace_s: once a rank has failed, how long the others get to report before being killed.
+        backend: the default group's backend: ``"gloo"`` (CPU), or one naming ``cuda``, such as
+            ``"cuda:gloo"``: rank ``r`` uses GPU ``r % device_count`` (on a one-GPU host every
+            rank shares it; NCCL refuses that, so a backend with NCCL needs a GPU per rank).
 
     Returns:
         The return values of ``fn``, indexed by rank.
@@ -83,7 +97,7 @@ def run_on_ranks(
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(rank, world_size, init_file, timeout_s, results, fn, args),
+                args=(rank, world_size, init_file, timeout_s, results, fn, args, backend),
                 daemon=True,
             )
             for rank in range(world_size)

@@ -352,7 +352,8 @@ def torchrun(*args: str, timeout: float = 240, nproc: int = 2) -> subprocess.Com
         text=True,
         timeout=timeout,
         cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        # Two ranks on CPU/gloo, also on a host with one GPU (two ranks cannot share it there).
+        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
     )
 
 

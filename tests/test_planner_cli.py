@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from recopt.modules import EmbeddingBagConfig
 from recopt.sharding import ShardingPlan, ShardingType, validate_plan
@@ -192,6 +193,7 @@ def test_calibrate_writes_a_topology_the_cli_reads_back(
 
     full = calibration.calibrate
     monkeypatch.setattr(calibration, "calibrate", lambda rph: full(rph, quick=True))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU topology, also on GPUs
     topo_file = tmp_path / "topo.toml"
     assert main(["--calibrate", "--ranks-per-host", "2", "--output", str(topo_file)]) == 0
     text = topo_file.read_text()

@@ -5,6 +5,9 @@ forward equals the unsharded forward on this rank's rows; after 3 training steps
 embedding optimizer + a DDP dense layer) every weight and every optimizer state, gathered to
 full tensors, equals the unsharded FusedEmbeddingBagCollection trained on the concatenation of
 every rank's batch (embedding gradients sum over ranks; DDP averages dense gradients).
+
+The cuda variant runs the same cases with 2 and 3 ranks sharing one GPU in a group whose only
+backend is ``cuda:gloo`` (like NCCL, it refuses CPU tensors): the multi-GPU logic on one GPU.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ TYPES = [
     "mixed",
 ]
 STEPS = 3
+CPU = torch.device("cpu")
 BATCHES = [3, 2, 4]  # per rank: different batch sizes
 
 
@@ -186,16 +190,20 @@ class _Model(nn.Module):
         return pooled, self.dense(pooled).square().sum()
 
 
-def _build(case: Case) -> _Model:
+def _build(case: Case, device: torch.device = CPU) -> _Model:
     tables = _tables(case)
     torch.manual_seed(0)
     opt = _optimizer(case)
     sparse: nn.Module
     if case.plain_ebc:
-        sparse = EmbeddingBagCollection(tables, is_weighted=case.weighted)
+        sparse = EmbeddingBagCollection(tables, is_weighted=case.weighted, device=device)
     else:
-        sparse = FusedEmbeddingBagCollection(tables, optimizer=opt, is_weighted=case.weighted)
-    return _Model(sparse, sum(t.embedding_dim * len(t.feature_names) for t in tables))
+        sparse = FusedEmbeddingBagCollection(
+            tables, optimizer=opt, is_weighted=case.weighted, device=device
+        )
+    model = _Model(sparse, sum(t.embedding_dim * len(t.feature_names) for t in tables))
+    model.dense.to(device)
+    return model
 
 
 def _global_rows(rank: int, world: int) -> slice:
@@ -203,30 +211,31 @@ def _global_rows(rank: int, world: int) -> slice:
     return slice(start, start + BATCHES[rank])
 
 
-def _run_case(case: Case, rank: int, world: int) -> None:
+def _run_case(case: Case, rank: int, world: int, device: torch.device = CPU) -> None:
     from recopt.sharding.model_parallel import DistributedModelParallel
     from recopt.sharding.state import full_tensor
 
-    model = _build(case)
-    ref = _build(case)  # not a deepcopy: kernels alias their weights, a copy would not
+    model = _build(case, device)
+    ref = _build(case, device)  # not a deepcopy: kernels alias their weights, a copy would not
     if case.plain_ebc:  # the reference of a plain EBC is the fused twin with the same weights
         fused = FusedEmbeddingBagCollection(
             _tables(case),
             optimizer=_optimizer(case),
             is_weighted=case.weighted,
+            device=device,
         )
         fused.load_state_dict(model.sparse.state_dict())
         ref.sparse = fused
     requests = _requests(case.kind, world)
     plan = ShardingPlan({"sparse": construct_module_sharding_plan(_tables(case), requests, world)})
     default = _optimizer(case)
-    dmp = DistributedModelParallel(model, plan, default_optimizer=default)
+    dmp = DistributedModelParallel(model, plan, default_optimizer=default, device=device)
     dense_opt = torch.optim.SGD([p for _, p in dmp.named_parameters()], lr=0.01)
     ref_dense = torch.optim.SGD(ref.dense.parameters(), lr=0.01)
     for step in range(STEPS):
         bags = [_batch(case, r, step, world) for r in range(world)]
-        pooled, loss = dmp(_kjt([bags[rank]], case.weighted))
-        ref_pooled, ref_loss = ref(_kjt(bags, case.weighted))
+        pooled, loss = dmp(_kjt([bags[rank]], case.weighted).to(device))
+        ref_pooled, ref_loss = ref(_kjt(bags, case.weighted).to(device))
         torch.testing.assert_close(
             pooled,
             ref_pooled[_global_rows(rank, world)],
@@ -384,7 +393,7 @@ def _state_case(rank: int, world: int) -> None:
             )
 
 
-def _wrapper_case(rank: int, world: int) -> None:
+def _wrapper_case(rank: int, world: int, device: torch.device = CPU) -> None:
     """The planner's plan by default; the fused optimizer combines with a dense one under the
     unsharded model's parameter names."""
     from recopt.optim import CombinedOptimizer, KeyedOptimizerWrapper
@@ -392,13 +401,13 @@ def _wrapper_case(rank: int, world: int) -> None:
 
     case = Case("wrapper", "mixed", "adam")
     reference_names = {n for n, _ in _build(case).named_parameters()}
-    dmp = DistributedModelParallel(_build(case))  # no plan: the planner's
+    dmp = DistributedModelParallel(_build(case, device), device=device)  # the planner's plan
     assert set(dmp.plan.plan) == {"sparse"} and set(dmp.plan["sparse"]) == {"t0", "t1", "t2"}
     dense = KeyedOptimizerWrapper(
         dict(dmp.named_parameters()), lambda ps: torch.optim.Adagrad(ps, lr=0.1)
     )
     combined = CombinedOptimizer([dmp.fused_optimizer, dense])
-    _, loss = dmp(_kjt([_batch(case, rank, 0, world)], False))
+    _, loss = dmp(_kjt([_batch(case, rank, 0, world)], False).to(device))
     combined.zero_grad()
     loss.backward()
     combined.step()
@@ -435,3 +444,22 @@ def test_sharding_contract(world: int) -> None:
     results = run_on_ranks(_contract, world, timeout_s=240)
     assert all(r == results[0] for r in results)
     assert len(results[0]) == len(_cases()) + 3
+
+
+def _contract_cuda(rank: int, world: int) -> list[str]:
+    device = torch.device("cuda", torch.cuda.current_device())
+    done = []
+    for case in _cases():
+        _run_case(case, rank, world, device)
+        done.append(case.name)
+    _wrapper_case(rank, world, device)  # the planner's plan broadcast in a CUDA-only group
+    done.append("wrapper")
+    return done
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharding_contract_on_ranks_sharing_one_gpu(world: int) -> None:
+    results = run_on_ranks(_contract_cuda, world, timeout_s=480, backend="cuda:gloo")
+    assert all(r == results[0] for r in results)
+    assert len(results[0]) == len(_cases()) + 1

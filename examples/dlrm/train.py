@@ -40,6 +40,7 @@ from dlrm_report import MetricsLog, ProgressBar, plot_curves  # noqa: E402
 
 from recopt.checkpoint import CheckpointManager  # noqa: E402
 from recopt.data import Batch, CriteoClickLog, SyntheticClickLog  # noqa: E402
+from recopt.data.prefetch import DevicePrefetcher  # noqa: E402
 from recopt.ft.launch import (  # noqa: E402
     make_fault_tolerant,
     manager_config_from_env,
@@ -59,6 +60,7 @@ from recopt.optim import (  # noqa: E402
 )
 from recopt.optim.clipping import GradientClippingOptimizer  # noqa: E402
 from recopt.optim.warmup import WarmupOptimizer  # noqa: E402
+from recopt.sharding import comm  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +87,8 @@ def _env_from_environ() -> RunEnv:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        return RunEnv(rank, world_size, local_rank, torch.device("cuda", local_rank))
-    return RunEnv(rank, world_size, local_rank, torch.device("cpu"))
+    device = comm.device_for_local_rank(local_rank, use_cuda=torch.cuda.is_available())
+    return RunEnv(rank, world_size, local_rank, device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,7 +244,8 @@ class Trainer:
                 sync_embeddings=ft.sync_embeddings,
             )
             self.optimizer = self.ft.optimizer
-        self.train_data = build_data(config, env, "train")
+        # On a GPU the next batch is pinned and copied on a side stream during this step.
+        self.train_data = DevicePrefetcher(build_data(config, env, "train"), env.device)
         self.metrics = click_metrics().to(env.device)
         self.loss_mean = torchmetrics.MeanMetric().to(env.device)
         self.step = 0
@@ -303,7 +305,7 @@ class Trainer:
         validated_at = -1
         batches = self._batches() if self.step < cfg.steps else iter(())  # resumed at the end
         for batch in batches:
-            self.train_step(batch.to(self.env.device))
+            self.train_step(batch)  # already on the device (DevicePrefetcher)
             committed = self.step + 1 if self.ft is None else self.ft.manager.current_step()
             if committed == self.step:
                 continue  # dropped by the replica groups' vote: nothing changed
@@ -496,13 +498,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.fault_tolerant:
         timeout = datetime.timedelta(seconds=config.fault_tolerance.timeout_s)
         ft_config = manager_config_from_env(os.environ, timeout=timeout)
-    if env.world_size > 1:
-        backend = "nccl" if env.device.type == "cuda" else "gloo"
-        if env.device.type == "cuda":
-            torch.cuda.set_device(env.device)
-        dist.init_process_group(
-            backend, timeout=datetime.timedelta(seconds=config.training.timeout_s)
+    if env.world_size > 1:  # on CUDA: NCCL, and gloo beside it for CPU-side collectives
+        comm.init_process_group(
+            env.device, timeout=datetime.timedelta(seconds=config.training.timeout_s)
         )
+    elif env.device.type == "cuda":
+        torch.cuda.set_device(env.device)
     try:
         train(
             config,

@@ -57,6 +57,7 @@ from recopt.checkpoint.state import (
     tensor_dtype,
     to_optimizer_keys,
 )
+from recopt.sharding import comm
 
 logger = logging.getLogger(__name__)
 
@@ -73,15 +74,13 @@ class _Group:
         if dist.is_available() and dist.is_initialized():
             # A dedicated gloo group: object collectives work whatever the default backend, and
             # a dead rank surfaces as a timeout error here instead of a hang.
-            self.pg = dist.new_group(backend="gloo", timeout=timeout)
+            self.pg = comm.new_group(None, timeout, backend="gloo")
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     def all_gather(self, obj: Any) -> list[Any]:
         if self.pg is None:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.pg)
-        return out
+        return comm.all_gather_object(obj, self.pg)
 
     def agree(self, problems: list[str], what: str) -> None:
         """Raise the same `CheckpointError` on every rank if any rank found a problem."""

@@ -108,6 +108,10 @@ def check_ids_in_range(
 ) -> None:
     """Raise if any feature's ids fall outside its table.
 
+    One comparison covers every feature at once, and only its single yes/no answer is read back
+    to the host (one sync per call on a GPU, not two per feature); the slow per-feature pass
+    that names the culprit runs only when an id is bad.
+
     Args:
         values: all ids, feature-major (KJT layout).
         length_per_key: number of ids of each feature.
@@ -118,6 +122,28 @@ def check_ids_in_range(
     Raises:
         InvalidIdError: naming the table, the feature, the offending id and the valid range.
     """
+    total = sum(length_per_key)
+    if total == 0:
+        return
+    device = values.device
+    limits = torch.tensor(list(num_rows), dtype=torch.int64).to(device, non_blocking=True)
+    repeats = torch.tensor(list(length_per_key), dtype=torch.int64).to(device, non_blocking=True)
+    # output_size makes repeat_interleave size its result without reading ``repeats`` back.
+    limit_per_id = torch.repeat_interleave(limits, repeats, output_size=total)
+    ids = values[:total]
+    bad = torch.logical_or(ids < 0, ids >= limit_per_id).any()
+    if bad:  # the one host sync of the check
+        _raise_first_bad_id(values, length_per_key, feature_names, table_names, num_rows)
+
+
+def _raise_first_bad_id(
+    values: torch.Tensor,
+    length_per_key: Sequence[int],
+    feature_names: Sequence[str],
+    table_names: Sequence[str],
+    num_rows: Sequence[int],
+) -> None:
+    """Find the first feature with an id outside its table and raise naming it (error path)."""
     start = 0
     for i, count in enumerate(length_per_key):
         if count:
@@ -131,3 +157,4 @@ def check_ids_in_range(
                     "before lookup (nothing was updated)."
                 )
         start += count
+    raise AssertionError("an id was out of range but no feature holds it")  # internal invariant

@@ -179,16 +179,11 @@ class GradientClippingOptimizer(OptimizerWrapper):
         return replicated, split
 
     def _reduce(self, value: torch.Tensor, group: Any) -> torch.Tensor:
-        backend = str(dist.get_backend(group))
-        device = value.device
-        if "nccl" in backend and "gloo" not in backend:
-            device = torch.device("cuda", torch.cuda.current_device())
-        tensor = value.to(device)
+        from recopt.sharding import comm  # here: recopt.sharding imports recopt.optim
+
         op = dist.ReduceOp.MAX if math.isinf(self._norm_type) else dist.ReduceOp.SUM
-        work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-        assert work is not None
-        work.wait(self._timeout)
-        return tensor.cpu()
+        # comm puts the value on a device the group serves (the GPU for NCCL alone).
+        return comm.all_reduce(value.clone(), group, op, self._timeout).cpu()
 
     def global_norm(self) -> torch.Tensor:
         """The p-norm of all gradients across ranks (a collective on every split group).

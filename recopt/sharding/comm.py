@@ -1,13 +1,17 @@
-"""Collectives of sharded embeddings: the count exchange, the id all-to-all, and the autograd
-all-to-all of pooled outputs whose backward sends the output gradients back the same way.
+"""The one module that calls torch.distributed collectives and creates process groups.
 
-Every call is a single collective on the caller's process group (whose timeout bounds it), so a
-step costs four collectives: counts, ids, pooled outputs (forward) and their gradients (backward).
+Sharded embeddings: the count exchange, the id all-to-all, and the autograd all-to-all of pooled
+outputs whose backward sends the output gradients back the same way (four collectives a step).
+Everything else (plan broadcast, norms, state gathering, checkpoint agreement) goes through the
+small wrappers at the end, which put a tensor on a device its group serves: a CUDA run's default
+group is ``"cpu:gloo,cuda:nccl"``, so CPU-side collectives need no copy there, and a group with
+one device type (NCCL alone, or ``"cuda:gloo"`` in tests) gets the tensor moved once, here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import datetime
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +41,11 @@ def all_to_all_counts(send_W_C: Tensor, group: ProcessGroup | None) -> Tensor:
 
 
 def all_to_all_flat(
-    send: Tensor, send_splits: list[int], recv_splits: list[int], group: ProcessGroup | None
+    send: Tensor,
+    send_splits: list[int],
+    recv_splits: list[int],
+    group: ProcessGroup | None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """All-to-all of a flat tensor with variable splits (no autograd).
 
@@ -46,12 +54,13 @@ def all_to_all_flat(
         send_splits: entries for each destination rank.
         recv_splits: entries arriving from each source rank.
         group: the process group.
+        out: where to receive (``sum(recv_splits)`` entries; None: a new tensor).
 
     Returns:
         The 1-D tensor of ``sum(recv_splits)`` entries, source-rank order.
     """
     assert send.dim() == 1 and send.numel() == sum(send_splits), (send.shape, send_splits)
-    recv = send.new_empty(sum(recv_splits))
+    recv = send.new_empty(sum(recv_splits)) if out is None else out
     if dist.get_world_size(group) == 1:
         recv.copy_(send)
         return recv
@@ -175,6 +184,163 @@ class ExchangeMeta:
 
 def all_reduce_sum(tensor: Tensor, group: ProcessGroup | None) -> Tensor:
     """Sum ``tensor`` over the ranks of ``group`` in place (no-op on one rank) and return it."""
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return all_reduce(tensor, group)
+
+
+# ------------------------------------------------------------------ groups and their devices
+
+
+def default_backend(device: torch.device) -> str:
+    """The backend string for a process group of ranks computing on ``device``.
+
+    CUDA runs get NCCL for CUDA tensors and gloo beside it for the library's few CPU-side
+    collectives (plan broadcast, checkpoint agreement); CPU runs get gloo.
+    """
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(
+    device: torch.device,
+    *,
+    timeout: datetime.timedelta,
+    backend: str | None = None,
+    init_method: str | None = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """Initialise the default process group for ranks computing on ``device``.
+
+    Args:
+        device: this rank's device; a CUDA device is also made the current one.
+        timeout: limit for every collective of the group.
+        backend: overrides `default_backend` (e.g. ``"cuda:gloo"``: ranks sharing one GPU).
+        init_method: rendezvous URL (None: torchrun's environment variables).
+        rank: this rank (-1: from the environment).
+        world_size: number of ranks (-1: from the environment).
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend or default_backend(device),
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
+
+
+def new_group(
+    ranks: Sequence[int] | None, timeout: datetime.timedelta, backend: str | None = None
+) -> ProcessGroup:
+    """A new process group over ``ranks`` (None: all); every rank of the world must call it."""
+    group = dist.new_group(
+        ranks=None if ranks is None else list(ranks), timeout=timeout, backend=backend
+    )
+    assert group is not None  # every rank calls it, so every rank gets a group
+    return group
+
+
+def device_for_local_rank(local_rank: int, use_cuda: bool) -> torch.device:
+    """The device of the process with node-local index ``local_rank``: GPU ``local_rank``.
+
+    Args:
+        local_rank: this process's index on its host (torchrun's ``LOCAL_RANK``).
+        use_cuda: False pins the CPU.
+
+    Raises:
+        ValueError: more local ranks than visible GPUs (naming both and the fix).
+    """
+    if not use_cuda:
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(
+            f"local rank {local_rank} needs GPU {local_rank}, but this host has {count} visible "
+            f"GPU(s); start at most {count} process(es) per host (torchrun --nproc-per-node "
+            f"{count}), or run on CPU (CUDA_VISIBLE_DEVICES=)"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def served_device_types(backend_config: str) -> list[str]:
+    """Device types a backend configuration serves, e.g. ``"cpu:gloo,cuda:nccl"`` -> both."""
+    types: list[str] = []
+    for part in backend_config.split(","):
+        kind, _, name = part.strip().partition(":")
+        if not name:  # a bare backend name
+            types += {"nccl": ["cuda"], "gloo": ["cpu", "cuda"]}.get(kind, ["cpu"])
+        else:
+            types.append(kind)
+    return list(dict.fromkeys(types))
+
+
+def collective_device(group: ProcessGroup | None, device: torch.device) -> torch.device:
+    """Where a tensor that lives on ``device`` goes through a collective of ``group``.
+
+    Its own device when the group serves that type; else the current GPU (a CUDA-only group),
+    else the CPU.
+    """
+    served = served_device_types(str(dist.get_backend_config(group)))
+    if device.type in served:
+        return device
+    if "cuda" in served:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------ small collectives
+
+
+def _on_served_device(tensor: Tensor, group: ProcessGroup | None) -> Tensor:
+    device = collective_device(group, tensor.device)
+    return tensor if device == tensor.device else tensor.to(device)
+
+
+def _wait(work: Any, timeout: datetime.timedelta | None) -> None:
+    assert work is not None  # async_op=True always returns a work handle
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout=timeout)
+
+
+def broadcast(
+    tensor: Tensor,
+    src: int,
+    group: ProcessGroup | None,
+    timeout: datetime.timedelta | None = None,
+) -> Tensor:
+    """Broadcast ``tensor`` in place from global rank ``src`` on any device; returns it."""
+    moved = _on_served_device(tensor, group)
+    _wait(dist.broadcast(moved, src=src, group=group, async_op=True), timeout)
+    if moved is not tensor:
+        tensor.copy_(moved)
     return tensor
+
+
+def all_reduce(
+    tensor: Tensor,
+    group: ProcessGroup | None,
+    op: Any = dist.ReduceOp.SUM,
+    timeout: datetime.timedelta | None = None,
+) -> Tensor:
+    """Reduce ``tensor`` in place over ``group`` with ``op`` on any device; returns it."""
+    if dist.get_world_size(group) == 1:
+        return tensor
+    moved = _on_served_device(tensor, group)
+    _wait(dist.all_reduce(moved, op=op, group=group, async_op=True), timeout)
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
+def all_gather_object(obj: Any, group: ProcessGroup | None) -> list[Any]:
+    """Every rank's ``obj``, rank order (the group should serve CPU tensors: gloo)."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group: ProcessGroup | None, timeout: datetime.timedelta) -> None:
+    """Wait for every rank of ``group`` (gloo's monitored barrier names a missing rank)."""
+    dist.monitored_barrier(group=group, timeout=timeout)

@@ -23,6 +23,7 @@ from recopt.modules.fused import FusedEmbeddingBagCollection
 from recopt.modules.fused_groups import optimizer_from_param_group
 from recopt.optim.combined import CombinedOptimizer
 from recopt.optim.keyed import KeyedOptimizer
+from recopt.sharding import comm
 from recopt.sharding.plan import ShardingPlan
 from recopt.sharding.plan_helpers import balanced_table_wise_plan
 from recopt.sharding.plan_validation import validate_plan
@@ -92,7 +93,7 @@ class DistributedModelParallel(nn.Module):
         dense = [p for p in module.parameters() if p.requires_grad]
         if dense:
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-            dense_group = dist.new_group(ranks=ranks, timeout=timeout)
+            dense_group = comm.new_group(ranks, timeout)
             self.module: nn.Module = DistributedDataParallel(module, process_group=dense_group)
         else:
             self.module = module

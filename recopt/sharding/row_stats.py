@@ -43,14 +43,21 @@ class RowStatExchange:
         layout: the collection's layout.
         kernels: this rank's model-parallel kernels (``layout.mp_groups`` order).
         group: the process group.
+        device: the collection's device (an empty exchange buffer of a rank without kernels
+            must still be where NCCL can send it).
     """
 
     def __init__(
-        self, layout: ShardedLayout, kernels: Sequence[Kernel], group: dist.ProcessGroup | None
+        self,
+        layout: ShardedLayout,
+        kernels: Sequence[Kernel],
+        group: dist.ProcessGroup | None,
+        device: torch.device | None = None,
     ) -> None:
         self._layout = layout
         self._kernels = list(kernels)
         self._group = group
+        self._device = device if device is not None else torch.device("cpu")
         world = layout.world_size
         # Decided from the plan alone, so every rank agrees whether the exchange runs.
         self.enabled = any(_needs_full_rows(layout, t) for t in range(len(layout.tables)))
@@ -146,7 +153,7 @@ class RowStatExchange:
 
     def _empty(self) -> Tensor:
         weights = self._kernels[0].split_embedding_weights() if self._kernels else []
-        return weights[0].new_zeros(0) if weights else torch.zeros(0)
+        return weights[0].new_zeros(0) if weights else torch.zeros(0, device=self._device)
 
     def _shared(self, a: int, b: int) -> set[int]:
         """Tables with full-row shards on both ranks ``a`` and ``b`` (``a != b``)."""

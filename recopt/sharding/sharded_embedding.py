@@ -104,7 +104,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._state = ShardedState(
             self._layout, self._mp_kernels, self._dp_kernels, self._pg, self.device
         )
-        self._row_stats = RowStatExchange(self._layout, self._mp_kernels, self._pg)
+        self._row_stats = RowStatExchange(self._layout, self._mp_kernels, self._pg, self.device)
         self._lr_sync = LearningRateSync(
             self._state.group_kernels,
             [opt.learning_rate for opt in self._layout.group_optimizers],

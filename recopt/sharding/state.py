@@ -23,6 +23,7 @@ from recopt.kernels.contract import Kernel
 from recopt.kernels.updates import init_state
 from recopt.modules.fused_groups import make_param_group
 from recopt.optim.fused import FusedOptimizer
+from recopt.sharding import comm
 from recopt.sharding.layout import ShardedLayout
 
 Tensor = torch.Tensor
@@ -121,9 +122,7 @@ def full_tensor(value: Tensor, group: dist.ProcessGroup | None = None) -> Tensor
             for o, s in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True)
         )
         full[index] = shard.tensor
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(full, group=group)
-    return full
+    return comm.all_reduce(full, group)
 
 
 class ShardedFusedOptimizer(FusedOptimizer):
@@ -327,7 +326,7 @@ class ShardedState:
                     src = first.rank
                     if self._group is not None:
                         src = dist.get_global_rank(self._group, first.rank)
-                    dist.broadcast(buf, src=src, group=self._group)
+                    comm.broadcast(buf, src, self._group)
                 for k, _ in self._shards(t):
                     mine = self._local.get((t, k))
                     if mine is not None:

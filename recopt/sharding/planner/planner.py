@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.kernels.registry import optimizer_spec
+from recopt.sharding import comm
 from recopt.sharding.plan import ParameterSharding, ShardingPlan, table_names
 from recopt.sharding.plan_validation import validate_plan
 from recopt.sharding.planner.constraints import (
@@ -310,6 +311,5 @@ def plan_collectively(
 def _broadcast(
     tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, timeout: datetime.timedelta
 ) -> None:
-    work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-    assert work is not None
-    work.wait(timeout=timeout)
+    # Through comm: a CPU tensor, which an NCCL-only group could not carry by itself.
+    comm.broadcast(tensor, src, group, timeout)

@@ -1,0 +1,413 @@
+"""The GPU benchmark of issue 13, in one run: embedding kernels and the DLRM step on one GPU.
+
+Kernels (configs A, B, C; sgd, row-wise Adagrad, Adam): fbgemm's CUDA TBE called directly,
+recopt's FusedEmbeddingBagCollection (backend auto) and recopt's own kernel (backend recopt),
+each timed forward + backward (+ fused update) with CUDA events, and its host syncs per step
+counted with torch.profiler (cudaStreamSynchronize, cudaDeviceSynchronize and synchronous
+cudaMemcpy calls; device-to-host copies are counted beside them). DLRM (Criteo shape, 26 x 100k
+rows, one id per bag): recopt's step against TorchRec's, when TorchRec imports.
+
+    PYTHONPATH=$PWD python benchmarks/bench_gpu.py --out gpu.json        # also writes gpu.md
+    PYTHONPATH=$PWD python benchmarks/bench_gpu.py --quick --out smoke.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+Step = Callable[[int], None]  # runs step ``i`` (batches are cycled)
+OPTIMIZERS = ["sgd", "row_wise_adagrad", "adam"]
+FBGEMM_OPTIMIZERS = {
+    "sgd": "EXACT_SGD",
+    "row_wise_adagrad": "EXACT_ROWWISE_ADAGRAD",
+    "adam": "ADAM",
+}
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    name: str
+    num_tables: int
+    rows: int
+    dim: int
+    batch: int
+    ids_per_bag: int
+
+
+CONFIGS = {
+    "A": Config(name="A", num_tables=8, rows=1_000_000, dim=64, batch=16384, ids_per_bag=20),
+    "B": Config(name="B", num_tables=26, rows=100_000, dim=128, batch=16384, ids_per_bag=20),
+    "C": Config(name="C", num_tables=26, rows=1_000_000, dim=128, batch=65536, ids_per_bag=1),
+}
+QUICK = {
+    k: Config(name=k, num_tables=c.num_tables, rows=c.rows // 100, dim=c.dim, batch=512,
+              ids_per_bag=c.ids_per_bag)
+    for k, c in CONFIGS.items()
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- kernels
+
+
+def make_batches(cfg: Config, count: int, device: torch.device) -> list[torch.Tensor]:
+    """Uniform ids of ``count`` batches, feature-major (one bag length for every bag)."""
+    gen = torch.Generator().manual_seed(0)
+    n = cfg.num_tables * cfg.batch * cfg.ids_per_bag
+    return [torch.randint(0, cfg.rows, (n,), generator=gen).to(device) for _ in range(count)]
+
+
+def fbgemm_direct(cfg: Config, optimizer: str, ids: list[torch.Tensor]) -> Step:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        BoundsCheckMode,
+        EmbeddingLocation,
+        PoolingMode,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    spec = (cfg.rows, cfg.dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [spec] * cfg.num_tables,
+        optimizer=getattr(EmbOptimType, FBGEMM_OPTIMIZERS[optimizer]),
+        learning_rate=0.01,
+        eps=1e-8,
+        pooling_mode=PoolingMode.SUM,
+        bounds_check_mode=BoundsCheckMode.NONE,
+    ).cuda()
+    offsets = _offsets(cfg, ids[0].device)
+    grad = torch.ones(cfg.batch, cfg.num_tables * cfg.dim, device=ids[0].device)
+
+    def step(i: int) -> None:
+        tbe(ids[i % len(ids)], offsets).backward(grad)
+
+    return step
+
+
+def fused_collection(cfg: Config, optimizer: str, ids: list[torch.Tensor], backend: str) -> Step:
+    from recopt.kernels.config import Backend, FusedOptimizerConfig
+    from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection
+    from recopt.sparse import KeyedJaggedTensor
+
+    device = ids[0].device
+    keys = [f"f{i}" for i in range(cfg.num_tables)]
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}", num_embeddings=cfg.rows, embedding_dim=cfg.dim, feature_names=[keys[i]]
+        )
+        for i in range(cfg.num_tables)
+    ]
+    config = FusedOptimizerConfig(name=optimizer, lr=0.01, backend=Backend(backend))
+    module = FusedEmbeddingBagCollection(tables, optimizer=config, device=device)
+    lengths = torch.full(
+        (cfg.num_tables * cfg.batch,), cfg.ids_per_bag, dtype=torch.int64, device=device
+    )
+    kjts = [KeyedJaggedTensor(keys, batch, lengths=lengths, stride=cfg.batch) for batch in ids]
+    grad = torch.ones(cfg.batch, cfg.num_tables * cfg.dim, device=device)
+
+    def step(i: int) -> None:
+        module(kjts[i % len(kjts)]).values().backward(grad)
+
+    return step
+
+
+def _offsets(cfg: Config, device: torch.device) -> torch.Tensor:
+    n = cfg.num_tables * cfg.batch * cfg.ids_per_bag
+    return torch.arange(0, n + 1, cfg.ids_per_bag, dtype=torch.int64, device=device)
+
+
+def time_ms(step: Step, warmup: int, steps: int) -> float:
+    """Median milliseconds of one step, CUDA events around each."""
+    for i in range(warmup):
+        step(i)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(warmup + i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def host_syncs(step: Step, steps: int) -> dict[str, float]:
+    """Host syncs and device-to-host copies per step, from torch.profiler's CUDA runtime events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(i)
+        torch.cuda.synchronize()  # the profiler's own, subtracted below
+    counts = dict.fromkeys(SYNC_CALLS, 0)
+    dtoh = 0
+    for event in prof.events():
+        if event.name in counts:
+            counts[event.name] += 1
+        if "DtoH" in event.name or "Device -> Pageable" in event.name:
+            dtoh += 1
+    counts["cudaDeviceSynchronize"] = max(0, counts["cudaDeviceSynchronize"] - 1)
+    per_step = {name: n / steps for name, n in counts.items()}
+    per_step["syncs"] = sum(per_step.values())
+    per_step["dtoh_copies"] = dtoh / steps
+    return per_step
+
+
+def run_kernels(cfg: Config, warmup: int, steps: int) -> list[dict[str, Any]]:
+    device = torch.device("cuda", torch.cuda.current_device())
+    ids = make_batches(cfg, 4, device)
+    rows: list[dict[str, Any]] = []
+    for optimizer in OPTIMIZERS:
+        candidates: dict[str, Callable[[], Step]] = {
+            "fbgemm_direct": lambda o=optimizer: fbgemm_direct(cfg, o, ids),
+            "fused_auto": lambda o=optimizer: fused_collection(cfg, o, ids, "auto"),
+            "recopt_kernel": lambda o=optimizer: fused_collection(cfg, o, ids, "recopt"),
+        }
+        for name, build in candidates.items():
+            row: dict[str, Any] = {"config": cfg.name, "optimizer": optimizer, "candidate": name}
+            try:
+                step = build()
+                row["ms"] = round(time_ms(step, warmup, steps), 3)
+                row.update({k: round(v, 2) for k, v in host_syncs(step, 3).items()})
+            except Exception as err:  # one candidate failing must not lose the others' figures
+                row["error"] = f"{type(err).__name__}: {err}"[:300]
+            finally:
+                step = None  # type: ignore[assignment]
+                torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------- DLRM
+
+
+def recopt_dlrm_step(dim: int, batch_size: int, device: torch.device) -> Step:
+    sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
+    from dlrm_config import load_config
+    from train import RunEnv, build_data, build_model, build_optimizer
+
+    overrides = [f"data.batch_size={batch_size}", f"model.bottom_mlp=[512, 256, {dim}]"]
+    overrides += [f"embedding.tables.{i}.embedding_dim={dim}" for i in range(26)]
+    config = load_config(str(ROOT / "configs" / "dlrm_criteo_shape.toml"), overrides)
+    env = RunEnv(device=device)
+    model = build_model(config, device)
+    optimizer = build_optimizer(model, config)
+    data = build_data(config, env, "train")
+    batches = [next(data).to(device) for _ in range(4)]  # made ahead, as for TorchRec
+
+    def step(i: int) -> None:
+        batch = batches[i % len(batches)]
+        loss = F.binary_cross_entropy_with_logits(model(batch.dense, batch.sparse), batch.labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def torchrec_dlrm_step(dim: int, batch_size: int, device: torch.device) -> Step:
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.models.dlrm import DLRM
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    rows, features = 100_000, 26
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=dim, num_embeddings=rows, feature_names=[f"cat_{i}"]
+        )
+        for i in range(features)
+    ]
+    model = DLRM(
+        embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+        dense_in_features=13,
+        dense_arch_layer_sizes=[512, 256, dim],
+        over_arch_layer_sizes=[512, 256, 1],
+        dense_device=device,
+    )
+    apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": 0.05})
+    dmp = DistributedModelParallel(model, device=device)
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.Adagrad(params, lr=0.02),
+    )
+    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(4):
+        u = torch.rand(features * batch_size, generator=gen, dtype=torch.float64)
+        ids = (torch.pow(rows + 1.0, u).floor().long() - 1).clamp(0, rows - 1)
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=[f"cat_{i}" for i in range(features)],
+            values=ids,
+            lengths=torch.ones(features * batch_size, dtype=torch.int64),
+        ).to(device)
+        dense_x = torch.rand(batch_size, 13, generator=gen).to(device)
+        labels = torch.randint(0, 2, (batch_size,), generator=gen).float().to(device)
+        batches.append((dense_x, kjt, labels))
+
+    def step(i: int) -> None:
+        dense_x, kjt, labels = batches[i % len(batches)]
+        logits = dmp(dense_x, kjt).squeeze(-1)
+        loss = F.binary_cross_entropy_with_logits(logits, labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def run_dlrm(dims: list[int], batches: list[int], warmup: int, steps: int) -> list[dict[str, Any]]:
+    try:
+        import torchrec  # noqa: F401
+
+        have_torchrec = True
+    except ImportError:
+        have_torchrec = False
+    rows = []
+    for dim in dims:
+        for batch_size in batches:
+            row: dict[str, Any] = {"dim": dim, "batch": batch_size}
+            for name, build in (("recopt", recopt_dlrm_step), ("torchrec", torchrec_dlrm_step)):
+                if name == "torchrec" and not have_torchrec:
+                    row["torchrec_ms"] = None
+                    continue
+                try:
+                    step = build(dim, batch_size, torch.device("cuda", torch.cuda.current_device()))
+                    row[f"{name}_ms"] = round(time_ms(step, warmup, steps), 3)
+                    row[f"{name}_syncs"] = round(host_syncs(step, 3)["syncs"], 2)
+                except Exception as err:  # keep the other side's figure
+                    row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:300]
+                torch.cuda.empty_cache()
+            if row.get("recopt_ms") and row.get("torchrec_ms"):
+                row["recopt_over_torchrec_speed"] = round(row["torchrec_ms"] / row["recopt_ms"], 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def markdown(kernels: list[dict[str, Any]], dlrm: list[dict[str, Any]], device: str) -> str:
+    lines = [
+        f"# bench_gpu.py on {device}",
+        "",
+        "## Kernels: ms per fwd+bwd+update (syncs/step)",
+        "",
+    ]
+    lines += [
+        "| config | optimizer | fbgemm direct | FusedEBC auto | recopt kernel "
+        "| FusedEBC speed / fbgemm |"
+    ]
+    lines += ["| --- | --- | --- | --- | --- | --- |"]
+    keyed = {(r["config"], r["optimizer"], r["candidate"]): r for r in kernels}
+    for cfg, opt in dict.fromkeys((r["config"], r["optimizer"]) for r in kernels):
+        cells = []
+        for cand in ("fbgemm_direct", "fused_auto", "recopt_kernel"):
+            r = keyed.get((cfg, opt, cand), {})
+            cells.append(f"{r['ms']} ({r['syncs']})" if "ms" in r else "error")
+        fb, auto = (
+            keyed.get((cfg, opt, "fbgemm_direct"), {}),
+            keyed.get((cfg, opt, "fused_auto"), {}),
+        )
+        ratio = f"{fb['ms'] / auto['ms']:.2f}x" if "ms" in fb and "ms" in auto else "-"
+        lines.append(f"| {cfg} | {opt} | " + " | ".join(cells) + f" | {ratio} |")
+    lines += ["", "## DLRM step (Criteo shape), ms", ""]
+    lines += [
+        "| dim | batch | recopt | TorchRec | recopt speed / TorchRec |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in dlrm:
+        lines.append(
+            f"| {r['dim']} | {r['batch']} | {r.get('recopt_ms', 'error')} | "
+            f"{r.get('torchrec_ms') or 'n/a'} | {r.get('recopt_over_torchrec_speed', '-')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", required=True, help="JSON results (a .md table is written beside)")
+    parser.add_argument("--configs", default="A,B,C", help="comma-separated subset of A,B,C")
+    parser.add_argument("--quick", action="store_true", help="tables / 100, batch 512: a smoke run")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (median)")
+    parser.add_argument("--dlrm-dims", type=int, nargs="*", default=[64, 128])
+    parser.add_argument("--dlrm-batches", type=int, nargs="*", default=[2048, 16384])
+    parser.add_argument("--skip-kernels", action="store_true")
+    args = parser.parse_args(argv)
+    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; choose from {sorted(CONFIGS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.stderr.write(
+            "bench_gpu.py needs a CUDA GPU: torch.cuda.is_available() is False here "
+            f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}). Run it on a GPU "
+            "host with fbgemm-gpu's CUDA build (see ../shared/gpu/README.md).\n"
+        )
+        return 2
+    from recopt.sharding import comm
+
+    os.environ.setdefault("LOCAL_RANK", "0")  # TorchRec's DMP reads it
+    torch.cuda.set_device(0)
+    device_name = torch.cuda.get_device_name(0)
+    configs = QUICK if args.quick else CONFIGS
+    kernels: list[dict[str, Any]] = []
+    if not args.skip_kernels:
+        for name in args.configs.split(","):
+            kernels += run_kernels(configs[name], args.warmup, args.steps)
+    with tempfile.TemporaryDirectory() as tmp:  # TorchRec's DMP needs a process group
+        comm.init_process_group(
+            torch.device("cuda", 0),
+            init_method=f"file://{tmp}/rendezvous",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=300),
+        )
+        try:
+            batches = [512] if args.quick else args.dlrm_batches
+            dlrm = run_dlrm(args.dlrm_dims, batches, args.warmup, args.steps)
+        finally:
+            torch.distributed.destroy_process_group()
+    out = pathlib.Path(args.out)
+    meta = {"device": device_name, "torch": torch.__version__, "quick": args.quick}
+    meta["configs"] = {k: asdict(configs[k]) for k in args.configs.split(",")}
+    out.write_text(json.dumps({"meta": meta, "kernels": kernels, "dlrm": dlrm}, indent=1))
+    out.with_suffix(".md").write_text(markdown(kernels, dlrm, device_name))
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

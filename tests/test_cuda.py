@@ -1,0 +1,187 @@
+"""The GPU tier: everything here needs CUDA and is skipped without it (marker ``cuda``).
+
+CPU == CUDA for every fused optimizer and both backends after several steps; DMP at one rank
+over NCCL (also NCCL alone, where the plan broadcast must move its CPU tensor); a checkpoint
+GPU -> CPU -> GPU; the batch prefetcher; the DLRM script for a few steps. The multi-rank
+contract on ranks sharing one GPU is in test_sharding_contract.py.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, InvalidIdError
+from recopt.sparse import KeyedJaggedTensor
+from recopt.testing import run_on_ranks
+
+pytestmark = pytest.mark.cuda
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+GPU = torch.device("cuda", 0)
+OPTIMIZERS = ["sgd", "adagrad", "row_wise_adagrad", "adam", "row_wise_adam", "adafactor"]
+
+
+def _tables() -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(name="t0", num_embeddings=40, embedding_dim=8, feature_names=["a"]),
+        EmbeddingBagConfig(name="t1", num_embeddings=25, embedding_dim=16, feature_names=["b"]),
+    ]
+
+
+def _batch(step: int, num_bags: int = 6) -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(step)
+    bags = {
+        "a": [torch.randint(0, 40, (int(n),), generator=g).tolist() for n in range(num_bags)],
+        "b": [torch.randint(0, 25, (2,), generator=g).tolist() for _ in range(num_bags)],
+    }
+    return KeyedJaggedTensor.from_id_lists(bags)
+
+
+def _fused(name: str, backend: Backend, device: torch.device) -> FusedEmbeddingBagCollection:
+    torch.manual_seed(0)
+    optimizer = FusedOptimizerConfig(name=name, lr=0.05, backend=backend)
+    try:
+        return FusedEmbeddingBagCollection(_tables(), optimizer=optimizer, device=device)
+    except ValueError as err:
+        if backend == Backend.FBGEMM and "not supported by the fbgemm backend" in str(err):
+            pytest.skip(f"fbgemm has no {name!r} on {device.type}: {err}")
+        raise
+
+
+def _train(ebc: FusedEmbeddingBagCollection, steps: range) -> None:
+    for step in steps:
+        kjt = _batch(step).to(ebc.device)
+        upstream = torch.randn(6, 24, generator=torch.Generator().manual_seed(step))
+        (ebc(kjt).values() * upstream.to(ebc.device)).sum().backward()
+
+
+def _assert_same(ebc: FusedEmbeddingBagCollection, ref: FusedEmbeddingBagCollection) -> None:
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(ebc.state_dict()[key].cpu(), value.cpu(), atol=1e-6, rtol=1e-5)
+    mine = ebc.fused_optimizer.state_dict()["state"]
+    for param, states in ref.fused_optimizer.state_dict()["state"].items():
+        for name, value in states.items():
+            got = torch.as_tensor(mine[param][name]).cpu()
+            torch.testing.assert_close(got, torch.as_tensor(value).cpu(), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", [Backend.FBGEMM, Backend.RECOPT, Backend.AUTO])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_cuda_equals_cpu_after_several_steps(name: str, backend: Backend) -> None:
+    on_gpu = _fused(name, backend, GPU)
+    on_cpu = _fused(name, Backend.RECOPT, CPU)  # recopt's CPU kernel is the reference
+    on_gpu.load_state_dict(on_cpu.state_dict())
+    _train(on_gpu, range(4))
+    _train(on_cpu, range(4))
+    _assert_same(on_gpu, on_cpu)
+
+
+def test_bad_id_on_cuda_raises_and_updates_nothing() -> None:
+    ebc = _fused("adam", Backend.AUTO, GPU)
+    before = {k: v.clone() for k, v in ebc.state_dict().items()}
+    bad = KeyedJaggedTensor.from_id_lists({"a": [[1, 40]], "b": [[3]]}).to(GPU)
+    with pytest.raises(InvalidIdError, match="table 't0', feature 'a': id 40"):
+        ebc(bad)
+    for key, value in ebc.state_dict().items():
+        assert torch.equal(value, before[key])
+
+
+def test_checkpoint_gpu_to_cpu_to_gpu(tmp_path: pathlib.Path) -> None:
+    from recopt.checkpoint import load, save
+
+    gpu = _fused("row_wise_adam", Backend.AUTO, GPU)
+    _train(gpu, range(3))
+    save(tmp_path / "from_gpu", gpu, gpu.fused_optimizer)
+    cpu = _fused("row_wise_adam", Backend.AUTO, CPU)
+    load(tmp_path / "from_gpu", cpu, cpu.fused_optimizer)
+    _assert_same(cpu, gpu)
+    save(tmp_path / "from_cpu", cpu, cpu.fused_optimizer)
+    again = _fused("row_wise_adam", Backend.AUTO, GPU)
+    load(tmp_path / "from_cpu", again, again.fused_optimizer)
+    _assert_same(again, gpu)
+    _train(again, range(3, 5))  # and training continues identically
+    _train(gpu, range(3, 5))
+    _assert_same(again, gpu)
+
+
+class _Model(nn.Module):
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.sparse = _fused("row_wise_adagrad", Backend.AUTO, device)
+        self.dense = nn.Linear(24, 1, device=device)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.dense(self.sparse(kjt).values()).square().sum()
+
+
+def _dmp_one_rank(rank: int, world_size: int) -> list[float]:
+    from recopt.sharding.model_parallel import DistributedModelParallel
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    dmp = DistributedModelParallel(_Model(device), device=device)  # the planner's plan
+    ref = _Model(device)
+    dense = torch.optim.SGD(dmp.parameters(), lr=0.01)
+    ref_dense = torch.optim.SGD(ref.dense.parameters(), lr=0.01)
+    losses = []
+    for step in range(3):
+        kjt = _batch(step).to(device)
+        loss, ref_loss = dmp(kjt), ref(kjt)
+        torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+        for opt, value in ((dense, loss), (ref_dense, ref_loss)):
+            opt.zero_grad()
+            value.backward()
+            opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.parametrize("backend", ["cpu:gloo,cuda:nccl", "nccl"])
+def test_dmp_at_one_rank_over_nccl(backend: str) -> None:
+    # NCCL alone: the planner's CPU-side broadcast goes through comm, which moves it.
+    (losses,) = run_on_ranks(_dmp_one_rank, 1, backend=backend, timeout_s=240)
+    assert len(losses) == 3
+
+
+def test_prefetcher_hands_out_the_source_batches_and_its_position() -> None:
+    from recopt.data import SyntheticClickLog, SyntheticConfig
+    from recopt.data.prefetch import DevicePrefetcher
+
+    def source() -> Any:
+        config = SyntheticConfig(min_ids_per_bag=0, max_ids_per_bag=3)
+        return SyntheticClickLog([("a", 1000), ("b", 50)], config, batch_size=64)
+
+    fetched = DevicePrefetcher(source(), GPU)
+    plain = source()
+    for _ in range(3):
+        got, want = next(fetched), next(plain)
+        assert got.dense.device.type == "cuda" and got.position == want.position
+        torch.testing.assert_close(got.dense.cpu(), want.dense)
+        torch.testing.assert_close(got.sparse.values().cpu(), want.sparse.values())
+        torch.testing.assert_close(got.labels.cpu(), want.labels)
+        assert fetched.state_dict() == plain.state_dict()  # not the batch in flight
+
+
+def test_dlrm_script_trains_a_few_steps_on_cuda(tmp_path: pathlib.Path) -> None:
+    sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
+    import train as dlrm_train
+
+    out = tmp_path / "run"
+    argv = [
+        "--set", "training.steps=30",
+        "--set", "training.log_every=10",
+        "--set", f"training.output_dir={out}",
+        "--set", "training.plot=false",
+        "--set", "data.batch_size=256",
+        "--set", "data.val_batches=2",
+        "--set", "checkpoint.every=20",
+    ]  # fmt: skip
+    assert dlrm_train.main(argv) == 0
+    assert (out / "metrics.jsonl").read_text().count('"split": "val"') >= 1

@@ -1,0 +1,96 @@
+"""The fused module's forward and backward read nothing back to the host but one flag a step.
+
+On a GPU every ``.item()``, ``.tolist()``, ``bool(tensor)``, ``int(tensor)`` or
+``float(tensor)`` waits for the device. These are counted here on CPU, structurally, by wrapping
+those methods during one forward + backward of a 26-feature collection (a Criteo-shaped input).
+Only reads made by recopt's own code count: fbgemm's reads of its CPU-resident step counter
+(``iter_cpu``) are host-side on a GPU too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, InvalidIdError
+from recopt.sparse import KeyedJaggedTensor
+
+NUM_FEATURES = 26
+READ_BACKS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextmanager
+def count_read_backs() -> Iterator[list[str]]:
+    """Record the name of every tensor-to-host read made inside the block."""
+    calls: list[str] = []
+    package = os.path.dirname(os.path.abspath(sys.modules["recopt"].__file__ or "")) + os.sep
+    originals = {name: getattr(torch.Tensor, name) for name in READ_BACKS}
+
+    def wrap(name: str, original: Any) -> Any:
+        def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_code.co_filename
+            if os.path.abspath(caller).startswith(package):
+                calls.append(f"{name} at {caller}:{sys._getframe(1).f_lineno}")
+            return original(self, *args, **kwargs)
+
+        return counted
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, wrap(name, original))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def criteo_like(num_rows: int = 50) -> tuple[list[EmbeddingBagConfig], KeyedJaggedTensor]:
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}", num_embeddings=num_rows, embedding_dim=8, feature_names=[f"f{i}"]
+        )
+        for i in range(NUM_FEATURES)
+    ]
+    gen = torch.Generator().manual_seed(0)
+    batch = 16
+    lengths = torch.randint(0, 3, (NUM_FEATURES * batch,), generator=gen)
+    values = torch.randint(0, num_rows, (int(lengths.sum()),), generator=gen)
+    keys = [t.feature_names[0] for t in tables]
+    kjt = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
+    return tables, kjt
+
+
+@pytest.mark.parametrize("name", ["sgd", "row_wise_adagrad"])
+def test_fused_forward_backward_reads_back_at_most_one_value(name: str) -> None:
+    # fbgemm: the backend these optimizers run on with a GPU.
+    tables, kjt = criteo_like()
+    ebc = FusedEmbeddingBagCollection(
+        tables, optimizer=FusedOptimizerConfig(name=name, lr=0.1, backend=Backend.FBGEMM)
+    )
+    ebc(kjt).values().sum().backward()  # first step: kernels built, native code compiled
+    with count_read_backs() as calls:
+        pooled = ebc(kjt)
+        pooled.values().sum().backward()
+    assert len(calls) <= 1, calls
+
+
+def test_one_bad_id_among_many_features_still_names_it_and_updates_nothing() -> None:
+    tables, kjt = criteo_like()
+    ebc = FusedEmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig(name="sgd", lr=0.1))
+    values = kjt.values().clone()
+    opk = kjt.offset_per_key()
+    feature = next(f for f in range(7, NUM_FEATURES) if opk[f + 1] > opk[f])
+    values[opk[feature]] = 50  # the table has rows 0..49
+    bad = KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths())
+    before = {k: v.clone() for k, v in ebc.state_dict().items()}
+    with pytest.raises(InvalidIdError, match=rf"table 't{feature}', feature 'f{feature}': id 50"):
+        ebc(bad)
+    for key, value in ebc.state_dict().items():
+        assert torch.equal(value, before[key])
