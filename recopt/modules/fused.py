@@ -176,7 +176,10 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 group_params.append(param)
             hyper = dataclasses.asdict(group.optimizer)
             hyper["optimizer"] = hyper.pop("name")
-            hyper["backend"] = str(type(group.kernel).__name__)
+            decision = group.kernel.backend_decision  # set by create_kernel
+            hyper["backend"] = decision.backend.value
+            hyper["backend_reason"] = decision.reason
+            hyper["backend_seconds"] = dict(decision.seconds)
             param_groups.append({"params": group_params, **hyper})
         return EmbeddingFusedOptimizer(params, state, param_groups)
 
