@@ -7,6 +7,7 @@ Timings are injected (fake samplers); nothing real is timed in an assertion.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -59,11 +60,18 @@ def _restore_default_resolver() -> Iterator[None]:
     configure_auto(previous)
 
 
-def test_measurement_picks_the_faster_candidate(tmp_path: Path) -> None:
+def test_measurement_picks_the_faster_candidate(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     for fast, slow in ((Backend.FBGEMM, Backend.RECOPT), (Backend.RECOPT, Backend.FBGEMM)):
         fake = FakeTimings({fast: 0.001, slow: 0.004})
         resolver = AutoResolver(AutoConfig(cache_dir=tmp_path / fast.value), fake, machine="m")
-        decision = resolver.resolve(SHAPE, RWA, BOTH)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="recopt.kernels.autotune"):
+            decision = resolver.resolve(SHAPE, RWA, BOTH)
+            assert resolver.resolve(SHAPE, RWA, BOTH) is decision  # remembered: logged once
+        (message,) = [r.getMessage() for r in caplog.records]
+        assert f"{SHAPE.key()}: {fast.value}" in message and "fbgemm " in message
         assert decision.backend == fast
         assert decision.reason == "measured"
         assert decision.seconds == {fast.value: 0.001, slow.value: 0.004}

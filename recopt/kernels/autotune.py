@@ -279,6 +279,13 @@ class AutoResolver:
                 cache.put(key, decision)
         else:
             decision = dataclasses.replace(decision, reason="cached")
+            logger.info(
+                "Backend.AUTO for %s: %s (cached in %s; probe step: %s)",
+                key,
+                decision.backend,
+                self.config.cache_dir,
+                _format_times(decision.seconds),
+            )
         self._memo[key] = decision
         return decision
 
@@ -295,12 +302,11 @@ class AutoResolver:
         self.measurements += 1
         best = min(medians, key=lambda b: (medians[b], b.value))
         seconds = {b.value: s for b, s in medians.items()}
-        times = ", ".join(f"{b} {s * 1e3:.2f} ms" for b, s in seconds.items())
         logger.info(
             "Backend.AUTO for %s: %s (probe step: %s; measured in %.2f s)",
             shape.key(),
             best,
-            times,
+            _format_times(seconds),
             time.perf_counter() - start,
         )
         return BackendDecision(backend=best, reason="measured", seconds=seconds)
@@ -313,6 +319,10 @@ class AutoResolver:
         """Take decisions made elsewhere (rank 0's): they win over this process's pin and
         measurements, so every rank runs the same backends."""
         self._adopted.update(decisions)
+
+
+def _format_times(seconds: Mapping[str, float]) -> str:
+    return ", ".join(f"{b} {s * 1e3:.2f} ms" for b, s in seconds.items())
 
 
 _default: AutoResolver | None = None
