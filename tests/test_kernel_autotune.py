@@ -92,6 +92,12 @@ def test_measure_takes_the_median_of_interleaved_samples() -> None:
     medians = autotune.measure({b: sampler(b) for b in samples}, repeats=3)
     assert medians == {Backend.FBGEMM: 2.0, Backend.RECOPT: 3.0}
     assert order == ["fbgemm", "recopt"] * 3
+    # Samples that no longer overlap after MIN_REPEATS rounds end the measurement early.
+    order.clear()
+    samples = {Backend.FBGEMM: iter([9.0, 8.0, 9.5] * 3), Backend.RECOPT: iter([1.0, 2.0, 1.5] * 3)}
+    medians = autotune.measure({b: sampler(b) for b in samples}, repeats=9)
+    assert medians == {Backend.FBGEMM: 9.0, Backend.RECOPT: 1.5}
+    assert order == ["fbgemm", "recopt"] * autotune.MIN_REPEATS
 
 
 def test_cache_hit_does_not_measure_again(tmp_path: Path) -> None:

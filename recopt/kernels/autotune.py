@@ -154,16 +154,29 @@ class BackendDecision:
         return cls(backend=backend, reason=str(data.get("reason", "")), seconds=times)
 
 
-def measure(samplers: Mapping[Backend, Sampler], repeats: int) -> dict[Backend, float]:
-    """Median seconds of each candidate over ``repeats`` interleaved samples.
+MIN_REPEATS = 3
 
-    Interleaving (a, b, a, b, ...) exposes every candidate alike to load that drifts.
+
+def measure(samplers: Mapping[Backend, Sampler], repeats: int) -> dict[Backend, float]:
+    """Median seconds of each candidate over up to ``repeats`` interleaved samples.
+
+    Interleaving (a, b, a, b, ...) exposes every candidate alike to load that drifts. After
+    ``MIN_REPEATS`` rounds, sampling stops once the candidates' samples no longer overlap
+    (every sample of one is faster than every sample of the others): more cannot change the
+    ranking, and a slow candidate would cost most of the time.
     """
     samples: dict[Backend, list[float]] = {b: [] for b in samplers}
-    for _ in range(repeats):
+    for round_ in range(repeats):
         for backend, sample in samplers.items():
             samples[backend].append(sample())
+        if round_ + 1 >= MIN_REPEATS and _separated(samples):
+            break
     return {b: statistics.median(s) for b, s in samples.items()}
+
+
+def _separated(samples: Mapping[Backend, list[float]]) -> bool:
+    best = min(samples, key=lambda b: max(samples[b]))
+    return all(max(samples[best]) < min(s) for b, s in samples.items() if b != best)
 
 
 def probe_samplers(
