@@ -92,7 +92,7 @@ def test_measure_takes_the_median_of_interleaved_samples() -> None:
     medians = autotune.measure({b: sampler(b) for b in samples}, repeats=3)
     assert medians == {Backend.FBGEMM: 2.0, Backend.RECOPT: 3.0}
     assert order == ["fbgemm", "recopt"] * 3
-    # Samples that no longer overlap after MIN_REPEATS rounds end the measurement early.
+    # A clear gap (SEPARATION) after MIN_REPEATS rounds ends the measurement early.
     order.clear()
     samples = {Backend.FBGEMM: iter([9.0, 8.0, 9.5] * 3), Backend.RECOPT: iter([1.0, 2.0, 1.5] * 3)}
     medians = autotune.measure({b: sampler(b) for b in samples}, repeats=9)
