@@ -1,7 +1,8 @@
 """Backend.AUTO against both backends it chooses between, in one run (issue 14).
 
 For each config, three kernels from `create_kernel` (backend fbgemm, recopt and auto) run
-forward + backward + fused update on the same batches, interleaved step by step; the table
+forward + backward + fused update on the same batches, interleaved step by step (the order
+rotating each step); the table
 reports the median ms/step and AUTO / faster backend. AUTO resolves with an empty cache
 directory (its first-resolution time is reported, then a cache hit from a new resolver).
 
@@ -72,18 +73,23 @@ def run_config(cfg: Config, optimizer: str, steps: int, cache_dir: Path) -> list
     t0 = time.perf_counter()
     again = resolve_backend(tables, auto_cfg, cpu, fmap)
     second = time.perf_counter() - t0
-    kernels = {"auto": create_kernel(tables, fmap, auto_cfg, PoolingType.SUM, cpu)}
+    kernels = {}
     for backend in (Backend.FBGEMM, Backend.RECOPT):
         opt = FusedOptimizerConfig(name=optimizer, backend=backend)
         kernels[backend.value] = create_kernel(tables, fmap, opt, PoolingType.SUM, cpu)
+    kernels["auto"] = create_kernel(tables, fmap, auto_cfg, PoolingType.SUM, cpu)
     gen = torch.Generator().manual_seed(0)
     n = cfg.num_tables * cfg.batch * cfg.ids_per_bag
     offsets = torch.arange(0, n + 1, cfg.ids_per_bag, dtype=torch.int64)
     batches = [(torch.randint(0, cfg.rows, (n,), generator=gen), offsets) for _ in range(3)]
     grad = torch.randn(cfg.batch, cfg.num_tables * cfg.dim)
     times: dict[str, list[float]] = {k: [] for k in kernels}
+    labels = list(kernels)
     for i in range(steps + 1):  # step 0 warms up every kernel
-        for label, kernel in kernels.items():
+        # Rotate the order each step: a kernel can slow the one that runs right after it
+        # (threads still spinning, caches), which must not always hit the same candidate.
+        for label in labels[i % 3 :] + labels[: i % 3]:
+            kernel = kernels[label]
             start = time.perf_counter()
             kernel(*batches[i % len(batches)]).backward(grad)
             if i > 0:
