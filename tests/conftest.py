@@ -1,9 +1,21 @@
-"""Test-tier switches: tests marked ``cuda`` are skipped on a machine without a CUDA GPU."""
+"""Test-suite settings.
+
+Tests marked ``cuda`` are skipped on a machine without a CUDA GPU. Backend.AUTO is pinned, so
+which backend a test runs does not depend on this machine's timings, and tests never write to
+~/.cache (spawned ranks inherit both); test_kernel_autotune.py tests the measurement with its
+own resolvers.
+"""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
+
+os.environ.setdefault("RECOPT_BACKEND", "recopt")
+os.environ.setdefault("RECOPT_CACHE_DIR", os.path.join(tempfile.gettempdir(), "recopt-test-cache"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

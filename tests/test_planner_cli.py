@@ -201,5 +201,7 @@ def test_calibrate_writes_a_topology_the_cli_reads_back(
     values = load_topology_values(topo_file)
     assert values["memory_bandwidth"] > 1e6 and values["intra_host_bandwidth"] > 1e5
     assert values["ranks_per_host"] == 2 and values["device"] == "cpu"
+    assert values["kernel_backends"]["row_wise_adagrad"] in ("fbgemm", "recopt")
+    assert values["kernel_seconds_per_id"]["adam/recopt"] > 0.0
     assert main([str(EXAMPLE), "--world-size", "4", "--topology", str(topo_file)]) == 0
     assert "estimated step" in capsys.readouterr().out

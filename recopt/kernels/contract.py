@@ -8,12 +8,15 @@ declared, typed members: no ``setattr``, no backend-private attributes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
+
+if TYPE_CHECKING:
+    from recopt.kernels.autotune import BackendDecision
 
 Tensor = torch.Tensor
 # (table index, unique rows [U] ascending, per-row tensor) -> tensor. ``grad_hook`` gets the
@@ -36,6 +39,8 @@ class Kernel(Protocol):
             kernel; fbgemm's fused kernel has no point between aggregation and update).
         grad_hook: called per table on every backward, also with no rows; ``None``: off.
         row_stat_hook: the full-row statistic of row-wise optimizers; ``None``: off.
+        backend_decision: how ``create_kernel`` chose ``backend`` (reason, measured times);
+            ``None`` for a kernel built directly.
     """
 
     tables: list[TableSpec]
@@ -46,6 +51,7 @@ class Kernel(Protocol):
     supports_hooks: bool
     grad_hook: KernelHook | None
     row_stat_hook: KernelHook | None
+    backend_decision: BackendDecision | None
 
     def __call__(
         self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None

@@ -1,13 +1,14 @@
 """Backend choice for table-batched embedding kernels: fbgemm's or recopt's own.
 
-`create_kernel` is what modules call; `choose_backend` holds the policy that resolves
-`Backend.AUTO`, from the measurements in docs/kernels.md.
+`create_kernel` is what modules call; `choose_backend` resolves `Backend.AUTO` (fbgemm where
+it cannot run the tables is ruled out here; `recopt.kernels.autotune` measures the rest).
 """
 
 from __future__ import annotations
 
 import torch
 
+from recopt.kernels.autotune import BackendDecision, ShapeClass, default_resolver
 from recopt.kernels.config import (
     Backend,
     FusedOptimizerConfig,
@@ -19,16 +20,49 @@ from recopt.kernels.contract import Kernel
 from recopt.kernels.fbgemm_backend import (  # fbgemm itself is imported only when used
     fbgemm_problems,
 )
-from recopt.kernels.registry import OPTIMIZERS
 
-# CPU policy for AUTO, per optimizer fbgemm's CPU build runs, from the registry's
-# `cpu_prefers_fbgemm` (measured with benchmarks/bench_fused_embedding.py, docs/kernels.md).
-# Optimizers not listed (and fbgemm's when it cannot run the tables) run on recopt.
-CPU_POLICY: dict[str, Backend] = {
-    spec.name: Backend.FBGEMM if spec.cpu_prefers_fbgemm else Backend.RECOPT
-    for spec in OPTIMIZERS.values()
-    if spec.fbgemm_cpu is not None
-}
+
+def auto_candidates(
+    tables: list[TableSpec],
+    optimizer: FusedOptimizerConfig,
+    device: torch.device,
+    feature_table_map: list[int] | None = None,
+) -> tuple[ShapeClass, list[Backend]] | None:
+    """What AUTO chooses among for these tables: their shape class and the able backends.
+
+    Returns:
+        ``None`` when ``optimizer.backend`` is explicit (nothing to decide).
+    """
+    if optimizer.backend != Backend.AUTO:
+        return None
+    device = torch.device(device)
+    problems = fbgemm_problems(tables, optimizer, device, feature_table_map)
+    candidates = [Backend.RECOPT] if problems else [Backend.FBGEMM, Backend.RECOPT]
+    return ShapeClass.of(tables, optimizer, device), candidates
+
+
+def resolve_backend(
+    tables: list[TableSpec],
+    optimizer: FusedOptimizerConfig,
+    device: torch.device,
+    feature_table_map: list[int] | None = None,
+) -> BackendDecision:
+    """`choose_backend` with the reason and the measured times (see `choose_backend`).
+
+    Raises:
+        ValueError: ``backend='fbgemm'`` was asked for tables or an optimizer fbgemm cannot run.
+    """
+    device = torch.device(device)
+    if optimizer.backend == Backend.FBGEMM:
+        problems = fbgemm_problems(tables, optimizer, device, feature_table_map)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return BackendDecision(backend=Backend.FBGEMM, reason="explicit")
+    if optimizer.backend == Backend.RECOPT:
+        return BackendDecision(backend=Backend.RECOPT, reason="explicit")
+    request = auto_candidates(tables, optimizer, device, feature_table_map)
+    assert request is not None  # AUTO
+    return default_resolver().resolve(request[0], optimizer, request[1])
 
 
 def choose_backend(
@@ -39,9 +73,10 @@ def choose_backend(
 ) -> Backend:
     """Resolve the backend that runs these tables with this optimizer on this device.
 
-    Policy for ``Backend.AUTO``: on CUDA, fbgemm for what it supports (its GPU kernels are the
-    reference there), recopt otherwise; on CPU, the backend ``CPU_POLICY`` names for the
-    optimizer (measured, docs/kernels.md) when fbgemm can run the tables, recopt otherwise.
+    An explicit ``optimizer.backend`` wins. ``Backend.AUTO`` is recopt when fbgemm cannot run
+    the tables; otherwise `recopt.kernels.autotune` decides: a pin (``RECOPT_BACKEND`` or
+    ``AutoConfig.pin``), else the faster backend on a probe of these shapes, measured once
+    per machine and shape class and cached on disk.
 
     Args:
         tables: the tables the kernel batches.
@@ -57,19 +92,7 @@ def choose_backend(
         ValueError: ``backend='fbgemm'`` was asked for tables or an optimizer fbgemm cannot
             run; the message names the table and the fix.
     """
-    device = torch.device(device)
-    problems = fbgemm_problems(tables, optimizer, device, feature_table_map)
-    if optimizer.backend == Backend.FBGEMM:
-        if problems:
-            raise ValueError("; ".join(problems))
-        return Backend.FBGEMM
-    if optimizer.backend == Backend.RECOPT:
-        return Backend.RECOPT
-    if problems:
-        return Backend.RECOPT
-    if device.type == "cuda":
-        return Backend.FBGEMM
-    return CPU_POLICY.get(optimizer.name, Backend.RECOPT)
+    return resolve_backend(tables, optimizer, device, feature_table_map).backend
 
 
 def create_kernel(
@@ -95,11 +118,15 @@ def create_kernel(
         ValueError: no tables, a feature maps to no table, or a backend that cannot run them.
     """
     validate_kernel_layout(tables, feature_table_map)
-    backend = choose_backend(tables, optimizer, torch.device(device), feature_table_map)
-    if backend == Backend.FBGEMM:
+    decision = resolve_backend(tables, optimizer, torch.device(device), feature_table_map)
+    kernel: Kernel
+    if decision.backend == Backend.FBGEMM:
         from recopt.kernels.fbgemm_backend import FbgemmTableBatchedEmbedding
 
-        return FbgemmTableBatchedEmbedding(tables, feature_table_map, optimizer, pooling, device)
-    from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
+        kernel = FbgemmTableBatchedEmbedding(tables, feature_table_map, optimizer, pooling, device)
+    else:
+        from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
 
-    return RecoptTableBatchedEmbedding(tables, feature_table_map, optimizer, pooling, device)
+        kernel = RecoptTableBatchedEmbedding(tables, feature_table_map, optimizer, pooling, device)
+    kernel.backend_decision = decision  # read by the modules' param_groups
+    return kernel

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from recopt.kernels.autotune import BackendDecision
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.contract import KernelHook
 from recopt.kernels.registry import OPTIMIZERS, optimizer_spec
@@ -126,6 +127,7 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         # fbgemm updates inside its fused backward: no point where the hooks could run.
         self.backend = Backend.FBGEMM
         self.supports_hooks = False
+        self.backend_decision: BackendDecision | None = None  # set by create_kernel
         self.grad_hook: KernelHook | None = None
         self.row_stat_hook: KernelHook | None = None
         self._tbe = SplitTableBatchedEmbeddingBagsCodegen(

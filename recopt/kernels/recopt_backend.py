@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recopt.kernels import cpu_fused, registry, updates
+from recopt.kernels.autotune import BackendDecision
 from recopt.kernels.config import (
     Backend,
     FusedOptimizerConfig,
@@ -113,6 +114,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
         # aggregation and update where they can run.
         self.backend = Backend.RECOPT
         self.supports_hooks = True
+        self.backend_decision: BackendDecision | None = None  # set by create_kernel
         self.grad_hook: KernelHook | None = None
         self.row_stat_hook: KernelHook | None = None
 

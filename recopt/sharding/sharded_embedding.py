@@ -23,7 +23,12 @@ from recopt.kernels.factory import create_kernel
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
 from recopt.optim.fused import FusedOptimizerModule
-from recopt.sharding.comm import ExchangeMeta, OutputExchange
+from recopt.sharding.comm import (
+    ExchangeMeta,
+    KernelRequest,
+    OutputExchange,
+    share_backend_decisions,
+)
 from recopt.sharding.input_dist import (
     Bucketizer,
     ReceivedInput,
@@ -97,6 +102,9 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         )
         # Kernels are kept out of the module tree: their weights are exposed (sharded) through
         # state_dict and the fused optimizer, and must not reach DDP or a dense optimizer.
+        # Replicas must run the same backend on every rank: rank 0 resolves AUTO for all.
+        groups = [*self._layout.mp_groups, *self._layout.dp_groups]
+        share_backend_decisions([self._kernel_request(g) for g in groups], self.device, self._pg)
         self._mp_kernels = [self._make_kernel(g) for g in self._layout.mp_groups]
         self._dp_kernels = [self._make_kernel(g) for g in self._layout.dp_groups]
         self._init_weights()
@@ -113,7 +121,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         # Set to a dict to accumulate forward time per phase (input_dist, lookup, output_dist).
         self.phase_seconds: dict[str, float] | None = None
 
-    def _make_kernel(self, group: GroupLayout) -> Kernel:
+    def _kernel_request(self, group: GroupLayout) -> KernelRequest:
         specs = []
         for t, k in group.tables:
             table = self.tables[t]
@@ -136,6 +144,10 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 )
         local = {tk: i for i, tk in enumerate(group.tables)}
         feature_table_map = [local[(vf.table, vf.shard)] for vf in group.features]
+        return specs, feature_table_map, group.optimizer
+
+    def _make_kernel(self, group: GroupLayout) -> Kernel:
+        specs, feature_table_map, _ = self._kernel_request(group)
         # Shards always pool with SUM: row-shard partials add up at the source, which divides
         # mean-pooled features by the full bag length.
         return create_kernel(

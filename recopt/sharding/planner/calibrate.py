@@ -1,4 +1,5 @@
-"""Measure this machine for the planner: memory bandwidth and gloo collective bandwidth.
+"""Measure this machine for the planner: memory bandwidth, gloo collective bandwidth, and each
+fused optimizer's kernel speed on each backend, with the backend ``Backend.AUTO`` picks.
 
 `recopt-plan --calibrate` runs `calibrate` and writes the result as a topology file. Inter-host
 bandwidth cannot be measured on one machine; the file carries the default and says so.
@@ -12,6 +13,16 @@ import time
 
 import torch
 
+from recopt.kernels.autotune import (
+    PROBE_MAX_ROWS,
+    ShapeClass,
+    default_resolver,
+    measure,
+    probe_samplers,
+)
+from recopt.kernels.config import Backend, FusedOptimizerConfig, TableSpec
+from recopt.kernels.fbgemm_backend import fbgemm_problems
+from recopt.kernels.registry import OPTIMIZERS
 from recopt.sharding import comm
 from recopt.sharding.planner.topology import NETWORK_10GBE_BANDWIDTH, Topology
 from recopt.testing import run_on_ranks
@@ -65,6 +76,45 @@ def measure_collective_bandwidth(
     return sent / max(seconds)
 
 
+def measure_kernels(
+    device: str = "cpu", dim: int = 64, rows: int = PROBE_MAX_ROWS
+) -> tuple[dict[str, str], dict[str, float]]:
+    """Time every fused optimizer's kernel on each backend that can run it, on AUTO's probe.
+
+    fbgemm-capable optimizers go through the process's AUTO resolver, so the choice recorded
+    here is the one training will make (it honours a pin and fills the decision cache).
+
+    Args:
+        device: ``cpu`` or ``cuda``.
+        dim: the probe's embedding dim.
+        rows: the probe's rows (a power of two).
+
+    Returns:
+        (optimizer -> chosen backend, ``"<optimizer>/<backend>"`` -> seconds per id of a
+        forward + backward + fused update).
+    """
+    resolver = default_resolver()
+    config = resolver.config
+    ids = config.probe_bags * config.ids_per_bag
+    backends: dict[str, str] = {}
+    seconds_per_id: dict[str, float] = {}
+    probe = [TableSpec(name="probe", num_embeddings=rows, embedding_dim=dim)]
+    for name in OPTIMIZERS:
+        optimizer = FusedOptimizerConfig(name=name)
+        shape = ShapeClass(device=device, optimizer=name, dim=dim, rows=rows)
+        able = not fbgemm_problems(probe, optimizer, torch.device(device))
+        candidates = [Backend.FBGEMM, Backend.RECOPT] if able else [Backend.RECOPT]
+        decision = resolver.resolve(shape, optimizer, candidates)
+        seconds = dict(decision.seconds)
+        if set(seconds) != {b.value for b in candidates}:  # pinned or one candidate: time it
+            samplers = probe_samplers(shape, optimizer, candidates, config)
+            seconds = {b.value: s for b, s in measure(samplers, config.repeats).items()}
+        backends[name] = decision.backend.value
+        for backend, s in seconds.items():
+            seconds_per_id[f"{name}/{backend}"] = s / ids
+    return backends, seconds_per_id
+
+
 def calibrate(ranks_per_host: int | None = None, quick: bool = False) -> Topology:
     """A topology for this machine (``world_size`` = ``ranks_per_host``, one host).
 
@@ -83,6 +133,9 @@ def calibrate(ranks_per_host: int | None = None, quick: bool = False) -> Topolog
     scale = 16 if quick else 1
     memory_bw = measure_memory_bandwidth(256 * 2**20 // scale, repeats=3 if quick else 5)
     comm_bw = measure_collective_bandwidth(64 * 2**20 // scale, repeats=2 if quick else 5)
+    backends, kernel_seconds = measure_kernels(
+        "cuda" if cuda else "cpu", rows=PROBE_MAX_ROWS // scale
+    )
     ddr = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rph
     hbm = torch.cuda.get_device_properties(0).total_memory if cuda else 0
     return Topology(
@@ -95,6 +148,8 @@ def calibrate(ranks_per_host: int | None = None, quick: bool = False) -> Topolog
         intra_host_bandwidth=float(int(comm_bw)),
         # Not measurable here; a 10 Gb/s network, never assumed faster than local gloo.
         inter_host_bandwidth=min(NETWORK_10GBE_BANDWIDTH, float(int(comm_bw))),
+        kernel_backends=backends,
+        kernel_seconds_per_id=kernel_seconds,
     )
 
 
@@ -110,6 +165,9 @@ def topology_file_text(topology: Topology) -> str:
         "# local figure; edit it for your network (bytes/s; 1.25e9 is 10 Gb/s).\n"
         "# seconds_per_id and row_stat_seconds_per_id are NOT measured: the defaults come from\n"
         "# the sharded module on the development VM (docs/planner.md, 'Does the model predict?').\n"
+        "# kernel_backends: the backend Backend.AUTO picks for each fused optimizer here;\n"
+        "# kernel_seconds_per_id: each optimizer's kernel, per backend, timed on AUTO's probe\n"
+        "# (fwd + bwd + update, seconds per id); the cost model uses the one that will run.\n"
         + body
         + "\n"
     )

@@ -116,6 +116,13 @@ def _lookup_and_update_seconds(
     # Backward: read the output gradient, write a gradient row per id, then the fused update
     # reads and writes each touched row and its state.
     bwd = (pooled + ids * row_bytes + ids * (2 * row_bytes + 2 * FLOAT_BYTES * state_per_row)) / mem
+    optimizer = workload.optimizer
+    measured = topology.kernel_seconds(optimizer.name, optimizer.backend.value)
+    if measured is not None and fwd + bwd > 0.0:
+        # The kernel that will run was timed on this machine (`recopt-plan --calibrate`): its
+        # time per id sets the total, the bytes-moved terms only split it between the phases.
+        scale = ids * measured / (fwd + bwd)
+        return fwd * scale, bwd * scale
     per_id = ids * topology.seconds_per_id  # what bytes do not capture (measured, see Topology)
     return fwd + per_id, bwd + per_id
 

@@ -61,6 +61,11 @@ class Topology:
         seconds_per_id: time per id looked up, per phase, beyond the bytes it moves.
         row_stat_seconds_per_id: extra time per id of a column shard of a row-wise optimizer
             (the full-row statistic exchange).
+        kernel_backends: optimizer name -> the backend ``Backend.AUTO`` chose on this machine
+            (``recopt-plan --calibrate``); empty when not measured.
+        kernel_seconds_per_id: ``"<optimizer>/<backend>"`` -> measured seconds per id of a
+            fused kernel's forward + backward + update; replaces ``seconds_per_id`` and the
+            bytes-moved compute estimate for that kernel (docs/planner.md).
     """
 
     world_size: int
@@ -74,6 +79,8 @@ class Topology:
     inter_host_bandwidth: float = DEFAULT_INTER_HOST_BANDWIDTH
     seconds_per_id: float = DEFAULT_SECONDS_PER_ID
     row_stat_seconds_per_id: float = DEFAULT_ROW_STAT_SECONDS_PER_ID
+    kernel_backends: dict[str, str] = dataclasses.field(default_factory=dict)
+    kernel_seconds_per_id: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("world_size", "hbm_bytes", "ddr_bytes"):
@@ -99,11 +106,42 @@ class Topology:
         for name in ("seconds_per_id", "row_stat_seconds_per_id"):
             if not float(getattr(self, name)) >= 0.0:
                 raise TopologyError(f"topology {name} must be >= 0 s, got {getattr(self, name)!r}")
+        self._validate_kernels()
         if self.memory_bytes == 0:
             field = "hbm_bytes" if self.device == "cuda" else "ddr_bytes"
             raise TopologyError(
                 f"topology {field} is 0 for device {self.device!r}; give the memory per rank"
             )
+
+    def _validate_kernels(self) -> None:
+        backends = ("fbgemm", "recopt")
+        for field in ("kernel_backends", "kernel_seconds_per_id"):
+            if not isinstance(getattr(self, field), dict):
+                raise TopologyError(
+                    f"topology {field} must be a table, got {getattr(self, field)!r}"
+                )
+        for name, backend in self.kernel_backends.items():
+            if backend not in backends:
+                raise TopologyError(
+                    f"topology kernel_backends[{name!r}] = {backend!r}; valid: {backends}"
+                )
+        for key, seconds in self.kernel_seconds_per_id.items():
+            if key.count("/") != 1 or key.split("/")[1] not in backends:
+                raise TopologyError(
+                    f"topology kernel_seconds_per_id key {key!r} is not '<optimizer>/<backend>' "
+                    f"with a backend in {backends}"
+                )
+            if not float(seconds) > 0.0:
+                raise TopologyError(
+                    f"topology kernel_seconds_per_id[{key!r}] must be > 0 s, got {seconds!r}"
+                )
+
+    def kernel_seconds(self, optimizer: str, backend: str) -> float | None:
+        """Measured seconds per id of ``optimizer``'s kernel on ``backend`` (``auto``: the
+        backend recorded as AUTO's choice), or ``None`` when not measured."""
+        if backend == "auto":
+            backend = self.kernel_backends.get(optimizer, "")
+        return self.kernel_seconds_per_id.get(f"{optimizer}/{backend}")
 
     @property
     def local_world_size(self) -> int:
@@ -139,7 +177,11 @@ class Topology:
         lines = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is None:
+            if value is None or value == {}:
+                continue
+            if isinstance(value, dict):  # an inline table: {"key" = value, ...}
+                items = ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items())
+                lines.append(f"{f.name} = {{ {items} }}")
                 continue
             lines.append(f"{f.name} = {json.dumps(value)}")
         return "\n".join(lines) + "\n"
