@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             "host with fbgemm-gpu's CUDA build (see ../shared/gpu/README.md).\n"
         )
         return 2
-    from recopt.sharding import comm
+    from recopt import comm
 
     os.environ.setdefault("LOCAL_RANK", "0")  # TorchRec's DMP reads it
     torch.cuda.set_device(0)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from recopt.sharding import comm
+from recopt import comm
 
 
 class RankFailure(RuntimeError):

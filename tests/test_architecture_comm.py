@@ -1,6 +1,6 @@
 """Design rule: torch.distributed collectives and group creation live in one module.
 
-``recopt/sharding/comm.py`` decides which device a collective uses for its group (NCCL refuses
+``recopt/comm.py`` decides which device a collective uses for its group (NCCL refuses
 CPU tensors, a ``cuda:gloo`` group too); a collective called anywhere else bypasses that
 decision, which is how the plan broadcast once broke every multi-GPU run.
 """
@@ -11,7 +11,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-OWNER = ROOT / "recopt" / "sharding" / "comm.py"
+OWNER = ROOT / "recopt" / "comm.py"
 COLLECTIVES = {
     "all_gather",
     "all_gather_into_tensor",
@@ -101,4 +101,4 @@ def test_no_collective_outside_the_communication_module() -> None:
         if path != OWNER
         for hit in stray_collectives(path.read_text(), str(path.relative_to(ROOT)))
     ]
-    assert not offenders, "call these through recopt.sharding.comm:\n" + "\n".join(offenders)
+    assert not offenders, "call these through recopt.comm:\n" + "\n".join(offenders)

@@ -7,7 +7,7 @@ import datetime
 import pytest
 import torch
 
-from recopt.sharding import comm
+from recopt import comm
 from recopt.testing import run_on_ranks
 
 

@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dlrm_config import TrainingConfig, fault_tolerant_config, load_config  # noqa: E402
 from dlrm_report import MetricsLog, ProgressBar, plot_curves  # noqa: E402
 
+from recopt import comm  # noqa: E402
 from recopt.checkpoint import CheckpointManager  # noqa: E402
 from recopt.data import Batch, CriteoClickLog, SyntheticClickLog  # noqa: E402
 from recopt.data.prefetch import DevicePrefetcher  # noqa: E402
@@ -60,7 +61,6 @@ from recopt.optim import (  # noqa: E402
 )
 from recopt.optim.clipping import GradientClippingOptimizer  # noqa: E402
 from recopt.optim.warmup import WarmupOptimizer  # noqa: E402
-from recopt.sharding import comm  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

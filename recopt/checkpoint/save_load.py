@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from recopt import comm
 from recopt.checkpoint.guards import Backup, all_finite, write_failure
 from recopt.checkpoint.manifest import (
     DCP_METADATA_NAME,
@@ -57,7 +58,6 @@ from recopt.checkpoint.state import (
     tensor_dtype,
     to_optimizer_keys,
 )
-from recopt.sharding import comm
 
 logger = logging.getLogger(__name__)
 

@@ -154,12 +154,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 params[f"embedding_bags.{name}.weight"] = param
                 state[param] = {f"{name}.{key}": value for key, value in table_state.items()}
                 group_params.append(param)
-            param_group = make_param_group(group.optimizer, group_params, [group.kernel])
-            decision = group.kernel.backend_decision  # set by create_kernel
-            if decision is not None:
-                param_group["backend_reason"] = decision.reason
-                param_group["backend_seconds"] = dict(decision.seconds)
-            param_groups.append(param_group)
+            param_groups.append(make_param_group(group.optimizer, group_params, [group.kernel]))
         return EmbeddingFusedOptimizer(params, state, param_groups)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FusedEmbeddingBagCollection:

@@ -63,12 +63,20 @@ def make_param_group(
 ) -> dict[str, Any]:
     """A torch-style param group: the params and the optimizer's hyperparameters.
 
-    ``optimizer`` holds the optimizer's name and ``backend`` the one its kernels run on.
+    ``optimizer`` holds the optimizer's name, ``backend`` the one its kernels run on, and
+    ``backend_reason`` / ``backend_seconds`` how that backend was chosen (`create_kernel`'s
+    decision: explicit, pinned, cached, measured with the probe's times, or shared by rank 0);
+    ``None`` / empty when the kernels were decided differently or built directly.
     """
     hyper = dataclasses.asdict(optimizer)
     hyper.pop("d")  # an alias, folded into clip_threshold at construction
     hyper["optimizer"] = hyper.pop("name")
     hyper["backend"] = kernels_backend(kernels, optimizer.backend)
+    decisions = [k.backend_decision for k in kernels]
+    same = bool(decisions) and all(d == decisions[0] for d in decisions)
+    decision = decisions[0] if same else None
+    hyper["backend_reason"] = decision.reason if decision is not None else None
+    hyper["backend_seconds"] = dict(decision.seconds) if decision is not None else {}
     return {"params": params, **hyper}
 
 

@@ -179,7 +179,7 @@ class GradientClippingOptimizer(OptimizerWrapper):
         return replicated, split
 
     def _reduce(self, value: torch.Tensor, group: Any) -> torch.Tensor:
-        from recopt.sharding import comm  # here: recopt.sharding imports recopt.optim
+        from recopt import comm
 
         op = dist.ReduceOp.MAX if math.isinf(self._norm_type) else dist.ReduceOp.SUM
         # comm puts the value on a device the group serves (the GPU for NCCL alone).

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recopt.sharding.comm import all_to_all_counts, all_to_all_flat
+from recopt.comm import all_to_all_counts, all_to_all_flat
 from recopt.sparse import KeyedJaggedTensor
 
 Tensor = torch.Tensor

@@ -17,13 +17,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from recopt import comm
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.modules.embedding_bag import EmbeddingBagCollection
 from recopt.modules.fused import FusedEmbeddingBagCollection
 from recopt.modules.fused_groups import optimizer_from_param_group
 from recopt.optim.combined import CombinedOptimizer
 from recopt.optim.keyed import KeyedOptimizer
-from recopt.sharding import comm
 from recopt.sharding.plan import ShardingPlan
 from recopt.sharding.plan_helpers import balanced_table_wise_plan
 from recopt.sharding.plan_validation import validate_plan

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from recopt.comm import all_to_all_flat
 from recopt.kernels.contract import Kernel, KernelHook
 from recopt.kernels.registry import optimizer_spec
-from recopt.sharding.comm import all_to_all_flat
 from recopt.sharding.layout import ShardedLayout
 
 Tensor = torch.Tensor

@@ -17,18 +17,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from recopt.comm import (
+    ExchangeMeta,
+    KernelRequest,
+    OutputExchange,
+    share_backend_decisions,
+)
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.contract import Kernel
 from recopt.kernels.factory import create_kernel
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
 from recopt.optim.fused import FusedOptimizerModule
-from recopt.sharding.comm import (
-    ExchangeMeta,
-    KernelRequest,
-    OutputExchange,
-    share_backend_decisions,
-)
 from recopt.sharding.input_dist import (
     Bucketizer,
     ReceivedInput,

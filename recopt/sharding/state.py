@@ -19,11 +19,11 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
+from recopt import comm
 from recopt.kernels.contract import Kernel
 from recopt.kernels.updates import init_state
 from recopt.modules.fused_groups import make_param_group
 from recopt.optim.fused import FusedOptimizer
-from recopt.sharding import comm
 from recopt.sharding.layout import ShardedLayout
 
 Tensor = torch.Tensor

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from recopt import comm
 from recopt.kernels.autotune import (
     PROBE_MAX_ROWS,
     ShapeClass,
@@ -23,7 +24,6 @@ from recopt.kernels.autotune import (
 from recopt.kernels.config import Backend, FusedOptimizerConfig, TableSpec
 from recopt.kernels.fbgemm_backend import fbgemm_problems
 from recopt.kernels.registry import OPTIMIZERS
-from recopt.sharding import comm
 from recopt.sharding.planner.topology import NETWORK_10GBE_BANDWIDTH, Topology
 from recopt.testing import run_on_ranks
 

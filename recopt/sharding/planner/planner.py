@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recopt import comm
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.kernels.registry import optimizer_spec
-from recopt.sharding import comm
 from recopt.sharding.plan import ParameterSharding, ShardingPlan, table_names
 from recopt.sharding.plan_validation import validate_plan
 from recopt.sharding.planner.constraints import (
