@@ -464,3 +464,13 @@ def test_reporting_without_matplotlib_and_on_a_pipe(
         "step 5/10 [============>           ]  50% | 12.3k samples/s | loss 0.5000",
         "validation ...",
     ]
+
+
+def test_another_embedding_optimizer_gets_its_reference_defaults() -> None:
+    load_config = dlrm_config.load_config
+    adam = load_config(None, ["embedding.optimizer.name=adam"]).embedding.optimizer
+    assert (adam.lr, adam.eps) == (1e-3, 1e-8)  # torch.optim.SparseAdam's defaults
+    own = load_config(None, ["embedding.optimizer.name=adam", "embedding.optimizer.lr=0.05"])
+    assert own.embedding.optimizer.lr == 0.05
+    default = load_config(None).embedding.optimizer
+    assert (default.name, default.lr) == ("row_wise_adagrad", 0.05)

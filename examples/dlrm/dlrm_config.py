@@ -265,9 +265,9 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> TrainingConf
     """
     # Defaults first, so an override can reach a default list (embedding.tables.0.name=...).
     data = to_plain(TrainingConfig())
-    if path is not None:
-        data = merge(data, load_toml(path))
-    data = apply_overrides(data, overrides)
+    from_file = load_toml(path) if path is not None else {}
+    data = apply_overrides(merge(data, from_file), overrides)
+    _registry_defaults_for_another_optimizer(data, from_file, overrides)
     where = path or "defaults"
     try:
         config = from_dict(TrainingConfig, data, "")
@@ -275,6 +275,22 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> TrainingConf
         raise ValueError(f"{where}: {err}") from None
     _check_planner(config.planner, where)
     return config
+
+
+def _registry_defaults_for_another_optimizer(
+    data: dict[str, Any], from_file: dict[str, Any], overrides: Sequence[str]
+) -> None:
+    """An ``[embedding.optimizer]`` that names another optimizer than the script's row-wise
+    Adagrad, without setting ``lr``/``eps`` itself, gets that optimizer's reference defaults
+    (the registry's): ``name = "adam"`` alone means SparseAdam's lr 1e-3, not 0.05."""
+    chosen = data["embedding"]["optimizer"]
+    if chosen.get("name") == EmbeddingSection().optimizer.name:
+        return
+    in_file = from_file.get("embedding", {}).get("optimizer", {})
+    for key in ("lr", "eps"):
+        overridden = any(o.startswith(f"embedding.optimizer.{key}=") for o in overrides)
+        if key not in in_file and not overridden:
+            chosen.pop(key, None)
 
 
 def _check_planner(values: dict[str, Any], where: str) -> None:
