@@ -14,6 +14,7 @@ from recopt.modules import (
     NonFiniteWeightError,
 )
 from recopt.sparse import KeyedJaggedTensor
+from recopt.testing import run_on_ranks
 
 TABLES = [
     EmbeddingBagConfig(name="t0", num_embeddings=10, embedding_dim=8, feature_names=("f0",)),
@@ -105,3 +106,39 @@ def test_float64_weight_overflowing_float32_is_rejected() -> None:
     ebc = FusedEmbeddingBagCollection(TABLES, is_weighted=True)
     with pytest.raises(NonFiniteWeightError, match=r"table 't0', feature 'f0'"):
         ebc(big)
+
+
+def _sharded_rejects_non_finite_weight(rank: int, world: int) -> None:
+    from recopt.sharding.input_dist import RemoteInputError
+    from recopt.sharding.model_parallel import DistributedModelParallel
+    from recopt.sharding.state import full_tensor
+
+    def full_state() -> dict[str, torch.Tensor]:
+        state = {k: full_tensor(v).clone() for k, v in dmp.state_dict().items()}
+        for key, value in dmp.fused_optimizer.state_dict()["state"].items():
+            for name, tensor in value.items():
+                state[f"opt.{key}.{name}"] = full_tensor(tensor).clone()
+        return state
+
+    torch.manual_seed(0)
+    ebc = FusedEmbeddingBagCollection(
+        TABLES, optimizer=FusedOptimizerConfig(name="adam", lr=0.1), is_weighted=True
+    )
+    dmp = DistributedModelParallel(ebc)
+    _step(dmp, _features())
+    before = full_state()
+    if rank == world - 1:
+        with pytest.raises(NonFiniteWeightError, match=r"table 't1', feature 'f1'"):
+            dmp(_features(float("nan")))
+    else:
+        with pytest.raises(RemoteInputError, match=rf"rank\(s\) \[{world - 1}\]"):
+            dmp(_features())
+    after = full_state()
+    assert sorted(after) == sorted(before)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+    _step(dmp, _features())  # every rank trains on
+
+
+def test_sharded_rejects_non_finite_weight_on_one_rank_and_updates_nothing() -> None:
+    run_on_ranks(_sharded_rejects_non_finite_weight, 2, timeout_s=240)
