@@ -91,8 +91,7 @@ class _SkipNonFiniteUpdate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        out, leaf = ctx.inner
-        ctx.inner = None  # the private graph is spent either way
+        out, leaf = ctx.inner  # a second backward (retain_graph) finds the kernels' graph freed
         guard: NonFiniteGradGuard = ctx.guard
         if not guard.admit(grad) or not out.requires_grad:
             return None, None, None, None
