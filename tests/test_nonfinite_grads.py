@@ -151,3 +151,19 @@ def test_no_grad_forward_needs_no_guard() -> None:
     assert not torch.equal(
         _snapshot(ebc)["embedding_bags.t0.weight"], before["embedding_bags.t0.weight"]
     )
+
+
+def test_kernels_with_a_grad_hook_are_not_gated() -> None:
+    # A grad_hook may run collectives with other replicas (fault tolerance): skipping here
+    # alone would leave them waiting, so the kernel still runs (docs/design.md).
+    ebc = _build(Backend.RECOPT, "sgd")
+    calls: list[int] = []
+
+    def hook(t: int, rows: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        calls.append(t)
+        return grad
+
+    ebc.kernels()[0].grad_hook = hook
+    _step(ebc, seed=2, scale=float("nan"))
+    assert sorted(set(calls)) == [0, 1]
+    assert ebc.skipped_nonfinite_steps == 0

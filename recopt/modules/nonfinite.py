@@ -98,6 +98,7 @@ class _SkipNonFiniteUpdate(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         out, leaf = ctx.inner  # a second backward (retain_graph) finds the kernels' graph freed
         guard: NonFiniteGradGuard = ctx.guard
+        grad = grad.contiguous()  # once, for the check and the kernels (which need it anyway)
         if not guard.admit(grad) or not out.requires_grad:
             return None, None, None, None
         # Runs the kernels' backward, i.e. their fused updates (a nested backward confined to
