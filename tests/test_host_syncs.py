@@ -1,4 +1,4 @@
-"""The fused module's forward and backward read nothing back to the host but one flag a step.
+"""The fused module's forward and backward each read back one flag a step, nothing more.
 
 On a GPU every ``.item()``, ``.tolist()``, ``bool(tensor)``, ``int(tensor)`` or
 ``float(tensor)`` waits for the device. These are counted here on CPU, structurally, by wrapping
@@ -75,10 +75,24 @@ def test_fused_forward_backward_reads_back_at_most_one_value(name: str) -> None:
         tables, optimizer=FusedOptimizerConfig(name=name, lr=0.1, backend=Backend.FBGEMM)
     )
     ebc(kjt).values().sum().backward()  # first step: kernels built, native code compiled
-    with count_read_backs() as calls:
+    with count_read_backs() as forward_calls:
         pooled = ebc(kjt)
+    # Forward: the one id/weight check. Backward: the one finiteness check of the gradient
+    # before the fused update (issue 18); without it (skip_nonfinite=False), none.
+    assert len(forward_calls) <= 1, forward_calls
+    with count_read_backs() as backward_calls:
         pooled.values().sum().backward()
-    assert len(calls) <= 1, calls
+    assert len(backward_calls) <= 1, backward_calls
+    unguarded = FusedEmbeddingBagCollection(
+        tables,
+        optimizer=FusedOptimizerConfig(name=name, lr=0.1, backend=Backend.FBGEMM),
+        skip_nonfinite=False,
+    )
+    unguarded(kjt).values().sum().backward()
+    pooled = unguarded(kjt)
+    with count_read_backs() as backward_calls:
+        pooled.values().sum().backward()
+    assert backward_calls == [], backward_calls
 
 
 def test_one_bad_id_among_many_features_still_names_it_and_updates_nothing() -> None:

@@ -4,7 +4,7 @@ from recopt.kernels.config import FusedOptimizerConfig, PoolingType
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.embedding_bag import EmbeddingBagCollection
 from recopt.modules.fused import EmbeddingFusedOptimizer, FusedEmbeddingBagCollection
-from recopt.modules.inputs import InvalidIdError
+from recopt.modules.inputs import InvalidIdError, NonFiniteWeightError
 
 __all__ = [
     "EmbeddingBagCollection",
@@ -13,6 +13,7 @@ __all__ = [
     "FusedEmbeddingBagCollection",
     "FusedOptimizerConfig",
     "InvalidIdError",
+    "NonFiniteWeightError",
     "PoolingType",
     "validate_tables",
 ]

@@ -25,6 +25,7 @@ from recopt.modules.fused_groups import (
     resolve_table_optimizers,
 )
 from recopt.modules.inputs import FeatureLayout
+from recopt.modules.nonfinite import NonFiniteGradGuard, guarded_lookup
 from recopt.optim.fused import FusedOptimizer, FusedOptimizerModule
 from recopt.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -62,7 +63,9 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     """`EmbeddingBagCollection` with the sparse optimizer fused into backward.
 
     Same input and output as `EmbeddingBagCollection`. After ``loss.backward()`` the rows looked up
-    in the batch are already updated; there is nothing to step.
+    in the batch are already updated; there is nothing to step. A backward whose gradient of the
+    pooled output holds NaN or inf updates nothing (no weight, state or step counter) and is
+    counted in ``skipped_nonfinite_steps`` (one warning, the first time).
 
     Args:
         tables: the tables (``validate_tables`` rules apply).
@@ -70,6 +73,9 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         table_optimizers: per-table overrides, table name -> optimizer.
         is_weighted: the input carries one weight per id.
         device: where weights and optimizer state live.
+        skip_nonfinite: check the output gradient before the fused update (one host read per
+            backward) and skip the update when it is not finite. Not applied while a kernel has
+            a ``grad_hook`` (fault tolerance): its collectives need every replica to update.
 
     Raises:
         ValueError: invalid tables, an override naming an unknown table, or a kernel that cannot
@@ -83,6 +89,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         table_optimizers: Mapping[str, FusedOptimizerConfig] | None = None,
         is_weighted: bool = False,
         device: torch.device | str | None = None,
+        skip_nonfinite: bool = True,
     ) -> None:
         super().__init__()
         validate_tables(tables)
@@ -111,6 +118,8 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             [[g.kernel] for g in self._groups], [g.optimizer.learning_rate for g in self._groups]
         )
         self._single_group = len(self._groups) == 1
+        self._skip_nonfinite = skip_nonfinite
+        self._grad_guard = NonFiniteGradGuard(type(self).__name__)
 
     def _build_groups(self, optimizers: Mapping[str, FusedOptimizerConfig]) -> list[_KernelGroup]:
         tables_of: dict[tuple[FusedOptimizerConfig, PoolingType], list[int]] = {}
@@ -190,6 +199,11 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         """The output keys: features in table order."""
         return list(self._layout.feature_names)
 
+    @property
+    def skipped_nonfinite_steps(self) -> int:
+        """Backward passes whose fused update was skipped for a NaN/inf output gradient."""
+        return self._grad_guard.skipped_steps
+
     def kernels(self) -> list[Kernel]:
         """The kernels, one per (optimizer, pooling) group."""
         return [g.kernel for g in self._groups]
@@ -206,13 +220,36 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             return KeyedTensor(self._layout.feature_names, self._layout.dims, pooled_meta)
         features = self._layout.prepare(features, self.is_weighted)
         self._lr_sync.apply(self._optimizer.param_groups)
-        if self._single_group:
-            pooled = self._lookup(self._groups[0], features)
+        if self._skip_nonfinite and all(g.kernel.grad_hook is None for g in self._groups):
+            pooled = guarded_lookup(
+                lambda weights: self._lookup_all(features, weights),
+                self._grad_guard,
+                features.weights_or_none(),
+                self.device,
+            )
         else:
-            pooled = self._lookup_groups(features)
+            pooled = self._lookup_all(features, features.weights_or_none())
         return KeyedTensor(
             keys=self._layout.feature_names, length_per_key=self._layout.dims, values=pooled
         )
+
+    def _lookup_all(
+        self, features: KeyedJaggedTensor, weights: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Every kernel's pooled output, features in table order (``weights``: per id)."""
+        if weights is not features.weights_or_none():  # the guard's detached copy
+            features = KeyedJaggedTensor(
+                features.keys(),
+                features.values(),
+                weights=weights,
+                lengths=features.lengths(),
+                offsets=features.offsets(),
+                stride=features.stride(),
+                length_per_key=features.length_per_key(),
+            )
+        if self._single_group:
+            return self._lookup(self._groups[0], features)
+        return self._lookup_groups(features)
 
     def _lookup(self, group: _KernelGroup, features: KeyedJaggedTensor) -> torch.Tensor:
         result: torch.Tensor = group.kernel(

@@ -1,7 +1,8 @@
 """Input handling shared by the embedding-bag modules: feature order, weights, id bounds.
 
 fbgemm's own bounds check only warns and silently reads row 0 for a bad id; recopt checks every
-id once per batch, before any lookup or update, and raises naming the table, feature and id.
+id (and that every per-id weight is finite) once per batch, before any lookup or update, and
+raises naming the table, feature and id (or weight).
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from recopt.sparse import KeyedJaggedTensor
 
 class InvalidIdError(ValueError):
     """An id outside ``[0, num_embeddings)`` of its table."""
+
+
+class NonFiniteWeightError(ValueError):
+    """A per-id weight that is NaN or infinite."""
 
 
 class FeatureLayout:
@@ -53,6 +58,8 @@ class FeatureLayout:
             ValueError: a feature is missing, weights are missing / unexpected, or the
                 input has a variable batch per feature.
             InvalidIdError: an id is outside its table.
+            NonFiniteWeightError: a per-id weight is NaN or infinite (after the conversion
+                to ``weight_dtype``).
         """
         if features.variable_stride_per_key():
             raise ValueError(
@@ -95,6 +102,7 @@ class FeatureLayout:
             self.feature_names,
             self.table_names,
             self.num_rows,
+            features.weights_or_none(),
         )
         return features
 
@@ -105,12 +113,13 @@ def check_ids_in_range(
     feature_names: Sequence[str],
     table_names: Sequence[str],
     num_rows: Sequence[int],
+    weights: torch.Tensor | None = None,
 ) -> None:
-    """Raise if any feature's ids fall outside its table.
+    """Raise if any feature's ids fall outside its table or any per-id weight is not finite.
 
-    One comparison covers every feature at once, and only its single yes/no answer is read back
-    to the host (one sync per call on a GPU, not two per feature); the slow per-feature pass
-    that names the culprit runs only when an id is bad.
+    One comparison covers every feature (and every weight) at once, and only its single yes/no
+    answer is read back to the host (one sync per call on a GPU, not two per feature); the slow
+    per-feature pass that names the culprit runs only when something is bad.
 
     Args:
         values: all ids, feature-major (KJT layout).
@@ -118,9 +127,11 @@ def check_ids_in_range(
         feature_names: the features, in the order of ``values``.
         table_names: the table each feature looks up.
         num_rows: the row count of each feature's table.
+        weights: the per-id weights, aligned with ``values``; ``None`` when unweighted.
 
     Raises:
         InvalidIdError: naming the table, the feature, the offending id and the valid range.
+        NonFiniteWeightError: naming the table, the feature and the NaN or infinite weight.
     """
     total = sum(length_per_key)
     if total == 0:
@@ -132,8 +143,13 @@ def check_ids_in_range(
     limit_per_id = torch.repeat_interleave(limits, repeats, output_size=total)
     ids = values[:total]
     bad = torch.logical_or(ids < 0, ids >= limit_per_id).any()
+    if weights is not None:
+        bad = torch.logical_or(bad, ~torch.isfinite(weights[:total]).all())
     if bad:  # the one host sync of the check
         _raise_first_bad_id(values, length_per_key, feature_names, table_names, num_rows)
+        if weights is not None:
+            _raise_first_bad_weight(weights, length_per_key, feature_names, table_names)
+        raise AssertionError("the check failed but no feature holds the cause")  # invariant
 
 
 def _raise_first_bad_id(
@@ -143,7 +159,7 @@ def _raise_first_bad_id(
     table_names: Sequence[str],
     num_rows: Sequence[int],
 ) -> None:
-    """Find the first feature with an id outside its table and raise naming it (error path)."""
+    """Raise naming the first feature with an id outside its table, if any (error path)."""
     start = 0
     for i, count in enumerate(length_per_key):
         if count:
@@ -157,4 +173,24 @@ def _raise_first_bad_id(
                     "before lookup (nothing was updated)."
                 )
         start += count
-    raise AssertionError("an id was out of range but no feature holds it")  # internal invariant
+
+
+def _raise_first_bad_weight(
+    weights: torch.Tensor,
+    length_per_key: Sequence[int],
+    feature_names: Sequence[str],
+    table_names: Sequence[str],
+) -> None:
+    """Raise naming the first feature with a NaN or infinite weight, if any (error path)."""
+    start = 0
+    for i, count in enumerate(length_per_key):
+        bad = (~torch.isfinite(weights[start : start + count])).nonzero()
+        if bad.numel():
+            position = int(bad[0, 0])
+            raise NonFiniteWeightError(
+                f"table {table_names[i]!r}, feature {feature_names[i]!r}: per-id weight "
+                f"{float(weights[start + position])} (entry {position} of the feature) is NaN "
+                "or infinite; weights must be finite. Clean or clip the weights before lookup "
+                "(nothing was updated)."
+            )
+        start += count
