@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from fused_snapshots import assert_bit_identical, snapshot
 
 from recopt.kernels import FusedOptimizerConfig
 from recopt.kernels.config import Backend
@@ -55,43 +56,29 @@ def _step(ebc: FusedEmbeddingBagCollection, seed: int, scale: float = 1.0) -> No
     (out * torch.arange(out.numel()).view_as(out) * scale).sum().backward()
 
 
-def _snapshot(ebc: FusedEmbeddingBagCollection) -> dict[str, torch.Tensor]:
-    state = {k: v.clone() for k, v in ebc.state_dict().items()}
-    for key, value in ebc.fused_optimizer.state_dict()["state"].items():
-        for name, tensor in value.items():
-            state[f"opt.{key}.{name}"] = tensor.clone()
-    return state
-
-
-def _assert_bit_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert sorted(got) == sorted(want)
-    for key, value in want.items():
-        assert torch.equal(got[key], value), key
-
-
 @pytest.mark.parametrize(("backend", "name"), CASES)
 def test_non_finite_gradient_skips_the_fused_update(backend: Backend, name: str) -> None:
     ebc = _build(backend, name)
     reference = _build(backend, name)
     _step(ebc, seed=1)
     _step(reference, seed=1)
-    before = _snapshot(ebc)
+    before = snapshot(ebc)
     with pytest.warns(RuntimeWarning, match="NaN or inf.*skipped"):
         _step(ebc, seed=2, scale=float("nan"))
-    _assert_bit_identical(_snapshot(ebc), before)
+    assert_bit_identical(snapshot(ebc), before)
     assert ebc.skipped_nonfinite_steps == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once only
         _step(ebc, seed=3, scale=float("inf"))
-    _assert_bit_identical(_snapshot(ebc), before)
+    assert_bit_identical(snapshot(ebc), before)
     assert ebc.skipped_nonfinite_steps == 2
     # The next finite step updates as a module that never saw the bad steps would.
     _step(ebc, seed=4)
     _step(reference, seed=4)
-    _assert_bit_identical(_snapshot(ebc), _snapshot(reference))
+    assert_bit_identical(snapshot(ebc), snapshot(reference))
     assert reference.skipped_nonfinite_steps == 0
     assert not torch.equal(
-        _snapshot(ebc)["embedding_bags.t0.weight"], before["embedding_bags.t0.weight"]
+        snapshot(ebc)["embedding_bags.t0.weight"], before["embedding_bags.t0.weight"]
     )
 
 
@@ -111,13 +98,13 @@ def test_nan_in_one_kernels_columns_skips_every_kernel() -> None:
         table_optimizers={"t1": FusedOptimizerConfig(name="sgd", lr=0.1)},
     )
     assert len(ebc.kernels()) == 2
-    before = _snapshot(ebc)
+    before = snapshot(ebc)
     out = ebc(_features()).values()
     nan_in_t1 = torch.zeros_like(out)
     nan_in_t1[0, -1] = float("nan")
     with pytest.warns(RuntimeWarning):
         (out * nan_in_t1 + out).sum().backward()
-    _assert_bit_identical(_snapshot(ebc), before)
+    assert_bit_identical(snapshot(ebc), before)
     assert ebc.skipped_nonfinite_steps == 1
 
 
@@ -134,11 +121,11 @@ def test_per_id_weight_gradient_and_update_equal_the_unguarded_module(backend: B
         out = ebc(features).values()
         (out * torch.arange(out.numel()).view_as(out)).sum().backward()
         assert weights.grad is not None
-        results.append((out.detach(), weights.grad.clone(), _snapshot(ebc)))
+        results.append((out.detach(), weights.grad.clone(), snapshot(ebc)))
     guarded, plain = results
     assert torch.equal(guarded[0], plain[0])
     assert torch.equal(guarded[1], plain[1])
-    _assert_bit_identical(guarded[2], plain[2])
+    assert_bit_identical(guarded[2], plain[2])
 
 
 def test_no_grad_forward_needs_no_guard() -> None:
@@ -146,10 +133,10 @@ def test_no_grad_forward_needs_no_guard() -> None:
     with torch.no_grad():
         out = ebc(_features()).values()
     assert out.grad_fn is None
-    before = _snapshot(ebc)
+    before = snapshot(ebc)
     _step(ebc, seed=1)  # grad mode again: trains
     assert not torch.equal(
-        _snapshot(ebc)["embedding_bags.t0.weight"], before["embedding_bags.t0.weight"]
+        snapshot(ebc)["embedding_bags.t0.weight"], before["embedding_bags.t0.weight"]
     )
 
 

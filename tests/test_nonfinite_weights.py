@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fused_snapshots import assert_bit_identical, snapshot
 
 from recopt.kernels import FusedOptimizerConfig
 from recopt.kernels.config import Backend
@@ -37,20 +38,6 @@ def _step(ebc: torch.nn.Module, features: KeyedJaggedTensor) -> None:
     (out * torch.arange(out.numel()).view_as(out)).sum().backward()
 
 
-def _snapshot(ebc: FusedEmbeddingBagCollection) -> dict[str, torch.Tensor]:
-    state = {k: v.clone() for k, v in ebc.state_dict().items()}
-    for key, value in ebc.fused_optimizer.state_dict()["state"].items():
-        for name, tensor in value.items():
-            state[f"opt.{key}.{name}"] = tensor.clone()
-    return state
-
-
-def _assert_bit_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert sorted(got) == sorted(want)
-    for key, value in want.items():
-        assert torch.equal(got[key], value), key
-
-
 @pytest.mark.parametrize("bad", BAD_VALUES)
 @pytest.mark.parametrize(
     ("backend", "name"),
@@ -69,10 +56,10 @@ def test_fused_rejects_non_finite_weight_and_updates_nothing(
     except ValueError as err:  # fbgemm not usable here
         pytest.skip(str(err))
     _step(ebc, _features())  # a good step first: state is non-trivial
-    before = _snapshot(ebc)
+    before = snapshot(ebc)
     with pytest.raises(NonFiniteWeightError, match=r"table 't1', feature 'f1'.*NaN or infinite"):
         _step(ebc, _features(bad))
-    _assert_bit_identical(_snapshot(ebc), before)
+    assert_bit_identical(snapshot(ebc), before)
     # The collection still trains, exactly as one that never saw the bad batch.
     torch.manual_seed(0)
     reference = FusedEmbeddingBagCollection(
@@ -81,7 +68,7 @@ def test_fused_rejects_non_finite_weight_and_updates_nothing(
     _step(reference, _features())
     _step(reference, _features())
     _step(ebc, _features())
-    _assert_bit_identical(_snapshot(ebc), _snapshot(reference))
+    assert_bit_identical(snapshot(ebc), snapshot(reference))
 
 
 @pytest.mark.parametrize("bad", BAD_VALUES)
