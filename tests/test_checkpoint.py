@@ -279,16 +279,21 @@ def _assert_live_unchanged(model: torch.nn.Module, opt: Any, live: dict) -> None
         assert torch.equal(now[key], value), key
 
 
-def test_load_failing_partway_changes_nothing(tmp_path: Path) -> None:
-    path, saved_model, _ = _checkpoint(tmp_path)
-    # Spoil the stored item read last (checksums re-signed): DCP fails after it has already
-    # copied the items before it into the live tensors.
+def _spoil_last_item(path: Path) -> None:
+    """Zero the start of the stored item DCP reads last, then re-sign the checksums."""
     metadata = SafeFileSystemReader(path).read_metadata()
     last = max(metadata.storage_data.values(), key=lambda info: info.offset)
     data = bytearray((path / last.relative_path).read_bytes())
     data[last.offset : last.offset + 64] = bytes(64)
     (path / last.relative_path).write_bytes(bytes(data))
     _rewrite_manifest(path)
+
+
+def test_load_failing_partway_changes_nothing(tmp_path: Path) -> None:
+    path, saved_model, _ = _checkpoint(tmp_path)
+    # Spoil the stored item read last (checksums re-signed): DCP fails after it has already
+    # copied the items before it into the live tensors.
+    _spoil_last_item(path)
     model, opt, live = _trained(7)
     assert not torch.equal(model.state_dict()["0.weight"], saved_model.state_dict()["0.weight"])
     with pytest.raises(CheckpointError, match="nothing was changed") as info:
@@ -425,12 +430,7 @@ def test_reshard_of_an_undecodable_item_is_a_checkpoint_error(tmp_path: Path) ->
     from recopt.checkpoint.reshard import export_full, reshard
 
     path, _, _ = _checkpoint(tmp_path)
-    metadata = SafeFileSystemReader(path).read_metadata()
-    last = max(metadata.storage_data.values(), key=lambda info: info.offset)
-    data = bytearray((path / last.relative_path).read_bytes())
-    data[last.offset : last.offset + 64] = bytes(64)
-    (path / last.relative_path).write_bytes(bytes(data))
-    _rewrite_manifest(path)
+    _spoil_last_item(path)
     with pytest.raises(CheckpointError, match="cannot read"):
         reshard(path, tmp_path / "r", world_size=2)
     with pytest.raises(CheckpointError, match="cannot read"):
