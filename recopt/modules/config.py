@@ -1,4 +1,6 @@
-"""EmbeddingBagConfig: one embedding table, the features that look it up, and how bags pool.
+"""Table configs: `EmbeddingBagConfig` (pooled bags) and `EmbeddingConfig` (unpooled rows).
+
+Both share `BaseEmbeddingConfig`'s fields and checks; a bag config adds how its bags pool.
 
 `validate_tables` checks a whole collection the same way everywhere (modules, planner, sharding):
 duplicate table names and a feature claimed by two tables are errors that name both.
@@ -17,32 +19,26 @@ from recopt.kernels.config import PoolingType
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class EmbeddingBagConfig:
-    """One embedding table.
+class BaseEmbeddingConfig:
+    """What every embedding table has: a name, a shape, its features and its initialisation.
 
     Args:
-        name: table name; parameters are named ``embedding_bags.<name>.weight``.
+        name: table name; parameters are named ``embedding_bags.<name>.weight`` in an
+            embedding-bag collection, ``embeddings.<name>.weight`` in an embedding collection.
         num_embeddings: number of rows (valid ids are ``0 .. num_embeddings - 1``).
         embedding_dim: row width.
-        feature_names: the features whose bags look up this table (at least one).
-        pooling: ``sum`` or ``mean`` of the (weighted) rows of a bag.
+        feature_names: the features that look up this table (at least one).
         weight_init_min: lower bound of the uniform initialisation; default
             ``-sqrt(1 / num_embeddings)``.
         weight_init_max: upper bound; default ``sqrt(1 / num_embeddings)``.
         init_fn: optional function called (under ``torch.no_grad``) on the table's weight
             to initialise it in place, instead of the uniform initialisation (as TorchRec).
-
-    Example::
-
-        EmbeddingBagConfig(name="user", num_embeddings=1000, embedding_dim=16,
-                           feature_names=["user_id"])
     """
 
     name: str
     num_embeddings: int
     embedding_dim: int
     feature_names: tuple[str, ...] = field(default_factory=tuple)
-    pooling: PoolingType = PoolingType.SUM
     weight_init_min: float | None = None
     weight_init_max: float | None = None
     init_fn: Callable[[torch.Tensor], Any] | None = None
@@ -50,7 +46,6 @@ class EmbeddingBagConfig:
     def __post_init__(self) -> None:
         # Accept lists (from TOML/JSON) but store tuples so the config stays hashable.
         object.__setattr__(self, "feature_names", tuple(self.feature_names))
-        object.__setattr__(self, "pooling", PoolingType(self.pooling))
         where = f"table {self.name!r}"
         if not isinstance(self.name, str) or not self.name or "." in self.name:
             raise ValueError(f"table name {self.name!r} must be a non-empty string without '.'")
@@ -88,8 +83,57 @@ class EmbeddingBagConfig:
         return lo, hi
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EmbeddingBagConfig(BaseEmbeddingConfig):
+    """One embedding table whose features' bags pool to one row per bag.
+
+    Args (besides `BaseEmbeddingConfig`'s):
+        pooling: ``sum`` or ``mean`` of the (weighted) rows of a bag.
+
+    Example::
+
+        EmbeddingBagConfig(name="user", num_embeddings=1000, embedding_dim=16,
+                           feature_names=["user_id"])
+    """
+
+    pooling: PoolingType = PoolingType.SUM
+
+    def __post_init__(self) -> None:
+        # Explicit base call: zero-argument super() fails in a slots dataclass.
+        BaseEmbeddingConfig.__post_init__(self)
+        object.__setattr__(self, "pooling", PoolingType(self.pooling))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EmbeddingConfig(BaseEmbeddingConfig):
+    """One embedding table looked up without pooling: one row per id (`EmbeddingCollection`).
+
+    Same fields and checks as `BaseEmbeddingConfig`; there is no pooling.
+
+    Example::
+
+        EmbeddingConfig(name="item", num_embeddings=1000, embedding_dim=16,
+                        feature_names=["item_history"])
+    """
+
+    def as_bag_config(self) -> EmbeddingBagConfig:
+        """The same table as a SUM-pooled bag config: the lookup engine's view of it."""
+        return EmbeddingBagConfig(
+            name=self.name,
+            num_embeddings=self.num_embeddings,
+            embedding_dim=self.embedding_dim,
+            feature_names=self.feature_names,
+            weight_init_min=self.weight_init_min,
+            weight_init_max=self.weight_init_max,
+            init_fn=self.init_fn,
+            pooling=PoolingType.SUM,
+        )
+
+
 def validate_tables(
-    tables: Sequence[EmbeddingBagConfig], allow_shared_features: bool = False
+    tables: Sequence[BaseEmbeddingConfig],
+    allow_shared_features: bool = False,
+    config_type: type[BaseEmbeddingConfig] | None = None,
 ) -> None:
     """Check a collection of tables: at least one, unique names, each feature in one table.
 
@@ -97,16 +141,28 @@ def validate_tables(
     `EmbeddingBagCollection` allows it, naming outputs ``feature@table``); the fused and
     sharded collections do not support that yet.
 
+    Args:
+        tables: the collection's tables.
+        allow_shared_features: see above.
+        config_type: the config class every table must be (default `EmbeddingBagConfig`;
+            `EmbeddingConfig` for the embedding collections).
+
     Raises:
-        ValueError: naming the duplicated table or feature and the tables involved.
+        ValueError: naming the duplicated table or feature and the tables involved, or a
+            table of the wrong config type.
     """
+    expected = EmbeddingBagConfig if config_type is None else config_type
     if not tables:
-        raise ValueError("an embedding-bag collection needs at least one table")
+        raise ValueError("an embedding collection needs at least one table")
+    for table in tables:
+        if not isinstance(table, expected):
+            raise ValueError(
+                f"expected {expected.__name__} tables, got {type(table).__name__} "
+                f"{getattr(table, 'name', table)!r}; build the table as {expected.__name__}"
+            )
     seen_tables: set[str] = set()
     owner: dict[str, str] = {}
     for table in tables:
-        if not isinstance(table, EmbeddingBagConfig):
-            raise ValueError(f"expected EmbeddingBagConfig, got {type(table).__name__}")
         if table.name in seen_tables:
             raise ValueError(
                 f"table {table.name!r} is configured twice; table names must be unique"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -81,6 +81,10 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         ValueError: invalid tables, an override naming an unknown table, or a kernel that cannot
             take a table (e.g. fbgemm with a dim not a multiple of 4: the message gives the fix).
     """
+
+    # The fused optimizer's param names are ``<prefix>.<table>.weight`` (an embedding
+    # collection's lookup engine uses ``embeddings``).
+    _param_prefix: ClassVar[str] = "embedding_bags"
 
     def __init__(
         self,
@@ -160,7 +164,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             for t, table_state in zip(group.table_indices, states, strict=True):
                 name = self.tables[t].name
                 param = self._table_weight(name)
-                params[f"embedding_bags.{name}.weight"] = param
+                params[f"{self._param_prefix}.{name}.weight"] = param
                 state[param] = {f"{name}.{key}": value for key, value in table_state.items()}
                 group_params.append(param)
             param_groups.append(make_param_group(group.optimizer, group_params, [group.kernel]))

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from recopt.modules.config import EmbeddingBagConfig
+from recopt.modules.config import BaseEmbeddingConfig
 from recopt.sparse import KeyedJaggedTensor
 
 
@@ -26,7 +26,7 @@ class NonFiniteWeightError(ValueError):
 class FeatureLayout:
     """The features of a collection in lookup order (table order, then feature order)."""
 
-    def __init__(self, tables: Sequence[EmbeddingBagConfig]) -> None:
+    def __init__(self, tables: Sequence[BaseEmbeddingConfig]) -> None:
         self.feature_names: list[str] = []
         self.feature_table: list[int] = []
         for t, table in enumerate(tables):

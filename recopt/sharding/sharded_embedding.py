@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,10 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             optimizer/sharding pair.
     """
 
+    # State-dict and fused-optimizer names are ``<prefix>.<table>.weight`` (an embedding
+    # collection's lookup engine uses ``embeddings``).
+    _param_prefix: ClassVar[str] = "embedding_bags"
+
     def __init__(
         self,
         tables: Sequence[EmbeddingBagConfig],
@@ -110,7 +114,12 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._init_weights()
         self._dummy = torch.zeros(0, device=self.device, requires_grad=True)
         self._state = ShardedState(
-            self._layout, self._mp_kernels, self._dp_kernels, self._pg, self.device
+            self._layout,
+            self._mp_kernels,
+            self._dp_kernels,
+            self._pg,
+            self.device,
+            self._param_prefix,
         )
         self._row_stats = RowStatExchange(self._layout, self._mp_kernels, self._pg, self.device)
         self._lr_sync = LearningRateSync(

@@ -1,0 +1,103 @@
+"""Unpooled lookups as pooled ones: every id becomes a bag of one (what the EC modules share).
+
+An unpooled lookup of feature f's N_f ids equals a SUM-pooled lookup over N_f bags that hold one
+id each. Features have different N_f, so each is padded with empty bags (length 0: a zero row,
+no gradient) to the common stride S = max_f N_f. Legend: F features, S that stride, D output width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from recopt.sparse import JaggedTensor, KeyedJaggedTensor
+
+
+def select_features(features: KeyedJaggedTensor, names: Sequence[str]) -> KeyedJaggedTensor:
+    """``features`` restricted to and ordered as ``names``.
+
+    Raises:
+        ValueError: naming the features the input lacks.
+    """
+    keys = features.keys()
+    if keys == list(names):
+        return features
+    index = {k: i for i, k in enumerate(keys)}
+    missing = [f for f in names if f not in index]
+    if missing:
+        raise ValueError(
+            f"input is missing features {missing}; it has {keys}, the collection looks up "
+            f"{list(names)}"
+        )
+    return features.permute([index[f] for f in names])
+
+
+def one_id_bags(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """The ids of ``features`` (already selected) as bags of one id, stride ``max(1, max N_f)``.
+
+    Per-id weights are dropped (an unpooled lookup ignores them, as TorchRec's does); a
+    variable batch per feature is fine, since only each feature's id count matters.
+    """
+    counts = features.length_per_key()  # one host read on an accelerator, cached by the KJT
+    stride = max([1, *counts])
+    device = features.values().device
+    counts_F = torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True)
+    slot_S = torch.arange(stride, dtype=torch.int64, device=device)
+    lengths_F_S = (slot_S.unsqueeze(0) < counts_F.unsqueeze(1)).to(torch.int64)
+    return KeyedJaggedTensor(
+        features.keys(),
+        features.values(),
+        lengths=lengths_F_S.reshape(-1),
+        stride=stride,
+        length_per_key=counts,
+    )
+
+
+def rows_per_feature(
+    pooled_S_D: torch.Tensor,
+    features: KeyedJaggedTensor,
+    dims: Sequence[int],
+    need_indices: bool,
+) -> dict[str, JaggedTensor]:
+    """Cut the pooled one-id bags back into one JaggedTensor per feature.
+
+    Args:
+        pooled_S_D: the SUM-pooled lookup of `one_id_bags(features)`: feature f's rows are
+            ``[:N_f]`` of its columns.
+        features: the selected input (its lengths become the outputs' lengths).
+        dims: each feature's row width, in feature order.
+        need_indices: put each feature's ids in its JaggedTensor's ``weights`` (TorchRec's
+            convention).
+    """
+    result: dict[str, JaggedTensor] = {}
+    counts = features.length_per_key()
+    ids = features.values()
+    bag_starts = features.lengths_offset_per_key()
+    id_start, col = 0, 0
+    for f, key in enumerate(features.keys()):
+        count, dim = counts[f], dims[f]
+        result[key] = JaggedTensor(
+            values=pooled_S_D[:count, col : col + dim],
+            lengths=features.lengths()[bag_starts[f] : bag_starts[f + 1]],
+            weights=ids[id_start : id_start + count] if need_indices else None,
+        )
+        id_start += count
+        col += dim
+    return result
+
+
+def meta_rows_per_feature(
+    features: KeyedJaggedTensor, dims: Sequence[int], need_indices: bool
+) -> dict[str, JaggedTensor]:
+    """Shapes only, for a collection built on the meta device (build-on-meta, then shard)."""
+    meta = torch.device("meta")
+    result: dict[str, JaggedTensor] = {}
+    for key, dim in zip(features.keys(), dims, strict=True):
+        jt = features[key]
+        result[key] = JaggedTensor(
+            values=torch.empty(jt.values().shape[0], dim, device=meta),
+            lengths=jt.lengths().to(meta),
+            weights=jt.values().to(meta) if need_indices else None,
+        )
+    return result
