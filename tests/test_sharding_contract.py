@@ -5,6 +5,8 @@ forward equals the unsharded forward on this rank's rows; after 3 training steps
 embedding optimizer + a DDP dense layer) every weight and every optimizer state, gathered to
 full tensors, equals the unsharded FusedEmbeddingBagCollection trained on the concatenation of
 every rank's batch (embedding gradients sum over ranks; DDP averages dense gradients).
+Embedding collections (unpooled) run the same cases: each rank's rows of each feature equal
+the unsharded module's rows of that rank's ids.
 
 The cuda variant runs the same cases with 2 and 3 ranks sharing one GPU in a group whose only
 backend is ``cuda:gloo`` (like NCCL, it refuses CPU tensors): the multi-GPU logic on one GPU.
@@ -24,7 +26,10 @@ from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType
 from recopt.modules import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
     FusedEmbeddingBagCollection,
+    FusedEmbeddingCollection,
     InvalidIdError,
 )
 from recopt.sharding import (
@@ -63,8 +68,9 @@ class Case:
     optimizer: str
     weighted: bool = False
     pooling: PoolingType = PoolingType.SUM
-    plain_ebc: bool = False
+    plain_ebc: bool = False  # the plain (not fused) module, EBC or EC
     extra: dict[str, Any] = field(default_factory=dict)
+    unpooled: bool = False  # an EmbeddingCollection (tables as EmbeddingConfig)
 
 
 def _optimizer(case: Case) -> FusedOptimizerConfig:
@@ -146,6 +152,13 @@ def _cases() -> list[Case]:
             extra={"weight_decay": 0.01, "maximize": True},
         ),
     ]
+    ec_optimizers = ["adagrad", "row_wise_adam", "row_wise_adagrad", "sgd", "adam", "adam", "sgd"]
+    unpooled = [*zip(TYPES, ec_optimizers, strict=True)]
+    cases += [Case(f"ec/{k}/{o}", k, o, unpooled=True) for k, o in unpooled]
+    cases += [
+        Case("ec/table_wise/adafactor", "table_wise", "adafactor", unpooled=True),
+        Case("ec/mixed/plain-ec", "mixed", "adam", plain_ebc=True, unpooled=True),
+    ]
     return cases
 
 
@@ -179,6 +192,32 @@ def _kjt(bags_per_rank: list[dict[str, list[list[int]]]], weighted: bool) -> Key
     return KeyedJaggedTensor(keys=keys, values=v, lengths=torch.tensor(lengths), weights=w)
 
 
+def _unpooled_tables(case: Case) -> list[EmbeddingConfig]:
+    return [
+        EmbeddingConfig(
+            name=t.name,
+            num_embeddings=t.num_embeddings,
+            embedding_dim=t.embedding_dim,
+            feature_names=t.feature_names,
+        )
+        for t in _tables(case)
+    ]
+
+
+class _UnpooledModel(nn.Module):
+    """Each feature's rows (zero-padded to width 12) through one dense layer."""
+
+    def __init__(self, sparse: nn.Module) -> None:
+        super().__init__()
+        self.sparse = sparse
+        self.dense = nn.Linear(12, 1)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        rows = {f: jt.values() for f, jt in self.sparse(kjt).items()}
+        padded = [nn.functional.pad(r, (0, 12 - r.shape[1])) for r in rows.values()]
+        return rows, self.dense(torch.cat(padded)).square().sum()
+
+
 class _Model(nn.Module):
     def __init__(self, sparse: nn.Module, dim: int) -> None:
         super().__init__()
@@ -190,11 +229,17 @@ class _Model(nn.Module):
         return pooled, self.dense(pooled).square().sum()
 
 
-def _build(case: Case, device: torch.device = CPU) -> _Model:
+def _build(case: Case, device: torch.device = CPU) -> nn.Module:
     tables = _tables(case)
     torch.manual_seed(0)
     opt = _optimizer(case)
     sparse: nn.Module
+    if case.unpooled:
+        if case.plain_ebc:
+            sparse = EmbeddingCollection(_unpooled_tables(case), device=device)
+        else:
+            sparse = FusedEmbeddingCollection(_unpooled_tables(case), opt, device=device)
+        return _UnpooledModel(sparse).to(device)
     if case.plain_ebc:
         sparse = EmbeddingBagCollection(tables, is_weighted=case.weighted, device=device)
     else:
@@ -217,13 +262,16 @@ def _run_case(case: Case, rank: int, world: int, device: torch.device = CPU) -> 
 
     model = _build(case, device)
     ref = _build(case, device)  # not a deepcopy: kernels alias their weights, a copy would not
-    if case.plain_ebc:  # the reference of a plain EBC is the fused twin with the same weights
-        fused = FusedEmbeddingBagCollection(
-            _tables(case),
-            optimizer=_optimizer(case),
-            is_weighted=case.weighted,
-            device=device,
-        )
+    if case.plain_ebc:  # the reference of a plain module is the fused twin with the same weights
+        fused: nn.Module
+        if case.unpooled:
+            fused = FusedEmbeddingCollection(
+                _unpooled_tables(case), _optimizer(case), device=device
+            )
+        else:
+            fused = FusedEmbeddingBagCollection(
+                _tables(case), optimizer=_optimizer(case), is_weighted=case.weighted, device=device
+            )
         fused.load_state_dict(model.sparse.state_dict())
         ref.sparse = fused
     requests = _requests(case.kind, world)
@@ -236,9 +284,11 @@ def _run_case(case: Case, rank: int, world: int, device: torch.device = CPU) -> 
         bags = [_batch(case, r, step, world) for r in range(world)]
         pooled, loss = dmp(_kjt([bags[rank]], case.weighted).to(device))
         ref_pooled, ref_loss = ref(_kjt(bags, case.weighted).to(device))
+        if case.unpooled:
+            pooled, ref_pooled = _rank_rows(pooled, ref_pooled, bags, rank)
         torch.testing.assert_close(
             pooled,
-            ref_pooled[_global_rows(rank, world)],
+            ref_pooled if case.unpooled else ref_pooled[_global_rows(rank, world)],
             atol=1e-5,
             rtol=1e-5,
             msg=lambda m, s=step: f"{case.name} step {s} forward: {m}",
@@ -279,6 +329,24 @@ def _run_case(case: Case, rank: int, world: int, device: torch.device = CPU) -> 
                 rtol=1e-5,
                 msg=lambda m, n=name: f"{case.name} {n}: {m}",
             )
+
+
+def _rank_rows(
+    rows: dict[str, torch.Tensor],
+    ref_rows: dict[str, torch.Tensor],
+    bags: list[dict[str, list[list[int]]]],
+    rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of every feature, and the reference's rows of this rank's ids."""
+    ids = [{f: sum(len(b) for b in per_rank[f]) for f in per_rank} for per_rank in bags]
+    assert list(rows) == list(ref_rows) == ["f0", "f1", "f2", "f3"]
+    mine, theirs = [], []
+    for f, value in rows.items():
+        start = sum(ids[r][f] for r in range(rank))
+        assert value.shape[0] == ids[rank][f]
+        mine.append(value.reshape(-1))
+        theirs.append(ref_rows[f][start : start + ids[rank][f]].reshape(-1))
+    return torch.cat(mine), torch.cat(theirs)
 
 
 def _errors_case(rank: int, world: int) -> None:

@@ -25,12 +25,14 @@ from recopt.sharding.plan_helpers import (
 )
 from recopt.sharding.plan_validation import validate_plan
 from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
+from recopt.sharding.sharded_embedding_collection import ShardedEmbeddingCollection
 from recopt.sharding.state import full_tensor
 
 __all__ = [
     "DistributedModelParallel",
     "RemoteInputError",
     "ShardedEmbeddingBagCollection",
+    "ShardedEmbeddingCollection",
     "full_tensor",
     "ParameterSharding",
     "PlanError",
