@@ -1,7 +1,8 @@
 """`recopt-plan`: plan a model config's embedding tables, or calibrate this machine's topology.
 
 `recopt-plan CONFIG --world-size N [--topology FILE] [--output plan.json]` reads the config's
-`[[embedding.tables]]`, `[embedding.optimizer]` and `[planner]` (other sections are ignored);
+`[[embedding.tables]]` (``unpooled = true``: an EmbeddingCollection's table),
+`[embedding.optimizer]` and `[planner]` (other sections are ignored);
 topology values come from `[planner]`, then the file, then flags. `--calibrate` measures instead.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recopt.kernels.config import FusedOptimizerConfig
-from recopt.modules import EmbeddingBagConfig
+from recopt.modules import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
 from recopt.sharding.planner.constraints import (
     ParameterConstraints,
     constraints_from_dict,
@@ -27,7 +28,8 @@ from recopt.sharding.planner.topology import (
     topology_from_dict,
 )
 
-TABLE_KEYS = set(EmbeddingBagConfig.__dataclass_fields__)
+TABLE_KEYS = set(EmbeddingBagConfig.__dataclass_fields__) | {"unpooled"}
+UNPOOLED_KEYS = set(EmbeddingConfig.__dataclass_fields__) | {"unpooled"}
 PLANNER_KEYS = {"batch_size", "module_path", "max_search_trials", "constraints"}
 
 
@@ -39,7 +41,7 @@ class ConfigError(ValueError):
 class PlannerInput:
     """What `recopt-plan` reads from a model config."""
 
-    tables: list[EmbeddingBagConfig]
+    tables: list[BaseEmbeddingConfig]
     optimizer: FusedOptimizerConfig | None = None
     topology: dict[str, Any] = field(default_factory=dict)
     constraints: dict[str, ParameterConstraints] = field(default_factory=dict)
@@ -94,17 +96,24 @@ def _typed(path: str, section: dict[str, Any], key: str, kind: type, default: An
     return value
 
 
-def _table(path: str, index: int, values: Any) -> EmbeddingBagConfig:
+def _table(path: str, index: int, values: Any) -> BaseEmbeddingConfig:
     where = f"{path}: [[embedding.tables]] entry {index}"
     if not isinstance(values, dict):
         raise ConfigError(f"{where} must be a table")
     if "name" in values:
         where += f" ({values['name']!r})"
-    unknown = sorted(set(values) - TABLE_KEYS)
+    unpooled = values.get("unpooled", False)
+    if not isinstance(unpooled, bool):
+        raise ConfigError(f"{where}: unpooled must be true or false, got {unpooled!r}")
+    valid = UNPOOLED_KEYS if unpooled else TABLE_KEYS
+    unknown = sorted(set(values) - valid)
     if unknown:
-        raise ConfigError(f"{where}: unknown keys {unknown}; valid: {sorted(TABLE_KEYS)}")
+        raise ConfigError(f"{where}: unknown keys {unknown}; valid: {sorted(valid)}")
+    fields = {k: v for k, v in values.items() if k != "unpooled"}
     try:
-        return EmbeddingBagConfig(**values)
+        if unpooled:
+            return EmbeddingConfig(**fields)
+        return EmbeddingBagConfig(**fields)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from e
 

@@ -6,6 +6,7 @@ ranks are chosen later by the partitioner (row-wise and data-parallel layouts co
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.kernels.fbgemm_backend import FBGEMM_DIM_MULTIPLE, FBGEMM_OPTIMIZERS
 from recopt.kernels.registry import optimizer_spec
+from recopt.modules.config import EmbeddingConfig
 from recopt.sharding.layout import needs_row_stat_hook
 from recopt.sharding.plan import ParameterSharding, ShardingType, ShardSpec
 from recopt.sharding.plan_helpers import split_columns, split_evenly
@@ -124,11 +126,19 @@ class ShardingOption:
 def table_workload(
     table: Any, constraints: ParameterConstraints, batch_size: int, optimizer: FusedOptimizerConfig
 ) -> TableWorkload:
-    """The workload the estimators assume for ``table`` (``optimizer``: the module's for it)."""
+    """The workload the estimators assume for ``table`` (``optimizer``: the module's for it).
+
+    An unpooled table (`EmbeddingConfig`, an embedding collection's) is looked up as bags of
+    one id each (recopt/modules/unpooled.py): ``pooling_factor`` times more bags of one id.
+    """
+    bags = constraints.batch_size or batch_size
+    pooling_factor = constraints.pooling_factor
+    if isinstance(table, EmbeddingConfig):
+        bags, pooling_factor = math.ceil(bags * pooling_factor), 1.0
     return TableWorkload(
-        batch_size=constraints.batch_size or batch_size,
+        batch_size=bags,
         num_features=max(1, len(getattr(table, "feature_names", ()) or ())),
-        pooling_factor=constraints.pooling_factor,
+        pooling_factor=pooling_factor,
         optimizer=constraints.optimizer or optimizer,
     )
 
