@@ -348,3 +348,22 @@ def test_state_load_and_deepcopy_reach_the_kernel(backend: Backend) -> None:
         twin.embeddings["t0"].weight.data_ptr()
         == twin.kernels()[0].split_embedding_weights()[0].data_ptr()
     )
+
+
+def test_variable_batch_per_feature() -> None:
+    """Only each feature's id count matters: features may have different batch sizes."""
+    plain, fused = make_pair(FusedOptimizerConfig(name="sgd"))
+    kjt = KeyedJaggedTensor.from_jt_dict(
+        {
+            "c": JaggedTensor(torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 2])),
+            "a": JaggedTensor(torch.tensor([4, 5, 6, 7]), lengths=torch.tensor([1, 1, 2])),
+            "b": JaggedTensor(torch.tensor([9]), lengths=torch.tensor([1])),
+        }
+    )
+    assert kjt.variable_stride_per_key()
+    weights = {n: e.weight.detach() for n, e in plain.embeddings.items()}
+    expected = reference_lookup(weights, kjt, owners(True))
+    for out in (plain(kjt), fused(kjt)):
+        for f, rows in expected.items():
+            assert torch.equal(out[f].values(), rows)
+            assert torch.equal(out[f].lengths(), kjt[f].lengths())

@@ -27,7 +27,7 @@ from recopt.sharding import (
     row_wise,
     table_wise,
 )
-from recopt.sparse import KeyedJaggedTensor
+from recopt.sparse import JaggedTensor, KeyedJaggedTensor
 from recopt.testing import run_on_ranks
 
 BAG_TABLES = [EmbeddingBagConfig(name="u", num_embeddings=9, embedding_dim=4, feature_names=["u"])]
@@ -154,6 +154,20 @@ def _load_at_three(rank: int, world: int, root: str) -> list[str]:
     planned = DistributedModelParallel(TwoCollections())
     assert set(planned.plan.plan) == {"ebc", "ec"} and set(planned.plan["ec"]) == {"s", "q"}
     planned(batch(rank, 4)).backward()
+    # A variable batch per feature through the sharded EC: each rank its own strides.
+    ids = {"s0": [1, 2, 3][: rank + 1], "s1": [4, 5], "q": [6]}
+    vbe = KeyedJaggedTensor.from_jt_dict(
+        {
+            f: JaggedTensor(torch.tensor(v), lengths=torch.ones(len(v), dtype=torch.int64))
+            for f, v in ids.items()
+        }
+    )
+    rows = planned.plain_module.ec(vbe)
+    full = full_state(planned)
+    for f, table in (("s0", "s"), ("s1", "s"), ("q", "q")):
+        expected_rows = full[f"model/ec.embeddings.{table}.weight"][torch.tensor(ids[f])]
+        torch.testing.assert_close(rows[f].values(), expected_rows, atol=0, rtol=0)
+        assert rows[f].lengths().tolist() == [1] * len(ids[f])
     return checked
 
 
