@@ -305,13 +305,9 @@ def test_configs_validate_and_modules_check_their_config_type() -> None:
             ValueError, match="expected EmbeddingConfig tables, got EmbeddingBagConfig 't'"
         ):
             cls([bag])
-    with pytest.raises(ValueError, match="feature 'a' is in two tables"):
-        EmbeddingCollection(
-            [
-                *tables(),
-                EmbeddingConfig(name="x", num_embeddings=3, embedding_dim=4, feature_names=["a"]),
-            ]
-        )
+    extra = EmbeddingConfig(name="x", num_embeddings=3, embedding_dim=4, feature_names=["a"])
+    with pytest.raises(ValueError, match="feature 'a' is in two tables, 't0' and 'x'"):
+        FusedEmbeddingCollection([*tables(), extra])
     plain = EmbeddingCollection(tables())
     with pytest.raises(ValueError, match=r"different embedding_dim \[4, 8\]"):
         plain.embedding_dim()
@@ -367,3 +363,52 @@ def test_variable_batch_per_feature() -> None:
         for f, rows in expected.items():
             assert torch.equal(out[f].values(), rows)
             assert torch.equal(out[f].lengths(), kjt[f].lengths())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["adagrad", "adam", "row_wise_adam"])
+def test_cuda_equals_cpu_after_several_steps(name: str) -> None:
+    gpu = torch.device("cuda", 0)
+    modules = []
+    for device in (gpu, torch.device("cpu")):
+        torch.manual_seed(0)
+        config = FusedOptimizerConfig(name=name, lr=0.05, backend=Backend.AUTO)
+        modules.append(
+            FusedEmbeddingCollection(tables(shared=False), optimizer=config, device=device)
+        )
+    on_gpu, on_cpu = modules
+    on_gpu.load_state_dict(on_cpu.state_dict())
+    plain = EmbeddingCollection(tables(shared=False), device=gpu)
+    plain.load_state_dict(on_cpu.state_dict())
+    generator = torch.Generator().manual_seed(5)
+    for step in range(4):
+        kjt = batch(generator)
+        if step == 0:  # the plain module on the GPU looks up the same rows
+            out = plain(kjt.to(gpu))
+            assert all(torch.equal(out[f].values().cpu(), on_cpu(kjt)[f].values()) for f in "abc")
+        for module in (on_gpu, on_cpu):
+            out = module(kjt.to(module.device))
+            loss = sum((out[f].values() ** 2).sum() * (i + 1) for i, f in enumerate("abc"))
+            loss.backward()
+    for key, value in on_cpu.state_dict().items():
+        torch.testing.assert_close(on_gpu.state_dict()[key].cpu(), value, atol=1e-6, rtol=1e-5)
+    mine = on_gpu.fused_optimizer.state_dict()["state"]
+    for param, states in on_cpu.fused_optimizer.state_dict()["state"].items():
+        for state_name, value in states.items():
+            got = torch.as_tensor(mine[param][state_name]).cpu()
+            torch.testing.assert_close(got, torch.as_tensor(value), atol=1e-5, rtol=1e-4)
+
+
+def test_a_feature_shared_by_tables_gives_one_output_per_table() -> None:
+    """As TorchRec's EmbeddingCollection: outputs ``feature@table`` (plain module only)."""
+    extra = EmbeddingConfig(name="x", num_embeddings=3, embedding_dim=2, feature_names=["a"])
+    plain = EmbeddingCollection([*tables(), extra], need_indices=True)
+    kjt = KeyedJaggedTensor.from_id_lists({"a": [[0, 1], [2]], "b": [[], [5]], "c": [[4], []]})
+    out = plain(kjt)
+    assert list(out) == ["a@t0", "b", "c", "a@x"]
+    assert torch.equal(out["a@x"].values(), plain.embeddings["x"].weight[[0, 1, 2]])
+    assert torch.equal(out["a@t0"].values(), plain.embeddings["t0"].weight[[0, 1, 2]])
+    assert torch.equal(out["a@x"].weights(), torch.tensor([0, 1, 2]))
+    bad = KeyedJaggedTensor.from_id_lists({"a": [[3]], "b": [[]], "c": [[]]})
+    with pytest.raises(InvalidIdError, match="table 'x', feature 'a': id 3"):
+        plain(bad)

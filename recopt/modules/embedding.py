@@ -40,7 +40,9 @@ class EmbeddingCollection(nn.Module):
     feature's lengths. Unlike TorchRec, tables may have different widths.
 
     Args:
-        tables: `EmbeddingConfig` tables (``validate_tables`` rules apply).
+        tables: `EmbeddingConfig` tables (``validate_tables`` rules apply, except that a
+            feature may look up several tables: its outputs are then keyed ``feature@table``,
+            as in TorchRec; the fused and sharded collections refuse that).
         device: where the weights live; None follows torch's default device; ``"meta"``
             allocates nothing and forward returns meta tensors of the right shapes.
         need_indices: put each feature's ids in its output's ``weights`` (as TorchRec).
@@ -63,7 +65,7 @@ class EmbeddingCollection(nn.Module):
         sparse_grad: bool = False,
     ) -> None:
         super().__init__()
-        validate_tables(tables, config_type=EmbeddingConfig)
+        validate_tables(tables, allow_shared_features=True, config_type=EmbeddingConfig)
         self.tables = list(tables)
         self._need_indices = need_indices
         self._layout = FeatureLayout(self.tables)
@@ -103,32 +105,37 @@ class EmbeddingCollection(nn.Module):
         return self._need_indices
 
     def feature_names(self) -> list[str]:
-        """The output keys: features in table order."""
+        """The features looked up, in table order (repeated when shared by tables)."""
         return list(self._layout.feature_names)
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         """Look up every id of every feature.
 
+        Returns:
+            Output key (the feature, or ``feature@table`` when shared) -> its rows.
+
         Raises:
             ValueError: missing features; ``InvalidIdError`` for an id outside its table.
         """
-        names = self._layout.feature_names
-        features = select_features(features, names)
+        layout = self._layout
+        present = set(features.keys())
+        missing = sorted({f for f in layout.feature_names if f not in present})
+        if missing:
+            select_features(features, layout.feature_names)  # raises, naming them
+        inputs = [features[f] for f in layout.feature_names]
         if self.device.type == "meta":
-            return meta_rows_per_feature(features, self._layout.dims, self._need_indices)
-        counts = features.length_per_key()
-        ids = features.values()
-        check_ids_in_range(ids, counts, names, self._layout.table_names, self._layout.num_rows)
+            named = dict(zip(layout.output_keys, inputs, strict=True))
+            return meta_rows_per_feature(named, layout.dims, self._need_indices)
+        counts = [jt.values().shape[0] for jt in inputs]
+        ids = inputs[0].values() if len(inputs) == 1 else torch.cat([jt.values() for jt in inputs])
+        check_ids_in_range(ids, counts, layout.feature_names, layout.table_names, layout.num_rows)
         result: dict[str, JaggedTensor] = {}
-        start = 0
-        for f, jt in enumerate(features.to_dict().values()):
-            embedding = self.embeddings[self._layout.table_names[f]]
+        for key, table, jt in zip(layout.output_keys, layout.table_names, inputs, strict=True):
+            embedding = self.embeddings[table]
             assert isinstance(embedding, nn.Embedding)
-            feature_ids = ids[start : start + counts[f]]
-            result[names[f]] = JaggedTensor(
-                values=embedding(feature_ids),
+            result[key] = JaggedTensor(
+                values=embedding(jt.values()),
                 lengths=jt.lengths(),
-                weights=feature_ids if self._need_indices else None,
+                weights=jt.values() if self._need_indices else None,
             )
-            start += counts[f]
         return result

@@ -130,6 +130,6 @@ class FusedEmbeddingCollection(nn.Module, FusedOptimizerModule):
         """
         features = select_features(features, self._names)
         if self.device.type == "meta":
-            return meta_rows_per_feature(features, self._dims, self._need_indices)
+            return meta_rows_per_feature(features.to_dict(), self._dims, self._need_indices)
         pooled = self._bags(one_id_bags(features))
         return rows_per_feature(pooled.values(), features, self._dims, self._need_indices)

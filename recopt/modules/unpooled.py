@@ -7,7 +7,7 @@ no gradient) to the common stride S = max_f N_f. Legend: F features, S that stri
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -88,13 +88,18 @@ def rows_per_feature(
 
 
 def meta_rows_per_feature(
-    features: KeyedJaggedTensor, dims: Sequence[int], need_indices: bool
+    inputs: Mapping[str, JaggedTensor], dims: Sequence[int], need_indices: bool
 ) -> dict[str, JaggedTensor]:
-    """Shapes only, for a collection built on the meta device (build-on-meta, then shard)."""
+    """Shapes only, for a collection built on the meta device (build-on-meta, then shard).
+
+    Args:
+        inputs: output key -> the feature's input bags.
+        dims: each output's row width.
+        need_indices: as in `rows_per_feature`.
+    """
     meta = torch.device("meta")
     result: dict[str, JaggedTensor] = {}
-    for key, dim in zip(features.keys(), dims, strict=True):
-        jt = features[key]
+    for (key, jt), dim in zip(inputs.items(), dims, strict=True):
         result[key] = JaggedTensor(
             values=torch.empty(jt.values().shape[0], dim, device=meta),
             lengths=jt.lengths().to(meta),
