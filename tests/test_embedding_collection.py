@@ -412,3 +412,22 @@ def test_a_feature_shared_by_tables_gives_one_output_per_table() -> None:
     bad = KeyedJaggedTensor.from_id_lists({"a": [[3]], "b": [[]], "c": [[]]})
     with pytest.raises(InvalidIdError, match="table 'x', feature 'a': id 3"):
         plain(bad)
+
+
+def test_bag_view_of_a_table_keeps_every_field_and_init_fn_applies() -> None:
+    import dataclasses
+
+    from recopt.modules import BaseEmbeddingConfig, PoolingType
+
+    def init(weight: torch.Tensor) -> None:
+        weight.fill_(0.5)
+
+    table = EmbeddingConfig(
+        name="t", num_embeddings=4, embedding_dim=4, feature_names=["f"], init_fn=init
+    )
+    bag = table.as_bag_config()
+    for f in dataclasses.fields(BaseEmbeddingConfig):
+        assert getattr(bag, f.name) == getattr(table, f.name), f.name
+    assert bag.pooling == PoolingType.SUM
+    for module in (EmbeddingCollection([table]), FusedEmbeddingCollection([table])):
+        assert torch.equal(module.embeddings["t"].weight, torch.full((4, 4), 0.5))

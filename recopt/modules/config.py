@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -118,16 +118,8 @@ class EmbeddingConfig(BaseEmbeddingConfig):
 
     def as_bag_config(self) -> EmbeddingBagConfig:
         """The same table as a SUM-pooled bag config: the lookup engine's view of it."""
-        return EmbeddingBagConfig(
-            name=self.name,
-            num_embeddings=self.num_embeddings,
-            embedding_dim=self.embedding_dim,
-            feature_names=self.feature_names,
-            weight_init_min=self.weight_init_min,
-            weight_init_max=self.weight_init_max,
-            init_fn=self.init_fn,
-            pooling=PoolingType.SUM,
-        )
+        shared = {f.name: getattr(self, f.name) for f in fields(BaseEmbeddingConfig)}
+        return EmbeddingBagConfig(**shared, pooling=PoolingType.SUM)
 
 
 def validate_tables(
