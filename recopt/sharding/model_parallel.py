@@ -47,8 +47,9 @@ class DistributedModelParallel(nn.Module):
         plan: the sharding plan (default: the planner's, else a balanced table-wise plan).
         process_group: the ranks (default: the world).
         device: where shards live (default: CPU).
-        default_optimizer: the fused optimizer of plain EmbeddingBagCollection tables whose plan
-            entry names none (default: `FusedOptimizerConfig()`).
+        default_optimizer: the fused optimizer of the tables of a plain EmbeddingBagCollection
+            or EmbeddingCollection whose plan entry names none (default:
+            `FusedOptimizerConfig()`).
         ranks_per_host: for host-local sharding types and plan validation.
         timeout: of the dense process group's collectives.
 
