@@ -55,7 +55,7 @@ def _meta_ec_then_shard(rank: int, world: int) -> dict[str, Any]:
         EmbeddingConfig(name="s", num_embeddings=16, embedding_dim=4, feature_names=["s0", "s1"])
     ]
     with torch.device("meta"):
-        ec = EmbeddingCollection(tables)
+        ec = EmbeddingCollection(tables, need_indices=True)
     meta_out = ec(KeyedJaggedTensor.from_id_lists({"s0": [[1, 2]], "s1": [[3]]}))
     assert meta_out["s0"].values().shape == (2, 4) and meta_out["s0"].values().is_meta
     dmp = DistributedModelParallel(ec)
@@ -63,6 +63,7 @@ def _meta_ec_then_shard(rank: int, world: int) -> dict[str, Any]:
     weight = full_tensor(dmp.state_dict()["embeddings.s.weight"])
     assert torch.equal(out["s0"].values(), weight[[1, 2, 15]])
     assert torch.equal(out["s1"].values(), weight[[0]])
+    assert out["s0"].weights().tolist() == [1, 2, 15]  # need_indices survives the sharding
     return {"weight": weight}
 
 
