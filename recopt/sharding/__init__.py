@@ -1,5 +1,6 @@
 """recopt.sharding: sharding plans, sharded embedding modules, and the planner (``planner/``)."""
 
+from recopt.kernels.placement import Location, Placement
 from recopt.sharding.input_dist import RemoteInputError
 from recopt.sharding.model_parallel import DistributedModelParallel
 from recopt.sharding.plan import (
@@ -32,6 +33,8 @@ __all__ = [
     "RemoteInputError",
     "ShardedEmbeddingBagCollection",
     "full_tensor",
+    "Location",
+    "Placement",
     "ParameterSharding",
     "PlanError",
     "ShardSpec",
