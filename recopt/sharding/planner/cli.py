@@ -3,6 +3,7 @@
 `recopt-plan CONFIG --world-size N [--topology FILE] [--output plan.json]` reads the config's
 `[[embedding.tables]]`, `[embedding.optimizer]` and `[planner]` (other sections are ignored);
 topology values come from `[planner]`, then the file, then flags. `--calibrate` measures instead.
+A plan that puts tables in UVM (cuda topologies) is followed by why and its estimated cost.
 """
 
 from __future__ import annotations
@@ -156,6 +157,9 @@ def _plan(args: argparse.Namespace) -> int:
     plan = planner.plan({config.module_path: config.tables})
     assert planner.stats is not None
     print(planner.stats.format(args.max_tables))
+    explanation = planner.stats.explain_placements()
+    if explanation:  # the plan needed UVM: say which tables, why, and the cost
+        print(explanation)
     if args.output:
         plan.save(args.output)
         print(f"plan written to {args.output}")
