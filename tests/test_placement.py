@@ -171,13 +171,19 @@ def test_plan_json_rejects_bad_placement(placement: object, match: str) -> None:
         ShardingPlan.from_json(text)
 
 
-def test_parameter_sharding_rejects_a_placement_that_is_not_one() -> None:
-    with pytest.raises(PlanError, match="placement must be a Placement"):
-        ParameterSharding(
+def test_parameter_sharding_takes_a_location_string_and_rejects_others() -> None:
+    def sharding(placement: object) -> ParameterSharding:
+        return ParameterSharding(
             sharding_type=ShardingType.TABLE_WISE,
             ranks=(0,),
-            placement="uvm",  # type: ignore[arg-type]
+            placement=placement,  # type: ignore[arg-type]
         )
+
+    assert sharding("uvm").placement == UVM
+    with pytest.raises(PlanError, match="placement: placement location 'disk' is unknown"):
+        sharding("disk")
+    with pytest.raises(PlanError, match="must be a Placement or a location string, got 3"):
+        sharding(3)
 
 
 def test_uvm_table_on_recopt_kernel_or_row_stat_layout_is_a_plan_error() -> None:
@@ -197,7 +203,8 @@ def test_uvm_table_on_recopt_kernel_or_row_stat_layout_is_a_plan_error() -> None
     with pytest.raises(PlanError, match="full-row statistic hook"):
         resolve_optimizer(table, column, opt, "sparse")
     fine = ParameterSharding(sharding_type=ShardingType.TABLE_WISE, ranks=(0,), placement=UVM)
-    assert resolve_optimizer(table, fine, opt, "sparse").backend is Backend.AUTO
+    # Explicitly fbgemm, so UVM shards never share an AUTO kernel with device shards.
+    assert resolve_optimizer(table, fine, opt, "sparse").backend is Backend.FBGEMM
 
 
 # ----------------------------------------------------------------------------- CUDA only

@@ -148,12 +148,14 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._grad_guard = NonFiniteGradGuard(type(self).__name__)
 
     def _build_groups(self, optimizers: Mapping[str, FusedOptimizerConfig]) -> list[_KernelGroup]:
-        tables_of: dict[tuple[FusedOptimizerConfig, PoolingType], list[int]] = {}
+        # Tables in UVM get kernels of their own (fbgemm's; AUTO stays free for the others).
+        tables_of: dict[tuple[FusedOptimizerConfig, PoolingType, bool], list[int]] = {}
         for t, table in enumerate(self.tables):
-            tables_of.setdefault((optimizers[table.name], table.pooling), []).append(t)
+            on_device = self._placements[table.name].on_device
+            tables_of.setdefault((optimizers[table.name], table.pooling, on_device), []).append(t)
         return [
             self._build_group(optimizer, pooling, table_indices)
-            for (optimizer, pooling), table_indices in tables_of.items()
+            for (optimizer, pooling, _), table_indices in tables_of.items()
         ]
 
     def _build_group(

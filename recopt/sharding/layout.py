@@ -68,6 +68,9 @@ def resolve_optimizer(
     backend = ps.compute_kernel if ps.compute_kernel is not Backend.AUTO else optimizer.backend
     if not ps.placement.on_device:
         _check_uvm_kernel(where, ps, optimizer, backend)
+        # Explicit: UVM shards get kernels of their own, never shared with device shards that
+        # fbgemm might not run (AUTO would then have to pick fbgemm for both).
+        backend = Backend.FBGEMM
     if needs_row_stat_hook(kind, optimizer):
         if backend is Backend.FBGEMM:
             raise PlanError(

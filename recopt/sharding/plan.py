@@ -126,10 +126,15 @@ class ParameterSharding:
         object.__setattr__(self, "compute_kernel", Backend(self.compute_kernel))
         object.__setattr__(self, "ranks", tuple(self.ranks))
         object.__setattr__(self, "shards", tuple(self.shards))
+        if isinstance(self.placement, str):  # a location alone: "uvm", "uvm_caching"
+            try:
+                object.__setattr__(self, "placement", Placement(location=self.placement))
+            except ValueError as e:
+                raise PlanError(f"ParameterSharding placement: {e}") from None
         if not isinstance(self.placement, Placement):
             raise PlanError(
-                f"ParameterSharding placement must be a Placement, got {self.placement!r}; "
-                "e.g. Placement(location='uvm_caching', cache_load_factor=0.2)"
+                f"ParameterSharding placement must be a Placement or a location string, got "
+                f"{self.placement!r}; e.g. Placement(location='uvm_caching', cache_load_factor=0.2)"
             )
 
 
