@@ -32,7 +32,7 @@ def test_the_planner_caches_the_large_set_and_keeps_the_small_one_in_hbm() -> No
     # As many tables as fit stay in HBM, the others are cached; none is left uncached.
     kinds = [p.describe() for p in large.values()]
     assert set(kinds) == {"device", "uvm_caching(0.2)"}
-    assert f"{kinds.count('uvm_caching(0.2)')} of 8 tables do not fit in device memory" in why
+    assert f"{kinds.count('uvm_caching(0.2)')} of 8 tables live in host memory (UVM)" in why
     small, why = bench_uvm.plan_placements(bench_uvm.rows_for(budget, 0.5, cfg), budget, cfg)
     assert {p.describe() for p in small.values()} == {"device"} and why == ""
 

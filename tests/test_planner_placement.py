@@ -217,7 +217,7 @@ def test_stats_table_shows_placement_and_host_memory() -> None:
     assert "placement" in text and "host (UVM)" in text
     assert "uvm_caching(0.2)" in text and "device" in text
     why = planner.stats.explain_placements()
-    assert "1 of 2 tables do not fit in device memory" in why
+    assert "1 of 2 tables live in host memory (UVM)" in why
     assert "'a' (uvm_caching(0.2), +" in why and "Estimated slowdown" in why
 
 
@@ -267,7 +267,7 @@ placements = ["device"]
     out = tmp_path / "plan.json"
     assert main([str(config), "--world-size", "1", "--output", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "1 of 2 tables do not fit in device memory" in text
+    assert "1 of 2 tables live in host memory (UVM)" in text
     assert "'big' (uvm_caching(0.2)" in text and "Estimated slowdown" in text
     assert ShardingPlan.load(out)[""]["big"].placement == CACHED
 

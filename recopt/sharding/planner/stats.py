@@ -131,13 +131,14 @@ class PlanStats:
             f"{t.table!r} ({t.placement}, +{t.slowdown_seconds * 1e3:.3f} ms)" for t in moved
         )
         return (
-            f"{len(moved)} of {len(self.tables)} tables do not fit in device memory "
-            f"({format_bytes(self.usable_bytes)} usable per rank) with the rest and live in host "
-            f"memory (UVM), read over the host link: {names}. Estimated slowdown "
-            f"{slowdown * 1e3:.3f} ms of work per step over the same layouts in device memory "
-            f"(estimated step {self.max_seconds * 1e3:.3f} ms). The planner keeps a table in "
-            "device memory when it fits, else caches its hot rows in HBM (uvm_caching), else "
-            "reads it from UVM; more device memory or ranks, or less state, moves it back."
+            f"{len(moved)} of {len(self.tables)} tables live in host memory (UVM), read by the "
+            f"GPU over the host link: {names}. The planner puts a table there only when device "
+            f"memory ({format_bytes(self.usable_bytes)} usable per rank) cannot hold it with the "
+            "rest, or when a constraint asks for it; it keeps a table in device memory when it "
+            "fits, else caches its hot rows in HBM (uvm_caching), else reads it from UVM. "
+            f"Estimated slowdown {slowdown * 1e3:.3f} ms of work per step over the same layouts "
+            f"in device memory (estimated step {self.max_seconds * 1e3:.3f} ms). More device "
+            "memory or ranks, or optimizers with less state, move tables back."
         )
 
     def __str__(self) -> str:
