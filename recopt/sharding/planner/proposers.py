@@ -98,8 +98,11 @@ def reclaim_device_memory(
     The memory repair moves whole groups of tables at a time and may move more than needed;
     this pass tries, largest slowdown first, each off-device table's options with less slowdown
     (cheapest first) and keeps the first that still places everything without raising the step
-    time. Mutates ``choice``; returns the resulting placement.
+    time, within the search's budget of shard placements. Mutates ``choice``; returns the
+    resulting placement.
     """
+    num_shards = sum(len(o[k].shard_sizes) for o, k in zip(options, choice, strict=True))
+    trials = max(8, SEARCH_PLACEMENT_BUDGET // max(1, num_shards))
     best = placement
     moved = sorted(
         (t for t in range(len(options)) if options[t][choice[t]].slowdown > 0.0),
@@ -109,6 +112,9 @@ def reclaim_device_memory(
         current = options[t][choice[t]]
         better = [k for k, o in enumerate(options[t]) if o.slowdown < current.slowdown]
         for k in better[:ALTERNATIVES_PER_TABLE]:
+            if trials <= 0:
+                return best
+            trials -= 1
             previous, choice[t] = choice[t], k
             result = partition(
                 [o[c] for o, c in zip(options, choice, strict=True)], topology, base_bytes
