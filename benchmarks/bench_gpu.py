@@ -9,6 +9,10 @@ rows, one id per bag): recopt's step against TorchRec's, when TorchRec imports.
 
     PYTHONPATH=$PWD python benchmarks/bench_gpu.py --out gpu.json        # also writes gpu.md
     PYTHONPATH=$PWD python benchmarks/bench_gpu.py --quick --out smoke.json
+    PYTHONPATH=$PWD python benchmarks/bench_gpu.py --uvm-only --out uvm.json  # issue 17 (UVM)
+
+``--uvm`` adds issue 17's UVM target (bench_uvm.py): tables 1.5x the GPU's free memory placed
+by the planner (UVM caching, 20%) against the same model scaled down to fit in HBM.
 """
 
 from __future__ import annotations
@@ -361,6 +365,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dlrm-dims", type=int, nargs="*", default=[64, 128])
     parser.add_argument("--dlrm-batches", type=int, nargs="*", default=[2048, 16384])
     parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument("--uvm", action="store_true", help="also run issue 17's UVM target")
+    parser.add_argument("--uvm-only", action="store_true", help="run only the UVM target")
+    parser.add_argument(
+        "--uvm-hbm-gib",
+        type=float,
+        help="HBM budget of the UVM run (default: the free memory; the large set needs 1.5x "
+        "it in host memory, so lower it on a host with less RAM than that)",
+    )
     args = parser.parse_args(argv)
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:
@@ -384,6 +396,16 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(0)
     configs = QUICK if args.quick else CONFIGS
     kernels: list[dict[str, Any]] = []
+    uvm: dict[str, Any] | None = None
+    if args.uvm or args.uvm_only:
+        from bench_uvm import UvmConfig, run_uvm
+
+        cfg = UvmConfig(batch=512) if args.quick else UvmConfig()
+        hbm_gib = args.uvm_hbm_gib or (1.0 if args.quick else None)  # quick: a 1 GiB budget
+        uvm = run_uvm(time_ms, args.warmup, args.steps, hbm_gib, cfg)
+        print(json.dumps(uvm), flush=True)
+    if args.uvm_only:
+        return _write(args, device_name, {}, [], [], uvm)
     if not args.skip_kernels:
         for name in args.configs.split(","):
             kernels += run_kernels(configs[name], args.warmup, args.steps)
@@ -400,12 +422,29 @@ def main(argv: list[str] | None = None) -> int:
             dlrm = run_dlrm(args.dlrm_dims, batches, args.warmup, args.steps)
         finally:
             torch.distributed.destroy_process_group()
+    return _write(args, device_name, configs, kernels, dlrm, uvm)
+
+
+def _write(
+    args: argparse.Namespace,
+    device_name: str,
+    configs: dict[str, Config],
+    kernels: list[dict[str, Any]],
+    dlrm: list[dict[str, Any]],
+    uvm: dict[str, Any] | None,
+) -> int:
     out = pathlib.Path(args.out)
-    meta = {"device": device_name, "torch": torch.__version__, "quick": args.quick}
-    meta["configs"] = {k: asdict(configs[k]) for k in args.configs.split(",")}
-    out.write_text(json.dumps({"meta": meta, "kernels": kernels, "dlrm": dlrm}, indent=1))
-    out.with_suffix(".md").write_text(markdown(kernels, dlrm, device_name))
-    print(out.with_suffix(".md").read_text())
+    meta: dict[str, Any] = {"device": device_name, "torch": torch.__version__, "quick": args.quick}
+    meta["configs"] = {k: asdict(configs[k]) for k in args.configs.split(",") if k in configs}
+    result = {"meta": meta, "kernels": kernels, "dlrm": dlrm, "uvm": uvm}
+    out.write_text(json.dumps(result, indent=1))
+    text = markdown(kernels, dlrm, device_name)
+    if uvm is not None:
+        from bench_uvm import markdown as uvm_markdown
+
+        text += "\n".join(uvm_markdown(uvm)) + "\n"
+    out.with_suffix(".md").write_text(text)
+    print(text)
     return 0
 
 

@@ -17,11 +17,12 @@ from typing import Any
 from recopt.config import apply_overrides, from_dict, load_toml, merge, to_plain
 from recopt.data import SyntheticConfig
 from recopt.ft import replica_sync_optimizer
-from recopt.kernels import FusedOptimizerConfig
+from recopt.kernels import FusedOptimizerConfig, Placement
 from recopt.models import DLRMConfig
 from recopt.modules import EmbeddingBagConfig
 from recopt.optim.clipping import GradientClipping
 from recopt.optim.warmup import WarmupPolicy, WarmupStage
+from recopt.sharding.planner.constraints import placement_from_value
 
 DATA_SOURCES = ("synthetic", "criteo")
 DENSE_OPTIMIZERS = ("adagrad", "adam", "sgd")
@@ -41,12 +42,35 @@ def default_tables() -> tuple[EmbeddingBagConfig, ...]:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EmbeddingSection:
-    """``[embedding]``: the ``[[embedding.tables]]`` and their fused ``[embedding.optimizer]``."""
+    """``[embedding]``: the ``[[embedding.tables]]``, their fused ``[embedding.optimizer]`` and
+    ``[embedding.placements]``: table name -> where it lives on a GPU, ``"device"``, ``"uvm"``,
+    ``"uvm_caching"`` or ``{location = "uvm_caching", cache_load_factor = 0.1}``. Tables not
+    named: the planner chooses on several ranks, device memory on one. UVM needs CUDA."""
 
     tables: tuple[EmbeddingBagConfig, ...] = field(default_factory=default_tables)
     optimizer: FusedOptimizerConfig = field(
         default_factory=lambda: FusedOptimizerConfig(name="row_wise_adagrad", lr=0.05)
     )
+    placements: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.tables]
+        unknown = sorted(set(self.placements) - set(names))
+        if unknown:
+            raise ValueError(
+                f"embedding.placements names tables {unknown} that are not in "
+                f"[[embedding.tables]] (tables: {names}); use a table's name"
+            )
+        resolved: dict[str, Placement] = {}
+        for name, value in self.placements.items():
+            try:
+                resolved[name] = placement_from_value(value)
+            except ValueError as e:
+                raise ValueError(
+                    f'embedding.placements.{name} = {value!r}: {e}; e.g. "uvm_caching" or '
+                    '{location = "uvm_caching", cache_load_factor = 0.2}'
+                ) from None
+        object.__setattr__(self, "placements", resolved)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

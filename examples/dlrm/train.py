@@ -100,7 +100,10 @@ def build_model(config: TrainingConfig, device: torch.device) -> DLRM:
     """The unsharded model: fused embedding bags + DLRM / DCNv2 dense part, seeded."""
     torch.manual_seed(config.training.seed)
     ebc = FusedEmbeddingBagCollection(
-        config.embedding.tables, optimizer=config.embedding.optimizer, device=device
+        config.embedding.tables,
+        optimizer=config.embedding.optimizer,
+        device=device,
+        table_placements=config.embedding.placements,
     )
     return DLRM(ebc, config.model).to(device)
 
@@ -113,13 +116,22 @@ def shard_model(model: DLRM, config: TrainingConfig, env: RunEnv) -> nn.Module:
     if env.world_size == 1:
         return model
     from recopt.sharding.model_parallel import DistributedModelParallel
-    from recopt.sharding.planner import EmbeddingShardingPlanner, plan_collectively
+    from recopt.sharding.planner import (
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        plan_collectively,
+    )
     from recopt.sharding.planner.topology import topology_from_dict
 
     timeout = datetime.timedelta(seconds=config.training.timeout_s)
     topology = topology_from_dict(config.planner, "[planner]", world_size=env.world_size)
     planner = EmbeddingShardingPlanner(
         topology,
+        # [embedding.placements] pins those tables; the planner places the others.
+        constraints={
+            name: ParameterConstraints(placements=(placement,))
+            for name, placement in config.embedding.placements.items()
+        },
         batch_size=config.data.batch_size,
         default_optimizer=config.embedding.optimizer,
     )

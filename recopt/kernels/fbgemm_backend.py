@@ -14,6 +14,7 @@ from torch import nn
 from recopt.kernels.autotune import BackendDecision
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.contract import KernelHook
+from recopt.kernels.placement import Location, combined_cache_load_factor, placement_problems
 from recopt.kernels.registry import OPTIMIZERS, optimizer_spec
 
 # Optimizers fbgemm's fused kernels run here (its CPU build's; the registry also records its
@@ -85,8 +86,13 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         pooling: sum or mean.
         device: cpu or cuda.
 
+    Each table's placement maps to fbgemm's ``EmbeddingLocation``: ``device`` to ``DEVICE``
+    (``HOST`` on CPU), ``uvm`` to ``MANAGED``, ``uvm_caching`` to ``MANAGED_CACHING`` with the
+    kernel's one cache sized by `combined_cache_load_factor`.
+
     Raises:
-        ValueError: the optimizer, an option or a table's dim is not supported by fbgemm.
+        ValueError: the optimizer, an option or a table's dim is not supported by fbgemm, or a
+            table is placed in UVM on a device other than CUDA.
     """
 
     def __init__(
@@ -111,11 +117,21 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         )
 
         problems = fbgemm_problems(tables, optimizer, device, feature_table_map)
+        problems += placement_problems(tables, device.type)
         if problems:
             raise ValueError("; ".join(problems))
         on_cuda = device.type == "cuda"
-        location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
         compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
+        locations = {
+            Location.DEVICE: EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST,
+            Location.UVM: EmbeddingLocation.MANAGED,
+            Location.UVM_CACHING: EmbeddingLocation.MANAGED_CACHING,
+        }
+        # fbgemm has one HBM cache per kernel, sized by one load factor over its cached tables.
+        cache_load_factor = combined_cache_load_factor(
+            [t.num_embeddings for t in tables], [t.placement for t in tables]
+        )
+        self._caching = any(t.placement.location is Location.UVM_CACHING for t in tables)
         spec = optimizer_spec(optimizer.name)
         fbgemm_name = spec.fbgemm_cpu
         assert fbgemm_name is not None  # fbgemm_problems checked it
@@ -131,7 +147,10 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         self.grad_hook: KernelHook | None = None
         self.row_stat_hook: KernelHook | None = None
         self._tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            [(t.num_embeddings, t.embedding_dim, location, compute) for t in tables],
+            [
+                (t.num_embeddings, t.embedding_dim, locations[t.placement.location], compute)
+                for t in tables
+            ],
             feature_table_map=list(feature_table_map),
             optimizer=EmbOptimType[fbgemm_name],
             learning_rate=optimizer.learning_rate,
@@ -142,6 +161,7 @@ class FbgemmTableBatchedEmbedding(nn.Module):
             else WeightDecayMode.NONE,
             pooling_mode=PoolingMode.SUM if pooling == PoolingType.SUM else PoolingMode.MEAN,
             bounds_check_mode=BoundsCheckMode.NONE,
+            cache_load_factor=cache_load_factor,
             device=device,
         )
 
@@ -154,7 +174,14 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         return self._tbe(indices, offsets, per_sample_weights=per_sample_weights)
 
     def split_embedding_weights(self) -> list[torch.Tensor]:
+        # Cached tables: the views are of the UVM copy, current only after `flush`.
         return list(self._tbe.split_embedding_weights())
+
+    def flush(self) -> None:
+        """Write the HBM cache's rows back to UVM and empty the cache (no cached table: no-op)."""
+        if self._caching:
+            self._tbe.flush()
+            self._tbe.reset_cache_states()
 
     def split_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
         if not self._state_names:

@@ -26,6 +26,7 @@ from recopt.kernels.config import (
     validate_kernel_layout,
 )
 from recopt.kernels.contract import KernelHook
+from recopt.kernels.placement import placed_off_device
 
 Tensor = torch.Tensor
 
@@ -64,7 +65,8 @@ class RecoptTableBatchedEmbedding(nn.Module):
             the torch-ops path.
 
     Raises:
-        ValueError: empty tables, a table with no rows or dim, or a feature mapped to no table.
+        ValueError: empty tables, a table with no rows or dim, a feature mapped to no table, or
+            a table placed in UVM (only fbgemm's CUDA kernel reads UVM).
     """
 
     def __init__(
@@ -79,6 +81,12 @@ class RecoptTableBatchedEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         validate_kernel_layout(tables, feature_table_map)
+        off_device = placed_off_device(tables)
+        if off_device:
+            raise ValueError(
+                f"tables {off_device}: recopt's kernel keeps every table in device memory and "
+                "cannot read UVM; use backend 'fbgemm' or 'auto' on CUDA, or placement 'device'"
+            )
         self.tables = list(tables)
         self.feature_table_map = list(feature_table_map)
         self.optimizer = optimizer
@@ -171,6 +179,9 @@ class RecoptTableBatchedEmbedding(nn.Module):
     def get_learning_rate(self) -> float:
         """The learning rate the next backward will use."""
         return self._lr
+
+    def flush(self) -> None:
+        """Nothing to write back: every table is in device memory."""
 
     # Forward and backward passes ------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from torch import nn
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.contract import Kernel
 from recopt.kernels.factory import create_kernel
+from recopt.kernels.placement import DEVICE, Placement
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import (
     LearningRateSync,
@@ -59,6 +60,26 @@ class EmbeddingFusedOptimizer(FusedOptimizer):
     """
 
 
+def _resolve_placements(
+    tables: Sequence[EmbeddingBagConfig], placements: Mapping[str, Placement] | None
+) -> dict[str, Placement]:
+    """Every table's placement (``device`` unless named), after checking the names."""
+    names = [t.name for t in tables]
+    unknown = sorted(set(placements or {}) - set(names))
+    if unknown:
+        raise ValueError(
+            f"table_placements names tables {unknown}, which the collection does not have; "
+            f"tables: {names}"
+        )
+    for name, placement in (placements or {}).items():
+        if not isinstance(placement, Placement):
+            raise ValueError(
+                f"table_placements[{name!r}] must be a Placement, got {placement!r}; e.g. "
+                "Placement(location='uvm_caching', cache_load_factor=0.2)"
+            )
+    return {name: (placements or {}).get(name, DEVICE) for name in names}
+
+
 class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     """`EmbeddingBagCollection` with the sparse optimizer fused into backward.
 
@@ -76,10 +97,13 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         skip_nonfinite: check the output gradient before the fused update (one host read per
             backward) and skip the update when it is not finite. Not applied while a kernel has
             a ``grad_hook`` (fault tolerance): its collectives need every replica to update.
+        table_placements: table name -> where its rows live (kernels/placement.py); tables not
+            named are in device memory. UVM placements need CUDA and run on fbgemm.
 
     Raises:
         ValueError: invalid tables, an override naming an unknown table, or a kernel that cannot
-            take a table (e.g. fbgemm with a dim not a multiple of 4: the message gives the fix).
+            take a table (e.g. fbgemm with a dim not a multiple of 4, or a UVM placement off
+            CUDA: the message gives the fix).
     """
 
     # The fused optimizer's param names are ``<prefix>.<table>.weight`` (an embedding
@@ -94,10 +118,12 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         is_weighted: bool = False,
         device: torch.device | str | None = None,
         skip_nonfinite: bool = True,
+        table_placements: Mapping[str, Placement] | None = None,
     ) -> None:
         super().__init__()
         validate_tables(tables)
         self.tables = list(tables)
+        self._placements = _resolve_placements(self.tables, table_placements)
         self.is_weighted = is_weighted
         self.device = torch.device(device if device is not None else "cpu")
         self._layout = FeatureLayout(self.tables)
@@ -126,12 +152,14 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._grad_guard = NonFiniteGradGuard(type(self).__name__)
 
     def _build_groups(self, optimizers: Mapping[str, FusedOptimizerConfig]) -> list[_KernelGroup]:
-        tables_of: dict[tuple[FusedOptimizerConfig, PoolingType], list[int]] = {}
+        # Tables in UVM get kernels of their own (fbgemm's; AUTO stays free for the others).
+        tables_of: dict[tuple[FusedOptimizerConfig, PoolingType, bool], list[int]] = {}
         for t, table in enumerate(self.tables):
-            tables_of.setdefault((optimizers[table.name], table.pooling), []).append(t)
+            on_device = self._placements[table.name].on_device
+            tables_of.setdefault((optimizers[table.name], table.pooling, on_device), []).append(t)
         return [
             self._build_group(optimizer, pooling, table_indices)
-            for (optimizer, pooling), table_indices in tables_of.items()
+            for (optimizer, pooling, _), table_indices in tables_of.items()
         ]
 
     def _build_group(
@@ -145,6 +173,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 name=self.tables[t].name,
                 num_embeddings=self.tables[t].num_embeddings,
                 embedding_dim=self.tables[t].embedding_dim,
+                placement=self._placements[self.tables[t].name],
             )
             for t in table_indices
         ]

@@ -1,5 +1,6 @@
 """recopt.sharding: sharding plans, sharded embedding modules, and the planner (``planner/``)."""
 
+from recopt.kernels.placement import Location, Placement
 from recopt.sharding.input_dist import RemoteInputError
 from recopt.sharding.model_parallel import DistributedModelParallel
 from recopt.sharding.plan import (
@@ -34,6 +35,8 @@ __all__ = [
     "ShardedEmbeddingBagCollection",
     "ShardedEmbeddingCollection",
     "full_tensor",
+    "Location",
+    "Placement",
     "ParameterSharding",
     "PlanError",
     "ShardSpec",

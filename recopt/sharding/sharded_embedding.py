@@ -36,13 +36,26 @@ from recopt.sharding.input_dist import (
     segment_transpose,
 )
 from recopt.sharding.layout import GroupLayout, ShardedLayout
-from recopt.sharding.plan import ParameterSharding, ShardingPlan
+from recopt.sharding.plan import ParameterSharding, PlanError, ShardingPlan
 from recopt.sharding.plan_validation import validate_plan
 from recopt.sharding.row_stats import RowStatExchange
 from recopt.sharding.state import ShardedState
 from recopt.sparse import KeyedJaggedTensor, KeyedTensor
 
 Tensor = torch.Tensor
+
+
+def _check_placements(
+    shardings: Mapping[str, ParameterSharding], device: torch.device, module_path: str
+) -> None:
+    """UVM placements need CUDA: refuse them on every rank alike, before any collective."""
+    for name, ps in shardings.items():
+        if not ps.placement.on_device and device.type != "cuda":
+            raise PlanError(
+                f"table {name!r} (module {module_path!r}): placement "
+                f"{ps.placement.describe()!r} needs a CUDA device (UVM is CUDA memory), but "
+                f"the module is on {device.type!r}; use placement 'device' there"
+            )
 
 
 class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
@@ -95,6 +108,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         validate_plan(
             ShardingPlan({module_path: dict(shardings)}), {module_path: self.tables}, world
         )
+        _check_placements(shardings, self.device, module_path)
         planned = {t.name: shardings[t.name].optimizer for t in self.tables}
         optimizers = resolve_table_optimizers(self.tables, optimizer, table_optimizers, planned)
         self._layout = ShardedLayout(
@@ -134,12 +148,14 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         specs = []
         for t, k in group.tables:
             table = self.tables[t]
+            placement = self._layout.shardings[t].placement
             if k < 0:
                 specs.append(
                     TableSpec(
                         name=table.name,
                         num_embeddings=table.num_embeddings,
                         embedding_dim=table.embedding_dim,
+                        placement=placement,
                     )
                 )
             else:
@@ -149,6 +165,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                         name=f"{table.name}.shard{k}",
                         num_embeddings=s.num_rows,
                         embedding_dim=s.num_cols,
+                        placement=placement,
                     )
                 )
         local = {tk: i for i, tk in enumerate(group.tables)}

@@ -4,6 +4,7 @@
 `[[embedding.tables]]` (``unpooled = true``: an EmbeddingCollection's table),
 `[embedding.optimizer]` and `[planner]` (other sections are ignored);
 topology values come from `[planner]`, then the file, then flags. `--calibrate` measures instead.
+A plan that puts tables in UVM (cuda topologies) is followed by why and its estimated cost.
 """
 
 from __future__ import annotations
@@ -165,6 +166,9 @@ def _plan(args: argparse.Namespace) -> int:
     plan = planner.plan({config.module_path: config.tables})
     assert planner.stats is not None
     print(planner.stats.format(args.max_tables))
+    explanation = planner.stats.explain_placements()
+    if explanation:  # the plan needed UVM: say which tables, why, and the cost
+        print(explanation)
     if args.output:
         plan.save(args.output)
         print(f"plan written to {args.output}")
