@@ -83,6 +83,7 @@ class DistributedModelParallel(nn.Module):
                 process_group=process_group,
                 device=device,
                 module_path=path,
+                skip_nonfinite=getattr(old, "skip_nonfinite", True),
             )
             if not _on_meta(old):  # a meta module has no values: keep the fresh init
                 new.load_state_dict(old.state_dict())
@@ -111,6 +112,12 @@ class DistributedModelParallel(nn.Module):
     def fused_optimizer(self) -> KeyedOptimizer:
         """Every sharded collection's fused optimizer, keys equal to the model's parameter names."""
         return self._fused
+
+    @property
+    def skipped_nonfinite_steps(self) -> int:
+        """Backward passes whose fused update was skipped for a NaN/inf gradient (every rank
+        agrees); with several sharded collections, the largest of their counts."""
+        return max((m.skipped_nonfinite_steps for _, m in self._sharded), default=0)
 
     def sharded_modules(self) -> list[tuple[str, ShardedEmbeddingBagCollection]]:
         """``(path, module)`` of every sharded collection."""
