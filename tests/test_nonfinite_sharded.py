@@ -3,7 +3,9 @@
 One spawned group per world size (2 and 3) runs every sharding type in a loop: the bad rank's
 output gradient holds NaN (then inf); every rank's local shards, optimizer state and step
 counters stay bit-identical, every rank counts the skip (DistributedModelParallel shows it), and
-the next finite step equals a model that never saw the bad steps.
+the next finite step equals a model that never saw the bad steps. The cuda variant runs the
+same on 2 ranks sharing one GPU in a ``cuda:gloo`` group (which, like NCCL, refuses CPU tensors:
+the skip vote must run on the device).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def _plan(kind: str, world: int) -> Any:
     return ShardingPlan({"": sharding})
 
 
-def _features(rank: int, step: int) -> KeyedJaggedTensor:
+def _features(rank: int, step: int, device: torch.device) -> KeyedJaggedTensor:
     gen = torch.Generator().manual_seed(100 * step + rank)
     lengths = torch.randint(1, 3, (6,), generator=gen)  # 2 features x 3 bags
     n0 = int(lengths[:3].sum())
@@ -59,22 +61,23 @@ def _features(rank: int, step: int) -> KeyedJaggedTensor:
             torch.randint(0, 13, (int(lengths.sum()) - n0,), generator=gen),
         ]
     )
-    return KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], ids, lengths)
+    return KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], ids, lengths).to(device)
 
 
-def _build(kind: str, world: int, optimizer: str) -> Any:
+def _build(kind: str, world: int, optimizer: str, device: torch.device) -> Any:
     from recopt.sharding import DistributedModelParallel
 
     torch.manual_seed(0)
     ebc = FusedEmbeddingBagCollection(
-        TABLES, optimizer=FusedOptimizerConfig(name=optimizer, lr=0.1, eps=1e-3)
+        TABLES, optimizer=FusedOptimizerConfig(name=optimizer, lr=0.1, eps=1e-3), device=device
     )
-    return DistributedModelParallel(ebc, plan=_plan(kind, world))
+    return DistributedModelParallel(ebc, plan=_plan(kind, world), device=device)
 
 
 def _step(dmp: Any, rank: int, step: int, scale: float = 1.0) -> None:
-    out = dmp(_features(rank, step)).values()
-    (out * torch.arange(out.numel()).view_as(out).add(1) * scale).sum().backward()
+    out = dmp(_features(rank, step, dmp.sharded_modules()[0][1].device)).values()
+    weights = torch.arange(1, out.numel() + 1, device=out.device).view_as(out)
+    (out * weights * scale).sum().backward()
 
 
 def _local(value: Any) -> list[torch.Tensor]:
@@ -100,12 +103,15 @@ def _assert_same(got: dict[str, list[torch.Tensor]], want: dict[str, list[torch.
             assert torch.equal(a, b), key
 
 
-def _one_rank_bad(rank: int, world: int) -> None:
+def _one_rank_bad(rank: int, world: int, device_type: str = "cpu") -> None:
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
     bad = world - 1
     for kind in KINDS:
         for optimizer in ("adam", "row_wise_adagrad"):
-            dmp = _build(kind, world, optimizer)
-            reference = _build(kind, world, optimizer)
+            dmp = _build(kind, world, optimizer, device)
+            reference = _build(kind, world, optimizer, device)
             _step(dmp, rank, 1)
             _step(reference, rank, 1)
             before = _local_state(dmp)
@@ -129,6 +135,11 @@ def test_non_finite_gradient_on_one_rank_skips_every_rank(world: int) -> None:
     run_on_ranks(_one_rank_bad, world, timeout_s=240)
 
 
+@pytest.mark.cuda
+def test_non_finite_gradient_on_one_rank_skips_every_rank_on_a_gpu() -> None:
+    run_on_ranks(_one_rank_bad, 2, "cuda", timeout_s=300, backend="cuda:gloo")
+
+
 def _without_skip(rank: int, world: int) -> None:
     from recopt.sharding import DistributedModelParallel
 
@@ -136,7 +147,7 @@ def _without_skip(rank: int, world: int) -> None:
     ebc = FusedEmbeddingBagCollection(
         TABLES, optimizer=FusedOptimizerConfig(name="sgd", lr=0.1), skip_nonfinite=False
     )
-    dmp = DistributedModelParallel(ebc, plan=_plan("table_wise", world))
+    dmp = DistributedModelParallel(ebc, plan=_plan("table_wise", world), device="cpu")
     _step(dmp, rank, 1, scale=float("nan") if rank == 0 else 1.0)
     assert dmp.skipped_nonfinite_steps == 0
     # Rank 0's NaN went to both tables' holders (rank 0 holds t0, the last rank t1).
