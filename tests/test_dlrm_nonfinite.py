@@ -7,6 +7,7 @@ with an error after ``training.max_consecutive_nonfinite`` of them.
 
 from __future__ import annotations
 
+import datetime
 import json
 import pathlib
 import subprocess
@@ -15,6 +16,8 @@ import sys
 import pytest
 
 from recopt.checkpoint.manifest import read_manifest
+from recopt.ft.lighthouse import Lighthouse, LighthouseConfig
+from recopt.ft.manager import ManagerConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
@@ -59,7 +62,7 @@ def test_script_stops_after_the_limit_and_keeps_a_finite_checkpoint(tmp_path: pa
     with pytest.raises(NonFiniteTrainingError) as caught:
         dlrm_train.main(_argv(out, 20, 3))
     message = str(caught.value)
-    assert "3 training steps in a row (through step 4)" in message
+    assert "3 training steps in a row (the last at step 4)" in message
     assert "training.max_consecutive_nonfinite = 3" in message
     assert "dense_optimizer.lr 1e+38" in message and "learning rate too high" in message
     records = _train_records(out)
@@ -88,3 +91,29 @@ def test_stopped_script_exits_non_zero(tmp_path: pathlib.Path) -> None:
     assert done.returncode != 0
     assert "NonFiniteTrainingError: 2 training steps in a row" in done.stderr
     assert "skipped 1 (NaN/inf)" in done.stderr  # the progress line counts them
+
+
+def test_fault_tolerant_run_counts_dropped_nan_steps_and_stops(tmp_path: pathlib.Path) -> None:
+    # One replica group with a real Manager: the NaN steps are dropped by the vote (reported by
+    # the row-gradient hook and the dense all-reduce), counted as non-finite, and stop the run.
+    server = Lighthouse(LighthouseConfig(min_replicas=1), host="127.0.0.1", port=0)
+    server.start()
+    try:
+        timeout = datetime.timedelta(seconds=20)
+        ft = ManagerConfig(
+            replica_id="solo",
+            lighthouse=("127.0.0.1", server.port),
+            timeout=timeout,
+            quorum_timeout=timeout,
+            hostname="127.0.0.1",
+        )
+        out = tmp_path / "run"
+        argv = _argv(out, 20, 3) + ["--set", "checkpoint.every=0"]
+        config = dlrm_config.load_config(None, argv[1::2])
+        with pytest.raises(NonFiniteTrainingError, match="3 training steps in a row"):
+            dlrm_train.train(config, dlrm_train.RunEnv(), ft_config=ft)
+    finally:
+        server.shutdown()
+    records = _train_records(out)
+    assert [r["step"] for r in records] == [1]  # dropped steps are not committed steps
+    assert records[0]["skipped_nonfinite"] == 0

@@ -72,7 +72,7 @@ class NonFiniteSteps:
         if self._limit and self.in_a_row >= self._limit:
             lrs = ", ".join(f"{name} {value:g}" for name, value in self._lrs)
             raise NonFiniteTrainingError(
-                f"{self.in_a_row} training steps in a row (through step {step}) had a NaN or "
+                f"{self.in_a_row} training steps in a row (the last at step {step}) had a NaN or "
                 f"inf loss or gradient and were skipped (training.max_consecutive_nonfinite = "
                 f"{self._limit}); the model stopped learning. Nothing was updated in those "
                 "steps, and the newest finite checkpoint is kept. Likely cause: a learning rate "
