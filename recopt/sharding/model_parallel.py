@@ -44,7 +44,8 @@ class DistributedModelParallel(nn.Module):
         default_optimizer: the fused optimizer of plain EmbeddingBagCollection tables whose plan
             entry names none (default: `FusedOptimizerConfig()`).
         ranks_per_host: for host-local sharding types and plan validation.
-        timeout: of the dense process group's collectives.
+        timeout: of the dense process group's collectives and of the sharded collections'
+            NaN/inf skip vote.
 
     Raises:
         PlanError: the plan does not fit the model (checked on every rank before any
@@ -84,6 +85,7 @@ class DistributedModelParallel(nn.Module):
                 device=device,
                 module_path=path,
                 skip_nonfinite=getattr(old, "skip_nonfinite", True),
+                timeout=timeout,
             )
             if not _on_meta(old):  # a meta module has no values: keep the fresh init
                 new.load_state_dict(old.state_dict())

@@ -46,8 +46,8 @@ from recopt.sharding.state import ShardedState
 from recopt.sparse import KeyedJaggedTensor, KeyedTensor
 
 Tensor = torch.Tensor
-# The skip vote of a backward pass: every rank is already in backward, so this is a bound on a
-# peer that died or hangs, as for the other collectives of a step.
+# The default bound of the skip vote of a backward pass: every rank is already in backward, so
+# it only bounds the wait for a peer that died or hangs.
 AGREE_TIMEOUT = datetime.timedelta(minutes=5)
 
 
@@ -77,6 +77,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             backward). Not applied while a kernel has a ``grad_hook`` (fault tolerance): the
             hook's collectives need every replica group to run its kernels' backward; there the
             hook reports a non-finite gradient and the step is dropped everywhere instead.
+        timeout: limit of that check's all-reduce.
 
     Raises:
         ValueError: invalid tables; ``PlanError`` for an invalid plan or an unsupported
@@ -94,6 +95,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         device: torch.device | str | None = None,
         module_path: str = "",
         skip_nonfinite: bool = True,
+        timeout: datetime.timedelta = AGREE_TIMEOUT,
     ) -> None:
         super().__init__()
         validate_tables(tables)
@@ -137,6 +139,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         # Set to a dict to accumulate forward time per phase (input_dist, lookup, output_dist).
         self.phase_seconds: dict[str, float] | None = None
         self._skip_nonfinite = skip_nonfinite
+        self._timeout = timeout
         self._grad_guard = NonFiniteGradGuard(
             f"{type(self).__name__} (rank {self._rank})", " on this rank or another"
         )
@@ -246,7 +249,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     def _admit(self, grad_mp_recv: Tensor | None, grad_dp_own: Tensor | None) -> bool:
         """Whether every rank's output gradient is finite (a collective; counts a skip)."""
         local = finite_flag([grad_mp_recv, grad_dp_own], self.device)
-        return self._grad_guard.record(all_ranks_finite(local, self._pg, AGREE_TIMEOUT))
+        return self._grad_guard.record(all_ranks_finite(local, self._pg, self._timeout))
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool this rank's batch; backward updates every rank's looked-up rows in place.
