@@ -167,6 +167,8 @@ class LoopSection:
     idle-spinning intra-op threads starve each other (measured: 69k vs 1.1k samples/s on 2
     loaded cores), while on an idle 2-core machine 2 threads beat 1 (small config 113k vs
     90k samples/s).
+    ``max_consecutive_nonfinite``: stop with an error after this many steps in a row whose
+    loss or gradient was NaN/inf (each is skipped: nothing is updated); 0 never stops.
     ``timeout_s`` bounds every collective. ``matmul_precision`` is torch's float32 matmul
     precision: ``highest`` (exact fp32), or ``medium`` (bfloat16 products where torch calls
     MKL/oneDNN matmul; see docs/dlrm.md for what it gains next to ``model.use_onednn``).
@@ -182,6 +184,7 @@ class LoopSection:
     timeout_s: float = 300.0
     plot: bool = True
     matmul_precision: str = "highest"
+    max_consecutive_nonfinite: int = 5
 
     def __post_init__(self) -> None:
         if self.matmul_precision not in MATMUL_PRECISIONS:
@@ -195,6 +198,7 @@ class LoopSection:
             ("log_every", 1, ""),
             ("eval_every", 0, "; 0 never evaluates"),
             ("num_threads", 0, "; 0 gives each rank its share of the cores"),
+            ("max_consecutive_nonfinite", 0, "; 0 never stops on NaN/inf steps"),
         ):
             if getattr(self, name) < low:
                 raise ValueError(

@@ -233,6 +233,11 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         return list(self._layout.feature_names)
 
     @property
+    def skip_nonfinite(self) -> bool:
+        """Whether the output gradient is checked before the fused update (constructor arg)."""
+        return self._skip_nonfinite
+
+    @property
     def skipped_nonfinite_steps(self) -> int:
         """Backward passes whose fused update was skipped for a NaN/inf output gradient."""
         return self._grad_guard.skipped_steps

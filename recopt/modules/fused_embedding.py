@@ -98,6 +98,11 @@ class FusedEmbeddingCollection(nn.Module, FusedOptimizerModule):
         return self._bags.fused_optimizer
 
     @property
+    def skip_nonfinite(self) -> bool:
+        """Whether a NaN/inf output gradient skips the fused update."""
+        return self._bags.skip_nonfinite
+
+    @property
     def skipped_nonfinite_steps(self) -> int:
         """Backward passes whose fused update was skipped for a NaN/inf output gradient."""
         return self._bags.skipped_nonfinite_steps

@@ -51,7 +51,8 @@ class DistributedModelParallel(nn.Module):
             or EmbeddingCollection whose plan entry names none (default:
             `FusedOptimizerConfig()`).
         ranks_per_host: for host-local sharding types and plan validation.
-        timeout: of the dense process group's collectives.
+        timeout: of the dense process group's collectives and of the sharded collections'
+            NaN/inf skip vote.
 
     Raises:
         PlanError: the plan does not fit the model (checked on every rank before any
@@ -81,7 +82,7 @@ class DistributedModelParallel(nn.Module):
         self.plan = plan
         sharded: list[tuple[str, ShardedModule]] = []
         for path, old in found:
-            new = _shard(old, plan[path], default_optimizer, process_group, device, path)
+            new = _shard(old, plan[path], default_optimizer, process_group, device, path, timeout)
             if not _on_meta(old):  # a meta module has no values: keep the fresh init
                 new.load_state_dict(old.state_dict())
             module = _replace(module, path, new)
@@ -109,6 +110,12 @@ class DistributedModelParallel(nn.Module):
     def fused_optimizer(self) -> KeyedOptimizer:
         """Every sharded collection's fused optimizer, keys equal to the model's parameter names."""
         return self._fused
+
+    @property
+    def skipped_nonfinite_steps(self) -> int:
+        """Backward passes whose fused update was skipped for a NaN/inf gradient (every rank
+        agrees); with several sharded collections, the largest of their counts."""
+        return max((m.skipped_nonfinite_steps for _, m in self._sharded), default=0)
 
     def sharded_modules(self) -> list[tuple[str, ShardedModule]]:
         """``(path, module)`` of every sharded collection."""
@@ -156,6 +163,7 @@ def _shard(
     process_group: dist.ProcessGroup | None,
     device: torch.device | str | None,
     path: str,
+    timeout: datetime.timedelta,
 ) -> ShardedModule:
     """The sharded twin of one embedding collection (its weights not yet copied)."""
     common: dict[str, Any] = {
@@ -164,6 +172,8 @@ def _shard(
         "process_group": process_group,
         "device": device,
         "module_path": path,
+        "skip_nonfinite": getattr(old, "skip_nonfinite", True),
+        "timeout": timeout,
     }
     if isinstance(old, _UNPOOLED_TYPES):
         return ShardedEmbeddingCollection(

@@ -9,6 +9,7 @@ Legend: B this rank's batch, Bm the largest batch, W world size, D output width.
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -21,6 +22,7 @@ from recopt.comm import (
     ExchangeMeta,
     KernelRequest,
     OutputExchange,
+    all_ranks_finite,
     share_backend_decisions,
 )
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
@@ -28,6 +30,7 @@ from recopt.kernels.contract import Kernel
 from recopt.kernels.factory import create_kernel
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
+from recopt.modules.nonfinite import NonFiniteGradGuard, backward_if_given, finite_flag
 from recopt.optim.fused import FusedOptimizerModule
 from recopt.sharding.input_dist import (
     Bucketizer,
@@ -43,6 +46,9 @@ from recopt.sharding.state import ShardedState
 from recopt.sparse import KeyedJaggedTensor, KeyedTensor
 
 Tensor = torch.Tensor
+# The default bound of the skip vote of a backward pass: every rank is already in backward, so
+# it only bounds the wait for a peer that died or hangs.
+AGREE_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 def _check_placements(
@@ -66,6 +72,11 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     ``backward`` together. ``state_dict()`` holds ``embedding_bags.<t>.weight`` as a
     ShardedTensor of the table's global shape (a plain tensor for data-parallel tables).
 
+    A backward whose output gradient holds NaN or inf on ANY rank updates nothing on every
+    rank (no weight, state or step counter): the ranks agree with one all-reduce of a flag
+    before the output exchange's backward, so every rank skips the same collectives. Such
+    steps are counted in ``skipped_nonfinite_steps`` on every rank (one warning, the first time).
+
     Args:
         tables: the tables.
         shardings: table name -> `ParameterSharding` (checked with `validate_plan`).
@@ -75,6 +86,11 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         process_group: the ranks (default: the world).
         device: where the shards live.
         module_path: the module's path in the model, for error messages.
+        skip_nonfinite: the check above (one 1-element all-reduce and one host read per
+            backward). Not applied while a kernel has a ``grad_hook`` (fault tolerance): the
+            hook's collectives need every replica group to run its kernels' backward; there the
+            hook reports a non-finite gradient and the step is dropped everywhere instead.
+        timeout: limit of that check's all-reduce.
 
     Raises:
         ValueError: invalid tables; ``PlanError`` for an invalid plan or an unsupported
@@ -95,6 +111,8 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         process_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         module_path: str = "",
+        skip_nonfinite: bool = True,
+        timeout: datetime.timedelta = AGREE_TIMEOUT,
     ) -> None:
         super().__init__()
         validate_tables(tables)
@@ -143,6 +161,11 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._prepare_output_maps()
         # Set to a dict to accumulate forward time per phase (input_dist, lookup, output_dist).
         self.phase_seconds: dict[str, float] | None = None
+        self._skip_nonfinite = skip_nonfinite
+        self._timeout = timeout
+        self._grad_guard = NonFiniteGradGuard(
+            f"{type(self).__name__} (rank {self._rank})", " on this rank or another"
+        )
 
     def _kernel_request(self, group: GroupLayout) -> KernelRequest:
         specs = []
@@ -237,6 +260,28 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         """This rank's kernels: model-parallel ones, then data-parallel replicas."""
         return [*self._mp_kernels, *self._dp_kernels]
 
+    @property
+    def skip_nonfinite(self) -> bool:
+        """Whether a NaN/inf output gradient skips the fused update on every rank."""
+        return self._skip_nonfinite
+
+    @property
+    def skipped_nonfinite_steps(self) -> int:
+        """Backward passes skipped (by every rank) for a NaN/inf output gradient on some rank."""
+        return self._grad_guard.skipped_steps
+
+    def _gated(self) -> bool:
+        return (
+            self._skip_nonfinite
+            and torch.is_grad_enabled()
+            and all(k.grad_hook is None for k in self.kernels())
+        )
+
+    def _admit(self, grad_mp_recv: Tensor | None, grad_dp_own: Tensor | None) -> bool:
+        """Whether every rank's output gradient is finite (a collective; counts a skip)."""
+        local = finite_flag([grad_mp_recv, grad_dp_own], self.device)
+        return self._grad_guard.record(all_ranks_finite(local, self._pg, self._timeout))
+
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool this rank's batch; backward updates every rank's looked-up rows in place.
 
@@ -257,8 +302,18 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         assert prepared is not None
         start = self._record("input_dist", start)
         self._lr_sync.apply(self._state.optimizer.param_groups)
-        mp_send = self._lookup_model_parallel(received)
-        dp_global = self._lookup_data_parallel(received)
+        gated = self._gated()
+        if gated:  # the kernels' backward runs only if OutputExchange's admits the gradients
+            mp_send, dp_global = backward_if_given(
+                lambda: (
+                    self._lookup_model_parallel(received),
+                    self._lookup_data_parallel(received),
+                ),
+                self._dummy,
+            )
+        else:
+            mp_send = self._lookup_model_parallel(received)
+            dp_global = self._lookup_data_parallel(received)
         start = self._record("lookup", start)
         batch = prepared.stride()
         meta = ExchangeMeta(
@@ -271,6 +326,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             dp_stride=received.max_batch,
             dp_dim=self._dp_dim,
             backward_hooks=[self._state.on_backward],
+            admit=self._admit if gated else None,
         )
         mp_recv, dp_own = OutputExchange.apply(mp_send, dp_global, self._dummy, meta)
         pooled = self._assemble(mp_recv, dp_own, meta, prepared)
@@ -291,6 +347,11 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     def _lookup_model_parallel(self, received: ReceivedInput) -> Tensor:
         groups = self._layout.mp_groups
         if not groups:
+            if self._row_stats.enabled and torch.is_grad_enabled():
+                # No shards here, but the row-statistics all-to-all of the kernels' backward
+                # needs every rank: an empty output whose backward joins it (after the output
+                # exchange, as on the other ranks).
+                return self._row_stats.attach([self._dummy.clone()], [])[0]
             return torch.zeros(0, device=self.device)
         inputs = self._kernel_inputs(
             len(self._layout.dest_features[self._rank]),

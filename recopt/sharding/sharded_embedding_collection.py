@@ -7,6 +7,7 @@ own features to its own stride; the engine already pads ranks to the largest bat
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -21,7 +22,7 @@ from recopt.modules.embedding import common_embedding_dim
 from recopt.modules.unpooled import one_id_bags, rows_per_feature, select_features
 from recopt.optim.fused import FusedOptimizerModule
 from recopt.sharding.plan import ParameterSharding
-from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
+from recopt.sharding.sharded_embedding import AGREE_TIMEOUT, ShardedEmbeddingBagCollection
 from recopt.sparse import JaggedTensor, KeyedJaggedTensor
 
 
@@ -49,6 +50,9 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule):
         device: where the shards live.
         module_path: the module's path in the model, for error messages.
         need_indices: put each feature's ids in its output's ``weights`` (as TorchRec).
+        skip_nonfinite: skip every rank's fused update when any rank's output gradient holds
+            NaN/inf (see ShardedEmbeddingBagCollection).
+        timeout: limit of that check's all-reduce.
 
     Raises:
         ValueError: invalid tables; ``PlanError`` for an invalid plan or an unsupported
@@ -65,6 +69,8 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule):
         device: torch.device | str | None = None,
         module_path: str = "",
         need_indices: bool = False,
+        skip_nonfinite: bool = True,
+        timeout: datetime.timedelta = AGREE_TIMEOUT,
     ) -> None:
         super().__init__()
         validate_tables(tables, config_type=EmbeddingConfig)
@@ -78,6 +84,8 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule):
             process_group=process_group,
             device=device,
             module_path=module_path,
+            skip_nonfinite=skip_nonfinite,
+            timeout=timeout,
         )
         self.__dict__["_engine"] = engine  # out of the module tree: state goes through it
         self.device = engine.device
@@ -93,6 +101,16 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule):
     def fused_optimizer(self) -> Any:
         """KeyedOptimizer over ``embeddings.<t>.weight`` with plan-independent state keys."""
         return self._bags.fused_optimizer
+
+    @property
+    def skip_nonfinite(self) -> bool:
+        """Whether a NaN/inf output gradient skips the fused update on every rank."""
+        return self._bags.skip_nonfinite
+
+    @property
+    def skipped_nonfinite_steps(self) -> int:
+        """Backward passes whose fused update was skipped for a NaN/inf gradient."""
+        return self._bags.skipped_nonfinite_steps
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
