@@ -6,6 +6,9 @@ embedding optimizer + a DDP dense layer) every weight and every optimizer state,
 full tensors, equals the unsharded FusedEmbeddingBagCollection trained on the concatenation of
 every rank's batch (embedding gradients sum over ranks; DDP averages dense gradients).
 
+Cases marked ``vbe`` feed each rank a variable batch per feature (deduplicated bags and
+``inverse_indices``); their reference is the same batch expanded to one bag per sample.
+
 The cuda variant runs the same cases with 2 and 3 ranks sharing one GPU in a group whose only
 backend is ``cuda:gloo`` (like NCCL, it refuses CPU tensors): the multi-GPU logic on one GPU.
 """
@@ -64,6 +67,7 @@ class Case:
     weighted: bool = False
     pooling: PoolingType = PoolingType.SUM
     plain_ebc: bool = False
+    vbe: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -145,6 +149,11 @@ def _cases() -> list[Case]:
             "row_wise_adam",
             extra={"weight_decay": 0.01, "maximize": True},
         ),
+        Case("table_wise/vbe", "table_wise", "adagrad", vbe=True),
+        Case("row_wise/vbe-weighted", "row_wise", "row_wise_adam", weighted=True, vbe=True),
+        Case("column_wise/vbe", "column_wise", "row_wise_adagrad", vbe=True),
+        Case("data_parallel/vbe-mean", "data_parallel", "adam", pooling=PoolingType.MEAN, vbe=True),
+        Case("mixed/plain-ebc-vbe", "mixed", "sgd", plain_ebc=True, vbe=True),
     ]
     return cases
 
@@ -164,7 +173,57 @@ def _batch(case: Case, rank: int, step: int, world: int) -> dict[str, Any]:
     return bags
 
 
-def _kjt(bags_per_rank: list[dict[str, list[list[int]]]], weighted: bool) -> KeyedJaggedTensor:
+def _vbe_batch(
+    case: Case, rank: int, step: int, world: int
+) -> tuple[dict[str, list[list[int]]], dict[str, list[int]]]:
+    """A variable batch: each feature's distinct bags (1 to 3, fewer than the batch on some
+    features) and, for every sample of ``rank``'s batch, the index of its bag."""
+    full = _batch(case, rank, step, world)
+    g = torch.Generator().manual_seed(500 * step + 7 * rank + 1)
+    unique: dict[str, list[list[int]]] = {}
+    inverse: dict[str, list[int]] = {}
+    for f, bags in full.items():
+        count = min(int(torch.randint(1, 4, (1,), generator=g)), len(bags))
+        unique[f] = bags[:count]
+        # Every distinct bag is some sample's (as deduplication gives): a bag no sample
+        # refers to would still be looked up, its rows updated with a zero gradient.
+        picks = torch.cat(
+            [torch.arange(count), torch.randint(0, count, (len(bags) - count,), generator=g)]
+        )
+        inverse[f] = picks[torch.randperm(len(bags), generator=g)].tolist()
+    return unique, inverse
+
+
+def _vbe_kjt(
+    unique: dict[str, list[list[int]]], inverse: dict[str, list[int]], weighted: bool
+) -> KeyedJaggedTensor:
+    keys, v, lengths, w = _flat([unique], weighted)
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=v,
+        lengths=lengths,
+        weights=w,
+        stride_per_key_per_rank=[[len(unique[f])] for f in keys],
+        inverse_indices=(keys, torch.tensor([inverse[f] for f in keys])),
+    )
+
+
+def _inputs(
+    case: Case, rank: int, step: int, world: int
+) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
+    """This rank's input, and the reference's: every rank's batch, expanded to one bag each."""
+    if not case.vbe:
+        bags = [_batch(case, r, step, world) for r in range(world)]
+        return _kjt([bags[rank]], case.weighted), _kjt(bags, case.weighted)
+    parts = [_vbe_batch(case, r, step, world) for r in range(world)]
+    expanded = [{f: [u[f][i] for i in inv[f]] for f in u} for u, inv in parts]
+    return _vbe_kjt(*parts[rank], case.weighted), _kjt(expanded, case.weighted)
+
+
+def _flat(
+    bags_per_rank: list[dict[str, list[list[int]]]], weighted: bool
+) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Keys, ids, lengths and weights (a function of id and bag length) of every bag."""
     keys = ["f0", "f1", "f2", "f3"]
     lengths, values = [], []
     for f in keys:
@@ -176,7 +235,12 @@ def _kjt(bags_per_rank: list[dict[str, list[list[int]]]], weighted: bool) -> Key
     w = None
     if weighted:
         w = ((v * 7 + torch.tensor(lengths).repeat_interleave(torch.tensor(lengths))) % 5 + 1) / 4
-    return KeyedJaggedTensor(keys=keys, values=v, lengths=torch.tensor(lengths), weights=w)
+    return keys, v, torch.tensor(lengths), w
+
+
+def _kjt(bags_per_rank: list[dict[str, list[list[int]]]], weighted: bool) -> KeyedJaggedTensor:
+    keys, v, lengths, w = _flat(bags_per_rank, weighted)
+    return KeyedJaggedTensor(keys=keys, values=v, lengths=lengths, weights=w)
 
 
 class _Model(nn.Module):
@@ -233,9 +297,9 @@ def _run_case(case: Case, rank: int, world: int, device: torch.device = CPU) -> 
     dense_opt = torch.optim.SGD([p for _, p in dmp.named_parameters()], lr=0.01)
     ref_dense = torch.optim.SGD(ref.dense.parameters(), lr=0.01)
     for step in range(STEPS):
-        bags = [_batch(case, r, step, world) for r in range(world)]
-        pooled, loss = dmp(_kjt([bags[rank]], case.weighted).to(device))
-        ref_pooled, ref_loss = ref(_kjt(bags, case.weighted).to(device))
+        mine, everyone = _inputs(case, rank, step, world)
+        pooled, loss = dmp(mine.to(device))
+        ref_pooled, ref_loss = ref(everyone.to(device))
         torch.testing.assert_close(
             pooled,
             ref_pooled[_global_rows(rank, world)],
@@ -338,6 +402,20 @@ def _errors_case(rank: int, world: int) -> None:
         torch.testing.assert_close(value, before[key], atol=0, rtol=0)
     _, loss = dmp(_kjt([_batch(case, rank, 0, world)], False))
     loss.backward()
+    # A variable batch without inverse_indices on one rank: every rank raises, nothing changes.
+    keys, ids, lengths, _ = _flat([{"f0": [[1], [2]], "f1": [[3]], "f2": [[]], "f3": [[0]]}], False)
+    vbe = KeyedJaggedTensor(
+        keys, ids, lengths=lengths, stride_per_key_per_rank=[[2], [1], [1], [1]]
+    )
+    before = {k: v.detach().clone() for k, v in _full_state(dmp).items()}
+    if rank == 0:
+        with pytest.raises(ValueError, match="no inverse_indices"):
+            dmp(vbe)
+    else:
+        with pytest.raises(RemoteInputError, match="rank\\(s\\) \\[0\\]"):
+            dmp(_kjt([_batch(case, rank, 1, world)], False))
+    for key, value in _full_state(dmp).items():
+        torch.testing.assert_close(value, before[key], atol=0, rtol=0)
 
 
 def _state_case(rank: int, world: int) -> None:

@@ -26,6 +26,7 @@ from recopt.modules.fused_groups import (
 )
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.nonfinite import NonFiniteGradGuard, guarded_lookup
+from recopt.modules.variable_batch import expand_rows, regular_batch
 from recopt.optim.fused import FusedOptimizer, FusedOptimizerModule
 from recopt.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -211,6 +212,9 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool each feature's bags; backward updates the looked-up rows in place.
 
+        A variable batch per feature is expanded through ``inverse_indices`` as in
+        `EmbeddingBagCollection.forward`.
+
         Raises:
             ValueError: missing features or weights mismatch; ``InvalidIdError`` for bad ids.
         """
@@ -218,6 +222,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             # Shapes only (build-on-meta, then shard): ids cannot be read, nor need to be.
             pooled_meta = torch.empty(features.stride(), sum(self._layout.dims), device="meta")
             return KeyedTensor(self._layout.feature_names, self._layout.dims, pooled_meta)
+        features, index_F_B = regular_batch(features, self._layout.feature_names)
         features = self._layout.prepare(features, self.is_weighted)
         self._lr_sync.apply(self._optimizer.param_groups)
         if self._skip_nonfinite and all(g.kernel.grad_hook is None for g in self._groups):
@@ -229,6 +234,8 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             )
         else:
             pooled = self._lookup_all(features, features.weights_or_none())
+        if index_F_B is not None:
+            pooled = expand_rows(pooled, self._layout.dims, index_F_B)
         return KeyedTensor(
             keys=self._layout.feature_names, length_per_key=self._layout.dims, values=pooled
         )
