@@ -5,6 +5,7 @@ from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.embedding_bag import EmbeddingBagCollection
 from recopt.modules.fused import EmbeddingFusedOptimizer, FusedEmbeddingBagCollection
 from recopt.modules.inputs import InvalidIdError, NonFiniteWeightError
+from recopt.modules.torch_optimizers import fuse_embedding_optimizer, fused_config
 
 __all__ = [
     "EmbeddingBagCollection",
@@ -15,5 +16,7 @@ __all__ = [
     "InvalidIdError",
     "NonFiniteWeightError",
     "PoolingType",
+    "fuse_embedding_optimizer",
+    "fused_config",
     "validate_tables",
 ]

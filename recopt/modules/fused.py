@@ -26,6 +26,7 @@ from recopt.modules.fused_groups import (
 )
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.nonfinite import NonFiniteGradGuard, guarded_lookup
+from recopt.modules.torch_optimizers import fused_config
 from recopt.modules.variable_batch import expand_rows, regular_batch
 from recopt.optim.fused import FusedOptimizer, FusedOptimizerModule
 from recopt.sparse import KeyedJaggedTensor, KeyedTensor
@@ -73,14 +74,21 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         optimizer: the fused optimizer of every table (default row-wise Adagrad, lr 0.01).
         table_optimizers: per-table overrides, table name -> optimizer.
         is_weighted: the input carries one weight per id.
+        optimizer_type, optimizer_kwargs: TorchRec's way to name ``optimizer``: a torch
+            optimizer class with a fused equivalent (``torch.optim.SGD``, ``Adagrad``,
+            ``SparseAdam``, `recopt.optim.RowWiseAdagrad`) and its keyword arguments.
         device: where weights and optimizer state live.
         skip_nonfinite: check the output gradient before the fused update (one host read per
             backward) and skip the update when it is not finite. Not applied while a kernel has
             a ``grad_hook`` (fault tolerance): its collectives need every replica to update.
 
+    A feature may look up several tables; its outputs are then keyed ``feature@table``.
+
     Raises:
-        ValueError: invalid tables, an override naming an unknown table, or a kernel that cannot
-            take a table (e.g. fbgemm with a dim not a multiple of 4: the message gives the fix).
+        ValueError: invalid tables, an override naming an unknown table, a kernel that cannot
+            take a table (e.g. fbgemm with a dim not a multiple of 4: the message gives the fix),
+            both ``optimizer`` and ``optimizer_type``, or an ``optimizer_type`` / keyword with
+            no fused equivalent.
     """
 
     def __init__(
@@ -91,9 +99,19 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         is_weighted: bool = False,
         device: torch.device | str | None = None,
         skip_nonfinite: bool = True,
+        *,
+        optimizer_type: type | None = None,
+        optimizer_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        validate_tables(tables)
+        validate_tables(tables, allow_shared_features=True)
+        if optimizer_type is not None:
+            if optimizer is not None:
+                raise ValueError(
+                    "pass the fused optimizer once: optimizer= (a FusedOptimizerConfig) or "
+                    f"optimizer_type= ({optimizer_type.__name__}), not both"
+                )
+            optimizer = fused_config(optimizer_type, optimizer_kwargs)
         self.tables = list(tables)
         self.is_weighted = is_weighted
         self.device = torch.device(device if device is not None else "cpu")
@@ -197,7 +215,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         return self._optimizer
 
     def feature_names(self) -> list[str]:
-        """The output keys: features in table order."""
+        """The features looked up, in table order (repeated when shared by tables)."""
         return list(self._layout.feature_names)
 
     @property
@@ -221,7 +239,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         if self.device.type == "meta":
             # Shapes only (build-on-meta, then shard): ids cannot be read, nor need to be.
             pooled_meta = torch.empty(features.stride(), sum(self._layout.dims), device="meta")
-            return KeyedTensor(self._layout.feature_names, self._layout.dims, pooled_meta)
+            return KeyedTensor(self._layout.output_keys, self._layout.dims, pooled_meta)
         features, index_F_B = regular_batch(features, self._layout.feature_names)
         features = self._layout.prepare(features, self.is_weighted)
         self._lr_sync.apply(self._optimizer.param_groups)
@@ -237,7 +255,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         if index_F_B is not None:
             pooled = expand_rows(pooled, self._layout.dims, index_F_B)
         return KeyedTensor(
-            keys=self._layout.feature_names, length_per_key=self._layout.dims, values=pooled
+            keys=self._layout.output_keys, length_per_key=self._layout.dims, values=pooled
         )
 
     def _lookup_all(
