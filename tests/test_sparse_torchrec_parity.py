@@ -15,7 +15,7 @@ from recopt.modules import (
     FusedEmbeddingBagCollection,
     FusedOptimizerConfig,
 )
-from recopt.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from recopt.sparse import IndexDtypeError, JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 
 def bags(jt: JaggedTensor) -> list[list[float]]:
@@ -253,3 +253,14 @@ def test_regroup_as_dict() -> None:
     assert named["x"].tolist() == [[4.0, 1.0]] and named["y"].tolist() == [[2.0, 3.0]]
     with pytest.raises(ValueError, match=r"regroup_as_dict: 1 names for 2 groups"):
         KeyedTensor.regroup_as_dict([left, right], [["c"], ["b"]], ["x"])
+
+
+def test_float_lengths_raise_an_error_torchrec_code_catches() -> None:
+    """recopt's ValueError, and TorchRec's AssertionError too; nothing is built."""
+    values = torch.rand(7, 3)
+    for kwargs in ({"lengths": torch.tensor([3.0, 4.0])}, {"offsets": torch.tensor([0.0, 7.0])}):
+        with pytest.raises(IndexDtypeError, match="must have an integer dtype") as info:
+            JaggedTensor(values=values, **kwargs)
+        assert isinstance(info.value, ValueError) and isinstance(info.value, AssertionError)
+    with pytest.raises(AssertionError, match=r"lengths must have an integer dtype"):
+        KeyedJaggedTensor(["f"], torch.tensor([1, 2]), lengths=torch.tensor([2.0]))
