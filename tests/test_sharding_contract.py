@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from contract_inputs import BATCHES, batch_bags, flat, inputs, kjt
 from torch import nn
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType
@@ -56,7 +57,6 @@ TYPES = [
 ]
 STEPS = 3
 CPU = torch.device("cpu")
-BATCHES = [3, 2, 4]  # per rank: different batch sizes
 
 
 @dataclass
@@ -158,91 +158,6 @@ def _cases() -> list[Case]:
     return cases
 
 
-def _batch(case: Case, rank: int, step: int, world: int) -> dict[str, Any]:
-    """Bags per feature of ``rank``'s batch at ``step``; f2 is empty on rank 0 at step 1."""
-    g = torch.Generator().manual_seed(1000 * step + 17 * rank + 3)
-    rows = {"f0": 11, "f1": 13, "f2": 13, "f3": 7}
-    batch = BATCHES[rank]
-    bags: dict[str, list[list[int]]] = {}
-    for f, n in rows.items():
-        empty = f == "f2" and rank == 0 and step == 1
-        lengths = [
-            0 if empty else int(torch.randint(0, 4, (1,), generator=g)) for _ in range(batch)
-        ]
-        bags[f] = [torch.randint(0, n, (k,), generator=g).tolist() for k in lengths]
-    return bags
-
-
-def _vbe_batch(
-    case: Case, rank: int, step: int, world: int
-) -> tuple[dict[str, list[list[int]]], dict[str, list[int]]]:
-    """A variable batch: each feature's distinct bags (1 to 3, fewer than the batch on some
-    features) and, for every sample of ``rank``'s batch, the index of its bag."""
-    full = _batch(case, rank, step, world)
-    g = torch.Generator().manual_seed(500 * step + 7 * rank + 1)
-    unique: dict[str, list[list[int]]] = {}
-    inverse: dict[str, list[int]] = {}
-    for f, bags in full.items():
-        count = min(int(torch.randint(1, 4, (1,), generator=g)), len(bags))
-        unique[f] = bags[:count]
-        # Every distinct bag is some sample's (as deduplication gives): a bag no sample
-        # refers to would still be looked up, its rows updated with a zero gradient.
-        picks = torch.cat(
-            [torch.arange(count), torch.randint(0, count, (len(bags) - count,), generator=g)]
-        )
-        inverse[f] = picks[torch.randperm(len(bags), generator=g)].tolist()
-    return unique, inverse
-
-
-def _vbe_kjt(
-    unique: dict[str, list[list[int]]], inverse: dict[str, list[int]], weighted: bool
-) -> KeyedJaggedTensor:
-    keys, v, lengths, w = _flat([unique], weighted)
-    return KeyedJaggedTensor(
-        keys=keys,
-        values=v,
-        lengths=lengths,
-        weights=w,
-        stride_per_key_per_rank=[[len(unique[f])] for f in keys],
-        inverse_indices=(keys, torch.tensor([inverse[f] for f in keys])),
-    )
-
-
-def _inputs(
-    case: Case, rank: int, step: int, world: int
-) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
-    """This rank's input, and the reference's: every rank's batch, expanded to one bag each."""
-    if not case.vbe:
-        bags = [_batch(case, r, step, world) for r in range(world)]
-        return _kjt([bags[rank]], case.weighted), _kjt(bags, case.weighted)
-    parts = [_vbe_batch(case, r, step, world) for r in range(world)]
-    expanded = [{f: [u[f][i] for i in inv[f]] for f in u} for u, inv in parts]
-    return _vbe_kjt(*parts[rank], case.weighted), _kjt(expanded, case.weighted)
-
-
-def _flat(
-    bags_per_rank: list[dict[str, list[list[int]]]], weighted: bool
-) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Keys, ids, lengths and weights (a function of id and bag length) of every bag."""
-    keys = ["f0", "f1", "f2", "f3"]
-    lengths, values = [], []
-    for f in keys:
-        for bags in bags_per_rank:
-            for bag in bags[f]:
-                lengths.append(len(bag))
-                values.extend(bag)
-    v = torch.tensor(values, dtype=torch.int64)
-    w = None
-    if weighted:
-        w = ((v * 7 + torch.tensor(lengths).repeat_interleave(torch.tensor(lengths))) % 5 + 1) / 4
-    return keys, v, torch.tensor(lengths), w
-
-
-def _kjt(bags_per_rank: list[dict[str, list[list[int]]]], weighted: bool) -> KeyedJaggedTensor:
-    keys, v, lengths, w = _flat(bags_per_rank, weighted)
-    return KeyedJaggedTensor(keys=keys, values=v, lengths=lengths, weights=w)
-
-
 class _Model(nn.Module):
     def __init__(self, sparse: nn.Module, dim: int) -> None:
         super().__init__()
@@ -297,7 +212,7 @@ def _run_case(case: Case, rank: int, world: int, device: torch.device = CPU) -> 
     dense_opt = torch.optim.SGD([p for _, p in dmp.named_parameters()], lr=0.01)
     ref_dense = torch.optim.SGD(ref.dense.parameters(), lr=0.01)
     for step in range(STEPS):
-        mine, everyone = _inputs(case, rank, step, world)
+        mine, everyone = inputs(case.vbe, case.weighted, rank, step, world)
         pooled, loss = dmp(mine.to(device))
         ref_pooled, ref_loss = ref(everyone.to(device))
         torch.testing.assert_close(
@@ -388,22 +303,22 @@ def _errors_case(rank: int, world: int) -> None:
     )
     dmp = DistributedModelParallel(_build(case), plan)
     before = {k: v.detach().clone() for k, v in _full_state(dmp).items()}
-    bags = _batch(case, rank, 0, world)
+    bags = batch_bags(rank, 0)
     if rank == world - 1:
         bags["f1"][0] = [13]  # out of range for t1 (13 rows)
     if rank == world - 1:
         with pytest.raises(InvalidIdError, match="'t1'.*13"):
-            dmp(_kjt([bags], False))
+            dmp(kjt([bags], False))
     else:
         with pytest.raises(RemoteInputError, match=f"rank\\(s\\) \\[{world - 1}\\]"):
-            dmp(_kjt([bags], False))
+            dmp(kjt([bags], False))
     # Nothing was updated, and the next good step works on every rank.
     for key, value in _full_state(dmp).items():
         torch.testing.assert_close(value, before[key], atol=0, rtol=0)
-    _, loss = dmp(_kjt([_batch(case, rank, 0, world)], False))
+    _, loss = dmp(kjt([batch_bags(rank, 0)], False))
     loss.backward()
     # A variable batch without inverse_indices on one rank: every rank raises, nothing changes.
-    keys, ids, lengths, _ = _flat([{"f0": [[1], [2]], "f1": [[3]], "f2": [[]], "f3": [[0]]}], False)
+    keys, ids, lengths, _ = flat([{"f0": [[1], [2]], "f1": [[3]], "f2": [[]], "f3": [[0]]}], False)
     vbe = KeyedJaggedTensor(
         keys, ids, lengths=lengths, stride_per_key_per_rank=[[2], [1], [1], [1]]
     )
@@ -413,7 +328,7 @@ def _errors_case(rank: int, world: int) -> None:
             dmp(vbe)
     else:
         with pytest.raises(RemoteInputError, match="rank\\(s\\) \\[0\\]"):
-            dmp(_kjt([_batch(case, rank, 1, world)], False))
+            dmp(kjt([batch_bags(rank, 1)], False))
     for key, value in _full_state(dmp).items():
         torch.testing.assert_close(value, before[key], atol=0, rtol=0)
 
@@ -442,7 +357,7 @@ def _state_case(rank: int, world: int) -> None:
 
     a, b = make(0), make(1)
     for step, dmp in ((0, a), (1, b)):
-        _, loss = dmp(_kjt([_batch(case, rank, step, world)], False))
+        _, loss = dmp(kjt([batch_bags(rank, step)], False))
         loss.backward()
     # Full tensors: this rank's rectangles are copied.
     doubled = {k: full_tensor(v) * 2 for k, v in a.state_dict().items()}
@@ -457,7 +372,7 @@ def _state_case(rank: int, world: int) -> None:
     a.fused_optimizer.load_state_dict(b.fused_optimizer.state_dict())
     for step in (2, 3):
         for dmp in (a, b):
-            _, loss = dmp(_kjt([_batch(case, rank, step, world)], False))
+            _, loss = dmp(kjt([batch_bags(rank, step)], False))
             loss.backward()
     for k, v in _full_state(b).items():
         if k.startswith("sparse."):
@@ -485,7 +400,7 @@ def _wrapper_case(rank: int, world: int, device: torch.device = CPU) -> None:
         dict(dmp.named_parameters()), lambda ps: torch.optim.Adagrad(ps, lr=0.1)
     )
     combined = CombinedOptimizer([dmp.fused_optimizer, dense])
-    _, loss = dmp(_kjt([_batch(case, rank, 0, world)], False).to(device))
+    _, loss = dmp(kjt([batch_bags(rank, 0)], False).to(device))
     combined.zero_grad()
     loss.backward()
     combined.step()
