@@ -8,6 +8,9 @@ every rank's batch (embedding gradients sum over ranks; DDP averages dense gradi
 Embedding collections (unpooled) run the same cases: each rank's rows of each feature equal
 the unsharded module's rows of that rank's ids.
 
+Cases marked ``vbe`` feed each rank a variable batch per feature (deduplicated bags and
+``inverse_indices``); their reference is the same batch expanded to one bag per sample.
+
 The cuda variant runs the same cases with 2 and 3 ranks sharing one GPU in a group whose only
 backend is ``cuda:gloo`` (like NCCL, it refuses CPU tensors): the multi-GPU logic on one GPU.
 """
@@ -20,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from contract_inputs import BATCHES, batch_bags, flat, inputs, kjt
 from torch import nn
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType
@@ -58,7 +62,6 @@ TYPES = [
 ]
 STEPS = 3
 CPU = torch.device("cpu")
-BATCHES = [3, 2, 4]  # per rank: different batch sizes
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Case:
     weighted: bool = False
     pooling: PoolingType = PoolingType.SUM
     plain_ebc: bool = False  # the plain (not fused) module, EBC or EC
+    vbe: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     unpooled: bool = False  # an EmbeddingCollection (tables as EmbeddingConfig)
 
@@ -151,6 +155,11 @@ def _cases() -> list[Case]:
             "row_wise_adam",
             extra={"weight_decay": 0.01, "maximize": True},
         ),
+        Case("table_wise/vbe", "table_wise", "adagrad", vbe=True),
+        Case("row_wise/vbe-weighted", "row_wise", "row_wise_adam", weighted=True, vbe=True),
+        Case("column_wise/vbe", "column_wise", "row_wise_adagrad", vbe=True),
+        Case("data_parallel/vbe-mean", "data_parallel", "adam", pooling=PoolingType.MEAN, vbe=True),
+        Case("mixed/plain-ebc-vbe", "mixed", "sgd", plain_ebc=True, vbe=True),
     ]
     ec_optimizers = ["adagrad", "row_wise_adam", "row_wise_adagrad", "sgd", "adam", "adam", "sgd"]
     unpooled = [*zip(TYPES, ec_optimizers, strict=True)]
@@ -160,36 +169,6 @@ def _cases() -> list[Case]:
         Case("ec/mixed/plain-ec", "mixed", "adam", plain_ebc=True, unpooled=True),
     ]
     return cases
-
-
-def _batch(case: Case, rank: int, step: int, world: int) -> dict[str, Any]:
-    """Bags per feature of ``rank``'s batch at ``step``; f2 is empty on rank 0 at step 1."""
-    g = torch.Generator().manual_seed(1000 * step + 17 * rank + 3)
-    rows = {"f0": 11, "f1": 13, "f2": 13, "f3": 7}
-    batch = BATCHES[rank]
-    bags: dict[str, list[list[int]]] = {}
-    for f, n in rows.items():
-        empty = f == "f2" and rank == 0 and step == 1
-        lengths = [
-            0 if empty else int(torch.randint(0, 4, (1,), generator=g)) for _ in range(batch)
-        ]
-        bags[f] = [torch.randint(0, n, (k,), generator=g).tolist() for k in lengths]
-    return bags
-
-
-def _kjt(bags_per_rank: list[dict[str, list[list[int]]]], weighted: bool) -> KeyedJaggedTensor:
-    keys = ["f0", "f1", "f2", "f3"]
-    lengths, values = [], []
-    for f in keys:
-        for bags in bags_per_rank:
-            for bag in bags[f]:
-                lengths.append(len(bag))
-                values.extend(bag)
-    v = torch.tensor(values, dtype=torch.int64)
-    w = None
-    if weighted:
-        w = ((v * 7 + torch.tensor(lengths).repeat_interleave(torch.tensor(lengths))) % 5 + 1) / 4
-    return KeyedJaggedTensor(keys=keys, values=v, lengths=torch.tensor(lengths), weights=w)
 
 
 def _unpooled_tables(case: Case) -> list[EmbeddingConfig]:
@@ -281,10 +260,11 @@ def _run_case(case: Case, rank: int, world: int, device: torch.device = CPU) -> 
     dense_opt = torch.optim.SGD([p for _, p in dmp.named_parameters()], lr=0.01)
     ref_dense = torch.optim.SGD(ref.dense.parameters(), lr=0.01)
     for step in range(STEPS):
-        bags = [_batch(case, r, step, world) for r in range(world)]
-        pooled, loss = dmp(_kjt([bags[rank]], case.weighted).to(device))
-        ref_pooled, ref_loss = ref(_kjt(bags, case.weighted).to(device))
+        mine, everyone = inputs(case.vbe, case.weighted, rank, step, world)
+        pooled, loss = dmp(mine.to(device))
+        ref_pooled, ref_loss = ref(everyone.to(device))
         if case.unpooled:
+            bags = [batch_bags(r, step) for r in range(world)]
             pooled, ref_pooled = _rank_rows(pooled, ref_pooled, bags, rank)
         torch.testing.assert_close(
             pooled,
@@ -392,20 +372,34 @@ def _errors_case(rank: int, world: int) -> None:
     )
     dmp = DistributedModelParallel(_build(case), plan)
     before = {k: v.detach().clone() for k, v in _full_state(dmp).items()}
-    bags = _batch(case, rank, 0, world)
+    bags = batch_bags(rank, 0)
     if rank == world - 1:
         bags["f1"][0] = [13]  # out of range for t1 (13 rows)
     if rank == world - 1:
         with pytest.raises(InvalidIdError, match="'t1'.*13"):
-            dmp(_kjt([bags], False))
+            dmp(kjt([bags], False))
     else:
         with pytest.raises(RemoteInputError, match=f"rank\\(s\\) \\[{world - 1}\\]"):
-            dmp(_kjt([bags], False))
+            dmp(kjt([bags], False))
     # Nothing was updated, and the next good step works on every rank.
     for key, value in _full_state(dmp).items():
         torch.testing.assert_close(value, before[key], atol=0, rtol=0)
-    _, loss = dmp(_kjt([_batch(case, rank, 0, world)], False))
+    _, loss = dmp(kjt([batch_bags(rank, 0)], False))
     loss.backward()
+    # A variable batch without inverse_indices on one rank: every rank raises, nothing changes.
+    keys, ids, lengths, _ = flat([{"f0": [[1], [2]], "f1": [[3]], "f2": [[]], "f3": [[0]]}], False)
+    vbe = KeyedJaggedTensor(
+        keys, ids, lengths=lengths, stride_per_key_per_rank=[[2], [1], [1], [1]]
+    )
+    before = {k: v.detach().clone() for k, v in _full_state(dmp).items()}
+    if rank == 0:
+        with pytest.raises(ValueError, match="no inverse_indices"):
+            dmp(vbe)
+    else:
+        with pytest.raises(RemoteInputError, match="rank\\(s\\) \\[0\\]"):
+            dmp(kjt([batch_bags(rank, 1)], False))
+    for key, value in _full_state(dmp).items():
+        torch.testing.assert_close(value, before[key], atol=0, rtol=0)
 
 
 def _state_case(rank: int, world: int) -> None:
@@ -432,7 +426,7 @@ def _state_case(rank: int, world: int) -> None:
 
     a, b = make(0), make(1)
     for step, dmp in ((0, a), (1, b)):
-        _, loss = dmp(_kjt([_batch(case, rank, step, world)], False))
+        _, loss = dmp(kjt([batch_bags(rank, step)], False))
         loss.backward()
     # Full tensors: this rank's rectangles are copied.
     doubled = {k: full_tensor(v) * 2 for k, v in a.state_dict().items()}
@@ -447,7 +441,7 @@ def _state_case(rank: int, world: int) -> None:
     a.fused_optimizer.load_state_dict(b.fused_optimizer.state_dict())
     for step in (2, 3):
         for dmp in (a, b):
-            _, loss = dmp(_kjt([_batch(case, rank, step, world)], False))
+            _, loss = dmp(kjt([batch_bags(rank, step)], False))
             loss.backward()
     for k, v in _full_state(b).items():
         if k.startswith("sparse."):
@@ -475,7 +469,7 @@ def _wrapper_case(rank: int, world: int, device: torch.device = CPU) -> None:
         dict(dmp.named_parameters()), lambda ps: torch.optim.Adagrad(ps, lr=0.1)
     )
     combined = CombinedOptimizer([dmp.fused_optimizer, dense])
-    _, loss = dmp(_kjt([_batch(case, rank, 0, world)], False).to(device))
+    _, loss = dmp(kjt([batch_bags(rank, 0)], False).to(device))
     combined.zero_grad()
     loss.backward()
     combined.step()

@@ -13,6 +13,7 @@ from recopt.modules.embedding_bag import EmbeddingBagCollection
 from recopt.modules.fused import EmbeddingFusedOptimizer, FusedEmbeddingBagCollection
 from recopt.modules.fused_embedding import FusedEmbeddingCollection
 from recopt.modules.inputs import InvalidIdError, NonFiniteWeightError
+from recopt.modules.torch_optimizers import fuse_embedding_optimizer, fused_config
 
 __all__ = [
     "BaseEmbeddingConfig",
@@ -27,5 +28,7 @@ __all__ = [
     "InvalidIdError",
     "NonFiniteWeightError",
     "PoolingType",
+    "fuse_embedding_optimizer",
+    "fused_config",
     "validate_tables",
 ]

@@ -129,9 +129,9 @@ def validate_tables(
 ) -> None:
     """Check a collection of tables: at least one, unique names, each feature in one table.
 
-    ``allow_shared_features`` lets a feature look up several tables (the plain
-    `EmbeddingBagCollection` allows it, naming outputs ``feature@table``); the fused and
-    sharded collections do not support that yet.
+    ``allow_shared_features`` lets a feature look up several tables (the plain and fused
+    collections allow it, naming outputs ``feature@table``); the sharded collection does not
+    support that yet.
 
     Args:
         tables: the collection's tables.
@@ -164,7 +164,7 @@ def validate_tables(
             if feature in owner and not allow_shared_features:
                 raise ValueError(
                     f"feature {feature!r} is in two tables, {owner[feature]!r} and {table.name!r}; "
-                    "a feature looks up exactly one table in the fused and sharded collections "
-                    "(EmbeddingBagCollection allows sharing)"
+                    "a feature looks up exactly one table in the sharded collection "
+                    "(EmbeddingBagCollection and FusedEmbeddingBagCollection allow sharing)"
                 )
             owner[feature] = table.name

@@ -27,6 +27,8 @@ from recopt.modules.fused_groups import (
 )
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.nonfinite import NonFiniteGradGuard, guarded_lookup
+from recopt.modules.torch_optimizers import fused_config
+from recopt.modules.variable_batch import expand_rows, regular_batch
 from recopt.optim.fused import FusedOptimizer, FusedOptimizerModule
 from recopt.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -93,6 +95,9 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         optimizer: the fused optimizer of every table (default row-wise Adagrad, lr 0.01).
         table_optimizers: per-table overrides, table name -> optimizer.
         is_weighted: the input carries one weight per id.
+        optimizer_type, optimizer_kwargs: TorchRec's way to name ``optimizer``: a torch
+            optimizer class with a fused equivalent (``torch.optim.SGD``, ``Adagrad``,
+            ``SparseAdam``, `recopt.optim.RowWiseAdagrad`) and its keyword arguments.
         device: where weights and optimizer state live.
         skip_nonfinite: check the output gradient before the fused update (one host read per
             backward) and skip the update when it is not finite. Not applied while a kernel has
@@ -100,10 +105,13 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         table_placements: table name -> where its rows live (kernels/placement.py); tables not
             named are in device memory. UVM placements need CUDA and run on fbgemm.
 
+    A feature may look up several tables; its outputs are then keyed ``feature@table``.
+
     Raises:
-        ValueError: invalid tables, an override naming an unknown table, or a kernel that cannot
+        ValueError: invalid tables, an override naming an unknown table, a kernel that cannot
             take a table (e.g. fbgemm with a dim not a multiple of 4, or a UVM placement off
-            CUDA: the message gives the fix).
+            CUDA: the message gives the fix), both ``optimizer`` and ``optimizer_type``, or an
+            ``optimizer_type`` / keyword with no fused equivalent.
     """
 
     # The fused optimizer's param names are ``<prefix>.<table>.weight`` (an embedding
@@ -119,9 +127,19 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         device: torch.device | str | None = None,
         skip_nonfinite: bool = True,
         table_placements: Mapping[str, Placement] | None = None,
+        *,
+        optimizer_type: type | None = None,
+        optimizer_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        validate_tables(tables)
+        validate_tables(tables, allow_shared_features=True)
+        if optimizer_type is not None:
+            if optimizer is not None:
+                raise ValueError(
+                    "pass the fused optimizer once: optimizer= (a FusedOptimizerConfig) or "
+                    f"optimizer_type= ({optimizer_type.__name__}), not both"
+                )
+            optimizer = fused_config(optimizer_type, optimizer_kwargs)
         self.tables = list(tables)
         self._placements = _resolve_placements(self.tables, table_placements)
         self.is_weighted = is_weighted
@@ -229,7 +247,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         return self._optimizer
 
     def feature_names(self) -> list[str]:
-        """The output keys: features in table order."""
+        """The features looked up, in table order (repeated when shared by tables)."""
         return list(self._layout.feature_names)
 
     @property
@@ -249,13 +267,17 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool each feature's bags; backward updates the looked-up rows in place.
 
+        A variable batch per feature is expanded through ``inverse_indices`` as in
+        `EmbeddingBagCollection.forward`.
+
         Raises:
             ValueError: missing features or weights mismatch; ``InvalidIdError`` for bad ids.
         """
         if self.device.type == "meta":
             # Shapes only (build-on-meta, then shard): ids cannot be read, nor need to be.
             pooled_meta = torch.empty(features.stride(), sum(self._layout.dims), device="meta")
-            return KeyedTensor(self._layout.feature_names, self._layout.dims, pooled_meta)
+            return KeyedTensor(self._layout.output_keys, self._layout.dims, pooled_meta)
+        features, index_F_B = regular_batch(features, self._layout.feature_names)
         features = self._layout.prepare(features, self.is_weighted)
         self._lr_sync.apply(self._optimizer.param_groups)
         if self._skip_nonfinite and all(g.kernel.grad_hook is None for g in self._groups):
@@ -267,8 +289,10 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             )
         else:
             pooled = self._lookup_all(features, features.weights_or_none())
+        if index_F_B is not None:
+            pooled = expand_rows(pooled, self._layout.dims, index_F_B)
         return KeyedTensor(
-            keys=self._layout.feature_names, length_per_key=self._layout.dims, values=pooled
+            keys=self._layout.output_keys, length_per_key=self._layout.dims, values=pooled
         )
 
     def _lookup_all(

@@ -56,7 +56,7 @@ class FeatureLayout:
 
         Raises:
             ValueError: a feature is missing, weights are missing / unexpected, or the
-                input has a variable batch per feature.
+                input has a variable batch per feature (``regular_batch`` removes it).
             InvalidIdError: an id is outside its table.
             NonFiniteWeightError: a per-id weight is NaN or infinite (after the conversion
                 to ``weight_dtype``).
@@ -65,7 +65,7 @@ class FeatureLayout:
             raise ValueError(
                 "the input has a variable batch per feature (stride_per_key_per_rank "
                 f"{features.stride_per_key_per_rank()}); the embedding-bag modules need one "
-                "batch size for all features: pad the smaller features with empty bags"
+                "batch size here: pass it through variable_batch.regular_batch first"
             )
         keys = features.keys()
         if keys != self.feature_names:

@@ -31,6 +31,7 @@ from recopt.kernels.factory import create_kernel
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
 from recopt.modules.nonfinite import NonFiniteGradGuard, backward_if_given, finite_flag
+from recopt.modules.variable_batch import expand_rows, regular_batch
 from recopt.optim.fused import FusedOptimizerModule
 from recopt.sharding.input_dist import (
     Bucketizer,
@@ -285,6 +286,10 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool this rank's batch; backward updates every rank's looked-up rows in place.
 
+        A variable batch per feature is padded to this rank's largest feature's batch with
+        empty bags, distributed and looked up as a regular one, then expanded through the
+        input's ``inverse_indices`` as in `EmbeddingBagCollection.forward`.
+
         Raises:
             InvalidIdError / ValueError: this rank's input is bad; `RemoteInputError`: another
                 rank's is. Every rank raises, before anything is looked up or updated.
@@ -292,7 +297,9 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         start = time.perf_counter()
         prepared: KeyedJaggedTensor | None = None
         error: ValueError | None = None
+        index_F_B: Tensor | None = None
         try:
+            features, index_F_B = regular_batch(features, self._layout.features.feature_names)
             prepared = self._layout.features.prepare(features, self.is_weighted)
         except ValueError as e:
             error = e
@@ -330,6 +337,8 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         )
         mp_recv, dp_own = OutputExchange.apply(mp_send, dp_global, self._dummy, meta)
         pooled = self._assemble(mp_recv, dp_own, meta, prepared)
+        if index_F_B is not None:
+            pooled = expand_rows(pooled, self._layout.features.dims, index_F_B)
         self._record("output_dist", start)
         return KeyedTensor(
             keys=self._layout.features.feature_names,
