@@ -148,7 +148,6 @@ CATEGORIES: list[tuple[str, str]] = [
     # the ComputeKJTToJTDict / ComputeJTDictToKJT modules, the jt/kjt_is_equal test helpers.
     (r"RegroupOp|test_regroup_kts|test_regroup_backward", "internal"),
     (r"ComputeKJTToJTDict|test_compute_jt_dict_to_kjt|::test_equality$", "internal"),
-    (r"::(Fused)?EmbeddingCollectionTest::", "embedding_collection"),
 ]
 
 

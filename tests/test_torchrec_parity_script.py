@@ -50,7 +50,7 @@ def test_categories() -> None:
     )
     assert torchrec_parity.category("test_x.py::TestKeyedTensorRegroupOp::test_a") == "internal"
     assert torchrec_parity.category("test_x.py::EmbeddingCollectionTest::test_forward") == (
-        "embedding_collection"
+        "public"
     )
     assert torchrec_parity.category("test_keyed.py::TestKeyedOptimizer::test_load") == "public"
 
