@@ -150,7 +150,9 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         indices: torch.Tensor,
         offsets: torch.Tensor,
         per_sample_weights: torch.Tensor | None = None,
+        offset_per_key: Sequence[int] | None = None,
     ) -> torch.Tensor:
+        # fbgemm finds each feature's ids on the device: offset_per_key is not needed.
         return self._tbe(indices, offsets, per_sample_weights=per_sample_weights)
 
     def split_embedding_weights(self) -> list[torch.Tensor]:
