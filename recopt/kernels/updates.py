@@ -147,10 +147,6 @@ def _adafactor(
     if norm.sum_sq is None or norm.version != weight._version:
         norm.sum_sq = _sum_sq(weight)
     alpha = norm.sum_sq.div(weight.numel()).sqrt_().clamp_(min=config.eps2).mul_(rho)
-    w_U_D = weight.index_select(0, rows_U)
-    old_sum_sq = _sum_sq(w_U_D)
-    if config.weight_decay != 0.0:
-        w_U_D.mul_(1.0 - lr * config.weight_decay)
     # Absent rows have a zero gradient: their row statistic decays, nothing else changes.
     row_var, col_var = state["row_var"], state["col_var"]
     row_var.mul_(1.0 - beta2_t)
@@ -159,18 +155,66 @@ def _adafactor(
     col_var.lerp_(grad_sq_U_D.sum(dim=0).div_(rows), beta2_t)
     del grad_sq_U_D
     row_scale = row_var.mean().clamp(min=eps1)
-    var_U_D = torch.outer(row_var.index_select(0, rows_U), col_var).div_(row_scale)
-    update_U_D = var_U_D.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad)
-    clip = (
-        update_U_D.norm()
-        .double()
-        .div_(math.sqrt(rows * dim) * config.clip_threshold)
-        .clamp_(min=1.0)
+    decay = 1.0 - lr * config.weight_decay
+    apply_rows = adafactor_rows_impl(weight)
+    change = apply_rows(
+        weight, rows_U, grad, row_var, col_var, row_scale, eps1, alpha, config.clip_threshold, decay
     )
+    norm.sum_sq = norm.sum_sq + change
+    norm.version = weight._version
+
+
+def adafactor_rows_torch(
+    weight: Tensor,
+    rows_U: Tensor,
+    grad_U_D: Tensor,
+    row_var: Tensor,
+    col_var: Tensor,
+    row_scale: Tensor,
+    eps1: float,
+    alpha: Tensor,
+    clip_threshold: float,
+    decay: float,
+) -> Tensor:
+    """Adafactor's clipped update of the touched rows (statistics already updated), in place.
+
+    The update is ``g * rsqrt(max(row_var[r] * col_var / row_scale, eps1^2))``, clipped by
+    ``max(1, RMS over the whole table / clip_threshold)`` (absent rows' update is 0); each
+    touched row becomes ``decay * w - alpha / clip * update``.
+
+    Returns:
+        0-dim float64 on the weights' device: the change of the table's sum of squares.
+    """
+    rows, dim = weight.shape
+    w_U_D = weight.index_select(0, rows_U)
+    old_sum_sq = _sum_sq(w_U_D)
+    if decay != 1.0:
+        w_U_D.mul_(decay)
+    var_U_D = torch.outer(row_var.index_select(0, rows_U), col_var).div_(row_scale)
+    update_U_D = var_U_D.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad_U_D)
+    clip = update_U_D.norm().double().div_(math.sqrt(rows * dim) * clip_threshold).clamp_(min=1.0)
     w_U_D.addcmul_(update_U_D, alpha.div(clip).neg_().to(w_U_D.dtype))
     weight.index_copy_(0, rows_U, w_U_D)
-    norm.sum_sq = norm.sum_sq + (_sum_sq(w_U_D) - old_sum_sq)
-    norm.version = weight._version
+    return _sum_sq(w_U_D) - old_sum_sq
+
+
+AdafactorRows = Callable[
+    [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float, Tensor, float, float], Tensor
+]
+
+
+def adafactor_rows_impl(weight: Tensor) -> AdafactorRows:
+    """Adafactor's touched-row pass for this table: Triton's for float32 on CUDA, if it imports.
+
+    Elsewhere (CPU, other dtypes, a CUDA torch without Triton) `adafactor_rows_torch`.
+    """
+    if weight.device.type == "cuda" and weight.dtype == torch.float32:
+        try:
+            from recopt.kernels.triton_adafactor import adafactor_rows
+        except ImportError:
+            return adafactor_rows_torch
+        return adafactor_rows
+    return adafactor_rows_torch
 
 
 def _sgd(
