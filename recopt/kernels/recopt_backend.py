@@ -307,6 +307,10 @@ class RecoptTableBatchedEmbedding(nn.Module):
         if self._native_ok(grad_out, indices, offsets, weights):
             self._native_update(grad_out, indices, offsets, weights, steps)
             return
+        sparse_update = self._triton_update_fn(grad_out)
+        if sparse_update is not None:
+            self._triton_update(sparse_update, grad_out, indices, offsets, weights, bounds, steps)
+            return
         native_sums = (
             self._native_ok(None, indices, offsets, weights)
             and grad_out.dtype == torch.float32
@@ -335,6 +339,53 @@ class RecoptTableBatchedEmbedding(nn.Module):
             if self.grad_hook is not None:
                 grad_U_D = self.grad_hook(t, rows_U, grad_U_D)
             self._torch_update(t, weight, states[t], rows_U, grad_U_D.to(weight.dtype), steps[t])
+
+    def _triton_update_fn(self, grad_out: Tensor) -> updates.SparseUpdate | None:
+        """Triton's sort-and-update kernel for float32 CUDA tables without hooks, if it imports."""
+        if (
+            self.grad_hook is not None
+            or self.row_stat_hook is not None
+            or self._spec.c_code is None
+            or grad_out.dtype != torch.float32
+            or any(w.device.type != "cuda" or w.dtype != torch.float32 for w in self.weights)
+        ):
+            return None
+        return updates.triton_sparse_update()
+
+    def _triton_update(
+        self,
+        sparse_update: updates.SparseUpdate,
+        grad_out: Tensor,
+        indices: Tensor,
+        offsets: Tensor,
+        weights: Tensor | None,
+        bounds: tuple[int, list[int]],
+        steps: list[int],
+    ) -> None:
+        """Every table's touched rows updated by Triton (no torch.unique: no host sync)."""
+        config = self.optimizer
+        beta1, beta2 = config.betas
+        eps = config.eps1 if config.eps1 is not None else 1e-8
+        sign = -1.0 if config.maximize else 1.0
+        hyper = (self._lr, eps, config.weight_decay, sign, 1.0 - beta1, 1.0 - beta2)
+        code = self._spec.c_code
+        assert code is not None  # checked by _triton_update_fn
+        states = self.split_optimizer_states()
+        for t, occ in enumerate(self._occurrences(indices, offsets, weights, bounds)):
+            if occ is None:
+                continue
+            step = steps[t]
+            step_size = (
+                self._lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
+                if self._spec.stepped
+                else 0.0
+            )
+            state = states[t]
+            first = state.get("momentum1", state.get("exp_avg"))
+            weight = self.weights[t].detach()
+            second = state.get("exp_avg_sq")
+            args = (occ.ids_N, occ.goff_N, occ.scale_N, grad_out, weight, first, second)
+            sparse_update(code, *args, hyper, step_size)
 
     def _torch_row_grads(
         self,

@@ -203,6 +203,34 @@ AdafactorRows = Callable[
 ]
 
 
+# (code, ids [N], grad offsets [N], scales [N] or None, grad_out, weight, state1, state2,
+#  (lr, eps, weight_decay, sign, 1 - beta1, 1 - beta2), step_size) -> None
+SparseUpdate = Callable[
+    [
+        int,
+        Tensor,
+        Tensor,
+        Tensor | None,
+        Tensor,
+        Tensor,
+        Tensor | None,
+        Tensor | None,
+        tuple[float, float, float, float, float, float],
+        float,
+    ],
+    None,
+]
+
+
+def triton_sparse_update() -> SparseUpdate | None:
+    """recopt's Triton update for the optimizers with a native code (CUDA), if Triton imports."""
+    try:
+        from recopt.kernels.triton_sparse import sparse_update
+    except ImportError:
+        return None
+    return sparse_update
+
+
 def adafactor_rows_impl(weight: Tensor) -> AdafactorRows:
     """Adafactor's touched-row pass for this table: Triton's for float32 on CUDA, if it imports.
 
