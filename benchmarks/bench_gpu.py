@@ -2,8 +2,8 @@
 
 Kernels (configs A, B, C; sgd, row-wise Adagrad, Adam, row-wise Adam, Adafactor): fbgemm's
 CUDA TBE called directly (where fbgemm has the optimizer), recopt's FusedEmbeddingBagCollection
-(backend auto) and recopt's own kernel (backend recopt; for Adafactor also with its Triton row
-pass switched off, "recopt_torch_rows"), each timed forward + backward (+ fused update) with
+(backend auto) and recopt's own kernel (backend recopt: its Triton kernels; and the same with
+Triton switched off, "recopt_torch_ops"), each timed forward + backward (+ fused update) with
 CUDA events, and its host syncs per step counted with torch.profiler (cudaStreamSynchronize,
 cudaDeviceSynchronize and synchronous cudaMemcpy calls, those inside torch ops such as
 ``torch.unique`` included; device-to-host copies are counted beside them). DLRM (Criteo shape,
@@ -39,7 +39,7 @@ FBGEMM_OPTIMIZERS = {
     "adam": "ADAM",
     "row_wise_adam": "PARTIAL_ROWWISE_ADAM",
 }
-CANDIDATES = ("fbgemm_direct", "fused_auto", "recopt_kernel", "recopt_torch_rows")
+CANDIDATES = ("fbgemm_direct", "fused_auto", "recopt_kernel", "recopt_torch_ops")
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
 
 
@@ -106,9 +106,9 @@ def fbgemm_direct(cfg: Config, optimizer: str, ids: list[torch.Tensor]) -> Step:
 
 
 def fused_collection(
-    cfg: Config, optimizer: str, ids: list[torch.Tensor], backend: str, triton_rows: bool = True
+    cfg: Config, optimizer: str, ids: list[torch.Tensor], backend: str, triton: bool = True
 ) -> Step:
-    """recopt's collection; ``triton_rows=False`` runs Adafactor's row pass on torch ops."""
+    """recopt's collection; ``triton=False`` runs recopt's kernel on torch ops only."""
     from recopt.kernels import updates
     from recopt.kernels.config import Backend, FusedOptimizerConfig
     from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection
@@ -133,15 +133,16 @@ def fused_collection(
     def step(i: int) -> None:
         module(kjts[i % len(kjts)]).values().backward(grad)
 
-    def step_torch_rows(i: int) -> None:
-        chosen = updates.adafactor_rows_impl
+    def step_torch_ops(i: int) -> None:
+        chosen = updates.adafactor_rows_impl, updates.triton_sparse_update
         updates.adafactor_rows_impl = lambda weight: updates.adafactor_rows_torch
+        updates.triton_sparse_update = lambda: None
         try:
             step(i)
         finally:
-            updates.adafactor_rows_impl = chosen
+            updates.adafactor_rows_impl, updates.triton_sparse_update = chosen
 
-    return step if triton_rows else step_torch_rows
+    return step if triton else step_torch_ops
 
 
 def _offsets(cfg: Config, device: torch.device) -> torch.Tensor:
@@ -198,10 +199,9 @@ def run_kernels(cfg: Config, warmup: int, steps: int) -> list[dict[str, Any]]:
             candidates["fbgemm_direct"] = lambda o=optimizer: fbgemm_direct(cfg, o, ids)
         candidates["fused_auto"] = lambda o=optimizer: fused_collection(cfg, o, ids, "auto")
         candidates["recopt_kernel"] = lambda o=optimizer: fused_collection(cfg, o, ids, "recopt")
-        if optimizer == "adafactor":  # the Triton row pass against the torch one
-            candidates["recopt_torch_rows"] = lambda o=optimizer: fused_collection(
-                cfg, o, ids, "recopt", triton_rows=False
-            )
+        candidates["recopt_torch_ops"] = lambda o=optimizer: fused_collection(
+            cfg, o, ids, "recopt", triton=False
+        )  # recopt's Triton kernels against its torch ops
         for name, build in candidates.items():
             row: dict[str, Any] = {"config": cfg.name, "optimizer": optimizer, "candidate": name}
             try:
@@ -341,7 +341,7 @@ def markdown(kernels: list[dict[str, Any]], dlrm: list[dict[str, Any]], device: 
     ]
     lines += [
         "| config | optimizer | fbgemm direct | FusedEBC auto | recopt kernel "
-        "| recopt, torch rows | FusedEBC speed / fbgemm | recopt time / fbgemm rw-adagrad |"
+        "| recopt, torch ops | FusedEBC speed / fbgemm | recopt time / fbgemm rw-adagrad |"
     ]
     lines += ["| --- | --- | --- | --- | --- | --- | --- | --- |"]
     keyed = {(r["config"], r["optimizer"], r["candidate"]): r for r in kernels}

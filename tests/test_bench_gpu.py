@@ -42,7 +42,7 @@ def test_report_table_has_every_candidate_syncs_and_the_target_ratio() -> None:
         row("row_wise_adagrad", "recopt_kernel", 8.0, 27.0),
         row("adafactor", "fused_auto", 6.0, 27.0),
         row("adafactor", "recopt_kernel", 6.0, 27.0),
-        row("adafactor", "recopt_torch_rows", 12.0, 27.0),
+        row("adafactor", "recopt_torch_ops", 12.0, 27.0),
         {"config": "A", "optimizer": "adam", "candidate": "fbgemm_direct", "error": "boom"},
     ]
     table = bench_gpu.markdown(kernels, [], "a test GPU")

@@ -8,9 +8,13 @@ Legend: R rows of the table, D its dim, U unique rows touched by the batch.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
+from typing import cast
 
 import torch
 
@@ -222,13 +226,19 @@ SparseUpdate = Callable[
 ]
 
 
-def triton_sparse_update() -> SparseUpdate | None:
-    """recopt's Triton update for the optimizers with a native code (CUDA), if Triton imports."""
+@functools.cache
+def _triton_kernels(name: str) -> ModuleType | None:
+    """recopt's Triton module ``name``, or None where Triton does not import (tried once)."""
     try:
-        from recopt.kernels.triton_sparse import sparse_update
+        return importlib.import_module(f"recopt.kernels.{name}")
     except ImportError:
         return None
-    return sparse_update
+
+
+def triton_sparse_update() -> SparseUpdate | None:
+    """recopt's Triton update for the optimizers with a native code (CUDA), if Triton imports."""
+    module = _triton_kernels("triton_sparse")
+    return None if module is None else cast(SparseUpdate, module.sparse_update)
 
 
 def adafactor_rows_impl(weight: Tensor) -> AdafactorRows:
@@ -237,11 +247,9 @@ def adafactor_rows_impl(weight: Tensor) -> AdafactorRows:
     Elsewhere (CPU, other dtypes, a CUDA torch without Triton) `adafactor_rows_torch`.
     """
     if weight.device.type == "cuda" and weight.dtype == torch.float32:
-        try:
-            from recopt.kernels.triton_adafactor import adafactor_rows
-        except ImportError:
-            return adafactor_rows_torch
-        return adafactor_rows
+        module = _triton_kernels("triton_adafactor")
+        if module is not None:
+            return cast(AdafactorRows, module.adafactor_rows)
     return adafactor_rows_torch
 
 
