@@ -128,3 +128,29 @@ def test_recopt_kernel_on_cuda_uses_triton_and_equals_the_cpu_kernel(name: str) 
     _train(on_cpu, True, 4)
     _train(on_gpu, True, 4)
     _assert_same(on_gpu, on_cpu)
+
+
+def test_the_triton_path_reads_nothing_back(
+    interpreted: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from test_host_syncs import count_read_backs, criteo_like
+
+    from recopt.kernels.config import Backend
+    from recopt.modules import FusedEmbeddingBagCollection
+
+    monkeypatch.setattr(
+        RecoptTableBatchedEmbedding, "_triton_update_fn", lambda self, g: interpreted.sparse_update
+    )
+    monkeypatch.setattr(updates, "apply_update", _must_not_run)
+    tables, kjt = criteo_like()
+    for name in ("row_wise_adagrad", "adam"):
+        config = FusedOptimizerConfig(name=name, backend=Backend.RECOPT)
+        ebc = FusedEmbeddingBagCollection(tables, optimizer=config, skip_nonfinite=False)
+        for kernel in ebc.kernels():
+            assert isinstance(kernel, RecoptTableBatchedEmbedding)
+            kernel._use_native = False  # the path CUDA takes
+        ebc(kjt).values().sum().backward()
+        pooled = ebc(kjt)
+        with count_read_backs() as calls:
+            pooled.values().sum().backward()
+        assert calls == [], calls
