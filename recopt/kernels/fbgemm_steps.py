@@ -81,9 +81,11 @@ class FbgemmSteps:
             The step the update will use (recopt's counter + 1).
         """
         step = shared_step(self._mirror.values(self._get_steps()), self._names)
-        # Both copies: fbgemm reloads iter_cpu from the device `iter` whenever it is 0.
+        # Both copies: fbgemm reloads iter_cpu from the device `iter` whenever it is 0 (and
+        # builds older than its host copy read `iter` alone).
         tbe.iter.fill_(step)
-        tbe.iter_cpu.fill_(step)
+        if hasattr(tbe, "iter_cpu"):
+            tbe.iter_cpu.fill_(step)
         eps = sparse_adam_eps_for_fbgemm(self._eps, self._beta2, step + 1)
         tbe.optimizer_args = tbe.optimizer_args._replace(eps=eps)
         return step + 1
