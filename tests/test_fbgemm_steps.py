@@ -133,6 +133,10 @@ def test_state_names_round_trip_through_fbgemm_views(name: str) -> None:
     assert torch.equal(flat[0], torch.full_like(flat[0], 2.0))
     assert torch.equal(second, torch.full_like(second, 2.0))
     assert int(step) == 2
+    # And back: fbgemm's storage read under recopt's names is the state recopt wrote.
+    (again,) = name_fbgemm_states(spec.fbgemm_states, views, [step])
+    for key, value in recopt_state.items():
+        assert torch.equal(again[key], value)
 
 
 def test_fbgemm_runs_adam_on_cuda_only_and_without_weight_decay() -> None:
