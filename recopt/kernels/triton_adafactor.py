@@ -110,7 +110,7 @@ def adafactor_rows(
     if count == 0:
         return torch.zeros((), dtype=torch.float64, device=weight.device)
     grad_U_D = grad_U_D.contiguous().to(weight.dtype)
-    rows_U = rows_U.contiguous()
+    rows_U = rows_U.to(torch.int64).contiguous()  # int64: row * D may pass 2^31
     scale = row_scale.to(torch.float32).reshape(1)
     block = triton.next_power_of_2(dim)
     update_sq_U = torch.empty(count, dtype=torch.float32, device=weight.device)

@@ -117,8 +117,8 @@ def sparse_update(
     count = ids_N.numel()
     if count == 0:
         return
-    sorted_ids, order = torch.sort(ids_N)
-    goff = goff_N.index_select(0, order)
+    sorted_ids, order = torch.sort(ids_N.to(torch.int64))  # int64: row * D may pass 2^31
+    goff = goff_N.index_select(0, order).to(torch.int64)
     scale = None if scale_N is None else scale_N.index_select(0, order).float()
     dim = weight.shape[1]
     lr, eps, weight_decay, sign, one_minus_beta1, one_minus_beta2 = hyper
