@@ -7,7 +7,7 @@ declared, typed members: no ``setattr``, no backend-private attributes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -54,9 +54,17 @@ class Kernel(Protocol):
     backend_decision: BackendDecision | None
 
     def __call__(
-        self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None
+        self,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None = None,
+        offset_per_key: Sequence[int] | None = None,
     ) -> Tensor:
-        """Pooled outputs ``[B, sum of the features' dims]``, features in map order."""
+        """Pooled outputs ``[B, sum of the features' dims]``, features in map order.
+
+        ``offset_per_key`` (F+1 host ints, ``offsets[f * B]``): the features' id bounds when
+        the caller knows them, so a backend that needs them reads nothing back; optional.
+        """
         ...
 
     def split_embedding_weights(self) -> list[Tensor]:

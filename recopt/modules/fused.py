@@ -314,8 +314,14 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         return self._lookup_groups(features)
 
     def _lookup(self, group: _KernelGroup, features: KeyedJaggedTensor) -> torch.Tensor:
+        # The features' id bounds when the host knows them (after `prepare`, it does), so the
+        # kernel need not read them back from the device.
+        known = features.length_per_key_or_none() is not None
         result: torch.Tensor = group.kernel(
-            features.values(), features.offsets(), features.weights_or_none()
+            features.values(),
+            features.offsets(),
+            features.weights_or_none(),
+            offset_per_key=features.offset_per_key() if known else None,
         )
         return result
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig
-from recopt.kernels.fbgemm_backend import FBGEMM_DIM_MULTIPLE, FBGEMM_OPTIMIZERS
+from recopt.kernels.fbgemm_backend import FBGEMM_DIM_MULTIPLE
 from recopt.kernels.placement import DEVICE, Location, Placement
-from recopt.kernels.registry import optimizer_spec
+from recopt.kernels.registry import fbgemm_spec_names, optimizer_spec
 from recopt.modules.config import EmbeddingConfig
 from recopt.sharding.layout import needs_row_stat_hook
 from recopt.sharding.plan import ParameterSharding, ShardingType, ShardSpec
@@ -190,7 +190,9 @@ def enumerate_options(
     for kind, (sizes, fixed) in layouts:
         for kernel in kernels:
             for placement in placements:
-                why = _kernel_problem(kernel, kind, sizes, workload.optimizer, placement)
+                why = _kernel_problem(
+                    kernel, kind, sizes, workload.optimizer, topology.device, placement
+                )
                 if why:
                     rejected.append(why)
                     continue
@@ -294,13 +296,14 @@ def _kernel_problem(
     kind: ShardingType,
     sizes: list[tuple[int, int]],
     optimizer: FusedOptimizerConfig,
+    device: str,
     placement: Placement = DEVICE,
 ) -> str:
     if not placement.on_device:
         # Only fbgemm's CUDA kernel reads UVM: AUTO must resolve to it, recopt cannot.
         if kernel is Backend.RECOPT or optimizer.backend is Backend.RECOPT:
             return f"placement {placement.describe()!r} needs the fbgemm kernel, not recopt's"
-        why = _kernel_problem(Backend.FBGEMM, kind, sizes, optimizer)
+        why = _kernel_problem(Backend.FBGEMM, kind, sizes, optimizer, device)
         return f"placement {placement.describe()!r} needs the fbgemm kernel: {why}" if why else ""
     if kernel is not Backend.FBGEMM:
         return ""
@@ -308,9 +311,13 @@ def _kernel_problem(
         # A column shard of a row-wise optimizer needs the statistic of the full row, which
         # only recopt's kernel computes (sharding/layout.py).
         return f"fbgemm cannot run {optimizer.name!r} on column shards (no full-row statistic)"
-    if optimizer.name not in FBGEMM_OPTIMIZERS:
-        runs = sorted(FBGEMM_OPTIMIZERS)
-        return f"fbgemm does not run optimizer {optimizer.name!r} (it runs {runs})"
+    runs = fbgemm_spec_names(device)  # its CUDA build runs more than its CPU build
+    if optimizer.name not in runs:
+        return (
+            f"fbgemm does not run optimizer {optimizer.name!r} on {device} (it runs {sorted(runs)})"
+        )
+    if optimizer_spec(optimizer.name).fbgemm_decoupled_weight_decay and optimizer.weight_decay:
+        return f"fbgemm's {optimizer.name!r} has no L2 weight decay (weight_decay must be 0)"
     odd = [cols for _, cols in sizes if cols % FBGEMM_DIM_MULTIPLE]
     if odd:
         return (
