@@ -179,9 +179,15 @@ def test_uvm_needs_fbgemm_so_a_recopt_only_table_stays_on_device() -> None:
     recopt = FusedOptimizerConfig(backend=Backend.RECOPT)
     with pytest.raises(PlannerError, match="does not fit|short by"):
         plan_placements(gpu(200), [table("a")], default_optimizer=recopt)
-    # Adam is not run by fbgemm here: no UVM option, so the same shortfall is an error.
+    # fbgemm's CUDA Adam has no L2 weight decay: no UVM option, so the same shortfall is an error.
+    decayed = FusedOptimizerConfig(name="adam", weight_decay=0.01)
     with pytest.raises(PlannerError, match="does not fit|short by"):
-        plan_placements(gpu(200), [table("a")], default_optimizer=FusedOptimizerConfig(name="adam"))
+        plan_placements(gpu(200), [table("a")], default_optimizer=decayed)
+    # Plain Adam runs on fbgemm's CUDA kernel, so it can leave HBM.
+    placements, _ = plan_placements(
+        gpu(200), [table("a")], default_optimizer=FusedOptimizerConfig(name="adam")
+    )
+    assert not placements["a"].on_device
 
 
 def test_cpu_topology_refuses_uvm_constraints() -> None:
