@@ -51,6 +51,10 @@ class FeatureLayout:
     ) -> KeyedJaggedTensor:
         """Return ``features`` restricted to and ordered as this layout, with ids checked.
 
+        The result is keyed by `output_keys`: a feature looked up by several tables appears
+        once per table, as the virtual feature ``feature@table``, so its keys stay unique
+        (every later step, sharded input distribution included, sees one feature per lookup).
+
         Per-id weights are converted to ``weight_dtype`` (the tables' dtype), as fbgemm
         does, so every backend accepts e.g. float64 weights alike.
 
@@ -77,6 +81,15 @@ class FeatureLayout:
                     f"looks up {self.feature_names}"
                 )
             features = features.permute([index[f] for f in self.feature_names])
+        if self.output_keys != self.feature_names:
+            features = KeyedJaggedTensor(
+                self.output_keys,
+                features.values(),
+                weights=features.weights_or_none(),
+                lengths=features.lengths(),
+                stride=features.stride(),
+                length_per_key=features.length_per_key(),
+            )
         has_weights = features.weights_or_none() is not None
         if is_weighted and not has_weights:
             raise ValueError(

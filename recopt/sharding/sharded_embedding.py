@@ -116,7 +116,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         timeout: datetime.timedelta = AGREE_TIMEOUT,
     ) -> None:
         super().__init__()
-        validate_tables(tables)
+        validate_tables(tables, allow_shared_features=True)
         self.tables = list(tables)
         self.is_weighted = is_weighted
         self.device = torch.device(device if device is not None else "cpu")
@@ -254,7 +254,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         return self._pg
 
     def feature_names(self) -> list[str]:
-        """The output keys: features in table order."""
+        """The features looked up, in table order (repeated when shared by tables)."""
         return list(self._layout.features.feature_names)
 
     def kernels(self) -> list[Kernel]:
@@ -341,7 +341,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             pooled = expand_rows(pooled, self._layout.features.dims, index_F_B)
         self._record("output_dist", start)
         return KeyedTensor(
-            keys=self._layout.features.feature_names,
+            keys=self._layout.features.output_keys,
             length_per_key=self._layout.features.dims,
             values=pooled,
         )
