@@ -81,15 +81,7 @@ class FeatureLayout:
                     f"looks up {self.feature_names}"
                 )
             features = features.permute([index[f] for f in self.feature_names])
-        if self.output_keys != self.feature_names:
-            features = KeyedJaggedTensor(
-                self.output_keys,
-                features.values(),
-                weights=features.weights_or_none(),
-                lengths=features.lengths(),
-                stride=features.stride(),
-                length_per_key=features.length_per_key(),
-            )
+        features = with_keys(features, self.output_keys)
         has_weights = features.weights_or_none() is not None
         if is_weighted and not has_weights:
             raise ValueError(
@@ -118,6 +110,28 @@ class FeatureLayout:
             features.weights_or_none(),
         )
         return features
+
+
+def with_keys(features: KeyedJaggedTensor, keys: Sequence[str]) -> KeyedJaggedTensor:
+    """``features`` (already selected and ordered, keys possibly repeated) renamed to ``keys``.
+
+    A feature looked up by several tables is repeated by the selection; renaming each copy to
+    its output key (``feature@table``) gives unique keys, which any later rebuild of the KJT
+    needs. Ids, weights, lengths and batch sizes are kept (``inverse_indices`` are not: they
+    name the old keys); ``features`` itself is returned when its keys already are ``keys``.
+    """
+    if features.keys() == list(keys):
+        return features
+    variable = features.variable_stride_per_key()
+    return KeyedJaggedTensor(
+        list(keys),
+        features.values(),
+        weights=features.weights_or_none(),
+        lengths=features.lengths(),
+        stride=None if variable else features.stride(),
+        stride_per_key_per_rank=features.stride_per_key_per_rank() if variable else None,
+        length_per_key=features.length_per_key(),
+    )
 
 
 def check_ids_in_range(

@@ -73,6 +73,9 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     ``backward`` together. ``state_dict()`` holds ``embedding_bags.<t>.weight`` as a
     ShardedTensor of the table's global shape (a plain tensor for data-parallel tables).
 
+    A feature may look up several tables, as in the fused collection: its outputs are keyed
+    ``feature@table``, and each of its lookups is distributed as a feature of its own.
+
     A backward whose output gradient holds NaN or inf on ANY rank updates nothing on every
     rank (no weight, state or step counter): the ranks agree with one all-reduce of a flag
     before the output exchange's backward, so every rank skips the same collectives. Such
