@@ -74,11 +74,12 @@ class FeatureLayout:
         keys = features.keys()
         if keys != self.feature_names:
             index = {k: i for i, k in enumerate(keys)}
-            missing = [f for f in self.feature_names if f not in index]
+            wanted = list(dict.fromkeys(self.feature_names))  # a shared feature once
+            missing = [f for f in wanted if f not in index]
             if missing:
                 raise ValueError(
                     f"input is missing features {missing}; it has {keys}, the collection "
-                    f"looks up {self.feature_names}"
+                    f"looks up {wanted}"
                 )
             features = features.permute([index[f] for f in self.feature_names])
         features = with_keys(features, self.output_keys)

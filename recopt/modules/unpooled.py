@@ -52,11 +52,11 @@ def select_features(features: KeyedJaggedTensor, names: Sequence[str]) -> KeyedJ
     if keys == list(names):
         return features
     index = {k: i for i, k in enumerate(keys)}
-    missing = [f for f in names if f not in index]
+    wanted = list(dict.fromkeys(names))  # a feature shared by tables once
+    missing = [f for f in wanted if f not in index]
     if missing:
         raise ValueError(
-            f"input is missing features {missing}; it has {keys}, the collection looks up "
-            f"{list(names)}"
+            f"input is missing features {missing}; it has {keys}, the collection looks up {wanted}"
         )
     return features.permute([index[f] for f in names])
 
