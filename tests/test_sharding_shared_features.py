@@ -1,4 +1,5 @@
-"""A feature looked up by several tables, beyond the contract test: planned by the planner
+"""A feature looked up by several tables, beyond the contract test: built on meta and sharded,
+planned by the planner
 (DistributedModelParallel's default plan and `recopt-plan`), saved and loaded under another
 plan and by the unsharded model (names are per table, so nothing is keyed by feature), and a
 missing shared feature on one rank refused on every rank with nothing changed.
@@ -182,3 +183,29 @@ def test_recopt_plan_plans_tables_sharing_a_feature(tmp_path: Path) -> None:
     module = next(iter(plan.plan))
     assert set(plan[module]) == {"t0", "t1"}
     validate_plan(plan, {module: tables}, 2)
+
+
+def _meta_then_shard(rank: int, world: int) -> dict[str, Any]:
+    from recopt.sharding.model_parallel import DistributedModelParallel
+
+    kjt = KeyedJaggedTensor.from_id_lists({"f": [[1, 2], [3]], "g": [[4], []]})
+    bags = FusedEmbeddingBagCollection(BAGS, device="meta")
+    rows = FusedEmbeddingCollection(ROWS, device="meta")
+    meta_keys = [bags(kjt).keys(), list(rows(kjt))]  # shapes only, the same keys
+    pooled = DistributedModelParallel(bags)(kjt)
+    looked_up = DistributedModelParallel(rows)(kjt)
+    return {
+        "meta": meta_keys,
+        "keys": [pooled.keys(), list(looked_up)],
+        "shapes": [
+            tuple(pooled.values().shape),
+            [tuple(jt.values().shape) for jt in looked_up.values()],
+        ],
+    }
+
+
+def test_built_on_meta_then_sharded_keeps_the_output_keys() -> None:
+    for result in run_on_ranks(_meta_then_shard, 2, timeout_s=120):
+        keys = [["f@t0", "g", "f@t1"], ["f@e0", "f@e1", "g"]]
+        assert result["meta"] == result["keys"] == keys
+        assert result["shapes"] == [(2, 20), [(3, 4), (3, 4), (1, 4)]]
