@@ -1,8 +1,7 @@
 """A feature looked up by several tables, beyond the contract test: built on meta and sharded,
-planned by the planner
-(DistributedModelParallel's default plan and `recopt-plan`), saved and loaded under another
-plan and by the unsharded model (names are per table, so nothing is keyed by feature), and a
-missing shared feature on one rank refused on every rank with nothing changed.
+planned by the planner (DistributedModelParallel's default plan and `recopt-plan`), saved and
+loaded under another plan and by the unsharded model (names are per table, so nothing is keyed
+by feature), and a missing shared feature on one rank refused on every rank, nothing changed.
 
 Bag collection: f reads t0 and t1, g reads t0. Embedding collection: f reads e0 and e1, g e1.
 """
