@@ -305,9 +305,6 @@ def test_configs_validate_and_modules_check_their_config_type() -> None:
             ValueError, match="expected EmbeddingConfig tables, got EmbeddingBagConfig 't'"
         ):
             cls([bag])
-    extra = EmbeddingConfig(name="x", num_embeddings=3, embedding_dim=4, feature_names=["a"])
-    with pytest.raises(ValueError, match="feature 'a' is in two tables, 't0' and 'x'"):
-        FusedEmbeddingCollection([*tables(), extra])
     plain = EmbeddingCollection(tables())
     with pytest.raises(ValueError, match=r"different embedding_dim \[4, 8\]"):
         plain.embedding_dim()
@@ -400,18 +397,39 @@ def test_cuda_equals_cpu_after_several_steps(name: str) -> None:
 
 
 def test_a_feature_shared_by_tables_gives_one_output_per_table() -> None:
-    """As TorchRec's EmbeddingCollection: outputs ``feature@table`` (plain module only)."""
+    """As TorchRec's EmbeddingCollection: outputs ``feature@table``; the fused module gives the
+    same rows and its SGD update equals the plain module's gradient step."""
     extra = EmbeddingConfig(name="x", num_embeddings=3, embedding_dim=2, feature_names=["a"])
+    torch.manual_seed(0)
     plain = EmbeddingCollection([*tables(), extra], need_indices=True)
+    sgd = FusedOptimizerConfig(name="sgd", lr=0.5)
+    fused = FusedEmbeddingCollection([*tables(), extra], sgd, need_indices=True)
+    fused.load_state_dict(plain.state_dict())
+    assert fused.feature_names() == plain.feature_names() == ["a", "b", "c", "a"]
     kjt = KeyedJaggedTensor.from_id_lists({"a": [[0, 1], [2]], "b": [[], [5]], "c": [[4], []]})
-    out = plain(kjt)
-    assert list(out) == ["a@t0", "b", "c", "a@x"]
+    out, fused_out = plain(kjt), fused(kjt)
+    assert list(out) == list(fused_out) == ["a@t0", "b", "c", "a@x"]
     assert torch.equal(out["a@x"].values(), plain.embeddings["x"].weight[[0, 1, 2]])
     assert torch.equal(out["a@t0"].values(), plain.embeddings["t0"].weight[[0, 1, 2]])
     assert torch.equal(out["a@x"].weights(), torch.tensor([0, 1, 2]))
+    loss = sum(((k + 1) * jt.values()).square().sum() for k, jt in enumerate(out.values()))
+    fused_loss = sum(
+        ((k + 1) * jt.values()).square().sum() for k, jt in enumerate(fused_out.values())
+    )
+    for key, jt in out.items():
+        assert torch.equal(fused_out[key].weights(), jt.weights())
+        torch.testing.assert_close(fused_out[key].values(), jt.values())
+    loss.backward()
+    fused_loss.backward()
+    for name, embedding in plain.embeddings.items():
+        assert embedding.weight.grad is not None
+        expected = embedding.weight.detach() - 0.5 * embedding.weight.grad
+        torch.testing.assert_close(fused.embeddings[name].weight, expected)
     bad = KeyedJaggedTensor.from_id_lists({"a": [[3]], "b": [[]], "c": [[]]})
     with pytest.raises(InvalidIdError, match="table 'x', feature 'a': id 3"):
         plain(bad)
+    with pytest.raises(InvalidIdError, match="table 'x', feature 'a@x': id 3"):
+        fused(bad)
 
 
 def test_bag_view_of_a_table_keeps_every_field_and_init_fn_applies() -> None:

@@ -62,6 +62,7 @@ TYPES = [
 ]
 STEPS = 3
 CPU = torch.device("cpu")
+MEAN = PoolingType.MEAN
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Case:
     vbe: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     unpooled: bool = False  # an EmbeddingCollection (tables as EmbeddingConfig)
+    shared: bool = False  # f3 looks up t1 and t2 (outputs "f3@t1", "f3@t2")
 
 
 def _optimizer(case: Case) -> FusedOptimizerConfig:
@@ -84,7 +86,7 @@ def _optimizer(case: Case) -> FusedOptimizerConfig:
 def _tables(case: Case) -> list[EmbeddingBagConfig]:
     # Rows not divisible by 2 or 3 (uneven row shards); dims that split into 2 and 3 column
     # shards (6: widths not multiples of 4, so fbgemm falls back to recopt); t1 has two
-    # features; mixed poolings.
+    # features; mixed poolings. Shared: f3 (ids < 7) also looks up t1, after f1 and f2.
     return [
         EmbeddingBagConfig(
             name="t0",
@@ -97,7 +99,7 @@ def _tables(case: Case) -> list[EmbeddingBagConfig]:
             name="t1",
             num_embeddings=13,
             embedding_dim=12,
-            feature_names=["f1", "f2"],
+            feature_names=["f1", "f2", "f3"] if case.shared else ["f1", "f2"],
             pooling=PoolingType.SUM,
         ),
         EmbeddingBagConfig(
@@ -160,6 +162,11 @@ def _cases() -> list[Case]:
         Case("column_wise/vbe", "column_wise", "row_wise_adagrad", vbe=True),
         Case("data_parallel/vbe-mean", "data_parallel", "adam", pooling=PoolingType.MEAN, vbe=True),
         Case("mixed/plain-ebc-vbe", "mixed", "sgd", plain_ebc=True, vbe=True),
+        Case("table_wise/shared", "table_wise", "adagrad", shared=True),
+        Case("row_wise/shared-weighted-mean", "row_wise", "row_wise_adam", True, MEAN, shared=True),
+        Case("column_wise/shared", "column_wise", "row_wise_adagrad", shared=True),
+        Case("data_parallel/shared-vbe", "data_parallel", "adam", vbe=True, shared=True),
+        Case("mixed/shared-plain-ebc", "mixed", "sgd", plain_ebc=True, shared=True),
     ]
     ec_optimizers = ["adagrad", "row_wise_adam", "row_wise_adagrad", "sgd", "adam", "adam", "sgd"]
     unpooled = [*zip(TYPES, ec_optimizers, strict=True)]
@@ -167,6 +174,9 @@ def _cases() -> list[Case]:
     cases += [
         Case("ec/table_wise/adafactor", "table_wise", "adafactor", unpooled=True),
         Case("ec/mixed/plain-ec", "mixed", "adam", plain_ebc=True, unpooled=True),
+        Case("ec/row_wise/shared", "row_wise", "row_wise_adagrad", unpooled=True, shared=True),
+        Case("ec/column_wise/shared", "column_wise", "adam", unpooled=True, shared=True),
+        Case("ec/mixed/shared-plain", "mixed", "sgd", plain_ebc=True, unpooled=True, shared=True),
     ]
     return cases
 
@@ -202,9 +212,11 @@ class _Model(nn.Module):
         super().__init__()
         self.sparse = sparse
         self.dense = nn.Linear(dim, 1)
+        self.keys: list[str] = []  # the output keys of the last forward
 
     def forward(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pooled = self.sparse(kjt).values()
+        out = self.sparse(kjt)
+        self.keys, pooled = out.keys(), out.values()
         return pooled, self.dense(pooled).square().sum()
 
 
@@ -263,6 +275,9 @@ def _run_case(case: Case, rank: int, world: int, device: torch.device = CPU) -> 
         mine, everyone = inputs(case.vbe, case.weighted, rank, step, world)
         pooled, loss = dmp(mine.to(device))
         ref_pooled, ref_loss = ref(everyone.to(device))
+        assert getattr(dmp.plain_module, "keys", None) == getattr(ref, "keys", None), case.name
+        keys = list(ref_pooled) if case.unpooled else ref.keys
+        assert not case.shared or keys[-2:] == ["f3@t1", "f3@t2"], (case.name, keys)
         if case.unpooled:
             bags = [batch_bags(r, step) for r in range(world)]
             pooled, ref_pooled = _rank_rows(pooled, ref_pooled, bags, rank)
@@ -319,13 +334,14 @@ def _rank_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's rows of every feature, and the reference's rows of this rank's ids."""
     ids = [{f: sum(len(b) for b in per_rank[f]) for f in per_rank} for per_rank in bags]
-    assert list(rows) == list(ref_rows) == ["f0", "f1", "f2", "f3"]
+    assert list(rows) == list(ref_rows)
     mine, theirs = [], []
-    for f, value in rows.items():
+    for key, value in rows.items():
+        f = key.split("@")[0]  # a shared feature's output "f3@t1" holds f3's ids
         start = sum(ids[r][f] for r in range(rank))
         assert value.shape[0] == ids[rank][f]
         mine.append(value.reshape(-1))
-        theirs.append(ref_rows[f][start : start + ids[rank][f]].reshape(-1))
+        theirs.append(ref_rows[key][start : start + ids[rank][f]].reshape(-1))
     return torch.cat(mine), torch.cat(theirs)
 
 

@@ -2,8 +2,8 @@
 
 Both share `BaseEmbeddingConfig`'s fields and checks; a bag config adds how its bags pool.
 
-`validate_tables` checks a whole collection the same way everywhere (modules, planner, sharding):
-duplicate table names and a feature claimed by two tables are errors that name both.
+`validate_tables` checks a whole collection the same way everywhere (modules, sharding): duplicate
+table names are errors that name the table; a feature in two tables is one only when asked.
 """
 
 from __future__ import annotations
@@ -129,9 +129,8 @@ def validate_tables(
 ) -> None:
     """Check a collection of tables: at least one, unique names, each feature in one table.
 
-    ``allow_shared_features`` lets a feature look up several tables (the plain and fused
-    collections allow it, naming outputs ``feature@table``); the sharded collection does not
-    support that yet.
+    ``allow_shared_features`` lets a feature look up several tables: every embedding collection
+    (plain, fused and sharded) allows it, naming that feature's outputs ``feature@table``.
 
     Args:
         tables: the collection's tables.
@@ -164,7 +163,7 @@ def validate_tables(
             if feature in owner and not allow_shared_features:
                 raise ValueError(
                     f"feature {feature!r} is in two tables, {owner[feature]!r} and {table.name!r}; "
-                    "a feature looks up exactly one table in the sharded collection "
-                    "(EmbeddingBagCollection and FusedEmbeddingBagCollection allow sharing)"
+                    "pass allow_shared_features=True to let a feature look up several tables "
+                    "(as the embedding collections do: its outputs are keyed feature@table)"
                 )
             owner[feature] = table.name

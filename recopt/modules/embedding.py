@@ -42,7 +42,7 @@ class EmbeddingCollection(nn.Module):
     Args:
         tables: `EmbeddingConfig` tables (``validate_tables`` rules apply, except that a
             feature may look up several tables: its outputs are then keyed ``feature@table``,
-            as in TorchRec; the fused and sharded collections refuse that).
+            as in TorchRec, here and in the fused and sharded collections).
         device: where the weights live; None follows torch's default device; ``"meta"``
             allocates nothing and forward returns meta tensors of the right shapes.
         need_indices: put each feature's ids in its output's ``weights`` (as TorchRec).

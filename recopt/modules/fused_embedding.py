@@ -18,11 +18,13 @@ from recopt.kernels.contract import Kernel
 from recopt.modules.config import EmbeddingConfig, validate_tables
 from recopt.modules.embedding import common_embedding_dim
 from recopt.modules.fused import EmbeddingFusedOptimizer, FusedEmbeddingBagCollection
+from recopt.modules.inputs import FeatureLayout
 from recopt.modules.unpooled import (
+    lookup_bag_configs,
     meta_rows_per_feature,
     one_id_bags,
     rows_per_feature,
-    select_features,
+    select_lookups,
 )
 from recopt.optim.fused import FusedOptimizerModule
 from recopt.sparse import JaggedTensor, KeyedJaggedTensor
@@ -69,11 +71,11 @@ class FusedEmbeddingCollection(nn.Module, FusedOptimizerModule):
         skip_nonfinite: bool = True,
     ) -> None:
         super().__init__()
-        validate_tables(tables, config_type=EmbeddingConfig)
+        validate_tables(tables, allow_shared_features=True, config_type=EmbeddingConfig)
         self.tables = list(tables)
         self._need_indices = need_indices
         engine = _OneIdBagEngine(
-            [t.as_bag_config() for t in self.tables],
+            lookup_bag_configs(self.tables),
             optimizer=optimizer,
             table_optimizers=table_optimizers,
             device=device,
@@ -84,8 +86,7 @@ class FusedEmbeddingCollection(nn.Module, FusedOptimizerModule):
         self.__dict__["_engine"] = engine
         self.embeddings = engine.embedding_bags
         self.device = engine.device
-        self._names = [f for t in self.tables for f in t.feature_names]
-        self._dims = [t.embedding_dim for t in self.tables for _ in t.feature_names]
+        self._layout = FeatureLayout(self.tables)
 
     @property
     def _bags(self) -> _OneIdBagEngine:
@@ -124,17 +125,21 @@ class FusedEmbeddingCollection(nn.Module, FusedOptimizerModule):
         return self._need_indices
 
     def feature_names(self) -> list[str]:
-        """The output keys: features in table order."""
-        return list(self._names)
+        """The features looked up, in table order (repeated when shared by tables)."""
+        return list(self._layout.feature_names)
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         """Look up every id; backward updates the looked-up rows in place.
 
+        Returns:
+            Output key (the feature, or ``feature@table`` when shared) -> its rows.
+
         Raises:
             ValueError: missing features; ``InvalidIdError`` for an id outside its table.
         """
-        features = select_features(features, self._names)
+        features = select_lookups(features, self._layout)
+        dims = self._layout.dims
         if self.device.type == "meta":
-            return meta_rows_per_feature(features.to_dict(), self._dims, self._need_indices)
+            return meta_rows_per_feature(features.to_dict(), dims, self._need_indices)
         pooled = self._bags(one_id_bags(features))
-        return rows_per_feature(pooled.values(), features, self._dims, self._need_indices)
+        return rows_per_feature(pooled.values(), features, dims, self._need_indices)

@@ -7,11 +7,39 @@ no gradient) to the common stride S = max_f N_f. Legend: F features, S that stri
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import torch
 
+from recopt.modules.config import EmbeddingBagConfig, EmbeddingConfig
+from recopt.modules.inputs import FeatureLayout, with_keys
 from recopt.sparse import JaggedTensor, KeyedJaggedTensor
+
+
+def lookup_bag_configs(tables: Sequence[EmbeddingConfig]) -> list[EmbeddingBagConfig]:
+    """The tables as the bag engine's SUM-pooled configs, each feature named by its output key.
+
+    A feature looked up by several tables becomes one virtual feature ``feature@table`` per
+    table, so the engine (fused or sharded) sees every lookup as a feature of its own; other
+    features keep their names. Feed the engine `select_lookups`' result.
+    """
+    keys = iter(FeatureLayout(tables).output_keys)  # table order, then feature order
+    return [
+        dataclasses.replace(
+            t.as_bag_config(), feature_names=tuple(next(keys) for _ in t.feature_names)
+        )
+        for t in tables
+    ]
+
+
+def select_lookups(features: KeyedJaggedTensor, layout: FeatureLayout) -> KeyedJaggedTensor:
+    """``features`` as the layout's lookups, keyed by its output keys (see `select_features`).
+
+    Raises:
+        ValueError: naming the features the input lacks.
+    """
+    return with_keys(select_features(features, layout.feature_names), layout.output_keys)
 
 
 def select_features(features: KeyedJaggedTensor, names: Sequence[str]) -> KeyedJaggedTensor:
@@ -24,11 +52,11 @@ def select_features(features: KeyedJaggedTensor, names: Sequence[str]) -> KeyedJ
     if keys == list(names):
         return features
     index = {k: i for i, k in enumerate(keys)}
-    missing = [f for f in names if f not in index]
+    wanted = list(dict.fromkeys(names))  # a feature shared by tables once
+    missing = [f for f in wanted if f not in index]
     if missing:
         raise ValueError(
-            f"input is missing features {missing}; it has {keys}, the collection looks up "
-            f"{list(names)}"
+            f"input is missing features {missing}; it has {keys}, the collection looks up {wanted}"
         )
     return features.permute([index[f] for f in names])
 

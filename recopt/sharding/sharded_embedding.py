@@ -73,6 +73,9 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     ``backward`` together. ``state_dict()`` holds ``embedding_bags.<t>.weight`` as a
     ShardedTensor of the table's global shape (a plain tensor for data-parallel tables).
 
+    A feature may look up several tables, as in the fused collection: its outputs are keyed
+    ``feature@table``, and each of its lookups is distributed as a feature of its own.
+
     A backward whose output gradient holds NaN or inf on ANY rank updates nothing on every
     rank (no weight, state or step counter): the ranks agree with one all-reduce of a flag
     before the output exchange's backward, so every rank skips the same collectives. Such
@@ -116,7 +119,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         timeout: datetime.timedelta = AGREE_TIMEOUT,
     ) -> None:
         super().__init__()
-        validate_tables(tables)
+        validate_tables(tables, allow_shared_features=True)
         self.tables = list(tables)
         self.is_weighted = is_weighted
         self.device = torch.device(device if device is not None else "cpu")
@@ -254,7 +257,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         return self._pg
 
     def feature_names(self) -> list[str]:
-        """The output keys: features in table order."""
+        """The features looked up, in table order (repeated when shared by tables)."""
         return list(self._layout.features.feature_names)
 
     def kernels(self) -> list[Kernel]:
@@ -341,7 +344,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             pooled = expand_rows(pooled, self._layout.features.dims, index_F_B)
         self._record("output_dist", start)
         return KeyedTensor(
-            keys=self._layout.features.feature_names,
+            keys=self._layout.features.output_keys,
             length_per_key=self._layout.features.dims,
             values=pooled,
         )

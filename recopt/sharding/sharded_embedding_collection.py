@@ -7,6 +7,7 @@ own features to its own stride; the engine already pads ranks to the largest bat
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -19,7 +20,13 @@ from recopt.kernels.config import FusedOptimizerConfig
 from recopt.kernels.contract import Kernel
 from recopt.modules.config import EmbeddingConfig, validate_tables
 from recopt.modules.embedding import common_embedding_dim
-from recopt.modules.unpooled import one_id_bags, rows_per_feature, select_features
+from recopt.modules.inputs import FeatureLayout
+from recopt.modules.unpooled import (
+    lookup_bag_configs,
+    one_id_bags,
+    rows_per_feature,
+    select_lookups,
+)
 from recopt.optim.fused import FusedOptimizerModule
 from recopt.sharding.plan import ParameterSharding
 from recopt.sharding.sharded_embedding import AGREE_TIMEOUT, ShardedEmbeddingBagCollection
@@ -73,11 +80,11 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule):
         timeout: datetime.timedelta = AGREE_TIMEOUT,
     ) -> None:
         super().__init__()
-        validate_tables(tables, config_type=EmbeddingConfig)
+        validate_tables(tables, allow_shared_features=True, config_type=EmbeddingConfig)
         self.tables = list(tables)
         self._need_indices = need_indices
         engine = _OneIdBagShards(
-            [t.as_bag_config() for t in self.tables],
+            lookup_bag_configs(self.tables),
             shardings,
             optimizer=optimizer,
             table_optimizers=table_optimizers,
@@ -89,8 +96,7 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule):
         )
         self.__dict__["_engine"] = engine  # out of the module tree: state goes through it
         self.device = engine.device
-        self._names = [f for t in self.tables for f in t.feature_names]
-        self._dims = [t.embedding_dim for t in self.tables for _ in t.feature_names]
+        self._layout = FeatureLayout(self.tables)
 
     @property
     def _bags(self) -> _OneIdBagShards:
@@ -143,26 +149,32 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule):
         return self._need_indices
 
     def feature_names(self) -> list[str]:
-        """The output keys: features in table order."""
-        return list(self._names)
+        """The features looked up, in table order (repeated when shared by tables)."""
+        return list(self._layout.feature_names)
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         """Look up this rank's ids; backward updates every rank's looked-up rows in place.
+
+        Returns:
+            Output key (the feature, or ``feature@table`` when shared) -> this rank's rows.
 
         Raises:
             InvalidIdError / ValueError: this rank's input is bad; `RemoteInputError`: another
                 rank's is. Every rank raises, before anything is looked up or updated.
         """
         try:
-            selected = select_features(features, self._names)
+            selected = select_lookups(features, self._layout)
             bags = one_id_bags(selected)
         except ValueError:
-            # The engine checks the raw input the same way and shares the verdict with the
-            # other ranks before raising, so no rank is left waiting in a collective.
-            self._bags(features)
+            # The engine refuses the raw input too (its features are the lookups) and shares
+            # that verdict with the other ranks, so no rank is left waiting in a collective;
+            # this rank then raises its own, clearer error.
+            with contextlib.suppress(ValueError):
+                self._bags(features)
             raise
         pooled = self._bags(bags)
-        return rows_per_feature(pooled.values(), selected, self._dims, self._need_indices)
+        dims = self._layout.dims
+        return rows_per_feature(pooled.values(), selected, dims, self._need_indices)
 
     def _save_to_state_dict(
         self, destination: dict[str, Any], prefix: str, keep_vars: bool
