@@ -32,7 +32,27 @@ def common_embedding_dim(tables: Sequence[EmbeddingConfig]) -> int:
     return dims.pop()
 
 
-class EmbeddingCollection(nn.Module):
+class TableAccessors:
+    """TorchRec's table accessors, shared by the plain, fused and sharded embedding collections
+    (each sets ``tables`` and ``_need_indices``)."""
+
+    tables: list[EmbeddingConfig]
+    _need_indices: bool
+
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        """The tables (TorchRec's accessor)."""
+        return list(self.tables)
+
+    def embedding_dim(self) -> int:
+        """The row width shared by every table (see `common_embedding_dim`)."""
+        return common_embedding_dim(self.tables)
+
+    def need_indices(self) -> bool:
+        """Whether outputs carry their ids in ``weights``."""
+        return self._need_indices
+
+
+class EmbeddingCollection(nn.Module, TableAccessors):
     """A collection of tables looked up without pooling: each id gets its own row.
 
     Shapes: for each feature f with N_f ids in the input, the output holds a JaggedTensor whose
@@ -91,18 +111,6 @@ class EmbeddingCollection(nn.Module):
         embedding = self.embeddings[name]
         assert isinstance(embedding, nn.Embedding)
         return embedding.weight
-
-    def embedding_configs(self) -> list[EmbeddingConfig]:
-        """The tables (TorchRec's accessor)."""
-        return list(self.tables)
-
-    def embedding_dim(self) -> int:
-        """The row width shared by every table (see `common_embedding_dim`)."""
-        return common_embedding_dim(self.tables)
-
-    def need_indices(self) -> bool:
-        """Whether outputs carry their ids in ``weights``."""
-        return self._need_indices
 
     def feature_names(self) -> list[str]:
         """The features looked up, in table order (repeated when shared by tables)."""

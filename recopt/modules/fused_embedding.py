@@ -16,7 +16,7 @@ from torch import nn
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.kernels.contract import Kernel
 from recopt.modules.config import EmbeddingConfig, validate_tables
-from recopt.modules.embedding import common_embedding_dim
+from recopt.modules.embedding import TableAccessors
 from recopt.modules.fused import EmbeddingFusedOptimizer, FusedEmbeddingBagCollection
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.unpooled import (
@@ -36,7 +36,7 @@ class _OneIdBagEngine(FusedEmbeddingBagCollection):
     _param_prefix: ClassVar[str] = "embeddings"
 
 
-class FusedEmbeddingCollection(nn.Module, FusedOptimizerModule):
+class FusedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors):
     """`EmbeddingCollection` with the sparse optimizer fused into backward.
 
     Same input and output as `EmbeddingCollection`. After ``loss.backward()`` the rows looked up
@@ -111,18 +111,6 @@ class FusedEmbeddingCollection(nn.Module, FusedOptimizerModule):
     def kernels(self) -> list[Kernel]:
         """The kernels, one per optimizer group."""
         return self._bags.kernels()
-
-    def embedding_configs(self) -> list[EmbeddingConfig]:
-        """The tables (TorchRec's accessor)."""
-        return list(self.tables)
-
-    def embedding_dim(self) -> int:
-        """The row width shared by every table (see `common_embedding_dim`)."""
-        return common_embedding_dim(self.tables)
-
-    def need_indices(self) -> bool:
-        """Whether outputs carry their ids in ``weights``."""
-        return self._need_indices
 
     def feature_names(self) -> list[str]:
         """The features looked up, in table order (repeated when shared by tables)."""

@@ -19,7 +19,7 @@ from torch import nn
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.kernels.contract import Kernel
 from recopt.modules.config import EmbeddingConfig, validate_tables
-from recopt.modules.embedding import common_embedding_dim
+from recopt.modules.embedding import TableAccessors
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.unpooled import (
     lookup_bag_configs,
@@ -39,7 +39,7 @@ class _OneIdBagShards(ShardedEmbeddingBagCollection):
     _param_prefix: ClassVar[str] = "embeddings"
 
 
-class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule):
+class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors):
     """A FusedEmbeddingCollection whose tables are split over ranks by a sharding plan.
 
     Same input (this rank's batch) and output (``dict[str, JaggedTensor]`` of this rank's ids) as
@@ -135,18 +135,6 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule):
     def kernels(self) -> list[Kernel]:
         """This rank's kernels: model-parallel ones, then data-parallel replicas."""
         return self._bags.kernels()
-
-    def embedding_configs(self) -> list[EmbeddingConfig]:
-        """The tables (TorchRec's accessor)."""
-        return list(self.tables)
-
-    def embedding_dim(self) -> int:
-        """The row width shared by every table (see `common_embedding_dim`)."""
-        return common_embedding_dim(self.tables)
-
-    def need_indices(self) -> bool:
-        """Whether outputs carry their ids in ``weights``."""
-        return self._need_indices
 
     def feature_names(self) -> list[str]:
         """The features looked up, in table order (repeated when shared by tables)."""
