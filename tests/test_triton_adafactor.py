@@ -7,14 +7,12 @@ and the ``cuda`` tier checks the recopt backend on CUDA against the CPU kernel.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 from collections.abc import Callable
 from types import ModuleType
 
 import pytest
 import torch
+from triton_helpers import interpreted_module
 
 from recopt.kernels import updates
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
@@ -24,25 +22,9 @@ EPS1 = torch.finfo(torch.float32).eps
 
 
 @pytest.fixture
-def interpreted(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """The Triton module, its kernels decorated under Triton's CPU interpreter.
-
-    The variable must be set before Triton is first imported: its own library functions
-    (``tl.sum``) are decorated at import.
-    """
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed (it is optional; torch's CUDA builds ship it)")
-    if torch.cuda.is_available():
-        pytest.skip("Triton compiles for the GPU here; the cuda tests below check it")
-    imported_before = "triton" in sys.modules
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if imported_before and not isinstance(tl.sum, InterpretedFunction):
-        pytest.skip("Triton was imported in compiled mode by an earlier test of this process")
-    module = importlib.import_module("recopt.kernels.triton_adafactor")
-    return importlib.reload(module)
+def interpreted() -> ModuleType:
+    """The kernel module under Triton's CPU interpreter."""
+    return interpreted_module("recopt.kernels.triton_adafactor")
 
 
 def _inputs(rows: int, dim: int, count: int, scale: float, device: str) -> tuple:

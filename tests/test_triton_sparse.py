@@ -6,13 +6,11 @@ without Triton); the ``cuda`` test compares the compiled kernel on a GPU with th
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 from types import ModuleType
 
 import pytest
 import torch
+from triton_helpers import interpreted_module
 
 from recopt.kernels import updates
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
@@ -22,20 +20,9 @@ OPTIMIZERS = ["sgd", "adagrad", "row_wise_adagrad", "adam", "row_wise_adam"]
 
 
 @pytest.fixture
-def interpreted(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """The kernel module decorated under Triton's interpreter (set before Triton's import)."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed (it is optional; torch's CUDA builds ship it)")
-    if torch.cuda.is_available():
-        pytest.skip("Triton compiles for the GPU here; the cuda test below checks it")
-    imported_before = "triton" in sys.modules
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if imported_before and not isinstance(tl.sum, InterpretedFunction):
-        pytest.skip("Triton was imported in compiled mode by an earlier test of this process")
-    return importlib.reload(importlib.import_module("recopt.kernels.triton_sparse"))
+def interpreted() -> ModuleType:
+    """The kernel module under Triton's CPU interpreter."""
+    return interpreted_module("recopt.kernels.triton_sparse")
 
 
 def _kernel(
