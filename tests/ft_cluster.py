@@ -140,6 +140,29 @@ class Cluster:
         for proc in self.replicas.values():
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
 
+    def run_fused_replicas(self, *extra_for_a: str, steps: int | None = None) -> None:
+        """Runs `FUSED_WORKER` as replicas a and b (seeds 1, 2) under a fresh lighthouse, until
+        both exit 0; ``extra_for_a`` are more flags for replica a only."""
+        port = self.start_lighthouse(min_replicas=2, join_s=1.0, hb_s=2.0)
+        length = [] if steps is None else [f"--steps={steps}"]
+        procs = [
+            self._spawn(
+                [
+                    str(FUSED_WORKER),
+                    f"--replica-id={name}",
+                    f"--rank-seed={seed}",
+                    f"--lighthouse-port={port}",
+                    f"--out={self.out}",
+                    *length,
+                    *(extra_for_a if name == "a" else ()),
+                ],
+                f"{name}.log",
+            )
+            for name, seed in (("a", 1), ("b", 2))
+        ]
+        for proc in procs:
+            assert proc.wait(timeout=90) == 0, self.logs()
+
     def close(self) -> None:
         if self.lighthouse is not None:
             self.lighthouse.shutdown()

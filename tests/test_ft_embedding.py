@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,7 +17,7 @@ from recopt.ft.embedding import (
     average_row_gradients,
     union_row_gradients,
 )
-from recopt.ft.lighthouse import Lighthouse, LighthouseConfig
+from recopt.ft.lighthouse import Lighthouse
 from recopt.kernels.config import Backend
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, FusedOptimizerConfig
 from recopt.sparse import KeyedJaggedTensor
@@ -134,17 +133,7 @@ def test_row_gradient_averaging_is_consistent_across_replicas() -> None:
     assert average_row_gradients(ids[2], ids, grads).shape == (0, 3)
 
 
-@pytest.fixture
-def lighthouse() -> Iterator[Lighthouse]:
-    server = Lighthouse(LighthouseConfig(min_replicas=1), host="127.0.0.1", port=0)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-
-
-def test_manager_rolls_back_fused_tables_with_dense_model(lighthouse: Lighthouse) -> None:
+def test_manager_rolls_back_fused_tables_with_dense_model(local_lighthouse: Lighthouse) -> None:
     """With a real Manager: below min_replica_size nothing commits, dense or fused."""
     torch.manual_seed(0)
     sparse = FusedEmbeddingBagCollection(
@@ -159,7 +148,7 @@ def test_manager_rolls_back_fused_tables_with_dense_model(lighthouse: Lighthouse
     timeout = datetime.timedelta(seconds=10)
     config = ManagerConfig(
         replica_id="solo",
-        lighthouse=("127.0.0.1", lighthouse.port),
+        lighthouse=("127.0.0.1", local_lighthouse.port),
         min_replica_size=2,
         timeout=timeout,
         quorum_timeout=timeout,

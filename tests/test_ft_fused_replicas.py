@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ft_cluster import FUSED_WORKER, Cluster, assert_same_state
+from ft_cluster import Cluster, assert_same_state
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -14,22 +14,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 def test_fused_tables_stay_identical_across_replicas(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path)
     try:
-        port = cluster.start_lighthouse(min_replicas=2, join_s=1.0, hb_s=2.0)
-        procs = [
-            cluster._spawn(
-                [
-                    str(FUSED_WORKER),
-                    f"--replica-id={name}",
-                    f"--rank-seed={seed}",
-                    f"--lighthouse-port={port}",
-                    f"--out={tmp_path}",
-                ],
-                f"{name}.log",
-            )
-            for name, seed in (("a", 1), ("b", 2))
-        ]
-        for proc in procs:
-            assert proc.wait(timeout=90) == 0, cluster.logs()
+        cluster.run_fused_replicas()
         steps = cluster.steps_saved("a")
         assert steps == cluster.steps_saved("b") == set(range(1, 9))
         first = cluster.state("a", 1)

@@ -9,17 +9,16 @@ waiting, and training ends bit-identical to a run that never saw the NaN.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from ft_cluster import FUSED_WORKER, Cluster, assert_same_state
+from ft_cluster import Cluster, assert_same_state
 
 from recopt.ft import Manager, ManagerConfig, NonFiniteGradientError
 from recopt.ft.embedding import EmbeddingReplicaSync, FusedEmbeddingGuard, make_grad_hook
-from recopt.ft.lighthouse import Lighthouse, LighthouseConfig
+from recopt.ft.lighthouse import Lighthouse
 from recopt.kernels.config import Backend
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, FusedOptimizerConfig
 from recopt.sparse import KeyedJaggedTensor
@@ -107,23 +106,13 @@ def test_guard_drops_the_step_the_collection_skipped() -> None:
     guard.before_vote()  # the next finite step commits again
 
 
-@pytest.fixture
-def lighthouse() -> Iterator[Lighthouse]:
-    server = Lighthouse(LighthouseConfig(min_replicas=1), host="127.0.0.1", port=0)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-
-
 def test_manager_drops_a_step_whose_averaged_dense_gradient_is_not_finite(
-    lighthouse: Lighthouse,
+    local_lighthouse: Lighthouse,
 ) -> None:
     timeout = datetime.timedelta(seconds=10)
     config = ManagerConfig(
         replica_id="solo",
-        lighthouse=("127.0.0.1", lighthouse.port),
+        lighthouse=("127.0.0.1", local_lighthouse.port),
         timeout=timeout,
         quorum_timeout=timeout,
         hostname="127.0.0.1",
@@ -145,25 +134,8 @@ def test_manager_drops_a_step_whose_averaged_dense_gradient_is_not_finite(
 def _run(tmp_path: Path, *extra: str) -> Cluster:
     tmp_path.mkdir()
     cluster = Cluster(tmp_path)
-    port = cluster.start_lighthouse(min_replicas=2, join_s=1.0, hb_s=2.0)
-    procs = [
-        cluster._spawn(
-            [
-                str(FUSED_WORKER),
-                f"--replica-id={name}",
-                f"--rank-seed={seed}",
-                f"--lighthouse-port={port}",
-                f"--out={tmp_path}",
-                "--steps=4",
-                *(extra if name == "a" else ()),
-            ],
-            f"{name}.log",
-        )
-        for name, seed in (("a", 1), ("b", 2))
-    ]
     try:
-        for proc in procs:
-            assert proc.wait(timeout=90) == 0, cluster.logs()
+        cluster.run_fused_replicas(*extra, steps=4)
     finally:
         cluster.close()
     return cluster
