@@ -1,7 +1,8 @@
 """fbgemm's table-batched embedding kernel behind recopt's kernel contract.
 
-The CPU build trains with SGD, Adagrad and row-wise Adagrad only; the CUDA build is the GPU
-path. recopt validates ids itself, so fbgemm's (warn-and-use-row-0) bounds check is off.
+The CPU build trains with SGD, Adagrad and row-wise Adagrad only, fp32 or fp16 weights
+(rounded to nearest) and fp32 state; the CUDA build is the GPU path. recopt validates ids
+itself, so fbgemm's (warn-and-use-row-0) bounds check is off.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 from recopt.kernels.autotune import BackendDecision
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.contract import KernelHook
+from recopt.kernels.precision import Precision
 from recopt.kernels.registry import OPTIMIZERS, optimizer_spec
 
 # Optimizers fbgemm's fused kernels run here (its CPU build's; the registry also records its
@@ -64,6 +66,7 @@ def fbgemm_problems(
         problems.append(
             "fbgemm has no 'maximize' option; use backend='recopt' or 'auto' (maximize=True)"
         )
+    problems.extend(_precision_problems(tables, optimizer, device))
     for table in tables:
         if table.embedding_dim % FBGEMM_DIM_MULTIPLE != 0:
             fixed = -(-table.embedding_dim // FBGEMM_DIM_MULTIPLE) * FBGEMM_DIM_MULTIPLE
@@ -71,6 +74,44 @@ def fbgemm_problems(
                 f"table {table.name!r}: embedding_dim {table.embedding_dim} is not a multiple "
                 f"of {FBGEMM_DIM_MULTIPLE}, which the fbgemm backend requires; use "
                 f"{fixed}, or backend='recopt' or 'auto'"
+            )
+    return problems
+
+
+def _precision_problems(
+    tables: Sequence[TableSpec], optimizer: FusedOptimizerConfig, device: torch.device
+) -> list[str]:
+    """What fbgemm lacks of the requested weight and state precision (fbgemm-gpu 1.8.0).
+
+    One weights precision per kernel; fp32 state for its sgd/adagrad kernels (its
+    ``optimizer_state_dtypes`` is for partial row-wise Adam only); on CPU no bf16 weights
+    (its CPU forward is not built for them) and no stochastic rounding (its CPU kernels
+    round to nearest whatever ``stochastic_rounding`` says; measured).
+    """
+    fix = "use backend='recopt' or 'auto'"
+    names = ", ".join(repr(t.name) for t in tables)
+    kinds = {Precision(t.weight_dtype) for t in tables}
+    problems: list[str] = []
+    if len(kinds) > 1:
+        problems.append(
+            f"tables {names} mix weight dtypes {sorted(k.value for k in kinds)} and fbgemm "
+            f"holds one per kernel; give them one weight_dtype, or {fix}"
+        )
+    if optimizer.state_dtype.reduced:
+        problems.append(
+            f"fbgemm keeps {optimizer.name!r} state in fp32; state_dtype "
+            f"{optimizer.state_dtype.value!r} needs recopt's kernel: {fix}"
+        )
+    if device.type == "cpu":
+        if Precision.BF16 in kinds:
+            problems.append(
+                f"tables {names}: fbgemm's CPU kernels do not run bf16 weights; use "
+                f"weight_dtype='fp16', or {fix}"
+            )
+        if Precision.FP16 in kinds and optimizer.stochastic_rounding:
+            problems.append(
+                f"tables {names}: fbgemm's CPU kernels round fp16 updates to nearest, not "
+                f"stochastically; pass stochastic_rounding=False to accept that, or {fix}"
             )
     return problems
 
@@ -98,7 +139,7 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         device: torch.device,
     ) -> None:
         super().__init__()
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
             BoundsCheckMode,
             EmbeddingLocation,
@@ -117,6 +158,12 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
         compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
         spec = optimizer_spec(optimizer.name)
+        precision = Precision(tables[0].weight_dtype)
+        weights_precision = {
+            Precision.FP32: SparseType.FP32,
+            Precision.FP16: SparseType.FP16,
+            Precision.BF16: SparseType.BF16,
+        }[precision]
         fbgemm_name = spec.fbgemm_cpu
         assert fbgemm_name is not None  # fbgemm_problems checked it
         self._state_names = spec.fbgemm_states
@@ -142,6 +189,10 @@ class FbgemmTableBatchedEmbedding(nn.Module):
             else WeightDecayMode.NONE,
             pooling_mode=PoolingMode.SUM if pooling == PoolingType.SUM else PoolingMode.MEAN,
             bounds_check_mode=BoundsCheckMode.NONE,
+            weights_precision=weights_precision,
+            # On CUDA fbgemm draws its own rounding stream (not seeded by rounding_seed).
+            stochastic_rounding=precision.reduced and optimizer.stochastic_rounding,
+            output_dtype=SparseType.FP32,
             device=device,
         )
 

@@ -2,7 +2,8 @@
 
 On CPU (float32) forward and backward are native passes (`cpu_fused`): one sort of all the
 tables' ids, then one pass that sums each touched row's gradient and updates only that row
-and its state. Otherwise (or with hooks, or for Adafactor) torch ops do the same per table.
+and its state. Otherwise (or with hooks, or for Adafactor, or fp16/bf16 tables or state)
+torch ops do the same per table; reduced precision is computed in fp32 and rounded back.
 Legend: B batch, F features, N ids (occurrences) of one table, D a table's dim.
 """
 
@@ -26,6 +27,7 @@ from recopt.kernels.config import (
     validate_kernel_layout,
 )
 from recopt.kernels.contract import KernelHook
+from recopt.kernels.precision import Precision, make_generator, rounding_seed
 
 Tensor = torch.Tensor
 
@@ -63,8 +65,12 @@ class RecoptTableBatchedEmbedding(nn.Module):
         use_native: run the native CPU pass when it is available (CPU float32); False forces
             the torch-ops path.
 
+    Tables keep their ``weight_dtype`` and the state ``optimizer.state_dtype``; pooled
+    outputs are float32 whatever the tables' dtype (rows are summed in float32).
+
     Raises:
-        ValueError: empty tables, a table with no rows or dim, or a feature mapped to no table.
+        ValueError: empty tables, a table with no rows or dim, a feature mapped to no table,
+            or adafactor with fp16/bf16 weights.
     """
 
     def __init__(
@@ -86,15 +92,34 @@ class RecoptTableBatchedEmbedding(nn.Module):
         self.pooling = PoolingType(pooling)
         self._lr = optimizer.learning_rate
         device = torch.device(device)
+        self._check_precision()
         self.weights = nn.ParameterList()
         for table in tables:
             bound = 1.0 / math.sqrt(table.num_embeddings)
-            weight = torch.empty(table.num_embeddings, table.embedding_dim, device=device)
+            weight = torch.empty(
+                table.num_embeddings,
+                table.embedding_dim,
+                device=device,
+                dtype=Precision(table.weight_dtype).dtype,
+            )
             self.weights.append(nn.Parameter(weight.uniform_(-bound, bound)))
+        self._reduced = optimizer.state_dtype.reduced or any(
+            Precision(t.weight_dtype).reduced for t in tables
+        )
+        # The stochastic-rounding stream: one per kernel, seeded from the config and the
+        # tables' names, advancing with every update (so each step rounds differently).
+        self._rounding: torch.Generator | None = None
+        if self._reduced and optimizer.stochastic_rounding:
+            seed = rounding_seed(optimizer.rounding_seed, [t.name for t in tables])
+            self._rounding = make_generator(seed, device)
         self._state_names: list[list[str]] = []
         for t, table in enumerate(tables):
             state = updates.init_state(
-                optimizer.name, table.num_embeddings, table.embedding_dim, device
+                optimizer.name,
+                table.num_embeddings,
+                table.embedding_dim,
+                device,
+                optimizer.state_dtype.dtype,
             )
             self._state_names.append(list(state))
             for name, tensor in state.items():
@@ -117,6 +142,17 @@ class RecoptTableBatchedEmbedding(nn.Module):
         self.backend_decision: BackendDecision | None = None  # set by create_kernel
         self.grad_hook: KernelHook | None = None
         self.row_stat_hook: KernelHook | None = None
+
+    def _check_precision(self) -> None:
+        if not self._spec.dense_state:
+            return
+        for table in self.tables:
+            if Precision(table.weight_dtype).reduced:
+                raise ValueError(
+                    f"table {table.name!r}: weight_dtype {Precision(table.weight_dtype).value!r} "
+                    f"with {self.optimizer.name!r}, whose update reads the whole table; use "
+                    "weight_dtype='fp32' for adafactor tables"
+                )
 
     # Contract surface ---------------------------------------------------------------------
 
@@ -200,9 +236,15 @@ class RecoptTableBatchedEmbedding(nn.Module):
             offs = offsets[f * batch : (f + 1) * batch + 1] - starts[f]
             psw = None if weights is None else weights[starts[f] : starts[f + 1]]
             mode = "mean" if mean and psw is None else "sum"
+            table = self.weights[t].detach()
+            if table.dtype != torch.float32:
+                # fp16/bf16 rows are summed in float32: gather them, then pool the copies.
+                table = table.index_select(0, ids).float()
+                ids = torch.arange(ids.numel(), device=ids.device)
+                psw = None if psw is None else psw.float()
             out_B_D = F.embedding_bag(
                 ids,
-                self.weights[t],
+                table,
                 offs,
                 mode=mode,
                 per_sample_weights=psw,
@@ -289,7 +331,8 @@ class RecoptTableBatchedEmbedding(nn.Module):
             rows_U, grad_U_D = row_grad
             if self.grad_hook is not None:
                 grad_U_D = self.grad_hook(t, rows_U, grad_U_D)
-            self._torch_update(t, weight, states[t], rows_U, grad_U_D.to(weight.dtype))
+            grad_dtype = torch.float32 if self._reduced else weight.dtype
+            self._torch_update(t, weight, states[t], rows_U, grad_U_D.to(grad_dtype))
 
     def _torch_row_grads(
         self, grad_out: Tensor, indices: Tensor, offsets: Tensor, weights: Tensor | None
@@ -363,6 +406,11 @@ class RecoptTableBatchedEmbedding(nn.Module):
     ) -> None:
         hook = self.row_stat_hook
         row_stat = None if hook is None else (lambda sum_sq_U: hook(t, rows_U, sum_sq_U))
+        if self._reduced:
+            updates.apply_update_rounded(
+                self.optimizer, self._lr, weight, state, rows_U, grad_U_D, self._rounding, row_stat
+            )
+            return
         updates.apply_update(
             self.optimizer, self._lr, weight, state, rows_U, grad_U_D, self._norms[t], row_stat
         )
@@ -370,7 +418,8 @@ class RecoptTableBatchedEmbedding(nn.Module):
     def _native_ok(
         self, grad_out: Tensor | None, indices: Tensor, offsets: Tensor, weights: Tensor | None
     ) -> bool:
-        """The native passes run CPU float32 tables with int64 ids (backward: and no hooks).
+        """The native passes run CPU float32 tables with int64 ids (backward: and no hooks,
+        float32 state).
 
         ``grad_out`` None asks about the forward, which every optimizer and hook can use.
         """
@@ -378,6 +427,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
             self.grad_hook is None
             and self.row_stat_hook is None
             and self._spec.c_code is not None
+            and not self._reduced
             and grad_out.dtype == torch.float32
             and grad_out.numel() < 2**32
         )
@@ -441,7 +491,8 @@ class RecoptTableBatchedEmbedding(nn.Module):
                 lengths_B,
                 output_size=starts[f + 1] - starts[f],
             )
-            rows_N_D = self.weights[t].detach().index_select(0, indices[starts[f] : starts[f + 1]])
+            ids_N = indices[starts[f] : starts[f + 1]]
+            rows_N_D = self.weights[t].detach().index_select(0, ids_N).to(grad_out.dtype)
             c0 = self._col_offsets[f]
             g_N_D = grad_out[:, c0 : c0 + rows_N_D.shape[1]].index_select(0, bag_N)
             g_N = (rows_N_D * g_N_D).sum(dim=1)

@@ -18,6 +18,7 @@ from torch import nn
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.contract import Kernel
 from recopt.kernels.factory import create_kernel
+from recopt.kernels.precision import Precision
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import (
     LearningRateSync,
@@ -122,12 +123,14 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._grad_guard = NonFiniteGradGuard(type(self).__name__)
 
     def _build_groups(self, optimizers: Mapping[str, FusedOptimizerConfig]) -> list[_KernelGroup]:
-        tables_of: dict[tuple[FusedOptimizerConfig, PoolingType], list[int]] = {}
+        # One kernel per optimizer, pooling and weight dtype (a kernel holds one precision).
+        tables_of: dict[tuple[FusedOptimizerConfig, PoolingType, Precision], list[int]] = {}
         for t, table in enumerate(self.tables):
-            tables_of.setdefault((optimizers[table.name], table.pooling), []).append(t)
+            key = (optimizers[table.name], table.pooling, table.weight_dtype)
+            tables_of.setdefault(key, []).append(t)
         return [
             self._build_group(optimizer, pooling, table_indices)
-            for (optimizer, pooling), table_indices in tables_of.items()
+            for (optimizer, pooling, _), table_indices in tables_of.items()
         ]
 
     def _build_group(
@@ -141,6 +144,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 name=self.tables[t].name,
                 num_embeddings=self.tables[t].num_embeddings,
                 embedding_dim=self.tables[t].embedding_dim,
+                weight_dtype=self.tables[t].weight_dtype,
             )
             for t in table_indices
         ]

@@ -131,6 +131,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                         name=table.name,
                         num_embeddings=table.num_embeddings,
                         embedding_dim=table.embedding_dim,
+                        weight_dtype=table.weight_dtype,
                     )
                 )
             else:
@@ -140,6 +141,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                         name=f"{table.name}.shard{k}",
                         num_embeddings=s.num_rows,
                         embedding_dim=s.num_cols,
+                        weight_dtype=table.weight_dtype,
                     )
                 )
         local = {tk: i for i, tk in enumerate(group.tables)}

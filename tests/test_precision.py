@@ -1,0 +1,264 @@
+"""Reduced-precision weights and optimizer state: stochastic rounding, kernels, modules, configs.
+
+Tiers: the rounding function alone, then one kernel against an fp32 reference, then modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
+from recopt.kernels.factory import choose_backend
+from recopt.kernels.precision import (
+    Precision,
+    make_generator,
+    parse_precision,
+    stochastic_round,
+)
+from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
+from recopt.modules import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    FusedEmbeddingBagCollection,
+)
+from recopt.sparse import KeyedJaggedTensor
+
+CPU = torch.device("cpu")
+REDUCED = [torch.float16, torch.bfloat16]
+ROW_OPTIMIZERS = ["sgd", "adagrad", "row_wise_adagrad", "adam", "row_wise_adam"]
+
+
+def _neighbours(start: float, dtype: torch.dtype) -> tuple[float, float]:
+    lo = torch.tensor(start, dtype=dtype)
+    hi = torch.nextafter(lo, torch.tensor(math.inf, dtype=dtype))
+    return lo.item(), hi.item()
+
+
+# Rounding ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", REDUCED)
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.77])
+@pytest.mark.parametrize("start", [1.0, -3.0, 1e-3])
+def test_stochastic_rounding_is_unbiased(dtype: torch.dtype, fraction: float, start: float) -> None:
+    lo, hi = _neighbours(start, dtype)
+    x = lo + fraction * (hi - lo)
+    n = 200_000
+    rounded = stochastic_round(torch.full((n,), x), dtype, make_generator(7, CPU))
+    values = rounded.float()
+    assert set(values.unique().tolist()) <= {lo, hi}
+    # Each draw is lo + (hi - lo) * Bernoulli(p); p's estimate has std sqrt(p(1-p)/n).
+    p = (x - lo) / (hi - lo)
+    bound = 5 * math.sqrt(p * (1 - p) / n) * abs(hi - lo)
+    assert abs(values.double().mean().item() - x) < bound
+    assert bound < 0.01 * abs(hi - lo)  # the test can tell a 1% bias
+
+
+@pytest.mark.parametrize("dtype", REDUCED)
+def test_stochastic_rounding_seeded_reproducible_and_exact_values_kept(dtype: torch.dtype) -> None:
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
+    first = stochastic_round(x, dtype, make_generator(3, CPU))
+    again = stochastic_round(x, dtype, make_generator(3, CPU))
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    gen = make_generator(3, CPU)
+    step1, step2 = stochastic_round(x, dtype, gen), stochastic_round(x, dtype, gen)
+    assert not torch.equal(step1, step2)  # the stream advances: steps round differently
+    exact = x.to(dtype).float()
+    torch.testing.assert_close(stochastic_round(exact, dtype, gen).float(), exact, rtol=0, atol=0)
+    special = torch.tensor([math.inf, -math.inf, 0.0, 1e30])
+    torch.testing.assert_close(
+        stochastic_round(special, dtype, gen).float(), special.to(dtype).float(), rtol=0, atol=0
+    )
+
+
+def test_precision_parsing_and_errors() -> None:
+    assert parse_precision("FP16", "x") is Precision.FP16
+    assert parse_precision(torch.bfloat16, "x") is Precision.BF16
+    assert parse_precision("torch.float32", "x") is Precision.FP32
+    assert Precision.FP16.bytes == 2 and Precision.FP32.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"table 't': weight_dtype: 'fp8'.*'fp32', 'fp16', 'bf16'"):
+        EmbeddingBagConfig(
+            name="t", num_embeddings=4, embedding_dim=4, feature_names=["f"], weight_dtype="fp8"
+        )
+    with pytest.raises(ValueError, match=r"state_dtype: torch.int8"):
+        FusedOptimizerConfig(name="adam", state_dtype=torch.int8)
+    with pytest.raises(ValueError, match="adafactor.*state_dtype='fp32'"):
+        FusedOptimizerConfig(name="adafactor", state_dtype="bf16")
+    config = EmbeddingBagConfig(
+        name="t", num_embeddings=4, embedding_dim=4, feature_names=["f"], weight_dtype="half"
+    )
+    assert config.weight_dtype is Precision.FP16
+    with pytest.raises(ValueError, match="weight_dtype 'fp16' with 'adafactor'"):
+        FusedEmbeddingBagCollection([config], optimizer=FusedOptimizerConfig(name="adafactor"))
+
+
+# One kernel against an fp32 reference -------------------------------------------------------
+
+
+def _train_kernel(
+    weight_dtype: str, optimizer: FusedOptimizerConfig, steps: int = 3, backend: str = "recopt"
+) -> torch.Tensor:
+    spec = TableSpec(name="t", num_embeddings=64, embedding_dim=8, weight_dtype=weight_dtype)
+    if backend == "recopt":
+        kernel: torch.nn.Module = RecoptTableBatchedEmbedding(
+            [spec], [0], optimizer, PoolingType.MEAN, CPU
+        )
+    else:
+        from recopt.kernels.fbgemm_backend import FbgemmTableBatchedEmbedding
+
+        kernel = FbgemmTableBatchedEmbedding([spec], [0], optimizer, PoolingType.MEAN, CPU)
+    start = torch.linspace(-1, 1, 64 * 8).view(64, 8)
+    # Start every run from values every dtype holds exactly.
+    start = start.to(torch.bfloat16).float()
+    with torch.no_grad():
+        kernel.split_embedding_weights()[0].copy_(start)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        ids = torch.randint(0, 64, (48,), generator=gen)
+        out = kernel(ids, torch.arange(0, 49, 4))
+        assert out.dtype == torch.float32
+        # Gradients of order 1: fp16 state holds their squares (see the precision docs).
+        (out * torch.randn(out.shape, generator=gen).add(3.0)).sum().backward()
+    return kernel.split_embedding_weights()[0].float()
+
+
+@pytest.mark.parametrize("name", ROW_OPTIMIZERS)
+@pytest.mark.parametrize(
+    ("weights", "state"), [("fp16", "fp32"), ("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "fp16")]
+)
+def test_reduced_update_matches_fp32_within_rounding(name: str, weights: str, state: str) -> None:
+    steps = 3
+    reference = _train_kernel("fp32", FusedOptimizerConfig(name=name, lr=0.05), steps)
+    reduced = _train_kernel(
+        weights, FusedOptimizerConfig(name=name, lr=0.05, state_dtype=state), steps
+    )
+    # Each step rounds a weight to a neighbour (error < one unit in the last place, ulp <=
+    # eps * |w|), and rounded state changes the step's size by a relative error of order eps;
+    # over `steps` steps the weights differ by at most a few ulps of the largest weight.
+    eps = torch.finfo(Precision(weights if weights != "fp32" else state).dtype).eps
+    bound = 2 * steps * eps * reference.abs().max().item()
+    assert (reduced - reference).abs().max().item() <= bound
+    assert not torch.equal(reduced, reference) or name == "sgd"
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "row_wise_adagrad"])
+def test_fbgemm_fp16_matches_recopt_rounded_to_nearest(name: str) -> None:
+    pytest.importorskip("fbgemm_gpu")
+    config = FusedOptimizerConfig(name=name, lr=0.05, stochastic_rounding=False)
+    ours = _train_kernel("fp16", config, backend="recopt")
+    theirs = _train_kernel("fp16", config, backend="fbgemm")
+    assert (ours - theirs).abs().max().item() <= 2 * torch.finfo(torch.float16).eps
+
+
+def test_small_updates_survive_stochastic_rounding_not_nearest() -> None:
+    # lr * grad = 1e-4 per step is under half an fp16 ulp at 1.0 (2^-11 ~ 4.9e-4): rounding
+    # to nearest loses every step; stochastic rounding keeps them on average.
+    steps, rows = 100, 256
+
+    def run(stochastic: bool) -> torch.Tensor:
+        config = FusedOptimizerConfig(name="sgd", lr=1e-4, stochastic_rounding=stochastic)
+        spec = TableSpec(name="t", num_embeddings=rows, embedding_dim=8, weight_dtype="fp16")
+        kernel = RecoptTableBatchedEmbedding([spec], [0], config, PoolingType.SUM, CPU)
+        with torch.no_grad():
+            kernel.split_embedding_weights()[0].fill_(1.0)
+        ids, offsets = torch.arange(rows), torch.arange(rows + 1)
+        for _ in range(steps):
+            kernel(ids, offsets).sum().backward()
+        return kernel.split_embedding_weights()[0].double()
+
+    expected = 1.0 - steps * 1e-4
+    assert torch.all(run(False) == 1.0)
+    stochastic = run(True)
+    # Per element, the sum of `steps` independent roundings of gap <= 2^-11 each: std at most
+    # sqrt(steps) * 2^-11 / 2; the mean of rows * 8 elements has that over sqrt(rows * 8).
+    bound = 5 * math.sqrt(steps) * 2**-12 / math.sqrt(rows * 8)
+    assert abs(stochastic.mean().item() - expected) < bound
+
+
+def test_fbgemm_refuses_what_its_cpu_build_lacks_and_auto_picks_recopt() -> None:
+    fp16 = [TableSpec(name="t", num_embeddings=8, embedding_dim=8, weight_dtype="fp16")]
+    bf16 = [TableSpec(name="t", num_embeddings=8, embedding_dim=8, weight_dtype="bf16")]
+    cases = [
+        (fp16, FusedOptimizerConfig(name="sgd"), "stochastic_rounding=False"),
+        (bf16, FusedOptimizerConfig(name="sgd", stochastic_rounding=False), "bf16 weights"),
+        (
+            [TableSpec(name="t", num_embeddings=8, embedding_dim=8)],
+            FusedOptimizerConfig(name="adagrad", state_dtype="fp16"),
+            "state_dtype 'fp16'",
+        ),
+    ]
+    for tables, optimizer, message in cases:
+        with pytest.raises(ValueError, match=message):
+            choose_backend(tables, dataclasses.replace(optimizer, backend=Backend.FBGEMM), CPU)
+        assert choose_backend(tables, optimizer, CPU) is Backend.RECOPT
+
+
+# Modules ------------------------------------------------------------------------------------
+
+
+def _tables() -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name="t16",
+            num_embeddings=20,
+            embedding_dim=4,
+            feature_names=["a"],
+            weight_dtype=torch.float16,
+        ),
+        EmbeddingBagConfig(
+            name="tb16",
+            num_embeddings=20,
+            embedding_dim=4,
+            feature_names=["b"],
+            weight_dtype="bf16",
+        ),
+        EmbeddingBagConfig(name="t32", num_embeddings=20, embedding_dim=4, feature_names=["c"]),
+    ]
+
+
+def _batch() -> KeyedJaggedTensor:
+    return KeyedJaggedTensor.from_id_lists(
+        {"a": [[1, 2], [3]], "b": [[4], [5, 6, 7]], "c": [[8], []]}
+    )
+
+
+def test_fused_collection_keeps_each_tables_dtype_and_is_reproducible() -> None:
+    def build(seed: int) -> FusedEmbeddingBagCollection:
+        torch.manual_seed(0)
+        optimizer = FusedOptimizerConfig(
+            name="adam", lr=0.1, state_dtype="bf16", rounding_seed=seed
+        )
+        return FusedEmbeddingBagCollection(_tables(), optimizer=optimizer)
+
+    first, second, other = build(0), build(0), build(1)
+    for ebc in (first, second, other):
+        for _ in range(3):
+            pooled = ebc(_batch())
+            assert pooled.values().dtype == torch.float32
+            pooled.values().square().sum().backward()
+    weights = first.state_dict()
+    assert weights["embedding_bags.t16.weight"].dtype == torch.float16
+    assert weights["embedding_bags.tb16.weight"].dtype == torch.bfloat16
+    assert weights["embedding_bags.t32.weight"].dtype == torch.float32
+    state = first.fused_optimizer.state_dict()["state"]
+    assert state["embedding_bags.t16.weight"]["t16.exp_avg"].dtype == torch.bfloat16
+    assert state["embedding_bags.t16.weight"]["t16.step"].dtype == torch.int64
+    for key, value in weights.items():
+        torch.testing.assert_close(second.state_dict()[key], value, rtol=0, atol=0)
+    assert not torch.equal(
+        other.state_dict()["embedding_bags.t16.weight"], weights["embedding_bags.t16.weight"]
+    )
+
+
+def test_plain_collection_stores_reduced_weights_and_returns_fp32() -> None:
+    ebc = EmbeddingBagCollection(_tables())
+    assert ebc.embedding_bags["t16"].weight.dtype == torch.float16
+    pooled = ebc(_batch())
+    assert pooled.values().dtype == torch.float32
+    pooled.values().sum().backward()
+    assert ebc.embedding_bags["tb16"].weight.grad is not None
+    assert ebc.embedding_bags["tb16"].weight.grad.dtype == torch.bfloat16
