@@ -262,3 +262,47 @@ def test_plain_collection_stores_reduced_weights_and_returns_fp32() -> None:
     pooled.values().sum().backward()
     assert ebc.embedding_bags["tb16"].weight.grad is not None
     assert ebc.embedding_bags["tb16"].weight.grad.dtype == torch.bfloat16
+
+
+# Planner and plan ---------------------------------------------------------------------------
+
+
+def test_storage_counts_bytes_per_weight_and_state_value_from_the_dtypes() -> None:
+    from recopt.sharding import ShardingType
+    from recopt.sharding.planner.constraints import TableWorkload
+    from recopt.sharding.planner.storage import shard_storage_bytes
+
+    rows, dim = 1000, 64
+
+    def storage(weights: str, state: str) -> int:
+        optimizer = FusedOptimizerConfig(name="adam", state_dtype=state)
+        workload = TableWorkload(
+            batch_size=8,
+            num_features=1,
+            pooling_factor=2.0,
+            optimizer=optimizer,
+            weight_dtype=Precision(weights),
+        )
+        return shard_storage_bytes(ShardingType.TABLE_WISE, rows, dim, rows, workload, 1)
+
+    # 2 bytes saved per weight; adam holds 2 * rows * dim state values, 2 bytes saved each.
+    assert storage("fp32", "fp32") - storage("fp16", "fp32") == 2 * rows * dim
+    assert storage("fp16", "fp32") - storage("bf16", "bf16") == 2 * 2 * rows * dim
+
+
+def test_planner_keeps_fbgemm_off_what_it_cannot_run_and_plans_keep_state_dtype() -> None:
+    from recopt.sharding import ShardingPlan, construct_module_sharding_plan, table_wise
+    from recopt.sharding.planner import EmbeddingShardingPlanner, Topology
+
+    table = EmbeddingBagConfig(
+        name="t", num_embeddings=100, embedding_dim=8, feature_names=["f"], weight_dtype="fp16"
+    )
+    optimizer = FusedOptimizerConfig(name="sgd", backend="fbgemm")
+    planner = EmbeddingShardingPlanner(Topology(world_size=1), default_optimizer=optimizer)
+    with pytest.raises(ValueError, match="stochastic_rounding=False"):
+        planner.plan({"": [table]})
+    state = FusedOptimizerConfig(name="adam", state_dtype="bf16", rounding_seed=5)
+    shardings = construct_module_sharding_plan([table], {"t": table_wise(0, optimizer=state)}, 1)
+    plan = ShardingPlan.from_json(ShardingPlan({"": shardings}).to_json())
+    restored = plan.plan[""]["t"].optimizer
+    assert restored == state and restored.state_dtype is Precision.BF16

@@ -66,7 +66,7 @@ def fbgemm_problems(
         problems.append(
             "fbgemm has no 'maximize' option; use backend='recopt' or 'auto' (maximize=True)"
         )
-    problems.extend(_precision_problems(tables, optimizer, device))
+    problems.extend(fbgemm_precision_problems(tables, optimizer, device))
     for table in tables:
         if table.embedding_dim % FBGEMM_DIM_MULTIPLE != 0:
             fixed = -(-table.embedding_dim // FBGEMM_DIM_MULTIPLE) * FBGEMM_DIM_MULTIPLE
@@ -78,7 +78,7 @@ def fbgemm_problems(
     return problems
 
 
-def _precision_problems(
+def fbgemm_precision_problems(
     tables: Sequence[TableSpec], optimizer: FusedOptimizerConfig, device: torch.device
 ) -> list[str]:
     """What fbgemm lacks of the requested weight and state precision (fbgemm-gpu 1.8.0).

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.kernels.precision import Precision
 from recopt.sharding.plan import ShardingType
 
 
@@ -158,10 +159,23 @@ class TableWorkload:
         batch_size: bags per feature per rank in one step.
         num_features: features that look the table up.
         pooling_factor: average ids per bag.
-        optimizer: the fused optimizer that will update the table.
+        optimizer: the fused optimizer that will update the table (its ``state_dtype`` sets
+            the bytes per state value).
+        weight_dtype: how the table's weights are stored (bytes per weight).
     """
 
     batch_size: int
     num_features: int
     pooling_factor: float
     optimizer: FusedOptimizerConfig
+    weight_dtype: Precision = Precision.FP32
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes per stored weight value (4 fp32, 2 fp16/bf16)."""
+        return Precision(self.weight_dtype).bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes per optimizer-state value (4 fp32, 2 fp16/bf16)."""
+        return self.optimizer.state_dtype.bytes

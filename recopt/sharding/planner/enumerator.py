@@ -10,8 +10,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from recopt.kernels.config import Backend, FusedOptimizerConfig
-from recopt.kernels.fbgemm_backend import FBGEMM_DIM_MULTIPLE, FBGEMM_OPTIMIZERS
+import torch
+
+from recopt.kernels.config import Backend, FusedOptimizerConfig, TableSpec
+from recopt.kernels.fbgemm_backend import (
+    FBGEMM_DIM_MULTIPLE,
+    FBGEMM_OPTIMIZERS,
+    fbgemm_precision_problems,
+)
+from recopt.kernels.precision import Precision
 from recopt.kernels.registry import optimizer_spec
 from recopt.sharding.layout import needs_row_stat_hook
 from recopt.sharding.plan import ParameterSharding, ShardingType, ShardSpec
@@ -130,6 +137,7 @@ def table_workload(
         num_features=max(1, len(getattr(table, "feature_names", ()) or ())),
         pooling_factor=constraints.pooling_factor,
         optimizer=constraints.optimizer or optimizer,
+        weight_dtype=getattr(table, "weight_dtype", Precision.FP32),
     )
 
 
@@ -156,7 +164,7 @@ def enumerate_options(
     cache: dict[tuple[ShardingType, int, int, int], tuple[int, float]] = {}
     for kind, (sizes, fixed) in layouts:
         for kernel in kernels:
-            why = _kernel_problem(kernel, kind, sizes, workload.optimizer)
+            why = _kernel_problem(kernel, kind, sizes, workload, topology.device)
             if why:
                 rejected.append(why)
                 continue
@@ -238,10 +246,18 @@ def _kernel_problem(
     kernel: Backend,
     kind: ShardingType,
     sizes: list[tuple[int, int]],
-    optimizer: FusedOptimizerConfig,
+    workload: TableWorkload,
+    device: str,
 ) -> str:
     if kernel is not Backend.FBGEMM:
         return ""
+    optimizer = workload.optimizer
+    spec = TableSpec(
+        name="shard", num_embeddings=1, embedding_dim=4, weight_dtype=workload.weight_dtype
+    )
+    precision = fbgemm_precision_problems([spec], optimizer, torch.device(device))
+    if precision:
+        return precision[0]
     if needs_row_stat_hook(kind, optimizer):
         # A column shard of a row-wise optimizer needs the statistic of the full row, which
         # only recopt's kernel computes (sharding/layout.py).

@@ -108,14 +108,16 @@ def _lookup_and_update_seconds(
 ) -> tuple[float, float]:
     """Memory time of the forward (gather + pool) and backward (grad rows + fused update)."""
     pooled = FLOAT_BYTES * bags * cols
-    row_bytes = FLOAT_BYTES * cols
+    row_bytes = workload.weight_bytes * cols
     state_per_row = optimizer_state_floats(workload.optimizer.name, rows, cols) / rows
     mem = topology.memory_bandwidth
     # Forward: gather one row per id, write the pooled output.
     fwd = (ids * row_bytes + pooled) / mem
     # Backward: read the output gradient, write a gradient row per id, then the fused update
     # reads and writes each touched row and its state.
-    bwd = (pooled + ids * row_bytes + ids * (2 * row_bytes + 2 * FLOAT_BYTES * state_per_row)) / mem
+    state_row_bytes = workload.state_bytes * state_per_row
+    grad_row_bytes = FLOAT_BYTES * cols  # gradient rows are float32 whatever the weights
+    bwd = (pooled + ids * grad_row_bytes + ids * (2 * row_bytes + 2 * state_row_bytes)) / mem
     optimizer = workload.optimizer
     measured = topology.kernel_seconds(optimizer.name, optimizer.backend.value)
     if measured is not None and fwd + bwd > 0.0:

@@ -1,6 +1,7 @@
 """Storage estimator: bytes one shard of a table occupies on its rank during training.
 
-Weights, the state of the fused optimizer actually chosen (`optimizer_state_floats`), and the
+Weights and the state of the fused optimizer actually chosen (`optimizer_state_floats`), each
+at its dtype's bytes (``weight_dtype``, ``state_dtype``: 4 for fp32, 2 for fp16/bf16), and the
 step's buffers: ids and lengths received, pooled outputs and their gradients, a gradient row per
 id. Every rank also holds its own pooled outputs for every table. Formulas: docs/planner.md.
 """
@@ -11,7 +12,7 @@ from recopt.kernels.config import optimizer_state_floats
 from recopt.sharding.plan import ShardingType
 from recopt.sharding.planner.constraints import TableWorkload
 
-FLOAT_BYTES = 4  # weights, optimizer state, pooled outputs: float32
+FLOAT_BYTES = 4  # pooled outputs and gradients: float32 (weights and state: their dtype)
 ID_BYTES = 8  # ids and lengths: int64 (the KeyedJaggedTensor layout)
 
 
@@ -52,7 +53,7 @@ def shard_storage_bytes(
     ids = ids_to_shard(kind, num_rows, table_rows, workload, world_size)
     bags = world_size * workload.batch_size * workload.num_features
     state = optimizer_state_floats(workload.optimizer.name, num_rows, num_cols)
-    weights_and_state = FLOAT_BYTES * (num_rows * num_cols + state)
+    weights_and_state = workload.weight_bytes * num_rows * num_cols + workload.state_bytes * state
     inputs = ID_BYTES * (ids + bags)
     outputs = 2 * FLOAT_BYTES * bags * num_cols  # pooled (partial sums for row types) and grad
     grad_rows = FLOAT_BYTES * ids * num_cols
