@@ -305,7 +305,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
             self._native_update(grad_out, indices, offsets, weights)
             return
         native_sums = (
-            self._native_ok(None, indices, offsets, weights)
+            self._native_ok(None, indices, offsets, weights, reads_weights=False)
             and grad_out.dtype == torch.float32
             and grad_out.numel() < 2**32
         )
@@ -416,12 +416,19 @@ class RecoptTableBatchedEmbedding(nn.Module):
         )
 
     def _native_ok(
-        self, grad_out: Tensor | None, indices: Tensor, offsets: Tensor, weights: Tensor | None
+        self,
+        grad_out: Tensor | None,
+        indices: Tensor,
+        offsets: Tensor,
+        weights: Tensor | None,
+        *,
+        reads_weights: bool = True,
     ) -> bool:
         """The native passes run CPU float32 tables with int64 ids (backward: and no hooks,
         float32 state).
 
-        ``grad_out`` None asks about the forward, which every optimizer and hook can use.
+        ``grad_out`` None asks about the forward, which every optimizer and hook can use;
+        ``reads_weights`` False about the gradient sums alone, which any weight dtype can use.
         """
         backward_ok = grad_out is not None and (
             self.grad_hook is None
@@ -434,7 +441,10 @@ class RecoptTableBatchedEmbedding(nn.Module):
         return (
             self._use_native
             and (grad_out is None or backward_ok)
-            and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in self.weights)
+            and all(
+                w.device.type == "cpu" and (w.dtype == torch.float32 or not reads_weights)
+                for w in self.weights
+            )
             and indices.device.type == "cpu"
             and indices.dtype == torch.int64
             and offsets.dtype == torch.int64
