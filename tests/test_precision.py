@@ -100,17 +100,21 @@ def test_precision_parsing_and_errors() -> None:
 
 
 def _train_kernel(
-    weight_dtype: str, optimizer: FusedOptimizerConfig, steps: int = 3, backend: str = "recopt"
+    weight_dtype: str,
+    optimizer: FusedOptimizerConfig,
+    steps: int = 3,
+    backend: str = "recopt",
+    device: torch.device = CPU,
 ) -> torch.Tensor:
     spec = TableSpec(name="t", num_embeddings=64, embedding_dim=8, weight_dtype=weight_dtype)
     if backend == "recopt":
         kernel: torch.nn.Module = RecoptTableBatchedEmbedding(
-            [spec], [0], optimizer, PoolingType.MEAN, CPU
+            [spec], [0], optimizer, PoolingType.MEAN, device
         )
     else:
         from recopt.kernels.fbgemm_backend import FbgemmTableBatchedEmbedding
 
-        kernel = FbgemmTableBatchedEmbedding([spec], [0], optimizer, PoolingType.MEAN, CPU)
+        kernel = FbgemmTableBatchedEmbedding([spec], [0], optimizer, PoolingType.MEAN, device)
     start = torch.linspace(-1, 1, 64 * 8).view(64, 8)
     # Start every run from values every dtype holds exactly.
     start = start.to(torch.bfloat16).float()
@@ -118,12 +122,12 @@ def _train_kernel(
         kernel.split_embedding_weights()[0].copy_(start)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        ids = torch.randint(0, 64, (48,), generator=gen)
-        out = kernel(ids, torch.arange(0, 49, 4))
+        ids = torch.randint(0, 64, (48,), generator=gen).to(device)
+        out = kernel(ids, torch.arange(0, 49, 4, device=device))
         assert out.dtype == torch.float32
         # Gradients of order 1: fp16 state holds their squares (see the precision docs).
-        (out * torch.randn(out.shape, generator=gen).add(3.0)).sum().backward()
-    return kernel.split_embedding_weights()[0].float()
+        (out * torch.randn(out.shape, generator=gen).add(3.0).to(device)).sum().backward()
+    return kernel.split_embedding_weights()[0].float().cpu()
 
 
 @pytest.mark.parametrize("name", ROW_OPTIMIZERS)
@@ -152,6 +156,24 @@ def test_fbgemm_fp16_matches_recopt_rounded_to_nearest(name: str) -> None:
     ours = _train_kernel("fp16", config, backend="recopt")
     theirs = _train_kernel("fp16", config, backend="fbgemm")
     assert (ours - theirs).abs().max().item() <= 2 * torch.finfo(torch.float16).eps
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["recopt", "fbgemm"])
+def test_cuda_reduced_update_matches_fp32_and_repeats(backend: str) -> None:
+    if backend == "fbgemm":
+        pytest.importorskip("fbgemm_gpu")
+    cuda = torch.device("cuda")
+    name = "row_wise_adagrad"
+    reference = _train_kernel("fp32", FusedOptimizerConfig(name=name, lr=0.05), device=cuda)
+    config = FusedOptimizerConfig(name=name, lr=0.05)
+    first = _train_kernel("fp16", config, backend=backend, device=cuda)
+    bound = 2 * 3 * torch.finfo(torch.float16).eps * reference.abs().max().item()
+    assert (first - reference).abs().max().item() <= bound
+    if backend == "recopt":  # seeded on the device's generator: a second run is identical
+        torch.testing.assert_close(
+            _train_kernel("fp16", config, device=cuda), first, rtol=0, atol=0
+        )
 
 
 def test_small_updates_survive_stochastic_rounding_not_nearest() -> None:
