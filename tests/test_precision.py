@@ -86,6 +86,10 @@ def test_precision_parsing_and_errors() -> None:
         )
     with pytest.raises(ValueError, match=r"state_dtype: torch.int8"):
         FusedOptimizerConfig(name="adam", state_dtype=torch.int8)
+    with pytest.raises(ValueError, match="rounding_seed must be an int, got 1.5"):
+        FusedOptimizerConfig(rounding_seed=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="stochastic_rounding must be true or false"):
+        FusedOptimizerConfig(stochastic_rounding="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="adafactor.*state_dtype='fp32'"):
         FusedOptimizerConfig(name="adafactor", state_dtype="bf16")
     config = EmbeddingBagConfig(

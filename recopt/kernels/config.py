@@ -125,6 +125,16 @@ class FusedOptimizerConfig:
             object.__setattr__(self, "d", None)
         self._validate()
         object.__setattr__(self, "backend", Backend(self.backend))
+        if not isinstance(self.stochastic_rounding, bool):
+            raise ValueError(
+                f"fused optimizer {self.name!r}: stochastic_rounding must be true or false, got "
+                f"{self.stochastic_rounding!r}"
+            )
+        if isinstance(self.rounding_seed, bool) or not isinstance(self.rounding_seed, int):
+            raise ValueError(
+                f"fused optimizer {self.name!r}: rounding_seed must be an int, got "
+                f"{self.rounding_seed!r}; e.g. rounding_seed=0"
+            )
 
     def _validate(self) -> None:
         checks = [
