@@ -18,6 +18,7 @@ from recopt.kernels.precision import (
     make_generator,
     parse_precision,
     stochastic_round,
+    stochastic_round_torch,
 )
 from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
 from recopt.modules import (
@@ -41,14 +42,21 @@ def _neighbours(start: float, dtype: torch.dtype) -> tuple[float, float]:
 # Rounding ----------------------------------------------------------------------------------
 
 
+# The CPU's native pass (when a C compiler is there) and the torch ops every device runs.
+ROUNDERS = {"default": stochastic_round, "torch": stochastic_round_torch}
+
+
+@pytest.mark.parametrize("rounder", ROUNDERS)
 @pytest.mark.parametrize("dtype", REDUCED)
 @pytest.mark.parametrize("fraction", [0.1, 0.5, 0.77])
 @pytest.mark.parametrize("start", [1.0, -3.0, 1e-3, -3e-6])  # -3e-6: fp16 subnormal
-def test_stochastic_rounding_is_unbiased(dtype: torch.dtype, fraction: float, start: float) -> None:
+def test_stochastic_rounding_is_unbiased(
+    rounder: str, dtype: torch.dtype, fraction: float, start: float
+) -> None:
     lo, hi = _neighbours(start, dtype)
     x = lo + fraction * (hi - lo)
     n = 200_000
-    rounded = stochastic_round(torch.full((n,), x), dtype, make_generator(7, CPU))
+    rounded = ROUNDERS[rounder](torch.full((n,), x), dtype, make_generator(7, CPU))
     values = rounded.float()
     assert set(values.unique().tolist()) <= {lo, hi}
     # Each draw is lo + (hi - lo) * Bernoulli(p); p's estimate has std sqrt(p(1-p)/n).
@@ -58,8 +66,12 @@ def test_stochastic_rounding_is_unbiased(dtype: torch.dtype, fraction: float, st
     assert bound < 0.01 * abs(hi - lo)  # the test can tell a 1% bias
 
 
+@pytest.mark.parametrize("rounder", ROUNDERS)
 @pytest.mark.parametrize("dtype", REDUCED)
-def test_stochastic_rounding_seeded_reproducible_and_exact_values_kept(dtype: torch.dtype) -> None:
+def test_stochastic_rounding_seeded_reproducible_and_exact_values_kept(
+    rounder: str, dtype: torch.dtype
+) -> None:
+    stochastic_round = ROUNDERS[rounder]
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
     first = stochastic_round(x, dtype, make_generator(3, CPU))
     again = stochastic_round(x, dtype, make_generator(3, CPU))
@@ -69,10 +81,20 @@ def test_stochastic_rounding_seeded_reproducible_and_exact_values_kept(dtype: to
     assert not torch.equal(step1, step2)  # the stream advances: steps round differently
     exact = x.to(dtype).float()
     torch.testing.assert_close(stochastic_round(exact, dtype, gen).float(), exact, rtol=0, atol=0)
-    special = torch.tensor([math.inf, -math.inf, 0.0, 1e30])
+    special = torch.tensor([math.inf, -math.inf, 0.0, -0.0])
     torch.testing.assert_close(
         stochastic_round(special, dtype, gen).float(), special.to(dtype).float(), rtol=0, atol=0
     )
+    assert torch.isnan(stochastic_round(torch.tensor([math.nan]), dtype, gen)).all()
+    # Every result is one of x's two neighbours in the dtype.
+    rounded = stochastic_round(x, dtype, gen).float()
+    down = torch.where(
+        x.to(dtype).float() <= x,
+        x.to(dtype),
+        torch.nextafter(x.to(dtype), x.to(dtype).new_tensor(-math.inf)),
+    )
+    up = torch.nextafter(down, down.new_tensor(math.inf)).float()
+    assert torch.all((rounded == down.float()) | (rounded == up))
 
 
 def test_precision_parsing_and_errors() -> None:

@@ -327,3 +327,51 @@ int recopt_fused_update(int opt, int64_t n, const uint64_t *packed, const float 
     free(tables);
     return 0;
 }
+
+/* Stochastic rounding of float32 to fp16 (kind 0) or bf16 (kind 1) bit patterns: element i
+ * draws 32 random bits from a hash of (seed, i), so the result does not depend on threads.
+ * The magnitude's pattern gets a random integer below 2^k (k = 13 fp16, 16 bf16) added and
+ * its k low bits cleared: rounded up with probability (x - lo) / (hi - lo). fp16 subnormals
+ * (|x| < 2^-14, even steps of 2^-24) round up with probability frac(|x| * 2^24), 24 bits.
+ * NaN stays NaN, inf stays inf, values past fp16's largest finite value become inf. */
+static inline uint64_t mix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static inline uint16_t round_bf16(uint32_t bits, uint32_t r) {
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + (r & 0xffffu)) >> 16);
+}
+
+static inline uint16_t round_fp16(float x, uint32_t bits, uint32_t r) {
+    const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+    const uint32_t a = bits & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u; /* NaN */
+    if (a == 0x7f800000u) return sign | 0x7c00u; /* inf */
+    if (a < 0x38800000u) { /* below 2^-14: fp16 subnormal steps of 2^-24 */
+        const float m = fabsf(x) * 16777216.0f; /* exact: a power-of-two scaling, m < 1024 */
+        const float whole = floorf(m);
+        const float u = (float)(r >> 8) * (1.0f / 16777216.0f);
+        return sign | (uint16_t)((uint32_t)whole + (m - whole > u ? 1u : 0u));
+    }
+    const uint32_t t = (a + (r & 0x1fffu)) & ~0x1fffu;
+    const int32_t exponent = (int32_t)(t >> 23) - 127 + 15;
+    if (exponent >= 31) return sign | 0x7c00u;
+    return sign | (uint16_t)(((uint32_t)exponent << 10) | ((t >> 13) & 0x3ffu));
+}
+
+int recopt_stochastic_round(int64_t n, const float *x, uint16_t *out, int kind, uint64_t seed,
+                            int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (n > 65536)
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits;
+        __builtin_memcpy(&bits, &x[i], 4);
+        const uint32_t r = (uint32_t)(mix64(seed ^ ((uint64_t)i * 0xD1B54A32D192ED03ull)) >> 32);
+        out[i] = kind ? round_bf16(bits, r) : round_fp16(x[i], bits, r);
+    }
+    return 0;
+}

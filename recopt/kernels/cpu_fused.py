@@ -69,6 +69,7 @@ def _build() -> ctypes.CDLL:
         "recopt_pool": [i64, i64, ptr, ptr, ptr, i32, ptr, ptr, i64, ptr, i32],
         "recopt_aggregate": [i64, ptr, ptr, ptr, ptr, i64, ptr, i32],
         "recopt_fused_update": [i32, i64, ptr, ptr, ptr, i32, ptr, ptr, i32],
+        "recopt_stochastic_round": [i64, ptr, ptr, i32, ctypes.c_uint64, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(library, name)
@@ -288,3 +289,23 @@ def fused_update(
         _ptr(hyper_t),
         torch.get_num_threads(),
     )
+
+
+def stochastic_round(x: torch.Tensor, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Float32 ``x`` rounded stochastically to fp16 or bf16 (recopt.kernels.precision's law).
+
+    Element i's random bits are a hash of ``(seed, i)``: the result depends on the seed
+    only, not on the thread count.
+
+    Raises:
+        RuntimeError: the native library is not available.
+    """
+    if _library is None:
+        raise RuntimeError("stochastic_round: native library not loaded; call available() first")
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=dtype)
+    kind = {torch.float16: 0, torch.bfloat16: 1}[dtype]
+    _library.recopt_stochastic_round(
+        x.numel(), _ptr(x), _ptr(out), kind, seed % 2**64, torch.get_num_threads()
+    )
+    return out
