@@ -354,3 +354,20 @@ def test_planner_keeps_fbgemm_off_what_it_cannot_run_and_plans_keep_state_dtype(
     plan = ShardingPlan.from_json(ShardingPlan({"": shardings}).to_json())
     restored = plan.plan[""]["t"].optimizer
     assert restored == state and restored.state_dtype is Precision.BF16
+
+
+def test_plan_cli_reads_the_section_weight_dtype_with_per_table_override(tmp_path) -> None:
+    from recopt.sharding.planner.cli import read_config
+
+    config = tmp_path / "model.toml"
+    config.write_text(
+        '[embedding]\nweight_dtype = "bf16"\n[embedding.optimizer]\nname = "adam"\n'
+        'state_dtype = "bf16"\n'
+        '[[embedding.tables]]\nname = "a"\nnum_embeddings = 10\nembedding_dim = 8\n'
+        'feature_names = ["fa"]\n'
+        '[[embedding.tables]]\nname = "b"\nnum_embeddings = 10\nembedding_dim = 8\n'
+        'feature_names = ["fb"]\nweight_dtype = "fp32"\n'
+    )
+    planned = read_config(str(config))
+    assert [t.weight_dtype for t in planned.tables] == [Precision.BF16, Precision.FP32]
+    assert planned.optimizer is not None and planned.optimizer.state_dtype is Precision.BF16
