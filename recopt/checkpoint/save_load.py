@@ -468,7 +468,6 @@ def _warn_conversion(converted: list[str]) -> None:
         f"{_listing(converted)}; build the model with the checkpoint's weight_dtype / "
         "state_dtype to load them unchanged"
     )
-    logger.warning(message)
     warnings.warn(message, UserWarning, stacklevel=3)
 
 
