@@ -131,11 +131,12 @@ def _train_kernel(
     steps: int = 3,
     backend: str = "recopt",
     device: torch.device = CPU,
+    native: bool = True,
 ) -> torch.Tensor:
     spec = TableSpec(name="t", num_embeddings=64, embedding_dim=8, weight_dtype=weight_dtype)
     if backend == "recopt":
         kernel: torch.nn.Module = RecoptTableBatchedEmbedding(
-            [spec], [0], optimizer, PoolingType.MEAN, device
+            [spec], [0], optimizer, PoolingType.MEAN, device, use_native=native
         )
     else:
         from recopt.kernels.fbgemm_backend import FbgemmTableBatchedEmbedding
@@ -156,16 +157,19 @@ def _train_kernel(
     return kernel.split_embedding_weights()[0].float().cpu()
 
 
+@pytest.mark.parametrize("native", [True, False])  # the C pass (fp32 state) and torch ops
 @pytest.mark.parametrize("name", ROW_OPTIMIZERS)
 @pytest.mark.parametrize(
-    ("weights", "state"), [("fp16", "fp32"), ("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "fp16")]
+    ("weights", "state"),
+    [("fp16", "fp32"), ("bf16", "fp32"), ("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "fp16")],
 )
-def test_reduced_update_matches_fp32_within_rounding(name: str, weights: str, state: str) -> None:
+def test_reduced_update_matches_fp32_within_rounding(
+    native: bool, name: str, weights: str, state: str
+) -> None:
     steps = 3
     reference = _train_kernel("fp32", FusedOptimizerConfig(name=name, lr=0.05), steps)
-    reduced = _train_kernel(
-        weights, FusedOptimizerConfig(name=name, lr=0.05, state_dtype=state), steps
-    )
+    config = FusedOptimizerConfig(name=name, lr=0.05, state_dtype=state)
+    reduced = _train_kernel(weights, config, steps, native=native)
     # Each step rounds a weight to a neighbour (error < one unit in the last place, ulp <=
     # eps * |w|), and rounded state changes the step's size by a relative error of order eps;
     # over `steps` steps the weights differ by at most a few ulps of the largest weight.
@@ -200,6 +204,34 @@ def test_cuda_reduced_update_matches_fp32_and_repeats(backend: str) -> None:
         torch.testing.assert_close(
             _train_kernel("fp16", config, device=cuda), first, rtol=0, atol=0
         )
+
+
+def test_native_pass_runs_fp16_and_bf16_weights_with_stochastic_rounding() -> None:
+    from recopt.kernels import cpu_fused
+
+    if not cpu_fused.available():
+        pytest.skip("no C compiler: the native pass is not built")
+    tables = [
+        TableSpec(name="a", num_embeddings=40, embedding_dim=8, weight_dtype="fp16"),
+        TableSpec(name="b", num_embeddings=30, embedding_dim=4, weight_dtype="bf16"),
+    ]
+    config = FusedOptimizerConfig(name="adam", lr=0.05)
+    kernel = RecoptTableBatchedEmbedding(tables, [0, 1], config, PoolingType.SUM, CPU)
+    ids, offsets = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 2, 3, 4])
+    out = kernel(ids, offsets)
+    reference = RecoptTableBatchedEmbedding(
+        tables, [0, 1], config, PoolingType.SUM, CPU, use_native=False
+    )
+    with torch.no_grad():
+        for mine, theirs in zip(kernel.weights, reference.weights, strict=True):
+            theirs.copy_(mine)
+    # The native pooling sums the rows in float32, as the torch path does.
+    torch.testing.assert_close(out, reference(ids, offsets), rtol=0, atol=1e-6)
+    assert kernel._native_ok(out, ids, offsets, None)  # fp32 state, stochastic: native
+    nearest = RecoptTableBatchedEmbedding(
+        tables, [0, 1], dataclasses.replace(config, stochastic_rounding=False), PoolingType.SUM, CPU
+    )
+    assert not nearest._native_ok(out, ids, offsets, None)  # rounding to nearest: torch ops
 
 
 def test_small_updates_survive_stochastic_rounding_not_nearest() -> None:

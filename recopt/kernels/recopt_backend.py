@@ -1,9 +1,10 @@
 """recopt's own table-batched embedding kernel, the optimizer fused into backward.
 
-On CPU (float32) forward and backward are native passes (`cpu_fused`): one sort of all the
-tables' ids, then one pass that sums each touched row's gradient and updates only that row
-and its state. Otherwise (or with hooks, or for Adafactor, or fp16/bf16 tables or state)
-torch ops do the same per table; reduced precision is computed in fp32 and rounded back.
+On CPU forward and backward are native passes (`cpu_fused`): one sort of all the tables'
+ids, then one pass that sums each touched row's gradient and updates only that row and its
+state (fp16/bf16 rows in float32, rounded back stochastically). Otherwise (hooks, Adafactor,
+fp16/bf16 state, rounding to nearest, other devices) torch ops do the same per table;
+reduced precision is computed in fp32 and rounded back.
 Legend: B batch, F features, N ids (occurrences) of one table, D a table's dim.
 """
 
@@ -305,7 +306,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
             self._native_update(grad_out, indices, offsets, weights)
             return
         native_sums = (
-            self._native_ok(None, indices, offsets, weights, reads_weights=False)
+            self._native_ok(None, indices, offsets, weights)
             and grad_out.dtype == torch.float32
             and grad_out.numel() < 2**32
         )
@@ -421,30 +422,24 @@ class RecoptTableBatchedEmbedding(nn.Module):
         indices: Tensor,
         offsets: Tensor,
         weights: Tensor | None,
-        *,
-        reads_weights: bool = True,
     ) -> bool:
-        """The native passes run CPU float32 tables with int64 ids (backward: and no hooks,
-        float32 state).
+        """The native passes run CPU tables (float32, fp16, bf16) with int64 ids (backward:
+        and no hooks, float32 state, stochastic rounding of reduced weights).
 
-        ``grad_out`` None asks about the forward, which every optimizer and hook can use;
-        ``reads_weights`` False about the gradient sums alone, which any weight dtype can use.
+        ``grad_out`` None asks about the forward, which every optimizer and hook can use.
         """
         backward_ok = grad_out is not None and (
             self.grad_hook is None
             and self.row_stat_hook is None
             and self._spec.c_code is not None
-            and not self._reduced
+            and self._native_precision_ok()
             and grad_out.dtype == torch.float32
             and grad_out.numel() < 2**32
         )
         return (
             self._use_native
             and (grad_out is None or backward_ok)
-            and all(
-                w.device.type == "cpu" and (w.dtype == torch.float32 or not reads_weights)
-                for w in self.weights
-            )
+            and all(w.device.type == "cpu" for w in self.weights)
             and indices.device.type == "cpu"
             and indices.dtype == torch.int64
             and offsets.dtype == torch.int64
@@ -453,6 +448,13 @@ class RecoptTableBatchedEmbedding(nn.Module):
             and self._table_bases[-1] < 2**32
             and cpu_fused.available()
         )
+
+    def _native_precision_ok(self) -> bool:
+        """The native update keeps float32 state, and rounds fp16/bf16 rows stochastically
+        only (round-to-nearest and reduced state take the torch path)."""
+        if self.optimizer.state_dtype.reduced:
+            return False
+        return not self._reduced or self._rounding is not None
 
     def _native_update(
         self, grad_out: Tensor, indices: Tensor, offsets: Tensor, weights: Tensor | None
@@ -477,6 +479,9 @@ class RecoptTableBatchedEmbedding(nn.Module):
         ]
         code = self._spec.c_code
         assert code is not None  # checked by _native_ok
+        seed = 0
+        if self._rounding is not None:  # one draw per pass: rows hash it with their index
+            seed = int(torch.randint(0, 2**63 - 1, (), generator=self._rounding).item())
         cpu_fused.fused_update(
             code,
             words_N,
@@ -486,6 +491,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
             tensors,
             [self._lr, eps, config.weight_decay, sign, 1.0 - beta1, 1.0 - beta2],
             step_sizes,
+            seed,
         )
 
     def _per_sample_weight_grad(
