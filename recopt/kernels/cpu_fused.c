@@ -7,6 +7,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 /* One table: its rows are keys [base, end) of the pass's global key space. */
 typedef struct {
@@ -101,8 +104,19 @@ static inline float bf16_to_float(uint16_t h) {
 }
 
 /* Weight storage kinds: 0 float32, 1 fp16, 2 bf16 (the latter two as uint16 patterns). */
-static inline float load_half(const uint16_t *h, int kind) {
-    return kind == 1 ? half_to_float(*h) : bf16_to_float(*h);
+/* A row of n fp16 / bf16 patterns to float32: eight at a time with F16C where available. */
+static inline void load_row(const uint16_t *restrict h, float *restrict out, int64_t n,
+                            int kind) {
+    int64_t i = 0;
+    if (kind == 2) {
+        for (; i < n; i++) out[i] = bf16_to_float(h[i]);
+        return;
+    }
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) out[i] = half_to_float(h[i]);
 }
 
 static inline uint32_t random_bits(uint64_t seed, uint64_t index) {
@@ -130,8 +144,7 @@ static void update_row(const pass_t *p, const table_t *tb, int64_t row, float *r
     const float omb1 = p->one_minus_beta1, omb2 = p->one_minus_beta2;
     /* fp16/bf16 rows are updated in float32 (wbuf) and rounded back stochastically. */
     float *restrict w = tb->kind ? wbuf : tb->weight + row * D;
-    if (tb->kind)
-        for (int64_t d = 0; d < D; d++) w[d] = load_half(tb->half + row * D + d, tb->kind);
+    if (tb->kind) load_row(tb->half + row * D, w, D, tb->kind);
     if (wd != 0.0f)
         for (int64_t d = 0; d < D; d++) acc[d] += wd * w[d];
     switch (p->opt) {
@@ -282,12 +295,17 @@ int recopt_pool(int64_t num_bags, int64_t batch, const int64_t *offsets, const i
         const int kind = (int)meta[2 * num_features + f];
         if (kind) {
             const uint16_t *half = (const uint16_t *)(intptr_t)meta[f];
+            float row_[256];
             for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
             for (int64_t k = lo; k < hi; k++) {
                 if (k + PF < feature_end) PREFETCH_ROW(half + ids[k + PF] * D, D, 0);
                 const float s = weights ? weights[k] : 1.0f;
                 const uint16_t *row = half + ids[k] * D;
-                for (int64_t d = 0; d < D; d++) o[d] += s * load_half(row + d, kind);
+                for (int64_t d0 = 0; d0 < D; d0 += 256) { /* converted in blocks of 256 */
+                    const int64_t n = D - d0 < 256 ? D - d0 : 256;
+                    load_row(row + d0, row_, n, kind);
+                    for (int64_t d = 0; d < n; d++) o[d0 + d] += s * row_[d];
+                }
             }
             if (mean && hi > lo) {
                 const float inv = 1.0f / (float)(hi - lo);
