@@ -109,6 +109,10 @@ class OutputExchange(torch.autograd.Function):
         ctx: Any, grad_mp_recv: Tensor | None, grad_dp_own_B_D: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         meta: ExchangeMeta = ctx.meta
+        # Before any other collective: every rank takes the same branch (None: the kernels'
+        # gate skips their backward, so no update and no row-statistics exchange either).
+        if meta.admit is not None and not meta.admit(grad_mp_recv, grad_dp_own_B_D):
+            return None, None, None, None
         for hook in meta.backward_hooks:
             hook()
         dp_dim = meta.dp_dim
@@ -159,6 +163,9 @@ class ExchangeMeta:
         dp_stride: rows per rank in the data-parallel global output (the padded batch).
         dp_dim: width of the data-parallel output.
         backward_hooks: callables run at the start of backward (before any collective).
+        admit: called first in backward with this rank's output gradients; False (the same on
+            every rank: it must agree with the others, see `all_ranks_finite`) returns no
+            gradient at all, skipping the exchange and the hooks.
     """
 
     def __init__(
@@ -173,6 +180,7 @@ class ExchangeMeta:
         dp_stride: int,
         dp_dim: int,
         backward_hooks: list[Callable[[], None]],
+        admit: Callable[[Tensor | None, Tensor | None], bool] | None = None,
     ) -> None:
         self.group = group
         self.rank = rank
@@ -184,6 +192,7 @@ class ExchangeMeta:
         self.dp_dim = dp_dim
         self.dp_rows = dp_stride * len(batch_sizes)
         self.backward_hooks = backward_hooks
+        self.admit = admit
 
 
 def all_reduce_sum(tensor: Tensor, group: ProcessGroup | None) -> Tensor:
@@ -336,6 +345,24 @@ def all_reduce(
     if moved is not tensor:
         tensor.copy_(moved)
     return tensor
+
+
+def all_ranks_finite(
+    local_finite: Tensor, group: ProcessGroup | None, timeout: datetime.timedelta
+) -> bool:
+    """Whether every rank's flag is set: one MIN all-reduce of one number, one host read.
+
+    Args:
+        local_finite: 0-dim bool tensor, this rank's answer (e.g. its gradients are finite).
+        group: the ranks that must agree (one rank: its own flag).
+        timeout: limit for the collective.
+
+    Returns:
+        The same answer on every rank: True only if every rank's flag is True.
+    """
+    flag = local_finite.reshape(1).to(torch.float32)  # gloo and NCCL reduce floats everywhere
+    all_reduce(flag, group, op=dist.ReduceOp.MIN, timeout=timeout)
+    return bool(flag.item() == 1.0)
 
 
 def all_gather_object(obj: Any, group: ProcessGroup | None) -> list[Any]:

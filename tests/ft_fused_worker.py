@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--wait-live", type=int, default=2)
     parser.add_argument("--no-sync", action="store_true")
+    parser.add_argument("--nan-at", type=int, default=-1, help="iteration whose loss is NaN")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(args.rank_seed)
@@ -88,14 +89,18 @@ def main() -> None:
     step_dir = os.path.join(args.out, args.replica_id)
     os.makedirs(step_dir, exist_ok=True)
     log = open(os.path.join(args.out, f"{args.replica_id}.jsonl"), "a", buffering=1)
+    iteration = 0
     while ft.manager.current_step() < args.steps:
         ft.optimizer.zero_grad()  # before forward: the quorum may heal the model
         start = ft.manager.current_step()
         seed = 1000 * start + ft.manager.participant_rank()
-        model(batch(seed)).pow(2).mean().backward()
+        scale = float("nan") if iteration == args.nan_at else 1.0
+        (model(batch(seed)).pow(2).mean() * scale).backward()
         ft.optimizer.step()
         committed = ft.manager.current_step() > start
-        log.write(json.dumps({"step": start, "committed": committed, "time": time.time()}) + "\n")
+        entry = {"step": start, "iteration": iteration, "committed": committed}
+        log.write(json.dumps({**entry, "time": time.time()}) + "\n")
+        iteration += 1
         if committed:
             state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
             torch.save(state, os.path.join(step_dir, f"step{ft.manager.current_step()}.pt"))

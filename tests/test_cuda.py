@@ -112,6 +112,42 @@ def test_checkpoint_gpu_to_cpu_to_gpu(tmp_path: pathlib.Path) -> None:
     _assert_same(again, gpu)
 
 
+@pytest.mark.parametrize("name", ["adam", "row_wise_adam"])
+def test_fbgemm_cuda_adam_checkpoint_resumes_on_recopts_cpu_kernel(
+    name: str, tmp_path: pathlib.Path
+) -> None:
+    from recopt.checkpoint import load, save
+
+    gpu = _fused(name, Backend.FBGEMM, GPU)
+    assert {g["backend"] for g in gpu.fused_optimizer.param_groups} == {"fbgemm"}
+    _train(gpu, range(3))
+    steps = [v for s in gpu.fused_optimizer.state_dict()["state"].values() for k, v in s.items()]
+    assert all(int(torch.as_tensor(v)) == 3 for v in steps if v.dim() == 0)
+    save(tmp_path / "fbgemm_gpu", gpu, gpu.fused_optimizer)
+    cpu = _fused(name, Backend.RECOPT, CPU)
+    load(tmp_path / "fbgemm_gpu", cpu, cpu.fused_optimizer)
+    _assert_same(cpu, gpu)
+    _train(cpu, range(3, 6))  # recopt's CPU kernel continues as fbgemm's CUDA kernel does
+    _train(gpu, range(3, 6))
+    _assert_same(cpu, gpu)
+    back = _fused(name, Backend.FBGEMM, GPU)  # and back: recopt's state into fbgemm's kernel
+    save(tmp_path / "recopt_cpu", cpu, cpu.fused_optimizer)
+    load(tmp_path / "recopt_cpu", back, back.fused_optimizer)
+    _train(back, range(6, 8))
+    _train(cpu, range(6, 8))
+    _assert_same(back, cpu)
+
+
+def test_fbgemm_cuda_adam_refuses_tables_with_different_steps() -> None:
+    ebc = _fused("adam", Backend.FBGEMM, GPU)
+    (kernel,) = ebc.kernels()
+    states = kernel.split_optimizer_states()
+    states[0]["step"].fill_(4)
+    states[1]["step"].fill_(9)
+    with pytest.raises(ValueError, match=r"'t0': 4, 't1': 9"):
+        ebc(_batch(0).to(GPU))
+
+
 class _Model(nn.Module):
     def __init__(self, device: torch.device) -> None:
         super().__init__()

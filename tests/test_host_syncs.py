@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from recopt.kernels import cpu_fused
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, InvalidIdError
 from recopt.sparse import KeyedJaggedTensor
@@ -93,6 +94,34 @@ def test_fused_forward_backward_reads_back_at_most_one_value(name: str) -> None:
     with count_read_backs() as backward_calls:
         pooled.values().sum().backward()
     assert backward_calls == [], backward_calls
+
+
+RECOPT_OPTIMIZERS = ["sgd", "adagrad", "row_wise_adagrad", "adam", "row_wise_adam", "adafactor"]
+
+
+@pytest.mark.parametrize("name", RECOPT_OPTIMIZERS)
+def test_recopt_backend_reads_back_nothing_beyond_the_checks(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # recopt's backend on a GPU runs its torch path: the same path here without the native
+    # CPU library. Over several steps (step counters, Adafactor's running norm), forward reads
+    # only the id check and backward only the gradient check; with skip_nonfinite=False, none.
+    monkeypatch.setattr(cpu_fused, "available", lambda: False)
+    tables, kjt = criteo_like()
+    for guarded in (True, False):
+        ebc = FusedEmbeddingBagCollection(
+            tables,
+            optimizer=FusedOptimizerConfig(name=name, lr=0.01, backend=Backend.RECOPT),
+            skip_nonfinite=guarded,
+        )
+        ebc(kjt).values().sum().backward()  # first step: kernels built
+        for _ in range(2):
+            with count_read_backs() as forward_calls:
+                pooled = ebc(kjt)
+            assert len(forward_calls) <= 1, forward_calls
+            with count_read_backs() as backward_calls:
+                pooled.values().sum().backward()
+            assert len(backward_calls) <= (1 if guarded else 0), backward_calls
 
 
 def test_one_bad_id_among_many_features_still_names_it_and_updates_nothing() -> None:

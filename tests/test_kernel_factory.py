@@ -37,7 +37,10 @@ def _auto_measures_recopt_faster() -> Iterator[None]:
 def test_choose_backend_policy_and_errors() -> None:
     adam = FusedOptimizerConfig(name="adam")
     assert choose_backend(TABLES, adam, CPU) == Backend.RECOPT
-    assert choose_backend(TABLES, adam, torch.device("cuda")) == Backend.RECOPT
+    # fbgemm's CUDA Adam runs SparseAdam's formula, but has no L2 weight decay.
+    assert choose_backend(TABLES, adam, torch.device("cuda")) == Backend.FBGEMM
+    decayed = FusedOptimizerConfig(name="adam", weight_decay=0.1)
+    assert choose_backend(TABLES, decayed, torch.device("cuda")) == Backend.RECOPT
     rwa = FusedOptimizerConfig(name="row_wise_adagrad")
     assert choose_backend(TABLES, rwa, torch.device("cuda")) == Backend.FBGEMM
     for name in ("sgd", "adagrad", "row_wise_adagrad"):

@@ -46,3 +46,29 @@ def test_meta_collection_is_materialised_by_dmp(fused: bool) -> None:
             results[0]["full"]["embedding_bags.a.weight"],
             results[-1]["full"]["embedding_bags.a.weight"],
         )
+
+
+def _meta_ec_then_shard(rank: int, world: int) -> dict[str, Any]:
+    from recopt.modules import EmbeddingCollection, EmbeddingConfig
+
+    tables = [
+        EmbeddingConfig(name="s", num_embeddings=16, embedding_dim=4, feature_names=["s0", "s1"])
+    ]
+    with torch.device("meta"):
+        ec = EmbeddingCollection(tables, need_indices=True)
+    meta_out = ec(KeyedJaggedTensor.from_id_lists({"s0": [[1, 2]], "s1": [[3]]}))
+    assert meta_out["s0"].values().shape == (2, 4) and meta_out["s0"].values().is_meta
+    dmp = DistributedModelParallel(ec)
+    out = dmp(KeyedJaggedTensor.from_id_lists({"s0": [[1, 2], [15]], "s1": [[0], []]}))
+    weight = full_tensor(dmp.state_dict()["embeddings.s.weight"])
+    assert torch.equal(out["s0"].values(), weight[[1, 2, 15]])
+    assert torch.equal(out["s1"].values(), weight[[0]])
+    assert out["s0"].weights().tolist() == [1, 2, 15]  # need_indices survives the sharding
+    return {"weight": weight}
+
+
+def test_meta_embedding_collection_is_materialised_by_dmp() -> None:
+    results = run_on_ranks(_meta_ec_then_shard, 2, timeout_s=120)
+    weight = results[0]["weight"]
+    assert torch.equal(weight, results[1]["weight"]) and weight.shape == (16, 4)
+    assert 0 < float(weight.abs().max()) <= math.sqrt(1.0 / 16)

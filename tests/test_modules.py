@@ -283,3 +283,32 @@ def test_deepcopy_keeps_weights_tied_to_the_copied_kernel(backend: Backend) -> N
     assert clone.fused_optimizer.param_groups[0]["lr"] == 0.3
     state = clone.fused_optimizer.state_dict()["state"]["embedding_bags.t1.weight"]["t1.momentum1"]
     assert state.abs().sum() > 0  # the copy's optimizer shows the copy's kernel state
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.float64])
+def test_fused_feature_shared_by_tables_with_weights_equals_plain(
+    weights_dtype: torch.dtype,
+) -> None:
+    """A weighted feature read by two tables (outputs ``a@t0``, ``a@x``): the fused forward
+    and its SGD update equal the plain module's, float64 weights converted as elsewhere."""
+    extra = EmbeddingBagConfig(name="x", num_embeddings=3, embedding_dim=2, feature_names=["a"])
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection([*tables(), extra], is_weighted=True)
+    fused = FusedEmbeddingBagCollection(
+        [*tables(), extra], optimizer=FusedOptimizerConfig(name="sgd", lr=0.5), is_weighted=True
+    )
+    fused.load_state_dict(ebc.state_dict())
+    kjt = batch(weighted=True)
+    kjt = KeyedJaggedTensor.from_offsets_sync(
+        kjt.keys(), kjt.values(), kjt.offsets(), weights=kjt.weights().to(weights_dtype)
+    )
+    expected, actual = ebc(kjt), fused(kjt)
+    assert actual.keys() == ["a@t0", "b", "c", "a@x"] == expected.keys()
+    torch.testing.assert_close(actual.values(), expected.values(), rtol=0, atol=1e-6)
+    upstream = torch.linspace(-1, 1, expected.values().numel()).view_as(expected.values())
+    (expected.values() * upstream).sum().backward()
+    (actual.values() * upstream).sum().backward()
+    for name, holder in ebc.embedding_bags.items():
+        assert holder.weight.grad is not None and holder.weight.grad.abs().sum() > 0
+        expected_weight = holder.weight.detach() - 0.5 * holder.weight.grad
+        torch.testing.assert_close(fused.embedding_bags[name].weight, expected_weight)

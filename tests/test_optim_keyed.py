@@ -334,6 +334,18 @@ def test_init_state_keeps_weights_and_step_counters(
         torch.testing.assert_close(params[k], ref_params[k])
 
 
+def test_init_state_leaves_zero_gradients_where_there_were_none() -> None:
+    """As TorchRec: dense zeros, or sparse ones for the named parameters; the next real
+    step equals a fresh optimizer's."""
+    params = _params()
+    opt = KeyedOptimizerWrapper(params, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5))
+    opt.init_state({"b"})
+    grad_w, grad_b = params["w"].grad, params["b"].grad
+    assert grad_w is not None and not grad_w.is_sparse and not grad_w.any()
+    assert grad_b is not None and grad_b.is_sparse and grad_b._nnz() == 0
+    assert "momentum_buffer" in opt.state_dict()["state"]["w"]
+
+
 def test_init_state_leaves_initialised_params_alone() -> None:
     params = _params()
     opt = KeyedOptimizerWrapper(params, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))

@@ -220,3 +220,19 @@ def test_stage_validation_does_not_mutate_caller_stages() -> None:
         WarmupStage(value=float("nan"))
     with pytest.raises(ValueError, match=r"param_name 'p' is already a key"):
         WarmupOptimizer(_sgd()[0], [], param_name="p")
+
+
+def test_state_shows_the_position_and_writes_reach_the_wrapped_optimizer() -> None:
+    inner, p = _sgd()
+    warmup = WarmupOptimizer(inner, [WarmupStage(WarmupPolicy.LINEAR, max_iters=10)], lr=1.0)
+    for _ in range(3):
+        p.grad = torch.ones_like(p)
+        warmup.step()
+    assert warmup.state["__warmup"]["warmup"].tolist() == [3, 0]
+    assert list(warmup.state) == [*inner.state, "__warmup"] and len(warmup.state) == 2
+    assert p in warmup.state and warmup.state[p] is inner.state[p]
+    assert torch.zeros(1) not in warmup.state and len(inner.state) == 1  # lookups add nothing
+    warmup.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+    assert not inner.state[p]["momentum_buffer"].any()
+    with pytest.raises(ValueError, match="warmup position; load it with load_state_dict"):
+        warmup.state["__warmup"] = {}

@@ -388,7 +388,7 @@ def test_pooling_factor_and_batch_size_change_estimates() -> None:
                 )
             },
             r"table 't' \(module 'm'\): no allowed kernel can run it: "
-            "fbgemm does not run optimizer 'adam'",
+            "fbgemm does not run optimizer 'adam' on cpu",
         ),
         (
             {"t": ParameterConstraints(compute_kernels=(Backend.FBGEMM,))},
@@ -400,6 +400,21 @@ def test_constraint_errors(constraints: dict[str, ParameterConstraints], message
     topo = Topology(world_size=2)
     with pytest.raises(PlannerError, match=message):
         EmbeddingShardingPlanner(topo, constraints=constraints).plan({"m": [table("t", 100, 6)]})
+
+
+def test_fbgemm_adam_is_offered_on_cuda_topologies_without_weight_decay() -> None:
+    topo = Topology(world_size=2, device="cuda", hbm_bytes=8 * GIB)
+    only_fbgemm = ParameterConstraints(compute_kernels=(Backend.FBGEMM,))
+    for name in ("adam", "row_wise_adam"):
+        plan = EmbeddingShardingPlanner(topo, constraints={"t": only_fbgemm}).plan(
+            {"m": [table("t", 100, 8)]}, {"m": {"t": FusedOptimizerConfig(name=name)}}
+        )
+        assert plan["m"]["t"].compute_kernel == Backend.FBGEMM
+        decayed = {"m": {"t": FusedOptimizerConfig(name=name, weight_decay=0.1)}}
+        with pytest.raises(PlannerError, match="no L2 weight decay"):
+            EmbeddingShardingPlanner(topo, constraints={"t": only_fbgemm}).plan(
+                {"m": [table("t", 100, 8)]}, decayed
+            )
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,11 @@ forward equals the unsharded forward on this rank's rows; after 3 training steps
 embedding optimizer + a DDP dense layer) every weight and every optimizer state, gathered to
 full tensors, equals the unsharded FusedEmbeddingBagCollection trained on the concatenation of
 every rank's batch (embedding gradients sum over ranks; DDP averages dense gradients).
+Embedding collections (unpooled) run the same cases: each rank's rows of each feature equal
+the unsharded module's rows of that rank's ids.
+
+Cases marked ``vbe`` feed each rank a variable batch per feature (deduplicated bags and
+``inverse_indices``); their reference is the same batch expanded to one bag per sample.
 
 The cuda variant runs the same cases with 2 and 3 ranks sharing one GPU in a group whose only
 backend is ``cuda:gloo`` (like NCCL, it refuses CPU tensors): the multi-GPU logic on one GPU.
@@ -18,13 +23,17 @@ from typing import Any
 
 import pytest
 import torch
+from contract_inputs import BATCHES, batch_bags, flat, inputs, kjt
 from torch import nn
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType
 from recopt.modules import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
     FusedEmbeddingBagCollection,
+    FusedEmbeddingCollection,
     InvalidIdError,
 )
 from recopt.sharding import (
@@ -53,7 +62,7 @@ TYPES = [
 ]
 STEPS = 3
 CPU = torch.device("cpu")
-BATCHES = [3, 2, 4]  # per rank: different batch sizes
+MEAN = PoolingType.MEAN
 
 
 @dataclass
@@ -63,8 +72,11 @@ class Case:
     optimizer: str
     weighted: bool = False
     pooling: PoolingType = PoolingType.SUM
-    plain_ebc: bool = False
+    plain_ebc: bool = False  # the plain (not fused) module, EBC or EC
+    vbe: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    unpooled: bool = False  # an EmbeddingCollection (tables as EmbeddingConfig)
+    shared: bool = False  # f3 looks up t1 and t2 (outputs "f3@t1", "f3@t2")
 
 
 def _optimizer(case: Case) -> FusedOptimizerConfig:
@@ -74,7 +86,7 @@ def _optimizer(case: Case) -> FusedOptimizerConfig:
 def _tables(case: Case) -> list[EmbeddingBagConfig]:
     # Rows not divisible by 2 or 3 (uneven row shards); dims that split into 2 and 3 column
     # shards (6: widths not multiples of 4, so fbgemm falls back to recopt); t1 has two
-    # features; mixed poolings.
+    # features; mixed poolings. Shared: f3 (ids < 7) also looks up t1, after f1 and f2.
     return [
         EmbeddingBagConfig(
             name="t0",
@@ -87,7 +99,7 @@ def _tables(case: Case) -> list[EmbeddingBagConfig]:
             name="t1",
             num_embeddings=13,
             embedding_dim=12,
-            feature_names=["f1", "f2"],
+            feature_names=["f1", "f2", "f3"] if case.shared else ["f1", "f2"],
             pooling=PoolingType.SUM,
         ),
         EmbeddingBagConfig(
@@ -145,38 +157,54 @@ def _cases() -> list[Case]:
             "row_wise_adam",
             extra={"weight_decay": 0.01, "maximize": True},
         ),
+        Case("table_wise/vbe", "table_wise", "adagrad", vbe=True),
+        Case("row_wise/vbe-weighted", "row_wise", "row_wise_adam", weighted=True, vbe=True),
+        Case("column_wise/vbe", "column_wise", "row_wise_adagrad", vbe=True),
+        Case("data_parallel/vbe-mean", "data_parallel", "adam", pooling=PoolingType.MEAN, vbe=True),
+        Case("mixed/plain-ebc-vbe", "mixed", "sgd", plain_ebc=True, vbe=True),
+        Case("table_wise/shared", "table_wise", "adagrad", shared=True),
+        Case("row_wise/shared-weighted-mean", "row_wise", "row_wise_adam", True, MEAN, shared=True),
+        Case("column_wise/shared", "column_wise", "row_wise_adagrad", shared=True),
+        Case("data_parallel/shared-vbe", "data_parallel", "adam", vbe=True, shared=True),
+        Case("mixed/shared-plain-ebc", "mixed", "sgd", plain_ebc=True, shared=True),
+    ]
+    ec_optimizers = ["adagrad", "row_wise_adam", "row_wise_adagrad", "sgd", "adam", "adam", "sgd"]
+    unpooled = [*zip(TYPES, ec_optimizers, strict=True)]
+    cases += [Case(f"ec/{k}/{o}", k, o, unpooled=True) for k, o in unpooled]
+    cases += [
+        Case("ec/table_wise/adafactor", "table_wise", "adafactor", unpooled=True),
+        Case("ec/mixed/plain-ec", "mixed", "adam", plain_ebc=True, unpooled=True),
+        Case("ec/row_wise/shared", "row_wise", "row_wise_adagrad", unpooled=True, shared=True),
+        Case("ec/column_wise/shared", "column_wise", "adam", unpooled=True, shared=True),
+        Case("ec/mixed/shared-plain", "mixed", "sgd", plain_ebc=True, unpooled=True, shared=True),
     ]
     return cases
 
 
-def _batch(case: Case, rank: int, step: int, world: int) -> dict[str, Any]:
-    """Bags per feature of ``rank``'s batch at ``step``; f2 is empty on rank 0 at step 1."""
-    g = torch.Generator().manual_seed(1000 * step + 17 * rank + 3)
-    rows = {"f0": 11, "f1": 13, "f2": 13, "f3": 7}
-    batch = BATCHES[rank]
-    bags: dict[str, list[list[int]]] = {}
-    for f, n in rows.items():
-        empty = f == "f2" and rank == 0 and step == 1
-        lengths = [
-            0 if empty else int(torch.randint(0, 4, (1,), generator=g)) for _ in range(batch)
-        ]
-        bags[f] = [torch.randint(0, n, (k,), generator=g).tolist() for k in lengths]
-    return bags
+def _unpooled_tables(case: Case) -> list[EmbeddingConfig]:
+    return [
+        EmbeddingConfig(
+            name=t.name,
+            num_embeddings=t.num_embeddings,
+            embedding_dim=t.embedding_dim,
+            feature_names=t.feature_names,
+        )
+        for t in _tables(case)
+    ]
 
 
-def _kjt(bags_per_rank: list[dict[str, list[list[int]]]], weighted: bool) -> KeyedJaggedTensor:
-    keys = ["f0", "f1", "f2", "f3"]
-    lengths, values = [], []
-    for f in keys:
-        for bags in bags_per_rank:
-            for bag in bags[f]:
-                lengths.append(len(bag))
-                values.extend(bag)
-    v = torch.tensor(values, dtype=torch.int64)
-    w = None
-    if weighted:
-        w = ((v * 7 + torch.tensor(lengths).repeat_interleave(torch.tensor(lengths))) % 5 + 1) / 4
-    return KeyedJaggedTensor(keys=keys, values=v, lengths=torch.tensor(lengths), weights=w)
+class _UnpooledModel(nn.Module):
+    """Each feature's rows (zero-padded to width 12) through one dense layer."""
+
+    def __init__(self, sparse: nn.Module) -> None:
+        super().__init__()
+        self.sparse = sparse
+        self.dense = nn.Linear(12, 1)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        rows = {f: jt.values() for f, jt in self.sparse(kjt).items()}
+        padded = [nn.functional.pad(r, (0, 12 - r.shape[1])) for r in rows.values()]
+        return rows, self.dense(torch.cat(padded)).square().sum()
 
 
 class _Model(nn.Module):
@@ -184,17 +212,25 @@ class _Model(nn.Module):
         super().__init__()
         self.sparse = sparse
         self.dense = nn.Linear(dim, 1)
+        self.keys: list[str] = []  # the output keys of the last forward
 
     def forward(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pooled = self.sparse(kjt).values()
+        out = self.sparse(kjt)
+        self.keys, pooled = out.keys(), out.values()
         return pooled, self.dense(pooled).square().sum()
 
 
-def _build(case: Case, device: torch.device = CPU) -> _Model:
+def _build(case: Case, device: torch.device = CPU) -> nn.Module:
     tables = _tables(case)
     torch.manual_seed(0)
     opt = _optimizer(case)
     sparse: nn.Module
+    if case.unpooled:
+        if case.plain_ebc:
+            sparse = EmbeddingCollection(_unpooled_tables(case), device=device)
+        else:
+            sparse = FusedEmbeddingCollection(_unpooled_tables(case), opt, device=device)
+        return _UnpooledModel(sparse).to(device)
     if case.plain_ebc:
         sparse = EmbeddingBagCollection(tables, is_weighted=case.weighted, device=device)
     else:
@@ -217,13 +253,16 @@ def _run_case(case: Case, rank: int, world: int, device: torch.device = CPU) -> 
 
     model = _build(case, device)
     ref = _build(case, device)  # not a deepcopy: kernels alias their weights, a copy would not
-    if case.plain_ebc:  # the reference of a plain EBC is the fused twin with the same weights
-        fused = FusedEmbeddingBagCollection(
-            _tables(case),
-            optimizer=_optimizer(case),
-            is_weighted=case.weighted,
-            device=device,
-        )
+    if case.plain_ebc:  # the reference of a plain module is the fused twin with the same weights
+        fused: nn.Module
+        if case.unpooled:
+            fused = FusedEmbeddingCollection(
+                _unpooled_tables(case), _optimizer(case), device=device
+            )
+        else:
+            fused = FusedEmbeddingBagCollection(
+                _tables(case), optimizer=_optimizer(case), is_weighted=case.weighted, device=device
+            )
         fused.load_state_dict(model.sparse.state_dict())
         ref.sparse = fused
     requests = _requests(case.kind, world)
@@ -233,12 +272,18 @@ def _run_case(case: Case, rank: int, world: int, device: torch.device = CPU) -> 
     dense_opt = torch.optim.SGD([p for _, p in dmp.named_parameters()], lr=0.01)
     ref_dense = torch.optim.SGD(ref.dense.parameters(), lr=0.01)
     for step in range(STEPS):
-        bags = [_batch(case, r, step, world) for r in range(world)]
-        pooled, loss = dmp(_kjt([bags[rank]], case.weighted).to(device))
-        ref_pooled, ref_loss = ref(_kjt(bags, case.weighted).to(device))
+        mine, everyone = inputs(case.vbe, case.weighted, rank, step, world)
+        pooled, loss = dmp(mine.to(device))
+        ref_pooled, ref_loss = ref(everyone.to(device))
+        assert getattr(dmp.plain_module, "keys", None) == getattr(ref, "keys", None), case.name
+        keys = list(ref_pooled) if case.unpooled else ref.keys
+        assert not case.shared or keys[-2:] == ["f3@t1", "f3@t2"], (case.name, keys)
+        if case.unpooled:
+            bags = [batch_bags(r, step) for r in range(world)]
+            pooled, ref_pooled = _rank_rows(pooled, ref_pooled, bags, rank)
         torch.testing.assert_close(
             pooled,
-            ref_pooled[_global_rows(rank, world)],
+            ref_pooled if case.unpooled else ref_pooled[_global_rows(rank, world)],
             atol=1e-5,
             rtol=1e-5,
             msg=lambda m, s=step: f"{case.name} step {s} forward: {m}",
@@ -279,6 +324,25 @@ def _run_case(case: Case, rank: int, world: int, device: torch.device = CPU) -> 
                 rtol=1e-5,
                 msg=lambda m, n=name: f"{case.name} {n}: {m}",
             )
+
+
+def _rank_rows(
+    rows: dict[str, torch.Tensor],
+    ref_rows: dict[str, torch.Tensor],
+    bags: list[dict[str, list[list[int]]]],
+    rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of every feature, and the reference's rows of this rank's ids."""
+    ids = [{f: sum(len(b) for b in per_rank[f]) for f in per_rank} for per_rank in bags]
+    assert list(rows) == list(ref_rows)
+    mine, theirs = [], []
+    for key, value in rows.items():
+        f = key.split("@")[0]  # a shared feature's output "f3@t1" holds f3's ids
+        start = sum(ids[r][f] for r in range(rank))
+        assert value.shape[0] == ids[rank][f]
+        mine.append(value.reshape(-1))
+        theirs.append(ref_rows[key][start : start + ids[rank][f]].reshape(-1))
+    return torch.cat(mine), torch.cat(theirs)
 
 
 def _errors_case(rank: int, world: int) -> None:
@@ -324,20 +388,34 @@ def _errors_case(rank: int, world: int) -> None:
     )
     dmp = DistributedModelParallel(_build(case), plan)
     before = {k: v.detach().clone() for k, v in _full_state(dmp).items()}
-    bags = _batch(case, rank, 0, world)
+    bags = batch_bags(rank, 0)
     if rank == world - 1:
         bags["f1"][0] = [13]  # out of range for t1 (13 rows)
     if rank == world - 1:
         with pytest.raises(InvalidIdError, match="'t1'.*13"):
-            dmp(_kjt([bags], False))
+            dmp(kjt([bags], False))
     else:
         with pytest.raises(RemoteInputError, match=f"rank\\(s\\) \\[{world - 1}\\]"):
-            dmp(_kjt([bags], False))
+            dmp(kjt([bags], False))
     # Nothing was updated, and the next good step works on every rank.
     for key, value in _full_state(dmp).items():
         torch.testing.assert_close(value, before[key], atol=0, rtol=0)
-    _, loss = dmp(_kjt([_batch(case, rank, 0, world)], False))
+    _, loss = dmp(kjt([batch_bags(rank, 0)], False))
     loss.backward()
+    # A variable batch without inverse_indices on one rank: every rank raises, nothing changes.
+    keys, ids, lengths, _ = flat([{"f0": [[1], [2]], "f1": [[3]], "f2": [[]], "f3": [[0]]}], False)
+    vbe = KeyedJaggedTensor(
+        keys, ids, lengths=lengths, stride_per_key_per_rank=[[2], [1], [1], [1]]
+    )
+    before = {k: v.detach().clone() for k, v in _full_state(dmp).items()}
+    if rank == 0:
+        with pytest.raises(ValueError, match="no inverse_indices"):
+            dmp(vbe)
+    else:
+        with pytest.raises(RemoteInputError, match="rank\\(s\\) \\[0\\]"):
+            dmp(kjt([batch_bags(rank, 1)], False))
+    for key, value in _full_state(dmp).items():
+        torch.testing.assert_close(value, before[key], atol=0, rtol=0)
 
 
 def _state_case(rank: int, world: int) -> None:
@@ -364,7 +442,7 @@ def _state_case(rank: int, world: int) -> None:
 
     a, b = make(0), make(1)
     for step, dmp in ((0, a), (1, b)):
-        _, loss = dmp(_kjt([_batch(case, rank, step, world)], False))
+        _, loss = dmp(kjt([batch_bags(rank, step)], False))
         loss.backward()
     # Full tensors: this rank's rectangles are copied.
     doubled = {k: full_tensor(v) * 2 for k, v in a.state_dict().items()}
@@ -379,7 +457,7 @@ def _state_case(rank: int, world: int) -> None:
     a.fused_optimizer.load_state_dict(b.fused_optimizer.state_dict())
     for step in (2, 3):
         for dmp in (a, b):
-            _, loss = dmp(_kjt([_batch(case, rank, step, world)], False))
+            _, loss = dmp(kjt([batch_bags(rank, step)], False))
             loss.backward()
     for k, v in _full_state(b).items():
         if k.startswith("sparse."):
@@ -407,7 +485,7 @@ def _wrapper_case(rank: int, world: int, device: torch.device = CPU) -> None:
         dict(dmp.named_parameters()), lambda ps: torch.optim.Adagrad(ps, lr=0.1)
     )
     combined = CombinedOptimizer([dmp.fused_optimizer, dense])
-    _, loss = dmp(_kjt([_batch(case, rank, 0, world)], False).to(device))
+    _, loss = dmp(kjt([batch_bags(rank, 0)], False).to(device))
     combined.zero_grad()
     loss.backward()
     combined.step()

@@ -9,8 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recopt.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedEmbeddingBagCollection
-from recopt.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from recopt.modules import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    FusedEmbeddingBagCollection,
+    FusedOptimizerConfig,
+)
+from recopt.sparse import IndexDtypeError, JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 
 def bags(jt: JaggedTensor) -> list[list[float]]:
@@ -185,8 +190,11 @@ def test_feature_shared_by_two_tables() -> None:
         weight = ebc.embedding_bags[table].weight.detach()
         expected = torch.stack([weight[0] + weight[1], torch.zeros_like(weight[0]), weight[7]])
         torch.testing.assert_close(out[key].detach(), expected)
-    with pytest.raises(ValueError, match=r"feature 'f' is in two tables, 't1' and 't2'"):
-        FusedEmbeddingBagCollection(shared)
+    fused = FusedEmbeddingBagCollection(shared, optimizer=FusedOptimizerConfig(name="sgd"))
+    fused.load_state_dict(ebc.state_dict())
+    fused_out = fused(kjt)
+    assert fused_out.keys() == ["f@t1", "f@t2"]
+    torch.testing.assert_close(fused_out.values(), out.values().detach())
 
 
 def test_reordering_all_keys_needs_no_counts() -> None:
@@ -212,7 +220,7 @@ def test_reordering_all_keys_needs_no_counts() -> None:
     assert meta.length_per_key_or_none() is None and swapped.values().shape == (5,)
 
 
-def test_modules_refuse_a_variable_batch_per_feature() -> None:
+def test_modules_need_inverse_indices_for_a_variable_batch() -> None:
     ebc = EmbeddingBagCollection(tables())
     kjt = KeyedJaggedTensor(
         ["f", "g", "h"],
@@ -220,7 +228,7 @@ def test_modules_refuse_a_variable_batch_per_feature() -> None:
         lengths=torch.tensor([1, 1, 0, 1]),
         stride_per_key_per_rank=[[1], [2], [1]],
     )
-    with pytest.raises(ValueError, match=r"variable batch per feature .*pad the smaller"):
+    with pytest.raises(ValueError, match=r"variable batch per feature .*no inverse_indices"):
         ebc(kjt)
 
 
@@ -245,3 +253,14 @@ def test_regroup_as_dict() -> None:
     assert named["x"].tolist() == [[4.0, 1.0]] and named["y"].tolist() == [[2.0, 3.0]]
     with pytest.raises(ValueError, match=r"regroup_as_dict: 1 names for 2 groups"):
         KeyedTensor.regroup_as_dict([left, right], [["c"], ["b"]], ["x"])
+
+
+def test_float_lengths_raise_an_error_torchrec_code_catches() -> None:
+    """recopt's ValueError, and TorchRec's AssertionError too; nothing is built."""
+    values = torch.rand(7, 3)
+    for kwargs in ({"lengths": torch.tensor([3.0, 4.0])}, {"offsets": torch.tensor([0.0, 7.0])}):
+        with pytest.raises(IndexDtypeError, match="must have an integer dtype") as info:
+            JaggedTensor(values=values, **kwargs)
+        assert isinstance(info.value, ValueError) and isinstance(info.value, AssertionError)
+    with pytest.raises(AssertionError, match=r"lengths must have an integer dtype"):
+        KeyedJaggedTensor(["f"], torch.tensor([1, 2]), lengths=torch.tensor([2.0]))

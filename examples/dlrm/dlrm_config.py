@@ -17,12 +17,13 @@ from typing import Any
 from recopt.config import apply_overrides, from_dict, load_toml, merge, to_plain
 from recopt.data import SyntheticConfig
 from recopt.ft import replica_sync_optimizer
-from recopt.kernels import FusedOptimizerConfig
+from recopt.kernels import FusedOptimizerConfig, Placement
 from recopt.kernels.precision import Precision, parse_precision
 from recopt.models import DLRMConfig
 from recopt.modules import EmbeddingBagConfig
 from recopt.optim.clipping import GradientClipping
 from recopt.optim.warmup import WarmupPolicy, WarmupStage
+from recopt.sharding.planner.constraints import placement_from_value
 
 DATA_SOURCES = ("synthetic", "criteo")
 DENSE_OPTIMIZERS = ("adagrad", "adam", "sgd")
@@ -42,7 +43,10 @@ def default_tables() -> tuple[EmbeddingBagConfig, ...]:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EmbeddingSection:
-    """``[embedding]``: the ``[[embedding.tables]]`` and their fused ``[embedding.optimizer]``.
+    """``[embedding]``: the ``[[embedding.tables]]``, their fused ``[embedding.optimizer]`` and
+    ``[embedding.placements]``: table name -> where it lives on a GPU, ``"device"``, ``"uvm"``,
+    ``"uvm_caching"`` or ``{location = "uvm_caching", cache_load_factor = 0.1}``. Tables not
+    named: the planner chooses on several ranks, device memory on one. UVM needs CUDA.
 
     ``weight_dtype`` (``fp32``, ``fp16``, ``bf16``) is every table's weight dtype unless the
     table sets its own ``weight_dtype``; the optimizer's ``state_dtype`` sets its state's.
@@ -52,11 +56,29 @@ class EmbeddingSection:
     optimizer: FusedOptimizerConfig = field(
         default_factory=lambda: FusedOptimizerConfig(name="row_wise_adagrad", lr=0.05)
     )
+    placements: dict[str, Any] = field(default_factory=dict)
     weight_dtype: Precision = Precision.FP32
 
     def __post_init__(self) -> None:
         dtype = parse_precision(self.weight_dtype, "embedding.weight_dtype")
         object.__setattr__(self, "weight_dtype", dtype)
+        names = [t.name for t in self.tables]
+        unknown = sorted(set(self.placements) - set(names))
+        if unknown:
+            raise ValueError(
+                f"embedding.placements names tables {unknown} that are not in "
+                f"[[embedding.tables]] (tables: {names}); use a table's name"
+            )
+        resolved: dict[str, Placement] = {}
+        for name, value in self.placements.items():
+            try:
+                resolved[name] = placement_from_value(value)
+            except ValueError as e:
+                raise ValueError(
+                    f'embedding.placements.{name} = {value!r}: {e}; e.g. "uvm_caching" or '
+                    '{location = "uvm_caching", cache_load_factor = 0.2}'
+                ) from None
+        object.__setattr__(self, "placements", resolved)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -153,6 +175,8 @@ class LoopSection:
     idle-spinning intra-op threads starve each other (measured: 69k vs 1.1k samples/s on 2
     loaded cores), while on an idle 2-core machine 2 threads beat 1 (small config 113k vs
     90k samples/s).
+    ``max_consecutive_nonfinite``: stop with an error after this many steps in a row whose
+    loss or gradient was NaN/inf (each is skipped: nothing is updated); 0 never stops.
     ``timeout_s`` bounds every collective. ``matmul_precision`` is torch's float32 matmul
     precision: ``highest`` (exact fp32), or ``medium`` (bfloat16 products where torch calls
     MKL/oneDNN matmul; see docs/dlrm.md for what it gains next to ``model.use_onednn``).
@@ -168,6 +192,7 @@ class LoopSection:
     timeout_s: float = 300.0
     plot: bool = True
     matmul_precision: str = "highest"
+    max_consecutive_nonfinite: int = 5
 
     def __post_init__(self) -> None:
         if self.matmul_precision not in MATMUL_PRECISIONS:
@@ -181,6 +206,7 @@ class LoopSection:
             ("log_every", 1, ""),
             ("eval_every", 0, "; 0 never evaluates"),
             ("num_threads", 0, "; 0 gives each rank its share of the cores"),
+            ("max_consecutive_nonfinite", 0, "; 0 never stops on NaN/inf steps"),
         ):
             if getattr(self, name) < low:
                 raise ValueError(

@@ -33,8 +33,11 @@ class ProgressBar:
         self.stream = self._line.stream
         self.interactive = self._line.interactive
 
-    def update(self, step: int, samples_per_s: float, metrics: dict[str, float]) -> None:
-        """Redraws the bar at ``step`` with the throughput and the latest metrics."""
+    def update(
+        self, step: int, samples_per_s: float, metrics: dict[str, float], skipped: int = 0
+    ) -> None:
+        """Redraws the bar at ``step`` with the throughput, the latest metrics and, if any, the
+        number of steps skipped for a NaN/inf loss or gradient."""
         done = min(step / self.total, 1.0)
         filled = int(done * self.width)
         bar = "=" * filled + (">" if filled < self.width else "") + " " * (self.width - filled - 1)
@@ -43,6 +46,8 @@ class ProgressBar:
             f"step {step}/{self.total} [{bar[: self.width]}] {done:4.0%} | "
             f"{samples_per_s / 1e3:.1f}k samples/s | {shown}"
         )
+        if skipped:
+            line += f" | skipped {skipped} (NaN/inf)"
         self._line.show(line, final=step >= self.total)
 
     def message(self, text: str) -> None:

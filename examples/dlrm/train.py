@@ -36,6 +36,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from dlrm_config import TrainingConfig, fault_tolerant_config, load_config  # noqa: E402
+from dlrm_nonfinite import NonFiniteSteps  # noqa: E402
 from dlrm_report import MetricsLog, ProgressBar, plot_curves  # noqa: E402
 
 from recopt import comm  # noqa: E402
@@ -100,7 +101,10 @@ def build_model(config: TrainingConfig, device: torch.device) -> DLRM:
     """The unsharded model: fused embedding bags + DLRM / DCNv2 dense part, seeded."""
     torch.manual_seed(config.training.seed)
     ebc = FusedEmbeddingBagCollection(
-        config.embedding.tables, optimizer=config.embedding.optimizer, device=device
+        config.embedding.tables,
+        optimizer=config.embedding.optimizer,
+        device=device,
+        table_placements=config.embedding.placements,
     )
     return DLRM(ebc, config.model).to(device)
 
@@ -113,13 +117,22 @@ def shard_model(model: DLRM, config: TrainingConfig, env: RunEnv) -> nn.Module:
     if env.world_size == 1:
         return model
     from recopt.sharding.model_parallel import DistributedModelParallel
-    from recopt.sharding.planner import EmbeddingShardingPlanner, plan_collectively
+    from recopt.sharding.planner import (
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        plan_collectively,
+    )
     from recopt.sharding.planner.topology import topology_from_dict
 
     timeout = datetime.timedelta(seconds=config.training.timeout_s)
     topology = topology_from_dict(config.planner, "[planner]", world_size=env.world_size)
     planner = EmbeddingShardingPlanner(
         topology,
+        # [embedding.placements] pins those tables; the planner places the others.
+        constraints={
+            name: ParameterConstraints(placements=(placement,))
+            for name, placement in config.embedding.placements.items()
+        },
         batch_size=config.data.batch_size,
         default_optimizer=config.embedding.optimizer,
     )
@@ -153,6 +166,7 @@ def build_optimizer(model: nn.Module, config: TrainingConfig) -> KeyedOptimizer:
         clipping=clip.clipping,
         max_gradient=clip.max_gradient,
         norm_type=clip.norm_type,
+        skip_nonfinite=True,  # a NaN/inf global norm skips the dense step on every rank
         timeout=datetime.timedelta(seconds=config.training.timeout_s),
     )
 
@@ -248,6 +262,16 @@ class Trainer:
         self.train_data = DevicePrefetcher(build_data(config, env, "train"), env.device)
         self.metrics = click_metrics().to(env.device)
         self.loss_mean = torchmetrics.MeanMetric().to(env.device)
+        self.window_finite_steps = 0  # steps in the metrics window that were not skipped
+        self.nonfinite = NonFiniteSteps(
+            model,
+            self.base_optimizer,
+            config.training.max_consecutive_nonfinite,
+            [
+                ("embedding.optimizer.lr", config.embedding.optimizer.lr),
+                ("dense_optimizer.lr", config.dense_optimizer.lr),
+            ],
+        )
         self.step = 0
         self.samples = 0  # training samples all ranks consumed (continues across resumes)
         out = config.training.output_dir
@@ -293,6 +317,15 @@ class Trainer:
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         loss.backward()  # the embedding rows are updated here, by the fused optimizer
         self.optimizer.step()
+        ft_error = self.ft.manager.errored() if self.ft is not None else None
+        if self.nonfinite.step_done(self.step + 1, ft_error):  # raises after too many
+            if self.nonfinite.in_a_row == 1:
+                self._say(
+                    f"step {self.step + 1}: NaN/inf loss or gradient, nothing updated "
+                    f"({self.nonfinite.total} such step(s) so far)"
+                )
+            return  # a NaN loss or logit would spoil the window's metrics
+        self.window_finite_steps += 1
         with torch.no_grad():
             self.metrics.update(torch.sigmoid(logits), batch.labels.long())
             self.loss_mean.update(loss.detach(), weight=batch.labels.numel())
@@ -352,14 +385,19 @@ class Trainer:
             )
 
     def _report_train(self, samples_per_s: float) -> None:
-        values = {k: float(v) for k, v in self.metrics.compute().items()}
-        values["loss"] = float(self.loss_mean.compute())
+        values: dict[str, float] = {}
+        if self.window_finite_steps:  # else: every step of the window was skipped
+            values = {k: float(v) for k, v in self.metrics.compute().items()}
+            values["loss"] = float(self.loss_mean.compute())
         self.metrics.reset()
         self.loss_mean.reset()
+        self.window_finite_steps = 0
         if self.log is not None and self.bar is not None:
             record = {**values, "samples_per_s": samples_per_s, "samples": self.samples}
+            record["skipped_nonfinite"] = self.nonfinite.total
             self.log.write(self.step, "train", record)
-            self.bar.update(self.step, samples_per_s, {k: values[k] for k in ("loss", "auc", "ne")})
+            shown = {k: values[k] for k in ("loss", "auc", "ne") if k in values}
+            self.bar.update(self.step, samples_per_s, shown, skipped=self.nonfinite.total)
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:

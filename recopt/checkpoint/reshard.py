@@ -49,9 +49,11 @@ from recopt.checkpoint.reader import SafeFileSystemReader
 from recopt.checkpoint.state import CheckpointError, archive_crc_off
 from recopt.sharding.plan import ShardingPlan, ShardingType
 
-# A table's keys: ``model/<module>.embedding_bags.<table>.weight`` and optimizer state under
-# ``.../state/<same fqn>/<table>.<state>``.
-_TABLE_FQN = re.compile(r"(?:^|/)(?P<fqn>(?:[^/]*\.)?embedding_bags\.(?P<table>[^./]+)\.weight)")
+# A table's keys: ``model/<module>.embedding_bags.<table>.weight`` (``embeddings.`` in an
+# embedding collection) and optimizer state under ``.../state/<same fqn>/<table>.<state>``.
+_TABLE_FQN = re.compile(
+    r"(?:^|/)(?P<fqn>(?:[^/]*\.)?(?P<kind>embedding_bags|embeddings)\.(?P<table>[^./]+)\.weight)"
+)
 Rect = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of one chunk
 
 
@@ -125,7 +127,8 @@ def _table_of(
     if match is None:
         return None
     table = match.group("table")
-    module = match.group("fqn")[: -len(f"embedding_bags.{table}.weight")].rstrip(".")
+    suffix = f"{match.group('kind')}.{table}.weight"
+    module = match.group("fqn")[: -len(suffix)].rstrip(".")
     if tables is None or (module, table) in tables:
         return module, table
     owners = [

@@ -58,6 +58,7 @@ from recopt.checkpoint.state import (
     tensor_dtype,
     to_optimizer_keys,
 )
+from recopt.kernels.contract import flush_kernel_caches
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +157,7 @@ def save(
         problems: list[str] = []
         tensors: dict[str, TensorLike] = {}
         try:
+            flush_kernel_caches(model)  # UVM-cached rows are saved as last updated
             tree: dict[str, Any] = {"model": model.state_dict()}
             if optimizer is not None:
                 tree["optim"] = _optimizer_tree(optimizer, model)
@@ -308,6 +310,8 @@ def load(
         manifest, skeleton, rank_state = _verify(directory, group)
         if optimizer is not None and subtree(skeleton, "optim") is not None:
             _init_state(optimizer)
+        # Cached rows written back and dropped: the loaded rows are what the next step reads.
+        flush_kernel_caches(model)
         live: dict[str, Any] = {"model": model.state_dict()}
         if optimizer is not None:
             live["optim"] = _optimizer_tree(optimizer, model)

@@ -7,6 +7,7 @@ docs/fault_tolerance.md describes the step protocol, healing and the fused-embed
 
 from recopt.ft.embedding import replica_sync_optimizer
 from recopt.ft.manager import Manager, ManagerConfig, StepParticipant
+from recopt.ft.nonfinite import NonFiniteGradientError
 from recopt.ft.optim import FaultTolerantOptimizer
 
 # torchft's name for the same wrapper, kept for users coming from it.
@@ -16,6 +17,7 @@ __all__ = [
     "FaultTolerantOptimizer",
     "Manager",
     "ManagerConfig",
+    "NonFiniteGradientError",
     "OptimizerWrapper",
     "StepParticipant",
     "replica_sync_optimizer",

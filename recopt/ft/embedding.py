@@ -5,7 +5,8 @@ A `FusedEmbeddingBagCollection` updates its rows inside backward, before the ste
 optimizer state) and writes them back if the vote is no; on a sharded collection it does so
 per local kernel, from the ids each kernel receives after the input all-to-all.
 `average_row_gradients` and `union_row_gradients` are the cross-replica halves of the
-kernel's ``grad_hook``.
+kernel's ``grad_hook``. A NaN/inf gradient on any replica drops the step on every replica: the
+hooks see every replica's row gradients, and the guard reports a local gated skip.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from recopt.ft.manager import Manager, StepParticipant
+from recopt.ft.nonfinite import NonFiniteGradientError, report_nonfinite
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.kernels.contract import Kernel, KernelOwner
 from recopt.kernels.registry import OPTIMIZERS
@@ -84,6 +86,8 @@ class FusedEmbeddingGuard(StepParticipant):
     """
 
     def __init__(self, module: nn.Module, manager: Manager | None = None) -> None:
+        self._module = module
+        self._skips_at_start = self._skipped_steps()
         self._snapshots: list[_Snapshot] = []
         self._scalars: list[torch.Tensor] = []  # sharded: step counters of remote tables
         self._saved_scalars: list[list[torch.Tensor]] = []
@@ -185,8 +189,29 @@ class FusedEmbeddingGuard(StepParticipant):
             total += sum(t.numel() * t.element_size() for t in tensors)
         return total
 
+    def _skipped_steps(self) -> int:
+        return int(getattr(self._module, "skipped_nonfinite_steps", 0))
+
     def on_start(self) -> None:
         self.clear()  # leftovers of forwards that never reached a vote
+        self._skips_at_start = self._skipped_steps()
+
+    def before_vote(self) -> None:
+        """Drop the step if the collection skipped its update for a NaN/inf gradient.
+
+        The other replicas updated their tables: without this, the replicas would commit
+        different steps (their rows are rolled back on the dropped step instead).
+
+        Raises:
+            NonFiniteGradientError: this step's backward was skipped by the collection's gate.
+        """
+        skipped = self._skipped_steps() - self._skips_at_start
+        self._skips_at_start = self._skipped_steps()
+        if skipped:
+            raise NonFiniteGradientError(
+                f"{type(self._module).__name__} skipped its fused update for a NaN/inf "
+                "gradient; the step is dropped on every replica"
+            )
 
     def on_commit(self) -> None:
         self.clear()
@@ -353,6 +378,9 @@ def make_grad_hook(
         gathered_grads = manager.allgather(grads_U_D) if gathered_ids is not None else None
         if gathered_ids is None or gathered_grads is None:
             return (ids_U, grads_U_D) if union else grads_U_D
+        if report_nonfinite(manager, gathered_grads, f"table {table}"):
+            zeros = torch.zeros_like(grads_U_D)  # the step is dropped and rolled back
+            return (ids_U, zeros) if union else zeros
         if union:
             return union_row_gradients(gathered_ids, gathered_grads)
         return average_row_gradients(ids_U, gathered_ids, gathered_grads)
@@ -433,6 +461,8 @@ class EmbeddingReplicaSync(StepParticipant):
             all_grads = self._manager.allgather(grads_U_D) if tagged is not None else None
             if tagged is None or all_grads is None:
                 return grads_U_D  # errored: the step is dropped and rolled back anyway
+            if report_nonfinite(self._manager, all_grads, f"kernel {kernel}, table {table}"):
+                return torch.zeros_like(grads_U_D)  # no NaN in any state; rolled back anyway
             all_ids = [t[2:] for t in tagged]
             self._touched.append(_Touched(kernel, table, all_ids))
             return average_row_gradients(ids_U, all_ids, all_grads)

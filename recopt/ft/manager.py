@@ -3,7 +3,8 @@
 Each step it asks the lighthouse for a quorum, heals itself from a peer if it is behind,
 rebuilds the cross-replica gloo group when the membership changed, averages gradients over
 the participants, and commits only if every participant votes yes. A failure or timeout
-anywhere marks the step errored: the step is dropped, never half-applied.
+anywhere marks the step errored: the step is dropped, never half-applied. So does a NaN/inf
+gradient on any replica (`NonFiniteGradientError`): every replica sees it after the exchange.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from recopt.ft.auth import LOOPBACK, check_bind
 from recopt.ft.client import LighthouseError, request
 from recopt.ft.healing import CheckpointServer, fetch_checkpoint, plan_recovery
+from recopt.ft.nonfinite import NonFiniteGradientError, nonfinite_rows
 
 logger = logging.getLogger(__name__)
 
@@ -355,6 +357,16 @@ class Manager:
         present = torch.tensor([p.grad is not None for p in group], dtype=group[0].dtype)
         flat = torch.cat([*parts, present.to(group[0].device)])
         if not self._sum(flat):
+            return False
+        # The same sum on every participant, so all of them drop a NaN/inf step together.
+        if nonfinite_rows([flat]):
+            self.report_error(
+                NonFiniteGradientError(
+                    "the dense gradients averaged over the replicas hold NaN or inf (some "
+                    "replica's loss or gradient is not finite); the step is dropped on every "
+                    "replica"
+                )
+            )
             return False
         offset = 0
         counts = flat[-len(group) :].tolist()

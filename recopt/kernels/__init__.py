@@ -7,7 +7,8 @@ from recopt.kernels.config import (
     TableSpec,
     optimizer_state_floats,
 )
-from recopt.kernels.contract import Kernel, KernelHook
+from recopt.kernels.contract import Kernel, KernelHook, flush_kernel_caches
+from recopt.kernels.placement import Location, Placement
 from recopt.kernels.registry import OPTIMIZERS, OptimizerSpec, StateShape, optimizer_spec
 
 __all__ = [
@@ -16,10 +17,13 @@ __all__ = [
     "FusedOptimizerConfig",
     "Kernel",
     "KernelHook",
+    "Location",
+    "Placement",
     "OptimizerSpec",
     "PoolingType",
     "StateShape",
     "TableSpec",
+    "flush_kernel_caches",
     "optimizer_spec",
     "optimizer_state_floats",
 ]

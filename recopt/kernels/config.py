@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from recopt.kernels.placement import DEVICE, Placement
 from recopt.kernels.precision import Precision, parse_precision
 from recopt.kernels.registry import ADAFACTOR, ROW_WISE_ADAGRAD, optimizer_spec
 
@@ -166,12 +167,17 @@ class FusedOptimizerConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TableSpec:
-    """One table as a kernel sees it (a whole table, or one shard of it)."""
+    """One table as a kernel sees it (a whole table, or one shard of it).
+
+    ``placement``: where its rows live (kernels/placement.py); anything but ``device`` needs
+    fbgemm's CUDA kernel.
+    """
 
     name: str
     num_embeddings: int
     embedding_dim: int
     weight_dtype: Precision = Precision.FP32
+    placement: Placement = DEVICE
 
 
 def validate_kernel_layout(tables: list[TableSpec], feature_table_map: list[int]) -> None:

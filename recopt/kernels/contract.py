@@ -7,7 +7,7 @@ declared, typed members: no ``setattr``, no backend-private attributes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -54,9 +54,17 @@ class Kernel(Protocol):
     backend_decision: BackendDecision | None
 
     def __call__(
-        self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None
+        self,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None = None,
+        offset_per_key: Sequence[int] | None = None,
     ) -> Tensor:
-        """Pooled outputs ``[B, sum of the features' dims]``, features in map order."""
+        """Pooled outputs ``[B, sum of the features' dims]``, features in map order.
+
+        ``offset_per_key`` (F+1 host ints, ``offsets[f * B]``): the features' id bounds when
+        the caller knows them, so a backend that needs them reads nothing back; optional.
+        """
         ...
 
     def split_embedding_weights(self) -> list[Tensor]:
@@ -75,6 +83,12 @@ class Kernel(Protocol):
         """The learning rate the next backward uses."""
         ...
 
+    def flush(self) -> None:
+        """Write cached rows back to the table's storage and empty the cache (UVM caching), so
+        that the views of ``split_embedding_weights`` are current and writes into them are not
+        shadowed by stale cached rows; a no-op for tables in device memory."""
+        ...
+
     def register_forward_pre_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
         """``nn.Module``'s: ``hook(kernel, args)`` runs before each forward."""
         ...
@@ -87,3 +101,21 @@ class KernelOwner(Protocol):
     def kernels(self) -> list[Kernel]:
         """This module's (this rank's) kernels."""
         ...
+
+
+def flush_kernel_caches(module: torch.nn.Module) -> int:
+    """`Kernel.flush` every kernel of every `KernelOwner` in ``module`` (itself included).
+
+    Checkpoint save and load call it, so UVM-cached tables are saved with their latest rows and
+    a load is not shadowed by rows cached before it.
+
+    Returns:
+        The number of kernels flushed.
+    """
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, KernelOwner):
+            for kernel in sub.kernels():
+                kernel.flush()
+                count += 1
+    return count

@@ -20,6 +20,7 @@ from recopt.kernels.contract import Kernel
 from recopt.kernels.fbgemm_backend import (  # fbgemm itself is imported only when used
     fbgemm_problems,
 )
+from recopt.kernels.placement import placed_off_device, placement_problems
 
 
 def auto_candidates(
@@ -37,8 +38,37 @@ def auto_candidates(
         return None
     device = torch.device(device)
     problems = fbgemm_problems(tables, optimizer, device, feature_table_map)
+    if placed_off_device(tables):
+        # Only fbgemm reads UVM; resolve_backend has already refused tables it cannot run.
+        return ShapeClass.of(tables, optimizer, device), [Backend.FBGEMM]
     candidates = [Backend.RECOPT] if problems else [Backend.FBGEMM, Backend.RECOPT]
     return ShapeClass.of(tables, optimizer, device), candidates
+
+
+def _check_placements(
+    tables: list[TableSpec],
+    optimizer: FusedOptimizerConfig,
+    device: torch.device,
+    feature_table_map: list[int] | None,
+) -> None:
+    """Refuse tables placed in UVM off CUDA, or where fbgemm (the only UVM kernel) cannot run."""
+    problems = placement_problems(tables, device.type)
+    if problems:
+        raise ValueError("; ".join(problems))
+    off_device = placed_off_device(tables)
+    if not off_device:
+        return
+    if optimizer.backend == Backend.RECOPT:
+        raise ValueError(
+            f"tables {off_device} are placed in UVM, which only the fbgemm backend reads; "
+            "use backend 'fbgemm' or 'auto', or placement 'device'"
+        )
+    fbgemm = fbgemm_problems(tables, optimizer, device, feature_table_map)
+    if fbgemm:
+        raise ValueError(
+            f"tables {off_device} are placed in UVM, which only the fbgemm backend reads, and "
+            f"fbgemm cannot run this kernel: {'; '.join(fbgemm)}; or use placement 'device'"
+        )
 
 
 def resolve_backend(
@@ -50,9 +80,11 @@ def resolve_backend(
     """`choose_backend` with the reason and the measured times (see `choose_backend`).
 
     Raises:
-        ValueError: ``backend='fbgemm'`` was asked for tables or an optimizer fbgemm cannot run.
+        ValueError: ``backend='fbgemm'`` was asked for tables or an optimizer fbgemm cannot run;
+            a table placed in UVM off CUDA, or with a backend other than fbgemm.
     """
     device = torch.device(device)
+    _check_placements(tables, optimizer, device, feature_table_map)
     if optimizer.backend == Backend.FBGEMM:
         problems = fbgemm_problems(tables, optimizer, device, feature_table_map)
         if problems:
@@ -73,10 +105,11 @@ def choose_backend(
 ) -> Backend:
     """Resolve the backend that runs these tables with this optimizer on this device.
 
-    An explicit ``optimizer.backend`` wins. ``Backend.AUTO`` is recopt when fbgemm cannot run
-    the tables; otherwise `recopt.kernels.autotune` decides: a pin (``RECOPT_BACKEND`` or
-    ``AutoConfig.pin``), else the faster backend on a probe of these shapes, measured once
-    per machine and shape class and cached on disk.
+    An explicit ``optimizer.backend`` wins. ``Backend.AUTO`` is fbgemm when a table is placed
+    in UVM (kernels/placement.py), recopt when fbgemm cannot run the tables; otherwise
+    `recopt.kernels.autotune` decides: a pin (``RECOPT_BACKEND`` or ``AutoConfig.pin``), else
+    the faster backend on a probe of these shapes, measured once per machine and shape class
+    and cached on disk.
 
     Args:
         tables: the tables the kernel batches.
@@ -90,7 +123,8 @@ def choose_backend(
 
     Raises:
         ValueError: ``backend='fbgemm'`` was asked for tables or an optimizer fbgemm cannot
-            run; the message names the table and the fix.
+            run, or a table is placed in UVM where that cannot run; the message names the
+            table and the fix.
     """
     return resolve_backend(tables, optimizer, device, feature_table_map).backend
 

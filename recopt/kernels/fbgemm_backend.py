@@ -1,7 +1,9 @@
 """fbgemm's table-batched embedding kernel behind recopt's kernel contract.
 
 The CPU build trains with SGD, Adagrad and row-wise Adagrad only, fp32 or fp16 weights
-(rounded to nearest) and fp32 state; the CUDA build is the GPU path. recopt validates ids
+(rounded to nearest) and fp32 state; the CUDA build also with Adam and row-wise Adam
+(fbgemm's ADAM / PARTIAL_ROWWISE_ADAM, mapped to SparseAdam's formula and recopt's per-table
+``step`` by `fbgemm_steps`), fp32, fp16 or bf16 weights in any placement. recopt validates ids
 itself, so fbgemm's (warn-and-use-row-0) bounds check is off.
 """
 
@@ -15,12 +17,13 @@ from torch import nn
 from recopt.kernels.autotune import BackendDecision
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.contract import KernelHook
+from recopt.kernels.fbgemm_steps import FbgemmSteps
+from recopt.kernels.placement import Location, combined_cache_load_factor, placement_problems
 from recopt.kernels.precision import Precision
-from recopt.kernels.registry import OPTIMIZERS, optimizer_spec
+from recopt.kernels.registry import OPTIMIZERS, fbgemm_spec_names, optimizer_spec
 
-# Optimizers fbgemm's fused kernels run here (its CPU build's; the registry also records its
-# CUDA names, which this backend does not use yet: their step counter is not mapped), and the
-# dim multiple they need (fbgemm reads rows in vectors of 4 floats).
+# Optimizers fbgemm's CPU build runs (its CUDA build runs more: `fbgemm_spec_names("cuda")`),
+# and the dim multiple they need (fbgemm reads rows in vectors of 4 floats).
 FBGEMM_OPTIMIZERS: frozenset[str] = frozenset(
     spec.name for spec in OPTIMIZERS.values() if spec.fbgemm_cpu is not None
 )
@@ -55,12 +58,19 @@ def fbgemm_problems(
                     f"{optimizer.name!r} does not sum a shared row's gradient over features "
                     "(docs/kernels.md); use backend='recopt' or 'auto'"
                 )
-    if optimizer.name not in FBGEMM_OPTIMIZERS:
+    supported = fbgemm_spec_names(device.type)
+    if optimizer.name not in supported:
         names = ", ".join(repr(t.name) for t in tables)
         problems.append(
             f"tables {names}: fused optimizer {optimizer.name!r} is not supported by the "
-            f"fbgemm backend (supported: {sorted(FBGEMM_OPTIMIZERS)}); use backend='recopt' "
-            "or 'auto'"
+            f"fbgemm backend on {device.type} (supported: {sorted(supported)}); use "
+            "backend='recopt' or 'auto'"
+        )
+    elif spec.fbgemm_decoupled_weight_decay and optimizer.weight_decay != 0.0:
+        problems.append(
+            f"fbgemm's {optimizer.name!r} decays weights decoupled (AdamW's form), recopt's adds "
+            f"the L2 term to the gradient (weight_decay={optimizer.weight_decay}); use "
+            "backend='recopt' or 'auto', or weight_decay=0"
         )
     if optimizer.maximize:
         problems.append(
@@ -116,18 +126,41 @@ def fbgemm_precision_problems(
     return problems
 
 
+def name_fbgemm_states(
+    names: Sequence[str],
+    per_table: Sequence[Sequence[torch.Tensor]],
+    steps: Sequence[torch.Tensor] | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """fbgemm's per-table states (its order) under recopt's keys, with each table's ``step``.
+
+    The tensors are fbgemm's own views (writing them loads a checkpoint in place); ``step`` is
+    recopt's per-table counter, which `FbgemmSteps` maps onto fbgemm's one counter.
+    """
+    states = [dict(zip(names, table, strict=True)) for table in per_table]
+    if steps is not None:
+        for state, step in zip(states, steps, strict=True):
+            state["step"] = step
+    return states
+
+
 class FbgemmTableBatchedEmbedding(nn.Module):
     """Several tables in one fbgemm ``SplitTableBatchedEmbeddingBagsCodegen``.
 
     Args:
         tables: the tables, in kernel order.
         feature_table_map: for each input feature, the index of its table.
-        optimizer: the fused optimizer (sgd, adagrad or row_wise_adagrad on CPU).
+        optimizer: the fused optimizer (sgd, adagrad or row_wise_adagrad; on CUDA also adam
+            and row_wise_adam without weight decay).
         pooling: sum or mean.
         device: cpu or cuda.
 
+    Each table's placement maps to fbgemm's ``EmbeddingLocation``: ``device`` to ``DEVICE``
+    (``HOST`` on CPU), ``uvm`` to ``MANAGED``, ``uvm_caching`` to ``MANAGED_CACHING`` with the
+    kernel's one cache sized by `combined_cache_load_factor`.
+
     Raises:
-        ValueError: the optimizer, an option or a table's dim is not supported by fbgemm.
+        ValueError: the optimizer, an option or a table's dim is not supported by fbgemm, or a
+            table is placed in UVM on a device other than CUDA.
     """
 
     def __init__(
@@ -152,11 +185,21 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         )
 
         problems = fbgemm_problems(tables, optimizer, device, feature_table_map)
+        problems += placement_problems(tables, device.type)
         if problems:
             raise ValueError("; ".join(problems))
         on_cuda = device.type == "cuda"
-        location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
         compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
+        locations = {
+            Location.DEVICE: EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST,
+            Location.UVM: EmbeddingLocation.MANAGED,
+            Location.UVM_CACHING: EmbeddingLocation.MANAGED_CACHING,
+        }
+        # fbgemm has one HBM cache per kernel, sized by one load factor over its cached tables.
+        cache_load_factor = combined_cache_load_factor(
+            [t.num_embeddings for t in tables], [t.placement for t in tables]
+        )
+        self._caching = any(t.placement.location is Location.UVM_CACHING for t in tables)
         spec = optimizer_spec(optimizer.name)
         precision = Precision(tables[0].weight_dtype)
         weights_precision = {
@@ -164,7 +207,7 @@ class FbgemmTableBatchedEmbedding(nn.Module):
             Precision.FP16: SparseType.FP16,
             Precision.BF16: SparseType.BF16,
         }[precision]
-        fbgemm_name = spec.fbgemm_cpu
+        fbgemm_name = spec.fbgemm_cuda if on_cuda else spec.fbgemm_cpu
         assert fbgemm_name is not None  # fbgemm_problems checked it
         self._state_names = spec.fbgemm_states
         self.tables = list(tables)
@@ -177,12 +220,18 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         self.backend_decision: BackendDecision | None = None  # set by create_kernel
         self.grad_hook: KernelHook | None = None
         self.row_stat_hook: KernelHook | None = None
+        eps = 1e-8 if optimizer.eps1 is None else optimizer.eps1
         self._tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            [(t.num_embeddings, t.embedding_dim, location, compute) for t in tables],
+            [
+                (t.num_embeddings, t.embedding_dim, locations[t.placement.location], compute)
+                for t in tables
+            ],
             feature_table_map=list(feature_table_map),
             optimizer=EmbOptimType[fbgemm_name],
             learning_rate=optimizer.learning_rate,
-            eps=1e-8 if optimizer.eps1 is None else optimizer.eps1,
+            eps=eps,
+            beta1=optimizer.betas[0],
+            beta2=optimizer.betas[1],
             weight_decay=optimizer.weight_decay,
             weight_decay_mode=WeightDecayMode.L2
             if optimizer.weight_decay
@@ -193,25 +242,58 @@ class FbgemmTableBatchedEmbedding(nn.Module):
             # On CUDA fbgemm draws its own rounding stream (not seeded by rounding_seed).
             stochastic_rounding=precision.reduced and optimizer.stochastic_rounding,
             output_dtype=SparseType.FP32,
+            cache_load_factor=cache_load_factor,
             device=device,
         )
+        # Stepped optimizers (CUDA Adam): recopt's per-table counters, the checkpointed state.
+        self._steps: FbgemmSteps | None = None
+        if spec.stepped:
+            for t in range(len(self.tables)):
+                step = torch.zeros((), dtype=torch.int64, device=device)
+                self.register_buffer(f"_step_{t}", step, persistent=False)
+            names = [t.name for t in self.tables]
+            self._steps = FbgemmSteps(self._step_tensors, names, eps, optimizer.betas[1])
 
     def forward(
         self,
         indices: torch.Tensor,
         offsets: torch.Tensor,
         per_sample_weights: torch.Tensor | None = None,
+        offset_per_key: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        return self._tbe(indices, offsets, per_sample_weights=per_sample_weights)
+        # fbgemm finds each feature's ids on the device: offset_per_key is not needed.
+        if self._steps is not None:
+            self._steps.before_forward(self._tbe)
+        out: torch.Tensor = self._tbe(indices, offsets, per_sample_weights=per_sample_weights)
+        if self._steps is not None and out.requires_grad:
+            # Called when the pooled output's gradient arrives, i.e. only for a backward that
+            # runs fbgemm's update (a skipped non-finite step leaves the counters alone).
+            out.register_hook(self._advance_steps)
+        return out
+
+    def _advance_steps(self, grad: torch.Tensor) -> None:
+        assert self._steps is not None  # registered only when stepped
+        self._steps.after_update()
+
+    def _step_tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f"_step_{t}") for t in range(len(self.tables))]
 
     def split_embedding_weights(self) -> list[torch.Tensor]:
+        # Cached tables: the views are of the UVM copy, current only after `flush`.
         return list(self._tbe.split_embedding_weights())
+
+    def flush(self) -> None:
+        """Write the HBM cache's rows back to UVM and empty the cache (no cached table: no-op)."""
+        if self._caching:
+            self._tbe.flush()
+            self._tbe.reset_cache_states()
 
     def split_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
         if not self._state_names:
             return [{} for _ in self.tables]
         per_table = self._tbe.split_optimizer_states()
-        return [dict(zip(self._state_names, states, strict=True)) for states in per_table]
+        steps = self._step_tensors() if self._steps is not None else None
+        return name_fbgemm_states(self._state_names, per_table, steps)
 
     def set_learning_rate(self, lr: float) -> None:
         self._tbe.set_learning_rate(lr)

@@ -11,6 +11,7 @@ Legend: B batch, F features, N ids (occurrences) of one table, D a table's dim.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,9 @@ from recopt.kernels.config import (
     validate_kernel_layout,
 )
 from recopt.kernels.contract import KernelHook
+from recopt.kernels.placement import placed_off_device
 from recopt.kernels.precision import Precision, make_generator, rounding_seed
+from recopt.kernels.steps import StepMirror
 
 Tensor = torch.Tensor
 
@@ -71,7 +74,8 @@ class RecoptTableBatchedEmbedding(nn.Module):
 
     Raises:
         ValueError: empty tables, a table with no rows or dim, a feature mapped to no table,
-            or adafactor with fp16/bf16 weights.
+            adafactor with fp16/bf16 weights, or a table placed in UVM (only fbgemm's CUDA
+            kernel reads UVM).
     """
 
     def __init__(
@@ -86,6 +90,12 @@ class RecoptTableBatchedEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         validate_kernel_layout(tables, feature_table_map)
+        off_device = placed_off_device(tables)
+        if off_device:
+            raise ValueError(
+                f"tables {off_device}: recopt's kernel keeps every table in device memory and "
+                "cannot read UVM; use backend 'fbgemm' or 'auto' on CUDA, or placement 'device'"
+            )
         self.tables = list(tables)
         self.feature_table_map = list(feature_table_map)
         self.optimizer = optimizer
@@ -126,6 +136,8 @@ class RecoptTableBatchedEmbedding(nn.Module):
             for name, tensor in state.items():
                 self.register_buffer(f"_state_{t}_{name}", tensor, persistent=False)
         self._norms = [updates.AdafactorNorm() for _ in tables]
+        # Host copy of the step counters (fresh state: all zero), so no step reads them back.
+        self._steps = StepMirror(self._step_tensors(), [0] * len(tables))
         dims = [tables[t].embedding_dim for t in feature_table_map]
         self._col_offsets = [sum(dims[:f]) for f in range(len(dims))]
         self.output_dim = sum(dims)
@@ -158,7 +170,11 @@ class RecoptTableBatchedEmbedding(nn.Module):
     # Contract surface ---------------------------------------------------------------------
 
     def forward(
-        self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None
+        self,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None = None,
+        offset_per_key: Sequence[int] | None = None,
     ) -> Tensor:
         """Pool every feature's bags.
 
@@ -166,12 +182,16 @@ class RecoptTableBatchedEmbedding(nn.Module):
             indices: int64 ids, all of feature 0's bags, then feature 1's, ...
             offsets: ``[F*B + 1]`` bag boundaries into ``indices``.
             per_sample_weights: optional float weight per id (weighted features).
+            offset_per_key: ``offsets[f * B]`` for f in 0..F, when the caller knows them on
+                the host (a KJT's ``offset_per_key()``); ``None`` reads them from
+                ``offsets`` (one device sync per step off the CPU).
 
         Returns:
             ``[B, sum of each feature's dim]``, features' columns in feature order.
 
         Raises:
-            ValueError: ``offsets`` does not hold F*B+1 entries.
+            ValueError: ``offsets`` does not hold F*B+1 entries, or ``offset_per_key`` does
+                not hold F+1.
         """
         num_features = len(self.feature_table_map)
         if offsets.dim() != 1 or (offsets.numel() - 1) % num_features != 0:
@@ -179,8 +199,14 @@ class RecoptTableBatchedEmbedding(nn.Module):
                 f"offsets has {offsets.numel()} entries; it needs F*B+1 with F="
                 f"{num_features} features (KJT layout, feature-major)"
             )
+        if offset_per_key is not None and len(offset_per_key) != num_features + 1:
+            raise ValueError(
+                f"offset_per_key has {len(offset_per_key)} entries; it needs F+1 = "
+                f"{num_features + 1} (each feature's first id, then the total)"
+            )
+        bounds = self._feature_bounds(offsets, offset_per_key)
         out: Tensor = _FusedEmbeddingFunction.apply(
-            self, indices, offsets, per_sample_weights, *self.weights
+            self, indices, offsets, per_sample_weights, bounds, *self.weights
         )
         return out
 
@@ -209,16 +235,31 @@ class RecoptTableBatchedEmbedding(nn.Module):
         """The learning rate the next backward will use."""
         return self._lr
 
+    def flush(self) -> None:
+        """Nothing to write back: every table is in device memory."""
+
     # Forward and backward passes ------------------------------------------------------------
 
-    def _feature_bounds(self, offsets: Tensor) -> tuple[int, list[int]]:
-        batch = (offsets.numel() - 1) // len(self.feature_table_map)
-        return batch, offsets[::batch].tolist() if batch > 0 else [0] * (
-            len(self.feature_table_map) + 1
-        )
+    def _feature_bounds(
+        self, offsets: Tensor, offset_per_key: Sequence[int] | None
+    ) -> tuple[int, list[int]]:
+        """The batch size and each feature's first id (F+1 entries), host-side."""
+        num_features = len(self.feature_table_map)
+        batch = (offsets.numel() - 1) // num_features
+        if batch == 0:
+            return 0, [0] * (num_features + 1)
+        if offset_per_key is not None:
+            return batch, list(offset_per_key)
+        return batch, offsets[::batch].tolist()  # the caller did not know them: one read
 
-    def _pool(self, indices: Tensor, offsets: Tensor, weights: Tensor | None) -> Tensor:
-        batch, starts = self._feature_bounds(offsets)
+    def _pool(
+        self,
+        indices: Tensor,
+        offsets: Tensor,
+        weights: Tensor | None,
+        bounds: tuple[int, list[int]],
+    ) -> Tensor:
+        batch, starts = bounds
         mean = self.pooling == PoolingType.MEAN
         if batch > 0 and self._native_ok(None, indices, offsets, weights):
             return cpu_fused.pool(
@@ -257,10 +298,14 @@ class RecoptTableBatchedEmbedding(nn.Module):
         return pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
 
     def _occurrences(
-        self, indices: Tensor, offsets: Tensor, weights: Tensor | None
+        self,
+        indices: Tensor,
+        offsets: Tensor,
+        weights: Tensor | None,
+        bounds: tuple[int, list[int]],
     ) -> list[_Occurrences | None]:
         """Per table, the ids of all its features with their gradient rows and scales."""
-        batch, starts = self._feature_bounds(offsets)
+        batch, starts = bounds
         mean = self.pooling == PoolingType.MEAN
         parts: list[list[tuple[Tensor, Tensor, int, Tensor | None]]] = [[] for _ in self.tables]
         for f, t in enumerate(self.feature_table_map):
@@ -292,18 +337,33 @@ class RecoptTableBatchedEmbedding(nn.Module):
             result.append(_Occurrences(ids, goff, row, [p[2] for p in table_parts], scale))
         return result
 
-    def _advance_steps(self) -> None:
-        if self._spec.stepped:
-            for t in range(len(self.tables)):
-                getattr(self, f"_state_{t}_step").add_(1)
+    def _advance_steps(self) -> list[int]:
+        """Advance every table's step counter; their new values (host copies, no read)."""
+        if not self._spec.stepped:
+            return [0] * len(self.tables)
+        return self._steps.advance(self._step_tensors())
+
+    def _step_tensors(self) -> list[Tensor]:
+        if not self._spec.stepped:
+            return []
+        return [getattr(self, f"_state_{t}_step") for t in range(len(self.tables))]
 
     def _apply_optimizer(
-        self, grad_out: Tensor, indices: Tensor, offsets: Tensor, weights: Tensor | None
+        self,
+        grad_out: Tensor,
+        indices: Tensor,
+        offsets: Tensor,
+        weights: Tensor | None,
+        bounds: tuple[int, list[int]],
     ) -> None:
         """Update every table's touched rows and state from the pooled-output gradient."""
-        self._advance_steps()
+        steps = self._advance_steps()
         if self._native_ok(grad_out, indices, offsets, weights):
-            self._native_update(grad_out, indices, offsets, weights)
+            self._native_update(grad_out, indices, offsets, weights, steps)
+            return
+        sparse_update = self._triton_update_fn(grad_out)
+        if sparse_update is not None:
+            self._triton_update(sparse_update, grad_out, indices, offsets, weights, bounds, steps)
             return
         native_sums = (
             self._native_ok(None, indices, offsets, weights)
@@ -313,7 +373,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
         row_grads = (
             self._native_row_grads(grad_out, indices, offsets, weights)
             if native_sums
-            else self._torch_row_grads(grad_out, indices, offsets, weights)
+            else self._torch_row_grads(grad_out, indices, offsets, weights, bounds)
         )
         states = self.split_optimizer_states()
         for t, row_grad in enumerate(row_grads):
@@ -326,21 +386,79 @@ class RecoptTableBatchedEmbedding(nn.Module):
                     self.grad_hook(t, empty, weight.new_zeros(0, weight.shape[1]))
                 if self._spec.dense_state:  # absent rows still decay their stats (adafactor)
                     self._torch_update(
-                        t, weight, states[t], empty, weight.new_zeros(0, weight.shape[1])
+                        t, weight, states[t], empty, weight.new_zeros(0, weight.shape[1]), steps[t]
                     )
                 continue
             rows_U, grad_U_D = row_grad
             if self.grad_hook is not None:
                 grad_U_D = self.grad_hook(t, rows_U, grad_U_D)
             grad_dtype = torch.float32 if self._reduced else weight.dtype
-            self._torch_update(t, weight, states[t], rows_U, grad_U_D.to(grad_dtype))
+            self._torch_update(t, weight, states[t], rows_U, grad_U_D.to(grad_dtype), steps[t])
+
+    def _triton_update_fn(self, grad_out: Tensor) -> updates.SparseUpdate | None:
+        """Triton's sort-and-update kernel for float32 CUDA tables and state without hooks, if it
+        imports (fp16/bf16 weights or state take the torch path, rounded back)."""
+        if (
+            self.grad_hook is not None
+            or self.row_stat_hook is not None
+            or self._spec.c_code is None
+            or self._reduced
+            or grad_out.dtype != torch.float32
+            or any(w.device.type != "cuda" or w.dtype != torch.float32 for w in self.weights)
+        ):
+            return None
+        return updates.triton_sparse_update()
+
+    def _triton_update(
+        self,
+        sparse_update: updates.SparseUpdate,
+        grad_out: Tensor,
+        indices: Tensor,
+        offsets: Tensor,
+        weights: Tensor | None,
+        bounds: tuple[int, list[int]],
+        steps: list[int],
+    ) -> None:
+        """Every table's touched rows updated by Triton (no torch.unique: no host sync)."""
+        config = self.optimizer
+        beta1, beta2 = config.betas
+        eps = config.eps1 if config.eps1 is not None else 1e-8
+        sign = -1.0 if config.maximize else 1.0
+        hyper = (self._lr, eps, config.weight_decay, sign, 1.0 - beta1, 1.0 - beta2)
+        code = self._spec.c_code
+        assert code is not None  # checked by _triton_update_fn
+        states = self.split_optimizer_states()
+        for t, occ in enumerate(self._occurrences(indices, offsets, weights, bounds)):
+            if occ is None:
+                continue
+            step = steps[t]
+            step_size = (
+                self._lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
+                if self._spec.stepped
+                else 0.0
+            )
+            state = states[t]
+            first = state.get("momentum1", state.get("exp_avg"))
+            weight = self.weights[t].detach()
+            second = state.get("exp_avg_sq")
+            args = (occ.ids_N, occ.goff_N, occ.scale_N, grad_out, weight, first, second)
+            sparse_update(code, *args, hyper, step_size)
 
     def _torch_row_grads(
-        self, grad_out: Tensor, indices: Tensor, offsets: Tensor, weights: Tensor | None
+        self,
+        grad_out: Tensor,
+        indices: Tensor,
+        offsets: Tensor,
+        weights: Tensor | None,
+        bounds: tuple[int, list[int]],
     ) -> list[tuple[Tensor, Tensor] | None]:
-        """Per table, its sorted unique touched rows and their summed gradients (torch ops)."""
+        """Per table, its sorted unique touched rows and their summed gradients (torch ops).
+
+        ``torch.unique`` sizes its result from the data, which on a GPU waits for the device
+        inside torch (no read of ours; docs/kernels.md, "Host syncs").
+        """
         result: list[tuple[Tensor, Tensor] | None] = []
-        for t, occ in enumerate(self._occurrences(indices, offsets, weights)):
+        for t, occ in enumerate(self._occurrences(indices, offsets, weights, bounds)):
             if occ is None:
                 result.append(None)
                 continue
@@ -403,17 +521,39 @@ class RecoptTableBatchedEmbedding(nn.Module):
         return result
 
     def _torch_update(
-        self, t: int, weight: Tensor, state: dict[str, Tensor], rows_U: Tensor, grad_U_D: Tensor
+        self,
+        t: int,
+        weight: Tensor,
+        state: dict[str, Tensor],
+        rows_U: Tensor,
+        grad_U_D: Tensor,
+        step: int,
     ) -> None:
         hook = self.row_stat_hook
         row_stat = None if hook is None else (lambda sum_sq_U: hook(t, rows_U, sum_sq_U))
         if self._reduced:
             updates.apply_update_rounded(
-                self.optimizer, self._lr, weight, state, rows_U, grad_U_D, self._rounding, row_stat
+                self.optimizer,
+                self._lr,
+                weight,
+                state,
+                rows_U,
+                grad_U_D,
+                self._rounding,
+                row_stat,
+                step=step,
             )
             return
         updates.apply_update(
-            self.optimizer, self._lr, weight, state, rows_U, grad_U_D, self._norms[t], row_stat
+            self.optimizer,
+            self._lr,
+            weight,
+            state,
+            rows_U,
+            grad_U_D,
+            self._norms[t],
+            row_stat,
+            step=step,
         )
 
     def _native_ok(
@@ -457,7 +597,12 @@ class RecoptTableBatchedEmbedding(nn.Module):
         return not self._reduced or self._rounding is not None
 
     def _native_update(
-        self, grad_out: Tensor, indices: Tensor, offsets: Tensor, weights: Tensor | None
+        self,
+        grad_out: Tensor,
+        indices: Tensor,
+        offsets: Tensor,
+        weights: Tensor | None,
+        steps: list[int],
     ) -> None:
         """All tables in one pass: keys (table base + id) sorted once, then one native update."""
         if indices.numel() == 0:
@@ -467,9 +612,8 @@ class RecoptTableBatchedEmbedding(nn.Module):
         beta1, beta2 = config.betas
         step_sizes = [0.0] * len(self.tables)
         states = self.split_optimizer_states()
-        if "step" in states[0]:
-            for t, state in enumerate(states):
-                step = int(state["step"].item())
+        if self._spec.stepped:
+            for t, step in enumerate(steps):
                 step_sizes[t] = self._lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
         eps = config.eps1 if config.eps1 is not None else 1e-8
         sign = -1.0 if config.maximize else 1.0
@@ -495,10 +639,15 @@ class RecoptTableBatchedEmbedding(nn.Module):
         )
 
     def _per_sample_weight_grad(
-        self, grad_out: Tensor, indices: Tensor, offsets: Tensor, weights: Tensor
+        self,
+        grad_out: Tensor,
+        indices: Tensor,
+        offsets: Tensor,
+        weights: Tensor,
+        bounds: tuple[int, list[int]],
     ) -> Tensor:
         """d loss / d weight_i = <grad of its bag, its row> (/ length for mean pooling)."""
-        batch, starts = self._feature_bounds(offsets)
+        batch, starts = bounds
         grads = []
         for f, t in enumerate(self.feature_table_map):
             lengths_B = offsets[f * batch : (f + 1) * batch + 1].diff()
@@ -528,16 +677,18 @@ class _FusedEmbeddingFunction(torch.autograd.Function):
         indices: Tensor,
         offsets: Tensor,
         per_sample_weights: Tensor | None,
+        bounds: tuple[int, list[int]],
         *weights: Tensor,
     ) -> Tensor:
         ctx.kernel = kernel
+        ctx.bounds = bounds
         ctx.num_weights = len(weights)
         ctx.has_psw = per_sample_weights is not None
         if per_sample_weights is not None:
             ctx.save_for_backward(indices, offsets, per_sample_weights)
         else:
             ctx.save_for_backward(indices, offsets)
-        return kernel._pool(indices, offsets, per_sample_weights)
+        return kernel._pool(indices, offsets, per_sample_weights, bounds)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
@@ -549,7 +700,7 @@ class _FusedEmbeddingFunction(torch.autograd.Function):
         grad_psw = None
         if psw is not None and ctx.needs_input_grad[3]:
             # Before the update: the gradient is taken at the weights forward used.
-            grad_psw = kernel._per_sample_weight_grad(grad_out, indices, offsets, psw)
+            grad_psw = kernel._per_sample_weight_grad(grad_out, indices, offsets, psw, ctx.bounds)
         with torch.no_grad():
-            kernel._apply_optimizer(grad_out, indices, offsets, psw)
-        return (None, None, None, grad_psw, *([None] * ctx.num_weights))
+            kernel._apply_optimizer(grad_out, indices, offsets, psw, ctx.bounds)
+        return (None, None, None, grad_psw, None, *([None] * ctx.num_weights))

@@ -45,6 +45,10 @@ class OptimizerSpec:
         fbgemm_cuda: fbgemm's ``EmbOptimType`` name in its CUDA build, ``None`` if absent.
         fbgemm_states: recopt's state keys in the order fbgemm's ``split_optimizer_states``
             returns them, so checkpoints move between backends.
+        fbgemm_decoupled_weight_decay: fbgemm's CUDA kernel applies ``weight_decay`` in
+            AdamW's decoupled form where recopt adds an L2 term (the fbgemm backend refuses a
+            non-zero weight decay); its ``eps`` sits on the bias-corrected root, which
+            `fbgemm_steps` maps to SparseAdam's every step.
         fbgemm_cpu_shared_table_broken: fbgemm's CPU kernel mishandles a table shared by
             several features (measured, fbgemm-gpu-cpu 1.8.0: EXACT_ADAGRAD updates once per
             feature, EXACT_ROWWISE_ADAGRAD can raise).
@@ -68,6 +72,7 @@ class OptimizerSpec:
     fbgemm_cpu: str | None = None
     fbgemm_cuda: str | None = None
     fbgemm_states: tuple[str, ...] = ()
+    fbgemm_decoupled_weight_decay: bool = False
     fbgemm_cpu_shared_table_broken: bool = False
     cpu_prefers_fbgemm: bool = False
     c_code: int | None = None
@@ -123,6 +128,7 @@ ADAM = OptimizerSpec(
     stepped=True,
     fbgemm_cuda="ADAM",
     fbgemm_states=("exp_avg", "exp_avg_sq"),
+    fbgemm_decoupled_weight_decay=True,
     c_code=3,
     default_lr=1e-3,  # torch.optim.SparseAdam's
 )
@@ -133,6 +139,7 @@ ROW_WISE_ADAM = OptimizerSpec(
     stepped=True,
     fbgemm_cuda="PARTIAL_ROWWISE_ADAM",
     fbgemm_states=("exp_avg", "exp_avg_sq"),
+    fbgemm_decoupled_weight_decay=True,
     c_code=4,
 )
 ADAFACTOR = OptimizerSpec(

@@ -10,9 +10,13 @@ Legend: R rows of the table, D its dim, U unique rows touched by the batch.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
+from typing import cast
 
 import torch
 
@@ -67,10 +71,11 @@ class AdafactorNorm:
 
     Recomputed from the weights whenever they were written outside the optimizer (the
     tensor's version counter moved); otherwise kept up to date from the touched rows only,
-    so a step never reads the whole table.
+    so a step never reads the whole table. A float64 0-dim tensor on the weights' device, so
+    keeping it never waits for the device.
     """
 
-    sum_sq: float = 0.0
+    sum_sq: Tensor | None = None
     version: int = -1
 
 
@@ -90,12 +95,14 @@ def _adam_like(
     rows_U: Tensor,
     grad_U_D: Tensor,
     row_stat: RowStat | None = None,
+    step: int | None = None,
 ) -> None:
     """Adam (SparseAdam's formulas) and row-wise Adam on the touched rows."""
     beta1, beta2 = config.betas
     eps = config.eps1 if config.eps1 is not None else 1e-8
     exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-    step = int(state["step"].item())
+    if step is None:
+        step = int(state["step"].item())
     m_U_D = exp_avg.index_select(0, rows_U)
     m_U_D.add_(grad_U_D.sub(m_U_D).mul_(1.0 - beta1))
     exp_avg.index_copy_(0, rows_U, m_U_D)
@@ -115,11 +122,14 @@ def _adam_like(
     weight.index_add_(0, rows_U, m_U_D.div_(denom).mul_(-step_size))
 
 
-def _sum_sq(x_R_D: Tensor) -> float:
-    """Sum of squares in float64 without a full-size temporary: row norms, then their sum."""
+def _sum_sq(x_R_D: Tensor) -> Tensor:
+    """Sum of squares in float64 without a full-size temporary: row norms, then their sum.
+
+    A 0-dim tensor on ``x_R_D``'s device (no read back).
+    """
     if x_R_D.numel() == 0:
-        return 0.0
-    return float(torch.linalg.vector_norm(x_R_D, dim=1).double().square().sum().item())
+        return torch.zeros((), dtype=torch.float64, device=x_R_D.device)
+    return torch.linalg.vector_norm(x_R_D, dim=1).double().square().sum()
 
 
 def _adafactor(
@@ -130,24 +140,23 @@ def _adafactor(
     rows_U: Tensor,
     grad_U_D: Tensor,
     norm: AdafactorNorm,
+    step: int | None = None,
 ) -> None:
     """torch.optim.Adafactor on the dense gradient whose absent rows are zero.
 
-    Exactly that, except decoupled weight decay, which only shrinks the touched rows.
+    Exactly that, except decoupled weight decay, which only shrinks the touched rows. The
+    parameter scale and the clipping factor stay on the device: nothing is read back.
     """
     rows, dim = weight.shape
     grad = -grad_U_D if config.maximize else grad_U_D
     eps1 = config.eps1 if config.eps1 is not None else torch.finfo(weight.dtype).eps
-    step = float(state["step"].item())
-    beta2_t = step**config.beta2_decay
+    if step is None:
+        step = int(state["step"].item())
+    beta2_t = float(step) ** config.beta2_decay
     rho = min(lr, 1.0 / math.sqrt(step))
-    if norm.version != weight._version:
+    if norm.sum_sq is None or norm.version != weight._version:
         norm.sum_sq = _sum_sq(weight)
-    alpha = max(config.eps2, math.sqrt(norm.sum_sq / weight.numel())) * rho
-    w_U_D = weight.index_select(0, rows_U)
-    old_sum_sq = _sum_sq(w_U_D)
-    if config.weight_decay != 0.0:
-        w_U_D.mul_(1.0 - lr * config.weight_decay)
+    alpha = norm.sum_sq.div(weight.numel()).sqrt_().clamp_(min=config.eps2).mul_(rho)
     # Absent rows have a zero gradient: their row statistic decays, nothing else changes.
     row_var, col_var = state["row_var"], state["col_var"]
     row_var.mul_(1.0 - beta2_t)
@@ -156,15 +165,98 @@ def _adafactor(
     col_var.lerp_(grad_sq_U_D.sum(dim=0).div_(rows), beta2_t)
     del grad_sq_U_D
     row_scale = row_var.mean().clamp(min=eps1)
-    var_U_D = torch.outer(row_var.index_select(0, rows_U), col_var).div_(row_scale)
-    update_U_D = var_U_D.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad)
-    clip = max(
-        1.0, float(update_U_D.norm().item()) / (math.sqrt(rows * dim) * config.clip_threshold)
+    decay = 1.0 - lr * config.weight_decay
+    apply_rows = adafactor_rows_impl(weight)
+    change = apply_rows(
+        weight, rows_U, grad, row_var, col_var, row_scale, eps1, alpha, config.clip_threshold, decay
     )
-    w_U_D.add_(update_U_D, alpha=-alpha / clip)
-    weight.index_copy_(0, rows_U, w_U_D)
-    norm.sum_sq += _sum_sq(w_U_D) - old_sum_sq
+    norm.sum_sq = norm.sum_sq + change
     norm.version = weight._version
+
+
+def adafactor_rows_torch(
+    weight: Tensor,
+    rows_U: Tensor,
+    grad_U_D: Tensor,
+    row_var: Tensor,
+    col_var: Tensor,
+    row_scale: Tensor,
+    eps1: float,
+    alpha: Tensor,
+    clip_threshold: float,
+    decay: float,
+) -> Tensor:
+    """Adafactor's clipped update of the touched rows (statistics already updated), in place.
+
+    The update is ``g * rsqrt(max(row_var[r] * col_var / row_scale, eps1^2))``, clipped by
+    ``max(1, RMS over the whole table / clip_threshold)`` (absent rows' update is 0); each
+    touched row becomes ``decay * w - alpha / clip * update``.
+
+    Returns:
+        0-dim float64 on the weights' device: the change of the table's sum of squares.
+    """
+    rows, dim = weight.shape
+    w_U_D = weight.index_select(0, rows_U)
+    old_sum_sq = _sum_sq(w_U_D)
+    if decay != 1.0:
+        w_U_D.mul_(decay)
+    var_U_D = torch.outer(row_var.index_select(0, rows_U), col_var).div_(row_scale)
+    update_U_D = var_U_D.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad_U_D)
+    clip = update_U_D.norm().double().div_(math.sqrt(rows * dim) * clip_threshold).clamp_(min=1.0)
+    w_U_D.addcmul_(update_U_D, alpha.div(clip).neg_().to(w_U_D.dtype))
+    weight.index_copy_(0, rows_U, w_U_D)
+    return _sum_sq(w_U_D) - old_sum_sq
+
+
+AdafactorRows = Callable[
+    [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float, Tensor, float, float], Tensor
+]
+
+
+# (code, ids [N], grad offsets [N], scales [N] or None, grad_out, weight, state1, state2,
+#  (lr, eps, weight_decay, sign, 1 - beta1, 1 - beta2), step_size) -> None
+SparseUpdate = Callable[
+    [
+        int,
+        Tensor,
+        Tensor,
+        Tensor | None,
+        Tensor,
+        Tensor,
+        Tensor | None,
+        Tensor | None,
+        tuple[float, float, float, float, float, float],
+        float,
+    ],
+    None,
+]
+
+
+@functools.cache
+def _triton_kernels(name: str) -> ModuleType | None:
+    """recopt's Triton module ``name``, or None where Triton does not import (tried once)."""
+    try:
+        return importlib.import_module(f"recopt.kernels.{name}")
+    except ImportError:
+        return None
+
+
+def triton_sparse_update() -> SparseUpdate | None:
+    """recopt's Triton update for the optimizers with a native code (CUDA), if Triton imports."""
+    module = _triton_kernels("triton_sparse")
+    return None if module is None else cast(SparseUpdate, module.sparse_update)
+
+
+def adafactor_rows_impl(weight: Tensor) -> AdafactorRows:
+    """Adafactor's touched-row pass for this table: Triton's for float32 on CUDA, if it imports.
+
+    Elsewhere (CPU, other dtypes, a CUDA torch without Triton) `adafactor_rows_torch`.
+    """
+    if weight.device.type == "cuda" and weight.dtype == torch.float32:
+        module = _triton_kernels("triton_adafactor")
+        if module is not None:
+            return cast(AdafactorRows, module.adafactor_rows)
+    return adafactor_rows_torch
 
 
 def _sgd(
@@ -211,6 +303,8 @@ def apply_update(
     grad_U_D: Tensor,
     norm: AdafactorNorm | None = None,
     row_stat: RowStat | None = None,
+    *,
+    step: int | None = None,
 ) -> None:
     """Apply one optimizer step to the touched rows of one table, in place.
 
@@ -226,6 +320,8 @@ def apply_update(
         norm: Adafactor's running weight norm (required for ``adafactor``).
         row_stat: for row-wise optimizers of a column shard: maps the per-row sum of squared
             gradients over this shard's columns to the mean over the full row.
+        step: the table's (advanced) step counter when the caller keeps it on the host;
+            ``None`` reads ``state["step"]`` (a device sync off the CPU).
 
     Raises:
         ValueError: ``adafactor`` without ``norm``.
@@ -234,13 +330,16 @@ def apply_update(
     if update is _adafactor:
         if norm is None:
             raise ValueError("apply_update: adafactor needs its AdafactorNorm; pass norm=")
-        _adafactor(config, lr, weight, state, rows_U, grad_U_D, norm)
+        _adafactor(config, lr, weight, state, rows_U, grad_U_D, norm, step)
         return
     if rows_U.numel() == 0:
         return
     w_U_D = weight.index_select(0, rows_U)
     grad = _l2_and_sign(config, w_U_D, grad_U_D)
-    update(config, lr, weight, state, rows_U, grad, row_stat)
+    if update is _adam_like:
+        _adam_like(config, lr, weight, state, rows_U, grad, row_stat, step)
+    else:
+        update(config, lr, weight, state, rows_U, grad, row_stat)
 
 
 def apply_update_rounded(
@@ -252,14 +351,16 @@ def apply_update_rounded(
     grad_U_D: Tensor,
     generator: torch.Generator | None,
     row_stat: RowStat | None = None,
+    *,
+    step: int | None = None,
 ) -> None:
     """`apply_update` for fp16/bf16 weights or state: computed in fp32, rounded back.
 
     The touched rows of the weights and of every per-row state are copied to fp32 (a compact
     ``[U, ...]`` table), updated there by the optimizer's own rule, and written back with
     `stochastic_round` (``generator``), or rounded to nearest when ``generator`` is None.
-    Per-table scalars (``step``) are used as they are. Not for optimizers whose state is not
-    indexed by row (adafactor: refused at construction).
+    Per-table scalars (``step``) are used as they are (``step``: as in `apply_update`). Not
+    for optimizers whose state is not indexed by row (adafactor: refused at construction).
     """
     if rows_U.numel() == 0:
         return
@@ -271,7 +372,9 @@ def apply_update_rounded(
         for key, value in state.items()
     }
     assert all(v.dim() == 0 or v.shape[0] == rows for v in state.values())
-    apply_update(config, lr, weight_U_D, state_U, local_U, grad_U_D.float(), None, row_stat)
+    apply_update(
+        config, lr, weight_U_D, state_U, local_U, grad_U_D.float(), None, row_stat, step=step
+    )
 
     def write(target: Tensor, value: Tensor) -> None:
         if generator is None:

@@ -1,14 +1,16 @@
-"""EmbeddingBagConfig: one embedding table, the features that look it up, and how bags pool.
+"""Table configs: `EmbeddingBagConfig` (pooled bags) and `EmbeddingConfig` (unpooled rows).
 
-`validate_tables` checks a whole collection the same way everywhere (modules, planner, sharding):
-duplicate table names and a feature claimed by two tables are errors that name both.
+Both share `BaseEmbeddingConfig`'s fields and checks; a bag config adds how its bags pool.
+
+`validate_tables` checks a whole collection the same way everywhere (modules, sharding): duplicate
+table names are errors that name the table; a feature in two tables is one only when asked.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -18,15 +20,15 @@ from recopt.kernels.precision import Precision, parse_precision
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class EmbeddingBagConfig:
-    """One embedding table.
+class BaseEmbeddingConfig:
+    """What every embedding table has: a name, a shape, its features and its initialisation.
 
     Args:
-        name: table name; parameters are named ``embedding_bags.<name>.weight``.
+        name: table name; parameters are named ``embedding_bags.<name>.weight`` in an
+            embedding-bag collection, ``embeddings.<name>.weight`` in an embedding collection.
         num_embeddings: number of rows (valid ids are ``0 .. num_embeddings - 1``).
         embedding_dim: row width.
-        feature_names: the features whose bags look up this table (at least one).
-        pooling: ``sum`` or ``mean`` of the (weighted) rows of a bag.
+        feature_names: the features that look up this table (at least one).
         weight_init_min: lower bound of the uniform initialisation; default
             ``-sqrt(1 / num_embeddings)``.
         weight_init_max: upper bound; default ``sqrt(1 / num_embeddings)``.
@@ -35,19 +37,13 @@ class EmbeddingBagConfig:
         weight_dtype: how the weights are stored: ``"fp32"`` (default), ``"fp16"`` or
             ``"bf16"`` (also ``"float16"``, ``torch.float16``, ...; stored as a `Precision`).
             Reduced-precision tables are updated in fp32 and stochastically rounded back
-            (docs/kernels.md, "Reduced precision"); pooled outputs are fp32 either way.
-
-    Example::
-
-        EmbeddingBagConfig(name="user", num_embeddings=1000, embedding_dim=16,
-                           feature_names=["user_id"])
+            (docs/kernels.md, "Reduced precision"); outputs (pooled or not) are fp32 either way.
     """
 
     name: str
     num_embeddings: int
     embedding_dim: int
     feature_names: tuple[str, ...] = field(default_factory=tuple)
-    pooling: PoolingType = PoolingType.SUM
     weight_init_min: float | None = None
     weight_init_max: float | None = None
     init_fn: Callable[[torch.Tensor], Any] | None = None
@@ -56,7 +52,6 @@ class EmbeddingBagConfig:
     def __post_init__(self) -> None:
         # Accept lists (from TOML/JSON) but store tuples so the config stays hashable.
         object.__setattr__(self, "feature_names", tuple(self.feature_names))
-        object.__setattr__(self, "pooling", PoolingType(self.pooling))
         where = f"table {self.name!r}"
         object.__setattr__(
             self, "weight_dtype", parse_precision(self.weight_dtype, f"{where}: weight_dtype")
@@ -97,25 +92,77 @@ class EmbeddingBagConfig:
         return lo, hi
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EmbeddingBagConfig(BaseEmbeddingConfig):
+    """One embedding table whose features' bags pool to one row per bag.
+
+    Args (besides `BaseEmbeddingConfig`'s):
+        pooling: ``sum`` or ``mean`` of the (weighted) rows of a bag.
+
+    Example::
+
+        EmbeddingBagConfig(name="user", num_embeddings=1000, embedding_dim=16,
+                           feature_names=["user_id"])
+    """
+
+    pooling: PoolingType = PoolingType.SUM
+
+    def __post_init__(self) -> None:
+        # Explicit base call: zero-argument super() fails in a slots dataclass.
+        BaseEmbeddingConfig.__post_init__(self)
+        object.__setattr__(self, "pooling", PoolingType(self.pooling))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EmbeddingConfig(BaseEmbeddingConfig):
+    """One embedding table looked up without pooling: one row per id (`EmbeddingCollection`).
+
+    Same fields and checks as `BaseEmbeddingConfig`; there is no pooling.
+
+    Example::
+
+        EmbeddingConfig(name="item", num_embeddings=1000, embedding_dim=16,
+                        feature_names=["item_history"])
+    """
+
+    def as_bag_config(self) -> EmbeddingBagConfig:
+        """The same table as a SUM-pooled bag config: the lookup engine's view of it."""
+        shared = {f.name: getattr(self, f.name) for f in fields(BaseEmbeddingConfig)}
+        return EmbeddingBagConfig(**shared, pooling=PoolingType.SUM)
+
+
 def validate_tables(
-    tables: Sequence[EmbeddingBagConfig], allow_shared_features: bool = False
+    tables: Sequence[BaseEmbeddingConfig],
+    allow_shared_features: bool = False,
+    config_type: type[BaseEmbeddingConfig] | None = None,
 ) -> None:
     """Check a collection of tables: at least one, unique names, each feature in one table.
 
-    ``allow_shared_features`` lets a feature look up several tables (the plain
-    `EmbeddingBagCollection` allows it, naming outputs ``feature@table``); the fused and
-    sharded collections do not support that yet.
+    ``allow_shared_features`` lets a feature look up several tables: every embedding collection
+    (plain, fused and sharded) allows it, naming that feature's outputs ``feature@table``.
+
+    Args:
+        tables: the collection's tables.
+        allow_shared_features: see above.
+        config_type: the config class every table must be (default `EmbeddingBagConfig`;
+            `EmbeddingConfig` for the embedding collections).
 
     Raises:
-        ValueError: naming the duplicated table or feature and the tables involved.
+        ValueError: naming the duplicated table or feature and the tables involved, or a
+            table of the wrong config type.
     """
+    expected = EmbeddingBagConfig if config_type is None else config_type
     if not tables:
-        raise ValueError("an embedding-bag collection needs at least one table")
+        raise ValueError("an embedding collection needs at least one table")
+    for table in tables:
+        if not isinstance(table, expected):
+            raise ValueError(
+                f"expected {expected.__name__} tables, got {type(table).__name__} "
+                f"{getattr(table, 'name', table)!r}; build the table as {expected.__name__}"
+            )
     seen_tables: set[str] = set()
     owner: dict[str, str] = {}
     for table in tables:
-        if not isinstance(table, EmbeddingBagConfig):
-            raise ValueError(f"expected EmbeddingBagConfig, got {type(table).__name__}")
         if table.name in seen_tables:
             raise ValueError(
                 f"table {table.name!r} is configured twice; table names must be unique"
@@ -125,7 +172,7 @@ def validate_tables(
             if feature in owner and not allow_shared_features:
                 raise ValueError(
                     f"feature {feature!r} is in two tables, {owner[feature]!r} and {table.name!r}; "
-                    "a feature looks up exactly one table in the fused and sharded collections "
-                    "(EmbeddingBagCollection allows sharing)"
+                    "pass allow_shared_features=True to let a feature look up several tables "
+                    "(as the embedding collections do: its outputs are keyed feature@table)"
                 )
             owner[feature] = table.name

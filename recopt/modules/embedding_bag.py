@@ -14,6 +14,7 @@ from torch import nn
 
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.inputs import FeatureLayout
+from recopt.modules.variable_batch import expand_rows, regular_batch
 from recopt.sparse import KeyedJaggedTensor, KeyedTensor
 
 
@@ -87,6 +88,11 @@ class EmbeddingBagCollection(nn.Module):
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool each feature's bags from its table.
 
+        With a variable batch per feature, each feature's pooled rows are expanded to the full
+        batch through the input's ``inverse_indices`` (``[B, D]`` output, B their width);
+        without them a variable batch is refused. Given ``inverse_indices`` expand a regular
+        batch too (as TorchRec does).
+
         Raises:
             ValueError: missing features or weights mismatch; ``InvalidIdError`` for bad ids.
         """
@@ -97,6 +103,7 @@ class EmbeddingBagCollection(nn.Module):
         dtype = next((p.dtype for p in self.embedding_bags.parameters()), torch.float32)
         if dtype in (torch.float16, torch.bfloat16):
             dtype = torch.float32  # per-id weights: converted per table in _pool
+        features, index_F_B = regular_batch(features, self._layout.feature_names)
         features = self._layout.prepare(features, self.is_weighted, dtype)
         batch = features.stride()
         values, offsets = features.values(), features.offsets()
@@ -115,10 +122,11 @@ class EmbeddingBagCollection(nn.Module):
                     bag,
                 )
             )
+        pooled_B_D = torch.cat(pooled, dim=1)
+        if index_F_B is not None:
+            pooled_B_D = expand_rows(pooled_B_D, self._layout.dims, index_F_B)
         return KeyedTensor(
-            keys=self._layout.output_keys,
-            length_per_key=self._layout.dims,
-            values=torch.cat(pooled, dim=1),
+            keys=self._layout.output_keys, length_per_key=self._layout.dims, values=pooled_B_D
         )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from torch import nn
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.contract import Kernel
 from recopt.kernels.factory import create_kernel
+from recopt.kernels.placement import DEVICE, Placement
 from recopt.kernels.precision import Precision
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import (
@@ -27,6 +28,8 @@ from recopt.modules.fused_groups import (
 )
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.nonfinite import NonFiniteGradGuard, guarded_lookup
+from recopt.modules.torch_optimizers import fused_config
+from recopt.modules.variable_batch import expand_rows, regular_batch
 from recopt.optim.fused import FusedOptimizer, FusedOptimizerModule
 from recopt.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -60,6 +63,26 @@ class EmbeddingFusedOptimizer(FusedOptimizer):
     """
 
 
+def _resolve_placements(
+    tables: Sequence[EmbeddingBagConfig], placements: Mapping[str, Placement] | None
+) -> dict[str, Placement]:
+    """Every table's placement (``device`` unless named), after checking the names."""
+    names = [t.name for t in tables]
+    unknown = sorted(set(placements or {}) - set(names))
+    if unknown:
+        raise ValueError(
+            f"table_placements names tables {unknown}, which the collection does not have; "
+            f"tables: {names}"
+        )
+    for name, placement in (placements or {}).items():
+        if not isinstance(placement, Placement):
+            raise ValueError(
+                f"table_placements[{name!r}] must be a Placement, got {placement!r}; e.g. "
+                "Placement(location='uvm_caching', cache_load_factor=0.2)"
+            )
+    return {name: (placements or {}).get(name, DEVICE) for name in names}
+
+
 class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     """`EmbeddingBagCollection` with the sparse optimizer fused into backward.
 
@@ -73,15 +96,28 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         optimizer: the fused optimizer of every table (default row-wise Adagrad, lr 0.01).
         table_optimizers: per-table overrides, table name -> optimizer.
         is_weighted: the input carries one weight per id.
+        optimizer_type, optimizer_kwargs: TorchRec's way to name ``optimizer``: a torch
+            optimizer class with a fused equivalent (``torch.optim.SGD``, ``Adagrad``,
+            ``SparseAdam``, `recopt.optim.RowWiseAdagrad`) and its keyword arguments.
         device: where weights and optimizer state live.
         skip_nonfinite: check the output gradient before the fused update (one host read per
             backward) and skip the update when it is not finite. Not applied while a kernel has
             a ``grad_hook`` (fault tolerance): its collectives need every replica to update.
+        table_placements: table name -> where its rows live (kernels/placement.py); tables not
+            named are in device memory. UVM placements need CUDA and run on fbgemm.
+
+    A feature may look up several tables; its outputs are then keyed ``feature@table``.
 
     Raises:
-        ValueError: invalid tables, an override naming an unknown table, or a kernel that cannot
-            take a table (e.g. fbgemm with a dim not a multiple of 4: the message gives the fix).
+        ValueError: invalid tables, an override naming an unknown table, a kernel that cannot
+            take a table (e.g. fbgemm with a dim not a multiple of 4, or a UVM placement off
+            CUDA: the message gives the fix), both ``optimizer`` and ``optimizer_type``, or an
+            ``optimizer_type`` / keyword with no fused equivalent.
     """
+
+    # The fused optimizer's param names are ``<prefix>.<table>.weight`` (an embedding
+    # collection's lookup engine uses ``embeddings``).
+    _param_prefix: ClassVar[str] = "embedding_bags"
 
     def __init__(
         self,
@@ -91,10 +127,22 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         is_weighted: bool = False,
         device: torch.device | str | None = None,
         skip_nonfinite: bool = True,
+        table_placements: Mapping[str, Placement] | None = None,
+        *,
+        optimizer_type: type | None = None,
+        optimizer_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        validate_tables(tables)
+        validate_tables(tables, allow_shared_features=True)
+        if optimizer_type is not None:
+            if optimizer is not None:
+                raise ValueError(
+                    "pass the fused optimizer once: optimizer= (a FusedOptimizerConfig) or "
+                    f"optimizer_type= ({optimizer_type.__name__}), not both"
+                )
+            optimizer = fused_config(optimizer_type, optimizer_kwargs)
         self.tables = list(tables)
+        self._placements = _resolve_placements(self.tables, table_placements)
         self.is_weighted = is_weighted
         self.device = torch.device(device if device is not None else "cpu")
         self._layout = FeatureLayout(self.tables)
@@ -123,14 +171,16 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._grad_guard = NonFiniteGradGuard(type(self).__name__)
 
     def _build_groups(self, optimizers: Mapping[str, FusedOptimizerConfig]) -> list[_KernelGroup]:
-        # One kernel per optimizer, pooling and weight dtype (a kernel holds one precision).
-        tables_of: dict[tuple[FusedOptimizerConfig, PoolingType, Precision], list[int]] = {}
+        # One kernel per optimizer, pooling and weight dtype (a kernel holds one precision);
+        # tables in UVM get kernels of their own (fbgemm's; AUTO stays free for the others).
+        tables_of: dict[tuple[FusedOptimizerConfig, PoolingType, Precision, bool], list[int]] = {}
         for t, table in enumerate(self.tables):
-            key = (optimizers[table.name], table.pooling, table.weight_dtype)
+            on_device = self._placements[table.name].on_device
+            key = (optimizers[table.name], table.pooling, table.weight_dtype, on_device)
             tables_of.setdefault(key, []).append(t)
         return [
             self._build_group(optimizer, pooling, table_indices)
-            for (optimizer, pooling, _), table_indices in tables_of.items()
+            for (optimizer, pooling, *_), table_indices in tables_of.items()
         ]
 
     def _build_group(
@@ -145,6 +195,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 num_embeddings=self.tables[t].num_embeddings,
                 embedding_dim=self.tables[t].embedding_dim,
                 weight_dtype=self.tables[t].weight_dtype,
+                placement=self._placements[self.tables[t].name],
             )
             for t in table_indices
         ]
@@ -164,7 +215,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             for t, table_state in zip(group.table_indices, states, strict=True):
                 name = self.tables[t].name
                 param = self._table_weight(name)
-                params[f"embedding_bags.{name}.weight"] = param
+                params[f"{self._param_prefix}.{name}.weight"] = param
                 state[param] = {f"{name}.{key}": value for key, value in table_state.items()}
                 group_params.append(param)
             param_groups.append(make_param_group(group.optimizer, group_params, [group.kernel]))
@@ -200,8 +251,13 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         return self._optimizer
 
     def feature_names(self) -> list[str]:
-        """The output keys: features in table order."""
+        """The features looked up, in table order (repeated when shared by tables)."""
         return list(self._layout.feature_names)
+
+    @property
+    def skip_nonfinite(self) -> bool:
+        """Whether the output gradient is checked before the fused update (constructor arg)."""
+        return self._skip_nonfinite
 
     @property
     def skipped_nonfinite_steps(self) -> int:
@@ -215,13 +271,17 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool each feature's bags; backward updates the looked-up rows in place.
 
+        A variable batch per feature is expanded through ``inverse_indices`` as in
+        `EmbeddingBagCollection.forward`.
+
         Raises:
             ValueError: missing features or weights mismatch; ``InvalidIdError`` for bad ids.
         """
         if self.device.type == "meta":
             # Shapes only (build-on-meta, then shard): ids cannot be read, nor need to be.
             pooled_meta = torch.empty(features.stride(), sum(self._layout.dims), device="meta")
-            return KeyedTensor(self._layout.feature_names, self._layout.dims, pooled_meta)
+            return KeyedTensor(self._layout.output_keys, self._layout.dims, pooled_meta)
+        features, index_F_B = regular_batch(features, self._layout.feature_names)
         features = self._layout.prepare(features, self.is_weighted)
         self._lr_sync.apply(self._optimizer.param_groups)
         if self._skip_nonfinite and all(g.kernel.grad_hook is None for g in self._groups):
@@ -233,8 +293,10 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             )
         else:
             pooled = self._lookup_all(features, features.weights_or_none())
+        if index_F_B is not None:
+            pooled = expand_rows(pooled, self._layout.dims, index_F_B)
         return KeyedTensor(
-            keys=self._layout.feature_names, length_per_key=self._layout.dims, values=pooled
+            keys=self._layout.output_keys, length_per_key=self._layout.dims, values=pooled
         )
 
     def _lookup_all(
@@ -256,8 +318,14 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         return self._lookup_groups(features)
 
     def _lookup(self, group: _KernelGroup, features: KeyedJaggedTensor) -> torch.Tensor:
+        # The features' id bounds when the host knows them (after `prepare`, it does), so the
+        # kernel need not read them back from the device.
+        known = features.length_per_key_or_none() is not None
         result: torch.Tensor = group.kernel(
-            features.values(), features.offsets(), features.weights_or_none()
+            features.values(),
+            features.offsets(),
+            features.weights_or_none(),
+            offset_per_key=features.offset_per_key() if known else None,
         )
         return result
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from recopt.modules.config import EmbeddingBagConfig
+from recopt.modules.config import BaseEmbeddingConfig
 from recopt.sparse import KeyedJaggedTensor
 
 
@@ -26,7 +26,7 @@ class NonFiniteWeightError(ValueError):
 class FeatureLayout:
     """The features of a collection in lookup order (table order, then feature order)."""
 
-    def __init__(self, tables: Sequence[EmbeddingBagConfig]) -> None:
+    def __init__(self, tables: Sequence[BaseEmbeddingConfig]) -> None:
         self.feature_names: list[str] = []
         self.feature_table: list[int] = []
         for t, table in enumerate(tables):
@@ -51,12 +51,16 @@ class FeatureLayout:
     ) -> KeyedJaggedTensor:
         """Return ``features`` restricted to and ordered as this layout, with ids checked.
 
+        The result is keyed by `output_keys`: a feature looked up by several tables appears
+        once per table, as the virtual feature ``feature@table``, so its keys stay unique
+        (every later step, sharded input distribution included, sees one feature per lookup).
+
         Per-id weights are converted to ``weight_dtype`` (the tables' dtype), as fbgemm
         does, so every backend accepts e.g. float64 weights alike.
 
         Raises:
             ValueError: a feature is missing, weights are missing / unexpected, or the
-                input has a variable batch per feature.
+                input has a variable batch per feature (``regular_batch`` removes it).
             InvalidIdError: an id is outside its table.
             NonFiniteWeightError: a per-id weight is NaN or infinite (after the conversion
                 to ``weight_dtype``).
@@ -65,18 +69,20 @@ class FeatureLayout:
             raise ValueError(
                 "the input has a variable batch per feature (stride_per_key_per_rank "
                 f"{features.stride_per_key_per_rank()}); the embedding-bag modules need one "
-                "batch size for all features: pad the smaller features with empty bags"
+                "batch size here: pass it through variable_batch.regular_batch first"
             )
         keys = features.keys()
         if keys != self.feature_names:
             index = {k: i for i, k in enumerate(keys)}
-            missing = [f for f in self.feature_names if f not in index]
+            wanted = list(dict.fromkeys(self.feature_names))  # a shared feature once
+            missing = [f for f in wanted if f not in index]
             if missing:
                 raise ValueError(
                     f"input is missing features {missing}; it has {keys}, the collection "
-                    f"looks up {self.feature_names}"
+                    f"looks up {wanted}"
                 )
             features = features.permute([index[f] for f in self.feature_names])
+        features = with_keys(features, self.output_keys)
         has_weights = features.weights_or_none() is not None
         if is_weighted and not has_weights:
             raise ValueError(
@@ -105,6 +111,28 @@ class FeatureLayout:
             features.weights_or_none(),
         )
         return features
+
+
+def with_keys(features: KeyedJaggedTensor, keys: Sequence[str]) -> KeyedJaggedTensor:
+    """``features`` (already selected and ordered, keys possibly repeated) renamed to ``keys``.
+
+    A feature looked up by several tables is repeated by the selection; renaming each copy to
+    its output key (``feature@table``) gives unique keys, which any later rebuild of the KJT
+    needs. Ids, weights, lengths and batch sizes are kept (``inverse_indices`` are not: they
+    name the old keys); ``features`` itself is returned when its keys already are ``keys``.
+    """
+    if features.keys() == list(keys):
+        return features
+    variable = features.variable_stride_per_key()
+    return KeyedJaggedTensor(
+        list(keys),
+        features.values(),
+        weights=features.weights_or_none(),
+        lengths=features.lengths(),
+        stride=None if variable else features.stride(),
+        stride_per_key_per_rank=features.stride_per_key_per_rank() if variable else None,
+        length_per_key=features.length_per_key(),
+    )
 
 
 def check_ids_in_range(

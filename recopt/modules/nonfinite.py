@@ -2,13 +2,14 @@
 
 Fused kernels update weights and optimizer state inside their own backward, so the check must
 come first: the kernels run detached from the caller's graph, and their backward is called only
-when the gradient of their pooled output is finite (one host read per step).
+when the gradient of their pooled output is finite (one host read per step). The sharded twin
+decides elsewhere (every rank must agree) and uses `backward_if_given`.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,31 +24,46 @@ class NonFiniteGradGuard:
         skipped_steps: backward passes whose gradient was not finite (no table was updated).
     """
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, scope: str = "") -> None:
         self.skipped_steps = 0
         self._owner = owner
+        self._scope = scope  # where the bad values may be, e.g. " (on this rank or another)"
         self._warned = False
 
     def admit(self, grad: Tensor) -> bool:
         """Whether ``grad`` is finite; counts (and warns once) when it is not."""
         if grad.numel() == 0:
             return True
-        # min and max propagate NaN and hold any inf; ~15x cheaper on CPU than isfinite(grad)
-        # .all(), which materialises a flag per element.
-        low_high = torch.stack(torch.aminmax(grad))
-        if bool(torch.isfinite(low_high).all()):  # the one host read of the guard
+        return self.record(bool(finite_flag([grad], grad.device)))  # the guard's one host read
+
+    def record(self, finite: bool) -> bool:
+        """Count a step decided elsewhere (``finite`` False: skipped); returns ``finite``."""
+        if finite:
             return True
         self.skipped_steps += 1
         if not self._warned:
             self._warned = True
             warnings.warn(
-                f"{self._owner}: the gradient of the pooled embeddings holds NaN or inf; the "
-                "fused update of this step was skipped (no weight or optimizer state changed). "
-                "Further skips are counted in skipped_nonfinite_steps without a warning.",
+                f"{self._owner}: the gradient of the pooled embeddings holds NaN or inf"
+                f"{self._scope}; the fused update of this step was skipped (no weight or "
+                "optimizer state changed). Further skips are counted in "
+                "skipped_nonfinite_steps without a warning.",
                 RuntimeWarning,
                 stacklevel=2,
             )
         return False
+
+
+def finite_flag(grads: Sequence[Tensor | None], device: torch.device) -> Tensor:
+    """A 0-dim bool tensor on ``device``: every value of ``grads`` is finite (no host read).
+
+    min and max propagate NaN and hold any inf; ~15x cheaper on CPU than isfinite(grad).all(),
+    which materialises a flag per element.
+    """
+    parts = [torch.stack(torch.aminmax(g)).float() for g in grads if g is not None and g.numel()]
+    if not parts:
+        return torch.ones((), dtype=torch.bool, device=device)
+    return torch.isfinite(torch.cat(parts)).all()
 
 
 def guarded_lookup(
@@ -106,3 +122,51 @@ class _SkipNonFiniteUpdate(torch.autograd.Function):
         torch.autograd.backward(out, grad)
         grad_weights = None if leaf is None or not leaf.requires_grad else leaf.grad
         return None, None, None, grad_weights
+
+
+def backward_if_given(run: Callable[[], tuple[Tensor, ...]], anchor: Tensor) -> tuple[Tensor, ...]:
+    """Run ``run()`` (kernels' forward) on a private graph whose backward runs only if asked.
+
+    The caller decides: when every gradient reaching the outputs is None (the caller's backward
+    returned None for them, e.g. because the ranks agreed to skip the step), the kernels'
+    backward, and so their fused update, does not run; otherwise it runs with the given
+    gradients (a None among given ones counts as zeros).
+
+    Args:
+        run: returns the kernels' outputs.
+        anchor: a tensor requiring grad, so that the outputs do too.
+
+    Returns:
+        ``run()``'s outputs, detached from the private graph.
+    """
+    outs: tuple[Tensor, ...] = _BackwardIfGiven.apply(run, anchor)
+    return outs
+
+
+class _BackwardIfGiven(torch.autograd.Function):
+    """Forward: ``run()`` on a private graph. Backward: that graph, unless no grad is given."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, run: Callable[[], tuple[Tensor, ...]], anchor: Tensor
+    ) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)  # None must stay None: it means "skip"
+        with torch.enable_grad():
+            outs = run()
+        ctx.inner = outs
+        return tuple(o.detach() for o in outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[None, None]:
+        outs: tuple[Tensor, ...] = ctx.inner
+        ctx.inner = ()  # free the kernels' graph (a second backward finds nothing to run)
+        if all(g is None for g in grads):
+            return None, None
+        pairs = [
+            (o, torch.zeros_like(o) if g is None else g)
+            for o, g in zip(outs, grads, strict=True)
+            if o.requires_grad
+        ]
+        if pairs:  # runs the kernels' backward, i.e. their fused updates
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return None, None

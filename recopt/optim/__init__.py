@@ -1,4 +1,4 @@
-"""recopt.optim: keyed, combined, warmup, clipping, fused and stub optimizers."""
+"""recopt.optim: keyed, combined, warmup, clipping, fused, stub and row-wise Adagrad optimizers."""
 
 from recopt.optim.clipping import GradientClipping, GradientClippingOptimizer
 from recopt.optim.combined import CombinedOptimizer
@@ -7,10 +7,12 @@ from recopt.optim.fused import (
     FusedOptimizer,
     FusedOptimizerModule,
     fused_optimizers,
+    in_backward_optimizer_filter,
     is_fused,
     split_fused_parameters,
 )
 from recopt.optim.keyed import KeyedOptimizer, KeyedOptimizerWrapper, OptimizerWrapper
+from recopt.optim.rowwise_adagrad import RowWiseAdagrad
 from recopt.optim.stub import OptimizerStub
 from recopt.optim.warmup import (
     WarmupOptimizer,
@@ -31,10 +33,12 @@ __all__ = [
     "KeyedOptimizerWrapper",
     "OptimizerStub",
     "OptimizerWrapper",
+    "RowWiseAdagrad",
     "WarmupOptimizer",
     "WarmupPolicy",
     "WarmupStage",
     "fused_optimizers",
+    "in_backward_optimizer_filter",
     "is_fused",
     "lr_multiplier",
     "resolve_stages",

@@ -279,7 +279,8 @@ def zero_grad_step(
     """One step of ``opt`` on zero gradients of ``targets`` that changes no weight or count.
 
     Other parameters get no gradient (torch optimizers skip them); weight decay is off during
-    the step; weights, gradients and decay are restored and ``step`` counters reset after it.
+    the step; weights, pending gradients and decay are restored and ``step`` counters reset
+    after it; targets that had no gradient keep the zero one.
     """
     saved_grads = [(p, p.grad) for p in grouped]
     saved_weights = [(p, p.detach().clone()) for p in targets.values()]
@@ -296,8 +297,12 @@ def zero_grad_step(
     finally:
         for group, decay in saved_decay:
             group["weight_decay"] = decay
+        target_ids = {id(t) for t in targets.values()}
         for p, grad in saved_grads:
-            p.grad = grad
+            # A target without a gradient keeps the zero one (TorchRec's init_state leaves it,
+            # sparse where asked); pending gradients are restored.
+            if grad is not None or id(p) not in target_ids:
+                p.grad = grad
         with torch.no_grad():
             for p, weight in saved_weights:
                 p.copy_(weight)

@@ -8,7 +8,7 @@ which parameters still need a regular optimizer.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -36,6 +36,11 @@ class FusedOptimizer(KeyedOptimizer):
 
     def init_state(self, sparse_grad_parameter_names: Iterable[str] | None = None) -> None:
         """No-op: fused state is allocated eagerly by the kernel."""
+
+    def __call__(self) -> FusedOptimizer:
+        """Returns itself: TorchRec code calls ``module.fused_optimizer()`` (a method there),
+        recopt code reads ``module.fused_optimizer`` (a property); both work."""
+        return self
 
 
 class FusedOptimizerModule(abc.ABC):
@@ -107,3 +112,18 @@ def fused_optimizers(model: nn.Module) -> list[tuple[str, KeyedOptimizer]]:
         if is_fused(module) and not inside:
             found.append((name, module.fused_optimizer))
     return found
+
+
+def in_backward_optimizer_filter(
+    named_parameters: Iterable[tuple[str, torch.Tensor]], include: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters that do (``include``) or do not have an optimizer applied in backward
+    by ``torch.distributed.optim._apply_optimizer_in_backward``.
+
+    Args:
+        named_parameters: ``(name, parameter)`` pairs, e.g. ``model.named_parameters()``.
+        include: keep the in-backward parameters (True) or the others (False).
+    """
+    for name, param in named_parameters:
+        if hasattr(param, "_in_backward_optimizers") == include:
+            yield name, param

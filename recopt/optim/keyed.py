@@ -273,6 +273,8 @@ class KeyedOptimizer(torch.optim.Optimizer):
         zero-gradient step; loading a checkpoint overwrites it. Parameters that already
         have state, ShardedTensor parameters and frozen parameters are left alone. Step
         hooks and LR schedulers do not see this step. Costs one copy of the weights.
+        A pending gradient is restored; a parameter that had none keeps the zero gradient
+        of the step (sparse where asked), as TorchRec's ``init_state`` leaves it.
 
         Args:
             sparse_grad_parameter_names: parameters whose zero gradient must be sparse

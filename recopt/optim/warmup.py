@@ -12,7 +12,7 @@ import logging
 import math
 import sys
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from enum import Enum, unique
 from typing import Any
 
@@ -129,11 +129,50 @@ def resolve_stages(stages: Sequence[WarmupStage]) -> list[WarmupStage]:
     return resolved
 
 
+class _WarmupState(MutableMapping[Any, Any]):
+    """The wrapped optimizer's state (live), plus the schedule position under ``param_name``
+    (read-only), as ``state_dict()["state"]`` shows it and TorchRec's ``.state`` holds it."""
+
+    def __init__(self, owner: WarmupOptimizer) -> None:
+        self._owner = owner
+
+    def _is_position(self, key: Any) -> bool:
+        return isinstance(key, str) and key == self._owner._param_name
+
+    def __getitem__(self, key: Any) -> Any:
+        if self._is_position(key):
+            return {"warmup": self._owner._position}
+        inner = self._owner.wrapped.state
+        if key in inner:  # never through a defaultdict's __getitem__, which would add key
+            return inner[key]
+        raise KeyError(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if self._is_position(key):
+            raise ValueError(
+                f"state[{key!r}] is the warmup position; load it with load_state_dict()"
+            )
+        self._owner.wrapped.state[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        if self._is_position(key):
+            raise ValueError(f"state[{key!r}] is the warmup position; it cannot be removed")
+        del self._owner.wrapped.state[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self._owner.wrapped.state
+        yield self._owner._param_name
+
+    def __len__(self) -> int:
+        return len(self._owner.wrapped.state) + 1
+
+
 class WarmupOptimizer(OptimizerWrapper):
     """Sets every param group's LR to ``lr * multiplier(stage, iteration)`` after each step.
 
     The position ``[iteration, stage]`` is saved in ``state_dict()["state"][param_name]``
-    as ``{"warmup": LongTensor[2]}`` (the reference's layout) and restored by
+    as ``{"warmup": LongTensor[2]}`` (the reference's layout; ``.state[param_name]`` shows it
+    too, the wrapped optimizer's entries being live) and restored by
     ``load_state_dict``, also when the wrapped optimizer is a CombinedOptimizer (where the
     reference's fake parameter is silently lost). The caller's stages are never modified.
 
@@ -175,6 +214,15 @@ class WarmupOptimizer(OptimizerWrapper):
         self._warn_if_lr_replaced()
         self._position = torch.zeros(2, dtype=torch.long)  # [iteration, stage index]
         self._set_lr()  # a fused optimizer runs backward (and its update) before step()
+
+    @property  # type: ignore[override]
+    def state(self) -> MutableMapping[Any, Any]:
+        """The wrapped optimizer's state (live) and, under ``param_name``, the position."""
+        return _WarmupState(self)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        raise AttributeError(f"set state on the wrapped optimizer ({type(self.wrapped).__name__})")
 
     def _warn_if_lr_replaced(self) -> None:
         configured = sorted(

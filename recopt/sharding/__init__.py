@@ -1,5 +1,6 @@
 """recopt.sharding: sharding plans, sharded embedding modules, and the planner (``planner/``)."""
 
+from recopt.kernels.placement import Location, Placement
 from recopt.sharding.input_dist import RemoteInputError
 from recopt.sharding.model_parallel import DistributedModelParallel
 from recopt.sharding.plan import (
@@ -25,13 +26,17 @@ from recopt.sharding.plan_helpers import (
 )
 from recopt.sharding.plan_validation import validate_plan
 from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
+from recopt.sharding.sharded_embedding_collection import ShardedEmbeddingCollection
 from recopt.sharding.state import full_tensor
 
 __all__ = [
     "DistributedModelParallel",
     "RemoteInputError",
     "ShardedEmbeddingBagCollection",
+    "ShardedEmbeddingCollection",
     "full_tensor",
+    "Location",
+    "Placement",
     "ParameterSharding",
     "PlanError",
     "ShardSpec",

@@ -51,8 +51,9 @@ def resolve_optimizer(
     """The optimizer a table's shards run with, its backend fixed by the plan and the type.
 
     Raises:
-        PlanError: adafactor on a type other than table-wise / data-parallel, or a column-sharded
-            row-wise optimizer forced onto fbgemm (which has no row statistic hook).
+        PlanError: adafactor on a type other than table-wise / data-parallel, a column-sharded
+            row-wise optimizer forced onto fbgemm (which has no row statistic hook), or a table
+            placed in UVM on a kernel other than fbgemm (the only one that reads UVM).
     """
     where = f"table {table.name!r} (module {module_path!r})"
     kind = ps.sharding_type
@@ -66,6 +67,11 @@ def resolve_optimizer(
             "table-wise or pick another fused optimizer"
         )
     backend = ps.compute_kernel if ps.compute_kernel is not Backend.AUTO else optimizer.backend
+    if not ps.placement.on_device:
+        _check_uvm_kernel(where, ps, optimizer, backend)
+        # Explicit: UVM shards get kernels of their own, never shared with device shards that
+        # fbgemm might not run (AUTO would then have to pick fbgemm for both).
+        backend = Backend.FBGEMM
     if needs_row_stat_hook(kind, optimizer):
         if backend is Backend.FBGEMM:
             raise PlanError(
@@ -74,6 +80,20 @@ def resolve_optimizer(
             )
         backend = Backend.RECOPT
     return dataclasses.replace(optimizer, backend=backend)
+
+
+def _check_uvm_kernel(
+    where: str, ps: ParameterSharding, optimizer: FusedOptimizerConfig, backend: Backend
+) -> None:
+    """A table in UVM runs on fbgemm: refuse what would put it on recopt's kernel."""
+    placed = f"{where}: placement {ps.placement.describe()!r} needs the fbgemm kernel"
+    if backend is Backend.RECOPT:
+        raise PlanError(f"{placed}, but compute_kernel is 'recopt'; use 'auto' or 'fbgemm'")
+    if needs_row_stat_hook(ps.sharding_type, optimizer):
+        raise PlanError(
+            f"{placed}, but {ps.sharding_type.value} with {optimizer.name} needs recopt's "
+            "full-row statistic hook; shard it another way or use placement 'device'"
+        )
 
 
 class ShardedLayout:

@@ -1,7 +1,7 @@
 """DistributedModelParallel: shard a model's embedding collections by a plan, DDP the rest.
 
-Every (Fused)EmbeddingBagCollection of the model is replaced in place by a
-`ShardedEmbeddingBagCollection` holding its current weights, so the sharded model starts equal
+Every (Fused)EmbeddingBagCollection / (Fused)EmbeddingCollection of the model is replaced in
+place by its sharded twin holding its current weights, so the sharded model starts equal
 to the unsharded one; the dense rest is wrapped in DDP on its own process group (so its
 gradient all-reduces never interleave with the sharding collectives).
 """
@@ -19,8 +19,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from recopt import comm
 from recopt.kernels.config import FusedOptimizerConfig
+from recopt.modules.embedding import EmbeddingCollection
 from recopt.modules.embedding_bag import EmbeddingBagCollection
 from recopt.modules.fused import FusedEmbeddingBagCollection
+from recopt.modules.fused_embedding import FusedEmbeddingCollection
 from recopt.modules.fused_groups import optimizer_from_param_group
 from recopt.optim.combined import CombinedOptimizer
 from recopt.optim.keyed import KeyedOptimizer
@@ -28,9 +30,13 @@ from recopt.sharding.plan import ShardingPlan
 from recopt.sharding.plan_helpers import balanced_table_wise_plan
 from recopt.sharding.plan_validation import validate_plan
 from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
+from recopt.sharding.sharded_embedding_collection import ShardedEmbeddingCollection
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
-_EMBEDDING_TYPES = (EmbeddingBagCollection, FusedEmbeddingBagCollection)
+_BAG_TYPES = (EmbeddingBagCollection, FusedEmbeddingBagCollection)
+_UNPOOLED_TYPES = (EmbeddingCollection, FusedEmbeddingCollection)
+_EMBEDDING_TYPES = (*_BAG_TYPES, *_UNPOOLED_TYPES)
+ShardedModule = ShardedEmbeddingBagCollection | ShardedEmbeddingCollection
 
 
 class DistributedModelParallel(nn.Module):
@@ -41,10 +47,12 @@ class DistributedModelParallel(nn.Module):
         plan: the sharding plan (default: the planner's, else a balanced table-wise plan).
         process_group: the ranks (default: the world).
         device: where shards live (default: CPU).
-        default_optimizer: the fused optimizer of plain EmbeddingBagCollection tables whose plan
-            entry names none (default: `FusedOptimizerConfig()`).
+        default_optimizer: the fused optimizer of the tables of a plain EmbeddingBagCollection
+            or EmbeddingCollection whose plan entry names none (default:
+            `FusedOptimizerConfig()`).
         ranks_per_host: for host-local sharding types and plan validation.
-        timeout: of the dense process group's collectives.
+        timeout: of the dense process group's collectives and of the sharded collections'
+            NaN/inf skip vote.
 
     Raises:
         PlanError: the plan does not fit the model (checked on every rank before any
@@ -72,18 +80,9 @@ class DistributedModelParallel(nn.Module):
             )
         validate_plan(plan, tables_by_module, world, ranks_per_host)
         self.plan = plan
-        sharded: list[tuple[str, ShardedEmbeddingBagCollection]] = []
+        sharded: list[tuple[str, ShardedModule]] = []
         for path, old in found:
-            new = ShardedEmbeddingBagCollection(
-                old.tables,
-                plan[path],
-                optimizer=default_optimizer,
-                table_optimizers=_table_optimizers(old),
-                is_weighted=old.is_weighted,
-                process_group=process_group,
-                device=device,
-                module_path=path,
-            )
+            new = _shard(old, plan[path], default_optimizer, process_group, device, path, timeout)
             if not _on_meta(old):  # a meta module has no values: keep the fresh init
                 new.load_state_dict(old.state_dict())
             module = _replace(module, path, new)
@@ -112,7 +111,13 @@ class DistributedModelParallel(nn.Module):
         """Every sharded collection's fused optimizer, keys equal to the model's parameter names."""
         return self._fused
 
-    def sharded_modules(self) -> list[tuple[str, ShardedEmbeddingBagCollection]]:
+    @property
+    def skipped_nonfinite_steps(self) -> int:
+        """Backward passes whose fused update was skipped for a NaN/inf gradient (every rank
+        agrees); with several sharded collections, the largest of their counts."""
+        return max((m.skipped_nonfinite_steps for _, m in self._sharded), default=0)
+
+    def sharded_modules(self) -> list[tuple[str, ShardedModule]]:
         """``(path, module)`` of every sharded collection."""
         return list(self._sharded)
 
@@ -151,9 +156,38 @@ def _embedding_modules(module: nn.Module) -> list[tuple[str, Any]]:
     return found
 
 
+def _shard(
+    old: nn.Module,
+    shardings: Mapping[str, Any],
+    default_optimizer: FusedOptimizerConfig | None,
+    process_group: dist.ProcessGroup | None,
+    device: torch.device | str | None,
+    path: str,
+    timeout: datetime.timedelta,
+) -> ShardedModule:
+    """The sharded twin of one embedding collection (its weights not yet copied)."""
+    common: dict[str, Any] = {
+        "optimizer": default_optimizer,
+        "table_optimizers": _table_optimizers(old),
+        "process_group": process_group,
+        "device": device,
+        "module_path": path,
+        "skip_nonfinite": getattr(old, "skip_nonfinite", True),
+        "timeout": timeout,
+    }
+    if isinstance(old, _UNPOOLED_TYPES):
+        return ShardedEmbeddingCollection(
+            old.tables, shardings, need_indices=old.need_indices(), **common
+        )
+    assert isinstance(old, _BAG_TYPES)
+    return ShardedEmbeddingBagCollection(
+        old.tables, shardings, is_weighted=old.is_weighted, **common
+    )
+
+
 def _table_optimizers(module: nn.Module) -> dict[str, FusedOptimizerConfig]:
-    """The per-table optimizers of a FusedEmbeddingBagCollection, read from its param groups."""
-    if not isinstance(module, FusedEmbeddingBagCollection):
+    """The per-table optimizers of a fused collection, read from its param groups."""
+    if not isinstance(module, FusedEmbeddingBagCollection | FusedEmbeddingCollection):
         return {}
     opt = module.fused_optimizer
     name_of = {id(p): n for n, p in opt.params.items()}

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.kernels.placement import DEVICE, Placement
 
 # The JSON layout version; `from_json` rejects any other so an old reader never half-reads a plan.
 PLAN_FORMAT_VERSION = 1
@@ -106,6 +107,9 @@ class ParameterSharding:
             types put at most one rectangle on a rank; column-wise types may put several.
         compute_kernel: the kernel backend for the table's shards.
         optimizer: the fused optimizer for this table; ``None`` means the module's own.
+        placement: where every shard's rows live on its rank (device memory, UVM, or UVM
+            with an HBM cache; kernels/placement.py). Anything but ``device`` needs CUDA and
+            the fbgemm kernel.
     """
 
     sharding_type: ShardingType
@@ -113,6 +117,7 @@ class ParameterSharding:
     shards: tuple[ShardSpec, ...] = ()
     compute_kernel: Backend = Backend.AUTO
     optimizer: FusedOptimizerConfig | None = None
+    placement: Placement = DEVICE
 
     def __post_init__(self) -> None:
         # Accept plain strings and lists from hand-written plans; store the canonical forms so
@@ -121,6 +126,16 @@ class ParameterSharding:
         object.__setattr__(self, "compute_kernel", Backend(self.compute_kernel))
         object.__setattr__(self, "ranks", tuple(self.ranks))
         object.__setattr__(self, "shards", tuple(self.shards))
+        if isinstance(self.placement, str):  # a location alone: "uvm", "uvm_caching"
+            try:
+                object.__setattr__(self, "placement", Placement(location=self.placement))
+            except ValueError as e:
+                raise PlanError(f"ParameterSharding placement: {e}") from None
+        if not isinstance(self.placement, Placement):
+            raise PlanError(
+                f"ParameterSharding placement must be a Placement or a location string, got "
+                f"{self.placement!r}; e.g. Placement(location='uvm_caching', cache_load_factor=0.2)"
+            )
 
 
 @dataclass(slots=True)
@@ -204,13 +219,18 @@ def _sharding_to_dict(ps: ParameterSharding) -> dict[str, Any]:
         "shards": [dataclasses.asdict(s) for s in ps.shards],
         "compute_kernel": ps.compute_kernel.value,
         "optimizer": opt,
+        "placement": {
+            "location": ps.placement.location.value,
+            "cache_load_factor": ps.placement.cache_load_factor,
+        },
     }
 
 
 def _sharding_from_dict(d: dict[str, Any], table: str, module: str) -> ParameterSharding:
     where = f"table {table!r} (module {module!r})"
     keys = {"sharding_type", "ranks", "shards", "compute_kernel", "optimizer"}
-    _check_keys(d, keys, where, required=keys)
+    # "placement" came later: plans written before it hold every table in device memory.
+    _check_keys(d, keys | {"placement"}, where, required=keys)
     try:
         shards = tuple(_shard_from_json(s, where) for s in d["shards"])
         opt = d["optimizer"]
@@ -227,6 +247,7 @@ def _sharding_from_dict(d: dict[str, Any], table: str, module: str) -> Parameter
             shards=shards,
             compute_kernel=Backend(d["compute_kernel"]),
             optimizer=optimizer,
+            placement=_placement_from_json(d.get("placement"), where),
         )
     except PlanError:
         raise
@@ -236,6 +257,18 @@ def _sharding_from_dict(d: dict[str, Any], table: str, module: str) -> Parameter
         if type(v) is not int:
             raise PlanError(f"{where}: ranks and shard fields must be integers, got {v!r}")
     return ps
+
+
+def _placement_from_json(value: object, where: str) -> Placement:
+    if value is None:
+        return DEVICE
+    fields = {"location", "cache_load_factor"}
+    d = _as_dict(value, f"{where} placement")
+    _check_keys(d, fields, f"{where} placement", required={"location"})
+    try:
+        return Placement(**d)
+    except ValueError as e:
+        raise PlanError(f"{where}: {e}") from e
 
 
 _SHARD_FIELDS = ("rank", "row_offset", "num_rows", "col_offset", "num_cols")

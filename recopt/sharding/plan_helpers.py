@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.kernels.placement import DEVICE, Placement
 from recopt.sharding.plan import (
     ParameterSharding,
     PlanError,
@@ -38,6 +39,7 @@ class ShardingRequest:
         host: the host for the table-row-wise and table-column-wise types.
         compute_kernel: the kernel backend.
         optimizer: a per-table fused optimizer, or ``None`` for the module's.
+        placement: where the table's shards live on their ranks (CUDA only for UVM).
     """
 
     sharding_type: ShardingType
@@ -45,6 +47,7 @@ class ShardingRequest:
     host: int | None = None
     compute_kernel: Backend = Backend.AUTO
     optimizer: FusedOptimizerConfig | None = None
+    placement: Placement = DEVICE
 
     def __post_init__(self) -> None:
         if self.sharding_type == ShardingType.TABLE_WISE and (
@@ -104,6 +107,7 @@ class ShardingRequest:
             shards=tuple(shards),
             compute_kernel=self.compute_kernel,
             optimizer=self.optimizer,
+            placement=self.placement,
         )
 
     def _ranks_or_host(self, world_size: int, rph: int, where: str) -> Sequence[int]:
@@ -161,6 +165,7 @@ def table_wise(
     *,
     compute_kernel: Backend = Backend.AUTO,
     optimizer: FusedOptimizerConfig | None = None,
+    placement: Placement = DEVICE,
 ) -> ShardingRequest:
     """The whole table on ``rank``."""
     return ShardingRequest(
@@ -168,6 +173,7 @@ def table_wise(
         ranks=(rank,),
         compute_kernel=compute_kernel,
         optimizer=optimizer,
+        placement=placement,
     )
 
 
@@ -176,6 +182,7 @@ def row_wise(
     *,
     compute_kernel: Backend = Backend.AUTO,
     optimizer: FusedOptimizerConfig | None = None,
+    placement: Placement = DEVICE,
 ) -> ShardingRequest:
     """Row ranges over ``ranks`` (all ranks by default), the first ``rows % n`` one row larger.
 
@@ -186,6 +193,7 @@ def row_wise(
         ranks=None if ranks is None else tuple(ranks),
         compute_kernel=compute_kernel,
         optimizer=optimizer,
+        placement=placement,
     )
 
 
@@ -194,6 +202,7 @@ def column_wise(
     *,
     compute_kernel: Backend = Backend.AUTO,
     optimizer: FusedOptimizerConfig | None = None,
+    placement: Placement = DEVICE,
 ) -> ShardingRequest:
     """Column ranges in the given rank order, a rank possibly several times; see `split_columns`."""
     return ShardingRequest(
@@ -201,6 +210,7 @@ def column_wise(
         ranks=tuple(ranks),
         compute_kernel=compute_kernel,
         optimizer=optimizer,
+        placement=placement,
     )
 
 
@@ -209,6 +219,7 @@ def table_row_wise(
     *,
     compute_kernel: Backend = Backend.AUTO,
     optimizer: FusedOptimizerConfig | None = None,
+    placement: Placement = DEVICE,
 ) -> ShardingRequest:
     """Row ranges over the ranks of one host, split as in `row_wise`."""
     return ShardingRequest(
@@ -216,6 +227,7 @@ def table_row_wise(
         host=host,
         compute_kernel=compute_kernel,
         optimizer=optimizer,
+        placement=placement,
     )
 
 
@@ -224,6 +236,7 @@ def table_column_wise(
     *,
     compute_kernel: Backend = Backend.AUTO,
     optimizer: FusedOptimizerConfig | None = None,
+    placement: Placement = DEVICE,
 ) -> ShardingRequest:
     """Column ranges over the ranks of one host, one per rank, split as in `column_wise`."""
     return ShardingRequest(
@@ -231,15 +244,22 @@ def table_column_wise(
         host=host,
         compute_kernel=compute_kernel,
         optimizer=optimizer,
+        placement=placement,
     )
 
 
 def data_parallel(
-    *, compute_kernel: Backend = Backend.AUTO, optimizer: FusedOptimizerConfig | None = None
+    *,
+    compute_kernel: Backend = Backend.AUTO,
+    optimizer: FusedOptimizerConfig | None = None,
+    placement: Placement = DEVICE,
 ) -> ShardingRequest:
     """A full replica on every rank; gradients are all-reduced."""
     return ShardingRequest(
-        sharding_type=ShardingType.DATA_PARALLEL, compute_kernel=compute_kernel, optimizer=optimizer
+        sharding_type=ShardingType.DATA_PARALLEL,
+        compute_kernel=compute_kernel,
+        optimizer=optimizer,
+        placement=placement,
     )
 
 

@@ -9,9 +9,10 @@ Legend: B this rank's batch, Bm the largest batch, W world size, D output width.
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from recopt.comm import (
     ExchangeMeta,
     KernelRequest,
     OutputExchange,
+    all_ranks_finite,
     share_backend_decisions,
 )
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
@@ -28,6 +30,8 @@ from recopt.kernels.contract import Kernel
 from recopt.kernels.factory import create_kernel
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
+from recopt.modules.nonfinite import NonFiniteGradGuard, backward_if_given, finite_flag
+from recopt.modules.variable_batch import expand_rows, regular_batch
 from recopt.optim.fused import FusedOptimizerModule
 from recopt.sharding.input_dist import (
     Bucketizer,
@@ -36,13 +40,29 @@ from recopt.sharding.input_dist import (
     segment_transpose,
 )
 from recopt.sharding.layout import GroupLayout, ShardedLayout
-from recopt.sharding.plan import ParameterSharding, ShardingPlan
+from recopt.sharding.plan import ParameterSharding, PlanError, ShardingPlan
 from recopt.sharding.plan_validation import validate_plan
 from recopt.sharding.row_stats import RowStatExchange
 from recopt.sharding.state import ShardedState
 from recopt.sparse import KeyedJaggedTensor, KeyedTensor
 
 Tensor = torch.Tensor
+# The default bound of the skip vote of a backward pass: every rank is already in backward, so
+# it only bounds the wait for a peer that died or hangs.
+AGREE_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+def _check_placements(
+    shardings: Mapping[str, ParameterSharding], device: torch.device, module_path: str
+) -> None:
+    """UVM placements need CUDA: refuse them on every rank alike, before any collective."""
+    for name, ps in shardings.items():
+        if not ps.placement.on_device and device.type != "cuda":
+            raise PlanError(
+                f"table {name!r} (module {module_path!r}): placement "
+                f"{ps.placement.describe()!r} needs a CUDA device (UVM is CUDA memory), but "
+                f"the module is on {device.type!r}; use placement 'device' there"
+            )
 
 
 class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
@@ -53,6 +73,14 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     ``backward`` together. ``state_dict()`` holds ``embedding_bags.<t>.weight`` as a
     ShardedTensor of the table's global shape (a plain tensor for data-parallel tables).
 
+    A feature may look up several tables, as in the fused collection: its outputs are keyed
+    ``feature@table``, and each of its lookups is distributed as a feature of its own.
+
+    A backward whose output gradient holds NaN or inf on ANY rank updates nothing on every
+    rank (no weight, state or step counter): the ranks agree with one all-reduce of a flag
+    before the output exchange's backward, so every rank skips the same collectives. Such
+    steps are counted in ``skipped_nonfinite_steps`` on every rank (one warning, the first time).
+
     Args:
         tables: the tables.
         shardings: table name -> `ParameterSharding` (checked with `validate_plan`).
@@ -62,11 +90,20 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         process_group: the ranks (default: the world).
         device: where the shards live.
         module_path: the module's path in the model, for error messages.
+        skip_nonfinite: the check above (one 1-element all-reduce and one host read per
+            backward). Not applied while a kernel has a ``grad_hook`` (fault tolerance): the
+            hook's collectives need every replica group to run its kernels' backward; there the
+            hook reports a non-finite gradient and the step is dropped everywhere instead.
+        timeout: limit of that check's all-reduce.
 
     Raises:
         ValueError: invalid tables; ``PlanError`` for an invalid plan or an unsupported
             optimizer/sharding pair.
     """
+
+    # State-dict and fused-optimizer names are ``<prefix>.<table>.weight`` (an embedding
+    # collection's lookup engine uses ``embeddings``).
+    _param_prefix: ClassVar[str] = "embedding_bags"
 
     def __init__(
         self,
@@ -78,9 +115,11 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         process_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         module_path: str = "",
+        skip_nonfinite: bool = True,
+        timeout: datetime.timedelta = AGREE_TIMEOUT,
     ) -> None:
         super().__init__()
-        validate_tables(tables)
+        validate_tables(tables, allow_shared_features=True)
         self.tables = list(tables)
         self.is_weighted = is_weighted
         self.device = torch.device(device if device is not None else "cpu")
@@ -91,6 +130,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         validate_plan(
             ShardingPlan({module_path: dict(shardings)}), {module_path: self.tables}, world
         )
+        _check_placements(shardings, self.device, module_path)
         planned = {t.name: shardings[t.name].optimizer for t in self.tables}
         optimizers = resolve_table_optimizers(self.tables, optimizer, table_optimizers, planned)
         self._layout = ShardedLayout(
@@ -110,7 +150,12 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._init_weights()
         self._dummy = torch.zeros(0, device=self.device, requires_grad=True)
         self._state = ShardedState(
-            self._layout, self._mp_kernels, self._dp_kernels, self._pg, self.device
+            self._layout,
+            self._mp_kernels,
+            self._dp_kernels,
+            self._pg,
+            self.device,
+            self._param_prefix,
         )
         self._row_stats = RowStatExchange(self._layout, self._mp_kernels, self._pg, self.device)
         self._lr_sync = LearningRateSync(
@@ -120,11 +165,17 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._prepare_output_maps()
         # Set to a dict to accumulate forward time per phase (input_dist, lookup, output_dist).
         self.phase_seconds: dict[str, float] | None = None
+        self._skip_nonfinite = skip_nonfinite
+        self._timeout = timeout
+        self._grad_guard = NonFiniteGradGuard(
+            f"{type(self).__name__} (rank {self._rank})", " on this rank or another"
+        )
 
     def _kernel_request(self, group: GroupLayout) -> KernelRequest:
         specs = []
         for t, k in group.tables:
             table = self.tables[t]
+            placement = self._layout.shardings[t].placement
             if k < 0:
                 specs.append(
                     TableSpec(
@@ -132,6 +183,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                         num_embeddings=table.num_embeddings,
                         embedding_dim=table.embedding_dim,
                         weight_dtype=table.weight_dtype,
+                        placement=placement,
                     )
                 )
             else:
@@ -142,6 +194,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                         num_embeddings=s.num_rows,
                         embedding_dim=s.num_cols,
                         weight_dtype=table.weight_dtype,
+                        placement=placement,
                     )
                 )
         local = {tk: i for i, tk in enumerate(group.tables)}
@@ -206,15 +259,41 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         return self._pg
 
     def feature_names(self) -> list[str]:
-        """The output keys: features in table order."""
+        """The features looked up, in table order (repeated when shared by tables)."""
         return list(self._layout.features.feature_names)
 
     def kernels(self) -> list[Kernel]:
         """This rank's kernels: model-parallel ones, then data-parallel replicas."""
         return [*self._mp_kernels, *self._dp_kernels]
 
+    @property
+    def skip_nonfinite(self) -> bool:
+        """Whether a NaN/inf output gradient skips the fused update on every rank."""
+        return self._skip_nonfinite
+
+    @property
+    def skipped_nonfinite_steps(self) -> int:
+        """Backward passes skipped (by every rank) for a NaN/inf output gradient on some rank."""
+        return self._grad_guard.skipped_steps
+
+    def _gated(self) -> bool:
+        return (
+            self._skip_nonfinite
+            and torch.is_grad_enabled()
+            and all(k.grad_hook is None for k in self.kernels())
+        )
+
+    def _admit(self, grad_mp_recv: Tensor | None, grad_dp_own: Tensor | None) -> bool:
+        """Whether every rank's output gradient is finite (a collective; counts a skip)."""
+        local = finite_flag([grad_mp_recv, grad_dp_own], self.device)
+        return self._grad_guard.record(all_ranks_finite(local, self._pg, self._timeout))
+
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool this rank's batch; backward updates every rank's looked-up rows in place.
+
+        A variable batch per feature is padded to this rank's largest feature's batch with
+        empty bags, distributed and looked up as a regular one, then expanded through the
+        input's ``inverse_indices`` as in `EmbeddingBagCollection.forward`.
 
         Raises:
             InvalidIdError / ValueError: this rank's input is bad; `RemoteInputError`: another
@@ -223,7 +302,9 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         start = time.perf_counter()
         prepared: KeyedJaggedTensor | None = None
         error: ValueError | None = None
+        index_F_B: Tensor | None = None
         try:
+            features, index_F_B = regular_batch(features, self._layout.features.feature_names)
             prepared = self._layout.features.prepare(features, self.is_weighted)
         except ValueError as e:
             error = e
@@ -233,8 +314,18 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         assert prepared is not None
         start = self._record("input_dist", start)
         self._lr_sync.apply(self._state.optimizer.param_groups)
-        mp_send = self._lookup_model_parallel(received)
-        dp_global = self._lookup_data_parallel(received)
+        gated = self._gated()
+        if gated:  # the kernels' backward runs only if OutputExchange's admits the gradients
+            mp_send, dp_global = backward_if_given(
+                lambda: (
+                    self._lookup_model_parallel(received),
+                    self._lookup_data_parallel(received),
+                ),
+                self._dummy,
+            )
+        else:
+            mp_send = self._lookup_model_parallel(received)
+            dp_global = self._lookup_data_parallel(received)
         start = self._record("lookup", start)
         batch = prepared.stride()
         meta = ExchangeMeta(
@@ -247,12 +338,15 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             dp_stride=received.max_batch,
             dp_dim=self._dp_dim,
             backward_hooks=[self._state.on_backward],
+            admit=self._admit if gated else None,
         )
         mp_recv, dp_own = OutputExchange.apply(mp_send, dp_global, self._dummy, meta)
         pooled = self._assemble(mp_recv, dp_own, meta, prepared)
+        if index_F_B is not None:
+            pooled = expand_rows(pooled, self._layout.features.dims, index_F_B)
         self._record("output_dist", start)
         return KeyedTensor(
-            keys=self._layout.features.feature_names,
+            keys=self._layout.features.output_keys,
             length_per_key=self._layout.features.dims,
             values=pooled,
         )
@@ -267,6 +361,11 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     def _lookup_model_parallel(self, received: ReceivedInput) -> Tensor:
         groups = self._layout.mp_groups
         if not groups:
+            if self._row_stats.enabled and torch.is_grad_enabled():
+                # No shards here, but the row-statistics all-to-all of the kernels' backward
+                # needs every rank: an empty output whose backward joins it (after the output
+                # exchange, as on the other ranks).
+                return self._row_stats.attach([self._dummy.clone()], [])[0]
             return torch.zeros(0, device=self.device)
         inputs = self._kernel_inputs(
             len(self._layout.dest_features[self._rank]),

@@ -1,6 +1,7 @@
 """Sharded weights and optimizer state as ShardedTensors whose local shards view kernel storage.
 
-Keys and global shapes never depend on the plan: ``embedding_bags.<t>.weight`` ``[rows, dim]``,
+Keys and global shapes never depend on the plan: ``embedding_bags.<t>.weight`` ``[rows, dim]``
+(``embeddings.<t>.weight`` for an embedding collection),
 state ``<t>.<name>`` with the unsharded shapes (row-wise ``[rows]``, element-wise
 ``[rows, dim]``, Adafactor's ``col_var`` ``[dim]``, per-table scalars as plain 0-dim tensors
 equal on every rank). Built without a collective: every rank knows the whole plan.
@@ -180,8 +181,10 @@ class ShardedState:
         dp_kernels: Sequence[Kernel],
         group: dist.ProcessGroup | None,
         device: torch.device,
+        param_prefix: str = "embedding_bags",
     ) -> None:
         self._layout = layout
+        self._prefix = param_prefix
         self._group = group
         self._layout_device = device
         self._rank = layout.rank
@@ -200,7 +203,7 @@ class ShardedState:
         self.weights: dict[str, Tensor] = {}
         self._table_state: list[dict[str, Tensor]] = []
         for t, table in enumerate(layout.tables):
-            self.weights[f"embedding_bags.{table.name}.weight"] = self._weight(t)
+            self.weights[f"{param_prefix}.{table.name}.weight"] = self._weight(t)
             self._table_state.append(self._states(t))
         self.optimizer = self._build_optimizer()
 
@@ -284,7 +287,7 @@ class ShardedState:
         for i, opt in enumerate(layout.group_optimizers):
             groups.append(make_param_group(opt, [], self.group_kernels[i]))
         for t, table in enumerate(layout.tables):
-            name = f"embedding_bags.{table.name}.weight"
+            name = f"{self._prefix}.{table.name}.weight"
             param = self.weights[name]
             params[name] = param
             state[param] = {f"{table.name}.{k}": v for k, v in self._table_state[t].items()}

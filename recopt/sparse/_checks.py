@@ -12,6 +12,14 @@ from collections.abc import Sequence
 import torch
 
 
+class IndexDtypeError(ValueError, AssertionError):
+    """Lengths or offsets that are not integers.
+
+    A ``ValueError`` like every recopt input error; also an ``AssertionError``, the type
+    TorchRec raises here, so TorchRec code that catches it keeps working.
+    """
+
+
 def is_integer(tensor: torch.Tensor) -> bool:
     """True for integer dtypes (not bool, floating or complex)."""
     return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
@@ -26,7 +34,9 @@ def as_index_tensor(tensor: torch.Tensor, field: str) -> torch.Tensor:
     if tensor.dim() != 1:
         raise ValueError(f"{field} must be 1-D, got shape {list(tensor.shape)}; flatten it")
     if not is_integer(tensor):
-        raise ValueError(f"{field} must have an integer dtype, got {tensor.dtype}; use .long()")
+        raise IndexDtypeError(
+            f"{field} must have an integer dtype, got {tensor.dtype}; use .long()"
+        )
     return tensor if tensor.dtype == torch.int64 else tensor.long()
 
 

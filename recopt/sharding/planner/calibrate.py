@@ -1,5 +1,5 @@
-"""Measure this machine for the planner: memory bandwidth, gloo collective bandwidth, and each
-fused optimizer's kernel speed on each backend, with the backend ``Backend.AUTO`` picks.
+"""Measure this machine for the planner: memory bandwidth (HBM and UVM on a GPU), gloo collective
+bandwidth, and each fused optimizer's kernel speed per backend, with the one AUTO picks.
 
 `recopt-plan --calibrate` runs `calibrate` and writes the result as a topology file. Inter-host
 bandwidth cannot be measured on one machine; the file carries the default and says so.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -42,6 +43,41 @@ def measure_memory_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 5) -> 
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
     return 2 * src.numel() * 4 / best
+
+
+def measure_cuda_bandwidths(num_bytes: int = 256 * 2**20, repeats: int = 5) -> tuple[float, float]:
+    """(HBM, UVM) bytes per second on the current GPU, best of ``repeats``.
+
+    HBM: one device-to-device copy (read + write). UVM: the GPU gathers rows by random index
+    (``index_select``) from a unified tensor made as fbgemm makes its UVM tables
+    (``new_unified_tensor``, host-preferred managed memory); rows of 256 bytes (dim 64).
+    """
+    device = torch.device("cuda")
+    src = torch.ones(num_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    hbm = 2 * src.numel() * 4 / _best_cuda_seconds(lambda: dst.copy_(src), repeats)
+    import fbgemm_gpu  # noqa: F401  registers torch.ops.fbgemm
+
+    rows = num_bytes // 4 // 64
+    host = torch.ops.fbgemm.new_unified_tensor(
+        torch.zeros(1, device=device), [rows, 64], is_host_mapped=False
+    )
+    index = torch.randint(0, rows, (rows // 4,), device=device)
+    out = torch.empty(rows // 4, 64, device=device)
+    seconds = _best_cuda_seconds(lambda: torch.index_select(host, 0, index, out=out), repeats)
+    return hbm, index.numel() * 64 * 4 / seconds
+
+
+def _best_cuda_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # first touch and kernel load are not what we measure
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _all_to_all_rank(rank: int, world_size: int, num_bytes: int, repeats: int) -> float:
@@ -138,6 +174,11 @@ def calibrate(ranks_per_host: int | None = None, quick: bool = False) -> Topolog
     )
     ddr = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rph
     hbm = torch.cuda.get_device_properties(0).total_memory if cuda else 0
+    uvm: dict[str, float] = {}
+    if cuda:  # the tables live in HBM, and UVM tables are read over the host link
+        hbm_bw, uvm_bw = measure_cuda_bandwidths(256 * 2**20 // scale, repeats=3 if quick else 5)
+        memory_bw = hbm_bw
+        uvm = {"uvm_bandwidth": float(int(uvm_bw))}
     return Topology(
         world_size=rph,
         ranks_per_host=rph,
@@ -150,6 +191,7 @@ def calibrate(ranks_per_host: int | None = None, quick: bool = False) -> Topolog
         inter_host_bandwidth=min(NETWORK_10GBE_BANDWIDTH, float(int(comm_bw))),
         kernel_backends=backends,
         kernel_seconds_per_id=kernel_seconds,
+        **uvm,
     )
 
 
@@ -168,6 +210,8 @@ def topology_file_text(topology: Topology) -> str:
         "# kernel_backends: the backend Backend.AUTO picks for each fused optimizer here;\n"
         "# kernel_seconds_per_id: each optimizer's kernel, per backend, timed on AUTO's probe\n"
         "# (fwd + bwd + update, seconds per id); the cost model uses the one that will run.\n"
+        "# On cuda, memory_bandwidth is one HBM copy and uvm_bandwidth a random row gather from\n"
+        "# host-mapped memory; elsewhere uvm_bandwidth is the default (no UVM on cpu).\n"
         + body
         + "\n"
     )

@@ -1,9 +1,11 @@
 """`recopt-plan`: plan a model config's embedding tables, or calibrate this machine's topology.
 
 `recopt-plan CONFIG --world-size N [--topology FILE] [--output plan.json]` reads the config's
-`[[embedding.tables]]` (with `[embedding]`'s `weight_dtype` for tables that set none),
+`[[embedding.tables]]` (``unpooled = true``: an EmbeddingCollection's table; with
+`[embedding]`'s `weight_dtype` for tables that set none),
 `[embedding.optimizer]` and `[planner]` (other sections are ignored);
 topology values come from `[planner]`, then the file, then flags. `--calibrate` measures instead.
+A plan that puts tables in UVM (cuda topologies) is followed by why and its estimated cost.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recopt.kernels.config import FusedOptimizerConfig
-from recopt.modules import EmbeddingBagConfig
+from recopt.modules import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
 from recopt.sharding.planner.constraints import (
     ParameterConstraints,
     constraints_from_dict,
@@ -28,7 +30,8 @@ from recopt.sharding.planner.topology import (
     topology_from_dict,
 )
 
-TABLE_KEYS = set(EmbeddingBagConfig.__dataclass_fields__)
+TABLE_KEYS = set(EmbeddingBagConfig.__dataclass_fields__) | {"unpooled"}
+UNPOOLED_KEYS = set(EmbeddingConfig.__dataclass_fields__) | {"unpooled"}
 PLANNER_KEYS = {"batch_size", "module_path", "max_search_trials", "constraints"}
 
 
@@ -40,7 +43,7 @@ class ConfigError(ValueError):
 class PlannerInput:
     """What `recopt-plan` reads from a model config."""
 
-    tables: list[EmbeddingBagConfig]
+    tables: list[BaseEmbeddingConfig]
     optimizer: FusedOptimizerConfig | None = None
     topology: dict[str, Any] = field(default_factory=dict)
     constraints: dict[str, ParameterConstraints] = field(default_factory=dict)
@@ -100,17 +103,24 @@ def _typed(path: str, section: dict[str, Any], key: str, kind: type, default: An
     return value
 
 
-def _table(path: str, index: int, values: Any) -> EmbeddingBagConfig:
+def _table(path: str, index: int, values: Any) -> BaseEmbeddingConfig:
     where = f"{path}: [[embedding.tables]] entry {index}"
     if not isinstance(values, dict):
         raise ConfigError(f"{where} must be a table")
     if "name" in values:
         where += f" ({values['name']!r})"
-    unknown = sorted(set(values) - TABLE_KEYS)
+    unpooled = values.get("unpooled", False)
+    if not isinstance(unpooled, bool):
+        raise ConfigError(f"{where}: unpooled must be true or false, got {unpooled!r}")
+    valid = UNPOOLED_KEYS if unpooled else TABLE_KEYS
+    unknown = sorted(set(values) - valid)
     if unknown:
-        raise ConfigError(f"{where}: unknown keys {unknown}; valid: {sorted(TABLE_KEYS)}")
+        raise ConfigError(f"{where}: unknown keys {unknown}; valid: {sorted(valid)}")
+    fields = {k: v for k, v in values.items() if k != "unpooled"}
     try:
-        return EmbeddingBagConfig(**values)
+        if unpooled:
+            return EmbeddingConfig(**fields)
+        return EmbeddingBagConfig(**fields)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from e
 
@@ -162,6 +172,9 @@ def _plan(args: argparse.Namespace) -> int:
     plan = planner.plan({config.module_path: config.tables})
     assert planner.stats is not None
     print(planner.stats.format(args.max_tables))
+    explanation = planner.stats.explain_placements()
+    if explanation:  # the plan needed UVM: say which tables, why, and the cost
+        print(explanation)
     if args.output:
         plan.save(args.output)
         print(f"plan written to {args.output}")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.kernels.placement import Placement
 from recopt.kernels.precision import Precision
 from recopt.sharding.plan import ShardingType
 
@@ -34,6 +35,12 @@ class ParameterConstraints:
             fbgemm's width multiple).
         pooling_factor: average ids per bag, per feature of the table.
         batch_size: per-rank batch size for this table (``None``: the planner's).
+        placements: where the table may live on a GPU, in order of preference among options of
+            equal cost (``None``: the planner chooses among device, UVM caching with the
+            topology's ``cache_load_factor``, and UVM; only device on CPU).
+        cache_hit_rate: share of lookups the HBM cache serves for a ``uvm_caching`` placement
+            (``None``: its cache load factor, as for ids spread evenly over rows; skewed ids
+            hit more, e.g. from fbgemm's cache statistics).
     """
 
     sharding_types: tuple[ShardingType, ...] | None = None
@@ -42,6 +49,8 @@ class ParameterConstraints:
     min_partition: int = 4
     pooling_factor: float = 1.0
     batch_size: int | None = None
+    placements: tuple[Placement, ...] | None = None
+    cache_hit_rate: float | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -68,6 +77,28 @@ class ParameterConstraints:
             )
         if self.batch_size is not None and self.batch_size < 1:
             raise ConstraintError(f"constraint batch_size must be >= 1, got {self.batch_size}")
+        self._check_placements()
+
+    def _check_placements(self) -> None:
+        if self.placements is not None:
+            placements = tuple(self.placements)
+            if not placements:
+                raise ConstraintError(
+                    "constraint placements: an empty list allows nothing; omit the key instead"
+                )
+            for p in placements:
+                if not isinstance(p, Placement):
+                    raise ConstraintError(
+                        f"constraint placements must hold Placement values, got {p!r}; e.g. "
+                        "Placement(location='uvm_caching', cache_load_factor=0.2)"
+                    )
+            object.__setattr__(self, "placements", placements)
+        rate = self.cache_hit_rate
+        if rate is not None and not (isinstance(rate, int | float) and 0.0 <= rate <= 1.0):
+            raise ConstraintError(
+                f"constraint cache_hit_rate must be in [0, 1] (share of lookups served by the "
+                f"HBM cache), got {rate!r}"
+            )
 
 
 def constraints_from_dict(table: str, values: Mapping[str, Any]) -> ParameterConstraints:
@@ -89,9 +120,35 @@ def constraints_from_dict(table: str, values: Mapping[str, Any]) -> ParameterCon
         for key in ("sharding_types", "compute_kernels"):
             if key in kw:
                 kw[key] = tuple(kw[key])
+        if "placements" in kw:
+            kw["placements"] = tuple(placement_from_value(p) for p in kw["placements"])
         return ParameterConstraints(**kw)
     except (ValueError, TypeError) as e:
         raise ConstraintError(f"constraints for table {table!r}: {e}") from e
+
+
+def placement_from_value(value: Any) -> Placement:
+    """A `Placement` from TOML: a location string (``"uvm"``) or a table of its fields
+    (``{location = "uvm_caching", cache_load_factor = 0.1}``).
+
+    Raises:
+        ValueError: an unknown location or field, or a bad load factor.
+    """
+    if isinstance(value, Placement):
+        return value
+    if isinstance(value, str):
+        return Placement(location=value)  # type: ignore[arg-type]
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"location", "cache_load_factor"})
+        if unknown:
+            raise ValueError(
+                f"placement: unknown keys {unknown}; valid: ['cache_load_factor', 'location']"
+            )
+        return Placement(**value)
+    raise ValueError(
+        f'placement must be a location string or a table, got {value!r}; e.g. "uvm" or '
+        '{location = "uvm_caching", cache_load_factor = 0.2}'
+    )
 
 
 def optimizer_from_dict(values: Any, where: str) -> FusedOptimizerConfig:
@@ -162,6 +219,12 @@ class TableWorkload:
         optimizer: the fused optimizer that will update the table (its ``state_dtype`` sets
             the bytes per state value).
         weight_dtype: how the table's weights are stored (bytes per weight).
+        weight_bytes: bytes per stored weight value; 0 (default): ``weight_dtype``'s (4 fp32,
+            2 fp16/bf16).
+        state_bytes: bytes per stored optimizer-state value; 0 (default): the optimizer's
+            ``state_dtype``'s.
+        cache_hit_rate: the constraint's, for ``uvm_caching`` placements (``None``: the cache
+            load factor).
     """
 
     batch_size: int
@@ -169,13 +232,18 @@ class TableWorkload:
     pooling_factor: float
     optimizer: FusedOptimizerConfig
     weight_dtype: Precision = Precision.FP32
+    weight_bytes: int = 0
+    state_bytes: int = 0
+    cache_hit_rate: float | None = None
 
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes per stored weight value (4 fp32, 2 fp16/bf16)."""
-        return Precision(self.weight_dtype).bytes
-
-    @property
-    def state_bytes(self) -> int:
-        """Bytes per optimizer-state value (4 fp32, 2 fp16/bf16)."""
-        return self.optimizer.state_dtype.bytes
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weight_dtype", Precision(self.weight_dtype))
+        if self.weight_bytes == 0:
+            object.__setattr__(self, "weight_bytes", self.weight_dtype.bytes)
+        if self.state_bytes == 0:
+            object.__setattr__(self, "state_bytes", self.optimizer.state_dtype.bytes)
+        if self.weight_bytes < 0 or self.state_bytes < 0:
+            raise ValueError(
+                f"TableWorkload: weight_bytes {self.weight_bytes} and state_bytes "
+                f"{self.state_bytes} must be >= 0 (0: the dtypes' bytes)"
+            )

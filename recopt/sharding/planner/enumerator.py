@@ -1,4 +1,4 @@
-"""Enumerator: every valid way to shard each table (sharding type x kernel x shard layout).
+"""Enumerator: every valid way to shard each table (sharding type x kernel x layout x placement).
 
 Each `ShardingOption` carries its shard shapes and, per shard, the storage and cost estimates;
 ranks are chosen later by the partitioner (row-wise and data-parallel layouts come with theirs).
@@ -6,6 +6,7 @@ ranks are chosen later by the partitioner (row-wise and data-parallel layouts co
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,19 +14,21 @@ from typing import Any
 import torch
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig, TableSpec
-from recopt.kernels.fbgemm_backend import (
-    FBGEMM_DIM_MULTIPLE,
-    FBGEMM_OPTIMIZERS,
-    fbgemm_precision_problems,
-)
+from recopt.kernels.fbgemm_backend import FBGEMM_DIM_MULTIPLE, fbgemm_precision_problems
+from recopt.kernels.placement import DEVICE, Location, Placement
 from recopt.kernels.precision import Precision
-from recopt.kernels.registry import optimizer_spec
+from recopt.kernels.registry import fbgemm_spec_names, optimizer_spec
+from recopt.modules.config import EmbeddingConfig
 from recopt.sharding.layout import needs_row_stat_hook
 from recopt.sharding.plan import ParameterSharding, ShardingType, ShardSpec
 from recopt.sharding.plan_helpers import split_columns, split_evenly
 from recopt.sharding.planner.constraints import ParameterConstraints, TableWorkload
 from recopt.sharding.planner.perf import replica_cost, shard_cost
-from recopt.sharding.planner.storage import replica_storage_bytes, shard_storage_bytes
+from recopt.sharding.planner.storage import (
+    replica_storage_bytes,
+    resident_bytes,
+    shard_storage_bytes,
+)
 from recopt.sharding.planner.topology import Topology
 
 # Preference among options of equal estimated cost: fewer shards and less communication first.
@@ -54,6 +57,11 @@ class ShardingOption:
             data-parallel: every rank); ``None`` when the partitioner chooses.
         plan_optimizer: the optimizer written into the plan: a constraint's, else ``None``
             (the module keeps its own).
+        placement: where the shards' rows live (device memory, UVM, UVM with a cache).
+        shard_host_bytes: host memory per shard for UVM placements (data-parallel: per rank);
+            empty means none.
+        slowdown: seconds per step this option costs over the same layout in device memory
+            (0 for ``device``).
     """
 
     module: str
@@ -66,6 +74,9 @@ class ShardingOption:
     shard_costs: list[float]
     fixed_ranks: list[int] | None
     plan_optimizer: FusedOptimizerConfig | None = None
+    placement: Placement = DEVICE
+    shard_host_bytes: list[int] = field(default_factory=list)
+    slowdown: float = 0.0
     total_cost: float = field(init=False)
     max_shard_bytes: int = field(init=False)
 
@@ -73,6 +84,8 @@ class ShardingOption:
         replicas = len(self.fixed_ranks or ()) if self.is_replicated else 1
         self.total_cost = sum(self.shard_costs) * replicas
         self.max_shard_bytes = max(self.shard_bytes)
+        if not self.shard_host_bytes:
+            self.shard_host_bytes = [0] * len(self.shard_bytes)
 
     @property
     def is_replicated(self) -> bool:
@@ -92,6 +105,10 @@ class ShardingOption:
             label += f" ({self.compute_kernel.value})"
         return label
 
+    def host_bytes_on(self, shard: int) -> int:
+        """Host memory shard ``shard`` takes (UVM placements; 0 in device memory)."""
+        return self.shard_host_bytes[shard]
+
     def to_parameter_sharding(
         self, shard_ranks: Sequence[int], world_size: int
     ) -> ParameterSharding:
@@ -102,6 +119,7 @@ class ShardingOption:
                 ranks=tuple(range(world_size)),
                 compute_kernel=self.compute_kernel,
                 optimizer=self.plan_optimizer,
+                placement=self.placement,
             )
         shards, offset = [], 0
         for (rows, cols), rank in zip(self.shard_sizes, shard_ranks, strict=True):
@@ -125,19 +143,29 @@ class ShardingOption:
             shards=tuple(shards),
             compute_kernel=self.compute_kernel,
             optimizer=self.plan_optimizer,
+            placement=self.placement,
         )
 
 
 def table_workload(
     table: Any, constraints: ParameterConstraints, batch_size: int, optimizer: FusedOptimizerConfig
 ) -> TableWorkload:
-    """The workload the estimators assume for ``table`` (``optimizer``: the module's for it)."""
+    """The workload the estimators assume for ``table`` (``optimizer``: the module's for it).
+
+    An unpooled table (`EmbeddingConfig`, an embedding collection's) is looked up as bags of
+    one id each (recopt/modules/unpooled.py): ``pooling_factor`` times more bags of one id.
+    """
+    bags = constraints.batch_size or batch_size
+    pooling_factor = constraints.pooling_factor
+    if isinstance(table, EmbeddingConfig):
+        bags, pooling_factor = math.ceil(bags * pooling_factor), 1.0
     return TableWorkload(
-        batch_size=constraints.batch_size or batch_size,
+        batch_size=bags,
         num_features=max(1, len(getattr(table, "feature_names", ()) or ())),
-        pooling_factor=constraints.pooling_factor,
+        pooling_factor=pooling_factor,
         optimizer=constraints.optimizer or optimizer,
         weight_dtype=getattr(table, "weight_dtype", Precision.FP32),
+        cache_hit_rate=constraints.cache_hit_rate,
     )
 
 
@@ -156,26 +184,30 @@ def enumerate_options(
     where = f"table {table.name!r} (module {module!r})"
     kinds = _allowed_types(constraints, workload.optimizer, topology, where)
     kernels = constraints.compute_kernels or (workload.optimizer.backend,)
+    placements = _allowed_placements(constraints, topology, where)
     layouts = [(k, layout) for k in kinds for layout in _layouts(k, table, constraints, topology)]
     # Every type has a layout (column-wise falls back to one shard when named explicitly).
     assert layouts, where
     options: list[ShardingOption] = []
     rejected: list[str] = []
-    cache: dict[tuple[ShardingType, int, int, int], tuple[int, float]] = {}
+    cache: dict[tuple[Any, ...], tuple[int, int, float]] = {}
     for kind, (sizes, fixed) in layouts:
         for kernel in kernels:
-            why = _kernel_problem(kernel, kind, sizes, workload, topology.device)
-            if why:
-                rejected.append(why)
-                continue
-            options.append(
-                _option(module, table, kind, kernel, sizes, fixed, workload, topology, cache)
-            )
+            for placement in placements:
+                why = _kernel_problem(kernel, kind, sizes, workload, topology.device, placement)
+                if why:
+                    rejected.append(why)
+                    continue
+                choice = (kind, kernel, placement)
+                options.append(
+                    _option(module, table, choice, sizes, fixed, workload, topology, cache)
+                )
     if not options:
         raise EnumerationError(f"{where}: no allowed kernel can run it: {'; '.join(rejected[:3])}")
     for o in options:
         o.plan_optimizer = constraints.optimizer
     kernel_rank = {k: i for i, k in enumerate(kernels)}
+    placement_rank = {p: i for i, p in enumerate(placements)}
     options.sort(
         key=lambda o: (
             o.total_cost,
@@ -183,9 +215,28 @@ def enumerate_options(
             TYPE_ORDER[o.sharding_type],
             len(o.shard_sizes),
             kernel_rank[o.compute_kernel],
+            placement_rank[o.placement],
         )
     )
     return options
+
+
+def _allowed_placements(
+    c: ParameterConstraints, topology: Topology, where: str
+) -> tuple[Placement, ...]:
+    """The constraint's placements, else device, UVM caching and UVM on cuda (device on cpu)."""
+    if topology.device != "cuda":
+        off_device = [p.describe() for p in c.placements or () if not p.on_device]
+        if off_device:
+            raise EnumerationError(
+                f"{where}: placements {off_device} need CUDA (UVM is CUDA memory), but the "
+                "topology's device is 'cpu'; use placement 'device' or a cuda topology"
+            )
+        return (DEVICE,)
+    if c.placements is not None:
+        return c.placements
+    cached = Placement(location=Location.UVM_CACHING, cache_load_factor=topology.cache_load_factor)
+    return (DEVICE, cached, Placement(location=Location.UVM))
 
 
 def _allowed_types(
@@ -248,10 +299,17 @@ def _kernel_problem(
     sizes: list[tuple[int, int]],
     workload: TableWorkload,
     device: str,
+    placement: Placement = DEVICE,
 ) -> str:
+    optimizer = workload.optimizer
+    if not placement.on_device:
+        # Only fbgemm's CUDA kernel reads UVM: AUTO must resolve to it, recopt cannot.
+        if kernel is Backend.RECOPT or optimizer.backend is Backend.RECOPT:
+            return f"placement {placement.describe()!r} needs the fbgemm kernel, not recopt's"
+        why = _kernel_problem(Backend.FBGEMM, kind, sizes, workload, device)
+        return f"placement {placement.describe()!r} needs the fbgemm kernel: {why}" if why else ""
     if kernel is not Backend.FBGEMM:
         return ""
-    optimizer = workload.optimizer
     spec = TableSpec(
         name="shard", num_embeddings=1, embedding_dim=4, weight_dtype=workload.weight_dtype
     )
@@ -262,9 +320,13 @@ def _kernel_problem(
         # A column shard of a row-wise optimizer needs the statistic of the full row, which
         # only recopt's kernel computes (sharding/layout.py).
         return f"fbgemm cannot run {optimizer.name!r} on column shards (no full-row statistic)"
-    if optimizer.name not in FBGEMM_OPTIMIZERS:
-        runs = sorted(FBGEMM_OPTIMIZERS)
-        return f"fbgemm does not run optimizer {optimizer.name!r} (it runs {runs})"
+    runs = fbgemm_spec_names(device)  # its CUDA build runs more than its CPU build
+    if optimizer.name not in runs:
+        return (
+            f"fbgemm does not run optimizer {optimizer.name!r} on {device} (it runs {sorted(runs)})"
+        )
+    if optimizer_spec(optimizer.name).fbgemm_decoupled_weight_decay and optimizer.weight_decay:
+        return f"fbgemm's {optimizer.name!r} has no L2 weight decay (weight_decay must be 0)"
     odd = [cols for _, cols in sizes if cols % FBGEMM_DIM_MULTIPLE]
     if odd:
         return (
@@ -276,43 +338,64 @@ def _kernel_problem(
 def _option(
     module: str,
     table: Any,
-    kind: ShardingType,
-    kernel: Backend,
+    choice: tuple[ShardingType, Backend, Placement],
     sizes: list[tuple[int, int]],
     fixed: list[int] | None,
     workload: TableWorkload,
     topology: Topology,
-    cache: dict[tuple[ShardingType, int, int, int], tuple[int, float]],
+    cache: dict[tuple[Any, ...], tuple[int, int, float]],
 ) -> ShardingOption:
-    rows, w = table.num_embeddings, topology.world_size
+    kind, kernel, placement = choice
     k = len(sizes) if kind.splits_columns else 1
+    places = {placement, DEVICE}  # the device estimate gives the placement's slowdown
     for n, d in set(sizes):  # row-wise layouts repeat two shapes: estimate each once
-        key = (kind, k, n, d)
-        if key in cache:
-            continue
-        if kind is ShardingType.DATA_PARALLEL:
-            cache[key] = (
-                replica_storage_bytes(n, d, workload, w),
-                replica_cost(n, d, workload, topology).total,
-            )
-        else:
-            cache[key] = (
-                shard_storage_bytes(kind, n, d, rows, workload, w),
-                shard_cost(kind, n, d, rows, workload, topology, column_shards=k).total,
-            )
-    estimates = [cache[(kind, k, n, d)] for n, d in sizes]
-    shard_bytes = [b for b, _ in estimates]
-    shard_costs = [t for _, t in estimates]
-    return ShardingOption(
+        for p in places:
+            key = (kind, k, n, d, p)
+            if key not in cache:
+                cache[key] = _estimate(kind, k, n, d, table, workload, topology, p)
+    estimates = [cache[(kind, k, n, d, placement)] for n, d in sizes]
+    device_seconds = sum(cache[(kind, k, n, d, DEVICE)][2] for n, d in sizes)
+    option = ShardingOption(
         module=module,
         table=table,
         sharding_type=kind,
         compute_kernel=kernel,
         optimizer=workload.optimizer,
         shard_sizes=sizes,
-        shard_bytes=shard_bytes,
-        shard_costs=shard_costs,
+        shard_bytes=[b for b, _, _ in estimates],
+        shard_costs=[t for _, _, t in estimates],
         fixed_ranks=fixed,
+        placement=placement,
+        shard_host_bytes=[h for _, h, _ in estimates],
+    )
+    replicas = topology.world_size if option.is_replicated else 1
+    option.slowdown = max(0.0, option.total_cost - device_seconds * replicas)
+    return option
+
+
+def _estimate(
+    kind: ShardingType,
+    k: int,
+    n: int,
+    d: int,
+    table: Any,
+    workload: TableWorkload,
+    topology: Topology,
+    placement: Placement,
+) -> tuple[int, int, float]:
+    """(device bytes, host bytes, seconds) of one shard shape under one placement."""
+    rows, w = table.num_embeddings, topology.world_size
+    _, host = resident_bytes(n, d, workload, placement)
+    if kind is ShardingType.DATA_PARALLEL:
+        return (
+            replica_storage_bytes(n, d, workload, w, placement),
+            host,
+            replica_cost(n, d, workload, topology, placement).total,
+        )
+    return (
+        shard_storage_bytes(kind, n, d, rows, workload, w, placement),
+        host,
+        shard_cost(kind, n, d, rows, workload, topology, k, placement).total,
     )
 
 

@@ -3,6 +3,7 @@
 Longest-processing-time greedy: fixed layouts (data-parallel, row-wise), then host-local groups,
 then free shards largest cost first onto the least-loaded rank with room; if memory runs out, a
 memory-first pass (largest shard onto the emptiest rank) before reporting what fits nowhere.
+Room is device memory and, for shards placed in UVM, host memory too.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from recopt.sharding.planner.topology import Topology
 
 @dataclass(slots=True)
 class Placement:
-    """A feasible assignment: the ranks of every shard, and the resulting load per rank."""
+    """A feasible assignment: the ranks of every shard, and the resulting load per rank
+    (``rank_bytes`` in device memory, ``rank_host_bytes`` in host memory for UVM)."""
 
     options: list[ShardingOption]
     shard_ranks: list[list[int]]
     rank_bytes: list[int]
     rank_cost: list[float]
+    rank_host_bytes: list[int] | None = None
 
     @property
     def max_cost(self) -> float:
@@ -38,12 +41,14 @@ class Placement:
 
 @dataclass(frozen=True, slots=True)
 class PlacementFailure:
-    """A shard that fit on no rank: which, how large, and the best rank's free memory."""
+    """A shard that fit on no rank: which, how large, and the best rank's free memory
+    (``host``: the memory short was host memory for UVM, not device memory)."""
 
     option_index: int
     needed_bytes: int
     best_rank: int
     free_bytes: int
+    host: bool = False
 
 
 class _Ranks:
@@ -51,18 +56,29 @@ class _Ranks:
 
     def __init__(self, topology: Topology, base_bytes: Sequence[int]) -> None:
         self.cap = topology.usable_bytes
+        self.host_cap = topology.host_usable_bytes
         self.bytes = list(base_bytes)
+        self.host = [0] * topology.world_size
         self.cost = [0.0] * topology.world_size
 
-    def fits(self, rank: int, nbytes: int) -> bool:
+    def fits(self, rank: int, nbytes: int, host: int = 0) -> bool:
+        if host and self.host[rank] + host > self.host_cap:
+            return False
         return self.bytes[rank] + nbytes <= self.cap
 
-    def add(self, rank: int, nbytes: int, cost: float) -> None:
+    def add(self, rank: int, nbytes: int, cost: float, host: int = 0) -> None:
         self.bytes[rank] += nbytes
+        self.host[rank] += host
         self.cost[rank] += cost
 
-    def failure(self, index: int, nbytes: int, among: Sequence[int]) -> PlacementFailure:
+    def failure(
+        self, index: int, nbytes: int, among: Sequence[int], host: int = 0
+    ) -> PlacementFailure:
         best = min(among, key=lambda r: (self.bytes[r], r))
+        if self.bytes[best] + nbytes <= self.cap and host:  # device memory was not short
+            best = min(among, key=lambda r: (self.host[r], r))
+            free = max(0, self.host_cap - self.host[best])
+            return PlacementFailure(index, host, best, free, host=True)
         return PlacementFailure(index, nbytes, best, max(0, self.cap - self.bytes[best]))
 
 
@@ -104,13 +120,15 @@ def _partition(
     for i in order:
         chosen = _place_on_a_host(options[i], ranks, topology, memory_first)
         if chosen is None:
-            return ranks.failure(i, options[i].max_shard_bytes, everyone)
+            host = max(options[i].shard_host_bytes)
+            return ranks.failure(i, options[i].max_shard_bytes, everyone, host)
         shard_ranks[i] = chosen
     failed = _place_free_shards(options, shard_ranks, ranks, memory_first)
     if failed is not None:
-        i, nbytes = failed
-        return ranks.failure(i, nbytes, everyone)
-    return Placement(list(options), shard_ranks, ranks.bytes, ranks.cost)
+        i, j = failed
+        opt = options[i]
+        return ranks.failure(i, opt.shard_bytes[j], everyone, opt.shard_host_bytes[j])
+    return Placement(list(options), shard_ranks, ranks.bytes, ranks.cost, ranks.host)
 
 
 def _place_fixed(
@@ -119,26 +137,28 @@ def _place_fixed(
     """Data-parallel replicas (summed once: they weigh the same on every rank), then row-wise."""
     replicas = [i for i, o in enumerate(options) if o.is_replicated]
     replica_bytes = sum(options[i].shard_bytes[0] for i in replicas)
+    replica_host = sum(options[i].shard_host_bytes[0] for i in replicas)
     replica_cost = sum(options[i].shard_costs[0] for i in replicas)
     fullest = max(range(len(ranks.bytes)), key=lambda r: (ranks.bytes[r], -r))
-    if not ranks.fits(fullest, replica_bytes):
+    if not ranks.fits(fullest, replica_bytes, replica_host):
         for i in replicas:  # name the replica that overflows
-            nbytes = options[i].shard_bytes[0]
-            if not ranks.fits(fullest, nbytes):
-                return ranks.failure(i, nbytes, [fullest])
-            ranks.bytes[fullest] += nbytes
+            nbytes, host = options[i].shard_bytes[0], options[i].shard_host_bytes[0]
+            if not ranks.fits(fullest, nbytes, host):
+                return ranks.failure(i, nbytes, [fullest], host)
+            ranks.add(fullest, nbytes, 0.0, host)
     for r in range(len(ranks.bytes)):
-        ranks.add(r, replica_bytes, replica_cost)
+        ranks.add(r, replica_bytes, replica_cost, replica_host)
     everyone = list(range(len(ranks.bytes)))
     for i in replicas:
         shard_ranks[i] = everyone
     for i, opt in enumerate(options):
         if opt.fixed_ranks is None or opt.is_replicated:
             continue
-        for r, nbytes, cost in zip(opt.fixed_ranks, opt.shard_bytes, opt.shard_costs, strict=True):
-            if not ranks.fits(r, nbytes):
-                return ranks.failure(i, nbytes, [r])
-            ranks.add(r, nbytes, cost)
+        for j, r in enumerate(opt.fixed_ranks):
+            nbytes, host = opt.shard_bytes[j], opt.shard_host_bytes[j]
+            if not ranks.fits(r, nbytes, host):
+                return ranks.failure(i, nbytes, [r], host)
+            ranks.add(r, nbytes, opt.shard_costs[j], host)
         shard_ranks[i] = opt.fixed_ranks
     return None
 
@@ -149,6 +169,7 @@ def _place_free_shards(
     ranks: _Ranks,
     memory_first: bool,
 ) -> tuple[int, int] | None:
+    """Place every free shard; returns (option, shard) of the first that fits nowhere."""
     items = [
         (i, j)
         for i, o in enumerate(options)
@@ -172,15 +193,16 @@ def _place_free_shards(
     heapq.heapify(heap)
     for i, j in items:
         nbytes, cost = options[i].shard_bytes[j], options[i].shard_costs[j]
+        host = options[i].shard_host_bytes[j]
         skipped = []
-        while heap and not ranks.fits(heap[0][1], nbytes):
+        while heap and not ranks.fits(heap[0][1], nbytes, host):
             skipped.append(heapq.heappop(heap))
-            if memory_first:  # the emptiest rank is full: every rank is
+            if memory_first and not host:  # the emptiest rank is full: every rank is
                 break
-        if not heap or not ranks.fits(heap[0][1], nbytes):
-            return i, nbytes
+        if not heap or not ranks.fits(heap[0][1], nbytes, host):
+            return i, j
         _, r = heapq.heappop(heap)
-        ranks.add(r, nbytes, cost)
+        ranks.add(r, nbytes, cost, host)
         shard_ranks[i][j] = r
         heapq.heappush(heap, (float(ranks.bytes[r]) if memory_first else ranks.cost[r], r))
         for entry in skipped:
@@ -199,8 +221,8 @@ def _place_on_a_host(
             best = fitted
     if best is None:
         return None
-    for r, nbytes, c in zip(best[1], opt.shard_bytes, opt.shard_costs, strict=True):
-        ranks.add(r, nbytes, c)
+    for j, r in enumerate(best[1]):
+        ranks.add(r, opt.shard_bytes[j], opt.shard_costs[j], opt.shard_host_bytes[j])
     return best[1]
 
 
@@ -210,20 +232,24 @@ def _fit_on_host(
     """(score, rank per shard) of the option on one host, lower score better; None if it fails."""
     distinct = opt.sharding_type is ShardingType.TABLE_ROW_WISE  # one row range per rank
     used = {r: float(ranks.bytes[r]) for r in host_ranks}
+    host_used = {r: ranks.host[r] for r in host_ranks}
     cost = {r: ranks.cost[r] for r in host_ranks}
     load = used if memory_first else cost
     chosen: list[int] = []
-    for nbytes, c in zip(opt.shard_bytes, opt.shard_costs, strict=True):
+    for nbytes, host, c in zip(opt.shard_bytes, opt.shard_host_bytes, opt.shard_costs, strict=True):
         free = [
             r
             for r in host_ranks
-            if used[r] + nbytes <= ranks.cap and not (distinct and r in chosen)
+            if used[r] + nbytes <= ranks.cap
+            and (not host or host_used[r] + host <= ranks.host_cap)
+            and not (distinct and r in chosen)
         ]
         if not free:
             return None
         r = min(free, key=lambda r: (load[r], r))
         chosen.append(r)
         used[r] += nbytes
+        host_used[r] += host
         cost[r] += c
     # Memory-first: keep the most free memory on the host's fullest rank; else the lowest peak.
     score = -min(ranks.cap - b for b in used.values()) if memory_first else max(cost.values())

@@ -2,18 +2,25 @@
 
 A bandwidth model, not a simulator: each term is bytes moved over the bandwidth of the link it
 crosses (all-to-all of ids and pooled outputs, rows gathered and updated in memory, all-reduce
-for data-parallel). docs/planner.md states the formulas and what they leave out.
+for data-parallel; rows of a table in UVM cross the host link, a cached one's misses too).
+docs/planner.md states the formulas and what they leave out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recopt.kernels.config import optimizer_state_floats
+from recopt.kernels.placement import DEVICE, Location, Placement
 from recopt.kernels.registry import optimizer_spec
 from recopt.sharding.plan import ShardingType
 from recopt.sharding.planner.constraints import TableWorkload
-from recopt.sharding.planner.storage import FLOAT_BYTES, ID_BYTES, ids_to_shard
+from recopt.sharding.planner.storage import (
+    FLOAT_BYTES,
+    ID_BYTES,
+    ids_to_shard,
+    state_bytes,
+    state_in_hbm,
+)
 from recopt.sharding.planner.topology import Topology
 
 
@@ -67,6 +74,7 @@ def shard_cost(
     workload: TableWorkload,
     topology: Topology,
     column_shards: int = 1,
+    placement: Placement = DEVICE,
 ) -> Cost:
     """Seconds one shard of a (non-data-parallel) table adds to its rank per step.
 
@@ -78,6 +86,7 @@ def shard_cost(
         workload: batch size, features, ids per bag and optimizer.
         topology: bandwidths and ranks.
         column_shards: how many column shards the table has (column-wise types).
+        placement: where the shard's rows live (UVM rows cross the host link).
 
     Returns:
         The per-phase estimate.
@@ -87,7 +96,7 @@ def shard_cost(
     bags = w * workload.batch_size * workload.num_features
     pooled = FLOAT_BYTES * bags * num_cols
     fwd_compute, bwd_compute = _lookup_and_update_seconds(
-        ids, bags, num_rows, num_cols, workload, topology
+        ids, bags, num_rows, num_cols, workload, topology, placement
     )
     inputs = all_to_all_seconds(ID_BYTES * (ids + bags), topology)
     if kind in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
@@ -103,33 +112,80 @@ def shard_cost(
     return Cost(fwd_compute, inputs + outputs, bwd_compute, outputs + row_stats)
 
 
-def _lookup_and_update_seconds(
-    ids: float, bags: float, rows: int, cols: int, workload: TableWorkload, topology: Topology
+def row_seconds_per_byte(
+    placement: Placement, workload: TableWorkload, topology: Topology
+) -> float:
+    """Seconds per byte of a table's rows: HBM for ``device``, the host link for ``uvm``, and
+    for ``uvm_caching`` the mix ``h / M + (1 - h) / U`` with ``h`` the cache hit rate (the
+    constraint's, else the cache load factor: ids spread evenly over rows)."""
+    hbm, uvm = 1.0 / topology.memory_bandwidth, 1.0 / topology.uvm_bandwidth
+    if placement.on_device:
+        return hbm
+    if placement.location is Location.UVM:
+        return uvm
+    hit = workload.cache_hit_rate
+    hit = placement.cache_share if hit is None else hit
+    return hit * hbm + (1.0 - hit) * uvm
+
+
+def _memory_seconds(
+    ids: float,
+    bags: float,
+    rows: int,
+    cols: int,
+    workload: TableWorkload,
+    topology: Topology,
+    placement: Placement,
 ) -> tuple[float, float]:
-    """Memory time of the forward (gather + pool) and backward (grad rows + fused update)."""
+    """Bytes-moved time of the forward (gather + pool) and backward (grad rows + fused update),
+    each byte at the speed of the memory it is in."""
+    hbm = 1.0 / topology.memory_bandwidth
+    table = row_seconds_per_byte(placement, workload, topology)
+    state = hbm if state_in_hbm(placement, workload) else 1.0 / topology.uvm_bandwidth
     pooled = FLOAT_BYTES * bags * cols
     row_bytes = workload.weight_bytes * cols
-    state_per_row = optimizer_state_floats(workload.optimizer.name, rows, cols) / rows
-    mem = topology.memory_bandwidth
+    state_row_bytes = state_bytes(rows, cols, workload) / rows
     # Forward: gather one row per id, write the pooled output.
-    fwd = (ids * row_bytes + pooled) / mem
+    fwd = ids * row_bytes * table + pooled * hbm
     # Backward: read the output gradient, write a gradient row per id, then the fused update
     # reads and writes each touched row and its state.
-    state_row_bytes = workload.state_bytes * state_per_row
-    grad_row_bytes = FLOAT_BYTES * cols  # gradient rows are float32 whatever the weights
-    bwd = (pooled + ids * grad_row_bytes + ids * (2 * row_bytes + 2 * state_row_bytes)) / mem
+    bwd = (pooled + ids * FLOAT_BYTES * cols) * hbm  # gradient rows: float32 whatever the weights
+    bwd += ids * 2 * (row_bytes * table + state_row_bytes * state)
+    return fwd, bwd
+
+
+def _lookup_and_update_seconds(
+    ids: float,
+    bags: float,
+    rows: int,
+    cols: int,
+    workload: TableWorkload,
+    topology: Topology,
+    placement: Placement = DEVICE,
+) -> tuple[float, float]:
+    """Time of the forward and backward compute: bytes moved plus the per-id overhead."""
+    fwd, bwd = _memory_seconds(ids, bags, rows, cols, workload, topology, placement)
     optimizer = workload.optimizer
     measured = topology.kernel_seconds(optimizer.name, optimizer.backend.value)
-    if measured is not None and fwd + bwd > 0.0:
-        # The kernel that will run was timed on this machine (`recopt-plan --calibrate`): its
-        # time per id sets the total, the bytes-moved terms only split it between the phases.
-        scale = ids * measured / (fwd + bwd)
-        return fwd * scale, bwd * scale
+    if measured is not None:
+        # The kernel that will run was timed on this machine (`recopt-plan --calibrate`) with
+        # its table in device memory: that time per id sets the total in device memory, and a
+        # table elsewhere is slower by the ratio of the bytes-moved estimates.
+        dev_fwd, dev_bwd = _memory_seconds(ids, bags, rows, cols, workload, topology, DEVICE)
+        if dev_fwd + dev_bwd > 0.0:
+            scale = ids * measured / (dev_fwd + dev_bwd)
+            return fwd * scale, bwd * scale
     per_id = ids * topology.seconds_per_id  # what bytes do not capture (measured, see Topology)
     return fwd + per_id, bwd + per_id
 
 
-def replica_cost(rows: int, dim: int, workload: TableWorkload, topology: Topology) -> Cost:
+def replica_cost(
+    rows: int,
+    dim: int,
+    workload: TableWorkload,
+    topology: Topology,
+    placement: Placement = DEVICE,
+) -> Cost:
     """Seconds a data-parallel replica adds to every rank per step.
 
     As recopt's sharded module runs it: every rank receives every rank's ids (an all-gather),
@@ -141,7 +197,9 @@ def replica_cost(rows: int, dim: int, workload: TableWorkload, topology: Topolog
     w = topology.world_size
     bags = w * workload.batch_size * workload.num_features
     ids = bags * workload.pooling_factor
-    fwd_compute, bwd_compute = _lookup_and_update_seconds(ids, bags, rows, dim, workload, topology)
+    fwd_compute, bwd_compute = _lookup_and_update_seconds(
+        ids, bags, rows, dim, workload, topology, placement
+    )
     inputs = all_to_all_seconds(ID_BYTES * (ids + bags), topology)
     grads = all_to_all_seconds(FLOAT_BYTES * bags * dim, topology)
     return Cost(fwd_compute, inputs, bwd_compute, grads)

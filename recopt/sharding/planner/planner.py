@@ -32,7 +32,12 @@ from recopt.sharding.planner.enumerator import (
     table_workload,
 )
 from recopt.sharding.planner.partitioner import Placement, PlacementFailure
-from recopt.sharding.planner.proposers import greedy_proposal, improve, make_feasible
+from recopt.sharding.planner.proposers import (
+    greedy_proposal,
+    improve,
+    make_feasible,
+    reclaim_device_memory,
+)
 from recopt.sharding.planner.stats import PlanStats, format_bytes, make_stats
 from recopt.sharding.planner.storage import rank_output_bytes
 from recopt.sharding.planner.topology import Topology
@@ -130,6 +135,7 @@ class EmbeddingShardingPlanner:
         result = make_feasible(options, choice, topo, [base] * topo.world_size)
         if isinstance(result, PlacementFailure):
             raise PlannerError(self._explain(result, options, choice, base))
+        result = reclaim_device_memory(options, choice, result, topo, [base] * topo.world_size)
         placement = improve(
             options, choice, result, topo, [base] * topo.world_size, self.max_search_trials
         )
@@ -204,6 +210,18 @@ class EmbeddingShardingPlanner:
         topo = self.topology
         opt = options[failure.option_index][choice[failure.option_index]]
         short = failure.needed_bytes - failure.free_bytes
+        if failure.host:
+            return (
+                f"table {opt.table.name!r} (module {opt.module!r}) does not fit: device memory "
+                f"is full, and its layout {opt.describe()} in {opt.placement.describe()} needs "
+                f"{format_bytes(failure.needed_bytes)} of host memory for UVM on one rank, but "
+                f"the rank with the most (rank {failure.best_rank}) has "
+                f"{format_bytes(failure.free_bytes)} free of "
+                f"{format_bytes(topo.host_usable_bytes)} usable ({format_bytes(topo.ddr_bytes)} "
+                f"ddr_bytes less the {topo.reserve_fraction:.0%} reserve); short by "
+                f"{format_bytes(short)}. To fit: add ranks, device or host memory per rank, or "
+                "use fused optimizers with less state"
+            )
         # The least any layout of each table needs, over all ranks: if it exceeds the ranks'
         # combined room, no partitioning can succeed and the fix is more memory, not a layout.
         least = sum(

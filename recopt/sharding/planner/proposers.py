@@ -1,8 +1,9 @@
 """Proposers: which option each table uses. A greedy first choice, then a local search.
 
 `greedy_proposal`: each table's cheapest option that fits an empty rank; `make_feasible`: spread
-tables until the partitioner places everything; `improve`: try other options for the tables on
-the slowest rank, keeping a change only when the step time drops. All deterministic.
+tables until the partitioner places everything; `reclaim_device_memory`: move tables the repair
+sent to UVM back where they fit; `improve`: try other options for the tables on the slowest
+rank, keeping a change only when the step time drops. All deterministic.
 """
 
 from __future__ import annotations
@@ -83,6 +84,46 @@ def _tables_to_shrink(
         selected.append(failure.option_index)
     # The failing table is as spread as it gets: make room by spreading the largest others.
     return selected or shrinkable[:1]
+
+
+def reclaim_device_memory(
+    options: Sequence[Sequence[ShardingOption]],
+    choice: list[int],
+    placement: Placement,
+    topology: Topology,
+    base_bytes: Sequence[int],
+) -> Placement:
+    """Give tables placed in UVM a cheaper option (device memory, or a cache) where it fits.
+
+    The memory repair moves whole groups of tables at a time and may move more than needed;
+    this pass tries, largest slowdown first, each off-device table's options with less slowdown
+    (cheapest first) and keeps the first that still places everything without raising the step
+    time, within the search's budget of shard placements. Mutates ``choice``; returns the
+    resulting placement.
+    """
+    num_shards = sum(len(o[k].shard_sizes) for o, k in zip(options, choice, strict=True))
+    trials = max(8, SEARCH_PLACEMENT_BUDGET // max(1, num_shards))
+    best = placement
+    moved = sorted(
+        (t for t in range(len(options)) if options[t][choice[t]].slowdown > 0.0),
+        key=lambda t: (-options[t][choice[t]].slowdown, t),
+    )
+    for t in moved:
+        current = options[t][choice[t]]
+        better = [k for k, o in enumerate(options[t]) if o.slowdown < current.slowdown]
+        for k in better[:ALTERNATIVES_PER_TABLE]:
+            if trials <= 0:
+                return best
+            trials -= 1
+            previous, choice[t] = choice[t], k
+            result = partition(
+                [o[c] for o, c in zip(options, choice, strict=True)], topology, base_bytes
+            )
+            if isinstance(result, Placement) and result.max_cost <= best.max_cost * (1 + 1e-9):
+                best = result
+                break
+            choice[t] = previous
+    return best
 
 
 def improve(

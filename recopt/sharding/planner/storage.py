@@ -3,17 +3,68 @@
 Weights and the state of the fused optimizer actually chosen (`optimizer_state_floats`), each
 at its dtype's bytes (``weight_dtype``, ``state_dtype``: 4 for fp32, 2 for fp16/bf16), and the
 step's buffers: ids and lengths received, pooled outputs and their gradients, a gradient row per
-id. Every rank also holds its own pooled outputs for every table. Formulas: docs/planner.md.
+id. Every rank also holds its own pooled outputs for every table. Where weights and state sit
+depends on the placement: device memory, host memory (UVM), or host memory with an HBM cache.
+Formulas: docs/planner.md.
 """
 
 from __future__ import annotations
 
+import math
+
 from recopt.kernels.config import optimizer_state_floats
+from recopt.kernels.placement import DEVICE, Location, Placement
+from recopt.kernels.registry import optimizer_spec
 from recopt.sharding.plan import ShardingType
 from recopt.sharding.planner.constraints import TableWorkload
 
-FLOAT_BYTES = 4  # pooled outputs and gradients: float32 (weights and state: their dtype)
+FLOAT_BYTES = 4  # pooled outputs and gradient rows: float32 (weights and state: their dtype)
 ID_BYTES = 8  # ids and lengths: int64 (the KeyedJaggedTensor layout)
+# fbgemm's cache keeps, per slot, the row's index and its LRU time step (two int64).
+CACHE_SLOT_BYTES = 16
+
+
+def weight_bytes(num_rows: int, num_cols: int, workload: TableWorkload) -> int:
+    """Bytes of a shard's weights."""
+    return workload.weight_bytes * num_rows * num_cols
+
+
+def state_bytes(num_rows: int, num_cols: int, workload: TableWorkload) -> int:
+    """Bytes of a shard's fused-optimizer state."""
+    floats = optimizer_state_floats(workload.optimizer.name, num_rows, num_cols)
+    return workload.state_bytes * floats
+
+
+def state_in_hbm(placement: Placement, workload: TableWorkload) -> bool:
+    """Whether the optimizer state is in HBM: always in device memory, and for row-wise
+    optimizers (one value per row) also in UVM, where fbgemm keeps it on the device."""
+    return placement.on_device or optimizer_spec(workload.optimizer.name).row_wise
+
+
+def cache_rows(num_rows: int, placement: Placement) -> int:
+    """Rows the HBM cache holds for a shard (0 unless ``uvm_caching``)."""
+    if placement.location is not Location.UVM_CACHING:
+        return 0
+    return math.ceil(num_rows * (placement.cache_load_factor or 0.0))
+
+
+def resident_bytes(
+    num_rows: int, num_cols: int, workload: TableWorkload, placement: Placement = DEVICE
+) -> tuple[int, int]:
+    """(HBM, host) bytes of a shard's weights, state and cache under ``placement``.
+
+    ``device``: weights and state in device memory. ``uvm``: weights (and element-wise state)
+    in host memory. ``uvm_caching``: the same, plus a cache of ``cache_load_factor`` of the rows
+    in HBM (a row of weights and `CACHE_SLOT_BYTES` per slot).
+    """
+    weights = weight_bytes(num_rows, num_cols, workload)
+    state = state_bytes(num_rows, num_cols, workload)
+    if placement.on_device:
+        return weights + state, 0
+    hbm_state = state if state_in_hbm(placement, workload) else 0
+    slots = cache_rows(num_rows, placement)
+    cache = slots * (workload.weight_bytes * num_cols + CACHE_SLOT_BYTES)
+    return cache + hbm_state, weights + state - hbm_state
 
 
 def ids_to_shard(
@@ -36,8 +87,9 @@ def shard_storage_bytes(
     table_rows: int,
     workload: TableWorkload,
     world_size: int,
+    placement: Placement = DEVICE,
 ) -> int:
-    """Bytes one shard of a (non-data-parallel) table holds on its rank.
+    """Bytes one shard of a (non-data-parallel) table holds in its rank's device memory.
 
     Args:
         kind: the sharding type.
@@ -46,28 +98,38 @@ def shard_storage_bytes(
         table_rows: rows of the whole table.
         workload: batch size, features, ids per bag and optimizer.
         world_size: number of ranks (the shard serves the global batch).
+        placement: where weights and state live (`resident_bytes`); host bytes are
+            `resident_bytes`'s second value.
 
     Returns:
-        Weights + optimizer state + the step's buffers, in bytes.
+        The device-resident part of weights + optimizer state (+ cache), and the step's
+        buffers, in bytes.
     """
     ids = ids_to_shard(kind, num_rows, table_rows, workload, world_size)
     bags = world_size * workload.batch_size * workload.num_features
-    state = optimizer_state_floats(workload.optimizer.name, num_rows, num_cols)
-    weights_and_state = workload.weight_bytes * num_rows * num_cols + workload.state_bytes * state
+    weights_and_state, _ = resident_bytes(num_rows, num_cols, workload, placement)
     inputs = ID_BYTES * (ids + bags)
     outputs = 2 * FLOAT_BYTES * bags * num_cols  # pooled (partial sums for row types) and grad
     grad_rows = FLOAT_BYTES * ids * num_cols
     return int(weights_and_state + inputs + outputs + grad_rows)
 
 
-def replica_storage_bytes(rows: int, dim: int, workload: TableWorkload, world_size: int) -> int:
-    """Bytes a data-parallel replica holds on every rank.
+def replica_storage_bytes(
+    rows: int,
+    dim: int,
+    workload: TableWorkload,
+    world_size: int,
+    placement: Placement = DEVICE,
+) -> int:
+    """Bytes a data-parallel replica holds in every rank's device memory.
 
     recopt's sharded module pools the global batch on every replica (every rank's ids arrive by
     all-gather) and updates it sparsely, so a replica holds what a table-wise shard of the whole
     table holds; there is no dense gradient.
     """
-    return shard_storage_bytes(ShardingType.TABLE_WISE, rows, dim, rows, workload, world_size)
+    return shard_storage_bytes(
+        ShardingType.TABLE_WISE, rows, dim, rows, workload, world_size, placement
+    )
 
 
 def rank_output_bytes(dim: int, workload: TableWorkload) -> int:

@@ -35,6 +35,13 @@ DEFAULT_SECONDS_PER_ID = 1e-6
 # Extra per id and column shard for row-wise optimizers on column shards (the full-row
 # statistic exchange): column-wise plans measured 30-60 ms slower over ~36k shard-ids.
 DEFAULT_ROW_STAT_SECONDS_PER_ID = 1e-6
+# GPU tables (docs/planner.md, "Placement"). HBM: an A100's 1.5-2 TB/s and an H100's 3 TB/s
+# peak, of which row gathers reach about half; rounded down. UVM: rows read by the GPU over the
+# host link, a PCIe 4.0 x16 link carries about 25 GB/s and row-sized reads less. Neither is
+# measured on a GPU host yet; `recopt-plan --calibrate` on CUDA measures both.
+DEFAULT_HBM_BANDWIDTH = 800.0 * GB
+DEFAULT_UVM_BANDWIDTH = 16.0 * GB
+DEFAULT_CACHE_LOAD_FACTOR = 0.2
 DEVICES = ("cpu", "cuda")
 
 
@@ -52,7 +59,8 @@ class Topology:
             ``r // ranks_per_host``.
         device: ``cpu`` (tables in DDR) or ``cuda`` (tables in HBM).
         hbm_bytes: device memory per rank (used when ``device`` is ``cuda``).
-        ddr_bytes: host memory per rank (used when ``device`` is ``cpu``).
+        ddr_bytes: host memory per rank: where tables live on ``cpu``; on ``cuda``, what UVM
+            placements may fill (less the same reserve).
         reserve_fraction: share of each rank's memory kept back for the dense model,
             activations and allocator slack; the planner fills only the rest.
         memory_bandwidth: bytes/s one rank reads or writes embedding rows at.
@@ -66,6 +74,10 @@ class Topology:
         kernel_seconds_per_id: ``"<optimizer>/<backend>"`` -> measured seconds per id of a
             fused kernel's forward + backward + update; replaces ``seconds_per_id`` and the
             bytes-moved compute estimate for that kernel (docs/planner.md).
+        uvm_bandwidth: bytes/s the GPU reads or writes rows of a table in UVM (host memory
+            over the host link); ``cuda`` only.
+        cache_load_factor: share of a table's rows the HBM cache holds when the planner
+            chooses ``uvm_caching`` itself (constraints may name others).
     """
 
     world_size: int
@@ -81,6 +93,8 @@ class Topology:
     row_stat_seconds_per_id: float = DEFAULT_ROW_STAT_SECONDS_PER_ID
     kernel_backends: dict[str, str] = dataclasses.field(default_factory=dict)
     kernel_seconds_per_id: dict[str, float] = dataclasses.field(default_factory=dict)
+    uvm_bandwidth: float = DEFAULT_UVM_BANDWIDTH
+    cache_load_factor: float = DEFAULT_CACHE_LOAD_FACTOR
 
     def __post_init__(self) -> None:
         for name in ("world_size", "hbm_bytes", "ddr_bytes"):
@@ -98,7 +112,13 @@ class Topology:
             raise TopologyError(
                 f"topology reserve_fraction must be in [0, 1), got {self.reserve_fraction}"
             )
-        for name in ("memory_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth"):
+        if not 0.0 < float(self.cache_load_factor) <= 1.0:
+            raise TopologyError(
+                f"topology cache_load_factor must be in (0, 1], got {self.cache_load_factor!r}; "
+                "e.g. 0.2"
+            )
+        bandwidths = ("memory_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth")
+        for name in (*bandwidths, "uvm_bandwidth"):
             if not float(getattr(self, name)) > 0.0:
                 raise TopologyError(
                     f"topology {name} must be > 0 bytes/s, got {getattr(self, name)!r}"
@@ -142,6 +162,14 @@ class Topology:
         if backend == "auto":
             backend = self.kernel_backends.get(optimizer, "")
         return self.kernel_seconds_per_id.get(f"{optimizer}/{backend}")
+
+    @property
+    def host_usable_bytes(self) -> int:
+        """Host memory per rank UVM placements may fill (cuda; 0 on cpu, where every table is
+        already in host memory and counted in `usable_bytes`)."""
+        if self.device != "cuda":
+            return 0
+        return int(self.ddr_bytes * (1.0 - self.reserve_fraction))
 
     @property
     def local_world_size(self) -> int:
@@ -199,21 +227,23 @@ def local_topology(
         device: ``cpu`` or ``cuda`` (default: ``cuda`` when available).
 
     Returns:
-        The default bandwidths with HBM (the current CUDA device's) or DDR (physical memory
-        over the ranks of a host) filled in.
+        The default bandwidths (HBM's on cuda) with HBM (the current CUDA device's) and DDR
+        (physical memory over the ranks of a host) filled in.
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     rph = min(world_size, ranks_per_host or world_size)
     ddr = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rph
-    hbm = 0
+    hbm, memory_bandwidth = 0, DEFAULT_MEMORY_BANDWIDTH
     if device == "cuda":
         hbm = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+        memory_bandwidth = DEFAULT_HBM_BANDWIDTH
     return Topology(
         world_size=world_size,
         ranks_per_host=ranks_per_host,
         device=device,
         hbm_bytes=hbm,
         ddr_bytes=int(ddr),
+        memory_bandwidth=memory_bandwidth,
     )
 
 
@@ -247,6 +277,8 @@ def topology_from_dict(values: dict[str, Any], where: str, **overrides: Any) -> 
         "inter_host_bandwidth",
         "seconds_per_id",
         "row_stat_seconds_per_id",
+        "uvm_bandwidth",
+        "cache_load_factor",
     )
     for name in floats:
         if isinstance(merged.get(name), int):

@@ -1,0 +1,145 @@
+"""recopt's CUDA update for sgd, (row-wise) Adagrad and (row-wise) Adam, in one Triton kernel.
+
+The torch path finds the touched rows with ``torch.unique``, whose data-sized output makes the
+host wait for the device once per table. Here nothing has a data-dependent size: a table's
+occurrences are sorted by id (``torch.sort``, N known on the host) and one program per sorted
+position runs; the first position of each run of equal ids sums the run's gradients (scaled,
+sign and L2 applied) and updates the row and its state, as `cpu_fused.c`'s ``update_row`` (same
+optimizer codes: `OptimizerSpec.c_code`). Imported only where Triton is; under
+``TRITON_INTERPRET=1`` it also runs on CPU tensors (the CPU tests). A run is summed by one
+program: a very hot id costs one long serial loop (correct, slower).
+Legend: N occurrences of one table, D its dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+Tensor = torch.Tensor
+
+
+@triton.jit
+def _sparse_update_kernel(
+    ids_ptr,
+    goff_ptr,
+    scale_ptr,
+    grad_ptr,
+    weight_ptr,
+    s1_ptr,
+    s2_ptr,
+    N,
+    D,
+    lr,
+    eps,
+    weight_decay,
+    sign,
+    one_minus_beta1,
+    one_minus_beta2,
+    step_size,
+    OPT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pos = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    key = tl.load(ids_ptr + pos)
+    previous = tl.load(ids_ptr + pos - 1, mask=pos > 0, other=-1)
+    if key != previous:  # the first occurrence of its row owns the row
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        j = pos
+        more = pos < N
+        while more:
+            g = tl.load(grad_ptr + tl.load(goff_ptr + j) + cols, mask=mask, other=0.0)
+            if HAS_SCALE:
+                g = g * tl.load(scale_ptr + j)
+            acc += g
+            j += 1
+            more = (j < N) & (tl.load(ids_ptr + j, mask=j < N, other=-1) == key)
+        row = weight_ptr + key * D + cols
+        w = tl.load(row, mask=mask, other=0.0)
+        acc = acc * sign + weight_decay * w
+        if OPT == 0:  # sgd
+            w = w - lr * acc
+        elif OPT == 1:  # adagrad
+            m = tl.load(s1_ptr + key * D + cols, mask=mask, other=0.0) + acc * acc
+            tl.store(s1_ptr + key * D + cols, m, mask=mask)
+            w = w - lr * acc / (tl.sqrt(m) + eps)
+        elif OPT == 2:  # row-wise adagrad
+            mom = tl.load(s1_ptr + key) + tl.sum(acc * acc, axis=0) / D
+            tl.store(s1_ptr + key, mom)
+            w = w - (lr / (tl.sqrt(mom) + eps)) * acc
+        elif OPT == 3:  # adam
+            m = tl.load(s1_ptr + key * D + cols, mask=mask, other=0.0)
+            v = tl.load(s2_ptr + key * D + cols, mask=mask, other=0.0)
+            m = m + (acc - m) * one_minus_beta1
+            v = v + (acc * acc - v) * one_minus_beta2
+            tl.store(s1_ptr + key * D + cols, m, mask=mask)
+            tl.store(s2_ptr + key * D + cols, v, mask=mask)
+            w = w - step_size * (m / (tl.sqrt(v) + eps))
+        else:  # row-wise adam
+            m = tl.load(s1_ptr + key * D + cols, mask=mask, other=0.0)
+            m = m + (acc - m) * one_minus_beta1
+            tl.store(s1_ptr + key * D + cols, m, mask=mask)
+            v_row = tl.load(s2_ptr + key)
+            v_row = v_row + (tl.sum(acc * acc, axis=0) / D - v_row) * one_minus_beta2
+            tl.store(s2_ptr + key, v_row)
+            w = w - (step_size / (tl.sqrt(v_row) + eps)) * m
+        tl.store(row, w, mask=mask)
+
+
+def sparse_update(
+    code: int,
+    ids_N: Tensor,
+    goff_N: Tensor,
+    scale_N: Tensor | None,
+    grad_out: Tensor,
+    weight: Tensor,
+    state1: Tensor | None,
+    state2: Tensor | None,
+    hyper: tuple[float, float, float, float, float, float],
+    step_size: float,
+) -> None:
+    """Sum each touched row's gradient and apply the optimizer to it and its state, in place.
+
+    Args:
+        code: the optimizer's `OptimizerSpec.c_code` (0 sgd ... 4 row-wise adam).
+        ids_N: the table's ids, one per occurrence (any order; int64).
+        goff_N: per occurrence, the flat offset of its bag's row in ``grad_out``.
+        scale_N: per occurrence, the factor on its gradient (weights, 1/length), or None.
+        grad_out: the pooled-output gradient, contiguous float32.
+        weight: the ``[R, D]`` float32 table; ``state1`` / ``state2``: its state (or None).
+        hyper: lr, eps, weight_decay, sign (-1 to maximize), 1 - beta1, 1 - beta2.
+        step_size: Adam's bias-corrected step size (0 otherwise).
+    """
+    count = ids_N.numel()
+    if count == 0:
+        return
+    sorted_ids, order = torch.sort(ids_N.to(torch.int64))  # int64: row * D may pass 2^31
+    goff = goff_N.index_select(0, order).to(torch.int64)
+    scale = None if scale_N is None else scale_N.index_select(0, order).float()
+    dim = weight.shape[1]
+    lr, eps, weight_decay, sign, one_minus_beta1, one_minus_beta2 = hyper
+    _sparse_update_kernel[(count,)](
+        sorted_ids,
+        goff,
+        goff if scale is None else scale,  # an unused pointer when HAS_SCALE is False
+        grad_out,
+        weight,
+        weight if state1 is None else state1,
+        weight if state2 is None else state2,
+        count,
+        dim,
+        lr,
+        eps,
+        weight_decay,
+        sign,
+        one_minus_beta1,
+        one_minus_beta2,
+        step_size,
+        OPT=code,
+        HAS_SCALE=scale is not None,
+        BLOCK_D=triton.next_power_of_2(dim),
+    )
