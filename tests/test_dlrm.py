@@ -182,9 +182,35 @@ def test_config_overrides_reach_every_section() -> None:
     assert config.clipping.clipping.value == "value"
 
 
+def test_config_weight_dtype_for_every_table_with_a_per_table_override(
+    tmp_path: pathlib.Path,
+) -> None:
+    from recopt.kernels.precision import Precision
+
+    config = dlrm_config.load_config(
+        str(ROOT / "configs/dlrm_small.toml"),
+        [
+            "embedding.weight_dtype=fp16",
+            "embedding.tables.1.weight_dtype=bf16",
+            "embedding.optimizer.state_dtype=bf16",
+        ],
+    )
+    dtypes = [t.weight_dtype for t in config.embedding.tables]
+    assert dtypes == [Precision.FP16, Precision.BF16] + [Precision.FP16] * 6
+    assert config.embedding.optimizer.state_dtype is Precision.BF16
+    # A table's own weight_dtype in the file wins over the section's.
+    text = (ROOT / "configs/dlrm_small.toml").read_text()
+    own = tmp_path / "own.toml"
+    own.write_text(text.replace('name = "t2"\n', 'name = "t2"\nweight_dtype = "fp32"\n'))
+    config = dlrm_config.load_config(str(own), ["embedding.weight_dtype=bf16"])
+    assert [t.weight_dtype.value for t in config.embedding.tables][1:4] == ["bf16", "fp32", "bf16"]
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
+        ("embedding.weight_dtype=fp8", r"embedding\.weight_dtype: 'fp8' is not a supported"),
+        ("embedding.optimizer.state_dtype=int8", r"state_dtype = 'int8' is not one of"),
         ("training.stepz=1", r"unknown config key training\.stepz; valid keys in \[training\]"),
         ("trainin.steps=1", "unknown config key trainin;"),
         ("embedding.tables.0.dim=8", r"unknown config key embedding\.tables\[0\]\.dim"),

@@ -18,6 +18,7 @@ from recopt.config import apply_overrides, from_dict, load_toml, merge, to_plain
 from recopt.data import SyntheticConfig
 from recopt.ft import replica_sync_optimizer
 from recopt.kernels import FusedOptimizerConfig, Placement
+from recopt.kernels.precision import Precision, parse_precision
 from recopt.models import DLRMConfig
 from recopt.modules import EmbeddingBagConfig
 from recopt.optim.clipping import GradientClipping
@@ -45,15 +46,22 @@ class EmbeddingSection:
     """``[embedding]``: the ``[[embedding.tables]]``, their fused ``[embedding.optimizer]`` and
     ``[embedding.placements]``: table name -> where it lives on a GPU, ``"device"``, ``"uvm"``,
     ``"uvm_caching"`` or ``{location = "uvm_caching", cache_load_factor = 0.1}``. Tables not
-    named: the planner chooses on several ranks, device memory on one. UVM needs CUDA."""
+    named: the planner chooses on several ranks, device memory on one. UVM needs CUDA.
+
+    ``weight_dtype`` (``fp32``, ``fp16``, ``bf16``) is every table's weight dtype unless the
+    table sets its own ``weight_dtype``; the optimizer's ``state_dtype`` sets its state's.
+    """
 
     tables: tuple[EmbeddingBagConfig, ...] = field(default_factory=default_tables)
     optimizer: FusedOptimizerConfig = field(
         default_factory=lambda: FusedOptimizerConfig(name="row_wise_adagrad", lr=0.05)
     )
     placements: dict[str, Any] = field(default_factory=dict)
+    weight_dtype: Precision = Precision.FP32
 
     def __post_init__(self) -> None:
+        dtype = parse_precision(self.weight_dtype, "embedding.weight_dtype")
+        object.__setattr__(self, "weight_dtype", dtype)
         names = [t.name for t in self.tables]
         unknown = sorted(set(self.placements) - set(names))
         if unknown:
@@ -296,6 +304,7 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> TrainingConf
     from_file = load_toml(path) if path is not None else {}
     data = apply_overrides(merge(data, from_file), overrides)
     _registry_defaults_for_another_optimizer(data, from_file, overrides)
+    _section_weight_dtype(data, from_file, overrides)
     where = path or "defaults"
     try:
         config = from_dict(TrainingConfig, data, "")
@@ -319,6 +328,21 @@ def _registry_defaults_for_another_optimizer(
         overridden = any(o.startswith(f"embedding.optimizer.{key}=") for o in overrides)
         if key not in in_file and not overridden:
             chosen.pop(key, None)
+
+
+def _section_weight_dtype(
+    data: dict[str, Any], from_file: dict[str, Any], overrides: Sequence[str]
+) -> None:
+    """``embedding.weight_dtype`` reaches every table that does not set its own (in the file
+    or by ``--set embedding.tables.N.weight_dtype=...``)."""
+    section = data["embedding"]
+    dtype = parse_precision(section.get("weight_dtype", "fp32"), "embedding.weight_dtype").value
+    file_tables = from_file.get("embedding", {}).get("tables", [])
+    for i, table in enumerate(section.get("tables", [])):
+        in_file = i < len(file_tables) and "weight_dtype" in file_tables[i]
+        overridden = any(o.startswith(f"embedding.tables.{i}.weight_dtype=") for o in overrides)
+        if isinstance(table, dict) and not (in_file or overridden):
+            table["weight_dtype"] = dtype
 
 
 def _check_planner(values: dict[str, Any], where: str) -> None:

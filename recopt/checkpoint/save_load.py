@@ -284,7 +284,9 @@ def load(
     """Load a checkpoint into ``model`` (and ``optimizer``) under any plan and world size.
 
     Every file's size and checksum and every key's shape are checked on all ranks first; on
-    any problem all ranks raise and nothing has been copied.
+    any problem all ranks raise and nothing has been copied. A tensor saved in another float
+    dtype (fp32, fp16, bf16: a table's ``weight_dtype`` or ``state_dtype`` changed) is
+    converted to the model's dtype, rounded to nearest, with a ``UserWarning`` listing them.
 
     Args:
         path: a directory written by `save`.
@@ -431,14 +433,20 @@ def _compare(manifest: Manifest, skeleton: Any, live: dict[str, Any], directory:
     saved = manifest.tensors
     missing = sorted(k for k in live_tensors if k not in saved)
     unexpected = sorted(k for k in saved if k.startswith("model/") and k not in live_tensors)
-    mismatched = []
+    mismatched, converted = [], []
     for key, t in live_tensors.items():
         entry = saved.get(key)
         shape, dtype = global_shape(t), dtype_name(tensor_dtype(t))
-        if entry is not None and (entry.shape != shape or entry.dtype != dtype):
+        if entry is None or (entry.shape == shape and entry.dtype == dtype):
+            continue
+        if entry.shape == shape and {entry.dtype, dtype} <= CONVERTIBLE_DTYPES:
+            converted.append(f"{key}: {entry.dtype} -> {dtype}")
+        else:
             mismatched.append(
                 f"{key}: checkpoint {entry.shape} {entry.dtype}, model {shape} {dtype}"
             )
+    if converted:
+        _warn_conversion(converted)
     problems = []
     if missing:
         problems.append(f"keys the checkpoint lacks: {_listing(missing)}")
@@ -452,6 +460,19 @@ def _compare(manifest: Manifest, skeleton: Any, live: dict[str, Any], directory:
             "model that saved it, or convert it with recopt-reshard --to-full"
         )
     return problems
+
+
+# Float storages a load converts between (the model's dtype wins; copy rounds to nearest).
+CONVERTIBLE_DTYPES = frozenset({"float32", "float16", "bfloat16"})
+
+
+def _warn_conversion(converted: list[str]) -> None:
+    message = (
+        f"loading converts {len(converted)} tensors to the model's dtype (rounded to nearest): "
+        f"{_listing(converted)}; build the model with the checkpoint's weight_dtype / "
+        "state_dtype to load them unchanged"
+    )
+    warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _listing(items: list[str], limit: int = 20) -> str:

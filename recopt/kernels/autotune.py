@@ -20,6 +20,7 @@ import torch
 
 from recopt.kernels.autotune_cache import DecisionCache, machine_key
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
+from recopt.kernels.precision import Precision
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +98,15 @@ class ShapeClass:
         optimizer: fused optimizer name.
         dim: the tables' most common embedding dim (the larger on a tie).
         rows: the largest table's rows, rounded up to a power of two, capped at the probe's.
+        precision: the weights' and state's storage (``fp32``, or e.g. ``fp16`` /
+            ``fp16-state-bf16``); fp16 moves fewer bytes, so it is decided separately.
     """
 
     device: str
     optimizer: str
     dim: int
     rows: int
+    precision: str = "fp32"
 
     @classmethod
     def of(
@@ -112,13 +116,28 @@ class ShapeClass:
         dims = [t.embedding_dim for t in tables]
         dim = max(set(dims), key=lambda d: (dims.count(d), d))
         rows = 2 ** math.ceil(math.log2(max(t.num_embeddings for t in tables)))
+        weights = max((Precision(t.weight_dtype) for t in tables), key=lambda p: p.bytes)
+        precision = weights.value
+        if optimizer.state_dtype != weights:
+            precision += f"-state-{optimizer.state_dtype.value}"
         return cls(
-            device=device.type, optimizer=optimizer.name, dim=dim, rows=min(rows, PROBE_MAX_ROWS)
+            device=device.type,
+            optimizer=optimizer.name,
+            dim=dim,
+            rows=min(rows, PROBE_MAX_ROWS),
+            precision=precision,
         )
 
+    @property
+    def weight_dtype(self) -> Precision:
+        """The probe table's weight precision."""
+        return Precision(self.precision.split("-")[0])
+
     def key(self) -> str:
-        """The cache key, e.g. ``cpu/row_wise_adagrad/dim64/rows262144``."""
-        return f"{self.device}/{self.optimizer}/dim{self.dim}/rows{self.rows}"
+        """The cache key, e.g. ``cpu/row_wise_adagrad/dim64/rows262144`` (``/fp16`` added
+        for reduced precision)."""
+        key = f"{self.device}/{self.optimizer}/dim{self.dim}/rows{self.rows}"
+        return key if self.precision == "fp32" else f"{key}/{self.precision}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -198,7 +217,14 @@ def probe_samplers(
     from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
 
     device = torch.device(shape.device)
-    table = [TableSpec(name="probe", num_embeddings=shape.rows, embedding_dim=shape.dim)]
+    table = [
+        TableSpec(
+            name="probe",
+            num_embeddings=shape.rows,
+            embedding_dim=shape.dim,
+            weight_dtype=shape.weight_dtype,
+        )
+    ]
     gen = torch.Generator().manual_seed(0)
     n = config.probe_bags * config.ids_per_bag
     ids = torch.randint(0, shape.rows, (n,), generator=gen).to(device)

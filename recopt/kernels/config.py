@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass
 
 from recopt.kernels.placement import DEVICE, Placement
+from recopt.kernels.precision import Precision, parse_precision
 from recopt.kernels.registry import ADAFACTOR, ROW_WISE_ADAGRAD, optimizer_spec
 
 
@@ -29,7 +30,9 @@ class Backend(enum.StrEnum):
 
 
 def optimizer_state_floats(name: str, rows: int, dim: int) -> int:
-    """Number of float32 optimizer-state values for one table (per-table scalars excluded).
+    """Number of optimizer-state values for one table (per-table scalars excluded).
+
+    Each takes ``FusedOptimizerConfig.state_dtype``'s bytes (4 for the default fp32).
 
     Raises:
         ValueError: ``name`` is not a fused optimizer.
@@ -61,6 +64,16 @@ class FusedOptimizerConfig:
         clip_threshold: Adafactor's update clipping threshold (>= 1).
         d: torch's name for ``clip_threshold``; folded into it at construction.
         backend: ``auto`` (measured per optimizer and table shape), ``fbgemm`` or ``recopt``.
+        state_dtype: how the optimizer state (``momentum1``, ``exp_avg``, ...) is stored:
+            ``"fp32"`` (default), ``"fp16"`` or ``"bf16"``; per-table scalars (``step``) stay
+            exact int64. Adafactor keeps fp32 state. fp16 covers 6e-8 to 65504 only: squared
+            gradients below ~1e-7 (adagrad, adam's second moment) round to 0 and the next
+            step divides by eps; bf16 keeps fp32's range (docs/kernels.md).
+        stochastic_rounding: round updates into fp16/bf16 weights and state stochastically
+            (unbiased; default) rather than to nearest (updates below half a unit in the last
+            place are then lost).
+        rounding_seed: seed of the rounding stream; each kernel mixes it with its tables'
+            names, so runs repeat exactly and kernels (and shards) draw different numbers.
 
     Raises:
         ValueError: an unknown name or an out-of-range hyperparameter (torch's rules: lr,
@@ -78,9 +91,19 @@ class FusedOptimizerConfig:
     clip_threshold: float = 1.0
     d: float | None = None
     backend: Backend = Backend.AUTO
+    state_dtype: Precision = Precision.FP32
+    stochastic_rounding: bool = True
+    rounding_seed: int = 0
 
     def __post_init__(self) -> None:
         spec = optimizer_spec(self.name)
+        where = f"fused optimizer {self.name!r}: state_dtype"
+        object.__setattr__(self, "state_dtype", parse_precision(self.state_dtype, where))
+        if self.state_dtype.reduced and spec is ADAFACTOR:
+            raise ValueError(
+                f"{where} {self.state_dtype.value!r}: adafactor reduces its statistics over the "
+                "whole table and keeps them in fp32; use state_dtype='fp32'"
+            )
         if isinstance(self.eps, tuple):
             if spec is not ADAFACTOR or len(self.eps) != 2:
                 raise ValueError(
@@ -103,6 +126,16 @@ class FusedOptimizerConfig:
             object.__setattr__(self, "d", None)
         self._validate()
         object.__setattr__(self, "backend", Backend(self.backend))
+        if not isinstance(self.stochastic_rounding, bool):
+            raise ValueError(
+                f"fused optimizer {self.name!r}: stochastic_rounding must be true or false, got "
+                f"{self.stochastic_rounding!r}"
+            )
+        if isinstance(self.rounding_seed, bool) or not isinstance(self.rounding_seed, int):
+            raise ValueError(
+                f"fused optimizer {self.name!r}: rounding_seed must be an int, got "
+                f"{self.rounding_seed!r}; e.g. rounding_seed=0"
+            )
 
     def _validate(self) -> None:
         checks = [
@@ -143,6 +176,7 @@ class TableSpec:
     name: str
     num_embeddings: int
     embedding_dim: int
+    weight_dtype: Precision = Precision.FP32
     placement: Placement = DEVICE
 
 

@@ -7,11 +7,17 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 /* One table: its rows are keys [base, end) of the pass's global key space. */
 typedef struct {
     int64_t base, end, dim;
     float *weight, *s1, *s2;
+    uint16_t *half; /* the weights when kind is 1 (fp16) or 2 (bf16); weight is then NULL */
+    int kind;
+    uint64_t seed; /* stochastic rounding of fp16/bf16 rows: element (key, d) hashes it */
     float step_size;
 } table_t;
 
@@ -37,6 +43,86 @@ typedef struct {
 #define PREFETCH_ROW(p, n, rw) \
     for (int64_t i_ = 0; i_ < (n); i_ += 16) __builtin_prefetch((p) + i_, rw, 3)
 
+/* Stochastic rounding of float32 to fp16 or bf16 bit patterns: element i draws 32 random
+ * bits from a hash of (seed, i), so the result does not depend on threads.
+ * The magnitude's pattern gets a random integer below 2^k (k = 13 fp16, 16 bf16) added and
+ * its k low bits cleared: rounded up with probability (x - lo) / (hi - lo). fp16 subnormals
+ * (|x| < 2^-14, even steps of 2^-24) round up with probability frac(|x| * 2^24), 24 bits.
+ * NaN stays NaN, inf stays inf, values past fp16's largest finite value become inf. */
+static inline uint64_t mix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static inline uint16_t round_bf16(uint32_t bits, uint32_t r) {
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + (r & 0xffffu)) >> 16);
+}
+
+static inline uint16_t round_fp16(float x, uint32_t bits, uint32_t r) {
+    const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+    const uint32_t a = bits & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u; /* NaN */
+    if (a == 0x7f800000u) return sign | 0x7c00u; /* inf */
+    if (a < 0x38800000u) { /* below 2^-14: fp16 subnormal steps of 2^-24 */
+        const float m = fabsf(x) * 16777216.0f; /* exact: a power-of-two scaling, m < 1024 */
+        const float whole = floorf(m);
+        const float u = (float)(r >> 8) * (1.0f / 16777216.0f);
+        return sign | (uint16_t)((uint32_t)whole + (m - whole > u ? 1u : 0u));
+    }
+    const uint32_t t = (a + (r & 0x1fffu)) & ~0x1fffu;
+    const int32_t exponent = (int32_t)(t >> 23) - 127 + 15;
+    if (exponent >= 31) return sign | 0x7c00u;
+    return sign | (uint16_t)(((uint32_t)exponent << 10) | ((t >> 13) & 0x3ffu));
+}
+
+/* fp16 / bf16 bit patterns to float32 (exact). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t bits;
+    if (e == 0) { /* zero or subnormal: m * 2^-24 */
+        const float f = (float)m * (1.0f / 16777216.0f);
+        __builtin_memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (e == 31) {
+        bits = sign | 0x7f800000u | (m << 13);
+    } else {
+        bits = sign | ((e + 112u) << 23) | (m << 13);
+    }
+    float out;
+    __builtin_memcpy(&out, &bits, 4);
+    return out;
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float out;
+    __builtin_memcpy(&out, &bits, 4);
+    return out;
+}
+
+/* Weight storage kinds: 0 float32, 1 fp16, 2 bf16 (the latter two as uint16 patterns). */
+/* A row of n fp16 / bf16 patterns to float32: eight at a time with F16C where available. */
+static inline void load_row(const uint16_t *restrict h, float *restrict out, int64_t n,
+                            int kind) {
+    int64_t i = 0;
+    if (kind == 2) {
+        for (; i < n; i++) out[i] = bf16_to_float(h[i]);
+        return;
+    }
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) out[i] = half_to_float(h[i]);
+}
+
+static inline uint32_t random_bits(uint64_t seed, uint64_t index) {
+    return (uint32_t)(mix64(seed ^ (index * 0xD1B54A32D192ED03ull)) >> 32);
+}
+
 /* Sixteen partial sums: a vectorisable reduction (one serial chain would cost ~4 cycles/elem). */
 static inline float sum_sq(const float *restrict x, int64_t n) {
     float part[16] = {0};
@@ -51,11 +137,14 @@ static inline float sum_sq(const float *restrict x, int64_t n) {
 
 /* Hyperparameters are copied to locals and pointers are restrict: otherwise every store to a
  * row could alias the structs, which forces reloads and blocks vectorisation. */
-static void update_row(const pass_t *p, const table_t *tb, int64_t row, float *restrict acc) {
+static void update_row(const pass_t *p, const table_t *tb, int64_t row, float *restrict acc,
+                       float *restrict wbuf) {
     const int64_t D = tb->dim;
     const float lr = p->lr, eps = p->eps, wd = p->wd, step_size = tb->step_size;
     const float omb1 = p->one_minus_beta1, omb2 = p->one_minus_beta2;
-    float *restrict w = tb->weight + row * D;
+    /* fp16/bf16 rows are updated in float32 (wbuf) and rounded back stochastically. */
+    float *restrict w = tb->kind ? wbuf : tb->weight + row * D;
+    if (tb->kind) load_row(tb->half + row * D, w, D, tb->kind);
     if (wd != 0.0f)
         for (int64_t d = 0; d < D; d++) acc[d] += wd * w[d];
     switch (p->opt) {
@@ -97,13 +186,24 @@ static void update_row(const pass_t *p, const table_t *tb, int64_t row, float *r
         break;
     }
     }
+    if (tb->kind) {
+        uint16_t *restrict h = tb->half + row * D;
+        const uint64_t first = (uint64_t)(tb->base + row) * (uint64_t)D;
+        for (int64_t d = 0; d < D; d++) {
+            uint32_t bits;
+            __builtin_memcpy(&bits, &w[d], 4);
+            const uint32_t r = random_bits(tb->seed, first + (uint64_t)d);
+            h[d] = tb->kind == 1 ? round_fp16(w[d], bits, r) : round_bf16(bits, r);
+        }
+    }
 }
 
 /* A macro for the reason PREFETCH_ROW is one. */
 #define PREFETCH_OCCURRENCE(p, tb, k)                                              \
     do {                                                                           \
         const int64_t row_ = KEY((p)->packed[k]) - (tb)->base, d_ = (tb)->dim;     \
-        PREFETCH_ROW((tb)->weight + row_ * d_, d_, 1);                             \
+        if ((tb)->kind) PREFETCH_ROW((tb)->half + row_ * d_, d_, 1);               \
+        else PREFETCH_ROW((tb)->weight + row_ * d_, d_, 1);                        \
         PREFETCH_ROW((p)->grad + GOFF((p)->packed[k]), d_, 0);                     \
         if ((p)->opt == 2) __builtin_prefetch((tb)->s1 + row_, 1, 3);              \
         if ((p)->opt == 1 || (p)->opt == 3 || (p)->opt == 4)                       \
@@ -115,6 +215,7 @@ static void update_row(const pass_t *p, const table_t *tb, int64_t row, float *r
 /* Keys are sorted, so the table of the current (and of the prefetched) key only moves up. */
 static void run_chunk(const pass_t *p, int64_t begin, int64_t end) {
     float *restrict acc = (float *)malloc(sizeof(float) * (size_t)p->max_dim);
+    float *restrict wbuf = (float *)malloc(sizeof(float) * (size_t)p->max_dim);
     int t = 0, pt = 0;
     while (p->tables[t].end <= KEY(p->packed[begin])) t++;
     pt = t;
@@ -135,9 +236,10 @@ static void run_chunk(const pass_t *p, int64_t begin, int64_t end) {
             for (int64_t d = 0; d < D; d++) acc[d] += s * g[d];
             k++;
         } while (k < end && KEY(p->packed[k]) == key);
-        update_row(p, tb, key - tb->base, acc);
+        update_row(p, tb, key - tb->base, acc, wbuf);
     }
     free(acc);
+    free(wbuf);
 }
 
 /* Per occurrence (parallel over bags): its key (table base + id), the offset of its bag's
@@ -176,7 +278,8 @@ int recopt_prepare(int64_t num_bags, int64_t batch, const int64_t *offsets, cons
     } while (0)
 
 /* Forward: every bag of every feature in one parallel loop (one fork/join per batch, not
- * one per feature). meta: per feature, the table's weight pointer (as int64) and dim. */
+ * one per feature). meta: per feature, the table's weight pointer (as int64), its dim, and its
+ * weight kind (0 float32, 1 fp16, 2 bf16: converted to float32 as they are summed). */
 int recopt_pool(int64_t num_bags, int64_t batch, const int64_t *offsets, const int64_t *ids,
                 const float *weights, int mean, const int64_t *meta, const int64_t *feature_col,
                 int64_t out_dim, float *out, int num_threads) {
@@ -189,6 +292,27 @@ int recopt_pool(int64_t num_bags, int64_t batch, const int64_t *offsets, const i
         const int64_t D = meta[num_features + f];
         const int64_t feature_end = offsets[(f + 1) * batch];
         float *restrict o = out + (bag - f * batch) * out_dim + feature_col[f];
+        const int kind = (int)meta[2 * num_features + f];
+        if (kind) {
+            const uint16_t *half = (const uint16_t *)(intptr_t)meta[f];
+            float row_[256];
+            for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+            for (int64_t k = lo; k < hi; k++) {
+                if (k + PF < feature_end) PREFETCH_ROW(half + ids[k + PF] * D, D, 0);
+                const float s = weights ? weights[k] : 1.0f;
+                const uint16_t *row = half + ids[k] * D;
+                for (int64_t d0 = 0; d0 < D; d0 += 256) { /* converted in blocks of 256 */
+                    const int64_t n = D - d0 < 256 ? D - d0 : 256;
+                    load_row(row + d0, row_, n, kind);
+                    for (int64_t d = 0; d < n; d++) o[d0 + d] += s * row_[d];
+                }
+            }
+            if (mean && hi > lo) {
+                const float inv = 1.0f / (float)(hi - lo);
+                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+            }
+            continue;
+        }
         switch (D) {
         case 16: POOL_BAG(16); break;
         case 32: POOL_BAG(32); break;
@@ -286,7 +410,8 @@ int recopt_sort(int64_t n, uint64_t *words, float *scale, uint64_t *tmp_words,
  * threads, taken dynamically, so a thread slowed by a busy core holds no one up. OpenMP (not
  * pthreads): the library links libgomp.so.1, which resolves to the copy torch has loaded, so
  * it shares torch's worker threads instead of fighting their spin-waits for the cores.
- * meta: bases[T+1], dims[T], then weight, state1, state2 pointers [T] each (as int64).
+ * meta: bases[T+1], dims[T], then weight, state1, state2 pointers [T] each (as int64),
+ * weight kinds [T] (0 float32, 1 fp16, 2 bf16) and the rounding seed.
  * hyper: lr, eps, weight_decay, sign, 1 - beta1, 1 - beta2, then step_size[T]. */
 #define MAX_CHUNKS 256
 int recopt_fused_update(int opt, int64_t n, const uint64_t *packed, const float *scale,
@@ -303,6 +428,10 @@ int recopt_fused_update(int opt, int64_t n, const uint64_t *packed, const float 
         tb->weight = (float *)(intptr_t)meta[2 * num_tables + 1 + t];
         tb->s1 = (float *)(intptr_t)meta[3 * num_tables + 1 + t];
         tb->s2 = (float *)(intptr_t)meta[4 * num_tables + 1 + t];
+        tb->kind = (int)meta[5 * num_tables + 1 + t];
+        tb->seed = (uint64_t)meta[6 * num_tables + 1];
+        tb->half = tb->kind ? (uint16_t *)tb->weight : NULL;
+        if (tb->kind) tb->weight = NULL;
         tb->step_size = hyper[6 + t];
         if (tb->dim > max_dim) max_dim = tb->dim;
     }
@@ -325,5 +454,19 @@ int recopt_fused_update(int opt, int64_t n, const uint64_t *packed, const float 
     for (int c = 0; c < num_chunks; c++)
         if (cut[c + 1] > cut[c]) run_chunk(&p, cut[c], cut[c + 1]);
     free(tables);
+    return 0;
+}
+
+/* Stochastic rounding of a float32 array: see the helpers above update_row. */
+int recopt_stochastic_round(int64_t n, const float *x, uint16_t *out, int kind, uint64_t seed,
+                            int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (n > 65536)
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits;
+        __builtin_memcpy(&bits, &x[i], 4);
+        const uint32_t r = random_bits(seed, (uint64_t)i);
+        out[i] = kind ? round_bf16(bits, r) : round_fp16(x[i], bits, r);
+    }
     return 0;
 }

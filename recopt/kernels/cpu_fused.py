@@ -69,6 +69,7 @@ def _build() -> ctypes.CDLL:
         "recopt_pool": [i64, i64, ptr, ptr, ptr, i32, ptr, ptr, i64, ptr, i32],
         "recopt_aggregate": [i64, ptr, ptr, ptr, ptr, i64, ptr, i32],
         "recopt_fused_update": [i32, i64, ptr, ptr, ptr, i32, ptr, ptr, i32],
+        "recopt_stochastic_round": [i64, ptr, ptr, i32, ctypes.c_uint64, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(library, name)
@@ -112,7 +113,8 @@ def pool(
         weights: float32 per-sample weights, or None.
         mean: divide each bag by its length (empty bags give zeros either way).
         batch: B.
-        feature_tables: per feature, its table's contiguous float32 ``[R, D]`` weights.
+        feature_tables: per feature, its table's contiguous ``[R, D]`` weights (float32,
+            float16 or bfloat16: rows are summed in float32).
         feature_col: int64 ``[F]``, first output column of each feature.
         out_dim: output width (sum of the features' dims).
 
@@ -126,6 +128,7 @@ def pool(
         raise RuntimeError("pool: native library not loaded; call available() first")
     out = torch.empty(batch, out_dim, dtype=torch.float32)
     meta = [_ptr(w) or 0 for w in feature_tables] + [w.shape[1] for w in feature_tables]
+    meta += [weight_kind(w.dtype) for w in feature_tables]
     meta_t = torch.tensor(meta, dtype=torch.int64)
     _library.recopt_pool(
         offsets.numel() - 1,
@@ -242,6 +245,22 @@ def aggregate(
     return out
 
 
+# The C pass's weight storage kinds; float16 / bfloat16 rows are updated in float32 and
+# rounded back stochastically.
+_WEIGHT_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def weight_kind(dtype: torch.dtype) -> int:
+    """The C pass's code of a weight dtype (0 float32, 1 float16, 2 bfloat16).
+
+    Raises:
+        ValueError: another dtype.
+    """
+    if dtype not in _WEIGHT_KINDS:
+        raise ValueError(f"the native CPU pass stores float32, float16 or bfloat16, not {dtype}")
+    return _WEIGHT_KINDS[dtype]
+
+
 def fused_update(
     code: int,
     words_N: torch.Tensor,
@@ -251,6 +270,7 @@ def fused_update(
     tables: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
     hyper: list[float],
     step_sizes: list[float],
+    seed: int = 0,
 ) -> None:
     """Aggregate the gradient of every touched row of every table, update rows and state.
 
@@ -261,11 +281,14 @@ def fused_update(
         scale_N: per sorted occurrence, the factor on its gradient, or None for 1.
         grad: the pooled-output gradient, contiguous float32.
         bases: ``T + 1`` key offsets of the tables (cumulative row counts).
-        tables: per table, contiguous float32 ``[R, D]`` weights and its first and second
-            state tensors (or None), all updated in place.
+        tables: per table, contiguous ``[R, D]`` weights (float32, or float16 / bfloat16:
+            updated in float32 and rounded back stochastically) and its first and second
+            float32 state tensors (or None), all updated in place.
         hyper: lr, eps, weight_decay, sign (-1 to maximize), 1 - beta1, 1 - beta2 (the
             differences taken in double, as torch's optimizers do).
         step_sizes: per table, Adam's bias-corrected step size (0 for other optimizers).
+        seed: the stochastic rounding seed of this pass (element (key, d) hashes it), below
+            2^63.
 
     Raises:
         RuntimeError: the native library is not available.
@@ -275,6 +298,8 @@ def fused_update(
     meta = bases + [w.shape[1] for w, _, _ in tables]
     for slot in range(3):
         meta += [0 if tensors[slot] is None else _ptr(tensors[slot]) or 0 for tensors in tables]
+    meta += [weight_kind(w.dtype) for w, _, _ in tables]
+    meta.append(seed)
     meta_t = torch.tensor(meta, dtype=torch.int64)
     hyper_t = torch.tensor(hyper + step_sizes, dtype=torch.float32)
     _library.recopt_fused_update(
@@ -288,3 +313,23 @@ def fused_update(
         _ptr(hyper_t),
         torch.get_num_threads(),
     )
+
+
+def stochastic_round(x: torch.Tensor, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Float32 ``x`` rounded stochastically to fp16 or bf16 (recopt.kernels.precision's law).
+
+    Element i's random bits are a hash of ``(seed, i)``: the result depends on the seed
+    only, not on the thread count.
+
+    Raises:
+        RuntimeError: the native library is not available.
+    """
+    if _library is None:
+        raise RuntimeError("stochastic_round: native library not loaded; call available() first")
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=dtype)
+    kind = {torch.float16: 0, torch.bfloat16: 1}[dtype]
+    _library.recopt_stochastic_round(
+        x.numel(), _ptr(x), _ptr(out), kind, seed % 2**64, torch.get_num_threads()
+    )
+    return out

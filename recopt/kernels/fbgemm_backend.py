@@ -1,9 +1,10 @@
 """fbgemm's table-batched embedding kernel behind recopt's kernel contract.
 
-The CPU build trains with SGD, Adagrad and row-wise Adagrad only; the CUDA build also with
-Adam and row-wise Adam (fbgemm's ADAM / PARTIAL_ROWWISE_ADAM, mapped to SparseAdam's formula
-and recopt's per-table ``step`` by `fbgemm_steps`). recopt validates ids itself, so fbgemm's
-(warn-and-use-row-0) bounds check is off.
+The CPU build trains with SGD, Adagrad and row-wise Adagrad only, fp32 or fp16 weights
+(rounded to nearest) and fp32 state; the CUDA build also with Adam and row-wise Adam
+(fbgemm's ADAM / PARTIAL_ROWWISE_ADAM, mapped to SparseAdam's formula and recopt's per-table
+``step`` by `fbgemm_steps`), fp32, fp16 or bf16 weights in any placement. recopt validates ids
+itself, so fbgemm's (warn-and-use-row-0) bounds check is off.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, Ta
 from recopt.kernels.contract import KernelHook
 from recopt.kernels.fbgemm_steps import FbgemmSteps
 from recopt.kernels.placement import Location, combined_cache_load_factor, placement_problems
+from recopt.kernels.precision import Precision
 from recopt.kernels.registry import OPTIMIZERS, fbgemm_spec_names, optimizer_spec
 
 # Optimizers fbgemm's CPU build runs (its CUDA build runs more: `fbgemm_spec_names("cuda")`),
@@ -74,6 +76,7 @@ def fbgemm_problems(
         problems.append(
             "fbgemm has no 'maximize' option; use backend='recopt' or 'auto' (maximize=True)"
         )
+    problems.extend(fbgemm_precision_problems(tables, optimizer, device))
     for table in tables:
         if table.embedding_dim % FBGEMM_DIM_MULTIPLE != 0:
             fixed = -(-table.embedding_dim // FBGEMM_DIM_MULTIPLE) * FBGEMM_DIM_MULTIPLE
@@ -81,6 +84,44 @@ def fbgemm_problems(
                 f"table {table.name!r}: embedding_dim {table.embedding_dim} is not a multiple "
                 f"of {FBGEMM_DIM_MULTIPLE}, which the fbgemm backend requires; use "
                 f"{fixed}, or backend='recopt' or 'auto'"
+            )
+    return problems
+
+
+def fbgemm_precision_problems(
+    tables: Sequence[TableSpec], optimizer: FusedOptimizerConfig, device: torch.device
+) -> list[str]:
+    """What fbgemm lacks of the requested weight and state precision (fbgemm-gpu 1.8.0).
+
+    One weights precision per kernel; fp32 state for its sgd/adagrad kernels (its
+    ``optimizer_state_dtypes`` is for partial row-wise Adam only); on CPU no bf16 weights
+    (its CPU forward is not built for them) and no stochastic rounding (its CPU kernels
+    round to nearest whatever ``stochastic_rounding`` says; measured).
+    """
+    fix = "use backend='recopt' or 'auto'"
+    names = ", ".join(repr(t.name) for t in tables)
+    kinds = {Precision(t.weight_dtype) for t in tables}
+    problems: list[str] = []
+    if len(kinds) > 1:
+        problems.append(
+            f"tables {names} mix weight dtypes {sorted(k.value for k in kinds)} and fbgemm "
+            f"holds one per kernel; give them one weight_dtype, or {fix}"
+        )
+    if optimizer.state_dtype.reduced:
+        problems.append(
+            f"fbgemm keeps {optimizer.name!r} state in fp32; state_dtype "
+            f"{optimizer.state_dtype.value!r} needs recopt's kernel: {fix}"
+        )
+    if device.type == "cpu":
+        if Precision.BF16 in kinds:
+            problems.append(
+                f"tables {names}: fbgemm's CPU kernels do not run bf16 weights; use "
+                f"weight_dtype='fp16', or {fix}"
+            )
+        if Precision.FP16 in kinds and optimizer.stochastic_rounding:
+            problems.append(
+                f"tables {names}: fbgemm's CPU kernels round fp16 updates to nearest, not "
+                f"stochastically; pass stochastic_rounding=False to accept that, or {fix}"
             )
     return problems
 
@@ -131,7 +172,7 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         device: torch.device,
     ) -> None:
         super().__init__()
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
             BoundsCheckMode,
             EmbeddingLocation,
@@ -160,6 +201,12 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         )
         self._caching = any(t.placement.location is Location.UVM_CACHING for t in tables)
         spec = optimizer_spec(optimizer.name)
+        precision = Precision(tables[0].weight_dtype)
+        weights_precision = {
+            Precision.FP32: SparseType.FP32,
+            Precision.FP16: SparseType.FP16,
+            Precision.BF16: SparseType.BF16,
+        }[precision]
         fbgemm_name = spec.fbgemm_cuda if on_cuda else spec.fbgemm_cpu
         assert fbgemm_name is not None  # fbgemm_problems checked it
         self._state_names = spec.fbgemm_states
@@ -191,6 +238,10 @@ class FbgemmTableBatchedEmbedding(nn.Module):
             else WeightDecayMode.NONE,
             pooling_mode=PoolingMode.SUM if pooling == PoolingType.SUM else PoolingMode.MEAN,
             bounds_check_mode=BoundsCheckMode.NONE,
+            weights_precision=weights_precision,
+            # On CUDA fbgemm draws its own rounding stream (not seeded by rounding_seed).
+            stochastic_rounding=precision.reduced and optimizer.stochastic_rounding,
+            output_dtype=SparseType.FP32,
             cache_load_factor=cache_load_factor,
             device=device,
         )

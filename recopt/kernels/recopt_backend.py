@@ -1,8 +1,10 @@
 """recopt's own table-batched embedding kernel, the optimizer fused into backward.
 
-On CPU (float32) forward and backward are native passes (`cpu_fused`): one sort of all the
-tables' ids, then one pass that sums each touched row's gradient and updates only that row
-and its state. Otherwise (or with hooks, or for Adafactor) torch ops do the same per table.
+On CPU forward and backward are native passes (`cpu_fused`): one sort of all the tables'
+ids, then one pass that sums each touched row's gradient and updates only that row and its
+state (fp16/bf16 rows in float32, rounded back stochastically). Otherwise (hooks, Adafactor,
+fp16/bf16 state, rounding to nearest, other devices) torch ops do the same per table;
+reduced precision is computed in fp32 and rounded back.
 Legend: B batch, F features, N ids (occurrences) of one table, D a table's dim.
 """
 
@@ -28,6 +30,7 @@ from recopt.kernels.config import (
 )
 from recopt.kernels.contract import KernelHook
 from recopt.kernels.placement import placed_off_device
+from recopt.kernels.precision import Precision, make_generator, rounding_seed
 from recopt.kernels.steps import StepMirror
 
 Tensor = torch.Tensor
@@ -66,9 +69,13 @@ class RecoptTableBatchedEmbedding(nn.Module):
         use_native: run the native CPU pass when it is available (CPU float32); False forces
             the torch-ops path.
 
+    Tables keep their ``weight_dtype`` and the state ``optimizer.state_dtype``; pooled
+    outputs are float32 whatever the tables' dtype (rows are summed in float32).
+
     Raises:
-        ValueError: empty tables, a table with no rows or dim, a feature mapped to no table, or
-            a table placed in UVM (only fbgemm's CUDA kernel reads UVM).
+        ValueError: empty tables, a table with no rows or dim, a feature mapped to no table,
+            adafactor with fp16/bf16 weights, or a table placed in UVM (only fbgemm's CUDA
+            kernel reads UVM).
     """
 
     def __init__(
@@ -96,15 +103,34 @@ class RecoptTableBatchedEmbedding(nn.Module):
         self.pooling = PoolingType(pooling)
         self._lr = optimizer.learning_rate
         device = torch.device(device)
+        self._check_precision()
         self.weights = nn.ParameterList()
         for table in tables:
             bound = 1.0 / math.sqrt(table.num_embeddings)
-            weight = torch.empty(table.num_embeddings, table.embedding_dim, device=device)
+            weight = torch.empty(
+                table.num_embeddings,
+                table.embedding_dim,
+                device=device,
+                dtype=Precision(table.weight_dtype).dtype,
+            )
             self.weights.append(nn.Parameter(weight.uniform_(-bound, bound)))
+        self._reduced = optimizer.state_dtype.reduced or any(
+            Precision(t.weight_dtype).reduced for t in tables
+        )
+        # The stochastic-rounding stream: one per kernel, seeded from the config and the
+        # tables' names, advancing with every update (so each step rounds differently).
+        self._rounding: torch.Generator | None = None
+        if self._reduced and optimizer.stochastic_rounding:
+            seed = rounding_seed(optimizer.rounding_seed, [t.name for t in tables])
+            self._rounding = make_generator(seed, device)
         self._state_names: list[list[str]] = []
         for t, table in enumerate(tables):
             state = updates.init_state(
-                optimizer.name, table.num_embeddings, table.embedding_dim, device
+                optimizer.name,
+                table.num_embeddings,
+                table.embedding_dim,
+                device,
+                optimizer.state_dtype.dtype,
             )
             self._state_names.append(list(state))
             for name, tensor in state.items():
@@ -129,6 +155,17 @@ class RecoptTableBatchedEmbedding(nn.Module):
         self.backend_decision: BackendDecision | None = None  # set by create_kernel
         self.grad_hook: KernelHook | None = None
         self.row_stat_hook: KernelHook | None = None
+
+    def _check_precision(self) -> None:
+        if not self._spec.dense_state:
+            return
+        for table in self.tables:
+            if Precision(table.weight_dtype).reduced:
+                raise ValueError(
+                    f"table {table.name!r}: weight_dtype {Precision(table.weight_dtype).value!r} "
+                    f"with {self.optimizer.name!r}, whose update reads the whole table; use "
+                    "weight_dtype='fp32' for adafactor tables"
+                )
 
     # Contract surface ---------------------------------------------------------------------
 
@@ -241,9 +278,15 @@ class RecoptTableBatchedEmbedding(nn.Module):
             offs = offsets[f * batch : (f + 1) * batch + 1] - starts[f]
             psw = None if weights is None else weights[starts[f] : starts[f + 1]]
             mode = "mean" if mean and psw is None else "sum"
+            table = self.weights[t].detach()
+            if table.dtype != torch.float32:
+                # fp16/bf16 rows are summed in float32: gather them, then pool the copies.
+                table = table.index_select(0, ids).float()
+                ids = torch.arange(ids.numel(), device=ids.device)
+                psw = None if psw is None else psw.float()
             out_B_D = F.embedding_bag(
                 ids,
-                self.weights[t],
+                table,
                 offs,
                 mode=mode,
                 per_sample_weights=psw,
@@ -349,14 +392,17 @@ class RecoptTableBatchedEmbedding(nn.Module):
             rows_U, grad_U_D = row_grad
             if self.grad_hook is not None:
                 grad_U_D = self.grad_hook(t, rows_U, grad_U_D)
-            self._torch_update(t, weight, states[t], rows_U, grad_U_D.to(weight.dtype), steps[t])
+            grad_dtype = torch.float32 if self._reduced else weight.dtype
+            self._torch_update(t, weight, states[t], rows_U, grad_U_D.to(grad_dtype), steps[t])
 
     def _triton_update_fn(self, grad_out: Tensor) -> updates.SparseUpdate | None:
-        """Triton's sort-and-update kernel for float32 CUDA tables without hooks, if it imports."""
+        """Triton's sort-and-update kernel for float32 CUDA tables and state without hooks, if it
+        imports (fp16/bf16 weights or state take the torch path, rounded back)."""
         if (
             self.grad_hook is not None
             or self.row_stat_hook is not None
             or self._spec.c_code is None
+            or self._reduced
             or grad_out.dtype != torch.float32
             or any(w.device.type != "cuda" or w.dtype != torch.float32 for w in self.weights)
         ):
@@ -485,6 +531,19 @@ class RecoptTableBatchedEmbedding(nn.Module):
     ) -> None:
         hook = self.row_stat_hook
         row_stat = None if hook is None else (lambda sum_sq_U: hook(t, rows_U, sum_sq_U))
+        if self._reduced:
+            updates.apply_update_rounded(
+                self.optimizer,
+                self._lr,
+                weight,
+                state,
+                rows_U,
+                grad_U_D,
+                self._rounding,
+                row_stat,
+                step=step,
+            )
+            return
         updates.apply_update(
             self.optimizer,
             self._lr,
@@ -498,9 +557,14 @@ class RecoptTableBatchedEmbedding(nn.Module):
         )
 
     def _native_ok(
-        self, grad_out: Tensor | None, indices: Tensor, offsets: Tensor, weights: Tensor | None
+        self,
+        grad_out: Tensor | None,
+        indices: Tensor,
+        offsets: Tensor,
+        weights: Tensor | None,
     ) -> bool:
-        """The native passes run CPU float32 tables with int64 ids (backward: and no hooks).
+        """The native passes run CPU tables (float32, fp16, bf16) with int64 ids (backward:
+        and no hooks, float32 state, stochastic rounding of reduced weights).
 
         ``grad_out`` None asks about the forward, which every optimizer and hook can use.
         """
@@ -508,13 +572,14 @@ class RecoptTableBatchedEmbedding(nn.Module):
             self.grad_hook is None
             and self.row_stat_hook is None
             and self._spec.c_code is not None
+            and self._native_precision_ok()
             and grad_out.dtype == torch.float32
             and grad_out.numel() < 2**32
         )
         return (
             self._use_native
             and (grad_out is None or backward_ok)
-            and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in self.weights)
+            and all(w.device.type == "cpu" for w in self.weights)
             and indices.device.type == "cpu"
             and indices.dtype == torch.int64
             and offsets.dtype == torch.int64
@@ -523,6 +588,13 @@ class RecoptTableBatchedEmbedding(nn.Module):
             and self._table_bases[-1] < 2**32
             and cpu_fused.available()
         )
+
+    def _native_precision_ok(self) -> bool:
+        """The native update keeps float32 state, and rounds fp16/bf16 rows stochastically
+        only (round-to-nearest and reduced state take the torch path)."""
+        if self.optimizer.state_dtype.reduced:
+            return False
+        return not self._reduced or self._rounding is not None
 
     def _native_update(
         self,
@@ -551,6 +623,9 @@ class RecoptTableBatchedEmbedding(nn.Module):
         ]
         code = self._spec.c_code
         assert code is not None  # checked by _native_ok
+        seed = 0
+        if self._rounding is not None:  # one draw per pass: rows hash it with their index
+            seed = int(torch.randint(0, 2**63 - 1, (), generator=self._rounding).item())
         cpu_fused.fused_update(
             code,
             words_N,
@@ -560,6 +635,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
             tensors,
             [self._lr, eps, config.weight_decay, sign, 1.0 - beta1, 1.0 - beta2],
             step_sizes,
+            seed,
         )
 
     def _per_sample_weight_grad(
@@ -580,7 +656,8 @@ class RecoptTableBatchedEmbedding(nn.Module):
                 lengths_B,
                 output_size=starts[f + 1] - starts[f],
             )
-            rows_N_D = self.weights[t].detach().index_select(0, indices[starts[f] : starts[f + 1]])
+            ids_N = indices[starts[f] : starts[f + 1]]
+            rows_N_D = self.weights[t].detach().index_select(0, ids_N).to(grad_out.dtype)
             c0 = self._col_offsets[f]
             g_N_D = grad_out[:, c0 : c0 + rows_N_D.shape[1]].index_select(0, bag_N)
             g_N = (rows_N_D * g_N_D).sum(dim=1)

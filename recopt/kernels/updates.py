@@ -3,6 +3,8 @@
 Each update reads and writes only the rows of one table that the batch touched: it gets the
 sorted unique row ids and their aggregated gradients. This is recopt's portable path (any
 device, any float dtype); `cpu_fused` runs the same formulas in one fused native pass.
+fp16/bf16 tables and state go through `apply_update_rounded`: fp32 copies of the touched
+rows are updated, then stochastically rounded back (recopt.kernels.precision).
 Legend: R rows of the table, D its dim, U unique rows touched by the batch.
 """
 
@@ -20,6 +22,7 @@ import torch
 
 from recopt.kernels import registry
 from recopt.kernels.config import FusedOptimizerConfig
+from recopt.kernels.precision import stochastic_round
 
 Tensor = torch.Tensor
 
@@ -34,7 +37,9 @@ def _row_mean_sq(grad_U_D: Tensor, row_stat: RowStat | None) -> Tensor:
     return row_stat(grad_U_D.square().sum(dim=1))
 
 
-def init_state(name: str, rows: int, dim: int, device: torch.device) -> dict[str, Tensor]:
+def init_state(
+    name: str, rows: int, dim: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> dict[str, Tensor]:
     """Zero optimizer state of one table, with the contract's names and shapes.
 
     Args:
@@ -42,16 +47,17 @@ def init_state(name: str, rows: int, dim: int, device: torch.device) -> dict[str
         rows: rows of the table.
         dim: embedding dim of the table.
         device: where the state lives.
+        dtype: the state's dtype (``FusedOptimizerConfig.state_dtype``).
 
     Returns:
-        State name -> tensor (float32 state, int64 0-dim ``step``).
+        State name -> tensor (``dtype`` state, int64 0-dim ``step``).
 
     Raises:
         ValueError: unknown optimizer name.
     """
     spec = registry.optimizer_spec(name)
     state = {
-        key: torch.zeros(shape.size(rows, dim), dtype=torch.float32, device=device)
+        key: torch.zeros(shape.size(rows, dim), dtype=dtype, device=device)
         for key, shape in spec.states
     }
     if spec.stepped:
@@ -334,6 +340,53 @@ def apply_update(
         _adam_like(config, lr, weight, state, rows_U, grad, row_stat, step)
     else:
         update(config, lr, weight, state, rows_U, grad, row_stat)
+
+
+def apply_update_rounded(
+    config: FusedOptimizerConfig,
+    lr: float,
+    weight: Tensor,
+    state: dict[str, Tensor],
+    rows_U: Tensor,
+    grad_U_D: Tensor,
+    generator: torch.Generator | None,
+    row_stat: RowStat | None = None,
+    *,
+    step: int | None = None,
+) -> None:
+    """`apply_update` for fp16/bf16 weights or state: computed in fp32, rounded back.
+
+    The touched rows of the weights and of every per-row state are copied to fp32 (a compact
+    ``[U, ...]`` table), updated there by the optimizer's own rule, and written back with
+    `stochastic_round` (``generator``), or rounded to nearest when ``generator`` is None.
+    Per-table scalars (``step``) are used as they are (``step``: as in `apply_update`). Not
+    for optimizers whose state is not indexed by row (adafactor: refused at construction).
+    """
+    if rows_U.numel() == 0:
+        return
+    rows = weight.shape[0]
+    local_U = torch.arange(rows_U.numel(), device=rows_U.device)
+    weight_U_D = weight.index_select(0, rows_U).float()
+    state_U = {
+        key: value.index_select(0, rows_U).float() if value.dim() > 0 else value
+        for key, value in state.items()
+    }
+    assert all(v.dim() == 0 or v.shape[0] == rows for v in state.values())
+    apply_update(
+        config, lr, weight_U_D, state_U, local_U, grad_U_D.float(), None, row_stat, step=step
+    )
+
+    def write(target: Tensor, value: Tensor) -> None:
+        if generator is None:
+            rounded = value.to(target.dtype)
+        else:
+            rounded = stochastic_round(value, target.dtype, generator)
+        target.index_copy_(0, rows_U, rounded)
+
+    write(weight, weight_U_D)
+    for key, value in state.items():
+        if value.dim() > 0:
+            write(value, state_U[key])
 
 
 # The update rule of each optimizer in the registry (adafactor also takes its norm).

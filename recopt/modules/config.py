@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from recopt.kernels.config import PoolingType
+from recopt.kernels.precision import Precision, parse_precision
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,6 +34,10 @@ class BaseEmbeddingConfig:
         weight_init_max: upper bound; default ``sqrt(1 / num_embeddings)``.
         init_fn: optional function called (under ``torch.no_grad``) on the table's weight
             to initialise it in place, instead of the uniform initialisation (as TorchRec).
+        weight_dtype: how the weights are stored: ``"fp32"`` (default), ``"fp16"`` or
+            ``"bf16"`` (also ``"float16"``, ``torch.float16``, ...; stored as a `Precision`).
+            Reduced-precision tables are updated in fp32 and stochastically rounded back
+            (docs/kernels.md, "Reduced precision"); outputs (pooled or not) are fp32 either way.
     """
 
     name: str
@@ -42,11 +47,15 @@ class BaseEmbeddingConfig:
     weight_init_min: float | None = None
     weight_init_max: float | None = None
     init_fn: Callable[[torch.Tensor], Any] | None = None
+    weight_dtype: Precision = Precision.FP32
 
     def __post_init__(self) -> None:
         # Accept lists (from TOML/JSON) but store tuples so the config stays hashable.
         object.__setattr__(self, "feature_names", tuple(self.feature_names))
         where = f"table {self.name!r}"
+        object.__setattr__(
+            self, "weight_dtype", parse_precision(self.weight_dtype, f"{where}: weight_dtype")
+        )
         if not isinstance(self.name, str) or not self.name or "." in self.name:
             raise ValueError(f"table name {self.name!r} must be a non-empty string without '.'")
         if not isinstance(self.num_embeddings, int) or self.num_embeddings < 1:

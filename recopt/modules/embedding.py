@@ -57,7 +57,8 @@ class EmbeddingCollection(nn.Module, TableAccessors):
 
     Shapes: for each feature f with N_f ids in the input, the output holds a JaggedTensor whose
     values are ``[N_f, dim of f's table]`` (row i is id i's row) and whose lengths are the
-    feature's lengths. Unlike TorchRec, tables may have different widths.
+    feature's lengths. Unlike TorchRec, tables may have different widths. fp16/bf16 tables
+    (``weight_dtype``) store their rows in that dtype and return float32 rows.
 
     Args:
         tables: `EmbeddingConfig` tables (``validate_tables`` rules apply, except that a
@@ -97,7 +98,12 @@ class EmbeddingCollection(nn.Module, TableAccessors):
                 sparse=sparse_grad,
                 # An explicit (uninitialised) weight skips nn.Embedding's normal_ init, so the RNG
                 # draws only the table's own init, as in FusedEmbeddingCollection.
-                _weight=torch.empty(table.num_embeddings, table.embedding_dim, device=device),
+                _weight=torch.empty(
+                    table.num_embeddings,
+                    table.embedding_dim,
+                    device=device,
+                    dtype=table.weight_dtype.dtype,
+                ),
             )
             table.init_weight(embedding.weight)
             self.embeddings[table.name] = embedding
@@ -141,8 +147,9 @@ class EmbeddingCollection(nn.Module, TableAccessors):
         for key, table, jt in zip(layout.output_keys, layout.table_names, inputs, strict=True):
             embedding = self.embeddings[table]
             assert isinstance(embedding, nn.Embedding)
+            rows = embedding(jt.values())
             result[key] = JaggedTensor(
-                values=embedding(jt.values()),
+                values=rows.float(),  # fp16/bf16 tables: float32 rows, as the fused collection
                 lengths=jt.lengths(),
                 weights=jt.values() if self._need_indices else None,
             )

@@ -2,6 +2,7 @@
 
 It is the reference the fused and sharded modules are tested against, and the module users build
 models with before sharding. Gradients are dense by default or sparse (for SparseAdam).
+fp16/bf16 tables (``weight_dtype``) pool in their dtype and return float32 outputs.
 """
 
 from __future__ import annotations
@@ -63,7 +64,12 @@ class EmbeddingBagCollection(nn.Module):
                 include_last_offset=True,
                 # An explicit (uninitialised) weight skips nn.EmbeddingBag's own normal_ init, so
                 # the global RNG draws only our uniform_ below, as FusedEmbeddingBagCollection does.
-                _weight=torch.empty(table.num_embeddings, table.embedding_dim, device=device),
+                _weight=torch.empty(
+                    table.num_embeddings,
+                    table.embedding_dim,
+                    device=device,
+                    dtype=table.weight_dtype.dtype,
+                ),
             )
             table.init_weight(bag.weight)
             self.embedding_bags[table.name] = bag
@@ -95,6 +101,8 @@ class EmbeddingBagCollection(nn.Module):
             pooled_meta = torch.empty(features.stride(), sum(self._layout.dims), device="meta")
             return KeyedTensor(self._layout.output_keys, self._layout.dims, pooled_meta)
         dtype = next((p.dtype for p in self.embedding_bags.parameters()), torch.float32)
+        if dtype in (torch.float16, torch.bfloat16):
+            dtype = torch.float32  # per-id weights: converted per table in _pool
         features, index_F_B = regular_batch(features, self._layout.feature_names)
         features = self._layout.prepare(features, self.is_weighted, dtype)
         batch = features.stride()
@@ -123,6 +131,17 @@ class EmbeddingBagCollection(nn.Module):
 
 
 def _pool(
+    ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, bag: nn.EmbeddingBag
+) -> torch.Tensor:
+    if bag.weight.dtype in (torch.float16, torch.bfloat16):
+        # Reduced-precision tables: per-id weights in the table's dtype, output float32 (as the
+        # fused kernels return), so tables of different dtypes concatenate.
+        weights = None if weights is None else weights.to(bag.weight.dtype)
+        return _pool_same_dtype(ids, offsets, weights, bag).float()
+    return _pool_same_dtype(ids, offsets, weights, bag)
+
+
+def _pool_same_dtype(
     ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, bag: nn.EmbeddingBag
 ) -> torch.Tensor:
     # torch's embedding_bag takes per-id weights only in sum mode; a weighted mean is the

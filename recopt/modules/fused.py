@@ -19,6 +19,7 @@ from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.contract import Kernel
 from recopt.kernels.factory import create_kernel
 from recopt.kernels.placement import DEVICE, Placement
+from recopt.kernels.precision import Precision
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import (
     LearningRateSync,
@@ -170,14 +171,16 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._grad_guard = NonFiniteGradGuard(type(self).__name__)
 
     def _build_groups(self, optimizers: Mapping[str, FusedOptimizerConfig]) -> list[_KernelGroup]:
-        # Tables in UVM get kernels of their own (fbgemm's; AUTO stays free for the others).
-        tables_of: dict[tuple[FusedOptimizerConfig, PoolingType, bool], list[int]] = {}
+        # One kernel per optimizer, pooling and weight dtype (a kernel holds one precision);
+        # tables in UVM get kernels of their own (fbgemm's; AUTO stays free for the others).
+        tables_of: dict[tuple[FusedOptimizerConfig, PoolingType, Precision, bool], list[int]] = {}
         for t, table in enumerate(self.tables):
             on_device = self._placements[table.name].on_device
-            tables_of.setdefault((optimizers[table.name], table.pooling, on_device), []).append(t)
+            key = (optimizers[table.name], table.pooling, table.weight_dtype, on_device)
+            tables_of.setdefault(key, []).append(t)
         return [
             self._build_group(optimizer, pooling, table_indices)
-            for (optimizer, pooling, _), table_indices in tables_of.items()
+            for (optimizer, pooling, *_), table_indices in tables_of.items()
         ]
 
     def _build_group(
@@ -191,6 +194,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 name=self.tables[t].name,
                 num_embeddings=self.tables[t].num_embeddings,
                 embedding_dim=self.tables[t].embedding_dim,
+                weight_dtype=self.tables[t].weight_dtype,
                 placement=self._placements[self.tables[t].name],
             )
             for t in table_indices

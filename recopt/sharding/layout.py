@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.kernels.precision import Precision
 from recopt.kernels.registry import optimizer_spec
 from recopt.modules.config import EmbeddingBagConfig
 from recopt.modules.inputs import FeatureLayout
@@ -135,14 +136,17 @@ class ShardedLayout:
             self.table_group.append(self.group_optimizers.index(opt))
             resolved.append(resolve_optimizer(table, ps, opt, module_path))
         self.resolved = resolved
-        keys: list[tuple[int, FusedOptimizerConfig]] = []
-        for t in range(len(self.tables)):
-            key = (self.table_group[t], resolved[t])
+        # One kernel per (param group, resolved optimizer, weight dtype): a kernel holds one
+        # weight precision (fbgemm's rule; recopt's would take several).
+        keys: list[tuple[int, FusedOptimizerConfig, Precision]] = []
+        table_keys = [
+            (self.table_group[t], resolved[t], self.tables[t].weight_dtype)
+            for t in range(len(self.tables))
+        ]
+        for key in table_keys:
             if key not in keys:
                 keys.append(key)
-        self.kernel_key = [
-            keys.index((self.table_group[t], resolved[t])) for t in range(len(tables))
-        ]
+        self.kernel_key = [keys.index(key) for key in table_keys]
         self.dest_groups = [self._mp_groups(d, keys) for d in range(world_size)]
         self.dest_features = [[vf for g in gs for vf in g.features] for gs in self.dest_groups]
         self.mp_groups = self.dest_groups[rank]
@@ -157,7 +161,7 @@ class ShardedLayout:
         return [f for f, ft in enumerate(self.features.feature_table) if ft == t]
 
     def _mp_groups(
-        self, rank: int, keys: list[tuple[int, FusedOptimizerConfig]]
+        self, rank: int, keys: list[tuple[int, FusedOptimizerConfig, Precision]]
     ) -> list[GroupLayout]:
         groups: dict[int, GroupLayout] = {}
         for t, ps in enumerate(self.shardings):
@@ -183,7 +187,9 @@ class ShardedLayout:
                     )
         return [groups[k] for k in sorted(groups)]
 
-    def _dp_groups(self, keys: list[tuple[int, FusedOptimizerConfig]]) -> list[GroupLayout]:
+    def _dp_groups(
+        self, keys: list[tuple[int, FusedOptimizerConfig, Precision]]
+    ) -> list[GroupLayout]:
         groups: dict[int, GroupLayout] = {}
         for t, table in enumerate(self.tables):
             if not self.is_data_parallel(t):

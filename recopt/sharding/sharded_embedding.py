@@ -182,6 +182,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                         name=table.name,
                         num_embeddings=table.num_embeddings,
                         embedding_dim=table.embedding_dim,
+                        weight_dtype=table.weight_dtype,
                         placement=placement,
                     )
                 )
@@ -192,6 +193,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                         name=f"{table.name}.shard{k}",
                         num_embeddings=s.num_rows,
                         embedding_dim=s.num_cols,
+                        weight_dtype=table.weight_dtype,
                         placement=placement,
                     )
                 )

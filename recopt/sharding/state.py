@@ -53,6 +53,7 @@ def make_sharded_tensor(
     rank: int,
     group: dist.ProcessGroup | None,
     device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
 ) -> ShardedTensor:
     """A ShardedTensor from every rank's rectangles; this rank's are views (no copy, no collective).
 
@@ -63,13 +64,16 @@ def make_sharded_tensor(
         group: the process group.
         device: this rank's device (default: its pieces', else CPU). Other ranks' pieces are
             placed on the same device type (``cuda:<rank % device count>`` on GPUs).
+        dtype: the tensor's dtype (default: its local pieces', else float32). Pass it when
+            this rank may hold no piece: every rank must declare the same dtype.
 
     Returns:
         The ShardedTensor.
     """
     if device is None:
         device = next((p[3].device for p in pieces if p[3] is not None), torch.device("cpu"))
-    dtype = next((p[3].dtype for p in pieces if p[3] is not None), torch.float32)
+    if dtype is None:
+        dtype = next((p[3].dtype for p in pieces if p[3] is not None), torch.float32)
     metas = [
         ShardMetadata(
             shard_offsets=list(o), shard_sizes=list(s), placement=_placement(r, rank, device)
@@ -230,12 +234,14 @@ class ShardedState:
             self._rank,
             self._group,
             self._device(),
+            table.weight_dtype.dtype,
         )
 
     def _states(self, t: int) -> dict[str, Tensor]:
         table = self._layout.tables[t]
         rows, dim = table.num_embeddings, table.embedding_dim
-        names = init_state(self._layout.resolved[t].name, 1, 1, torch.device("meta"))
+        optimizer = self._layout.resolved[t]
+        names = init_state(optimizer.name, 1, 1, torch.device("meta"), optimizer.state_dtype.dtype)
         if self._layout.is_data_parallel(t):
             return dict(self._local[(t, -1)][1])
         out: dict[str, Tensor] = {}
@@ -256,7 +262,9 @@ class ShardedState:
                 elif s.col_offset == 0:  # row-wise state: the first column shard's copy
                     pieces.append(([s.row_offset], [s.num_rows], s.rank, view))
             size = [rows, dim] if proto.dim() == 2 else [dim if name == "col_var" else rows]
-            out[name] = make_sharded_tensor(pieces, size, self._rank, self._group, self._device())
+            out[name] = make_sharded_tensor(
+                pieces, size, self._rank, self._group, self._device(), proto.dtype
+            )
         return out
 
     def _scalar(self, t: int, name: str, proto: Tensor) -> Tensor:

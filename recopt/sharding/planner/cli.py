@@ -1,7 +1,8 @@
 """`recopt-plan`: plan a model config's embedding tables, or calibrate this machine's topology.
 
 `recopt-plan CONFIG --world-size N [--topology FILE] [--output plan.json]` reads the config's
-`[[embedding.tables]]` (``unpooled = true``: an EmbeddingCollection's table),
+`[[embedding.tables]]` (``unpooled = true``: an EmbeddingCollection's table; with
+`[embedding]`'s `weight_dtype` for tables that set none),
 `[embedding.optimizer]` and `[planner]` (other sections are ignored);
 topology values come from `[planner]`, then the file, then flags. `--calibrate` measures instead.
 A plan that puts tables in UVM (cuda topologies) is followed by why and its estimated cost.
@@ -65,7 +66,12 @@ def read_config(path: str) -> PlannerInput:
     embedding = doc.get("embedding")
     if not isinstance(embedding, dict) or not embedding.get("tables"):
         raise ConfigError(f"{path}: no [[embedding.tables]]; the planner needs at least one table")
-    tables = [_table(path, i, t) for i, t in enumerate(embedding["tables"])]
+    # `[embedding] weight_dtype`: every table's dtype unless it sets its own (as the DLRM script).
+    dtype = embedding.get("weight_dtype", "fp32")
+    tables = [
+        _table(path, i, {"weight_dtype": dtype, **t} if isinstance(t, dict) else t)
+        for i, t in enumerate(embedding["tables"])
+    ]
     optimizer = None
     if "optimizer" in embedding:
         optimizer = optimizer_from_dict(embedding["optimizer"], f"{path}: [embedding.optimizer]")

@@ -13,6 +13,7 @@ from typing import Any
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.kernels.placement import Placement
+from recopt.kernels.precision import Precision
 from recopt.sharding.plan import ShardingType
 
 
@@ -215,9 +216,13 @@ class TableWorkload:
         batch_size: bags per feature per rank in one step.
         num_features: features that look the table up.
         pooling_factor: average ids per bag.
-        optimizer: the fused optimizer that will update the table.
-        weight_bytes: bytes per stored weight value (4: float32).
-        state_bytes: bytes per stored optimizer-state value (4: float32).
+        optimizer: the fused optimizer that will update the table (its ``state_dtype`` sets
+            the bytes per state value).
+        weight_dtype: how the table's weights are stored (bytes per weight).
+        weight_bytes: bytes per stored weight value; 0 (default): ``weight_dtype``'s (4 fp32,
+            2 fp16/bf16).
+        state_bytes: bytes per stored optimizer-state value; 0 (default): the optimizer's
+            ``state_dtype``'s.
         cache_hit_rate: the constraint's, for ``uvm_caching`` placements (``None``: the cache
             load factor).
     """
@@ -226,6 +231,19 @@ class TableWorkload:
     num_features: int
     pooling_factor: float
     optimizer: FusedOptimizerConfig
-    weight_bytes: int = 4
-    state_bytes: int = 4
+    weight_dtype: Precision = Precision.FP32
+    weight_bytes: int = 0
+    state_bytes: int = 0
     cache_hit_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weight_dtype", Precision(self.weight_dtype))
+        if self.weight_bytes == 0:
+            object.__setattr__(self, "weight_bytes", self.weight_dtype.bytes)
+        if self.state_bytes == 0:
+            object.__setattr__(self, "state_bytes", self.optimizer.state_dtype.bytes)
+        if self.weight_bytes < 0 or self.state_bytes < 0:
+            raise ValueError(
+                f"TableWorkload: weight_bytes {self.weight_bytes} and state_bytes "
+                f"{self.state_bytes} must be >= 0 (0: the dtypes' bytes)"
+            )

@@ -11,9 +11,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from recopt.kernels.config import Backend, FusedOptimizerConfig
-from recopt.kernels.fbgemm_backend import FBGEMM_DIM_MULTIPLE
+import torch
+
+from recopt.kernels.config import Backend, FusedOptimizerConfig, TableSpec
+from recopt.kernels.fbgemm_backend import FBGEMM_DIM_MULTIPLE, fbgemm_precision_problems
 from recopt.kernels.placement import DEVICE, Location, Placement
+from recopt.kernels.precision import Precision
 from recopt.kernels.registry import fbgemm_spec_names, optimizer_spec
 from recopt.modules.config import EmbeddingConfig
 from recopt.sharding.layout import needs_row_stat_hook
@@ -161,6 +164,7 @@ def table_workload(
         num_features=max(1, len(getattr(table, "feature_names", ()) or ())),
         pooling_factor=pooling_factor,
         optimizer=constraints.optimizer or optimizer,
+        weight_dtype=getattr(table, "weight_dtype", Precision.FP32),
         cache_hit_rate=constraints.cache_hit_rate,
     )
 
@@ -190,9 +194,7 @@ def enumerate_options(
     for kind, (sizes, fixed) in layouts:
         for kernel in kernels:
             for placement in placements:
-                why = _kernel_problem(
-                    kernel, kind, sizes, workload.optimizer, topology.device, placement
-                )
+                why = _kernel_problem(kernel, kind, sizes, workload, topology.device, placement)
                 if why:
                     rejected.append(why)
                     continue
@@ -295,18 +297,25 @@ def _kernel_problem(
     kernel: Backend,
     kind: ShardingType,
     sizes: list[tuple[int, int]],
-    optimizer: FusedOptimizerConfig,
+    workload: TableWorkload,
     device: str,
     placement: Placement = DEVICE,
 ) -> str:
+    optimizer = workload.optimizer
     if not placement.on_device:
         # Only fbgemm's CUDA kernel reads UVM: AUTO must resolve to it, recopt cannot.
         if kernel is Backend.RECOPT or optimizer.backend is Backend.RECOPT:
             return f"placement {placement.describe()!r} needs the fbgemm kernel, not recopt's"
-        why = _kernel_problem(Backend.FBGEMM, kind, sizes, optimizer, device)
+        why = _kernel_problem(Backend.FBGEMM, kind, sizes, workload, device)
         return f"placement {placement.describe()!r} needs the fbgemm kernel: {why}" if why else ""
     if kernel is not Backend.FBGEMM:
         return ""
+    spec = TableSpec(
+        name="shard", num_embeddings=1, embedding_dim=4, weight_dtype=workload.weight_dtype
+    )
+    precision = fbgemm_precision_problems([spec], optimizer, torch.device(device))
+    if precision:
+        return precision[0]
     if needs_row_stat_hook(kind, optimizer):
         # A column shard of a row-wise optimizer needs the statistic of the full row, which
         # only recopt's kernel computes (sharding/layout.py).

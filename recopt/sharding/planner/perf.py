@@ -149,7 +149,7 @@ def _memory_seconds(
     fwd = ids * row_bytes * table + pooled * hbm
     # Backward: read the output gradient, write a gradient row per id, then the fused update
     # reads and writes each touched row and its state.
-    bwd = (pooled + ids * FLOAT_BYTES * cols) * hbm
+    bwd = (pooled + ids * FLOAT_BYTES * cols) * hbm  # gradient rows: float32 whatever the weights
     bwd += ids * 2 * (row_bytes * table + state_row_bytes * state)
     return fwd, bwd
 

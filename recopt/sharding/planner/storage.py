@@ -1,6 +1,7 @@
 """Storage estimator: bytes one shard of a table occupies on its rank during training.
 
-Weights, the state of the fused optimizer actually chosen (`optimizer_state_floats`), and the
+Weights and the state of the fused optimizer actually chosen (`optimizer_state_floats`), each
+at its dtype's bytes (``weight_dtype``, ``state_dtype``: 4 for fp32, 2 for fp16/bf16), and the
 step's buffers: ids and lengths received, pooled outputs and their gradients, a gradient row per
 id. Every rank also holds its own pooled outputs for every table. Where weights and state sit
 depends on the placement: device memory, host memory (UVM), or host memory with an HBM cache.
@@ -17,7 +18,7 @@ from recopt.kernels.registry import optimizer_spec
 from recopt.sharding.plan import ShardingType
 from recopt.sharding.planner.constraints import TableWorkload
 
-FLOAT_BYTES = 4  # pooled outputs and gradient rows: float32
+FLOAT_BYTES = 4  # pooled outputs and gradient rows: float32 (weights and state: their dtype)
 ID_BYTES = 8  # ids and lengths: int64 (the KeyedJaggedTensor layout)
 # fbgemm's cache keeps, per slot, the row's index and its LRU time step (two int64).
 CACHE_SLOT_BYTES = 16
