@@ -7,7 +7,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -43,8 +43,11 @@ typedef struct {
 #define PREFETCH_ROW(p, n, rw) \
     for (int64_t i_ = 0; i_ < (n); i_ += 16) __builtin_prefetch((p) + i_, rw, 3)
 
-/* Stochastic rounding of float32 to fp16 or bf16 bit patterns: element i draws 32 random
- * bits from a hash of (seed, i), so the result does not depend on threads.
+/* Stochastic rounding of float32 to fp16 or bf16 bit patterns, in blocks (a table row, or
+ * 256 elements of a flat array): block b draws a 64-bit key mix64(seed ^ b * odd) once, and
+ * lane j of it 32 random bits from a 32-bit hash of (key, j) (a bijection of the lane for a
+ * given key), so the result depends on (seed, block, lane) only, not on threads. The per-lane
+ * work is branch-free 32-bit integer and float arithmetic, so GCC vectorises it.
  * The magnitude's pattern gets a random integer below 2^k (k = 13 fp16, 16 bf16) added and
  * its k low bits cleared: rounded up with probability (x - lo) / (hi - lo). fp16 subnormals
  * (|x| < 2^-14, even steps of 2^-24) round up with probability frac(|x| * 2^24), 24 bits.
@@ -56,9 +59,27 @@ static inline uint64_t mix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 
+static inline uint64_t block_key(uint64_t seed, uint64_t block) {
+    return mix64(seed ^ (block * 0xD1B54A32D192ED03ull));
+}
+
+/* Lane j's 32 bits: a Weyl step from the key's low half, then a multiply-xorshift finaliser
+ * (Wellons' lowbias32 constants) with the high half folded in between. */
+static inline uint32_t lane_bits(uint32_t lo, uint32_t hi, uint32_t j) {
+    uint32_t x = lo + j * 0x9E3779B9u;
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= hi;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
 static inline uint16_t round_bf16(uint32_t bits, uint32_t r) {
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    return (uint16_t)((bits + (r & 0xffffu)) >> 16);
+    const uint32_t nan = (bits >> 16) | 0x40u;
+    const uint32_t rounded = (bits + (r & 0xffffu)) >> 16;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 static inline uint16_t round_fp16(float x, uint32_t bits, uint32_t r) {
@@ -76,6 +97,75 @@ static inline uint16_t round_fp16(float x, uint32_t bits, uint32_t r) {
     const int32_t exponent = (int32_t)(t >> 23) - 127 + 15;
     if (exponent >= 31) return sign | 0x7c00u;
     return sign | (uint16_t)(((uint32_t)exponent << 10) | ((t >> 13) & 0x3ffu));
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+/* lane_bits for lanes j .. j + 7. */
+static inline __m256i lane_bits8(__m256i lo, __m256i hi, __m256i j) {
+    __m256i x = _mm256_add_epi32(lo, _mm256_mullo_epi32(j, _mm256_set1_epi32((int)0x9E3779B9u)));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+    x = _mm256_xor_si256(x, hi);
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846ca68bu));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+/* round_fp16 on eight lanes, the same results: each case's float32 value is computed (all
+ * exactly representable in fp16), the lane's one is picked and F16C converts it (round to
+ * nearest: exact, and what lies past 65504 becomes inf). */
+static inline __m128i round_fp16_8(__m256 x, __m256i r) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+    const __m256i a = _mm256_and_si256(bits, abs_mask);
+    const __m256i sign = _mm256_andnot_si256(abs_mask, bits);
+    /* normal: noise in the 13 bits fp16 drops, then truncated (inf stays inf) */
+    const __m256i t = _mm256_andnot_si256(
+        _mm256_set1_epi32(0x1fff), _mm256_add_epi32(a, _mm256_and_si256(r, _mm256_set1_epi32(0x1fff))));
+    /* subnormal: whole + (frac > u) steps of 2^-24 */
+    const __m256 m = _mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(16777216.0f));
+    const __m256 whole = _mm256_floor_ps(m);
+    const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)),
+                                   _mm256_set1_ps(1.0f / 16777216.0f));
+    const __m256 up = _mm256_and_ps(_mm256_cmp_ps(_mm256_sub_ps(m, whole), u, _CMP_GT_OQ),
+                                    _mm256_set1_ps(1.0f));
+    const __m256 sub = _mm256_mul_ps(_mm256_add_ps(whole, up), _mm256_set1_ps(1.0f / 16777216.0f));
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x38800000), a);
+    const __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7f800000));
+    __m256i mag = _mm256_blendv_epi8(t, _mm256_castps_si256(sub), small);
+    mag = _mm256_blendv_epi8(mag, _mm256_set1_epi32(0x7fc00000), nan);
+    return _mm256_cvtps_ph(_mm256_castsi256_ps(_mm256_or_si256(mag, sign)),
+                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+#endif
+
+/* A row (or block) of n float32 to fp16 (kind 1) or bf16 (kind 2) with the block's key. */
+static inline void round_row(const float *restrict w, uint16_t *restrict h, int64_t n,
+                             int kind, uint64_t key) {
+    const uint32_t lo = (uint32_t)key, hi = (uint32_t)(key >> 32);
+    if (kind == 2) { /* branch-free: GCC vectorises it */
+        for (int64_t d = 0; d < n; d++) {
+            uint32_t bits;
+            __builtin_memcpy(&bits, &w[d], 4);
+            h[d] = round_bf16(bits, lane_bits(lo, hi, (uint32_t)d));
+        }
+        return;
+    }
+    int64_t d = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    const __m256i vlo = _mm256_set1_epi32((int)lo), vhi = _mm256_set1_epi32((int)hi);
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (; d + 8 <= n; d += 8) {
+        const __m256i j = _mm256_add_epi32(_mm256_set1_epi32((int)d), iota);
+        _mm_storeu_si128((__m128i *)(h + d),
+                         round_fp16_8(_mm256_loadu_ps(w + d), lane_bits8(vlo, vhi, j)));
+    }
+#endif
+    for (; d < n; d++) {
+        uint32_t bits;
+        __builtin_memcpy(&bits, &w[d], 4);
+        h[d] = round_fp16(w[d], bits, lane_bits(lo, hi, (uint32_t)d));
+    }
 }
 
 /* fp16 / bf16 bit patterns to float32 (exact). */
@@ -117,10 +207,6 @@ static inline void load_row(const uint16_t *restrict h, float *restrict out, int
         _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
 #endif
     for (; i < n; i++) out[i] = half_to_float(h[i]);
-}
-
-static inline uint32_t random_bits(uint64_t seed, uint64_t index) {
-    return (uint32_t)(mix64(seed ^ (index * 0xD1B54A32D192ED03ull)) >> 32);
 }
 
 /* Sixteen partial sums: a vectorisable reduction (one serial chain would cost ~4 cycles/elem). */
@@ -186,16 +272,9 @@ static void update_row(const pass_t *p, const table_t *tb, int64_t row, float *r
         break;
     }
     }
-    if (tb->kind) {
-        uint16_t *restrict h = tb->half + row * D;
-        const uint64_t first = (uint64_t)(tb->base + row) * (uint64_t)D;
-        for (int64_t d = 0; d < D; d++) {
-            uint32_t bits;
-            __builtin_memcpy(&bits, &w[d], 4);
-            const uint32_t r = random_bits(tb->seed, first + (uint64_t)d);
-            h[d] = tb->kind == 1 ? round_fp16(w[d], bits, r) : round_bf16(bits, r);
-        }
-    }
+    if (tb->kind)
+        round_row(w, tb->half + row * D, D, tb->kind,
+                  block_key(tb->seed, (uint64_t)(tb->base + row)));
 }
 
 /* A macro for the reason PREFETCH_ROW is one. */
@@ -461,12 +540,11 @@ int recopt_fused_update(int opt, int64_t n, const uint64_t *packed, const float 
 int recopt_stochastic_round(int64_t n, const float *x, uint16_t *out, int kind, uint64_t seed,
                             int num_threads) {
     if (num_threads < 1) num_threads = 1;
+    const int64_t blocks = (n + 255) / 256;
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (n > 65536)
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t bits;
-        __builtin_memcpy(&bits, &x[i], 4);
-        const uint32_t r = random_bits(seed, (uint64_t)i);
-        out[i] = kind ? round_bf16(bits, r) : round_fp16(x[i], bits, r);
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t at = b * 256, len = n - at < 256 ? n - at : 256;
+        round_row(x + at, out + at, len, kind ? 2 : 1, block_key(seed, (uint64_t)b));
     }
     return 0;
 }
