@@ -7,7 +7,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__F16C__) || defined(__AVX2__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -100,9 +100,9 @@ static inline uint16_t round_fp16(float x, uint32_t bits, uint32_t r) {
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
-/* lane_bits for lanes j .. j + 7. */
-static inline __m256i lane_bits8(__m256i lo, __m256i hi, __m256i j) {
-    __m256i x = _mm256_add_epi32(lo, _mm256_mullo_epi32(j, _mm256_set1_epi32((int)0x9E3779B9u)));
+/* lane_bits for eight lanes; weyl holds lo + j * 0x9E3779B9 for each lane j. */
+static inline __m256i lane_bits8(__m256i weyl, __m256i hi) {
+    __m256i x = weyl;
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
     x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
     x = _mm256_xor_si256(x, hi);
@@ -139,6 +139,42 @@ static inline __m128i round_fp16_8(__m256 x, __m256i r) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* The same on sixteen lanes with AVX-512 (mask registers for the selections). */
+static inline __m512i lane_bits16(__m512i weyl, __m512i hi) {
+    __m512i x = weyl;
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+    x = _mm512_xor_si512(x, hi);
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846ca68bu));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+static inline __m256i round_fp16_16(__m512 x, __m512i r) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+    const __m512i a = _mm512_and_si512(bits, abs_mask);
+    const __m512i sign = _mm512_andnot_si512(abs_mask, bits);
+    const __m512i t = _mm512_andnot_si512(
+        _mm512_set1_epi32(0x1fff), _mm512_add_epi32(a, _mm512_and_si512(r, _mm512_set1_epi32(0x1fff))));
+    const __mmask16 small = _mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(0x38800000));
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7f800000));
+    /* subnormal lanes only: whole + (frac > u) steps of 2^-24 */
+    const __m512 m = _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(16777216.0f));
+    const __m512 whole = _mm512_roundscale_ps(m, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)),
+                                   _mm512_set1_ps(1.0f / 16777216.0f));
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(m, whole), u, _CMP_GT_OQ);
+    const __m512 sub = _mm512_mul_ps(_mm512_mask_add_ps(whole, up, whole, _mm512_set1_ps(1.0f)),
+                                     _mm512_set1_ps(1.0f / 16777216.0f));
+    __m512i mag = _mm512_mask_mov_epi32(t, small, _mm512_castps_si512(sub));
+    mag = _mm512_mask_mov_epi32(mag, nan, _mm512_set1_epi32(0x7fc00000));
+    return _mm512_cvtps_ph(_mm512_castsi512_ps(_mm512_or_si512(mag, sign)),
+                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+#endif
+
 /* A row (or block) of n float32 to fp16 (kind 1) or bf16 (kind 2) with the block's key. */
 static inline void round_row(const float *restrict w, uint16_t *restrict h, int64_t n,
                              int kind, uint64_t key) {
@@ -152,13 +188,27 @@ static inline void round_row(const float *restrict w, uint16_t *restrict h, int6
         return;
     }
     int64_t d = 0;
-#if defined(__AVX2__) && defined(__F16C__)
-    const __m256i vlo = _mm256_set1_epi32((int)lo), vhi = _mm256_set1_epi32((int)hi);
-    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+#if defined(__AVX512F__)
+    const __m512i vhi = _mm512_set1_epi32((int)hi), step = _mm512_set1_epi32((int)(16u * 0x9E3779B9u));
+    __m512i weyl = _mm512_add_epi32(
+        _mm512_set1_epi32((int)lo),
+        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           _mm512_set1_epi32((int)0x9E3779B9u)));
+    for (; d + 16 <= n; d += 16) {
+        _mm256_storeu_si256((__m256i *)(h + d),
+                            round_fp16_16(_mm512_loadu_ps(w + d), lane_bits16(weyl, vhi)));
+        weyl = _mm512_add_epi32(weyl, step);
+    }
+#elif defined(__AVX2__) && defined(__F16C__)
+    const __m256i vhi = _mm256_set1_epi32((int)hi), step = _mm256_set1_epi32((int)(8u * 0x9E3779B9u));
+    __m256i weyl = _mm256_add_epi32(
+        _mm256_set1_epi32((int)lo),
+        _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                           _mm256_set1_epi32((int)0x9E3779B9u)));
     for (; d + 8 <= n; d += 8) {
-        const __m256i j = _mm256_add_epi32(_mm256_set1_epi32((int)d), iota);
         _mm_storeu_si128((__m128i *)(h + d),
-                         round_fp16_8(_mm256_loadu_ps(w + d), lane_bits8(vlo, vhi, j)));
+                         round_fp16_8(_mm256_loadu_ps(w + d), lane_bits8(weyl, vhi)));
+        weyl = _mm256_add_epi32(weyl, step);
     }
 #endif
     for (; d < n; d++) {
