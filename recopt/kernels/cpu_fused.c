@@ -406,6 +406,42 @@ int recopt_prepare(int64_t num_bags, int64_t batch, const int64_t *offsets, cons
         for (int64_t d = 0; d < (DIM); d++) o[d] = acc_[d] * inv;                          \
     } while (0)
 
+/* The same for bf16 rows (kind 2), converted to float32 (a 16-bit shift) as they are summed. */
+#define POOL_BAG_REDUCED(DIM, AT)                                                         \
+    do {                                                                                   \
+        float acc_[DIM];                                                                   \
+        for (int64_t d = 0; d < (DIM); d++) acc_[d] = 0.0f;                                \
+        for (int64_t k = lo; k < hi; k++) {                                                \
+            if (k + PF < feature_end) PREFETCH_HALF_ROW(half + ids[k + PF] * (DIM), (DIM)); \
+            const float s = weights ? weights[k] : 1.0f;                                   \
+            const uint16_t *restrict row = half + ids[k] * (DIM);                          \
+            for (int64_t d = 0; d < (DIM); d++) acc_[d] += s * AT(row, d);                 \
+        }                                                                                  \
+        const float inv = mean && hi > lo ? 1.0f / (float)(hi - lo) : 1.0f;                \
+        for (int64_t d = 0; d < (DIM); d++) o[d] = acc_[d] * inv;                          \
+    } while (0)
+#ifdef __F16C__
+/* fp16 rows with F16C: eight lanes converted at a time, the sums kept in registers. */
+#define POOL_BAG_F16(DIM)                                                                  \
+    do {                                                                                   \
+        __m256 acc_[(DIM) / 8];                                                            \
+        for (int j = 0; j < (DIM) / 8; j++) acc_[j] = _mm256_setzero_ps();                 \
+        for (int64_t k = lo; k < hi; k++) {                                                \
+            if (k + PF < feature_end) PREFETCH_HALF_ROW(half + ids[k + PF] * (DIM), (DIM)); \
+            const __m256 s = _mm256_set1_ps(weights ? weights[k] : 1.0f);                  \
+            const uint16_t *restrict row = half + ids[k] * (DIM);                          \
+            for (int j = 0; j < (DIM) / 8; j++)                                            \
+                acc_[j] += s * _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 8 * j))); \
+        }                                                                                  \
+        const __m256 inv = _mm256_set1_ps(mean && hi > lo ? 1.0f / (float)(hi - lo) : 1.0f); \
+        for (int j = 0; j < (DIM) / 8; j++) _mm256_storeu_ps(o + 8 * j, acc_[j] * inv);    \
+    } while (0)
+#endif
+#define BF16_AT(h, i) bf16_to_float((h)[i])
+/* A row of n 2-byte values: one prefetch per 64-byte line. */
+#define PREFETCH_HALF_ROW(p, n) \
+    for (int64_t i_ = 0; i_ < (n); i_ += 32) __builtin_prefetch((p) + i_, 0, 3)
+
 /* Forward: every bag of every feature in one parallel loop (one fork/join per batch, not
  * one per feature). meta: per feature, the table's weight pointer (as int64), its dim, and its
  * weight kind (0 float32, 1 fp16, 2 bf16: converted to float32 as they are summed). */
@@ -422,8 +458,22 @@ int recopt_pool(int64_t num_bags, int64_t batch, const int64_t *offsets, const i
         const int64_t feature_end = offsets[(f + 1) * batch];
         float *restrict o = out + (bag - f * batch) * out_dim + feature_col[f];
         const int kind = (int)meta[2 * num_features + f];
+        const uint16_t *half = (const uint16_t *)(intptr_t)meta[f];
+#ifdef __F16C__
+        if (kind == 1 && (D == 32 || D == 64 || D == 128)) {
+            if (D == 32) POOL_BAG_F16(32);
+            else if (D == 64) POOL_BAG_F16(64);
+            else POOL_BAG_F16(128);
+            continue;
+        }
+#endif
+        if (kind == 2 && (D == 32 || D == 64 || D == 128)) {
+            if (D == 32) POOL_BAG_REDUCED(32, BF16_AT);
+            else if (D == 64) POOL_BAG_REDUCED(64, BF16_AT);
+            else POOL_BAG_REDUCED(128, BF16_AT);
+            continue;
+        }
         if (kind) {
-            const uint16_t *half = (const uint16_t *)(intptr_t)meta[f];
             float row_[256];
             for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
             for (int64_t k = lo; k < hi; k++) {
