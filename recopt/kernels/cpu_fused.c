@@ -7,7 +7,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -43,8 +43,11 @@ typedef struct {
 #define PREFETCH_ROW(p, n, rw) \
     for (int64_t i_ = 0; i_ < (n); i_ += 16) __builtin_prefetch((p) + i_, rw, 3)
 
-/* Stochastic rounding of float32 to fp16 or bf16 bit patterns: element i draws 32 random
- * bits from a hash of (seed, i), so the result does not depend on threads.
+/* Stochastic rounding of float32 to fp16 or bf16 bit patterns, in blocks (a table row, or
+ * 256 elements of a flat array): block b draws a 64-bit key mix64(seed ^ b * odd) once, and
+ * lane j of it 32 random bits from a 32-bit hash of (key, j) (a bijection of the lane for a
+ * given key), so the result depends on (seed, block, lane) only, not on threads. The per-lane
+ * work is branch-free 32-bit integer and float arithmetic, so GCC vectorises it.
  * The magnitude's pattern gets a random integer below 2^k (k = 13 fp16, 16 bf16) added and
  * its k low bits cleared: rounded up with probability (x - lo) / (hi - lo). fp16 subnormals
  * (|x| < 2^-14, even steps of 2^-24) round up with probability frac(|x| * 2^24), 24 bits.
@@ -56,9 +59,27 @@ static inline uint64_t mix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 
+static inline uint64_t block_key(uint64_t seed, uint64_t block) {
+    return mix64(seed ^ (block * 0xD1B54A32D192ED03ull));
+}
+
+/* Lane j's 32 bits: a Weyl step from the key's low half, then a multiply-xorshift finaliser
+ * (Wellons' lowbias32 constants) with the high half folded in between. */
+static inline uint32_t lane_bits(uint32_t lo, uint32_t hi, uint32_t j) {
+    uint32_t x = lo + j * 0x9E3779B9u;
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= hi;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
 static inline uint16_t round_bf16(uint32_t bits, uint32_t r) {
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    return (uint16_t)((bits + (r & 0xffffu)) >> 16);
+    const uint32_t nan = (bits >> 16) | 0x40u;
+    const uint32_t rounded = (bits + (r & 0xffffu)) >> 16;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 static inline uint16_t round_fp16(float x, uint32_t bits, uint32_t r) {
@@ -76,6 +97,125 @@ static inline uint16_t round_fp16(float x, uint32_t bits, uint32_t r) {
     const int32_t exponent = (int32_t)(t >> 23) - 127 + 15;
     if (exponent >= 31) return sign | 0x7c00u;
     return sign | (uint16_t)(((uint32_t)exponent << 10) | ((t >> 13) & 0x3ffu));
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+/* lane_bits for eight lanes; weyl holds lo + j * 0x9E3779B9 for each lane j. */
+static inline __m256i lane_bits8(__m256i weyl, __m256i hi) {
+    __m256i x = weyl;
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+    x = _mm256_xor_si256(x, hi);
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846ca68bu));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+/* round_fp16 on eight lanes, the same results: each case's float32 value is computed (all
+ * exactly representable in fp16), the lane's one is picked and F16C converts it (round to
+ * nearest: exact, and what lies past 65504 becomes inf). */
+static inline __m128i round_fp16_8(__m256 x, __m256i r) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+    const __m256i a = _mm256_and_si256(bits, abs_mask);
+    const __m256i sign = _mm256_andnot_si256(abs_mask, bits);
+    /* normal: noise in the 13 bits fp16 drops, then truncated (inf stays inf) */
+    const __m256i t = _mm256_andnot_si256(
+        _mm256_set1_epi32(0x1fff), _mm256_add_epi32(a, _mm256_and_si256(r, _mm256_set1_epi32(0x1fff))));
+    /* subnormal: whole + (frac > u) steps of 2^-24 */
+    const __m256 m = _mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(16777216.0f));
+    const __m256 whole = _mm256_floor_ps(m);
+    const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)),
+                                   _mm256_set1_ps(1.0f / 16777216.0f));
+    const __m256 up = _mm256_and_ps(_mm256_cmp_ps(_mm256_sub_ps(m, whole), u, _CMP_GT_OQ),
+                                    _mm256_set1_ps(1.0f));
+    const __m256 sub = _mm256_mul_ps(_mm256_add_ps(whole, up), _mm256_set1_ps(1.0f / 16777216.0f));
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x38800000), a);
+    const __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7f800000));
+    __m256i mag = _mm256_blendv_epi8(t, _mm256_castps_si256(sub), small);
+    mag = _mm256_blendv_epi8(mag, _mm256_set1_epi32(0x7fc00000), nan);
+    return _mm256_cvtps_ph(_mm256_castsi256_ps(_mm256_or_si256(mag, sign)),
+                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+#endif
+
+#if defined(__AVX512F__)
+/* The same on sixteen lanes with AVX-512 (mask registers for the selections). */
+static inline __m512i lane_bits16(__m512i weyl, __m512i hi) {
+    __m512i x = weyl;
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+    x = _mm512_xor_si512(x, hi);
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846ca68bu));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+static inline __m256i round_fp16_16(__m512 x, __m512i r) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+    const __m512i a = _mm512_and_si512(bits, abs_mask);
+    const __m512i sign = _mm512_andnot_si512(abs_mask, bits);
+    const __m512i t = _mm512_andnot_si512(
+        _mm512_set1_epi32(0x1fff), _mm512_add_epi32(a, _mm512_and_si512(r, _mm512_set1_epi32(0x1fff))));
+    const __mmask16 small = _mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(0x38800000));
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7f800000));
+    /* subnormal lanes only: whole + (frac > u) steps of 2^-24 */
+    const __m512 m = _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(16777216.0f));
+    const __m512 whole = _mm512_roundscale_ps(m, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)),
+                                   _mm512_set1_ps(1.0f / 16777216.0f));
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(m, whole), u, _CMP_GT_OQ);
+    const __m512 sub = _mm512_mul_ps(_mm512_mask_add_ps(whole, up, whole, _mm512_set1_ps(1.0f)),
+                                     _mm512_set1_ps(1.0f / 16777216.0f));
+    __m512i mag = _mm512_mask_mov_epi32(t, small, _mm512_castps_si512(sub));
+    mag = _mm512_mask_mov_epi32(mag, nan, _mm512_set1_epi32(0x7fc00000));
+    return _mm512_cvtps_ph(_mm512_castsi512_ps(_mm512_or_si512(mag, sign)),
+                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+#endif
+
+/* A row (or block) of n float32 to fp16 (kind 1) or bf16 (kind 2) with the block's key. */
+static inline void round_row(const float *restrict w, uint16_t *restrict h, int64_t n,
+                             int kind, uint64_t key) {
+    const uint32_t lo = (uint32_t)key, hi = (uint32_t)(key >> 32);
+    if (kind == 2) { /* branch-free: GCC vectorises it */
+        for (int64_t d = 0; d < n; d++) {
+            uint32_t bits;
+            __builtin_memcpy(&bits, &w[d], 4);
+            h[d] = round_bf16(bits, lane_bits(lo, hi, (uint32_t)d));
+        }
+        return;
+    }
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    const __m512i vhi = _mm512_set1_epi32((int)hi), step = _mm512_set1_epi32((int)(16u * 0x9E3779B9u));
+    __m512i weyl = _mm512_add_epi32(
+        _mm512_set1_epi32((int)lo),
+        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           _mm512_set1_epi32((int)0x9E3779B9u)));
+    for (; d + 16 <= n; d += 16) {
+        _mm256_storeu_si256((__m256i *)(h + d),
+                            round_fp16_16(_mm512_loadu_ps(w + d), lane_bits16(weyl, vhi)));
+        weyl = _mm512_add_epi32(weyl, step);
+    }
+#elif defined(__AVX2__) && defined(__F16C__)
+    const __m256i vhi = _mm256_set1_epi32((int)hi), step = _mm256_set1_epi32((int)(8u * 0x9E3779B9u));
+    __m256i weyl = _mm256_add_epi32(
+        _mm256_set1_epi32((int)lo),
+        _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                           _mm256_set1_epi32((int)0x9E3779B9u)));
+    for (; d + 8 <= n; d += 8) {
+        _mm_storeu_si128((__m128i *)(h + d),
+                         round_fp16_8(_mm256_loadu_ps(w + d), lane_bits8(weyl, vhi)));
+        weyl = _mm256_add_epi32(weyl, step);
+    }
+#endif
+    for (; d < n; d++) {
+        uint32_t bits;
+        __builtin_memcpy(&bits, &w[d], 4);
+        h[d] = round_fp16(w[d], bits, lane_bits(lo, hi, (uint32_t)d));
+    }
 }
 
 /* fp16 / bf16 bit patterns to float32 (exact). */
@@ -117,10 +257,6 @@ static inline void load_row(const uint16_t *restrict h, float *restrict out, int
         _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
 #endif
     for (; i < n; i++) out[i] = half_to_float(h[i]);
-}
-
-static inline uint32_t random_bits(uint64_t seed, uint64_t index) {
-    return (uint32_t)(mix64(seed ^ (index * 0xD1B54A32D192ED03ull)) >> 32);
 }
 
 /* Sixteen partial sums: a vectorisable reduction (one serial chain would cost ~4 cycles/elem). */
@@ -186,16 +322,9 @@ static void update_row(const pass_t *p, const table_t *tb, int64_t row, float *r
         break;
     }
     }
-    if (tb->kind) {
-        uint16_t *restrict h = tb->half + row * D;
-        const uint64_t first = (uint64_t)(tb->base + row) * (uint64_t)D;
-        for (int64_t d = 0; d < D; d++) {
-            uint32_t bits;
-            __builtin_memcpy(&bits, &w[d], 4);
-            const uint32_t r = random_bits(tb->seed, first + (uint64_t)d);
-            h[d] = tb->kind == 1 ? round_fp16(w[d], bits, r) : round_bf16(bits, r);
-        }
-    }
+    if (tb->kind)
+        round_row(w, tb->half + row * D, D, tb->kind,
+                  block_key(tb->seed, (uint64_t)(tb->base + row)));
 }
 
 /* A macro for the reason PREFETCH_ROW is one. */
@@ -277,6 +406,42 @@ int recopt_prepare(int64_t num_bags, int64_t batch, const int64_t *offsets, cons
         for (int64_t d = 0; d < (DIM); d++) o[d] = acc_[d] * inv;                          \
     } while (0)
 
+/* The same for bf16 rows (kind 2), converted to float32 (a 16-bit shift) as they are summed. */
+#define POOL_BAG_REDUCED(DIM, AT)                                                         \
+    do {                                                                                   \
+        float acc_[DIM];                                                                   \
+        for (int64_t d = 0; d < (DIM); d++) acc_[d] = 0.0f;                                \
+        for (int64_t k = lo; k < hi; k++) {                                                \
+            if (k + PF < feature_end) PREFETCH_HALF_ROW(half + ids[k + PF] * (DIM), (DIM)); \
+            const float s = weights ? weights[k] : 1.0f;                                   \
+            const uint16_t *restrict row = half + ids[k] * (DIM);                          \
+            for (int64_t d = 0; d < (DIM); d++) acc_[d] += s * AT(row, d);                 \
+        }                                                                                  \
+        const float inv = mean && hi > lo ? 1.0f / (float)(hi - lo) : 1.0f;                \
+        for (int64_t d = 0; d < (DIM); d++) o[d] = acc_[d] * inv;                          \
+    } while (0)
+#ifdef __F16C__
+/* fp16 rows with F16C: eight lanes converted at a time, the sums kept in registers. */
+#define POOL_BAG_F16(DIM)                                                                  \
+    do {                                                                                   \
+        __m256 acc_[(DIM) / 8];                                                            \
+        for (int j = 0; j < (DIM) / 8; j++) acc_[j] = _mm256_setzero_ps();                 \
+        for (int64_t k = lo; k < hi; k++) {                                                \
+            if (k + PF < feature_end) PREFETCH_HALF_ROW(half + ids[k + PF] * (DIM), (DIM)); \
+            const __m256 s = _mm256_set1_ps(weights ? weights[k] : 1.0f);                  \
+            const uint16_t *restrict row = half + ids[k] * (DIM);                          \
+            for (int j = 0; j < (DIM) / 8; j++)                                            \
+                acc_[j] += s * _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 8 * j))); \
+        }                                                                                  \
+        const __m256 inv = _mm256_set1_ps(mean && hi > lo ? 1.0f / (float)(hi - lo) : 1.0f); \
+        for (int j = 0; j < (DIM) / 8; j++) _mm256_storeu_ps(o + 8 * j, acc_[j] * inv);    \
+    } while (0)
+#endif
+#define BF16_AT(h, i) bf16_to_float((h)[i])
+/* A row of n 2-byte values: one prefetch per 64-byte line. */
+#define PREFETCH_HALF_ROW(p, n) \
+    for (int64_t i_ = 0; i_ < (n); i_ += 32) __builtin_prefetch((p) + i_, 0, 3)
+
 /* Forward: every bag of every feature in one parallel loop (one fork/join per batch, not
  * one per feature). meta: per feature, the table's weight pointer (as int64), its dim, and its
  * weight kind (0 float32, 1 fp16, 2 bf16: converted to float32 as they are summed). */
@@ -293,8 +458,22 @@ int recopt_pool(int64_t num_bags, int64_t batch, const int64_t *offsets, const i
         const int64_t feature_end = offsets[(f + 1) * batch];
         float *restrict o = out + (bag - f * batch) * out_dim + feature_col[f];
         const int kind = (int)meta[2 * num_features + f];
+        const uint16_t *half = (const uint16_t *)(intptr_t)meta[f];
+#ifdef __F16C__
+        if (kind == 1 && (D == 32 || D == 64 || D == 128)) {
+            if (D == 32) POOL_BAG_F16(32);
+            else if (D == 64) POOL_BAG_F16(64);
+            else POOL_BAG_F16(128);
+            continue;
+        }
+#endif
+        if (kind == 2 && (D == 32 || D == 64 || D == 128)) {
+            if (D == 32) POOL_BAG_REDUCED(32, BF16_AT);
+            else if (D == 64) POOL_BAG_REDUCED(64, BF16_AT);
+            else POOL_BAG_REDUCED(128, BF16_AT);
+            continue;
+        }
         if (kind) {
-            const uint16_t *half = (const uint16_t *)(intptr_t)meta[f];
             float row_[256];
             for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
             for (int64_t k = lo; k < hi; k++) {
@@ -461,12 +640,11 @@ int recopt_fused_update(int opt, int64_t n, const uint64_t *packed, const float 
 int recopt_stochastic_round(int64_t n, const float *x, uint16_t *out, int kind, uint64_t seed,
                             int num_threads) {
     if (num_threads < 1) num_threads = 1;
+    const int64_t blocks = (n + 255) / 256;
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (n > 65536)
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t bits;
-        __builtin_memcpy(&bits, &x[i], 4);
-        const uint32_t r = random_bits(seed, (uint64_t)i);
-        out[i] = kind ? round_bf16(bits, r) : round_fp16(x[i], bits, r);
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t at = b * 256, len = n - at < 256 ? n - at : 256;
+        round_row(x + at, out + at, len, kind ? 2 : 1, block_key(seed, (uint64_t)b));
     }
     return 0;
 }
