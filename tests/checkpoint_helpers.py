@@ -19,6 +19,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from recopt.checkpoint import load
 from recopt.optim.keyed import KeyedOptimizer
 from recopt.sharding.plan import ParameterSharding, ShardingPlan, ShardingType, ShardSpec
+from recopt.sparse import KeyedJaggedTensor
 
 TABLES = {"t0": (10, 4), "t1": (7, 6), "t2": (12, 2)}
 
@@ -206,3 +207,28 @@ def load_and_check(path: Path, layouts: dict, rank: int, world: int, seed: int) 
     model = ShardedTables(layouts, rank, world, seed=99)
     load(path, model, model.fused_optimizer)
     return same_pieces(full_snapshot(model), expected_snapshot(layouts, rank, world, seed))
+
+
+def full_state(model: torch.nn.Module, opt: Any) -> dict[str, torch.Tensor]:
+    """Every model tensor and optimizer state value, gathered to full tensors (any plan)."""
+    from recopt.sharding.state import full_tensor
+
+    out = {k: full_tensor(v) for k, v in model.state_dict().items()}
+    for param, states in opt.state_dict()["state"].items():
+        for name, value in states.items():
+            out[f"{param}/{name}"] = full_tensor(value)
+    return out
+
+
+def random_batch(rows: dict[str, int], rank: int, step: int, batch: int = 4) -> KeyedJaggedTensor:
+    """``rank``'s batch at ``step``: 0-2 ids per bag, each below its feature's row count."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    lengths = torch.randint(0, 3, (len(rows) * batch,), generator=g)
+    values = torch.cat(
+        [
+            torch.randint(0, rows[f], (int(n),), generator=g)
+            for f, chunk in zip(rows, lengths.split(batch), strict=True)
+            for n in chunk
+        ]
+    )
+    return KeyedJaggedTensor(keys=list(rows), values=values, lengths=lengths)

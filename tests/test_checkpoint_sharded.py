@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from checkpoint_helpers import full_state, random_batch
 from torch import nn
 
 from recopt.checkpoint import load, save
@@ -75,16 +76,7 @@ class Model(nn.Module):
 
 
 def batch(rank: int, step: int) -> KeyedJaggedTensor:
-    g = torch.Generator().manual_seed(100 * step + rank)
-    lengths = torch.randint(0, 3, (3 * 4,), generator=g)
-    values = torch.cat(
-        [
-            torch.randint(0, ROWS[f], (int(n),), generator=g)
-            for f, chunk in zip(ROWS, lengths.split(4), strict=True)
-            for n in chunk
-        ]
-    )
-    return KeyedJaggedTensor(keys=list(ROWS), values=values, lengths=lengths)
+    return random_batch(ROWS, rank, step)
 
 
 def build(kind: str, world: int) -> tuple[nn.Module, WarmupOptimizer]:
@@ -107,16 +99,6 @@ def train(model: nn.Module, opt: WarmupOptimizer, rank: int, steps: range) -> li
         opt.step()
         losses.append(loss.item())
     return losses
-
-
-def full_state(model: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
-    from recopt.sharding.state import full_tensor
-
-    out = {k: full_tensor(v) for k, v in model.state_dict().items()}
-    for param, states in opt.state_dict()["state"].items():
-        for name, value in states.items():
-            out[f"{param}/{name}"] = full_tensor(value)
-    return out
 
 
 def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from checkpoint_helpers import full_state, random_batch
 from torch import nn
 
 from recopt.checkpoint import load, read_manifest, save
@@ -60,26 +61,7 @@ class Model(nn.Module):
 
 
 def batch(rank: int, step: int) -> KeyedJaggedTensor:
-    g = torch.Generator().manual_seed(100 * step + rank)
-    lengths = torch.randint(0, 3, (3 * 4,), generator=g)
-    values = torch.cat(
-        [
-            torch.randint(0, ROWS[f], (int(n),), generator=g)
-            for f, chunk in zip(ROWS, lengths.split(4), strict=True)
-            for n in chunk
-        ]
-    )
-    return KeyedJaggedTensor(keys=list(ROWS), values=values, lengths=lengths)
-
-
-def full_state(model: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
-    from recopt.sharding.state import full_tensor
-
-    out = {k: full_tensor(v) for k, v in model.state_dict().items()}
-    for param, states in opt.state_dict()["state"].items():
-        for name, value in states.items():
-            out[f"{param}/{name}"] = full_tensor(value)
-    return out
+    return random_batch(ROWS, rank, step)
 
 
 def _identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from checkpoint_helpers import full_state
 from torch import nn
 
 from recopt.checkpoint import load, save
@@ -70,16 +71,6 @@ def batch(rank: int, step: int) -> KeyedJaggedTensor:
     lengths = torch.randint(0, 3, (2 * (2 + rank),), generator=g)
     values = torch.randint(0, 7, (int(lengths.sum()),), generator=g)  # every table has 7 rows
     return KeyedJaggedTensor(keys=["f", "g"], values=values, lengths=lengths)
-
-
-def full_state(model: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
-    from recopt.sharding.state import full_tensor
-
-    out = {k: full_tensor(v) for k, v in model.state_dict().items()}
-    for param, states in opt.state_dict()["state"].items():
-        for name, value in states.items():
-            out[f"{param}/{name}"] = full_tensor(value)
-    return out
 
 
 def build(plan: ShardingPlan | None) -> tuple[Any, CombinedOptimizer]:
