@@ -4,7 +4,8 @@ On CPU forward and backward are native passes (`cpu_fused`): one sort of all the
 ids, then one pass that sums each touched row's gradient and updates only that row and its
 state (fp16/bf16 rows in float32, rounded back stochastically). Otherwise (hooks, Adafactor,
 fp16/bf16 state, rounding to nearest, other devices) torch ops do the same per table;
-reduced precision is computed in fp32 and rounded back.
+reduced precision is computed in fp32 and rounded back. This file holds the module and
+the choice of path; the backward passes themselves are in `recopt_backward`.
 Legend: B batch, F features, N ids (occurrences) of one table, D a table's dim.
 """
 
@@ -12,14 +13,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recopt.kernels import cpu_fused, registry, updates
+from recopt.kernels import cpu_fused, recopt_backward, registry, updates
 from recopt.kernels.autotune import BackendDecision
 from recopt.kernels.config import (
     Backend,
@@ -34,17 +33,6 @@ from recopt.kernels.precision import Precision, make_generator, rounding_seed
 from recopt.kernels.steps import StepMirror
 
 Tensor = torch.Tensor
-
-
-@dataclass(slots=True)
-class _Occurrences:
-    """The ids of one table in a batch, with where each one's gradient comes from."""
-
-    ids_N: Tensor
-    goff_N: Tensor  # element offset of the occurrence's bag row in the flat grad_out
-    row_N: Tensor  # row of the table's stacked feature gradients: feature slot * B + sample
-    cols: list[int]  # first grad_out column of each of the table's features (slot order)
-    scale_N: Tensor | None  # per-sample weight x 1/length (mean), None when all ones
 
 
 class RecoptTableBatchedEmbedding(nn.Module):
@@ -205,7 +193,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
                 f"{num_features + 1} (each feature's first id, then the total)"
             )
         bounds = self._feature_bounds(offsets, offset_per_key)
-        out: Tensor = _FusedEmbeddingFunction.apply(
+        out: Tensor = recopt_backward.FusedEmbeddingFunction.apply(
             self, indices, offsets, per_sample_weights, bounds, *self.weights
         )
         return out
@@ -297,46 +285,6 @@ class RecoptTableBatchedEmbedding(nn.Module):
             pooled.append(out_B_D)
         return pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
 
-    def _occurrences(
-        self,
-        indices: Tensor,
-        offsets: Tensor,
-        weights: Tensor | None,
-        bounds: tuple[int, list[int]],
-    ) -> list[_Occurrences | None]:
-        """Per table, the ids of all its features with their gradient rows and scales."""
-        batch, starts = bounds
-        mean = self.pooling == PoolingType.MEAN
-        parts: list[list[tuple[Tensor, Tensor, int, Tensor | None]]] = [[] for _ in self.tables]
-        for f, t in enumerate(self.feature_table_map):
-            if starts[f + 1] == starts[f]:
-                continue
-            lengths_B = offsets[f * batch : (f + 1) * batch + 1].diff()
-            bag_N = torch.repeat_interleave(
-                torch.arange(batch, device=indices.device),
-                lengths_B,
-                output_size=starts[f + 1] - starts[f],
-            )
-            scale_N = None if weights is None else weights[starts[f] : starts[f + 1]].float()
-            if mean:
-                inv_B = 1.0 / lengths_B.clamp(min=1).float()
-                scale_N = inv_B[bag_N] if scale_N is None else scale_N * inv_B[bag_N]
-            parts[t].append(
-                (indices[starts[f] : starts[f + 1]], bag_N, self._col_offsets[f], scale_N)
-            )
-        result: list[_Occurrences | None] = []
-        for table_parts in parts:
-            if not table_parts:
-                result.append(None)
-                continue
-            ids = torch.cat([p[0] for p in table_parts])
-            goff = torch.cat([p[1] * self.output_dim + p[2] for p in table_parts])
-            row = torch.cat([p[1] + slot * batch for slot, p in enumerate(table_parts)])
-            scales = [p[3] for p in table_parts]
-            scale = None if scales[0] is None else torch.cat([x for x in scales if x is not None])
-            result.append(_Occurrences(ids, goff, row, [p[2] for p in table_parts], scale))
-        return result
-
     def _advance_steps(self) -> list[int]:
         """Advance every table's step counter; their new values (host copies, no read)."""
         if not self._spec.stepped:
@@ -359,11 +307,13 @@ class RecoptTableBatchedEmbedding(nn.Module):
         """Update every table's touched rows and state from the pooled-output gradient."""
         steps = self._advance_steps()
         if self._native_ok(grad_out, indices, offsets, weights):
-            self._native_update(grad_out, indices, offsets, weights, steps)
+            recopt_backward.native_update(self, grad_out, indices, offsets, weights, steps)
             return
         sparse_update = self._triton_update_fn(grad_out)
         if sparse_update is not None:
-            self._triton_update(sparse_update, grad_out, indices, offsets, weights, bounds, steps)
+            recopt_backward.triton_update(
+                self, sparse_update, grad_out, indices, offsets, weights, bounds, steps
+            )
             return
         native_sums = (
             self._native_ok(None, indices, offsets, weights)
@@ -371,9 +321,9 @@ class RecoptTableBatchedEmbedding(nn.Module):
             and grad_out.numel() < 2**32
         )
         row_grads = (
-            self._native_row_grads(grad_out, indices, offsets, weights)
+            recopt_backward.native_row_grads(self, grad_out, indices, offsets, weights)
             if native_sums
-            else self._torch_row_grads(grad_out, indices, offsets, weights, bounds)
+            else recopt_backward.torch_row_grads(self, grad_out, indices, offsets, weights, bounds)
         )
         states = self.split_optimizer_states()
         for t, row_grad in enumerate(row_grads):
@@ -408,117 +358,6 @@ class RecoptTableBatchedEmbedding(nn.Module):
         ):
             return None
         return updates.triton_sparse_update()
-
-    def _triton_update(
-        self,
-        sparse_update: updates.SparseUpdate,
-        grad_out: Tensor,
-        indices: Tensor,
-        offsets: Tensor,
-        weights: Tensor | None,
-        bounds: tuple[int, list[int]],
-        steps: list[int],
-    ) -> None:
-        """Every table's touched rows updated by Triton (no torch.unique: no host sync)."""
-        config = self.optimizer
-        beta1, beta2 = config.betas
-        eps = config.eps1 if config.eps1 is not None else 1e-8
-        sign = -1.0 if config.maximize else 1.0
-        hyper = (self._lr, eps, config.weight_decay, sign, 1.0 - beta1, 1.0 - beta2)
-        code = self._spec.c_code
-        assert code is not None  # checked by _triton_update_fn
-        states = self.split_optimizer_states()
-        for t, occ in enumerate(self._occurrences(indices, offsets, weights, bounds)):
-            if occ is None:
-                continue
-            step = steps[t]
-            step_size = (
-                self._lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
-                if self._spec.stepped
-                else 0.0
-            )
-            state = states[t]
-            first = state.get("momentum1", state.get("exp_avg"))
-            weight = self.weights[t].detach()
-            second = state.get("exp_avg_sq")
-            args = (occ.ids_N, occ.goff_N, occ.scale_N, grad_out, weight, first, second)
-            sparse_update(code, *args, hyper, step_size)
-
-    def _torch_row_grads(
-        self,
-        grad_out: Tensor,
-        indices: Tensor,
-        offsets: Tensor,
-        weights: Tensor | None,
-        bounds: tuple[int, list[int]],
-    ) -> list[tuple[Tensor, Tensor] | None]:
-        """Per table, its sorted unique touched rows and their summed gradients (torch ops).
-
-        ``torch.unique`` sizes its result from the data, which on a GPU waits for the device
-        inside torch (no read of ours; docs/kernels.md, "Host syncs").
-        """
-        result: list[tuple[Tensor, Tensor] | None] = []
-        for t, occ in enumerate(self._occurrences(indices, offsets, weights, bounds)):
-            if occ is None:
-                result.append(None)
-                continue
-            rows_U, inverse_N = torch.unique(occ.ids_N, sorted=True, return_inverse=True)
-            dim = self.tables[t].embedding_dim
-            blocks = [grad_out[:, c0 : c0 + dim] for c0 in occ.cols]
-            grad_rows = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-            grad_N_D = grad_rows.index_select(0, occ.row_N)
-            if occ.scale_N is not None:
-                grad_N_D = grad_N_D * occ.scale_N.to(grad_N_D.dtype).unsqueeze(1)
-            grad_U_D = grad_N_D.new_zeros(rows_U.numel(), dim)
-            grad_U_D.index_add_(0, inverse_N, grad_N_D)
-            result.append((rows_U, grad_U_D))
-        return result
-
-    def _sorted_occurrences(
-        self, indices: Tensor, offsets: Tensor, weights: Tensor | None
-    ) -> tuple[Tensor, Tensor | None]:
-        """Every id of the batch as a (table base + id, grad offset) word, sorted by key."""
-        batch = (offsets.numel() - 1) // len(self.feature_table_map)
-        words_N, scale_N = cpu_fused.prepare_sorted(
-            indices.contiguous(),
-            offsets.contiguous(),
-            None if weights is None else weights.contiguous(),
-            self.pooling == PoolingType.MEAN,
-            batch,
-            self._feature_base,
-            self._feature_col,
-            self.output_dim,
-            self._table_bases[-1],
-        )
-        return words_N, scale_N
-
-    def _native_row_grads(
-        self, grad_out: Tensor, indices: Tensor, offsets: Tensor, weights: Tensor | None
-    ) -> list[tuple[Tensor, Tensor] | None]:
-        """As `_torch_row_grads`, from the native sort and a native sum per touched row."""
-        if indices.numel() == 0:
-            return [None] * len(self.tables)
-        words_N, scale_N = self._sorted_occurrences(indices, offsets, weights)
-        keys_N = (words_N >> 32) & 0xFFFFFFFF  # the words are unsigned, stored as int64
-        keys_U, counts_U = torch.unique_consecutive(keys_N, return_counts=True)
-        starts_U = torch.cat([counts_U.new_zeros(1), counts_U.cumsum(0)])
-        runs = torch.searchsorted(keys_U, torch.tensor(self._table_bases)).tolist()
-        result: list[tuple[Tensor, Tensor] | None] = []
-        for t, table in enumerate(self.tables):
-            u0, u1 = runs[t], runs[t + 1]
-            if u0 == u1:
-                result.append(None)
-                continue
-            first, last = int(starts_U[u0]), int(starts_U[u1])
-            grad_U_D = cpu_fused.aggregate(
-                words_N[first:last],
-                None if scale_N is None else scale_N[first:last],
-                grad_out,
-                starts_U[u0 : u1 + 1] - first,
-                table.embedding_dim,
-            )
-            result.append((keys_U[u0:u1] - self._table_bases[t], grad_U_D))
-        return result
 
     def _torch_update(
         self,
@@ -595,112 +434,3 @@ class RecoptTableBatchedEmbedding(nn.Module):
         if self.optimizer.state_dtype.reduced:
             return False
         return not self._reduced or self._rounding is not None
-
-    def _native_update(
-        self,
-        grad_out: Tensor,
-        indices: Tensor,
-        offsets: Tensor,
-        weights: Tensor | None,
-        steps: list[int],
-    ) -> None:
-        """All tables in one pass: keys (table base + id) sorted once, then one native update."""
-        if indices.numel() == 0:
-            return
-        config = self.optimizer
-        words_N, scale_N = self._sorted_occurrences(indices, offsets, weights)
-        beta1, beta2 = config.betas
-        step_sizes = [0.0] * len(self.tables)
-        states = self.split_optimizer_states()
-        if self._spec.stepped:
-            for t, step in enumerate(steps):
-                step_sizes[t] = self._lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
-        eps = config.eps1 if config.eps1 is not None else 1e-8
-        sign = -1.0 if config.maximize else 1.0
-        tensors = [
-            (w.detach(), s.get("momentum1", s.get("exp_avg")), s.get("exp_avg_sq"))
-            for w, s in zip(self.weights, states, strict=True)
-        ]
-        code = self._spec.c_code
-        assert code is not None  # checked by _native_ok
-        seed = 0
-        if self._rounding is not None:  # one draw per pass: rows hash it with their index
-            seed = int(torch.randint(0, 2**63 - 1, (), generator=self._rounding).item())
-        cpu_fused.fused_update(
-            code,
-            words_N,
-            scale_N,
-            grad_out,
-            self._table_bases,
-            tensors,
-            [self._lr, eps, config.weight_decay, sign, 1.0 - beta1, 1.0 - beta2],
-            step_sizes,
-            seed,
-        )
-
-    def _per_sample_weight_grad(
-        self,
-        grad_out: Tensor,
-        indices: Tensor,
-        offsets: Tensor,
-        weights: Tensor,
-        bounds: tuple[int, list[int]],
-    ) -> Tensor:
-        """d loss / d weight_i = <grad of its bag, its row> (/ length for mean pooling)."""
-        batch, starts = bounds
-        grads = []
-        for f, t in enumerate(self.feature_table_map):
-            lengths_B = offsets[f * batch : (f + 1) * batch + 1].diff()
-            bag_N = torch.repeat_interleave(
-                torch.arange(batch, device=indices.device),
-                lengths_B,
-                output_size=starts[f + 1] - starts[f],
-            )
-            ids_N = indices[starts[f] : starts[f + 1]]
-            rows_N_D = self.weights[t].detach().index_select(0, ids_N).to(grad_out.dtype)
-            c0 = self._col_offsets[f]
-            g_N_D = grad_out[:, c0 : c0 + rows_N_D.shape[1]].index_select(0, bag_N)
-            g_N = (rows_N_D * g_N_D).sum(dim=1)
-            if self.pooling == PoolingType.MEAN:
-                g_N = g_N / lengths_B.clamp(min=1)[bag_N].to(g_N.dtype)
-            grads.append(g_N)
-        return torch.cat(grads).to(weights.dtype) if grads else torch.zeros_like(weights)
-
-
-class _FusedEmbeddingFunction(torch.autograd.Function):
-    """Pooling whose backward updates the tables in place and returns no weight gradients."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        kernel: RecoptTableBatchedEmbedding,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        bounds: tuple[int, list[int]],
-        *weights: Tensor,
-    ) -> Tensor:
-        ctx.kernel = kernel
-        ctx.bounds = bounds
-        ctx.num_weights = len(weights)
-        ctx.has_psw = per_sample_weights is not None
-        if per_sample_weights is not None:
-            ctx.save_for_backward(indices, offsets, per_sample_weights)
-        else:
-            ctx.save_for_backward(indices, offsets)
-        return kernel._pool(indices, offsets, per_sample_weights, bounds)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        kernel: RecoptTableBatchedEmbedding = ctx.kernel
-        saved = ctx.saved_tensors
-        indices, offsets = saved[0], saved[1]
-        psw = saved[2] if ctx.has_psw else None
-        grad_out = grad_out.contiguous()
-        grad_psw = None
-        if psw is not None and ctx.needs_input_grad[3]:
-            # Before the update: the gradient is taken at the weights forward used.
-            grad_psw = kernel._per_sample_weight_grad(grad_out, indices, offsets, psw, ctx.bounds)
-        with torch.no_grad():
-            kernel._apply_optimizer(grad_out, indices, offsets, psw, ctx.bounds)
-        return (None, None, None, grad_psw, None, *([None] * ctx.num_weights))

@@ -2,8 +2,9 @@
 
 One engine for every sharding type (docs/sharding.md): ids go to the rectangles that hold their
 rows (`input_dist`), each rank pools its rectangles with one kernel per optimizer, the pooled
-partials go back to their source rank, which adds them into the feature's columns. Backward
-sends the output gradients the reverse way; the kernels update their rows in place.
+partials go back to their source rank, which adds them into the feature's columns
+(`output_assembly`). Backward sends the output gradients the reverse way; the kernels update
+their rows in place.
 Legend: B this rank's batch, Bm the largest batch, W world size, D output width.
 """
 
@@ -40,6 +41,7 @@ from recopt.sharding.input_dist import (
     segment_transpose,
 )
 from recopt.sharding.layout import GroupLayout, ShardedLayout
+from recopt.sharding.output_assembly import OutputAssembly
 from recopt.sharding.plan import ParameterSharding, PlanError, ShardingPlan
 from recopt.sharding.plan_validation import validate_plan
 from recopt.sharding.row_stats import RowStatExchange
@@ -162,7 +164,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             self._state.group_kernels,
             [opt.learning_rate for opt in self._layout.group_optimizers],
         )
-        self._prepare_output_maps()
+        self._output = OutputAssembly(self._layout, self.tables, self.device)
         # Set to a dict to accumulate forward time per phase (input_dist, lookup, output_dist).
         self.phase_seconds: dict[str, float] | None = None
         self._skip_nonfinite = skip_nonfinite
@@ -214,38 +216,6 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         for group, kernel in zip(groups, [*self._mp_kernels, *self._dp_kernels], strict=True):
             for (t, _), weight in zip(group.tables, kernel.split_embedding_weights(), strict=True):
                 self.tables[t].init_weight(weight)  # init_fn, when given, sees each shard
-
-    def _prepare_output_maps(self) -> None:
-        layout = self._layout
-        features = layout.features
-        self._out_dim = sum(features.dims)
-        cols = layout.output_columns()
-        self._colmap = torch.tensor(cols, dtype=torch.int64, device=self.device)
-        # A bijection (no row-split partials to add): a gather instead of an index_add.
-        self._inverse: Tensor | None = None
-        if sorted(cols) == list(range(self._out_dim)):
-            self._inverse = torch.argsort(self._colmap)
-        col_feature = [f for f, d in enumerate(features.dims) for _ in range(d)]
-        self._col_feature = torch.tensor(col_feature, dtype=torch.int64, device=self.device)
-        mean = [self.tables[t].pooling == PoolingType.MEAN for t in features.feature_table]
-        self._mean_F = torch.tensor(mean, dtype=torch.bool, device=self.device)
-        self._any_mean = any(mean)
-        self._dest_width = [sum(vf.num_cols for vf in vfs) for vfs in layout.dest_features]
-        self._dp_dim = sum(g.width for g in layout.dp_groups)
-        self._index_cache: dict[int, tuple[Tensor, bool]] = {}
-        # Row-wise layouts: every rank sends the same columns; the partials are then a sum over
-        # ranks of [B, D] blocks (no scatter), followed by one column permutation if needed.
-        per_dest = [cols[sum(self._dest_width[:d]) :][:w] for d, w in enumerate(self._dest_width)]
-        self._stacked: Tensor | None = None
-        if (
-            not self._dp_dim
-            and len(per_dest) > 1
-            and all(c == per_dest[0] for c in per_dest)
-            and sorted(per_dest[0]) == list(range(self._out_dim))
-        ):
-            self._stacked = torch.argsort(torch.tensor(per_dest[0], device=self.device))
-            if per_dest[0] == list(range(self._out_dim)):
-                self._stacked = torch.zeros(0, dtype=torch.int64)  # identity
 
     # ------------------------------------------------------------------------------ public
     @property
@@ -328,20 +298,21 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             dp_global = self._lookup_data_parallel(received)
         start = self._record("lookup", start)
         batch = prepared.stride()
+        widths = self._output.dest_width
         meta = ExchangeMeta(
             group=self._pg,
             rank=self._rank,
             device=self.device,
-            mp_send_splits=[b * self._dest_width[self._rank] for b in received.batch_sizes],
-            mp_recv_splits=[batch * w for w in self._dest_width],
+            mp_send_splits=[b * widths[self._rank] for b in received.batch_sizes],
+            mp_recv_splits=[batch * w for w in widths],
             batch_sizes=received.batch_sizes,
             dp_stride=received.max_batch,
-            dp_dim=self._dp_dim,
+            dp_dim=self._output.dp_dim,
             backward_hooks=[self._state.on_backward],
             admit=self._admit if gated else None,
         )
         mp_recv, dp_own = OutputExchange.apply(mp_send, dp_global, self._dummy, meta)
-        pooled = self._assemble(mp_recv, dp_own, meta, prepared)
+        pooled = self._output.assemble(mp_recv, dp_own, prepared)
         if index_F_B is not None:
             pooled = expand_rows(pooled, self._layout.features.dims, index_F_B)
         self._record("output_dist", start)
@@ -438,66 +409,6 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         )
         outs = [kernel(*args) for kernel, args in zip(self._dp_kernels, inputs, strict=True)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-    def _assemble(
-        self, mp_recv: Tensor, dp_own: Tensor, meta: ExchangeMeta, prepared: KeyedJaggedTensor
-    ) -> Tensor:
-        batch = prepared.stride()
-        if self._stacked is not None:
-            out_B_D = mp_recv.view(len(self._dest_width), batch, self._out_dim).sum(0)
-            if self._stacked.numel():
-                out_B_D = out_B_D.index_select(1, self._stacked)
-            return self._mean_pool(out_B_D, prepared)
-        src = mp_recv if not self._dp_dim else torch.cat([mp_recv, dp_own.reshape(-1)])
-        index, bijective = self._output_index(batch)
-        # One pass from the received buffer to [B, D]: a gather when every output column has
-        # one source, else a scatter-add (row shards' partials of one feature add up).
-        if bijective:
-            out_B_D = src.index_select(0, index).view(batch, self._out_dim)
-        else:
-            out_B_D = src.new_zeros(batch * self._out_dim).index_add(0, index, src)
-            out_B_D = out_B_D.view(batch, self._out_dim)
-        return self._mean_pool(out_B_D, prepared)
-
-    def _mean_pool(self, out_B_D: Tensor, prepared: KeyedJaggedTensor) -> Tensor:
-        """Divide mean-pooled features by their full bag lengths (shards pool with SUM)."""
-        batch = prepared.stride()
-        if self._any_mean and batch:
-            lengths_B_F = prepared.lengths().view(-1, batch).t()
-            ones = torch.ones_like(lengths_B_F)
-            div_B_F = torch.where(self._mean_F, lengths_B_F.clamp(min=1), ones)
-            out_B_D = out_B_D / div_B_F.index_select(1, self._col_feature).to(out_B_D.dtype)
-        return out_B_D
-
-    def _output_index(self, batch: int) -> tuple[Tensor, bool]:
-        """The gather (or scatter) index between the received buffer and the output, per batch
-        size: the buffer holds, per source rank, its ``[B, width]`` block, then the DP rows."""
-        cached = self._index_cache.get(batch)
-        if cached is not None:
-            return cached
-        widths = [w for w in self._dest_width] + [self._dp_dim]
-        block_start, block_width, col_in_block = [], [], []
-        before = 0
-        for w in widths:
-            block_start += [before] * w
-            block_width += [w] * w
-            col_in_block += list(range(w))
-            before += w
-        t = torch.tensor([block_start, block_width, col_in_block], device=self.device)
-        b_B_1 = torch.arange(batch, device=self.device).unsqueeze(1)
-        source_B_C = batch * t[0] + b_B_1 * t[1] + t[2]
-        target_B_C = b_B_1 * self._out_dim + self._colmap
-        bijective = self._inverse is not None
-        if bijective:
-            index = torch.empty(batch * self._out_dim, dtype=torch.int64, device=self.device)
-            index[target_B_C.reshape(-1)] = source_B_C.reshape(-1)
-        else:
-            index = torch.empty_like(source_B_C.reshape(-1))
-            index[source_B_C.reshape(-1)] = target_B_C.reshape(-1)
-        if len(self._index_cache) > 8:  # batch sizes vary: keep the cache small
-            self._index_cache.clear()
-        self._index_cache[batch] = (index, bijective)
-        return index, bijective
 
     # ------------------------------------------------------------------------------ state
     def _save_to_state_dict(
