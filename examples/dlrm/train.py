@@ -18,14 +18,12 @@ group agrees, and a restarted group heals from a peer.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,13 +33,20 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from dlrm_build import (  # noqa: E402
+    RunEnv,
+    build_data,
+    build_model,
+    build_optimizer,
+    shard_model,
+)
 from dlrm_config import TrainingConfig, fault_tolerant_config, load_config  # noqa: E402
 from dlrm_nonfinite import NonFiniteSteps  # noqa: E402
 from dlrm_report import MetricsLog, ProgressBar, plot_curves  # noqa: E402
 
 from recopt import comm  # noqa: E402
 from recopt.checkpoint import CheckpointManager  # noqa: E402
-from recopt.data import Batch, CriteoClickLog, SyntheticClickLog  # noqa: E402
+from recopt.data import Batch  # noqa: E402
 from recopt.data.prefetch import DevicePrefetcher  # noqa: E402
 from recopt.ft.launch import (  # noqa: E402
     make_fault_tolerant,
@@ -50,32 +55,6 @@ from recopt.ft.launch import (  # noqa: E402
 )
 from recopt.ft.manager import ManagerConfig  # noqa: E402
 from recopt.metrics import click_metrics  # noqa: E402
-from recopt.models import DLRM  # noqa: E402
-from recopt.modules import FusedEmbeddingBagCollection  # noqa: E402
-from recopt.optim import (  # noqa: E402
-    CombinedOptimizer,
-    KeyedOptimizer,
-    KeyedOptimizerWrapper,
-    fused_optimizers,
-    is_fused,
-    split_fused_parameters,
-)
-from recopt.optim.clipping import GradientClippingOptimizer  # noqa: E402
-from recopt.optim.warmup import WarmupOptimizer  # noqa: E402
-
-
-@dataclasses.dataclass(frozen=True)
-class RunEnv:
-    """Where this process sits: rank, world size, device (read from torchrun's variables)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    device: torch.device = torch.device("cpu")
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 def default_threads(env: RunEnv) -> int:
@@ -90,135 +69,6 @@ def _env_from_environ() -> RunEnv:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = comm.device_for_local_rank(local_rank, use_cuda=torch.cuda.is_available())
     return RunEnv(rank, world_size, local_rank, device)
-
-
-# ---------------------------------------------------------------------------------------------
-# Building the run: model, sharding, optimizers, data
-# ---------------------------------------------------------------------------------------------
-
-
-def build_model(config: TrainingConfig, device: torch.device) -> DLRM:
-    """The unsharded model: fused embedding bags + DLRM / DCNv2 dense part, seeded."""
-    torch.manual_seed(config.training.seed)
-    ebc = FusedEmbeddingBagCollection(
-        config.embedding.tables,
-        optimizer=config.embedding.optimizer,
-        device=device,
-        table_placements=config.embedding.placements,
-    )
-    return DLRM(ebc, config.model).to(device)
-
-
-def shard_model(model: DLRM, config: TrainingConfig, env: RunEnv) -> nn.Module:
-    """PLUG-IN (sharding): one rank trains the model as is; on N ranks the planner (topology
-    from ``[planner]``) chooses a plan on rank 0, every rank receives it, and the model-parallel
-    wrapper shards the embedding bags by it and wraps the dense rest in DDP.
-    """
-    if env.world_size == 1:
-        return model
-    from recopt.sharding.model_parallel import DistributedModelParallel
-    from recopt.sharding.planner import (
-        EmbeddingShardingPlanner,
-        ParameterConstraints,
-        plan_collectively,
-    )
-    from recopt.sharding.planner.topology import topology_from_dict
-
-    timeout = datetime.timedelta(seconds=config.training.timeout_s)
-    topology = topology_from_dict(config.planner, "[planner]", world_size=env.world_size)
-    planner = EmbeddingShardingPlanner(
-        topology,
-        # [embedding.placements] pins those tables; the planner places the others.
-        constraints={
-            name: ParameterConstraints(placements=(placement,))
-            for name, placement in config.embedding.placements.items()
-        },
-        batch_size=config.data.batch_size,
-        default_optimizer=config.embedding.optimizer,
-    )
-    plan = plan_collectively(
-        planner, {"embedding_bags": list(config.embedding.tables)}, timeout=timeout
-    )
-    return DistributedModelParallel(model, plan=plan, device=env.device, timeout=timeout)
-
-
-def build_optimizer(model: nn.Module, config: TrainingConfig) -> KeyedOptimizer:
-    """Fused sparse + torch dense optimizer, each under its own warmup, all under clipping."""
-    sparse: KeyedOptimizer = (
-        model.fused_optimizer if is_fused(model) else CombinedOptimizer(fused_optimizers(model))
-    )
-    # The model-parallel wrapper is itself "fused" (it has .fused_optimizer): split the model
-    # it wraps, whose names are the wrapper's parameter names (no DDP prefix).
-    _, dense_params = split_fused_parameters(getattr(model, "plain_module", model))
-    dense_params = {n: p for n, p in dense_params.items() if p.requires_grad}
-    dense = KeyedOptimizerWrapper(dense_params, _dense_factory(config))
-    stages = config.warmup.stages
-    parts: list[tuple[str, KeyedOptimizer]] = [("sparse", sparse), ("dense", dense)]
-    if stages:
-        # Each side keeps its own base LR; the warmup multiplies it.
-        parts = [
-            ("sparse", WarmupOptimizer(sparse, stages, lr=config.embedding.optimizer.lr)),
-            ("dense", WarmupOptimizer(dense, stages, lr=config.dense_optimizer.lr)),
-        ]
-    clip = config.clipping
-    return GradientClippingOptimizer(
-        CombinedOptimizer(parts),
-        clipping=clip.clipping,
-        max_gradient=clip.max_gradient,
-        norm_type=clip.norm_type,
-        skip_nonfinite=True,  # a NaN/inf global norm skips the dense step on every rank
-        timeout=datetime.timedelta(seconds=config.training.timeout_s),
-    )
-
-
-def _dense_factory(config: TrainingConfig) -> Any:
-    opt = config.dense_optimizer
-
-    def factory(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        if opt.name == "adagrad":
-            return torch.optim.Adagrad(
-                params, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay
-            )
-        if opt.name == "adam":
-            return torch.optim.Adam(
-                params, lr=opt.lr, eps=opt.eps, betas=opt.betas, weight_decay=opt.weight_decay
-            )
-        return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
-
-    return factory
-
-
-def feature_sizes(config: TrainingConfig) -> list[tuple[str, int]]:
-    """(feature, rows of its table) in table order: the KJT keys the data must produce."""
-    return [(f, t.num_embeddings) for t in config.embedding.tables for f in t.feature_names]
-
-
-def build_data(
-    config: TrainingConfig, env: RunEnv, split: str
-) -> SyntheticClickLog | CriteoClickLog:
-    """This rank's share of the training (endless) or validation (``val_batches``) stream."""
-    data = config.data
-    features = feature_sizes(config)
-    if data.source == "synthetic":
-        return SyntheticClickLog(
-            features,
-            data.synthetic,
-            data.batch_size,
-            rank=env.rank,
-            world_size=env.world_size,
-            split=split,
-            num_batches=None if split == "train" else data.val_batches,
-        )
-    paths = data.criteo.train_paths if split == "train" else data.criteo.val_paths
-    return CriteoClickLog(
-        paths,
-        [name for name, _ in features],
-        [rows for _, rows in features],
-        data.batch_size,
-        rank=env.rank,
-        world_size=env.world_size,
-        epochs=config.training.epochs if split == "train" else 1,
-    )
 
 
 # ---------------------------------------------------------------------------------------------

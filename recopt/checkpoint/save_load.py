@@ -8,11 +8,8 @@ then lets DCP reshard: any plan and world size can read a checkpoint of any othe
 
 from __future__ import annotations
 
-import copy
 import datetime
-import functools
 import json
-import logging
 import shutil
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -27,6 +24,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from recopt import comm
 from recopt.checkpoint.guards import Backup, all_finite, write_failure
+from recopt.checkpoint.load_steps import (
+    Optimizers,
+    apply_trees,
+    compare_names,
+    compare_tensors,
+    decode_trees,
+    empty_tensor,
+    init_optimizer_state,
+)
 from recopt.checkpoint.manifest import (
     DCP_METADATA_NAME,
     SKELETON_NAME,
@@ -48,22 +54,14 @@ from recopt.checkpoint.state import (
     TensorLike,
     archive_crc_off,
     capture_rng,
-    decode_tree,
     dtype_name,
     encode_tree,
-    global_shape,
     optimizer_state_dict,
-    restore_rng,
     subtree,
-    tensor_dtype,
-    to_optimizer_keys,
 )
 from recopt.kernels.contract import flush_kernel_caches
 
-logger = logging.getLogger(__name__)
-
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
-Optimizers = torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer]
 
 
 class _Group:
@@ -309,14 +307,14 @@ def load(
     with _ranks(timeout) as group:
         manifest, skeleton, rank_state = _verify(directory, group)
         if optimizer is not None and subtree(skeleton, "optim") is not None:
-            _init_state(optimizer)
+            init_optimizer_state(optimizer)
         # Cached rows written back and dropped: the loaded rows are what the next step reads.
         flush_kernel_caches(model)
         live: dict[str, Any] = {"model": model.state_dict()}
         if optimizer is not None:
             live["optim"] = _optimizer_tree(optimizer, model)
-        problems = _compare(manifest, skeleton, live, directory)
-        problems += _compare_names(skeleton, optimizer, extra)
+        problems = compare_tensors(manifest, skeleton, live, directory)
+        problems += compare_names(skeleton, optimizer, extra)
         group.agree(problems, f"checkpoint {directory} does not fit this model")
 
         live_tensors: dict[str, TensorLike] = {}
@@ -325,7 +323,7 @@ def load(
         # are read into fresh tensors of the saved shape.
         wanted = set(live) | {"extra"}
         targets: dict[str, TensorLike] = {
-            key: live_tensors[key] if key in live_tensors else _empty(entry)
+            key: live_tensors[key] if key in live_tensors else empty_tensor(entry)
             for key, entry in manifest.tensors.items()
             if key.split("/", 1)[0] in wanted
         }
@@ -334,7 +332,7 @@ def load(
         undo: list[Callable[[], None]] = []
         backup: Backup | None = None
         try:
-            decoded = _decode(skeleton, targets, model, optimizer)
+            decoded = decode_trees(skeleton, targets, model, optimizer)
             backup = Backup(live_tensors)
             with _dcp_quietly():
                 dcp.load(
@@ -343,7 +341,9 @@ def load(
                     process_group=group.pg,
                     no_dist=group.pg is None,
                 )
-            return _apply(decoded, model, optimizer, extra, rank_state, restore_rng_state, undo)
+            return apply_trees(
+                decoded, model, optimizer, extra, rank_state, restore_rng_state, undo
+            )
         except (Exception, CheckpointException) as e:
             # Tensors first: the saved optimizer state dicts below refer to them.
             if backup is not None:
@@ -354,46 +354,6 @@ def load(
                 f"cannot load checkpoint {directory}: {type(e).__name__}: {e}; nothing was "
                 "changed (the model, optimizer, extras and RNG states are as before the load)"
             ) from e
-
-
-def _init_state(optimizer: Optimizers) -> None:
-    # KeyedOptimizers load by copying into existing state, which torch creates lazily at the
-    # first step; init_state() creates it (no-op where it exists) without changing weights.
-    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer.values()
-    for opt in optimizers:
-        init_state = getattr(opt, "init_state", None)
-        if callable(init_state):
-            init_state()
-
-
-def _top(skeleton: Any) -> list[str]:
-    return [k for k, _ in skeleton.get("d", [])]
-
-
-def _compare_names(
-    skeleton: Any, optimizer: Optimizers | None, extra: Mapping[str, Any]
-) -> list[str]:
-    """Optimizer names and stateful extras the caller expects but the checkpoint lacks."""
-    problems = []
-    node = subtree(skeleton, "optim")
-    if optimizer is not None and node is not None and isinstance(optimizer, Mapping):
-        saved = set(_top(node))
-        if saved != set(optimizer):
-            problems.append(
-                f"the checkpoint holds optimizers {sorted(saved)}, the caller gave "
-                f"{sorted(optimizer)}; pass the same names as when saving"
-            )
-    saved_extra = set(_top(subtree(skeleton, "extra") or {}))
-    for name, obj in extra.items():
-        if isinstance(obj, Stateful) and name not in saved_extra:
-            problems.append(
-                f"the checkpoint has no extra {name!r} to restore (it has {sorted(saved_extra)})"
-            )
-    return problems
-
-
-def _empty(entry: TensorEntry) -> torch.Tensor:
-    return torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
 
 
 def _verify(directory: Path, group: _Group) -> tuple[Manifest, Any, dict[str, Any] | None]:
@@ -419,118 +379,3 @@ def _verify(directory: Path, group: _Group) -> tuple[Manifest, Any, dict[str, An
     if own in manifest.files:
         rank_state = json.loads((directory / own).read_text())
     return manifest, skeleton, rank_state
-
-
-def _compare(manifest: Manifest, skeleton: Any, live: dict[str, Any], directory: Path) -> list[str]:
-    """Keys and shapes of the live model/optimizer against the checkpoint's."""
-    if "optim" in live and "optim" not in _top(skeleton):
-        return [f"{directory} holds no optimizer state; load it with optimizer=None"]
-    live_tensors: dict[str, TensorLike] = {}
-    try:
-        encode_tree(live, "", live_tensors)
-    except CheckpointError as e:
-        return [str(e)]
-    saved = manifest.tensors
-    missing = sorted(k for k in live_tensors if k not in saved)
-    unexpected = sorted(k for k in saved if k.startswith("model/") and k not in live_tensors)
-    mismatched, converted = [], []
-    for key, t in live_tensors.items():
-        entry = saved.get(key)
-        shape, dtype = global_shape(t), dtype_name(tensor_dtype(t))
-        if entry is None or (entry.shape == shape and entry.dtype == dtype):
-            continue
-        if entry.shape == shape and {entry.dtype, dtype} <= CONVERTIBLE_DTYPES:
-            converted.append(f"{key}: {entry.dtype} -> {dtype}")
-        else:
-            mismatched.append(
-                f"{key}: checkpoint {entry.shape} {entry.dtype}, model {shape} {dtype}"
-            )
-    if converted:
-        _warn_conversion(converted)
-    problems = []
-    if missing:
-        problems.append(f"keys the checkpoint lacks: {_listing(missing)}")
-    if unexpected:
-        problems.append(f"keys the model lacks: {_listing(unexpected)}")
-    if mismatched:
-        problems.append(f"shape/dtype mismatches: {_listing(mismatched)}")
-    if problems:
-        problems.append(
-            "the checkpoint is of another model (or another optimizer); load it into the "
-            "model that saved it, or convert it with recopt-reshard --to-full"
-        )
-    return problems
-
-
-# Float storages a load converts between (the model's dtype wins; copy rounds to nearest).
-CONVERTIBLE_DTYPES = frozenset({"float32", "float16", "bfloat16"})
-
-
-def _warn_conversion(converted: list[str]) -> None:
-    message = (
-        f"loading converts {len(converted)} tensors to the model's dtype (rounded to nearest): "
-        f"{_listing(converted)}; build the model with the checkpoint's weight_dtype / "
-        "state_dtype to load them unchanged"
-    )
-    warnings.warn(message, UserWarning, stacklevel=3)
-
-
-def _listing(items: list[str], limit: int = 20) -> str:
-    more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
-    return ", ".join(items[:limit]) + more
-
-
-def _decode(
-    skeleton: Any,
-    targets: Mapping[str, TensorLike],
-    model: torch.nn.Module,
-    optimizer: Optimizers | None,
-) -> dict[str, Any]:
-    """Every saved tree rebuilt around ``targets`` (filled later, in place), optimizer state
-    mapped back to this optimizer's keys: all that can fail before live state changes."""
-    decoded: dict[str, Any] = {"model": decode_tree(subtree(skeleton, "model"), targets)}
-    if optimizer is not None:
-        saved = decode_tree(subtree(skeleton, "optim"), targets)
-        if isinstance(optimizer, torch.optim.Optimizer):
-            decoded["optim"] = to_optimizer_keys(saved, optimizer, model)
-        else:
-            decoded["optim"] = {
-                name: to_optimizer_keys(saved[name], opt, model) for name, opt in optimizer.items()
-            }
-    node = subtree(skeleton, "extra")
-    decoded["extra"] = {} if node is None else decode_tree(node, targets)
-    return decoded
-
-
-def _apply(
-    decoded: dict[str, Any],
-    model: torch.nn.Module,
-    optimizer: Optimizers | None,
-    extra: Mapping[str, Any],
-    rank_state: dict[str, Any] | None,
-    restore_rng_state: bool,
-    undo: list[Callable[[], None]],
-) -> dict[str, Any]:
-    """Load the decoded trees into live objects, recording in ``undo`` how to take it back."""
-    model.load_state_dict(decoded["model"])
-    if optimizer is not None:
-        pairs = (
-            [(optimizer, decoded["optim"])]
-            if isinstance(optimizer, torch.optim.Optimizer)
-            else [(opt, decoded["optim"][name]) for name, opt in optimizer.items()]
-        )
-        for opt, state in pairs:
-            undo.append(functools.partial(opt.load_state_dict, opt.state_dict()))
-            opt.load_state_dict(state)
-    extras: dict[str, Any] = decoded["extra"]
-    for name, obj in extra.items():
-        if isinstance(obj, Stateful):
-            undo.append(functools.partial(obj.load_state_dict, copy.deepcopy(obj.state_dict())))
-            obj.load_state_dict(extras[name])
-    if restore_rng_state:
-        if rank_state is None:
-            logger.warning("no saved RNG state for this rank (the world size grew); kept")
-        else:
-            undo.append(functools.partial(restore_rng, capture_rng()))
-            restore_rng(rank_state["rng"])
-    return extras

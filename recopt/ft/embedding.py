@@ -20,38 +20,25 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from recopt.ft.embedding_tables import (
+    FusedTable,
+    collect_tables,
+    is_sharded,
+    kernel_tables,
+    kernels_of,
+    scalar_states,
+)
 from recopt.ft.manager import Manager, StepParticipant
 from recopt.ft.nonfinite import NonFiniteGradientError, report_nonfinite
 from recopt.kernels.config import Backend, FusedOptimizerConfig
-from recopt.kernels.contract import Kernel, KernelOwner
-from recopt.kernels.registry import OPTIMIZERS
 
 logger = logging.getLogger(__name__)
 
 
-def _rows_only(optimizer_name: str) -> bool:
-    """Whether an update changes only the touched rows' state, so snapshots may go by rows.
-
-    Not for optimizers with a dense state (Adafactor decays the row statistic of every row).
-    """
-    spec = OPTIMIZERS.get(optimizer_name)
-    return spec is None or not spec.dense_state
-
-
-@dataclass(slots=True)
-class _Table:
-    name: str
-    features: tuple[str, ...]
-    weight: torch.Tensor
-    states: dict[str, torch.Tensor]
-    rows_only: bool  # per-row state can be snapshotted by rows
-
-
 @dataclass(slots=True)
 class _Snapshot:
-    table: _Table
+    table: FusedTable
     ids: torch.Tensor
     weight_rows: torch.Tensor
     state_rows: dict[str, torch.Tensor]  # by ids, for per-row state
@@ -91,18 +78,18 @@ class FusedEmbeddingGuard(StepParticipant):
         self._snapshots: list[_Snapshot] = []
         self._scalars: list[torch.Tensor] = []  # sharded: step counters of remote tables
         self._saved_scalars: list[list[torch.Tensor]] = []
-        if _is_sharded(module):
+        if is_sharded(module):
             self._tables = []
             self._handles = []
-            for kernel in _kernels_of(module):
-                tables = _kernel_tables(kernel)
+            for kernel in kernels_of(module):
+                tables = kernel_tables(kernel)
                 self._tables += tables
                 hook = functools.partial(self._before_kernel, kernel.feature_table_map, tables)
                 self._handles.append(kernel.register_forward_pre_hook(hook))
-            self._scalars = _scalar_states(module)
+            self._scalars = scalar_states(module)
             self._handles.append(module.register_forward_pre_hook(self._save_scalars))
         else:
-            self._tables = _collect_tables(module)
+            self._tables = collect_tables(module)
             self._handles = [module.register_forward_pre_hook(self._before_forward)]
         if manager is not None:
             manager.register_participant(self)
@@ -112,7 +99,11 @@ class FusedEmbeddingGuard(StepParticipant):
             self._saved_scalars.append([t.clone() for t in self._scalars])
 
     def _before_kernel(
-        self, feature_table_map: Sequence[int], tables: list[_Table], kernel: nn.Module, args: Any
+        self,
+        feature_table_map: Sequence[int],
+        tables: list[FusedTable],
+        kernel: nn.Module,
+        args: Any,
     ) -> None:
         """Snapshot, for each local table, the rows this kernel's backward will update."""
         if not torch.is_grad_enabled() or len(args) < 2:
@@ -148,7 +139,7 @@ class FusedEmbeddingGuard(StepParticipant):
                 self.snapshot(table, torch.unique(torch.cat(parts)))
 
     @torch.no_grad()
-    def snapshot(self, table: _Table, ids: torch.Tensor) -> None:
+    def snapshot(self, table: FusedTable, ids: torch.Tensor) -> None:
         """Save ``ids``' rows of ``table`` (weight and state) as they are now."""
         rows = table.weight.shape[0]
         ids = ids.to(table.weight.device)
@@ -225,15 +216,6 @@ class FusedEmbeddingGuard(StepParticipant):
             handle.remove()
 
 
-def _is_sharded(module: nn.Module) -> bool:
-    """A collection whose fused weights are ShardedTensors, with local kernels to hook."""
-    optimizer = getattr(module, "fused_optimizer", None)
-    params = dict(getattr(optimizer, "params", {}) or {})
-    return isinstance(module, KernelOwner) and any(
-        isinstance(p, ShardedTensor) for p in params.values()
-    )
-
-
 def replica_sync_optimizer(
     optimizer: FusedOptimizerConfig, sync_embeddings: bool
 ) -> FusedOptimizerConfig:
@@ -253,70 +235,6 @@ def replica_sync_optimizer(
     if not sync_embeddings or optimizer.backend != Backend.AUTO:
         return optimizer
     return dataclasses.replace(optimizer, backend=Backend.RECOPT)
-
-
-def _kernels_of(module: nn.Module) -> list[Kernel]:
-    """The module's kernels; it must run its tables on kernels (an embedding twin)."""
-    if not isinstance(module, KernelOwner):
-        raise ValueError(
-            f"{type(module).__name__} has no kernels(); pass a FusedEmbeddingBagCollection or "
-            "a ShardedEmbeddingBagCollection"
-        )
-    return module.kernels()
-
-
-def _kernel_tables(kernel: Kernel) -> list[_Table]:
-    """The kernel's local tables (shards or replicas) with views of their weight and state."""
-    specs = list(kernel.tables)
-    weights = kernel.split_embedding_weights()
-    states = kernel.split_optimizer_states()
-    rows_only = _rows_only(kernel.optimizer.name)
-    return [
-        _Table(spec.name, (), weight, dict(state), rows_only)
-        for spec, weight, state in zip(specs, weights, states, strict=True)
-    ]
-
-
-def _scalar_states(module: nn.Module) -> list[torch.Tensor]:
-    """Plain 0-dim state tensors of a sharded collection's optimizer (step counters)."""
-    optimizer = getattr(module, "fused_optimizer", None)
-    found: dict[int, torch.Tensor] = {}
-    for state in getattr(optimizer, "state", {}).values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor) and not isinstance(value, ShardedTensor):
-                if value.dim() == 0:
-                    found[id(value)] = value
-    return list(found.values())
-
-
-def _collect_tables(module: nn.Module) -> list[_Table]:
-    optimizer = getattr(module, "fused_optimizer", None)
-    configs = getattr(module, "tables", None)
-    if optimizer is None or configs is None:
-        raise ValueError(
-            f"{type(module).__name__} has no 'fused_optimizer' or 'tables'; "
-            "FusedEmbeddingGuard takes a FusedEmbeddingBagCollection"
-        )
-    params: dict[str, torch.Tensor] = dict(optimizer.params)
-    optimizer_of: dict[int, str] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            optimizer_of[id(p)] = str(group.get("optimizer", ""))
-    tables = []
-    for config in configs:
-        key = f"embedding_bags.{config.name}.weight"
-        if key not in params:
-            raise ValueError(f"table {config.name!r}: fused_optimizer has no param {key!r}")
-        weight = params[key]
-        prefix = f"{config.name}."
-        states = {
-            k[len(prefix) :]: v
-            for k, v in optimizer.state.get(weight, {}).items()
-            if isinstance(v, torch.Tensor) and k.startswith(prefix)
-        }
-        rows_only = _rows_only(optimizer_of.get(id(weight), ""))
-        tables.append(_Table(config.name, tuple(config.feature_names), weight, states, rows_only))
-    return tables
 
 
 def average_row_gradients(
@@ -418,9 +336,9 @@ class EmbeddingReplicaSync(StepParticipant):
     def __init__(self, module: nn.Module, manager: Manager, guard: FusedEmbeddingGuard) -> None:
         self._manager = manager
         self._guard = guard
-        self._kernels = _kernels_of(module)
+        self._kernels = kernels_of(module)
         by_name = {t.name: t for t in guard._tables}
-        self._tables: list[list[_Table]] = []
+        self._tables: list[list[FusedTable]] = []
         for k, kernel in enumerate(self._kernels):
             if not kernel.supports_hooks:
                 raise ValueError(
@@ -502,7 +420,7 @@ class EmbeddingReplicaSync(StepParticipant):
         self._touched.clear()
 
     @staticmethod
-    def _row_states(table: _Table) -> list[torch.Tensor]:
+    def _row_states(table: FusedTable) -> list[torch.Tensor]:
         rows = table.weight.shape[0]
         return [v for _, v in sorted(table.states.items()) if v.dim() >= 1 and v.shape[0] == rows]
 

@@ -1,0 +1,172 @@
+"""Build one DLRM run from its config: model, sharding, optimizers and data streams.
+
+Kept apart from train.py (the entry point and loop) so benchmarks can build the same run
+without the loop; ``RunEnv`` is here because every builder takes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any
+
+import torch
+from dlrm_config import TrainingConfig
+from torch import nn
+
+from recopt.data import CriteoClickLog, SyntheticClickLog
+from recopt.models import DLRM
+from recopt.modules import FusedEmbeddingBagCollection
+from recopt.optim import (
+    CombinedOptimizer,
+    KeyedOptimizer,
+    KeyedOptimizerWrapper,
+    fused_optimizers,
+    is_fused,
+    split_fused_parameters,
+)
+from recopt.optim.clipping import GradientClippingOptimizer
+from recopt.optim.warmup import WarmupOptimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class RunEnv:
+    """Where this process sits: rank, world size, device (read from torchrun's variables)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the run: model, sharding, optimizers, data
+# ---------------------------------------------------------------------------------------------
+
+
+def build_model(config: TrainingConfig, device: torch.device) -> DLRM:
+    """The unsharded model: fused embedding bags + DLRM / DCNv2 dense part, seeded."""
+    torch.manual_seed(config.training.seed)
+    ebc = FusedEmbeddingBagCollection(
+        config.embedding.tables,
+        optimizer=config.embedding.optimizer,
+        device=device,
+        table_placements=config.embedding.placements,
+    )
+    return DLRM(ebc, config.model).to(device)
+
+
+def shard_model(model: DLRM, config: TrainingConfig, env: RunEnv) -> nn.Module:
+    """PLUG-IN (sharding): one rank trains the model as is; on N ranks the planner (topology
+    from ``[planner]``) chooses a plan on rank 0, every rank receives it, and the model-parallel
+    wrapper shards the embedding bags by it and wraps the dense rest in DDP.
+    """
+    if env.world_size == 1:
+        return model
+    from recopt.sharding.model_parallel import DistributedModelParallel
+    from recopt.sharding.planner import (
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        plan_collectively,
+    )
+    from recopt.sharding.planner.topology import topology_from_dict
+
+    timeout = datetime.timedelta(seconds=config.training.timeout_s)
+    topology = topology_from_dict(config.planner, "[planner]", world_size=env.world_size)
+    planner = EmbeddingShardingPlanner(
+        topology,
+        # [embedding.placements] pins those tables; the planner places the others.
+        constraints={
+            name: ParameterConstraints(placements=(placement,))
+            for name, placement in config.embedding.placements.items()
+        },
+        batch_size=config.data.batch_size,
+        default_optimizer=config.embedding.optimizer,
+    )
+    plan = plan_collectively(
+        planner, {"embedding_bags": list(config.embedding.tables)}, timeout=timeout
+    )
+    return DistributedModelParallel(model, plan=plan, device=env.device, timeout=timeout)
+
+
+def build_optimizer(model: nn.Module, config: TrainingConfig) -> KeyedOptimizer:
+    """Fused sparse + torch dense optimizer, each under its own warmup, all under clipping."""
+    sparse: KeyedOptimizer = (
+        model.fused_optimizer if is_fused(model) else CombinedOptimizer(fused_optimizers(model))
+    )
+    # The model-parallel wrapper is itself "fused" (it has .fused_optimizer): split the model
+    # it wraps, whose names are the wrapper's parameter names (no DDP prefix).
+    _, dense_params = split_fused_parameters(getattr(model, "plain_module", model))
+    dense_params = {n: p for n, p in dense_params.items() if p.requires_grad}
+    dense = KeyedOptimizerWrapper(dense_params, _dense_factory(config))
+    stages = config.warmup.stages
+    parts: list[tuple[str, KeyedOptimizer]] = [("sparse", sparse), ("dense", dense)]
+    if stages:
+        # Each side keeps its own base LR; the warmup multiplies it.
+        parts = [
+            ("sparse", WarmupOptimizer(sparse, stages, lr=config.embedding.optimizer.lr)),
+            ("dense", WarmupOptimizer(dense, stages, lr=config.dense_optimizer.lr)),
+        ]
+    clip = config.clipping
+    return GradientClippingOptimizer(
+        CombinedOptimizer(parts),
+        clipping=clip.clipping,
+        max_gradient=clip.max_gradient,
+        norm_type=clip.norm_type,
+        skip_nonfinite=True,  # a NaN/inf global norm skips the dense step on every rank
+        timeout=datetime.timedelta(seconds=config.training.timeout_s),
+    )
+
+
+def _dense_factory(config: TrainingConfig) -> Any:
+    opt = config.dense_optimizer
+
+    def factory(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        if opt.name == "adagrad":
+            return torch.optim.Adagrad(
+                params, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay
+            )
+        if opt.name == "adam":
+            return torch.optim.Adam(
+                params, lr=opt.lr, eps=opt.eps, betas=opt.betas, weight_decay=opt.weight_decay
+            )
+        return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
+
+    return factory
+
+
+def feature_sizes(config: TrainingConfig) -> list[tuple[str, int]]:
+    """(feature, rows of its table) in table order: the KJT keys the data must produce."""
+    return [(f, t.num_embeddings) for t in config.embedding.tables for f in t.feature_names]
+
+
+def build_data(
+    config: TrainingConfig, env: RunEnv, split: str
+) -> SyntheticClickLog | CriteoClickLog:
+    """This rank's share of the training (endless) or validation (``val_batches``) stream."""
+    data = config.data
+    features = feature_sizes(config)
+    if data.source == "synthetic":
+        return SyntheticClickLog(
+            features,
+            data.synthetic,
+            data.batch_size,
+            rank=env.rank,
+            world_size=env.world_size,
+            split=split,
+            num_batches=None if split == "train" else data.val_batches,
+        )
+    paths = data.criteo.train_paths if split == "train" else data.criteo.val_paths
+    return CriteoClickLog(
+        paths,
+        [name for name, _ in features],
+        [rows for _, rows in features],
+        data.batch_size,
+        rank=env.rank,
+        world_size=env.world_size,
+        epochs=config.training.epochs if split == "train" else 1,
+    )
