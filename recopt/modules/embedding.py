@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from recopt.modules.config import EmbeddingConfig, validate_tables
-from recopt.modules.inputs import FeatureLayout, check_ids_in_range
-from recopt.modules.unpooled import meta_rows_per_feature, select_features
+from recopt.modules.inputs import FeatureLayout, check_ids_in_range, select_features
+from recopt.modules.unpooled import meta_rows_per_feature
 from recopt.sparse import JaggedTensor, KeyedJaggedTensor
 
 

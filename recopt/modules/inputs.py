@@ -71,18 +71,7 @@ class FeatureLayout:
                 f"{features.stride_per_key_per_rank()}); the embedding-bag modules need one "
                 "batch size here: pass it through variable_batch.regular_batch first"
             )
-        keys = features.keys()
-        if keys != self.feature_names:
-            index = {k: i for i, k in enumerate(keys)}
-            wanted = list(dict.fromkeys(self.feature_names))  # a shared feature once
-            missing = [f for f in wanted if f not in index]
-            if missing:
-                raise ValueError(
-                    f"input is missing features {missing}; it has {keys}, the collection "
-                    f"looks up {wanted}"
-                )
-            features = features.permute([index[f] for f in self.feature_names])
-        features = with_keys(features, self.output_keys)
+        features = with_keys(select_features(features, self.feature_names), self.output_keys)
         has_weights = features.weights_or_none() is not None
         if is_weighted and not has_weights:
             raise ValueError(
@@ -111,6 +100,36 @@ class FeatureLayout:
             features.weights_or_none(),
         )
         return features
+
+
+def require_features(keys: Sequence[str], names: Sequence[str]) -> None:
+    """Check that the input's ``keys`` hold every feature of ``names``.
+
+    Raises:
+        ValueError: naming the features the input lacks, its keys and the collection's.
+    """
+    present = set(keys)
+    wanted = list(dict.fromkeys(names))  # a feature shared by tables once
+    missing = [f for f in wanted if f not in present]
+    if missing:
+        raise ValueError(
+            f"input is missing features {missing}; it has {list(keys)}, the collection "
+            f"looks up {wanted}"
+        )
+
+
+def select_features(features: KeyedJaggedTensor, names: Sequence[str]) -> KeyedJaggedTensor:
+    """``features`` restricted to and ordered as ``names`` (a shared feature repeated).
+
+    Raises:
+        ValueError: naming the features the input lacks.
+    """
+    keys = features.keys()
+    if keys == list(names):
+        return features
+    require_features(keys, names)
+    index = {k: i for i, k in enumerate(keys)}
+    return features.permute([index[f] for f in names])
 
 
 def with_keys(features: KeyedJaggedTensor, keys: Sequence[str]) -> KeyedJaggedTensor:

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from recopt.modules.config import EmbeddingBagConfig, EmbeddingConfig
-from recopt.modules.inputs import FeatureLayout, with_keys
+from recopt.modules.inputs import FeatureLayout, select_features, with_keys
 from recopt.sparse import JaggedTensor, KeyedJaggedTensor
 
 
@@ -40,25 +40,6 @@ def select_lookups(features: KeyedJaggedTensor, layout: FeatureLayout) -> KeyedJ
         ValueError: naming the features the input lacks.
     """
     return with_keys(select_features(features, layout.feature_names), layout.output_keys)
-
-
-def select_features(features: KeyedJaggedTensor, names: Sequence[str]) -> KeyedJaggedTensor:
-    """``features`` restricted to and ordered as ``names``.
-
-    Raises:
-        ValueError: naming the features the input lacks.
-    """
-    keys = features.keys()
-    if keys == list(names):
-        return features
-    index = {k: i for i, k in enumerate(keys)}
-    wanted = list(dict.fromkeys(names))  # a feature shared by tables once
-    missing = [f for f in wanted if f not in index]
-    if missing:
-        raise ValueError(
-            f"input is missing features {missing}; it has {keys}, the collection looks up {wanted}"
-        )
-    return features.permute([index[f] for f in names])
 
 
 def one_id_bags(features: KeyedJaggedTensor) -> KeyedJaggedTensor:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from recopt.modules.inputs import require_features
 from recopt.sparse import KeyedJaggedTensor
 
 
@@ -110,13 +111,8 @@ def _inverse_rows(
             f"inverse_indices have no row for features {missing} (their keys are {keys}); "
             "give one row per feature of the input"
         )
+    require_features(features.keys(), feature_names)
     stride_of = dict(zip(features.keys(), features.stride_per_key(), strict=True))
-    absent = [f for f in dict.fromkeys(feature_names) if f not in stride_of]
-    if absent:
-        raise ValueError(
-            f"input is missing features {absent}; it has {features.keys()}, the collection "
-            f"looks up {list(dict.fromkeys(feature_names))}"
-        )
     rows = torch.tensor([row_of[f] for f in feature_names], device=index.device)
     index_F_B = index.index_select(0, rows).to(torch.int64)
     limits = torch.tensor([stride_of[f] for f in feature_names], device=index.device)
