@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from recopt.modules.config import EmbeddingConfig, validate_tables
-from recopt.modules.inputs import FeatureLayout, check_ids_in_range, select_features
+from recopt.modules.inputs import FeatureLayout, check_ids_in_range, require_features
 from recopt.modules.unpooled import meta_rows_per_feature
 from recopt.sparse import JaggedTensor, KeyedJaggedTensor
 
@@ -132,10 +132,7 @@ class EmbeddingCollection(nn.Module, TableAccessors):
             ValueError: missing features; ``InvalidIdError`` for an id outside its table.
         """
         layout = self._layout
-        present = set(features.keys())
-        missing = sorted({f for f in layout.feature_names if f not in present})
-        if missing:
-            select_features(features, layout.feature_names)  # raises, naming them
+        require_features(features.keys(), layout.feature_names)
         inputs = [features[f] for f in layout.feature_names]
         if self.device.type == "meta":
             named = dict(zip(layout.output_keys, inputs, strict=True))
