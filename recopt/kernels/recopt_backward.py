@@ -25,13 +25,25 @@ Tensor = torch.Tensor
 
 @dataclass(slots=True)
 class _Occurrences:
-    """The ids of one table in a batch, with where each one's gradient comes from."""
+    """The ids of one table in a batch, with where each one's gradient comes from.
+
+    The two gradient indices are derived on demand: each backward path reads one of them.
+    """
 
     ids_N: Tensor
-    goff_N: Tensor  # element offset of the occurrence's bag row in the flat grad_out
-    row_N: Tensor  # row of the table's stacked feature gradients: feature slot * B + sample
+    bags: list[Tensor]  # per feature slot, each occurrence's bag (sample) in the batch
     cols: list[int]  # first grad_out column of each of the table's features (slot order)
     scale_N: Tensor | None  # per-sample weight x 1/length (mean), None when all ones
+
+    def goff_N(self, output_dim: int) -> Tensor:
+        """Element offset of each occurrence's bag row in the flat grad_out."""
+        return torch.cat(
+            [bag * output_dim + col for bag, col in zip(self.bags, self.cols, strict=True)]
+        )
+
+    def row_N(self, batch: int) -> Tensor:
+        """Row of the table's stacked feature gradients: feature slot * B + sample."""
+        return torch.cat([bag + slot * batch for slot, bag in enumerate(self.bags)])
 
 
 def occurrences(
@@ -67,11 +79,10 @@ def occurrences(
             result.append(None)
             continue
         ids = torch.cat([p[0] for p in table_parts])
-        goff = torch.cat([p[1] * kernel.output_dim + p[2] for p in table_parts])
-        row = torch.cat([p[1] + slot * batch for slot, p in enumerate(table_parts)])
         scales = [p[3] for p in table_parts]
         scale = None if scales[0] is None else torch.cat([x for x in scales if x is not None])
-        result.append(_Occurrences(ids, goff, row, [p[2] for p in table_parts], scale))
+        bags = [p[1] for p in table_parts]
+        result.append(_Occurrences(ids, bags, [p[2] for p in table_parts], scale))
     return result
 
 
@@ -86,29 +97,39 @@ def triton_update(
     steps: list[int],
 ) -> None:
     """Every table's touched rows updated by Triton (no torch.unique: no host sync)."""
-    config = kernel.optimizer
-    beta1, beta2 = config.betas
-    eps = config.eps1 if config.eps1 is not None else 1e-8
-    sign = -1.0 if config.maximize else 1.0
-    hyper = (kernel._lr, eps, config.weight_decay, sign, 1.0 - beta1, 1.0 - beta2)
+    hyper = _hyperparameters(kernel)
     code = kernel._spec.c_code
     assert code is not None  # checked by _triton_update_fn
     states = kernel.split_optimizer_states()
     for t, occ in enumerate(occurrences(kernel, indices, offsets, weights, bounds)):
         if occ is None:
             continue
-        step = steps[t]
-        step_size = (
-            kernel._lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
-            if kernel._spec.stepped
-            else 0.0
-        )
-        state = states[t]
-        first = state.get("momentum1", state.get("exp_avg"))
         weight = kernel.weights[t].detach()
-        second = state.get("exp_avg_sq")
-        args = (occ.ids_N, occ.goff_N, occ.scale_N, grad_out, weight, first, second)
-        sparse_update(code, *args, hyper, step_size)
+        goff_N = occ.goff_N(kernel.output_dim)
+        args = (occ.ids_N, goff_N, occ.scale_N, grad_out, weight, *_state_slots(states[t]))
+        sparse_update(code, *args, hyper, _step_size(kernel, steps[t]))
+
+
+def _hyperparameters(kernel: RecoptTableBatchedEmbedding) -> tuple[float, ...]:
+    """(lr, eps, weight decay, sign, 1 - beta1, 1 - beta2): the native and Triton updates' order."""
+    config = kernel.optimizer
+    beta1, beta2 = config.betas
+    eps = config.eps1 if config.eps1 is not None else 1e-8
+    sign = -1.0 if config.maximize else 1.0
+    return (kernel._lr, eps, config.weight_decay, sign, 1.0 - beta1, 1.0 - beta2)
+
+
+def _step_size(kernel: RecoptTableBatchedEmbedding, step: int) -> float:
+    """Adam's bias-corrected step size at ``step`` (0.0 for optimizers without a step)."""
+    if not kernel._spec.stepped:
+        return 0.0
+    beta1, beta2 = kernel.optimizer.betas
+    return kernel._lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
+
+
+def _state_slots(state: dict[str, Tensor]) -> tuple[Tensor | None, Tensor | None]:
+    """The first (momentum1 / exp_avg) and second (exp_avg_sq) state tensors, if any."""
+    return state.get("momentum1", state.get("exp_avg")), state.get("exp_avg_sq")
 
 
 def torch_row_grads(
@@ -133,7 +154,7 @@ def torch_row_grads(
         dim = kernel.tables[t].embedding_dim
         blocks = [grad_out[:, c0 : c0 + dim] for c0 in occ.cols]
         grad_rows = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-        grad_N_D = grad_rows.index_select(0, occ.row_N)
+        grad_N_D = grad_rows.index_select(0, occ.row_N(bounds[0]))
         if occ.scale_N is not None:
             grad_N_D = grad_N_D * occ.scale_N.to(grad_N_D.dtype).unsqueeze(1)
         grad_U_D = grad_N_D.new_zeros(rows_U.numel(), dim)
@@ -205,20 +226,10 @@ def native_update(
     """All tables in one pass: keys (table base + id) sorted once, then one native update."""
     if indices.numel() == 0:
         return
-    config = kernel.optimizer
     words_N, scale_N = sorted_occurrences(kernel, indices, offsets, weights)
-    beta1, beta2 = config.betas
-    step_sizes = [0.0] * len(kernel.tables)
+    step_sizes = [_step_size(kernel, step) for step in steps]
     states = kernel.split_optimizer_states()
-    if kernel._spec.stepped:
-        for t, step in enumerate(steps):
-            step_sizes[t] = kernel._lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
-    eps = config.eps1 if config.eps1 is not None else 1e-8
-    sign = -1.0 if config.maximize else 1.0
-    tensors = [
-        (w.detach(), s.get("momentum1", s.get("exp_avg")), s.get("exp_avg_sq"))
-        for w, s in zip(kernel.weights, states, strict=True)
-    ]
+    tensors = [(w.detach(), *_state_slots(s)) for w, s in zip(kernel.weights, states, strict=True)]
     code = kernel._spec.c_code
     assert code is not None  # checked by _native_ok
     seed = 0
@@ -231,7 +242,7 @@ def native_update(
         grad_out,
         kernel._table_bases,
         tensors,
-        [kernel._lr, eps, config.weight_decay, sign, 1.0 - beta1, 1.0 - beta2],
+        list(_hyperparameters(kernel)),
         step_sizes,
         seed,
     )
