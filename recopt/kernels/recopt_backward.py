@@ -110,7 +110,9 @@ def triton_update(
         sparse_update(code, *args, hyper, _step_size(kernel, steps[t]))
 
 
-def _hyperparameters(kernel: RecoptTableBatchedEmbedding) -> tuple[float, ...]:
+def _hyperparameters(
+    kernel: RecoptTableBatchedEmbedding,
+) -> tuple[float, float, float, float, float, float]:
     """(lr, eps, weight decay, sign, 1 - beta1, 1 - beta2): the native and Triton updates' order."""
     config = kernel.optimizer
     beta1, beta2 = config.betas
