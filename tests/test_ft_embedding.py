@@ -19,7 +19,13 @@ from recopt.ft.embedding import (
 )
 from recopt.ft.lighthouse import Lighthouse
 from recopt.kernels.config import Backend
-from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, FusedOptimizerConfig
+from recopt.modules import (
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    FusedEmbeddingBagCollection,
+    FusedEmbeddingCollection,
+    FusedOptimizerConfig,
+)
 from recopt.sparse import KeyedJaggedTensor
 
 OPTIMIZERS = ["sgd", "adagrad", "row_wise_adagrad", "adam", "row_wise_adam", "adafactor"]
@@ -109,6 +115,37 @@ def test_aborted_step_restores_every_table_and_state(name: str, backend: Backend
     guard.on_commit()
     _train(twin, 12)
     _assert_equal(_full_state(twin), _full_state(module))
+
+
+def test_aborted_step_restores_an_embedding_collection() -> None:
+    """The guard finds an embedding collection's tables (params ``embeddings.<t>.weight``)."""
+    torch.manual_seed(0)
+    tables = [
+        EmbeddingConfig(
+            name=t.name,
+            num_embeddings=t.num_embeddings,
+            embedding_dim=t.embedding_dim,
+            feature_names=t.feature_names,
+        )
+        for t in _tables()
+    ]
+    module = FusedEmbeddingCollection(tables, optimizer=FusedOptimizerConfig(name="adam", lr=0.05))
+
+    def train(seed: int) -> None:
+        rows = module(_batch(seed)).values()
+        torch.stack([jt.values().pow(2).sum() for jt in rows]).sum().backward()
+
+    guard = FusedEmbeddingGuard(module)
+    guard.on_start()
+    train(0)
+    guard.on_commit()
+    before = _full_state(module)  # type: ignore[arg-type]
+    guard.on_start()
+    train(1)
+    with pytest.raises(AssertionError):
+        _assert_equal(before, _full_state(module))  # type: ignore[arg-type]
+    guard.on_abort()
+    _assert_equal(before, _full_state(module))  # type: ignore[arg-type]
 
 
 def test_no_snapshot_without_grad() -> None:

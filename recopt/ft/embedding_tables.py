@@ -84,19 +84,24 @@ def collect_tables(module: nn.Module) -> list[FusedTable]:
     if optimizer is None or configs is None:
         raise ValueError(
             f"{type(module).__name__} has no 'fused_optimizer' or 'tables'; "
-            "FusedEmbeddingGuard takes a FusedEmbeddingBagCollection"
+            "FusedEmbeddingGuard takes a FusedEmbeddingBagCollection or FusedEmbeddingCollection"
         )
     params: dict[str, torch.Tensor] = dict(optimizer.params)
     optimizer_of: dict[int, str] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             optimizer_of[id(p)] = str(group.get("optimizer", ""))
+    # Param names are "<prefix>.<table>.weight" (embedding_bags, or embeddings for an
+    # embedding collection); table names hold no ".".
+    by_table = {name.split(".")[-2]: p for name, p in params.items() if name.count(".") == 2}
     tables = []
     for config in configs:
-        key = f"embedding_bags.{config.name}.weight"
-        if key not in params:
-            raise ValueError(f"table {config.name!r}: fused_optimizer has no param {key!r}")
-        weight = params[key]
+        if config.name not in by_table:
+            raise ValueError(
+                f"table {config.name!r}: fused_optimizer has no param "
+                f"'<prefix>.{config.name}.weight' (it has {sorted(params)})"
+            )
+        weight = by_table[config.name]
         prefix = f"{config.name}."
         states = {
             k[len(prefix) :]: v
