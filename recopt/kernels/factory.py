@@ -37,10 +37,10 @@ def auto_candidates(
     if optimizer.backend != Backend.AUTO:
         return None
     device = torch.device(device)
-    problems = fbgemm_problems(tables, optimizer, device, feature_table_map)
     if placed_off_device(tables):
         # Only fbgemm reads UVM; resolve_backend has already refused tables it cannot run.
         return ShapeClass.of(tables, optimizer, device), [Backend.FBGEMM]
+    problems = fbgemm_problems(tables, optimizer, device, feature_table_map)
     candidates = [Backend.RECOPT] if problems else [Backend.FBGEMM, Backend.RECOPT]
     return ShapeClass.of(tables, optimizer, device), candidates
 

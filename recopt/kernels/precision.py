@@ -86,15 +86,6 @@ def parse_precision(value: object, field: str) -> Precision:
     return found
 
 
-def precision_of(dtype: torch.dtype) -> Precision:
-    """The `Precision` of a tensor dtype.
-
-    Raises:
-        ValueError: the dtype is not fp32, fp16 or bf16.
-    """
-    return parse_precision(dtype, "tensor dtype")
-
-
 def rounding_seed(seed: int, names: Sequence[str]) -> int:
     """A stable 63-bit seed for one kernel: the config's seed mixed with its tables' names.
 

@@ -43,9 +43,7 @@ class OutputAssembly:
         cols = layout.output_columns()
         self._colmap = torch.tensor(cols, dtype=torch.int64, device=self.device)
         # A bijection (no row-split partials to add): a gather instead of an index_add.
-        self._inverse: Tensor | None = None
-        if sorted(cols) == list(range(self._out_dim)):
-            self._inverse = torch.argsort(self._colmap)
+        self._bijective = sorted(cols) == list(range(self._out_dim))
         col_feature = [f for f, d in enumerate(features.dims) for _ in range(d)]
         self._col_feature = torch.tensor(col_feature, dtype=torch.int64, device=self.device)
         mean = [tables[t].pooling == PoolingType.MEAN for t in features.feature_table]
@@ -115,8 +113,7 @@ class OutputAssembly:
         b_B_1 = torch.arange(batch, device=self.device).unsqueeze(1)
         source_B_C = batch * t[0] + b_B_1 * t[1] + t[2]
         target_B_C = b_B_1 * self._out_dim + self._colmap
-        bijective = self._inverse is not None
-        if bijective:
+        if self._bijective:
             index = torch.empty(batch * self._out_dim, dtype=torch.int64, device=self.device)
             index[target_B_C.reshape(-1)] = source_B_C.reshape(-1)
         else:
@@ -124,5 +121,5 @@ class OutputAssembly:
             index[source_B_C.reshape(-1)] = target_B_C.reshape(-1)
         if len(self._index_cache) > 8:  # batch sizes vary: keep the cache small
             self._index_cache.clear()
-        self._index_cache[batch] = (index, bijective)
-        return index, bijective
+        self._index_cache[batch] = (index, self._bijective)
+        return index, self._bijective

@@ -105,10 +105,6 @@ class ShardingOption:
             label += f" ({self.compute_kernel.value})"
         return label
 
-    def host_bytes_on(self, shard: int) -> int:
-        """Host memory shard ``shard`` takes (UVM placements; 0 in device memory)."""
-        return self.shard_host_bytes[shard]
-
     def to_parameter_sharding(
         self, shard_ranks: Sequence[int], world_size: int
     ) -> ParameterSharding:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from recopt.kernels.placement import DEFAULT_CACHE_LOAD_FACTOR
+
 GIB = 1024**3
 GB = 1e9
 
@@ -41,7 +43,6 @@ DEFAULT_ROW_STAT_SECONDS_PER_ID = 1e-6
 # measured on a GPU host yet; `recopt-plan --calibrate` on CUDA measures both.
 DEFAULT_HBM_BANDWIDTH = 800.0 * GB
 DEFAULT_UVM_BANDWIDTH = 16.0 * GB
-DEFAULT_CACHE_LOAD_FACTOR = 0.2
 DEVICES = ("cpu", "cuda")
 
 
