@@ -24,7 +24,8 @@ import torch.distributed as dist
 from recopt.ft.auth import LOOPBACK, check_bind
 from recopt.ft.client import LighthouseError, request
 from recopt.ft.healing import CheckpointServer, fetch_checkpoint, plan_recovery
-from recopt.ft.nonfinite import NonFiniteGradientError, nonfinite_rows
+from recopt.ft.nonfinite import NonFiniteGradientError
+from recopt.modules.nonfinite import finite_flag
 
 logger = logging.getLogger(__name__)
 
@@ -359,7 +360,10 @@ class Manager:
         if not self._sum(flat):
             return False
         # The same sum on every participant, so all of them drop a NaN/inf step together.
-        if nonfinite_rows([flat]):
+        # One host read: the presence counts and whether every sum is finite.
+        flag = finite_flag([flat], flat.device).to(flat.dtype).reshape(1)
+        *counts, finite = torch.cat([flat[-len(group) :], flag]).tolist()
+        if not finite:
             self.report_error(
                 NonFiniteGradientError(
                     "the dense gradients averaged over the replicas hold NaN or inf (some "
@@ -369,7 +373,6 @@ class Manager:
             )
             return False
         offset = 0
-        counts = flat[-len(group) :].tolist()
         for p, count in zip(group, counts, strict=True):
             if count > 0:
                 grad = flat[offset : offset + p.numel()].view_as(p).div_(self._num_participants)

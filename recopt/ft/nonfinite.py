@@ -10,6 +10,8 @@ from typing import Protocol
 
 import torch
 
+from recopt.modules.nonfinite import finite_flag
+
 
 class NonFiniteGradientError(RuntimeError):
     """A gradient of some replica held NaN or inf: the step is dropped on every replica."""
@@ -23,14 +25,7 @@ def nonfinite_rows(tensors: list[torch.Tensor]) -> list[int]:
     """Indices of the tensors holding NaN or inf (one host read for all of them)."""
     if not tensors:
         return []
-    # min and max propagate NaN and hold any inf: no per-element flag tensor.
-    low_high = torch.stack(
-        [
-            torch.stack(torch.aminmax(t)).float() if t.numel() else torch.zeros(2, device=t.device)
-            for t in tensors
-        ]
-    )
-    finite = torch.isfinite(low_high).all(1).tolist()
+    finite = torch.stack([finite_flag([t], t.device) for t in tensors]).tolist()
     return [i for i, ok in enumerate(finite) if not ok]
 
 
