@@ -34,7 +34,8 @@ class NonFiniteSteps:
         limit: int,
         learning_rates: list[tuple[str, float]],
     ) -> None:
-        self._model = model
+        # The modules that count skipped steps (the model is built: the set is fixed).
+        self._counting = [m for m in model.modules() if hasattr(m, "skipped_nonfinite_steps")]
         self._optimizer = optimizer
         self._limit = limit
         self._lrs = learning_rates
@@ -43,11 +44,7 @@ class NonFiniteSteps:
         self.in_a_row = 0
 
     def _counters(self) -> tuple[int, ...]:
-        counts = [
-            int(m.skipped_nonfinite_steps)
-            for m in self._model.modules()
-            if hasattr(m, "skipped_nonfinite_steps")
-        ]
+        counts = [int(m.skipped_nonfinite_steps) for m in self._counting]
         counts.append(int(getattr(self._optimizer, "num_skipped_steps", 0)))
         return tuple(counts)
 
