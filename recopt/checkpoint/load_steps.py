@@ -80,15 +80,20 @@ def empty_tensor(entry: TensorEntry) -> torch.Tensor:
 
 def compare_tensors(
     manifest: Manifest, skeleton: Any, live: dict[str, Any], directory: Path
-) -> list[str]:
-    """Keys and shapes of the live model/optimizer against the checkpoint's."""
-    if "optim" in live and "optim" not in _top(skeleton):
-        return [f"{directory} holds no optimizer state; load it with optimizer=None"]
+) -> tuple[list[str], dict[str, TensorLike]]:
+    """Keys and shapes of the live model/optimizer against the checkpoint's.
+
+    Returns:
+        The problems found, and the live tensors by manifest key (what the load writes into;
+        complete only when there is no problem).
+    """
     live_tensors: dict[str, TensorLike] = {}
+    if "optim" in live and "optim" not in _top(skeleton):
+        return [f"{directory} holds no optimizer state; load it with optimizer=None"], live_tensors
     try:
         encode_tree(live, "", live_tensors)
     except CheckpointError as e:
-        return [str(e)]
+        return [str(e)], live_tensors
     saved = manifest.tensors
     missing = sorted(k for k in live_tensors if k not in saved)
     unexpected = sorted(k for k in saved if k.startswith("model/") and k not in live_tensors)
@@ -118,7 +123,7 @@ def compare_tensors(
             "the checkpoint is of another model (or another optimizer); load it into the "
             "model that saved it, or convert it with recopt-reshard --to-full"
         )
-    return problems
+    return problems, live_tensors
 
 
 # Float storages a load converts between (the model's dtype wins; copy rounds to nearest).

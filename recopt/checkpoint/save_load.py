@@ -313,12 +313,9 @@ def load(
         live: dict[str, Any] = {"model": model.state_dict()}
         if optimizer is not None:
             live["optim"] = _optimizer_tree(optimizer, model)
-        problems = compare_tensors(manifest, skeleton, live, directory)
+        problems, live_tensors = compare_tensors(manifest, skeleton, live, directory)
         problems += compare_names(skeleton, optimizer, extra)
         group.agree(problems, f"checkpoint {directory} does not fit this model")
-
-        live_tensors: dict[str, TensorLike] = {}
-        encode_tree(live, "", live_tensors)
         # Saved tensors with no live counterpart (optimizer state torch creates lazily, extras)
         # are read into fresh tensors of the saved shape.
         wanted = set(live) | {"extra"}
