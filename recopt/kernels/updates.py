@@ -267,8 +267,9 @@ def _sgd(
     rows_U: Tensor,
     grad_U_D: Tensor,
     row_stat: RowStat | None = None,
+    step: int | None = None,
 ) -> None:
-    """Plain SGD on the touched rows."""
+    """Plain SGD on the touched rows (no state, no step)."""
     weight.index_add_(0, rows_U, grad_U_D, alpha=-lr)
 
 
@@ -280,8 +281,9 @@ def _adagrad(
     rows_U: Tensor,
     grad_U_D: Tensor,
     row_stat: RowStat | None = None,
+    step: int | None = None,
 ) -> None:
-    """Adagrad (per element) and row-wise Adagrad (one statistic per row)."""
+    """Adagrad (per element) and row-wise Adagrad (one statistic per row; no step)."""
     eps = config.eps1 if config.eps1 is not None else 1e-8
     momentum = state["momentum1"]
     if momentum.dim() == 2:
@@ -336,10 +338,7 @@ def apply_update(
         return
     w_U_D = weight.index_select(0, rows_U)
     grad = _l2_and_sign(config, w_U_D, grad_U_D)
-    if update is _adam_like:
-        _adam_like(config, lr, weight, state, rows_U, grad, row_stat, step)
-    else:
-        update(config, lr, weight, state, rows_U, grad, row_stat)
+    update(config, lr, weight, state, rows_U, grad, row_stat, step)
 
 
 def apply_update_rounded(
@@ -389,7 +388,8 @@ def apply_update_rounded(
             write(value, state_U[key])
 
 
-# The update rule of each optimizer in the registry (adafactor also takes its norm).
+# The update rule of each optimizer in the registry: (config, lr, weight, state, rows_U,
+# grad_U_D, row_stat, step) for every row rule (adafactor also takes its norm).
 _UPDATES: dict[str, Callable[..., None]] = {
     registry.SGD.name: _sgd,
     registry.ADAGRAD.name: _adagrad,
