@@ -171,7 +171,11 @@ def _lookup_and_update_seconds(
         # The kernel that will run was timed on this machine (`recopt-plan --calibrate`) with
         # its table in device memory: that time per id sets the total in device memory, and a
         # table elsewhere is slower by the ratio of the bytes-moved estimates.
-        dev_fwd, dev_bwd = _memory_seconds(ids, bags, rows, cols, workload, topology, DEVICE)
+        dev_fwd, dev_bwd = (
+            (fwd, bwd)
+            if placement.on_device
+            else _memory_seconds(ids, bags, rows, cols, workload, topology, DEVICE)
+        )
         if dev_fwd + dev_bwd > 0.0:
             scale = ids * measured / (dev_fwd + dev_bwd)
             return fwd * scale, bwd * scale
