@@ -196,8 +196,8 @@ class FusedEmbeddingGuard(StepParticipant):
         Raises:
             NonFiniteGradientError: this step's backward was skipped by the collection's gate.
         """
-        skipped = self._skipped_steps() - self._skips_at_start
-        self._skips_at_start = self._skipped_steps()
+        now = self._skipped_steps()
+        skipped, self._skips_at_start = now - self._skips_at_start, now
         if skipped:
             raise NonFiniteGradientError(
                 f"{type(self._module).__name__} skipped its fused update for a NaN/inf "
