@@ -348,7 +348,7 @@ def _option(
         for p in places:
             key = (kind, k, n, d, p)
             if key not in cache:
-                cache[key] = _estimate(kind, k, n, d, table, workload, topology, p)
+                cache[key] = shard_estimate(kind, k, n, d, table, workload, topology, p)
     estimates = [cache[(kind, k, n, d, placement)] for n, d in sizes]
     device_seconds = sum(cache[(kind, k, n, d, DEVICE)][2] for n, d in sizes)
     option = ShardingOption(
@@ -369,7 +369,7 @@ def _option(
     return option
 
 
-def _estimate(
+def shard_estimate(
     kind: ShardingType,
     k: int,
     n: int,
@@ -379,7 +379,8 @@ def _estimate(
     topology: Topology,
     placement: Placement,
 ) -> tuple[int, int, float]:
-    """(device bytes, host bytes, seconds) of one shard shape under one placement."""
+    """(device bytes, host bytes, seconds) of one ``n x d`` shard (a whole replica for
+    data-parallel) of ``table`` under one placement; ``k`` column shards share its rows."""
     rows, w = table.num_embeddings, topology.world_size
     _, host = resident_bytes(n, d, workload, placement)
     if kind is ShardingType.DATA_PARALLEL:

@@ -12,20 +12,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from recopt.kernels.config import FusedOptimizerConfig
+from recopt.kernels.placement import DEVICE
 from recopt.sharding.plan import ParameterSharding, ShardingPlan, ShardingType
 from recopt.sharding.planner.constraints import (
     ParameterConstraints,
     TableWorkload,
     resolve_constraints,
 )
-from recopt.sharding.planner.enumerator import table_workload
+from recopt.sharding.planner.enumerator import shard_estimate, table_workload
 from recopt.sharding.planner.partitioner import Placement
-from recopt.sharding.planner.perf import replica_cost, shard_cost
 from recopt.sharding.planner.storage import (
     rank_output_bytes,
-    replica_storage_bytes,
-    resident_bytes,
-    shard_storage_bytes,
 )
 from recopt.sharding.planner.topology import Topology
 
@@ -263,30 +260,22 @@ def _placed_estimates(
     ps: ParameterSharding, table: Any, load: TableWorkload, topology: Topology
 ) -> list[_ShardEstimate]:
     """The estimates of every shard of one table (every rank for a replica)."""
-    rows, dim, w = table.num_embeddings, table.embedding_dim, topology.world_size
-    where = ps.placement
-    if ps.sharding_type is ShardingType.DATA_PARALLEL:
-        _, host = resident_bytes(rows, dim, load, where)
-        estimate = _ShardEstimate(
-            0,
-            replica_storage_bytes(rows, dim, load, w, where),
-            host,
-            replica_cost(rows, dim, load, topology, where).total,
-            replica_cost(rows, dim, load, topology).total,
-        )
-        return [dataclasses.replace(estimate, rank=r) for r in ps.ranks]
-    kind = ps.sharding_type
+    kind, where = ps.sharding_type, ps.placement
     k = len(ps.shards) if kind in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE) else 1
-    return [
-        _ShardEstimate(
-            s.rank,
-            shard_storage_bytes(kind, s.num_rows, s.num_cols, rows, load, w, where),
-            resident_bytes(s.num_rows, s.num_cols, load, where)[1],
-            shard_cost(kind, s.num_rows, s.num_cols, rows, load, topology, k, where).total,
-            shard_cost(kind, s.num_rows, s.num_cols, rows, load, topology, k).total,
+
+    def estimate(rank: int, rows: int, cols: int) -> _ShardEstimate:
+        nbytes, host, seconds = shard_estimate(kind, k, rows, cols, table, load, topology, where)
+        device_seconds = (
+            seconds
+            if where.on_device
+            else shard_estimate(kind, k, rows, cols, table, load, topology, DEVICE)[2]
         )
-        for s in ps.shards
-    ]
+        return _ShardEstimate(rank, nbytes, host, seconds, device_seconds)
+
+    if kind is ShardingType.DATA_PARALLEL:
+        replica = estimate(0, table.num_embeddings, table.embedding_dim)
+        return [dataclasses.replace(replica, rank=r) for r in ps.ranks]
+    return [estimate(s.rank, s.num_rows, s.num_cols) for s in ps.shards]
 
 
 def format_bytes(n: float) -> str:
