@@ -101,8 +101,7 @@ def reclaim_device_memory(
     time, within the search's budget of shard placements. Mutates ``choice``; returns the
     resulting placement.
     """
-    num_shards = sum(len(o[k].shard_sizes) for o, k in zip(options, choice, strict=True))
-    trials = max(8, SEARCH_PLACEMENT_BUDGET // max(1, num_shards))
+    trials = _trial_budget(options, choice)
     best = placement
     moved = sorted(
         (t for t in range(len(options)) if options[t][choice[t]].slowdown > 0.0),
@@ -126,6 +125,12 @@ def reclaim_device_memory(
     return best
 
 
+def _trial_budget(options: Sequence[Sequence[ShardingOption]], choice: list[int]) -> int:
+    """Re-partitions a search may try: `SEARCH_PLACEMENT_BUDGET` shard placements, at least 8."""
+    num_shards = sum(len(o[k].shard_sizes) for o, k in zip(options, choice, strict=True))
+    return max(8, SEARCH_PLACEMENT_BUDGET // max(1, num_shards))
+
+
 def improve(
     options: Sequence[Sequence[ShardingOption]],
     choice: list[int],
@@ -144,12 +149,7 @@ def improve(
         base_bytes: per-rank bytes before any shard.
         max_trials: re-partitions allowed (default: from `SEARCH_PLACEMENT_BUDGET`).
     """
-    num_shards = sum(len(o[k].shard_sizes) for o, k in zip(options, choice, strict=True))
-    trials = (
-        max_trials
-        if max_trials is not None
-        else max(8, SEARCH_PLACEMENT_BUDGET // max(1, num_shards))
-    )
+    trials = max_trials if max_trials is not None else _trial_budget(options, choice)
     best = placement
     while trials > 0:
         improved = False
