@@ -4,7 +4,8 @@ fbgemm's CUDA LAMB / PARTIAL_ROWWISE_LAMB (codegen/genscript/optimizers.py) are 
 Adam's moments of the row's summed gradient, the direction ``r = m_hat / (sqrt(v_hat) + eps) +
 weight_decay * w`` and the step ``w -= lr * ||w|| / ||r|| * r`` per row. The reference below is
 that, written out row by row in float64. Also: state, config checks, backend choice, sharding
-refusals, planner bytes, a checkpoint round trip and the DLRM config.
+refusals, planner bytes and a checkpoint round trip (the DLRM config: tests/test_dlrm.py; the
+sharding contract: tests/test_sharding_contract.py; fbgemm's real CUDA kernel: tests/test_cuda.py).
 """
 
 from __future__ import annotations
