@@ -1,6 +1,7 @@
 """The GPU tier: everything here needs CUDA and is skipped without it (marker ``cuda``).
 
-CPU == CUDA for every fused optimizer and both backends after several steps; DMP at one rank
+CPU == CUDA for every fused optimizer and both backends after several steps (fbgemm's Adam and
+LAMB against recopt's CPU kernel, also through a checkpoint each way); DMP at one rank
 over NCCL (also NCCL alone, where the plan broadcast must move its CPU tensor); a checkpoint
 GPU -> CPU -> GPU; the batch prefetcher; the DLRM script for a few steps. The multi-rank
 contract on ranks sharing one GPU is in test_sharding_contract.py.
@@ -26,7 +27,16 @@ pytestmark = pytest.mark.cuda
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 GPU = torch.device("cuda", 0)
-OPTIMIZERS = ["sgd", "adagrad", "row_wise_adagrad", "adam", "row_wise_adam", "adafactor"]
+OPTIMIZERS = [
+    "sgd",
+    "adagrad",
+    "row_wise_adagrad",
+    "adam",
+    "row_wise_adam",
+    "lamb",
+    "row_wise_lamb",
+    "adafactor",
+]
 
 
 def _tables() -> list[EmbeddingBagConfig]:
@@ -112,8 +122,8 @@ def test_checkpoint_gpu_to_cpu_to_gpu(tmp_path: pathlib.Path) -> None:
     _assert_same(again, gpu)
 
 
-@pytest.mark.parametrize("name", ["adam", "row_wise_adam"])
-def test_fbgemm_cuda_adam_checkpoint_resumes_on_recopts_cpu_kernel(
+@pytest.mark.parametrize("name", ["adam", "row_wise_adam", "lamb", "row_wise_lamb"])
+def test_fbgemm_cuda_stepped_checkpoint_resumes_on_recopts_cpu_kernel(
     name: str, tmp_path: pathlib.Path
 ) -> None:
     from recopt.checkpoint import load, save
@@ -136,6 +146,24 @@ def test_fbgemm_cuda_adam_checkpoint_resumes_on_recopts_cpu_kernel(
     _train(back, range(6, 8))
     _train(cpu, range(6, 8))
     _assert_same(back, cpu)
+
+
+@pytest.mark.parametrize("name", ["lamb", "row_wise_lamb"])
+def test_fbgemm_cuda_lamb_with_weight_decay_equals_recopts_cpu_kernel(name: str) -> None:
+    """fbgemm's LAMB adds weight_decay * w to its direction, as recopt's does: no refusal."""
+    modules = []
+    for backend, device in ((Backend.FBGEMM, GPU), (Backend.RECOPT, CPU)):
+        torch.manual_seed(0)
+        optimizer = FusedOptimizerConfig(
+            name=name, lr=0.05, weight_decay=0.1, betas=(0.8, 0.99), eps=1e-4, backend=backend
+        )
+        modules.append(FusedEmbeddingBagCollection(_tables(), optimizer=optimizer, device=device))
+    gpu, cpu = modules
+    assert {g["backend"] for g in gpu.fused_optimizer.param_groups} == {"fbgemm"}
+    gpu.load_state_dict(cpu.state_dict())
+    _train(gpu, range(5))
+    _train(cpu, range(5))
+    _assert_same(gpu, cpu)
 
 
 def test_fbgemm_cuda_adam_refuses_tables_with_different_steps() -> None:

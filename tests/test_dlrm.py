@@ -182,6 +182,24 @@ def test_config_overrides_reach_every_section() -> None:
     assert config.clipping.clipping.value == "value"
 
 
+@pytest.mark.parametrize("name", ["lamb", "row_wise_lamb"])
+def test_config_accepts_lamb_and_checks_its_betas(name: str) -> None:
+    config = dlrm_config.load_config(
+        None,
+        [
+            f"embedding.optimizer.name={name}",
+            "embedding.optimizer.betas=[0.8, 0.99]",
+            "embedding.optimizer.weight_decay=0.01",
+        ],
+    )
+    optimizer = config.embedding.optimizer
+    assert (optimizer.name, optimizer.betas, optimizer.weight_decay) == (name, (0.8, 0.99), 0.01)
+    with pytest.raises(ValueError, match=r"betas\[1\] \(beta2\) should be in \[0, 1\)"):
+        dlrm_config.load_config(
+            None, [f"embedding.optimizer.name={name}", "embedding.optimizer.betas=[0.9, 1.0]"]
+        )
+
+
 def test_config_weight_dtype_for_every_table_with_a_per_table_override(
     tmp_path: pathlib.Path,
 ) -> None:

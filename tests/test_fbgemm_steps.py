@@ -113,12 +113,13 @@ def test_steps_follow_a_load_and_refuse_unequal_counters() -> None:
     assert shared_step([], []) == 0
 
 
-@pytest.mark.parametrize("name", ["adam", "row_wise_adam"])
+@pytest.mark.parametrize("name", ["adam", "row_wise_adam", "lamb", "row_wise_lamb"])
 def test_state_names_round_trip_through_fbgemm_views(name: str) -> None:
     spec = optimizer_spec(name)
+    per_element = not spec.row_wise
     flat = [torch.arange(30 * 8, dtype=torch.float32)]
-    second = torch.arange(30 * (8 if name == "adam" else 1), dtype=torch.float32) * 0.5
-    views = [[flat[0].view(30, 8), second.view(30, 8) if name == "adam" else second.view(30)]]
+    second = torch.arange(30 * (8 if per_element else 1), dtype=torch.float32) * 0.5
+    views = [[flat[0].view(30, 8), second.view(30, 8) if per_element else second.view(30)]]
     step = torch.full((), 3, dtype=torch.int64)
     (state,) = name_fbgemm_states(spec.fbgemm_states, views, [step])
     assert set(state) == {key for key, _ in spec.states} | {"step"}

@@ -28,7 +28,16 @@ from recopt.modules import (
 )
 from recopt.sparse import KeyedJaggedTensor
 
-OPTIMIZERS = ["sgd", "adagrad", "row_wise_adagrad", "adam", "row_wise_adam", "adafactor"]
+OPTIMIZERS = [
+    "sgd",
+    "adagrad",
+    "row_wise_adagrad",
+    "adam",
+    "row_wise_adam",
+    "lamb",
+    "row_wise_lamb",
+    "adafactor",
+]
 
 
 def _tables(shared: bool = True) -> list[EmbeddingBagConfig]:

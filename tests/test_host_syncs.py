@@ -96,7 +96,16 @@ def test_fused_forward_backward_reads_back_at_most_one_value(name: str) -> None:
     assert backward_calls == [], backward_calls
 
 
-RECOPT_OPTIMIZERS = ["sgd", "adagrad", "row_wise_adagrad", "adam", "row_wise_adam", "adafactor"]
+RECOPT_OPTIMIZERS = [
+    "sgd",
+    "adagrad",
+    "row_wise_adagrad",
+    "adam",
+    "row_wise_adam",
+    "lamb",
+    "row_wise_lamb",
+    "adafactor",
+]
 
 
 @pytest.mark.parametrize("name", RECOPT_OPTIMIZERS)

@@ -445,7 +445,7 @@ def test_learning_rate_change_takes_effect_at_next_backward(native: bool) -> Non
 
 @pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize(
-    "name", ["adagrad", "row_wise_adagrad", "adam", "row_wise_adam", "adafactor"]
+    "name", ["adagrad", "row_wise_adagrad", "adam", "row_wise_adam", "row_wise_lamb", "adafactor"]
 )
 def test_state_round_trip(name: str, native: bool) -> None:
     cfg = FusedOptimizerConfig(name=name, lr=0.05)
@@ -480,6 +480,8 @@ def test_state_names_and_shapes_follow_the_contract() -> None:
         "row_wise_adagrad": {"momentum1": (40,)},
         "adam": {"exp_avg": (40, 8), "exp_avg_sq": (40, 8), "step": ()},
         "row_wise_adam": {"exp_avg": (40, 8), "exp_avg_sq": (40,), "step": ()},
+        "lamb": {"exp_avg": (40, 8), "exp_avg_sq": (40, 8), "step": ()},
+        "row_wise_lamb": {"exp_avg": (40, 8), "exp_avg_sq": (40,), "step": ()},
         "adafactor": {"row_var": (40,), "col_var": (8,), "step": ()},
     }
     for name, shapes in expected.items():

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.kernels.registry import OPTIMIZERS
 from recopt.modules import EmbeddingBagConfig
 from recopt.sharding import ShardingPlan, ShardingType, validate_plan
 from recopt.sharding.planner import (
@@ -333,7 +334,7 @@ def test_every_planned_sharding_is_accepted_by_the_sharded_layout() -> None:
     """Contract with recopt/sharding/layout.py: the planner proposes nothing it rejects."""
     layout = pytest.importorskip("recopt.sharding.layout")
     tables = random_tables(12, seed=11) + [table("wide", 50_000, 128, features=6)]
-    for name in ("sgd", "adagrad", "row_wise_adagrad", "adam", "row_wise_adam", "adafactor"):
+    for name in sorted(OPTIMIZERS):  # every fused optimizer of the registry
         optimizer = FusedOptimizerConfig(name=name)
         for world_size, kernels in ((4, None), (8, (Backend.FBGEMM, Backend.RECOPT))):
             c = (
@@ -529,6 +530,8 @@ def test_storage_counts_optimizer_state() -> None:
     assert bytes_for("row_wise_adagrad") - sgd == 4 * 1000
     assert bytes_for("adam") - sgd == 4 * 2 * 1000 * 16
     assert bytes_for("row_wise_adam") - sgd == 4 * (1000 * 16 + 1000)
+    assert bytes_for("lamb") - sgd == 4 * 2 * 1000 * 16
+    assert bytes_for("row_wise_lamb") - sgd == 4 * (1000 * 16 + 1000)
     assert bytes_for("adafactor") - sgd == 4 * (1000 + 16)
 
 

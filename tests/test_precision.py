@@ -30,7 +30,15 @@ from recopt.sparse import KeyedJaggedTensor
 
 CPU = torch.device("cpu")
 REDUCED = [torch.float16, torch.bfloat16]
-ROW_OPTIMIZERS = ["sgd", "adagrad", "row_wise_adagrad", "adam", "row_wise_adam"]
+ROW_OPTIMIZERS = [
+    "sgd",
+    "adagrad",
+    "row_wise_adagrad",
+    "adam",
+    "row_wise_adam",
+    "lamb",
+    "row_wise_lamb",
+]
 
 
 def _neighbours(start: float, dtype: torch.dtype) -> tuple[float, float]:

@@ -118,6 +118,9 @@ def test_explicit_lr_is_kept() -> None:
         ({"weight_decay": -0.1}, "weight_decay should be >= 0"),
         ({"d": 2.0, "clip_threshold": 3.0}, "name the same setting"),
         ({"name": "lion"}, "'lion' is unknown"),
+        ({"betas": (0.9, 1.0)}, r"betas\[1\] \(beta2\) should be in \[0, 1\) but is 1.0"),
+        ({"betas": (-0.1, 0.9)}, r"betas\[0\] \(beta1\) should be in \[0, 1\)"),
+        ({"betas": 0.9}, r"betas should be two numbers \(beta1, beta2\) but is 0.9"),
     ],
 )
 def test_invalid_adafactor_arguments_raise_at_construction(kwargs: dict, message: str) -> None:

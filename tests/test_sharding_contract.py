@@ -168,6 +168,13 @@ def _cases() -> list[Case]:
         Case("data_parallel/shared-vbe", "data_parallel", "adam", vbe=True, shared=True),
         Case("mixed/shared-plain-ebc", "mixed", "sgd", plain_ebc=True, shared=True),
     ]
+    # LAMB's trust ratio needs whole rows: every type but the column splits (a few cases).
+    cases += [
+        Case("table_wise/lamb", "table_wise", "lamb", weighted=True, extra={"weight_decay": 0.01}),
+        Case("row_wise/row_wise_lamb", "row_wise", "row_wise_lamb", True, MEAN, shared=True),
+        Case("table_row_wise/lamb", "table_row_wise", "lamb", extra={"maximize": True}),
+        Case("data_parallel/row_wise_lamb", "data_parallel", "row_wise_lamb", vbe=True),
+    ]
     ec_optimizers = ["adagrad", "row_wise_adam", "row_wise_adagrad", "sgd", "adam", "adam", "sgd"]
     unpooled = [*zip(TYPES, ec_optimizers, strict=True)]
     cases += [Case(f"ec/{k}/{o}", k, o, unpooled=True) for k, o in unpooled]
@@ -176,6 +183,7 @@ def _cases() -> list[Case]:
         Case("ec/mixed/plain-ec", "mixed", "adam", plain_ebc=True, unpooled=True),
         Case("ec/row_wise/shared", "row_wise", "row_wise_adagrad", unpooled=True, shared=True),
         Case("ec/column_wise/shared", "column_wise", "adam", unpooled=True, shared=True),
+        Case("ec/row_wise/lamb", "row_wise", "lamb", unpooled=True),
         Case("ec/mixed/shared-plain", "mixed", "sgd", plain_ebc=True, unpooled=True, shared=True),
     ]
     return cases
@@ -368,6 +376,18 @@ def _errors_case(rank: int, world: int) -> None:
     )
     with pytest.raises(PlanError, match="adafactor"):
         DistributedModelParallel(_build(case), ada_plan)
+    lamb = FusedOptimizerConfig(name="row_wise_lamb")
+    lamb_plan = ShardingPlan(
+        {
+            "sparse": construct_module_sharding_plan(
+                tables,
+                {**_requests("row_wise", world), "t1": column_wise([0], optimizer=lamb)},
+                world,
+            )
+        }
+    )
+    with pytest.raises(PlanError, match="'t1'.*row_wise_lamb.*cannot run on column shards"):
+        DistributedModelParallel(_build(case), lamb_plan)
     rw = FusedOptimizerConfig(name="row_wise_adagrad")
     fb_plan = ShardingPlan(
         {

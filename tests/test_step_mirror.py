@@ -37,7 +37,7 @@ def _kernel(name: str, seed: int) -> RecoptTableBatchedEmbedding:
 
 
 @pytest.mark.parametrize("use_native", [True, False])
-@pytest.mark.parametrize("name", ["adam", "row_wise_adam", "adafactor"])
+@pytest.mark.parametrize("name", ["adam", "row_wise_adam", "lamb", "adafactor"])
 def test_state_loaded_in_place_continues_like_the_original(name: str, use_native: bool) -> None:
     gen = torch.Generator().manual_seed(1)
     batches = []

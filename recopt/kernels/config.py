@@ -49,15 +49,16 @@ class FusedOptimizerConfig:
 
     Args:
         name: one of ``sgd``, ``adagrad``, ``row_wise_adagrad``, ``adam``, ``row_wise_adam``,
-            ``adafactor``.
+            ``lamb``, ``row_wise_lamb``, ``adafactor``.
         lr: learning rate (Adafactor: the maximum relative step, as in
             ``torch.optim.Adafactor``); ``None``: the optimizer's default (adam 1e-3, as
             ``torch.optim.SparseAdam``; the others 0.01).
         eps: term added to denominators (Adafactor: epsilon1, ``None`` for the dtype's machine
             epsilon). Adafactor also takes torch's ``(eps1, eps2)`` pair. ``None`` elsewhere:
             the default 1e-8.
-        weight_decay: L2 penalty (Adam, Adagrad, SGD) / decoupled decay (Adafactor).
-        betas: Adam's moment coefficients.
+        weight_decay: L2 penalty (Adam, Adagrad, SGD) / decoupled decay (Adafactor) / the
+            ``weight_decay * w`` term of LAMB's update direction (fbgemm's LAMB).
+        betas: Adam's and LAMB's moment coefficients, each in [0, 1).
         maximize: ascend instead of descend, where the reference optimizer has the option.
         beta2_decay: Adafactor's beta2 decay exponent (<= 0).
         eps2: Adafactor's epsilon2 (parameter-scale floor).
@@ -77,7 +78,8 @@ class FusedOptimizerConfig:
 
     Raises:
         ValueError: an unknown name or an out-of-range hyperparameter (torch's rules: lr,
-            eps1, eps2, weight_decay >= 0, beta2_decay <= 0, clip_threshold >= 1).
+            eps1, eps2, weight_decay >= 0, 0 <= betas < 1, beta2_decay <= 0,
+            clip_threshold >= 1).
     """
 
     name: str = ROW_WISE_ADAGRAD.name
@@ -124,6 +126,7 @@ class FusedOptimizerConfig:
                 )
             object.__setattr__(self, "clip_threshold", float(self.d))
             object.__setattr__(self, "d", None)
+        self._validate_betas()
         self._validate()
         object.__setattr__(self, "backend", Backend(self.backend))
         if not isinstance(self.stochastic_rounding, bool):
@@ -136,6 +139,28 @@ class FusedOptimizerConfig:
                 f"fused optimizer {self.name!r}: rounding_seed must be an int, got "
                 f"{self.rounding_seed!r}; e.g. rounding_seed=0"
             )
+
+    def _validate_betas(self) -> None:
+        """``betas``: two numbers in [0, 1) (a TOML list becomes the tuple)."""
+        betas = self.betas
+        ok = (
+            isinstance(betas, tuple | list)
+            and len(betas) == 2
+            and all(isinstance(b, int | float) and not isinstance(b, bool) for b in betas)
+        )
+        if not ok:
+            raise ValueError(
+                f"fused optimizer {self.name!r}: betas should be two numbers (beta1, beta2) but "
+                f"is {betas!r}; pass e.g. betas=(0.9, 0.999)"
+            )
+        beta1, beta2 = (float(b) for b in betas)
+        for field_name, value in (("betas[0] (beta1)", beta1), ("betas[1] (beta2)", beta2)):
+            if not 0.0 <= value < 1.0:
+                raise ValueError(
+                    f"fused optimizer {self.name!r}: {field_name} should be in [0, 1) but is "
+                    f"{value}; pass a value in [0, 1), e.g. betas=(0.9, 0.999)"
+                )
+        object.__setattr__(self, "betas", (beta1, beta2))
 
     def _validate(self) -> None:
         checks = [

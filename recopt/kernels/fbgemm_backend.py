@@ -3,7 +3,9 @@
 The CPU build trains with SGD, Adagrad and row-wise Adagrad only, fp32 or fp16 weights
 (rounded to nearest) and fp32 state; the CUDA build also with Adam and row-wise Adam
 (fbgemm's ADAM / PARTIAL_ROWWISE_ADAM, mapped to SparseAdam's formula and recopt's per-table
-``step`` by `fbgemm_steps`), fp32, fp16 or bf16 weights in any placement. recopt validates ids
+``step`` by `fbgemm_steps`) and LAMB and row-wise LAMB (LAMB / PARTIAL_ROWWISE_LAMB, whose
+formulas recopt's are; only the step counter is mapped), fp32, fp16 or bf16 weights in any
+placement. recopt validates ids
 itself, so fbgemm's (warn-and-use-row-0) bounds check is off.
 """
 
@@ -150,7 +152,7 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         tables: the tables, in kernel order.
         feature_table_map: for each input feature, the index of its table.
         optimizer: the fused optimizer (sgd, adagrad or row_wise_adagrad; on CUDA also adam
-            and row_wise_adam without weight decay).
+            and row_wise_adam without weight decay, lamb and row_wise_lamb).
         pooling: sum or mean.
         device: cpu or cuda.
 
@@ -245,14 +247,16 @@ class FbgemmTableBatchedEmbedding(nn.Module):
             cache_load_factor=cache_load_factor,
             device=device,
         )
-        # Stepped optimizers (CUDA Adam): recopt's per-table counters, the checkpointed state.
+        # Stepped optimizers (CUDA Adam, LAMB): recopt's per-table counters, the checkpointed state.
         self._steps: FbgemmSteps | None = None
         if spec.stepped:
             for t in range(len(self.tables)):
                 step = torch.zeros((), dtype=torch.int64, device=device)
                 self.register_buffer(f"_step_{t}", step, persistent=False)
             names = [t.name for t in self.tables]
-            self._steps = FbgemmSteps(self._step_tensors, names, eps, optimizer.betas[1])
+            self._steps = FbgemmSteps(
+                self._step_tensors, names, eps, optimizer.betas[1], spec.fbgemm_remap_eps
+            )
 
     def forward(
         self,

@@ -1,11 +1,12 @@
-"""recopt's per-table ``step`` counters in front of fbgemm's one iteration counter (CUDA Adam).
+"""recopt's per-table ``step`` counters before fbgemm's one iteration counter (CUDA Adam, LAMB).
 
-fbgemm's ADAM / PARTIAL_ROWWISE_ADAM keep one counter per kernel (``iter`` on the device,
-``iter_cpu`` on the host), advance it in every forward, and add ``eps`` to the bias-corrected
-root ``sqrt(v / (1 - beta2^t))``. recopt's adam is SparseAdam's: one ``step`` per table,
-advanced by each backward that updates, and ``eps`` added to ``sqrt(v)``. Before each forward
-this sets fbgemm's counter from recopt's and its ``eps`` to ``eps / sqrt(1 - beta2^t)``, which
-makes the two formulas equal (docs/kernels.md, "fbgemm's CUDA Adam"); the backward advances
+fbgemm's ADAM / PARTIAL_ROWWISE_ADAM / LAMB / PARTIAL_ROWWISE_LAMB keep one counter per kernel
+(``iter`` on the device, ``iter_cpu`` on the host), advance it in every forward, and add
+``eps`` to the bias-corrected root ``sqrt(v / (1 - beta2^t))``. recopt keeps one ``step`` per
+table, advanced by each backward that updates. Before each forward this sets fbgemm's counter
+from recopt's; for adam (SparseAdam's ``eps`` on ``sqrt(v)``) it also sets fbgemm's ``eps`` to
+``eps / sqrt(1 - beta2^t)``, which makes the two formulas equal (docs/kernels.md, "fbgemm's
+CUDA Adam"); recopt's lamb is fbgemm's formula, its ``eps`` passes as is. The backward advances
 recopt's counters. Checkpoints hold recopt's counters, so they move between backends.
 """
 
@@ -41,8 +42,8 @@ def shared_step(values: Sequence[int], table_names: Sequence[str]) -> int:
     if len(set(values)) > 1:
         steps = ", ".join(f"{n!r}: {v}" for n, v in zip(table_names, values, strict=True))
         raise ValueError(
-            f"fbgemm's Adam keeps one step counter for all tables of a kernel, but the tables' "
-            f"'step' states differ ({steps}); load equal steps, or run these tables with "
+            "fbgemm's Adam and LAMB keep one step counter for all tables of a kernel, but the "
+            f"tables' 'step' states differ ({steps}); load equal steps, or run these tables with "
             "backend='recopt' (one counter per table)"
         )
     return values[0] if values else 0
@@ -54,8 +55,10 @@ class FbgemmSteps:
     Args:
         get_steps: returns the tables' 0-dim int64 ``step`` tensors (the checkpointed state).
         table_names: the tables, for error messages.
-        eps: recopt's (SparseAdam's) ``eps``.
-        beta2: Adam's second-moment coefficient.
+        eps: recopt's ``eps`` (SparseAdam's when ``remap_eps``).
+        beta2: the second-moment coefficient.
+        remap_eps: give fbgemm SparseAdam's ``eps`` for each step (adam); ``False`` leaves
+            fbgemm's ``eps`` alone (lamb, whose formula is fbgemm's).
     """
 
     def __init__(
@@ -64,15 +67,17 @@ class FbgemmSteps:
         table_names: Sequence[str],
         eps: float,
         beta2: float,
+        remap_eps: bool = True,
     ) -> None:
         self._get_steps = get_steps
         self._names = list(table_names)
         self._eps = eps
         self._beta2 = beta2
+        self._remap_eps = remap_eps
         self._mirror = StepMirror(get_steps(), [0] * len(self._names))
 
     def before_forward(self, tbe: Any) -> int:
-        """Set ``tbe``'s counter and ``eps`` for the step this forward's backward applies.
+        """Set ``tbe``'s counter (and ``eps``) for the step this forward's backward applies.
 
         fbgemm adds one to its counter in forward and uses the result in backward. Reads the
         counters back only after they were written from outside (a checkpoint load).
@@ -86,8 +91,9 @@ class FbgemmSteps:
         tbe.iter.fill_(step)
         if hasattr(tbe, "iter_cpu"):
             tbe.iter_cpu.fill_(step)
-        eps = sparse_adam_eps_for_fbgemm(self._eps, self._beta2, step + 1)
-        tbe.optimizer_args = tbe.optimizer_args._replace(eps=eps)
+        if self._remap_eps:
+            eps = sparse_adam_eps_for_fbgemm(self._eps, self._beta2, step + 1)
+            tbe.optimizer_args = tbe.optimizer_args._replace(eps=eps)
         return step + 1
 
     def after_update(self) -> None:

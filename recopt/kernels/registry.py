@@ -2,8 +2,9 @@
 
 A spec holds every fact the rest of recopt needs about an optimizer: its state tensors and
 their shapes, whether it is row-wise or keeps a step counter, whether its statistics need the
-whole table, fbgemm's name for it on CPU and CUDA, the code of its update in the native CPU
-kernel, and its reference defaults. Modules, sharding, planner and fault tolerance read it.
+whole table (or whole rows), fbgemm's name for it on CPU and CUDA, the code of its update in
+the native CPU kernel, and its reference defaults. Modules, sharding, planner and fault
+tolerance read it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ class OptimizerSpec:
         stepped: keeps an int64 ``step`` counter (bias correction, a schedule).
         whole_table_statistics: its statistics span every row and every column, so only a
             whole table or a replica can run it (no row or column split).
+        full_row_norms: its update scales each row by a ratio of norms over the row's full
+            width (LAMB's trust ratio), so no column split can run it (rows may be split).
+        weight_decay_in_update: adds ``weight_decay * w`` to its update direction (LAMB's
+            form, as fbgemm's kernels do) instead of an L2 term on the gradient.
         dense_state: its state is not indexed by row alone (a per-column statistic), so a
             row-subset update must carry the whole state.
         fbgemm_cpu: fbgemm's ``EmbOptimType`` name in its CPU build, ``None`` if absent.
@@ -47,8 +52,10 @@ class OptimizerSpec:
             returns them, so checkpoints move between backends.
         fbgemm_decoupled_weight_decay: fbgemm's CUDA kernel applies ``weight_decay`` in
             AdamW's decoupled form where recopt adds an L2 term (the fbgemm backend refuses a
-            non-zero weight decay); its ``eps`` sits on the bias-corrected root, which
-            `fbgemm_steps` maps to SparseAdam's every step.
+            non-zero weight decay).
+        fbgemm_remap_eps: fbgemm adds ``eps`` to the bias-corrected root where recopt
+            (SparseAdam) adds it to ``sqrt(v)``; `fbgemm_steps` maps it every step. ``False``
+            for a stepped optimizer whose formula is fbgemm's own (LAMB).
         fbgemm_cpu_shared_table_broken: fbgemm's CPU kernel mishandles a table shared by
             several features (measured, fbgemm-gpu-cpu 1.8.0: EXACT_ADAGRAD updates once per
             feature, EXACT_ROWWISE_ADAGRAD can raise).
@@ -68,11 +75,14 @@ class OptimizerSpec:
     row_wise: bool = False
     stepped: bool = False
     whole_table_statistics: bool = False
+    full_row_norms: bool = False
+    weight_decay_in_update: bool = False
     dense_state: bool = False
     fbgemm_cpu: str | None = None
     fbgemm_cuda: str | None = None
     fbgemm_states: tuple[str, ...] = ()
     fbgemm_decoupled_weight_decay: bool = False
+    fbgemm_remap_eps: bool = False
     fbgemm_cpu_shared_table_broken: bool = False
     cpu_prefers_fbgemm: bool = False
     c_code: int | None = None
@@ -129,6 +139,7 @@ ADAM = OptimizerSpec(
     fbgemm_cuda="ADAM",
     fbgemm_states=("exp_avg", "exp_avg_sq"),
     fbgemm_decoupled_weight_decay=True,
+    fbgemm_remap_eps=True,
     c_code=3,
     default_lr=1e-3,  # torch.optim.SparseAdam's
 )
@@ -140,7 +151,30 @@ ROW_WISE_ADAM = OptimizerSpec(
     fbgemm_cuda="PARTIAL_ROWWISE_ADAM",
     fbgemm_states=("exp_avg", "exp_avg_sq"),
     fbgemm_decoupled_weight_decay=True,
+    fbgemm_remap_eps=True,
     c_code=4,
+)
+# LAMB as fbgemm's CUDA kernels define it (no torch reference exists): Adam's moments with
+# eps on the bias-corrected root, weight decay added to the update direction, then each row's
+# step scaled by ||w_row|| / ||update_row||. No native or Triton update: the torch path runs.
+LAMB = OptimizerSpec(
+    name="lamb",
+    states=(("exp_avg", StateShape.PER_ELEMENT), ("exp_avg_sq", StateShape.PER_ELEMENT)),
+    stepped=True,
+    full_row_norms=True,
+    weight_decay_in_update=True,
+    fbgemm_cuda="LAMB",
+    fbgemm_states=("exp_avg", "exp_avg_sq"),
+)
+ROW_WISE_LAMB = OptimizerSpec(
+    name="row_wise_lamb",
+    states=(("exp_avg", StateShape.PER_ELEMENT), ("exp_avg_sq", StateShape.PER_ROW)),
+    row_wise=True,
+    stepped=True,
+    full_row_norms=True,
+    weight_decay_in_update=True,
+    fbgemm_cuda="PARTIAL_ROWWISE_LAMB",
+    fbgemm_states=("exp_avg", "exp_avg_sq"),
 )
 ADAFACTOR = OptimizerSpec(
     name="adafactor",
@@ -152,7 +186,17 @@ ADAFACTOR = OptimizerSpec(
 )
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
-    spec.name: spec for spec in (SGD, ADAGRAD, ROW_WISE_ADAGRAD, ADAM, ROW_WISE_ADAM, ADAFACTOR)
+    spec.name: spec
+    for spec in (
+        SGD,
+        ADAGRAD,
+        ROW_WISE_ADAGRAD,
+        ADAM,
+        ROW_WISE_ADAM,
+        LAMB,
+        ROW_WISE_LAMB,
+        ADAFACTOR,
+    )
 }
 
 

@@ -80,9 +80,13 @@ class AdafactorNorm:
 
 
 def _l2_and_sign(config: FusedOptimizerConfig, weight_U_D: Tensor, grad_U_D: Tensor) -> Tensor:
-    """The gradient after ``maximize`` (negation) and L2 weight decay on the touched rows."""
+    """The gradient after ``maximize`` (negation) and L2 weight decay on the touched rows.
+
+    No L2 term for optimizers that decay inside their update (LAMB: ``weight_decay_in_update``).
+    """
     grad = -grad_U_D if config.maximize else grad_U_D
-    if config.weight_decay != 0.0:
+    in_update = registry.optimizer_spec(config.name).weight_decay_in_update
+    if config.weight_decay != 0.0 and not in_update:
         grad = grad + config.weight_decay * weight_U_D
     return grad
 
@@ -120,6 +124,52 @@ def _adam_like(
     bias_correction2 = 1.0 - beta2**step
     step_size = lr * math.sqrt(bias_correction2) / bias_correction1
     weight.index_add_(0, rows_U, m_U_D.div_(denom).mul_(-step_size))
+
+
+def _lamb(
+    config: FusedOptimizerConfig,
+    lr: float,
+    weight: Tensor,
+    state: dict[str, Tensor],
+    rows_U: Tensor,
+    grad_U_D: Tensor,
+    row_stat: RowStat | None = None,
+    step: int | None = None,
+) -> None:
+    """LAMB and row-wise LAMB on the touched rows: fbgemm's LAMB / PARTIAL_ROWWISE_LAMB.
+
+    Adam's moments of the gradient (no L2 term), the direction ``r = m / (1 - b1^t) /
+    (sqrt(v / (1 - b2^t)) + eps) + weight_decay * w`` (row-wise: ``v`` one value per row, the
+    mean of ``g^2``), and each row moves by ``-lr * ||w|| / ||r|| * r`` (norms over the row, of
+    the weights before the step). A row whose ``r`` is all zero stays where it is (fbgemm's
+    kernel would divide 0 by 0 there and write NaN).
+    """
+    beta1, beta2 = config.betas
+    eps = config.eps1 if config.eps1 is not None else 1e-8
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    if step is None:
+        step = int(state["step"].item())
+    m_U_D = exp_avg.index_select(0, rows_U).mul_(beta1).add_(grad_U_D, alpha=1.0 - beta1)
+    exp_avg.index_copy_(0, rows_U, m_U_D)
+    bias_correction2 = 1.0 - beta2**step
+    if exp_avg_sq.dim() == 2:
+        v_U_D = exp_avg_sq.index_select(0, rows_U).mul_(beta2)
+        v_U_D.addcmul_(grad_U_D, grad_U_D, value=1.0 - beta2)
+        exp_avg_sq.index_copy_(0, rows_U, v_U_D)
+        denom = v_U_D.div(bias_correction2).sqrt_().add_(eps)
+    else:
+        v_U = exp_avg_sq.index_select(0, rows_U).mul_(beta2)
+        v_U.add_(_row_mean_sq(grad_U_D, row_stat), alpha=1.0 - beta2)
+        exp_avg_sq.index_copy_(0, rows_U, v_U)
+        denom = v_U.div(bias_correction2).sqrt_().add_(eps).unsqueeze(1)
+    r_U_D = m_U_D.div(1.0 - beta1**step).div_(denom)
+    w_U_D = weight.index_select(0, rows_U)
+    if config.weight_decay != 0.0:
+        r_U_D.add_(w_U_D, alpha=config.weight_decay)
+    r_norm_U = torch.linalg.vector_norm(r_U_D, dim=1)
+    trust_U = torch.linalg.vector_norm(w_U_D, dim=1).div_(r_norm_U)
+    trust_U = torch.where(r_norm_U > 0, trust_U, torch.zeros_like(trust_U))
+    weight.index_add_(0, rows_U, r_U_D.mul_(trust_U.mul_(-lr).unsqueeze(1)))
 
 
 def _sum_sq(x_R_D: Tensor) -> Tensor:
@@ -396,5 +446,7 @@ _UPDATES: dict[str, Callable[..., None]] = {
     registry.ROW_WISE_ADAGRAD.name: _adagrad,
     registry.ADAM.name: _adam_like,
     registry.ROW_WISE_ADAM.name: _adam_like,
+    registry.LAMB.name: _lamb,
+    registry.ROW_WISE_LAMB.name: _lamb,
     registry.ADAFACTOR.name: _adafactor,
 }

@@ -42,6 +42,30 @@ def needs_row_stat_hook(kind: ShardingType, optimizer: FusedOptimizerConfig) -> 
     return kind.splits_columns and optimizer_spec(optimizer.name).row_wise
 
 
+def sharding_refusal(kind: ShardingType, optimizer_name: str) -> str:
+    """Why sharding type ``kind`` cannot run the fused optimizer ``optimizer_name``; ``""``
+    when it can.
+
+    A column statistic spans every row and a row statistic every column (adafactor): only a
+    whole table (table-wise) or a replica (data-parallel) sees both. LAMB's trust ratio is a
+    ratio of norms over each full row: a column shard sees part of the row.
+    """
+    spec = optimizer_spec(optimizer_name)
+    if spec.whole_table_statistics and not kind.whole_table:
+        return (
+            f"{spec.name} keeps row and column statistics over the whole table, so it "
+            f"supports table_wise and data_parallel sharding only, not {kind.value}; shard it "
+            "table-wise or pick another fused optimizer"
+        )
+    if spec.full_row_norms and kind.splits_columns:
+        return (
+            f"{spec.name} scales each row's step by norms over the full row, so it cannot run "
+            f"on column shards ({kind.value}); shard it table_wise, row_wise, table_row_wise "
+            "or data_parallel, or pick another fused optimizer"
+        )
+    return ""
+
+
 def resolve_optimizer(
     table: EmbeddingBagConfig,
     ps: ParameterSharding,
@@ -51,21 +75,16 @@ def resolve_optimizer(
     """The optimizer a table's shards run with, its backend fixed by the plan and the type.
 
     Raises:
-        PlanError: adafactor on a type other than table-wise / data-parallel, a column-sharded
+        PlanError: a type the optimizer cannot run (`sharding_refusal`: adafactor on a type
+            other than table-wise / data-parallel, lamb on column shards), a column-sharded
             row-wise optimizer forced onto fbgemm (which has no row statistic hook), or a table
             placed in UVM on a kernel other than fbgemm (the only one that reads UVM).
     """
     where = f"table {table.name!r} (module {module_path!r})"
     kind = ps.sharding_type
-    spec = optimizer_spec(optimizer.name)
-    # A column statistic spans every row and a row statistic every column (adafactor): only a
-    # whole table (table-wise) or a replica (data-parallel) sees both.
-    if spec.whole_table_statistics and not kind.whole_table:
-        raise PlanError(
-            f"{where}: {spec.name} keeps row and column statistics over the whole table, so it "
-            f"supports table_wise and data_parallel sharding only, not {kind.value}; shard it "
-            "table-wise or pick another fused optimizer"
-        )
+    refusal = sharding_refusal(kind, optimizer.name)
+    if refusal:
+        raise PlanError(f"{where}: {refusal}")
     backend = ps.compute_kernel if ps.compute_kernel is not Backend.AUTO else optimizer.backend
     if not ps.placement.on_device:
         _check_uvm_kernel(where, ps, optimizer, backend)

@@ -19,7 +19,7 @@ from recopt.kernels.placement import DEVICE, Location, Placement
 from recopt.kernels.precision import Precision
 from recopt.kernels.registry import fbgemm_spec_names, optimizer_spec
 from recopt.modules.config import EmbeddingConfig
-from recopt.sharding.layout import needs_row_stat_hook
+from recopt.sharding.layout import needs_row_stat_hook, sharding_refusal
 from recopt.sharding.plan import ParameterSharding, ShardingType, ShardSpec
 from recopt.sharding.plan_helpers import split_columns, split_evenly
 from recopt.sharding.planner.constraints import ParameterConstraints, TableWorkload
@@ -239,15 +239,18 @@ def _allowed_types(
     c: ParameterConstraints, optimizer: FusedOptimizerConfig, topology: Topology, where: str
 ) -> tuple[ShardingType, ...]:
     kinds = c.sharding_types or _default_types(topology)
-    if not optimizer_spec(optimizer.name).whole_table_statistics:
-        return kinds
-    # Statistics that span the whole table (adafactor's): only a whole table or a replica
-    # sees them (the sharded module rejects the other types; see sharding/layout.py).
-    allowed = tuple(k for k in kinds if k.whole_table)
+    # Statistics over the whole table (adafactor) or norms over full rows (lamb): the types
+    # the sharded module would reject are left out (sharding/layout.py, `sharding_refusal`).
+    allowed = tuple(k for k in kinds if not sharding_refusal(k, optimizer.name))
     if not allowed:
+        ok = [k for k in ShardingType if not sharding_refusal(k, optimizer.name)]
+        supported = [k.value for k in sorted(ok, key=lambda k: k.replicated)]  # replicas last
+        names = " and ".join(
+            [", ".join(supported[:-1]), supported[-1]] if supported[1:] else supported
+        )
         raise EnumerationError(
-            f"{where}: the fused optimizer {optimizer.name} supports table_wise and "
-            f"data_parallel sharding only, and the constraints allow "
+            f"{where}: the fused optimizer {optimizer.name} supports {names} sharding only, "
+            "and the constraints allow "
             f"{[k.value for k in kinds]}; allow one of those or pick another optimizer"
         )
     return allowed
