@@ -84,16 +84,52 @@ class ReshardReport:
 ProgressFn = Callable[[Progress], None]
 
 
+class _Tally:
+    """What a rewrite or an export has written since it began, told to ``progress`` per tensor."""
+
+    def __init__(self, manifest: Manifest, progress: ProgressFn | None) -> None:
+        self.manifest = manifest
+        self.progress = progress
+        self.start = time.perf_counter()
+        self.total = sum(_nbytes(e.shape, e.dtype) for e in manifest.tensors.values())
+        self.done = self.done_bytes = 0
+
+    def add(self, key: str, nbytes: int) -> None:
+        """Counts tensor ``key`` (``nbytes`` bytes) as written and reports the progress."""
+        self.done += 1
+        self.done_bytes += nbytes
+        if self.progress is not None:
+            elapsed = time.perf_counter() - self.start
+            total_n = len(self.manifest.tensors)
+            self.progress(Progress(self.done, total_n, self.done_bytes, self.total, elapsed, key))
+
+    def report(self, target_world_size: int | None) -> ReshardReport:
+        """What was done: tensors, tables, bytes, seconds since the start."""
+        tensors = self.manifest.tensors
+        owners = model_tables(tensors)
+        return ReshardReport(
+            tensors=len(tensors),
+            tables=len({t for k in tensors if (t := _table_of(k, owners))}),
+            bytes=self.total,
+            seconds=time.perf_counter() - self.start,
+            source_world_size=self.manifest.world_size,
+            target_world_size=target_world_size,
+        )
+
+
 def _nbytes(shape: list[int], dtype: str) -> int:
     return torch.Size(shape).numel() * getattr(torch, dtype).itemsize
 
 
-def _verified(src: Path) -> tuple[Manifest, Metadata]:
+def _open_source(src: Path, dst: Path) -> tuple[Manifest, Metadata, SafeFileSystemReader, Path]:
+    """Verifies ``src`` in full, then creates ``dst``'s partial directory to write into."""
     manifest = read_manifest(src)
     problems = verify_files(src, manifest, sorted(manifest.files))
     if problems:
         raise CheckpointError(f"checkpoint {src} failed verification:\n  " + "\n  ".join(problems))
-    return manifest, SafeFileSystemReader(src).read_metadata()
+    metadata = SafeFileSystemReader(src).read_metadata()
+    partial = _fresh_partial(dst)
+    return manifest, metadata, SafeFileSystemReader(src, metadata), partial
 
 
 def _read_tensor(
@@ -242,15 +278,11 @@ def reshard(
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     if plan is not None:
         _check_plan_ranks(plan, world_size)
-    manifest, metadata = _verified(src)
-    partial = _fresh_partial(dst)
-    reader = SafeFileSystemReader(src, metadata)
-    start = time.perf_counter()
-    total = sum(_nbytes(e.shape, e.dtype) for e in manifest.tensors.values())
+    manifest, metadata, reader, partial = _open_source(src, dst)
+    tally = _Tally(manifest, progress)
     new_chunks: dict[str, list[ChunkStorageMetadata]] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     tables = model_tables(manifest.tensors)
-    done = done_bytes = 0
     for file_index, keys in enumerate(_batches(manifest, batch_bytes)):
         name = f"__{file_index}_0.distcp"
         with open(partial / name, "wb") as out:
@@ -261,33 +293,13 @@ def reshard(
                 rects = target_chunks(key, entry.shape, plan, world_size, sharded, tables)
                 new_chunks[key] = _append_chunks(out, name, key, full, rects, storage)
                 del full
-                done += 1
-                done_bytes += _nbytes(entry.shape, entry.dtype)
-                if progress is not None:
-                    elapsed = time.perf_counter() - start
-                    total_n = len(manifest.tensors)
-                    progress(Progress(done, total_n, done_bytes, total, elapsed, key))
+                tally.add(key, _nbytes(entry.shape, entry.dtype))
             out.flush()
             os.fsync(out.fileno())
     _write_metadata(partial, metadata, new_chunks, storage)
     plan_json = plan.to_json() if plan is not None else manifest.plan
     _finish_copy(src, dst, partial, manifest, world_size, plan_json)
-    return _report(manifest, total, start, world_size)
-
-
-def _report(
-    manifest: Manifest, total: int, start: float, target_world_size: int | None
-) -> ReshardReport:
-    """What a rewrite or an export did: tensors, tables, bytes, seconds since ``start``."""
-    owners = model_tables(manifest.tensors)
-    return ReshardReport(
-        tensors=len(manifest.tensors),
-        tables=len({t for k in manifest.tensors if (t := _table_of(k, owners))}),
-        bytes=total,
-        seconds=time.perf_counter() - start,
-        source_world_size=manifest.world_size,
-        target_world_size=target_world_size,
-    )
+    return tally.report(world_size)
 
 
 def _append_chunks(
@@ -397,16 +409,12 @@ def export_full(
         CheckpointError: ``src`` is damaged, ``dst`` exists, or a dtype safetensors lacks.
     """
     src, dst = Path(src), Path(dst)
-    manifest, metadata = _verified(src)
-    partial = _fresh_partial(dst)
-    reader = SafeFileSystemReader(src, metadata)
-    start = time.perf_counter()
-    total = sum(_nbytes(e.shape, e.dtype) for e in manifest.tensors.values())
+    manifest, _, reader, partial = _open_source(src, dst)
+    tally = _Tally(manifest, progress)
     groups = {
         "model.safetensors": [k for k in sorted(manifest.tensors) if k.startswith("model/")],
         "state.safetensors": [k for k in sorted(manifest.tensors) if not k.startswith("model/")],
     }
-    done = done_bytes = 0
     for file_name, keys in groups.items():
         names = {
             k: k.removeprefix("model/") if file_name == "model.safetensors" else k for k in keys
@@ -417,13 +425,9 @@ def export_full(
                 entry = manifest.tensors[key]
                 full = _read_tensor(reader, key, entry.shape, entry.dtype)
                 out.write(full.reshape(-1).view(torch.uint8).numpy().data)
-                done += 1
-                done_bytes += full.nbytes
-                if progress is not None:
-                    elapsed = time.perf_counter() - start
-                    progress(Progress(done, len(manifest.tensors), done_bytes, total, elapsed, key))
+                tally.add(key, full.nbytes)
     partial.rename(dst)
-    return _report(manifest, total, start, None)
+    return tally.report(None)
 
 
 def _safetensors_header(manifest: Manifest, keys: list[str], names: dict[str, str]) -> bytes:

@@ -152,39 +152,12 @@ def save(
     final = Path(path)
     partial = final.parent / f".{final.name}.partial"
     with _ranks(timeout) as group:
-        problems: list[str] = []
         tensors: dict[str, TensorLike] = {}
-        try:
-            flush_kernel_caches(model)  # UVM-cached rows are saved as last updated
-            tree: dict[str, Any] = {"model": model.state_dict()}
-            if optimizer is not None:
-                tree["optim"] = _optimizer_tree(optimizer, model)
-            if extra:
-                tree["extra"] = _extra_tree(extra)
-            skeleton = encode_tree(tree, "", tensors)
-        except CheckpointError as e:
-            problems.append(str(e))
+        skeleton, problems = _encode(model, optimizer, extra, tensors)
         if group.rank == 0 and not problems:
             problems += _prepare_partial(final, partial, overwrite)
         group.agree(problems, f"cannot save checkpoint {final}")
-
-        writer = dcp.FileSystemWriter(partial)
-        writer.fs = summing = SummingFileSystem()
-        mine: dict[str, FileEntry] = {}
-        metadata: Any = None
-        try:
-            with _dcp_quietly(), archive_crc_off():
-                metadata = dcp.save(
-                    tensors,
-                    storage_writer=writer,
-                    process_group=group.pg,
-                    no_dist=group.pg is None,
-                )
-            # Every rank sums its own files; a local failure is reported through the gather,
-            # so the other ranks raise it too instead of waiting for a timeout.
-            mine = _sum_own_files(partial, group.rank, summing.sums)
-        except (Exception, CheckpointException) as e:
-            problems = [write_failure(e, group.rank, final, partial, tensors)]
+        metadata, mine, problems = _write_own(final, partial, tensors, group)
         gathered = group.all_gather((mine, problems, all_finite(tensors.values())))
         problems = [p for _, rank_problems, _ in gathered for p in rank_problems]
         if group.rank == 0 and not problems:
@@ -199,6 +172,47 @@ def save(
             shutil.rmtree(partial, ignore_errors=True)
         group.agree(problems, f"cannot complete checkpoint {final}")
     return final
+
+
+def _encode(
+    model: torch.nn.Module,
+    optimizer: Optimizers | None,
+    extra: Mapping[str, Any] | None,
+    tensors: dict[str, TensorLike],
+) -> tuple[Any, list[str]]:
+    """Puts every tensor to save into ``tensors``; returns the skeleton, or a problem."""
+    try:
+        flush_kernel_caches(model)  # UVM-cached rows are saved as last updated
+        tree: dict[str, Any] = {"model": model.state_dict()}
+        if optimizer is not None:
+            tree["optim"] = _optimizer_tree(optimizer, model)
+        if extra:
+            tree["extra"] = _extra_tree(extra)
+        return encode_tree(tree, "", tensors), []
+    except CheckpointError as e:
+        return None, [str(e)]
+
+
+def _write_own(
+    final: Path, partial: Path, tensors: dict[str, TensorLike], group: _Group
+) -> tuple[Any, dict[str, FileEntry], list[str]]:
+    """DCP writes this rank's tensors into ``partial``; returns DCP's metadata, this rank's
+    files (sizes and checksums), and the problem if the write failed."""
+    writer = dcp.FileSystemWriter(partial)
+    writer.fs = summing = SummingFileSystem()
+    try:
+        with _dcp_quietly(), archive_crc_off():
+            metadata = dcp.save(
+                tensors,
+                storage_writer=writer,
+                process_group=group.pg,
+                no_dist=group.pg is None,
+            )
+        # Every rank sums its own files; a local failure is reported through the gather,
+        # so the other ranks raise it too instead of waiting for a timeout.
+        return metadata, _sum_own_files(partial, group.rank, summing.sums), []
+    except (Exception, CheckpointException) as e:
+        return None, {}, [write_failure(e, group.rank, final, partial, tensors)]
 
 
 def _sum_own_files(partial: Path, rank: int, sums: dict[str, FileEntry]) -> dict[str, FileEntry]:
@@ -306,24 +320,9 @@ def load(
     extra = extra or {}
     with _ranks(timeout) as group:
         manifest, skeleton, rank_state = _verify(directory, group)
-        if optimizer is not None and subtree(skeleton, "optim") is not None:
-            init_optimizer_state(optimizer)
-        # Cached rows written back and dropped: the loaded rows are what the next step reads.
-        flush_kernel_caches(model)
-        live: dict[str, Any] = {"model": model.state_dict()}
-        if optimizer is not None:
-            live["optim"] = _optimizer_tree(optimizer, model)
-        problems, live_tensors = compare_tensors(manifest, skeleton, live, directory)
-        problems += compare_names(skeleton, optimizer, extra)
-        group.agree(problems, f"checkpoint {directory} does not fit this model")
-        # Saved tensors with no live counterpart (optimizer state torch creates lazily, extras)
-        # are read into fresh tensors of the saved shape.
-        wanted = set(live) | {"extra"}
-        targets: dict[str, TensorLike] = {
-            key: live_tensors[key] if key in live_tensors else empty_tensor(entry)
-            for key, entry in manifest.tensors.items()
-            if key.split("/", 1)[0] in wanted
-        }
+        live_tensors, targets = _match_live(
+            directory, group, manifest, skeleton, model, optimizer, extra
+        )
         # Everything is decoded and checked before a byte reaches live state; the live tensors
         # are copied aside so that a failure inside DCP or a load_state_dict can be undone.
         undo: list[Callable[[], None]] = []
@@ -351,6 +350,41 @@ def load(
                 f"cannot load checkpoint {directory}: {type(e).__name__}: {e}; nothing was "
                 "changed (the model, optimizer, extras and RNG states are as before the load)"
             ) from e
+
+
+def _match_live(
+    directory: Path,
+    group: _Group,
+    manifest: Manifest,
+    skeleton: Any,
+    model: torch.nn.Module,
+    optimizer: Optimizers | None,
+    extra: Mapping[str, Any],
+) -> tuple[dict[str, TensorLike], dict[str, TensorLike]]:
+    """Checks on all ranks that the checkpoint fits the live model, optimizer and extras.
+
+    Returns:
+        The live tensors by checkpoint key, and the tensors DCP reads into: the live ones,
+        and fresh ones of the saved shape for saved tensors with no live counterpart
+        (optimizer state torch creates lazily, extras).
+    """
+    if optimizer is not None and subtree(skeleton, "optim") is not None:
+        init_optimizer_state(optimizer)
+    # Cached rows written back and dropped: the loaded rows are what the next step reads.
+    flush_kernel_caches(model)
+    live: dict[str, Any] = {"model": model.state_dict()}
+    if optimizer is not None:
+        live["optim"] = _optimizer_tree(optimizer, model)
+    problems, live_tensors = compare_tensors(manifest, skeleton, live, directory)
+    problems += compare_names(skeleton, optimizer, extra)
+    group.agree(problems, f"checkpoint {directory} does not fit this model")
+    wanted = set(live) | {"extra"}
+    targets: dict[str, TensorLike] = {
+        key: live_tensors[key] if key in live_tensors else empty_tensor(entry)
+        for key, entry in manifest.tensors.items()
+        if key.split("/", 1)[0] in wanted
+    }
+    return live_tensors, targets
 
 
 def _verify(directory: Path, group: _Group) -> tuple[Manifest, Any, dict[str, Any] | None]:

@@ -12,9 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -22,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from recopt.ft.auth import LOOPBACK, check_bind
-from recopt.ft.client import LighthouseError, request
+from recopt.ft.client import request
 from recopt.ft.healing import CheckpointServer, fetch_checkpoint, plan_recovery
+from recopt.ft.heartbeat import Heartbeat
 from recopt.ft.nonfinite import NonFiniteGradientError
 from recopt.modules.nonfinite import finite_flag
 
@@ -134,18 +133,14 @@ class Manager:
         self._store: dist.TCPStore | None = None
         self._participants: list[StepParticipant] = []
         self._server = CheckpointServer(config.bind_host, config.timeout, config.secret)
-        self._stop = threading.Event()
-        # Tells this process from another one that was given the same replica id.
-        self._session = uuid.uuid4().hex
+        self._heartbeat = Heartbeat(config)
         # Known to the lighthouse from now on, so that a quorum forming while this replica
         # starts up waits for it rather than leaving it for the next round.
         try:
-            self._register()
+            self._heartbeat.start()
         except BaseException:
             self._server.stop()
             raise
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True)
-        self._heartbeat.start()
 
     # -- counters ---------------------------------------------------------------------------
     def current_step(self) -> int:
@@ -197,7 +192,7 @@ class Manager:
             "group_rank": self.config.group_rank,
             "group_world_size": self.config.group_world_size,
             "address": f"http://{self.config.hostname}:{self._server.port}",
-            "session": self._session,
+            "session": self._heartbeat.session,
         }
         try:
             reply = request(
@@ -460,52 +455,8 @@ class Manager:
         return commit
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def _send_heartbeat(self) -> LighthouseError | None:
-        """One heartbeat; returns the lighthouse's error, if it answered with one."""
-        payload = {
-            "op": "heartbeat",
-            "replica_id": self.config.replica_id,
-            "group_rank": self.config.group_rank,
-            "session": self._session,
-        }
-        try:
-            timeout = self.config.heartbeat_interval * 5
-            request(self.config.lighthouse, payload, timeout, self.config.secret)
-        except LighthouseError as exc:
-            logger.warning("heartbeat refused: %s", exc)
-            return exc
-        except (OSError, ConnectionError) as exc:
-            logger.debug("heartbeat failed: %s", exc)
-        return None
-
-    def _register(self) -> None:
-        """First heartbeat; refuses a replica id that another live process already uses.
-
-        A restarted replica may find its dead predecessor not yet expired: it retries until
-        the predecessor's heartbeat would have expired (the refusal says when), not longer.
-
-        Raises:
-            ValueError: the replica id (and rank) belongs to another live process.
-        """
-        deadline: float | None = None
-        while True:
-            error = self._send_heartbeat()
-            if error is None or "expires_in_s" not in error.reply:
-                return
-            if deadline is None:
-                wait = float(error.reply["expires_in_s"]) + 0.5
-                deadline = time.monotonic() + wait
-            if time.monotonic() >= deadline:
-                raise ValueError(str(error).split("DuplicateReplicaError: ", 1)[-1])
-            time.sleep(self.config.heartbeat_interval.total_seconds())
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.config.heartbeat_interval.total_seconds()):
-            self._send_heartbeat()
-
     def shutdown(self) -> None:
         """Stop heartbeating and serving; the lighthouse will see this replica leave."""
-        self._stop.set()
-        self._heartbeat.join(timeout=self.config.heartbeat_interval.total_seconds() * 10)
+        self._heartbeat.stop()
         self._server.stop()
         self._pg = None

@@ -1,4 +1,5 @@
-"""KeyedOptimizer internals: strict two-phase state loading, structure checks, init_state.
+"""KeyedOptimizer internals: strict two-phase state loading, structure checks, init_state,
+and the hook tables of optimizers that skip ``torch.optim.Optimizer.__init__``.
 
 `check_value` validates a loaded value against the live one without touching anything, so a
 bad checkpoint fails before any state changes; `copy_value` then copies tensors in place
@@ -8,6 +9,7 @@ bad checkpoint fails before any state changes; `copy_value` then copies tensors 
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +20,19 @@ if TYPE_CHECKING:
     from recopt.optim.keyed import KeyedOptimizer
 
 _STATE_DICT_KEYS = frozenset({"state", "param_groups"})
+
+
+def init_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Gives ``optimizer`` the empty hook tables ``torch.optim.Optimizer.__init__`` would, and
+    patches its ``step`` so that ``register_step_pre_hook``/``post_hook`` take effect (for
+    optimizers that do not call that ``__init__``, and after unpickling, which drops them)."""
+    optimizer._optimizer_step_pre_hooks = OrderedDict()
+    optimizer._optimizer_step_post_hooks = OrderedDict()
+    optimizer._optimizer_state_dict_pre_hooks = OrderedDict()
+    optimizer._optimizer_state_dict_post_hooks = OrderedDict()
+    optimizer._optimizer_load_state_dict_pre_hooks = OrderedDict()
+    optimizer._optimizer_load_state_dict_post_hooks = OrderedDict()
+    optimizer._patch_step_function()
 
 
 def is_stateful(value: Any) -> bool:

@@ -11,7 +11,12 @@ from typing import Any
 
 import torch
 
-from recopt.optim._state import describe, saved_param_groups, top_level_state
+from recopt.optim._state import (
+    describe,
+    init_optimizer_hooks,
+    saved_param_groups,
+    top_level_state,
+)
 from recopt.optim.keyed import KeyedOptimizer, evaluated
 
 
@@ -80,7 +85,7 @@ class CombinedOptimizer(KeyedOptimizer):
             children.append((name, opt))
         self._optims = children
         self._save_param_groups = False
-        self._init_hooks()
+        init_optimizer_hooks(self)
         self._routes()  # raises on duplicate keys
 
     @property

@@ -8,7 +8,6 @@ loaded in place; loading is strict and all-or-nothing. Also here: KeyedOptimizer
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -20,6 +19,7 @@ from recopt.optim._state import (
     copy_value,
     describe,
     export_value,
+    init_optimizer_hooks,
     saved_param_groups,
     top_level_state,
     validate_structure,
@@ -75,7 +75,7 @@ class KeyedOptimizer(torch.optim.Optimizer):
         param_groups: Sequence[Mapping[str, Any]],
     ) -> None:
         torch._C._log_api_usage_once("recopt.optim.KeyedOptimizer")
-        self._init_hooks()
+        init_optimizer_hooks(self)
         self.params = dict(params)
         self.state = state if isinstance(state, dict) else dict(state)  # type: ignore[assignment]
         if isinstance(param_groups, list) and all(isinstance(g, dict) for g in param_groups):
@@ -86,15 +86,6 @@ class KeyedOptimizer(torch.optim.Optimizer):
         self.defaults: dict[str, Any] = {}
         self._save_param_groups = False
         validate_structure(self.params, self.state, self.param_groups)
-
-    def _init_hooks(self) -> None:
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()  # makes register_step_pre/post_hook effective
 
     # ----------------------------------------------------------------- pickling
     def __getstate__(self) -> dict[str, Any]:
@@ -108,7 +99,7 @@ class KeyedOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._init_hooks()
+        init_optimizer_hooks(self)
 
     # ----------------------------------------------------------------- state_dict
     def save_param_groups(self, save: bool) -> None:
@@ -415,7 +406,7 @@ class OptimizerWrapper(KeyedOptimizer):
             )
         torch._C._log_api_usage_once("recopt.optim.OptimizerWrapper")
         self._optimizer = optimizer
-        self._init_hooks()
+        init_optimizer_hooks(self)
 
     @property
     def params(self) -> dict[str, Any]:

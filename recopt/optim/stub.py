@@ -7,13 +7,13 @@ param groups and LR schedulers all work as in torch.optim.
 
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from recopt.optim._state import saved_param_groups
+from recopt.optim._state import init_optimizer_hooks, saved_param_groups
 
 
 class OptimizerStub(torch.optim.Optimizer):
@@ -28,13 +28,7 @@ class OptimizerStub(torch.optim.Optimizer):
         torch._C._log_api_usage_once("recopt.optim.OptimizerStub")
         # torch.optim.Optimizer.__init__ rejects an empty parameter list; a stub may have none.
         self.defaults = {"lr": 0.0, **defaults}
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()
+        init_optimizer_hooks(self)
         self.state: defaultdict[torch.Tensor, Any] = defaultdict(dict)
         self.param_groups: list[dict[str, Any]] = []
         groups = list(params)

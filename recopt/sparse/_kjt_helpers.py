@@ -1,14 +1,16 @@
-"""Helpers of KeyedJaggedTensor kept out of its class file: concat, the sync-free reorder,
-the readable text form, and the weights of ``from_id_lists``."""
+"""Helpers of KeyedJaggedTensor kept out of its class file: the operations that regroup its
+keys (split, permute with its sync-free reorder, concat), each building its result from parts
+already valid (``_trusted``), and the readable text forms."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from recopt.sparse._checks import exclusive_cumsum
+from recopt.sparse.jagged import _REPR_MAX_IDS, _bags_text
 
 if TYPE_CHECKING:
     from recopt.sparse.keyed_jagged import KeyedJaggedTensor
@@ -41,7 +43,7 @@ def concat_kjts(kjts: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
     per_rank = None
     if variable:
         per_rank = [row for kjt in kjts for row in kjt.stride_per_key_per_rank()]
-    joined = type(first)._trusted(
+    return type(first)._trusted(
         [key for kjt in kjts for key in kjt.keys()],
         torch.cat([kjt.values() for kjt in kjts]),
         weights,
@@ -49,9 +51,89 @@ def concat_kjts(kjts: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
         [s for kjt in kjts for s in kjt.stride_per_key()],
         [n for kjt in kjts for n in kjt.length_per_key()] if known else None,
         per_rank=per_rank,
+        stride=None if variable else max(kjt.stride() for kjt in kjts),
     )
-    joined._stride = None if variable else max(kjt.stride() for kjt in kjts)
-    return joined
+
+
+def split_kjt(kjt: KeyedJaggedTensor, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
+    """Splits the keys into consecutive groups, as views (see ``KeyedJaggedTensor.split``)."""
+    segments = list(segments)
+    for size in segments:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"split: segment sizes must be non-negative ints, got {size!r}")
+    if sum(segments) != len(kjt):
+        raise ValueError(
+            f"split: segments {segments} sum to {sum(segments)} but there are {len(kjt)} keys"
+        )
+    opk, lpk, bpk = kjt.offset_per_key(), kjt.length_per_key(), kjt._bag_offset_per_key
+    rows, weights = kjt._stride_per_key_per_rank, kjt._weights
+    parts, first = [], 0
+    for size in segments:
+        last = first + size
+        start, end = opk[first], opk[last]
+        part = type(kjt)._trusted(
+            kjt._keys[first:last],
+            kjt._values[start:end],
+            None if weights is None else weights[start:end],
+            kjt._lengths[bpk[first] : bpk[last]],
+            kjt._stride_per_key[first:last],
+            lpk[first:last],
+            per_rank=None if rows is None else rows[first:last],
+            stride=kjt.stride(),
+        )
+        parts.append(part)
+        first = last
+    return parts
+
+
+def permute_kjt(kjt: KeyedJaggedTensor, indices: Sequence[int]) -> KeyedJaggedTensor:
+    """Returns a KJT whose key ``i`` is ``kjt``'s key ``indices[i]`` (see
+    ``KeyedJaggedTensor.permute``)."""
+    indices = list(indices)
+    num_keys = len(kjt)
+    for index in indices:
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_keys:
+            raise ValueError(f"permute: index {index!r} is not in range({num_keys}) of the keys")
+    if kjt.length_per_key_or_none() is None and sorted(indices) == list(range(num_keys)):
+        return reorder_on_device(kjt, indices)
+    opk, lpk = kjt.offset_per_key(), kjt.length_per_key()
+
+    def gather(t: torch.Tensor, cuts: Sequence[int]) -> torch.Tensor:
+        if not indices:
+            return t[:0]
+        return torch.cat([t[cuts[i] : cuts[i + 1]] for i in indices])
+
+    rows, weights = kjt._stride_per_key_per_rank, kjt._weights
+    return type(kjt)._trusted(
+        [kjt._keys[i] for i in indices],
+        gather(kjt._values, opk),
+        None if weights is None else gather(weights, opk),
+        gather(kjt._lengths, kjt._bag_offset_per_key),
+        [kjt._stride_per_key[i] for i in indices],
+        [lpk[i] for i in indices],
+        per_rank=None if rows is None else [rows[i] for i in indices],
+        stride=kjt._stride,
+        inverse_indices=kjt._inverse_indices,
+    )
+
+
+def map_tensors(
+    kjt: KeyedJaggedTensor, fn: Callable[[torch.Tensor], torch.Tensor]
+) -> KeyedJaggedTensor:
+    """Applies ``fn`` to every tensor; keeps keys, batch sizes and cached counts."""
+    inverse, weights, offsets = kjt._inverse_indices, kjt._weights, kjt._offsets
+    return type(kjt)._trusted(
+        list(kjt._keys),
+        fn(kjt._values),
+        None if weights is None else fn(weights),
+        fn(kjt._lengths),
+        list(kjt._stride_per_key),
+        kjt._length_per_key,
+        None if offsets is None else fn(offsets),
+        per_rank=kjt._stride_per_key_per_rank,
+        stride=kjt._stride,
+        inverse_indices=None if inverse is None else (inverse[0], fn(inverse[1])),
+    )
 
 
 def kjt_text(kjt: KeyedJaggedTensor) -> str:
@@ -90,7 +172,7 @@ def reorder_on_device(kjt: KeyedJaggedTensor, order: list[int]) -> KeyedJaggedTe
     entry_index = torch.arange(num_entries, device=device) - new_starts + old_starts
     weights = kjt._weights
     rows = kjt._stride_per_key_per_rank
-    reordered = type(kjt)._trusted(
+    return type(kjt)._trusted(
         [kjt._keys[i] for i in order],
         kjt._values.index_select(0, entry_index),
         None if weights is None else weights.index_select(0, entry_index),
@@ -98,34 +180,16 @@ def reorder_on_device(kjt: KeyedJaggedTensor, order: list[int]) -> KeyedJaggedTe
         [kjt.stride_per_key()[i] for i in order],
         None,
         per_rank=None if rows is None else [rows[i] for i in order],
+        stride=kjt._stride,
+        inverse_indices=kjt._inverse_indices,
     )
-    reordered._stride = kjt._stride
-    reordered._inverse_indices = kjt._inverse_indices
-    return reordered
 
 
-def flat_weights(
-    ids: Mapping[str, Sequence[Sequence[int]]],
-    weights: Mapping[str, Sequence[Sequence[float]]],
-    keys: list[str],
-    stride: int,
-) -> torch.Tensor:
-    """Checks that weights mirror ids bag by bag; returns them flat, key-major, float32."""
-    if list(weights) != keys:
-        raise ValueError(
-            f"weights have features {list(weights)} but ids have {keys}; "
-            "give weights for the same features, in the same order"
-        )
-    for key in keys:
-        if len(weights[key]) != stride:
-            raise ValueError(
-                f"feature {key!r}: weights have {len(weights[key])} samples but ids have {stride}"
-            )
-        for sample, (bag, bag_weights) in enumerate(zip(ids[key], weights[key], strict=True)):
-            if len(bag) != len(bag_weights):
-                raise ValueError(
-                    f"feature {key!r}, sample {sample}: {len(bag_weights)} weights for "
-                    f"{len(bag)} ids; give one weight per id"
-                )
-    flat = [w for key in keys for bag in weights[key] for w in bag]
-    return torch.tensor(flat, dtype=torch.float32)
+def kjt_repr(kjt: KeyedJaggedTensor) -> str:
+    """The developer's form: stride, weighted, and each key's bags (or, when large, counts)."""
+    head = f"KeyedJaggedTensor(stride={kjt.stride()}, weighted={kjt._weights is not None}"
+    if kjt._values.numel() > _REPR_MAX_IDS:
+        counts = dict(zip(kjt._keys, kjt.length_per_key(), strict=True))
+        return f"{head}, ids per key={counts})"
+    features = [f"{key!r}: {_bags_text(kjt[key])}" for key in kjt._keys]
+    return ",\n  ".join([head, *features]) + ")"

@@ -9,7 +9,7 @@ the batch size B for all features, or a per-feature size (variable batch per fea
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -24,8 +24,16 @@ from recopt.sparse._checks import (
     resolve_variable_strides,
     validate_lengths,
 )
-from recopt.sparse._kjt_helpers import concat_kjts, flat_weights, kjt_text, reorder_on_device
-from recopt.sparse.jagged import _REPR_MAX_IDS, JaggedTensor, _bags_text
+from recopt.sparse._kjt_build import empty_kjt, empty_like_kjt, kjt_from_id_lists, kjt_from_jt_dict
+from recopt.sparse._kjt_helpers import (
+    concat_kjts,
+    kjt_repr,
+    kjt_text,
+    map_tensors,
+    permute_kjt,
+    split_kjt,
+)
+from recopt.sparse.jagged import JaggedTensor
 
 InverseIndices = tuple[list[str], torch.Tensor]
 
@@ -91,10 +99,9 @@ class KeyedJaggedTensor:
             batch = resolve_stride(lengths.numel(), len(keys), stride, "lengths")
             strides = [batch] * len(keys)
         lpk = None if length_per_key is None else [int(n) for n in length_per_key]
-        self._init(keys, values, weights, lengths, strides, lpk, offsets)
-        self._stride_per_key_per_rank: list[list[int]] | None = per_rank
+        batch = batch if per_rank is None else stride
+        self._init(keys, values, weights, lengths, strides, lpk, offsets, per_rank, batch)
         self._inverse_indices: InverseIndices | None = inverse_indices
-        self._stride: int | None = batch if per_rank is None else stride
         if values.device.type == "cpu" and lpk is None:
             self.length_per_key()  # validates now: on the CPU it costs no device sync
 
@@ -107,6 +114,8 @@ class KeyedJaggedTensor:
         stride_per_key: list[int],
         length_per_key: list[int] | None,
         offsets: torch.Tensor | None,
+        per_rank: list[list[int]] | None,
+        stride: int | None,
     ) -> None:
         self._keys = keys
         self._values = values
@@ -114,9 +123,9 @@ class KeyedJaggedTensor:
         self._lengths = lengths
         self._offsets = offsets
         self._stride_per_key = stride_per_key
-        self._stride_per_key_per_rank = None
+        self._stride_per_key_per_rank = per_rank
         self._inverse_indices = None
-        self._stride = None
+        self._stride = stride
         self._length_per_key = length_per_key
         self._offset_per_key: list[int] | None = None
         self._index_per_key: dict[str, int] | None = None
@@ -135,11 +144,17 @@ class KeyedJaggedTensor:
         length_per_key: list[int] | None,
         offsets: torch.Tensor | None = None,
         per_rank: list[list[int]] | None = None,
+        stride: int | None = None,
+        inverse_indices: InverseIndices | None = None,
     ) -> KeyedJaggedTensor:
-        """Builds from parts that are already valid (the results of our own operations)."""
+        """Builds from parts that are already valid (the results of our own operations).
+
+        ``stride`` None means B is derived (from ``inverse_indices`` or the largest feature).
+        """
         kjt = cls.__new__(cls)
-        kjt._init(keys, values, weights, lengths, stride_per_key, length_per_key, offsets)
-        kjt._stride_per_key_per_rank = per_rank
+        spk, lpk = stride_per_key, length_per_key
+        kjt._init(keys, values, weights, lengths, spk, lpk, offsets, per_rank, stride)
+        kjt._inverse_indices = inverse_indices
         return kjt
 
     @classmethod
@@ -207,21 +222,7 @@ class KeyedJaggedTensor:
         Raises:
             ValueError: if batch sizes differ between features, or weights do not match ids.
         """
-        keys = check_keys(list(ids))
-        stride = len(ids[keys[0]]) if keys else 0
-        for key in keys:
-            if len(ids[key]) != stride:
-                raise ValueError(
-                    f"feature {key!r} has {len(ids[key])} samples but feature {keys[0]!r} has "
-                    f"{stride}; every feature needs one bag per sample"
-                )
-        lengths = [len(bag) for key in keys for bag in ids[key]]
-        values = torch.tensor(
-            [i for key in keys for bag in ids[key] for i in bag], dtype=torch.int64
-        )
-        weights_flat = None if weights is None else flat_weights(ids, weights, keys, stride)
-        lengths_tensor = torch.tensor(lengths, dtype=torch.int64)
-        return cls(keys, values, weights=weights_flat, lengths=lengths_tensor, stride=stride)
+        return kjt_from_id_lists(cls, ids, weights)
 
     @classmethod
     def from_jt_dict(cls, jt_dict: Mapping[str, JaggedTensor]) -> KeyedJaggedTensor:
@@ -232,28 +233,7 @@ class KeyedJaggedTensor:
         Raises:
             ValueError: if some features are weighted and some not.
         """
-        keys = check_keys(list(jt_dict))
-        if not keys:
-            return cls.empty()
-        first = keys[0]
-        weighted = jt_dict[first].weights_or_none() is not None
-        for key in keys:
-            if (jt_dict[key].weights_or_none() is not None) != weighted:
-                raise ValueError(
-                    f"feature {first!r} is {'' if weighted else 'un'}weighted but {key!r} is not; "
-                    "give weights to all features or to none"
-                )
-        jts = [jt_dict[key] for key in keys]
-        strides = [jt.lengths().numel() for jt in jts]
-        per_rank = None if len(set(strides)) == 1 else [[s] for s in strides]
-        return cls(
-            keys,
-            torch.cat([jt.values() for jt in jts]),
-            weights=torch.cat([jt.weights() for jt in jts]) if weighted else None,
-            lengths=torch.cat([jt.lengths() for jt in jts]),
-            stride=strides[0] if per_rank is None else None,
-            stride_per_key_per_rank=per_rank,
-        )
+        return kjt_from_jt_dict(cls, jt_dict)
 
     @classmethod
     def empty(
@@ -271,34 +251,13 @@ class KeyedJaggedTensor:
 
         Lengths are int64 whatever ``lengths_dtype`` asks (recopt's kernels take int64).
         """
-        keys = check_keys(keys)
-        resolve_stride(0, 0, stride, "empty")
-        values = check_values(torch.empty(0, dtype=values_dtype or torch.int64, device=device))
-        weights = (
-            torch.empty(0, dtype=weights_dtype or torch.float32, device=device)
-            if is_weighted
-            else None
-        )
-        lengths = torch.zeros(len(keys) * stride, dtype=torch.int64, device=device)
-        empty = cls._trusted(keys, values, weights, lengths, [stride] * len(keys), [0] * len(keys))
-        empty._stride = stride
-        return empty
+        del lengths_dtype
+        return empty_kjt(cls, keys, stride, device, values_dtype, weights_dtype, is_weighted)
 
     @staticmethod
     def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Returns a KJT with the keys, batch sizes, dtypes and device of ``kjt`` but no entries."""
-        weights = kjt.weights_or_none()
-        empty = KeyedJaggedTensor._trusted(
-            kjt.keys(),
-            kjt.values()[:0],
-            None if weights is None else weights[:0],
-            torch.zeros_like(kjt.lengths()),
-            list(kjt._stride_per_key),
-            [0] * len(kjt.keys()),
-            per_rank=kjt._stride_per_key_per_rank,
-        )
-        empty._stride = kjt._stride
-        return empty
+        return empty_like_kjt(kjt)
 
     @staticmethod
     def concat(kjts: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
@@ -491,34 +450,7 @@ class KeyedJaggedTensor:
         Raises:
             ValueError: if a size is negative or the sizes do not add up to ``len(self)``.
         """
-        segments = list(segments)
-        for size in segments:
-            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-                raise ValueError(f"split: segment sizes must be non-negative ints, got {size!r}")
-        if sum(segments) != len(self._keys):
-            raise ValueError(
-                f"split: segments {segments} sum to {sum(segments)} but there are "
-                f"{len(self._keys)} keys"
-            )
-        opk, lpk, bpk = self.offset_per_key(), self.length_per_key(), self._bag_offset_per_key
-        rows = self._stride_per_key_per_rank
-        parts, first = [], 0
-        for size in segments:
-            last = first + size
-            start, end = opk[first], opk[last]
-            part = KeyedJaggedTensor._trusted(
-                self._keys[first:last],
-                self._values[start:end],
-                None if self._weights is None else self._weights[start:end],
-                self._lengths[bpk[first] : bpk[last]],
-                self._stride_per_key[first:last],
-                lpk[first:last],
-                per_rank=None if rows is None else rows[first:last],
-            )
-            part._stride = self.stride()
-            parts.append(part)
-            first = last
-        return parts
+        return split_kjt(self, segments)
 
     def permute(
         self, indices: Sequence[int], indices_tensor: torch.Tensor | None = None
@@ -535,52 +467,7 @@ class KeyedJaggedTensor:
             ValueError: if an index is not in ``range(len(self))``.
         """
         del indices_tensor
-        indices = list(indices)
-        num_keys = len(self._keys)
-        for index in indices:
-            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_keys:
-                raise ValueError(
-                    f"permute: index {index!r} is not in range({num_keys}) of the keys"
-                )
-        if self._length_per_key is None and sorted(indices) == list(range(num_keys)):
-            return reorder_on_device(self, indices)
-        opk, lpk = self.offset_per_key(), self.length_per_key()
-
-        def gather(t: torch.Tensor, cuts: Sequence[int]) -> torch.Tensor:
-            if not indices:
-                return t[:0]
-            return torch.cat([t[cuts[i] : cuts[i + 1]] for i in indices])
-
-        rows = self._stride_per_key_per_rank
-        permuted = KeyedJaggedTensor._trusted(
-            [self._keys[i] for i in indices],
-            gather(self._values, opk),
-            None if self._weights is None else gather(self._weights, opk),
-            gather(self._lengths, self._bag_offset_per_key),
-            [self._stride_per_key[i] for i in indices],
-            [lpk[i] for i in indices],
-            per_rank=None if rows is None else [rows[i] for i in indices],
-        )
-        permuted._stride = self._stride
-        permuted._inverse_indices = self._inverse_indices
-        return permuted
-
-    def _map(self, fn: _TensorFn) -> KeyedJaggedTensor:
-        """Applies ``fn`` to every tensor; keeps keys, batch sizes and cached counts."""
-        moved = KeyedJaggedTensor._trusted(
-            list(self._keys),
-            fn(self._values),
-            None if self._weights is None else fn(self._weights),
-            fn(self._lengths),
-            list(self._stride_per_key),
-            self._length_per_key,
-            None if self._offsets is None else fn(self._offsets),
-            per_rank=self._stride_per_key_per_rank,
-        )
-        moved._stride = self._stride
-        if self._inverse_indices is not None:
-            moved._inverse_indices = (self._inverse_indices[0], fn(self._inverse_indices[1]))
-        return moved
+        return permute_kjt(self, indices)
 
     def to(
         self,
@@ -590,7 +477,7 @@ class KeyedJaggedTensor:
     ) -> KeyedJaggedTensor:
         """Returns this KJT on ``device`` (sharing tensors already there); ``dtype``, when
         given, converts floating values and weights."""
-        moved = self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        moved = map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
         if dtype is not None:
             if moved._values.is_floating_point():
                 moved._values = moved._values.to(dtype)
@@ -600,7 +487,7 @@ class KeyedJaggedTensor:
 
     def pin_memory(self) -> KeyedJaggedTensor:
         """Returns a copy in pinned host memory."""
-        return self._map(lambda t: t.pin_memory())
+        return map_tensors(self, lambda t: t.pin_memory())
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         """Marks every tensor as used by ``stream`` (see ``torch.Tensor.record_stream``)."""
@@ -613,12 +500,4 @@ class KeyedJaggedTensor:
         return kjt_text(self)
 
     def __repr__(self) -> str:
-        head = f"KeyedJaggedTensor(stride={self.stride()}, weighted={self._weights is not None}"
-        if self._values.numel() > _REPR_MAX_IDS:
-            counts = dict(zip(self._keys, self.length_per_key(), strict=True))
-            return f"{head}, ids per key={counts})"
-        features = [f"{key!r}: {_bags_text(self[key])}" for key in self._keys]
-        return ",\n  ".join([head, *features]) + ")"
-
-
-_TensorFn = Callable[[torch.Tensor], torch.Tensor]
+        return kjt_repr(self)
