@@ -94,7 +94,14 @@ def test_round_trip_keeps_dtypes_and_converting_load_warns(tmp_path: Path) -> No
     ):
         load(tmp_path / "ck", wider, wider.sparse.fused_optimizer)
     loaded = full_state(wider, wider.sparse.fused_optimizer)
+    # t0 and t1 are fp32 with fp32 state now: nothing is rounded, their pass counters dropped.
+    assert sorted(set(saved) - set(loaded)) == [
+        "embedding_bags.t0.weight/t0.rounding_step",
+        "embedding_bags.t1.weight/t1.rounding_step",
+    ]
     for key, value in saved.items():
+        if key not in loaded:
+            continue
         assert loaded[key].dtype == (
             torch.int64
             if key.endswith("step")
