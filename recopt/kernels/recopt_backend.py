@@ -59,7 +59,10 @@ class RecoptTableBatchedEmbedding(nn.Module):
             the torch-ops path.
 
     Tables keep their ``weight_dtype`` and the state ``optimizer.state_dtype``; pooled
-    outputs are float32 whatever the tables' dtype (rows are summed in float32).
+    outputs are float32 whatever the tables' dtype (rows are summed in float32). Tables
+    rounded stochastically also keep a ``rounding_step`` pass counter in their state: a
+    pass's rounding depends on the kernel's seed and that count only, so state loaded in
+    place (a checkpoint) continues exactly as the run that saved it.
 
     Raises:
         ValueError: empty tables, a table with no rows or dim, a feature mapped to no table,
