@@ -32,6 +32,7 @@ from recopt.checkpoint.state import (
     tensor_dtype,
     to_optimizer_keys,
 )
+from recopt.kernels.updates import ROUNDING_STEP
 
 # Messages keep the logger name they had when this code lived in save_load.py.
 logger = logging.getLogger("recopt.checkpoint.save_load")
@@ -95,7 +96,17 @@ def compare_tensors(
     except CheckpointError as e:
         return [str(e)], live_tensors
     saved = manifest.tensors
-    missing = sorted(k for k in live_tensors if k not in saved)
+    lacking = [k for k in live_tensors if k not in saved]
+    counters = [k for k in lacking if is_optional_state(k)]
+    if counters:
+        logger.info(
+            "%s has no %s for %d tables (saved before recopt kept it, or by tables rounded "
+            "otherwise): they load as 0",
+            directory,
+            ROUNDING_STEP,
+            len(counters),
+        )
+    missing = sorted(k for k in lacking if not is_optional_state(k))
     unexpected = sorted(k for k in saved if k.startswith("model/") and k not in live_tensors)
     mismatched, converted = [], []
     for key, t in live_tensors.items():
@@ -124,6 +135,13 @@ def compare_tensors(
             "model that saved it, or convert it with recopt-reshard --to-full"
         )
     return problems, live_tensors
+
+
+def is_optional_state(key: str) -> bool:
+    """Optimizer state a checkpoint may lack, or hold for a model that keeps none: the fused
+    tables' ``rounding_step`` pass counters (the fused optimizers load a lacking one as 0 and
+    drop an excess one; docs/checkpoint.md, "Dtypes")."""
+    return key.startswith("optim/") and key.endswith(f".{ROUNDING_STEP}")
 
 
 # Float storages a load converts between (the model's dtype wins; copy rounds to nearest).

@@ -5,8 +5,9 @@ The CPU build trains with SGD, Adagrad and row-wise Adagrad only, fp32 or fp16 w
 (fbgemm's ADAM / PARTIAL_ROWWISE_ADAM, mapped to SparseAdam's formula and recopt's per-table
 ``step`` by `fbgemm_steps`) and LAMB and row-wise LAMB (LAMB / PARTIAL_ROWWISE_LAMB, whose
 formulas recopt's are; only the step counter is mapped), fp32, fp16 or bf16 weights in any
-placement. recopt validates ids
-itself, so fbgemm's (warn-and-use-row-0) bounds check is off.
+placement. recopt validates ids itself, so fbgemm's (warn-and-use-row-0) bounds check is off.
+Tables rounded stochastically (CUDA) keep recopt's ``rounding_step`` counter, advanced but not
+used: fbgemm draws its own.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from recopt.kernels.fbgemm_steps import FbgemmSteps
 from recopt.kernels.placement import Location, combined_cache_load_factor, placement_problems
 from recopt.kernels.precision import Precision
 from recopt.kernels.registry import OPTIMIZERS, fbgemm_spec_names, optimizer_spec
+from recopt.kernels.updates import ROUNDING_STEP, has_rounding_step
 
 # Optimizers fbgemm's CPU build runs (its CUDA build runs more: `fbgemm_spec_names("cuda")`),
 # and the dim multiple they need (fbgemm reads rows in vectors of 4 floats).
@@ -257,6 +259,13 @@ class FbgemmTableBatchedEmbedding(nn.Module):
             self._steps = FbgemmSteps(
                 self._step_tensors, names, eps, optimizer.betas[1], spec.fbgemm_remap_eps
             )
+        # recopt's pass counters, so that checkpoints keep the same state keys on both backends
+        # (fbgemm's CUDA rounding does not read them).
+        self._counts_passes = has_rounding_step(optimizer, precision)
+        if self._counts_passes:
+            for t in range(len(self.tables)):
+                counter = torch.zeros((), dtype=torch.int64, device=device)
+                self.register_buffer(f"_{ROUNDING_STEP}_{t}", counter, persistent=False)
 
     def forward(
         self,
@@ -269,18 +278,26 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         if self._steps is not None:
             self._steps.before_forward(self._tbe)
         out: torch.Tensor = self._tbe(indices, offsets, per_sample_weights=per_sample_weights)
-        if self._steps is not None and out.requires_grad:
+        if (self._steps is not None or self._counts_passes) and out.requires_grad:
             # Called when the pooled output's gradient arrives, i.e. only for a backward that
             # runs fbgemm's update (a skipped non-finite step leaves the counters alone).
-            out.register_hook(self._advance_steps)
+            out.register_hook(self._advance_counters)
         return out
 
-    def _advance_steps(self, grad: torch.Tensor) -> None:
-        assert self._steps is not None  # registered only when stepped
-        self._steps.after_update()
+    def _advance_counters(self, grad: torch.Tensor) -> None:
+        if self._steps is not None:
+            self._steps.after_update()
+        with torch.no_grad():
+            for counter in self._pass_tensors():
+                counter.add_(1)  # on the device: nothing is read back
 
     def _step_tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f"_step_{t}") for t in range(len(self.tables))]
+
+    def _pass_tensors(self) -> list[torch.Tensor]:
+        if not self._counts_passes:
+            return []
+        return [getattr(self, f"_{ROUNDING_STEP}_{t}") for t in range(len(self.tables))]
 
     def split_embedding_weights(self) -> list[torch.Tensor]:
         # Cached tables: the views are of the UVM copy, current only after `flush`.
@@ -293,11 +310,14 @@ class FbgemmTableBatchedEmbedding(nn.Module):
             self._tbe.reset_cache_states()
 
     def split_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
-        if not self._state_names:
-            return [{} for _ in self.tables]
-        per_table = self._tbe.split_optimizer_states()
+        per_table: Sequence[Sequence[torch.Tensor]] = [[] for _ in self.tables]
+        if self._state_names:
+            per_table = self._tbe.split_optimizer_states()
         steps = self._step_tensors() if self._steps is not None else None
-        return name_fbgemm_states(self._state_names, per_table, steps)
+        states = name_fbgemm_states(self._state_names, per_table, steps)
+        for state, counter in zip(states, self._pass_tensors(), strict=False):
+            state[ROUNDING_STEP] = counter
+        return states
 
     def set_learning_rate(self, lr: float) -> None:
         self._tbe.set_learning_rate(lr)

@@ -1,8 +1,9 @@
 """Storage precision of embedding weights and optimizer state, and stochastic rounding.
 
 Tables and optimizer state can be stored in fp32 (default), fp16 or bf16. Updates are always
-computed in fp32 and written back with unbiased stochastic rounding (`stochastic_round`), drawn
-from a seeded generator per kernel, so a run is reproducible and rounding errors average out.
+computed in fp32 and written back with unbiased stochastic rounding (`stochastic_round`). Each
+kernel's randomness (`RoundingStream`) is a pure function of its seed and a pass counter that
+checkpoints keep, so a run is reproducible, resumes bit-identically, and errors average out.
 """
 
 from __future__ import annotations
@@ -95,6 +96,51 @@ def rounding_seed(seed: int, names: Sequence[str]) -> int:
     return (int(seed) * 0x9E3779B1 + digest) % (2**63)
 
 
+_MASK64 = 2**64 - 1
+
+
+def pass_seed(base: int, number: int) -> int:
+    """The seed of pass ``number`` of a stream whose base seed is ``base``: 63 bits.
+
+    splitmix64's finaliser of ``base + number * golden ratio``: a pure function of the two
+    (nothing is drawn), so the randomness of any pass can be rebuilt from a checkpointed
+    counter, and neighbouring passes or seeds give unrelated values.
+    """
+    z = (int(base) + int(number) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+class RoundingStream:
+    """The stochastic-rounding randomness of one kernel, counter-based.
+
+    Pass ``n`` (the value of the tables' ``rounding_step`` counters during that backward)
+    rounds with `pass_seed` ``(base_seed, n)``: the native CPU pass takes that seed, and the
+    generator that torch ops draw from is reseeded with it (``manual_seed``: host-side, no
+    device sync on CUDA). So a run restored from a checkpoint at step k rounds step k + 1
+    exactly as the run that never stopped.
+
+    Args:
+        base_seed: the kernel's seed (`rounding_seed` of the config's seed and table names).
+        device: where the tables live (the generator's device).
+    """
+
+    def __init__(self, base_seed: int, device: torch.device) -> None:
+        self.base_seed = int(base_seed)
+        self.generator = make_generator(self.base_seed, device)
+
+    def begin_pass(self, number: int) -> int:
+        """Reseed the generator for pass ``number``.
+
+        Returns:
+            The pass's seed (below 2^63), for the native pass.
+        """
+        seed = pass_seed(self.base_seed, number)
+        self.generator.manual_seed(seed)
+        return seed
+
+
 # Mantissa bits fp32 has beyond each reduced dtype, and the smallest normal of each: below
 # it fp16's values are evenly spaced by 2^-24 (bf16 shares fp32's exponent range).
 _DROPPED_BITS = {torch.float16: 13, torch.bfloat16: 16}
@@ -115,8 +161,8 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, generator: torch.Generator) 
     ``|x| + u * ulp`` (u uniform in [0, 1)) and so rounds the magnitude up with the
     probability above; the sign is kept. fp16's subnormal range (below 2^-14, even steps of
     2^-24) is rounded by adding ``(u - 1/2) * 2^-24`` and rounding to nearest, the same law.
-    On CPU a native pass does the same with 32 hashed random bits per element (seeded by one
-    draw from ``generator``; subnormals with 24-bit resolution). Values already representable
+    On CPU a native pass does the same with 32 hashed random bits per element (seeded by
+    `draw_seed` from ``generator``; subnormals with 24-bit resolution). Values already representable
     are unchanged, inf stays inf, NaN stays NaN; a value past the largest finite one has inf
     as its upper neighbour.
 
@@ -132,8 +178,7 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, generator: torch.Generator) 
         return x
     if x.device.type == "cpu" and x.dtype == torch.float32 and cpu_fused.available():
         # One draw from the stream seeds the native pass (a hash per element; ~20x faster).
-        seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-        return cpu_fused.stochastic_round(x, dtype, seed)
+        return cpu_fused.stochastic_round(x, dtype, draw_seed(generator))
     return stochastic_round_torch(x, dtype, generator)
 
 
@@ -169,6 +214,16 @@ def _random_bits(shape: torch.Size, bits: int, generator: torch.Generator) -> Te
     shifts = torch.arange(0, 16 * per_word, 16, device=words.device)
     chunks = (words.unsqueeze(1) >> shifts) & (2**bits - 1)
     return chunks.reshape(-1)[:count].to(torch.int32).reshape(shape)
+
+
+def draw_seed(generator: torch.Generator) -> int:
+    """One 63-bit seed drawn from a CPU ``generator`` (a host value: no device sync)."""
+    if generator.device.type != "cpu":
+        raise ValueError(
+            f"draw_seed reads its draw on the host; got a {generator.device} generator, which "
+            "would wait for the device: draw on the CPU or keep the randomness on the device"
+        )
+    return int(torch.randint(0, 2**63 - 1, (), generator=generator).item())
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:

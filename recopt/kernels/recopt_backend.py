@@ -4,7 +4,8 @@ On CPU forward and backward are native passes (`cpu_fused`): one sort of all the
 ids, then one pass that sums each touched row's gradient and updates only that row and its
 state (fp16/bf16 rows in float32, rounded back stochastically). Otherwise (hooks, Adafactor,
 fp16/bf16 state, rounding to nearest, other devices) torch ops do the same per table;
-reduced precision is computed in fp32 and rounded back. This file holds the module and
+reduced precision is computed in fp32 and rounded back, with randomness that depends on
+the kernel's seed and its checkpointed pass counter only. This file holds the module and
 the choice of path; the backward passes themselves are in `recopt_backward`.
 Legend: B batch, F features, N ids (occurrences) of one table, D a table's dim.
 """
@@ -29,7 +30,7 @@ from recopt.kernels.config import (
 )
 from recopt.kernels.contract import KernelHook
 from recopt.kernels.placement import placed_off_device
-from recopt.kernels.precision import Precision, make_generator, rounding_seed
+from recopt.kernels.precision import Precision, RoundingStream, rounding_seed
 from recopt.kernels.steps import StepMirror
 
 Tensor = torch.Tensor
@@ -58,7 +59,10 @@ class RecoptTableBatchedEmbedding(nn.Module):
             the torch-ops path.
 
     Tables keep their ``weight_dtype`` and the state ``optimizer.state_dtype``; pooled
-    outputs are float32 whatever the tables' dtype (rows are summed in float32).
+    outputs are float32 whatever the tables' dtype (rows are summed in float32). Tables
+    rounded stochastically also keep a ``rounding_step`` pass counter in their state: a
+    pass's rounding depends on the kernel's seed and that count only, so state loaded in
+    place (a checkpoint) continues exactly as the run that saved it.
 
     Raises:
         ValueError: empty tables, a table with no rows or dim, a feature mapped to no table,
@@ -105,12 +109,14 @@ class RecoptTableBatchedEmbedding(nn.Module):
         self._reduced = optimizer.state_dtype.reduced or any(
             Precision(t.weight_dtype).reduced for t in tables
         )
-        # The stochastic-rounding stream: one per kernel, seeded from the config and the
-        # tables' names, advancing with every update (so each step rounds differently).
-        self._rounding: torch.Generator | None = None
-        if self._reduced and optimizer.stochastic_rounding:
+        # Tables rounded stochastically count their passes (``rounding_step``, checkpointed);
+        # the kernel's stream is a function of its seed (config seed and table names) and
+        # that count, so each step rounds differently and a resumed run as an unbroken one.
+        counted = [updates.has_rounding_step(optimizer, t.weight_dtype) for t in tables]
+        self._rounding: RoundingStream | None = None
+        if any(counted):
             seed = rounding_seed(optimizer.rounding_seed, [t.name for t in tables])
-            self._rounding = make_generator(seed, device)
+            self._rounding = RoundingStream(seed, device)
         self._state_names: list[list[str]] = []
         for t, table in enumerate(tables):
             state = updates.init_state(
@@ -119,13 +125,16 @@ class RecoptTableBatchedEmbedding(nn.Module):
                 table.embedding_dim,
                 device,
                 optimizer.state_dtype.dtype,
+                rounding_step=counted[t],
             )
             self._state_names.append(list(state))
             for name, tensor in state.items():
                 self.register_buffer(f"_state_{t}_{name}", tensor, persistent=False)
         self._norms = [updates.AdafactorNorm() for _ in tables]
-        # Host copy of the step counters (fresh state: all zero), so no step reads them back.
+        # Host copies of the step and pass counters (fresh state: all zero), so no step reads
+        # them back.
         self._steps = StepMirror(self._step_tensors(), [0] * len(tables))
+        self._passes = StepMirror(self._pass_tensors(), [0] * len(self._pass_tensors()))
         dims = [tables[t].embedding_dim for t in feature_table_map]
         self._col_offsets = [sum(dims[:f]) for f in range(len(dims))]
         self.output_dim = sum(dims)
@@ -296,6 +305,27 @@ class RecoptTableBatchedEmbedding(nn.Module):
             return []
         return [getattr(self, f"_state_{t}_step") for t in range(len(self.tables))]
 
+    def _pass_tensors(self) -> list[Tensor]:
+        """The ``rounding_step`` counters of the tables that have one."""
+        return [
+            getattr(self, f"_state_{t}_{updates.ROUNDING_STEP}")
+            for t, names in enumerate(self._state_names)
+            if updates.ROUNDING_STEP in names
+        ]
+
+    def _begin_rounding_pass(self) -> int:
+        """Advance the tables' pass counters and reseed the stream for this pass.
+
+        The pass number is the largest of the counters (they differ only when a checkpoint
+        loaded different counts into this kernel's tables; each then advances by one).
+
+        Returns:
+            The native pass's seed (0 without stochastic rounding).
+        """
+        if self._rounding is None:
+            return 0
+        return self._rounding.begin_pass(max(self._passes.advance(self._pass_tensors())))
+
     def _apply_optimizer(
         self,
         grad_out: Tensor,
@@ -306,8 +336,9 @@ class RecoptTableBatchedEmbedding(nn.Module):
     ) -> None:
         """Update every table's touched rows and state from the pooled-output gradient."""
         steps = self._advance_steps()
+        seed = self._begin_rounding_pass()
         if self._native_ok(grad_out, indices, offsets, weights):
-            recopt_backward.native_update(self, grad_out, indices, offsets, weights, steps)
+            recopt_backward.native_update(self, grad_out, indices, offsets, weights, steps, seed)
             return
         sparse_update = self._triton_update_fn(grad_out)
         if sparse_update is not None:
@@ -378,7 +409,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
                 state,
                 rows_U,
                 grad_U_D,
-                self._rounding,
+                None if self._rounding is None else self._rounding.generator,
                 row_stat,
                 step=step,
             )

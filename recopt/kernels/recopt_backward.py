@@ -224,8 +224,13 @@ def native_update(
     offsets: Tensor,
     weights: Tensor | None,
     steps: list[int],
+    seed: int = 0,
 ) -> None:
-    """All tables in one pass: keys (table base + id) sorted once, then one native update."""
+    """All tables in one pass: keys (table base + id) sorted once, then one native update.
+
+    ``seed``: the pass's stochastic-rounding seed (the kernel's `RoundingStream`); each
+    touched row hashes it with its key.
+    """
     if indices.numel() == 0:
         return
     words_N, scale_N = sorted_occurrences(kernel, indices, offsets, weights)
@@ -234,9 +239,6 @@ def native_update(
     tensors = [(w.detach(), *_state_slots(s)) for w, s in zip(kernel.weights, states, strict=True)]
     code = kernel._spec.c_code
     assert code is not None  # checked by _native_ok
-    seed = 0
-    if kernel._rounding is not None:  # one draw per pass: rows hash it with their index
-        seed = int(torch.randint(0, 2**63 - 1, (), generator=kernel._rounding).item())
     cpu_fused.fused_update(
         code,
         words_N,

@@ -4,7 +4,8 @@ Each update reads and writes only the rows of one table that the batch touched: 
 sorted unique row ids and their aggregated gradients. This is recopt's portable path (any
 device, any float dtype); `cpu_fused` runs the same formulas in one fused native pass.
 fp16/bf16 tables and state go through `apply_update_rounded`: fp32 copies of the touched
-rows are updated, then stochastically rounded back (recopt.kernels.precision).
+rows are updated, then stochastically rounded back (recopt.kernels.precision); such tables
+count their rounded passes in a ``rounding_step`` state (`has_rounding_step`).
 Legend: R rows of the table, D its dim, U unique rows touched by the batch.
 """
 
@@ -22,7 +23,7 @@ import torch
 
 from recopt.kernels import registry
 from recopt.kernels.config import FusedOptimizerConfig
-from recopt.kernels.precision import stochastic_round
+from recopt.kernels.precision import Precision, stochastic_round
 
 Tensor = torch.Tensor
 
@@ -37,8 +38,28 @@ def _row_mean_sq(grad_U_D: Tensor, row_stat: RowStat | None) -> Tensor:
     return row_stat(grad_U_D.square().sum(dim=1))
 
 
+# The per-table count of stochastically rounded passes (0-dim int64), checkpointed like
+# ``step``: the rounding randomness of pass n is a function of the kernel's seed and n.
+ROUNDING_STEP = "rounding_step"
+
+
+def has_rounding_step(optimizer: FusedOptimizerConfig, weight_dtype: Precision | str) -> bool:
+    """Whether a table keeps a ``rounding_step`` counter: its updates are rounded
+    stochastically into fp16/bf16 weights or state. A function of the configuration only, so
+    every backend and every rank agree on the state keys (fbgemm keeps the counter too, but
+    its CUDA kernels round with their own stream)."""
+    reduced = optimizer.state_dtype.reduced or Precision(weight_dtype).reduced
+    return reduced and optimizer.stochastic_rounding
+
+
 def init_state(
-    name: str, rows: int, dim: int, device: torch.device, dtype: torch.dtype = torch.float32
+    name: str,
+    rows: int,
+    dim: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    *,
+    rounding_step: bool = False,
 ) -> dict[str, Tensor]:
     """Zero optimizer state of one table, with the contract's names and shapes.
 
@@ -48,9 +69,10 @@ def init_state(
         dim: embedding dim of the table.
         device: where the state lives.
         dtype: the state's dtype (``FusedOptimizerConfig.state_dtype``).
+        rounding_step: add the ``rounding_step`` counter (`has_rounding_step`).
 
     Returns:
-        State name -> tensor (``dtype`` state, int64 0-dim ``step``).
+        State name -> tensor (``dtype`` state, int64 0-dim ``step`` and ``rounding_step``).
 
     Raises:
         ValueError: unknown optimizer name.
@@ -62,6 +84,8 @@ def init_state(
     }
     if spec.stepped:
         state["step"] = torch.zeros((), dtype=torch.int64, device=device)
+    if rounding_step:
+        state[ROUNDING_STEP] = torch.zeros((), dtype=torch.int64, device=device)
     return state
 
 

@@ -20,6 +20,7 @@ from recopt.kernels.contract import Kernel
 from recopt.kernels.factory import create_kernel
 from recopt.kernels.placement import DEVICE, Placement
 from recopt.kernels.precision import Precision
+from recopt.kernels.updates import ROUNDING_STEP
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import (
     LearningRateSync,
@@ -59,8 +60,11 @@ class EmbeddingFusedOptimizer(FusedOptimizer):
     """The fused optimizer of a `FusedEmbeddingBagCollection`: state is read and written in place.
 
     One param group per kernel; ``lr`` changes reach the kernel at the next forward. Other
-    hyperparameters are fixed at construction.
+    hyperparameters are fixed at construction. ``rounding_step`` counters are optional in a
+    loaded state dict (absent: 0; present for a table that keeps none: dropped).
     """
+
+    optional_state = (ROUNDING_STEP,)
 
 
 def _resolve_placements(

@@ -8,7 +8,7 @@ which parameters still need a regular optimizer.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,7 +22,46 @@ class FusedOptimizer(KeyedOptimizer):
 
     Its state exists from construction (the kernel allocates it), so ``init_state()`` has
     nothing to do. Fused tables never accumulate ``.grad``, so ``zero_grad()`` neither.
+
+    Attributes:
+        optional_state: state names (after ``<table>.``) that a loaded state dict may lack or
+            hold in excess, so that state moves between configurations that keep them and
+            ones that do not: a lacking value loads as zeros, an excess one is dropped. The
+            embedding twins name their ``rounding_step`` pass counters here.
     """
+
+    optional_state: tuple[str, ...] = ()
+
+    def _check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        super()._check_state_dict(self._with_optional_state(state_dict))
+
+    def _load(self, state_dict: Mapping[str, Any]) -> None:
+        super()._load(self._with_optional_state(state_dict))
+
+    def _with_optional_state(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``state_dict`` with its optional state matched to this optimizer's (see the class)."""
+        if not self.optional_state or not isinstance(state_dict, Mapping):
+            return state_dict
+        new_state = state_dict.get("state")
+        if not isinstance(new_state, Mapping):
+            return state_dict  # malformed: the strict check names the problem
+        adjusted = dict(new_state)
+        for name, value in new_state.items():
+            param = self.params.get(name)
+            if param is None or param not in self.state or not isinstance(value, Mapping):
+                continue
+            adjusted[name] = self._match_optional(self.state[param], value)
+        return {**state_dict, "state": adjusted}
+
+    def _match_optional(self, live: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+        def optional(key: object) -> bool:
+            return isinstance(key, str) and key.rsplit(".", 1)[-1] in self.optional_state
+
+        matched = {k: v for k, v in new.items() if k in live or not optional(k)}
+        for key, value in live.items():
+            if key not in matched and optional(key) and _is_scalar_tensor(value):
+                matched[key] = torch.zeros_like(value)
+        return matched
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Run ``closure`` if given (with grad enabled); the update already happened."""
@@ -41,6 +80,10 @@ class FusedOptimizer(KeyedOptimizer):
         """Returns itself: TorchRec code calls ``module.fused_optimizer()`` (a method there),
         recopt code reads ``module.fused_optimizer`` (a property); both work."""
         return self
+
+
+def _is_scalar_tensor(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0
 
 
 class FusedOptimizerModule(abc.ABC):

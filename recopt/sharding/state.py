@@ -22,7 +22,7 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from recopt import comm
 from recopt.kernels.contract import Kernel
-from recopt.kernels.updates import init_state
+from recopt.kernels.updates import ROUNDING_STEP, has_rounding_step, init_state
 from recopt.modules.fused_groups import make_param_group
 from recopt.optim.fused import FusedOptimizer
 from recopt.sharding.layout import ShardedLayout
@@ -134,8 +134,12 @@ class ShardedFusedOptimizer(FusedOptimizer):
     """The fused optimizer of a sharded collection; the update runs in backward.
 
     After a load it restores the invariants ShardedTensors cannot express: replicas of row-wise
-    state on every column shard, and per-table step counters on every local shard.
+    state on every column shard, and per-table counters (``step``, ``rounding_step``) on every
+    local shard. ``rounding_step`` is optional in a loaded state dict (absent: 0; present for a
+    table that keeps none: dropped).
     """
+
+    optional_state = (ROUNDING_STEP,)
 
     def __init__(
         self,
@@ -199,7 +203,7 @@ class ShardedState:
             states = kernel.split_optimizer_states()
             for tk, w, s in zip(g.tables, weights, states, strict=True):
                 self._local[tk] = (w, s)
-        self._mirrors: dict[int, Tensor] = {}
+        self._mirrors: dict[tuple[int, str], Tensor] = {}
         self.weights: dict[str, Tensor] = {}
         self._table_state: list[dict[str, Tensor]] = []
         for t, table in enumerate(layout.tables):
@@ -241,7 +245,14 @@ class ShardedState:
         table = self._layout.tables[t]
         rows, dim = table.num_embeddings, table.embedding_dim
         optimizer = self._layout.resolved[t]
-        names = init_state(optimizer.name, 1, 1, torch.device("meta"), optimizer.state_dtype.dtype)
+        names = init_state(
+            optimizer.name,
+            1,
+            1,
+            torch.device("meta"),
+            optimizer.state_dtype.dtype,
+            rounding_step=has_rounding_step(optimizer, table.weight_dtype),
+        )
         if self._layout.is_data_parallel(t):
             return dict(self._local[(t, -1)][1])
         out: dict[str, Tensor] = {}
@@ -273,7 +284,7 @@ class ShardedState:
                 return self._local[(t, k)][1][name]
         # Not held here: a mirror advanced at every backward, as the holders' counters are.
         mirror = torch.zeros((), dtype=proto.dtype, device=self._device())
-        self._mirrors[t] = mirror
+        self._mirrors[(t, name)] = mirror
         return mirror
 
     def _device(self) -> torch.device:
@@ -296,7 +307,8 @@ class ShardedState:
 
     # ------------------------------------------------------------------ runtime
     def on_backward(self) -> None:
-        """Advance the step mirrors of tables held elsewhere (their kernels step every backward)."""
+        """Advance the mirrored counters (``step``, ``rounding_step``) of tables held elsewhere
+        (their kernels advance theirs at every backward)."""
         for mirror in self._mirrors.values():
             mirror.add_(1)
 
