@@ -119,6 +119,13 @@ def fused_step(backend: str) -> Check:
     return check
 
 
+def native_cpu_kernel() -> str:
+    from recopt.kernels import cpu_fused
+
+    assert cpu_fused.available(), "no C compiler (cc/gcc): CPU tests run recopt's torch path"
+    return "built with the system C compiler"
+
+
 def module_version(name: str) -> Check:
     def check() -> str:
         module = importlib.import_module(name)
@@ -141,6 +148,7 @@ REQUIRED: list[tuple[str, Check]] = [
     ("hypothesis", module_version("hypothesis")),
 ]
 OPTIONAL: list[tuple[str, Check]] = [
+    ("recopt's native CPU kernel", native_cpu_kernel),
     ("pytest-xdist (parallel suite)", module_version("xdist")),
     ("torchrec (DLRM comparison)", module_version("torchrec")),
 ]
