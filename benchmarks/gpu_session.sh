@@ -69,7 +69,10 @@ run_pytest() {
 # runs every N-th test file from the K-th (sorted), for a suite too long for one call.
 suite() {
   local parallel=() files=(tests)
-  if python3 -c "import xdist" 2>/dev/null; then parallel=(-n "${WORKERS:-12}" --dist loadfile); fi
+  if python3 -c "import xdist" 2>/dev/null; then
+    parallel=(-n "${WORKERS:-12}" --dist loadfile)
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}  # 12 workers x 2 threads on 16 cores
+  fi
   if [ -n "${PART:-}" ]; then
     mapfile -t files < <(ls tests/test_*.py | sort | awk -v k="${PART%/*}" -v n="${PART#*/}" 'NR % n == k % n')
   fi
