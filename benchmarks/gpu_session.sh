@@ -31,6 +31,15 @@ budget() {
 
 say() { echo "[$(($(date +%s) - start))s] $*" | tee -a "$out/summary.txt"; }
 
+# limited SECONDS CMD...: CMD under `timeout`, or not at all with 10 s or less left (a
+# `timeout 0` would never stop it). Returns CMD's status (124: cut off; 125: not run).
+limited() {
+  local limit=$1
+  shift
+  if [ "$limit" -le 10 ]; then echo "no time left for: $*"; return 125; fi
+  timeout --kill-after=10 "$limit" "$@"
+}
+
 setup() {
   export PYTHONPATH=$PWD:$site PYTHONUNBUFFERED=1
   export RECOPT_CACHE_DIR=/tmp/recopt-cache  # AUTO's decisions: nothing under ~/.cache
@@ -48,7 +57,7 @@ setup() {
 }
 
 smoke() {
-  timeout "$(budget 120)" python3 benchmarks/gpu_smoke.py > "$out/smoke.txt" 2>&1
+  limited "$(budget 120)" python3 benchmarks/gpu_smoke.py > "$out/smoke.txt" 2>&1
   local rc=$?
   cat "$out/smoke.txt"
   say "smoke: exit $rc"
@@ -59,7 +68,7 @@ run_pytest() {
   local name=$1 limit=$2
   shift 2
   if [ "$limit" -le 10 ]; then say "$name: skipped, no time left"; return; fi
-  timeout --kill-after=10 "$limit" python3 -m pytest -p no:cacheprovider -rfEs \
+  limited "$limit" python3 -m pytest -p no:cacheprovider -rfEs \
     --junitxml="$out/$name.xml" "$@" > "$out/$name.log" 2>&1
   local rc=$?
   say "$name: exit $rc ($( [ "$rc" = 124 ] && echo "cut off at ${limit}s; see $name.log" || tail -n 1 "$out/$name.log"))"
@@ -90,16 +99,16 @@ tests() {
 
 bench() {
   # Kernels: configs A, B, C (written after each config), no DLRM here.
-  timeout --kill-after=10 "$(budget 330)" python3 benchmarks/bench_gpu.py \
+  limited "$(budget 330)" python3 benchmarks/bench_gpu.py \
     --out "$out/kernels.json" --dlrm-dims >> "$out/bench.log" 2>&1
   say "kernels: exit $?"
   # DLRM Criteo shape: recopt vs TorchRec (when .gpu/whl brought it), dims 64/128 x 2048/16384.
-  timeout --kill-after=10 "$(budget 150)" python3 benchmarks/bench_gpu.py \
+  limited "$(budget 150)" python3 benchmarks/bench_gpu.py \
     --out "$out/dlrm.json" --skip-kernels >> "$out/bench.log" 2>&1
   say "dlrm: exit $?"
   # UVM target (issue 17) against an 8 GiB HBM budget: its large set is 12 GiB of managed
   # memory, under what the card has free (more than that can hang the GPU on these hosts).
-  timeout --kill-after=10 "$(budget 100)" python3 benchmarks/bench_gpu.py \
+  limited "$(budget 100)" python3 benchmarks/bench_gpu.py \
     --out "$out/uvm.json" --uvm-only --uvm-hbm-gib 8 >> "$out/bench.log" 2>&1
   say "uvm: exit $?"
   for f in kernels dlrm uvm; do [ -f "$out/$f.md" ] && cat "$out/$f.md"; done
