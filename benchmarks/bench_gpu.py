@@ -305,19 +305,19 @@ def torchrec_dlrm_step(dim: int, batch_size: int, device: torch.device) -> Step:
 
 
 def run_dlrm(dims: list[int], batches: list[int], warmup: int, steps: int) -> list[dict[str, Any]]:
+    torchrec_error = None
     try:
         import torchrec  # noqa: F401
-
-        have_torchrec = True
-    except ImportError:
-        have_torchrec = False
+    except Exception as err:  # absent, or built against another torch: recopt's side still runs
+        torchrec_error = f"{type(err).__name__}: {err}"[:300]
     rows = []
     for dim in dims:
         for batch_size in batches:
             row: dict[str, Any] = {"dim": dim, "batch": batch_size}
             for name, build in (("recopt", recopt_dlrm_step), ("torchrec", torchrec_dlrm_step)):
-                if name == "torchrec" and not have_torchrec:
+                if name == "torchrec" and torchrec_error is not None:
                     row["torchrec_ms"] = None
+                    row["torchrec_error"] = torchrec_error
                     continue
                 try:
                     step = build(dim, batch_size, torch.device("cuda", torch.cuda.current_device()))
@@ -435,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_kernels:
         for name in args.configs.split(","):
             kernels += run_kernels(configs[name], args.warmup, args.steps)
+            # Written after every config: a run cut off by a time limit keeps what it measured.
+            _save(args, device_name, configs, kernels, [], uvm)
     with tempfile.TemporaryDirectory() as tmp:  # TorchRec's DMP needs a process group
         comm.init_process_group(
             torch.device("cuda", 0),
@@ -459,6 +461,19 @@ def _write(
     dlrm: list[dict[str, Any]],
     uvm: dict[str, Any] | None,
 ) -> int:
+    print(_save(args, device_name, configs, kernels, dlrm, uvm))
+    return 0
+
+
+def _save(
+    args: argparse.Namespace,
+    device_name: str,
+    configs: dict[str, Config],
+    kernels: list[dict[str, Any]],
+    dlrm: list[dict[str, Any]],
+    uvm: dict[str, Any] | None,
+) -> str:
+    """Write the JSON results and the markdown table beside them; returns the table."""
     out = pathlib.Path(args.out)
     meta: dict[str, Any] = {"device": device_name, "torch": torch.__version__, "quick": args.quick}
     meta["configs"] = {k: asdict(configs[k]) for k in args.configs.split(",") if k in configs}
@@ -470,8 +485,7 @@ def _write(
 
         text += "\n".join(uvm_markdown(uvm)) + "\n"
     out.with_suffix(".md").write_text(text)
-    print(text)
-    return 0
+    return text
 
 
 if __name__ == "__main__":

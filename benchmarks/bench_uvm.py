@@ -116,10 +116,25 @@ def run_uvm(
     cfg: UvmConfig,
 ) -> dict[str, Any]:
     """Plan, build and time the large (UVM) and small (HBM) table sets; one result row."""
-    free, _ = torch.cuda.mem_get_info()
+    free, total = torch.cuda.mem_get_info()
     budget = int(hbm_gib * 2**30) if hbm_gib else int(free)
     if hbm_gib:  # PyTorch's allocator (the HBM cache included) may use only the budget
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / free))
+        # The fraction is of the device's total memory, as torch defines it.
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+    try:
+        return _run_sets(time_ms, warmup, steps, budget, cfg)
+    finally:  # the cap is process-wide: lift it for whatever runs next (kernels, tests)
+        if hbm_gib:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def _run_sets(
+    time_ms: Callable[[Step, int, int], float],
+    warmup: int,
+    steps: int,
+    budget: int,
+    cfg: UvmConfig,
+) -> dict[str, Any]:
     row: dict[str, Any] = {"hbm_budget_gib": round(budget / 2**30, 2), **asdict(cfg)}
     for name, share in (("large", cfg.scale), ("small", cfg.fit_share)):
         rows = rows_for(budget, share, cfg)

@@ -373,8 +373,19 @@ def all_gather_object(obj: Any, group: ProcessGroup | None) -> list[Any]:
 
 
 def barrier(group: ProcessGroup | None, timeout: datetime.timedelta) -> None:
-    """Wait for every rank of ``group`` (gloo's monitored barrier names a missing rank)."""
-    dist.monitored_barrier(group=group, timeout=timeout)
+    """Wait for every rank of ``group``, at most ``timeout``.
+
+    A gloo group uses gloo's monitored barrier, which names a missing rank. torch implements
+    that barrier for a group whose backend is exactly ``gloo``, so any other group (a CUDA
+    run's ``"cpu:gloo,cuda:nccl"``, NCCL, ``"cuda:gloo"``) waits on a one-element all-reduce
+    on a device it serves instead.
+    """
+    if dist.get_world_size(group) == 1:
+        return
+    if str(dist.get_backend(group)) == str(dist.Backend.GLOO):
+        dist.monitored_barrier(group=group, timeout=timeout)
+        return
+    all_reduce(torch.zeros(1), group, timeout=timeout)
 
 
 # One kernel as create_kernel sees it: its tables, feature-to-table map and optimizer.

@@ -42,6 +42,28 @@ def test_uvm_flags_parse() -> None:
     assert args.uvm_only and args.uvm_hbm_gib == 4.0
 
 
+def test_the_hbm_cap_is_lifted_after_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The cap is process-wide: left on, it would starve the kernels bench_gpu.py times next
+    # (and the cuda tests after test_cuda_quick_uvm_run in the same pytest process).
+    fractions: list[float] = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (60 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", fractions.append)
+
+    def fail(*args: object) -> dict:
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(bench_uvm, "_run_sets", fail)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        bench_uvm.run_uvm(lambda step, w, s: 0.0, 1, 1, 8.0, bench_uvm.UvmConfig())
+    assert fractions == [8 / 80, 1.0]  # of the device's total memory, as torch defines it
+    fractions.clear()
+    monkeypatch.setattr(bench_uvm, "_run_sets", lambda *args: {"ok": True})
+    assert bench_uvm.run_uvm(lambda step, w, s: 0.0, 1, 1, None, bench_uvm.UvmConfig()) == {
+        "ok": True
+    }
+    assert fractions == []  # no budget given: no cap set, none to lift
+
+
 @pytest.mark.cuda
 def test_cuda_quick_uvm_run(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "uvm.json"

@@ -115,6 +115,21 @@ def test_optimizer_state_is_keyed_by_name_not_index(tmp_path: Path) -> None:
         assert torch.equal(opt.state[p]["exp_avg"], opt2.state[p2]["exp_avg"]), name
 
 
+def test_cuda_rng_of_a_host_with_more_gpus_restores_the_gpus_this_one_has(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from recopt.checkpoint.state import capture_rng, restore_rng
+
+    state = capture_rng()  # CPU generators, plus the two GPUs of the host that saved it:
+    state["cuda"] = [state["torch"], state["torch"]]
+    restored: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda value, index: restored.append(index))
+    restore_rng(state)
+    assert restored == [0]
+
+
 def test_tree_encoding_round_trips_types() -> None:
     tree = {"a": (1, 2.5, None), "b": [True, "s", {3: float("inf")}], "t": torch.ones(2)}
     tensors: dict[str, Any] = {}

@@ -72,3 +72,19 @@ def test_collective_device_follows_the_group(
     monkeypatch.setattr(comm.dist, "get_backend_config", lambda group=None: config)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert comm.collective_device(None, torch.device(device)) == torch.device(expected)
+
+
+def _barriers(rank: int, world_size: int) -> bool:
+    timeout = datetime.timedelta(seconds=60)
+    comm.barrier(None, timeout)  # gloo: the monitored barrier
+    # A group configured per device type, as a CUDA run's "cpu:gloo,cuda:nccl" (gloo stands
+    # in for NCCL on this CPU host): torch's monitored barrier refuses it (gloo-only groups).
+    mixed = comm.new_group(None, timeout, backend="cpu:gloo,cuda:gloo")
+    assert str(torch.distributed.get_backend(mixed)) != "gloo"
+    comm.barrier(mixed, timeout)
+    return True
+
+
+@pytest.mark.multiprocess
+def test_barrier_on_a_group_with_a_backend_per_device_type() -> None:
+    assert run_on_ranks(_barriers, 2, timeout_s=90) == [True, True]

@@ -22,6 +22,7 @@ from recopt.kernels import cpu_fused
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, InvalidIdError
 from recopt.sparse import KeyedJaggedTensor
+from recopt.testing import run_on_ranks
 
 NUM_FEATURES = 26
 READ_BACKS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
@@ -146,3 +147,24 @@ def test_one_bad_id_among_many_features_still_names_it_and_updates_nothing() -> 
         ebc(bad)
     for key, value in ebc.state_dict().items():
         assert torch.equal(value, before[key])
+
+
+def _input_distribution_reads(rank: int, world_size: int) -> list[str]:
+    from recopt.sharding import ShardedEmbeddingBagCollection
+    from recopt.sharding.plan_helpers import balanced_table_wise_plan
+
+    tables, kjt = criteo_like()
+    plan = balanced_table_wise_plan({"": tables}, world_size)
+    ebc = ShardedEmbeddingBagCollection(tables, plan[""], FusedOptimizerConfig(name="sgd"))
+    ebc(kjt).values().sum().backward()  # first step: kernels built
+    with count_read_backs() as calls:
+        ebc(kjt)
+    return [call for call in calls if "input_dist.py" in call]
+
+
+@pytest.mark.multiprocess
+def test_sharded_input_distribution_reads_back_only_the_count_exchange() -> None:
+    # The counts this rank sends are known on the host (bucketize returns them); only what
+    # the other ranks sent has to be read back from the device.
+    (reads,) = run_on_ranks(_input_distribution_reads, 1, timeout_s=120)
+    assert len(reads) == 1 and reads[0].startswith("tolist"), reads

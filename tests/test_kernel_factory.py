@@ -1,7 +1,8 @@
 """Tests of the backend choice: `choose_backend`'s AUTO policy and its errors, `create_kernel`.
 
 AUTO's measurement is tested in test_kernel_autotune.py; here fake timings make recopt the
-faster on CPU (CUDA, not available here, cannot be measured: fbgemm, its reference).
+faster on CPU, and CUDA is made unavailable (also on a GPU host), so it cannot be measured and
+AUTO takes fbgemm, its reference, for CUDA kernels.
 """
 
 from __future__ import annotations
@@ -25,9 +26,13 @@ FEATURE_TABLE_MAP = [0, 1, 0]  # features 0 and 2 share table 0
 
 
 @pytest.fixture(autouse=True)
-def _auto_measures_recopt_faster() -> Iterator[None]:
+def _auto_measures_recopt_faster(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     def timings(*args: object) -> dict[Backend, Sampler]:
         return {Backend.FBGEMM: lambda: 0.002, Backend.RECOPT: lambda: 0.001}
+
+    # On a GPU host AUTO would time CUDA kernels with the fake timings above (recopt faster)
+    # instead of falling back to fbgemm, which is what these tests check for CUDA.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
     previous = configure_auto(AutoResolver(AutoConfig(), timings, machine="test"))
     yield

@@ -163,3 +163,51 @@ def test_sharded_reduced_precision_reshards_two_to_three_ranks(tmp_path: Path) -
     reshard(tmp_path / "ck", tmp_path / "ck3", world_size=3, plan=plan("table_wise", 3))
     for result in run_on_ranks(_three_ranks, 3, str(tmp_path), timeout_s=240):
         assert _identical(result, saved) == []
+
+
+class RowWiseModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        config = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.05, state_dtype="bf16")
+        self.sparse = FusedEmbeddingBagCollection(tables(), optimizer=config)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.sparse(kjt).values().square().mean()
+
+
+def _column_shards_on_rank_zero(rank: int, world: int, root: str) -> dict[str, Any]:
+    from recopt import comm
+    from recopt.sharding.model_parallel import DistributedModelParallel
+
+    # What each rank broadcasts: NCCL needs every rank to enter with the same dtype and size
+    # (gloo here lets a mismatch pass unnoticed).
+    broadcasts: list[tuple[torch.dtype, int]] = []
+    plain_broadcast = comm.broadcast
+
+    def recorded(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        broadcasts.append((tensor.dtype, tensor.numel()))
+        return plain_broadcast(tensor, *args, **kwargs)
+
+    comm.broadcast = recorded  # type: ignore[assignment]
+
+    # t1 is column-wise with its one shard on rank 0: rank 1 holds no piece of it, and after
+    # a load receives its row-wise (bf16) state in a buffer of its own making.
+    requests = {"t0": table_wise(0), "t1": column_wise([0]), "t2": table_wise(0)}
+    sharding = ShardingPlan({"sparse": construct_module_sharding_plan(tables(), requests, world)})
+    model = DistributedModelParallel(RowWiseModel(), sharding)
+    model(batch(rank, 0)).backward()
+    save(Path(root) / "ck", model, model.fused_optimizer, step=1)
+    again = DistributedModelParallel(RowWiseModel(), sharding)
+    load(Path(root) / "ck", again, again.fused_optimizer)
+    return {"state": full_state(again, again.fused_optimizer), "broadcasts": broadcasts}
+
+
+@pytest.mark.multiprocess
+def test_row_wise_bf16_state_of_a_column_shard_loads_on_a_rank_without_it(
+    tmp_path: Path,
+) -> None:
+    first, second = run_on_ranks(_column_shards_on_rank_zero, 2, str(tmp_path), timeout_s=120)
+    assert _identical(first["state"], second["state"]) == []
+    assert (torch.bfloat16, 13) in first["broadcasts"]  # t1's momentum1, from rank 0
+    assert first["broadcasts"] == second["broadcasts"]

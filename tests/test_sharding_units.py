@@ -192,3 +192,14 @@ def test_layout_groups_and_output_columns_cover_every_column() -> None:
     # Rank 1 holds a's second row range and b's first and third column shards.
     assert [(t, k) for g in layout.mp_groups for t, k in g.tables] == [(0, 1), (1, 0), (1, 2)]
     assert layout.dp_features == [3]
+
+
+def test_a_rank_without_a_shard_reduces_on_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The placement names the owner's GPU (rank 0: cuda:0); rank 1 of a job with a GPU per
+    # rank must build its zeros on cuda:1, or NCCL sees two ranks on one device.
+    from recopt.sharding.state import _own_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert _own_device(torch.device("cuda", 0)) == torch.device("cuda", 1)
+    assert _own_device(torch.device("cpu")) == torch.device("cpu")
+    assert _own_device(None) == torch.device("cpu")

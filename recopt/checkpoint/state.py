@@ -226,7 +226,10 @@ def restore_rng(state: Mapping[str, Any]) -> None:
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(_unb64(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+        # One state per GPU of the saving process's host: a host with fewer GPUs (a checkpoint
+        # of an 8-GPU node resumed on one) restores the ones it has, not an invalid ordinal.
+        for index, encoded in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(_unb64(encoded), index)
 
 
 def global_shape(t: TensorLike) -> list[int]:

@@ -368,7 +368,7 @@ def distribute_input(
         lengths = lengths.reshape(-1)
     dp_len, dp_ids, dp_w = _dp_part(features, bucketizer.dp_features, max_batch)
     send, send_splits = _pack(
-        bucketizer, counts, lengths, ids_N, w_N, dp_len, dp_ids, dp_w, max_batch, weighted
+        bucketizer, routed[2], lengths, ids_N, w_N, dp_len, dp_ids, dp_w, max_batch, weighted
     )
     n_vf = bucketizer.dest_counts[rank]
     n_dp = len(bucketizer.dp_features) * max_batch
@@ -382,7 +382,7 @@ def distribute_input(
 
 def _pack(
     bucketizer: Bucketizer,
-    counts: Tensor,
+    id_counts: list[int],
     lengths: Tensor,
     ids_N: Tensor,
     w_N: Tensor | None,
@@ -392,7 +392,8 @@ def _pack(
     max_batch: int,
     weighted: bool,
 ) -> tuple[Tensor, list[int]]:
-    id_counts = counts[:, _MP_IDS].tolist()
+    # The host's own counts (bucketize returned them): reading the count tensor back would
+    # wait for the device a second time.
     len_parts = lengths.split([c * max_batch for c in bucketizer.dest_counts])
     id_parts = ids_N.split(id_counts)
     w_parts = pack_weights(w_N).split(id_counts) if weighted and w_N is not None else None

@@ -117,9 +117,9 @@ def full_tensor(value: Tensor, group: dist.ProcessGroup | None = None) -> Tensor
     local = value.local_shards()
     if local:
         device = local[0].tensor.device
-    else:  # no shard here: the device its placement names (NCCL reduces device tensors)
+    else:  # no shard here: the placement's device type (NCCL reduces device tensors)
         placement = value.metadata().shards_metadata[0].placement
-        device = placement.device() if placement is not None else torch.device("cpu")
+        device = _own_device(placement.device() if placement is not None else None)
     full = torch.zeros(value.size(), dtype=value.dtype, device=device)
     for shard in local:
         index = tuple(
@@ -128,6 +128,14 @@ def full_tensor(value: Tensor, group: dist.ProcessGroup | None = None) -> Tensor
         )
         full[index] = shard.tensor
     return comm.all_reduce(full, group)
+
+
+def _own_device(placed: torch.device | None) -> torch.device:
+    """This rank's device of the type a shard's placement names: the placement holds the
+    owner's GPU (``cuda:<owner>``), and a collective must run on this rank's own."""
+    if placed is None or placed.type != "cuda":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 class ShardedFusedOptimizer(FusedOptimizer):
@@ -343,7 +351,7 @@ class ShardedState:
                 buf = (
                     local[1][name].clone()
                     if local is not None
-                    else torch.empty(rows, device=self._device())
+                    else torch.empty(rows, dtype=value.dtype, device=self._device())
                 )
                 if dist.get_world_size(self._group) > 1:
                     src = first.rank

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# One GPU session of recopt, on a GPU host without a package index (Python 3.12, torch 2.11 +
+# CUDA 13, 16 cores), in calls that each end within the device tool's 10 minutes per command:
+#
+#   bash benchmarks/gpu_session.sh tests   # smoke check, pytest -m cuda, then the rest of the suite
+#   bash benchmarks/gpu_session.sh bench   # bench_gpu.py: kernels A/B/C, DLRM vs TorchRec, UVM
+#   bash benchmarks/gpu_session.sh suite   # only the non-cuda suite, when `tests` ran out of time
+#                                          # (PART=1/2 and PART=2/2: half the test files each)
+#   bash benchmarks/gpu_session.sh smoke   # only the smoke check
+#
+# Run from the repository root with .gpu/ beside it (../shared/gpu/pack_fbgemm.sh --torchrec made
+# it here; the call carries it). The script first does what pack_fbgemm.sh's two printed lines
+# do (unpack fbgemm into /tmp/site, install .gpu/whl there), only where /tmp/site lacks them, and
+# installs .gpu/wheels (benchmarks/gpu_test_wheels.sh) only if pytest is missing. Everything it
+# writes goes to $OUT (./gpu-out when OUT is unset) as it is written, flat and at most 7 files a
+# mode, so what a step wrote before a time limit stopped it comes back. Every step has its own
+# `timeout`, and together they end before DEADLINE_S (default 570 s) after the start.
+set -u -o pipefail
+mode=${1:-}
+start=$(date +%s)
+deadline=$((start + ${DEADLINE_S:-570}))
+out=${OUT:-$PWD/gpu-out}
+mkdir -p "$out"
+site=${GPU_SITE:-/tmp/site}  # where pack_fbgemm.sh's lines unpack (GPU_SITE: elsewhere)
+
+# Seconds a step may take: at most $1, and never past the deadline (0: no time left).
+budget() {
+  local left=$((deadline - $(date +%s)))
+  if [ "$left" -lt "$1" ]; then echo $((left > 0 ? left : 0)); else echo "$1"; fi
+}
+
+say() { echo "[$(($(date +%s) - start))s] $*" | tee -a "$out/summary.txt"; }
+
+# limited SECONDS CMD...: CMD under `timeout`, or not at all with 10 s or less left (a
+# `timeout 0` would never stop it). Returns CMD's status (124: cut off; 125: not run).
+limited() {
+  local limit=$1
+  shift
+  if [ "$limit" -le 10 ]; then echo "no time left for: $*"; return 125; fi
+  timeout --kill-after=10 "$limit" "$@"
+}
+
+setup() {
+  export PYTHONPATH=$PWD:$site PYTHONUNBUFFERED=1
+  export RECOPT_CACHE_DIR=/tmp/recopt-cache  # AUTO's decisions: nothing under ~/.cache
+  if [ ! -d "$site/fbgemm_gpu" ]; then
+    [ -f .gpu/fbgemm.tar.xz ] || { say "no .gpu/fbgemm.tar.xz: run ../shared/gpu/pack_fbgemm.sh here and carry .gpu"; return 1; }
+    python3 -c "import tarfile; tarfile.open('.gpu/fbgemm.tar.xz').extractall('$site')" || return 1
+  fi
+  if [ -d .gpu/whl ] && [ ! -d "$site/torchrec" ]; then
+    python3 -m pip install -q --no-index --no-deps --target "$site" .gpu/whl/*.whl
+  fi
+  if ! python3 -c "import pytest, pytest_timeout, hypothesis" 2>/dev/null && [ -d .gpu/wheels ]; then
+    python3 -m pip install -q --no-index --no-deps --target "$site" .gpu/wheels/*.whl
+  fi
+  say "setup done: $(python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))' 2>&1 | tail -n 1)"
+}
+
+smoke() {
+  limited "$(budget 120)" python3 benchmarks/gpu_smoke.py > "$out/smoke.txt" 2>&1
+  local rc=$?
+  cat "$out/smoke.txt"
+  say "smoke: exit $rc"
+}
+
+# pytest with its log and JUnit XML under $out: run_pytest NAME SECONDS ARGS...
+run_pytest() {
+  local name=$1 limit=$2
+  shift 2
+  if [ "$limit" -le 10 ]; then say "$name: skipped, no time left"; return; fi
+  limited "$limit" python3 -m pytest -p no:cacheprovider -rfEs \
+    --junitxml="$out/$name.xml" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  say "$name: exit $rc ($( [ "$rc" = 124 ] && echo "cut off at ${limit}s; see $name.log" || tail -n 1 "$out/$name.log"))"
+}
+
+# The rest of the suite, on worker processes when pytest-xdist is there (16 cores). PART=K/N
+# runs every N-th test file from the K-th (sorted), for a suite too long for one call.
+suite() {
+  local parallel=() files=(tests)
+  if python3 -c "import xdist" 2>/dev/null; then
+    parallel=(-n "${WORKERS:-12}" --dist loadfile)
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}  # 12 workers x 2 threads on 16 cores
+  fi
+  if [ -n "${PART:-}" ]; then
+    mapfile -t files < <(ls tests/test_*.py | sort | awk -v k="${PART%/*}" -v n="${PART#*/}" 'NR % n == k % n')
+  fi
+  run_pytest suite "$(budget 570)" -m "not cuda" -v "${parallel[@]}" "${files[@]}"
+  grep -E "^(FAILED|ERROR)" "$out/suite.log" 2>/dev/null | head -n 40
+}
+
+tests() {
+  smoke
+  # The GPU tier alone first and on one process: it is what this session exists for.
+  run_pytest cuda "$(budget 270)" -m cuda -v
+  grep -E "^(FAILED|ERROR)" "$out/cuda.log" 2>/dev/null | head -n 40
+  suite
+}
+
+bench() {
+  # Kernels: configs A, B, C (written after each config), no DLRM here.
+  limited "$(budget 330)" python3 benchmarks/bench_gpu.py \
+    --out "$out/kernels.json" --dlrm-dims >> "$out/bench.log" 2>&1
+  say "kernels: exit $?"
+  # DLRM Criteo shape: recopt vs TorchRec (when .gpu/whl brought it), dims 64/128 x 2048/16384.
+  limited "$(budget 150)" python3 benchmarks/bench_gpu.py \
+    --out "$out/dlrm.json" --skip-kernels >> "$out/bench.log" 2>&1
+  say "dlrm: exit $?"
+  # UVM target (issue 17) against an 8 GiB HBM budget: its large set is 12 GiB of managed
+  # memory, under what the card has free (more than that can hang the GPU on these hosts).
+  limited "$(budget 100)" python3 benchmarks/bench_gpu.py \
+    --out "$out/uvm.json" --uvm-only --uvm-hbm-gib 8 >> "$out/bench.log" 2>&1
+  say "uvm: exit $?"
+  for f in kernels dlrm uvm; do [ -f "$out/$f.md" ] && cat "$out/$f.md"; done
+}
+
+case $mode in
+  tests | bench | suite | smoke) setup && "$mode" ;;
+  *) echo "usage: $0 tests|bench|suite|smoke" >&2; exit 2 ;;
+esac
+say "done in $(($(date +%s) - start)) s"
