@@ -136,16 +136,21 @@ def test_native_pass_refuses_what_it_cannot_store() -> None:
     with pytest.raises(ValueError, match="stores float32, float16 or bfloat16, not torch.float64"):
         cpu_fused.round_to(torch.zeros(3), torch.float64, 0)
     weight = torch.zeros(4, 2, dtype=torch.float16)
-    state = (torch.zeros(4, 2, dtype=torch.float16), torch.zeros(4, 2, dtype=torch.bfloat16))
-    words = torch.tensor([1 << 32], dtype=torch.int64)
-    with pytest.raises(ValueError, match=r"one dtype for a table's state.*state_dtype"):
+    words = torch.tensor([1 << 32], dtype=torch.int64)  # key 1, gradient offset 0
+
+    def update(code: int, state: tuple[Tensor | None, Tensor | None]) -> None:
+        tables = [(weight, *state)]
         cpu_fused.fused_update(
-            3, words, None, torch.zeros(1, 2), [0, 4], [(weight, *state)], [0.1] * 6, [0.1]
+            code, words, None, torch.zeros(1, 2), [0, 4], tables, [0.1] * 6, [0.1]
         )
+
+    with pytest.raises(ValueError, match=r"shape \(3, 2\) for a table of 4 rows"):
+        update(1, (torch.zeros(3, 2, dtype=torch.bfloat16), None))
+    with pytest.raises(ValueError, match="code 3 needs state tensors not passed"):
+        update(3, (torch.zeros(4, 2), None))
     with pytest.raises(ValueError, match="optimizer code 9 is not one of the C pass's 0-4"):
-        cpu_fused.fused_update(
-            9, words, None, torch.zeros(1, 2), [0, 4], [(weight, None, None)], [0.1] * 6, [0.0]
-        )
+        update(9, (None, None))
+    update(3, (torch.zeros(4, 2), torch.zeros(4, 2, dtype=torch.bfloat16)))  # slots' own dtypes
 
 
 # One pass against references ------------------------------------------------------------------

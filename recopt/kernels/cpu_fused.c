@@ -56,10 +56,6 @@ typedef struct {
         for (int64_t i_ = 0; i_ < bytes_; i_ += 64) __builtin_prefetch(at_ + i_, 1, 3);     \
     } while (0)
 
-/* Values a row of each state slot holds, per optimizer code (-1: the table's dim): adagrad
- * m[D]; row-wise adagrad one m; adam m[D], v[D]; row-wise adam m[D] and one v. */
-static const int8_t SLOT_WIDTHS[5][2] = {{0, 0}, {-1, 0}, {1, 0}, {-1, -1}, {-1, 1}};
-
 /* Row `row` of a slot as float32: the stored row itself for float32, else converted into buf. */
 static inline float *open_slot(const slot_t *s, int64_t row, float *buf) {
     if (!s->kind) return (float *)s->data + row * s->width;
@@ -395,33 +391,40 @@ int recopt_sort(int64_t n, uint64_t *words, float *scale, uint64_t *tmp_words,
  * threads, taken dynamically, so a thread slowed by a busy core holds no one up. OpenMP (not
  * pthreads): the library links libgomp.so.1, which resolves to the copy torch has loaded, so
  * it shares torch's worker threads instead of fighting their spin-waits for the cores.
- * meta: bases[T+1], dims[T], then weight, state1, state2 pointers [T] each (as int64; 0 for
- * a state the optimizer lacks), weight kinds [T], state kinds [T] (0 float32, 1 fp16, 2 bf16)
- * and the pass's rounding seed. stochastic: round fp16 / bf16 slots stochastically (seeded),
- * else to nearest even. hyper: lr, eps, weight_decay, sign, 1 - beta1, 1 - beta2, then
- * step_size[T]. Returns 0, or -1 for an optimizer code it does not know. */
+ * meta: bases[T+1], then for each slot (weights, state 1, state 2) its addresses [T] (as
+ * int64; 0 for a state the optimizer lacks), values a row [T] (the weights': the dim; a
+ * state's: the dim, or 1 for a row-wise statistic) and storage kinds [T] (0 float32, 1 fp16,
+ * 2 bf16); then the pass's rounding seed. stochastic: round fp16 / bf16 slots stochastically
+ * (seeded), else to nearest even. hyper: lr, eps, weight_decay, sign, 1 - beta1, 1 - beta2,
+ * then step_size[T]. Returns 0; -1 for an optimizer code it does not know, -2 when a state
+ * slot the code updates is missing. */
 #define MAX_CHUNKS 256
+/* The state slots each optimizer code updates: sgd none, adagrads one, adams two. */
+static const int STATE_SLOTS[5] = {0, 1, 1, 2, 2};
 int recopt_fused_update(int opt, int stochastic, int64_t n, const uint64_t *packed,
                         const float *scale, const float *grad, int num_tables,
                         const int64_t *meta, const float *hyper, int num_threads) {
     if (opt < 0 || opt > 4) return -1;
+    const int64_t T = num_tables;
+    for (int t = 0; t < num_tables; t++)
+        for (int s = 1; s <= STATE_SLOTS[opt]; s++)
+            if (!meta[T + 1 + 3 * s * T + t] || !meta[T + 1 + (3 * s + 1) * T + t]) return -2;
     if (n == 0) return 0;
     table_t *tables = (table_t *)malloc(sizeof(table_t) * (size_t)num_tables);
     int64_t max_dim = 1;
-    const int64_t T = num_tables;
     for (int t = 0; t < num_tables; t++) {
         table_t *tb = &tables[t];
         tb->base = meta[t];
         tb->end = meta[t + 1];
-        tb->dim = meta[T + 1 + t];
         for (int s = 0; s < 3; s++) {
+            const int64_t *column = meta + T + 1 + 3 * s * T + t;
             slot_t *sl = &tb->slot[s];
-            sl->data = (void *)(intptr_t)meta[(2 + s) * T + 1 + t];
-            const int width = s ? SLOT_WIDTHS[opt][s - 1] : -1;
-            sl->width = sl->data ? (width < 0 ? tb->dim : width) : 0;
-            sl->kind = sl->width ? (int)meta[(s ? 6 : 5) * T + 1 + t] : 0;
+            sl->data = (void *)(intptr_t)column[0];
+            sl->width = sl->data ? column[T] : 0;
+            sl->kind = sl->width ? (int)column[2 * T] : 0;
         }
-        tb->seed = (uint64_t)meta[7 * T + 1];
+        tb->dim = tb->slot[0].width;
+        tb->seed = (uint64_t)meta[10 * T + 1];
         tb->step_size = hyper[6 + t];
         if (tb->dim > max_dim) max_dim = tb->dim;
     }

@@ -276,16 +276,23 @@ def weight_kind(dtype: torch.dtype) -> int:
 TableTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
-def _state_kind(tensors: TableTensors) -> int:
-    """The storage kind of a table's state tensors (0 when it has none)."""
-    states = [s for s in tensors[1:] if s is not None]
-    kinds = {weight_kind(s.dtype) for s in states}
-    if len(kinds) > 1:
+def _slot_meta(weight: torch.Tensor, slot: torch.Tensor | None) -> tuple[int, int, int]:
+    """(address, values a row, storage kind) of a table's weights or one state tensor; zeros
+    for a state the optimizer lacks. The widths come from the tensors (the registry's state
+    shapes), so the C source holds no table of them.
+
+    Raises:
+        ValueError: a tensor that is not contiguous or has not one row per weight row.
+    """
+    if slot is None:
+        return 0, 0, 0
+    rows = weight.shape[0]
+    if not slot.is_contiguous() or slot.dim() not in (1, 2) or slot.shape[0] != rows:
         raise ValueError(
-            f"the native CPU pass needs one dtype for a table's state tensors, got "
-            f"{sorted(str(s.dtype) for s in states)}; store them all in state_dtype"
+            f"fused_update: a state tensor of shape {tuple(slot.shape)} for a table of {rows} "
+            "rows; the native pass needs contiguous [rows] or [rows, dim] state"
         )
-    return kinds.pop() if kinds else 0
+    return _ptr(slot) or 0, 1 if slot.dim() == 1 else slot.shape[1], weight_kind(slot.dtype)
 
 
 def fused_update(
@@ -311,9 +318,8 @@ def fused_update(
         grad: the pooled-output gradient, contiguous float32.
         bases: ``T + 1`` key offsets of the tables (cumulative row counts).
         tables: per table, contiguous ``[R, D]`` weights and its first and second state
-            tensors (or None), all updated in place. Each is float32, or float16 / bfloat16
-            (the touched rows updated in float32 and rounded back); a table's state tensors
-            share one dtype.
+            tensors (``[R, D]`` or ``[R]``, or None), all updated in place. Each is float32,
+            or float16 / bfloat16 (the touched rows updated in float32 and rounded back).
         hyper: lr, eps, weight_decay, sign (-1 to maximize), 1 - beta1, 1 - beta2 (the
             differences taken in double, as torch's optimizers do).
         step_sizes: per table, Adam's bias-corrected step size (0 for other optimizers).
@@ -324,15 +330,16 @@ def fused_update(
 
     Raises:
         RuntimeError: the native library is not available.
-        ValueError: a dtype the pass does not store, or a table's state in two dtypes.
+        ValueError: a dtype the pass does not store, a state tensor not shaped by rows, or
+            an optimizer without the state its code needs.
     """
     if _library is None:
         raise RuntimeError("fused_update: native library not loaded; call available() first")
-    meta = bases + [w.shape[1] for w, _, _ in tables]
-    for slot in range(3):
-        meta += [0 if tensors[slot] is None else _ptr(tensors[slot]) or 0 for tensors in tables]
-    meta += [weight_kind(w.dtype) for w, _, _ in tables]
-    meta += [_state_kind(tensors) for tensors in tables]
+    meta = list(bases)
+    for slot in range(3):  # per slot: addresses [T], values a row [T], storage kinds [T]
+        columns = zip(*(_slot_meta(tensors[0], tensors[slot]) for tensors in tables), strict=True)
+        for column in columns:
+            meta += column
     meta.append(seed)
     meta_t = torch.tensor(meta, dtype=torch.int64)
     hyper_t = torch.tensor(hyper + step_sizes, dtype=torch.float32)
@@ -348,8 +355,10 @@ def fused_update(
         _ptr(hyper_t),
         torch.get_num_threads(),
     )
-    if status != 0:
+    if status == -1:
         raise ValueError(f"fused_update: optimizer code {code} is not one of the C pass's 0-4")
+    if status != 0:
+        raise ValueError(f"fused_update: optimizer code {code} needs state tensors not passed")
 
 
 def round_to(x: torch.Tensor, dtype: torch.dtype, seed: int | None) -> torch.Tensor:
