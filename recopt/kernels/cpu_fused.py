@@ -394,3 +394,13 @@ def round_to(x: torch.Tensor, dtype: torch.dtype, seed: int | None) -> torch.Ten
         torch.get_num_threads(),
     )
     return out
+
+
+def stochastic_round(x: torch.Tensor, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """`round_to` stochastically: float32 ``x`` to fp16 or bf16 with ``seed`` (precision's law).
+
+    Raises:
+        RuntimeError: the native library is not available.
+        ValueError: ``dtype`` is neither fp16 nor bf16.
+    """
+    return round_to(x, dtype, seed)

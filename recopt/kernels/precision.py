@@ -133,7 +133,7 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, generator: torch.Generator) 
     if x.device.type == "cpu" and x.dtype == torch.float32 and cpu_fused.available():
         # One draw from the stream seeds the native pass (a hash per element; ~20x faster).
         seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-        return cpu_fused.round_to(x, dtype, seed)
+        return cpu_fused.stochastic_round(x, dtype, seed)
     return stochastic_round_torch(x, dtype, generator)
 
 
