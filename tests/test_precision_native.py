@@ -267,7 +267,7 @@ def test_native_reduced_step_matches_the_torch_path(
 def test_native_reduced_pass_is_the_fp32_pass_rounded(
     name: str, state: str, stochastic: bool
 ) -> None:
-    # Any inputs (repeated ids, weighted bags, adam's bias correction): each step starts the
+    # Any inputs (repeated ids, three steps, adam's bias correction): each step starts the
     # native float32 pass from the reduced kernel's values; the same C arithmetic, so the
     # reduced results are its results rounded (to nearest: torch's conversion; stochastic:
     # one of the two neighbours, so within one unit in the last place).
