@@ -165,7 +165,7 @@ def _train_kernel(
     return kernel.split_embedding_weights()[0].float().cpu()
 
 
-@pytest.mark.parametrize("native", [True, False])  # the C pass (fp32 state) and torch ops
+@pytest.mark.parametrize("native", [True, False])  # the C pass and torch ops
 @pytest.mark.parametrize("name", ROW_OPTIMIZERS)
 @pytest.mark.parametrize(
     ("weights", "state"),
@@ -214,7 +214,7 @@ def test_cuda_reduced_update_matches_fp32_and_repeats(backend: str) -> None:
         )
 
 
-def test_native_pass_runs_fp16_and_bf16_weights_with_stochastic_rounding() -> None:
+def test_native_pass_runs_fp16_and_bf16_weights_and_state() -> None:
     from recopt.kernels import cpu_fused
 
     if not cpu_fused.available():
@@ -236,10 +236,11 @@ def test_native_pass_runs_fp16_and_bf16_weights_with_stochastic_rounding() -> No
     # The native pooling sums the rows in float32, as the torch path does.
     torch.testing.assert_close(out, reference(ids, offsets), rtol=0, atol=1e-6)
     assert kernel._native_ok(out, ids, offsets, None)  # fp32 state, stochastic: native
-    nearest = RecoptTableBatchedEmbedding(
-        tables, [0, 1], dataclasses.replace(config, stochastic_rounding=False), PoolingType.SUM, CPU
-    )
-    assert not nearest._native_ok(out, ids, offsets, None)  # rounding to nearest: torch ops
+    for state in ("fp32", "fp16", "bf16"):  # and any state dtype, rounded either way
+        for stochastic in (True, False):
+            other = dataclasses.replace(config, state_dtype=state, stochastic_rounding=stochastic)
+            kernel = RecoptTableBatchedEmbedding(tables, [0, 1], other, PoolingType.SUM, CPU)
+            assert kernel._native_ok(out, ids, offsets, None)
 
 
 def test_small_updates_survive_stochastic_rounding_not_nearest() -> None:

@@ -7,23 +7,28 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_round.h"
+
+/* One slot of a table's rows, the weights or one optimizer state tensor: width values a row
+ * (0: the optimizer has no such state), stored as float32 (kind 0) or as fp16 (1) or bf16 (2)
+ * bit patterns, which are updated in float32 and rounded back. */
+typedef struct {
+    void *data;
+    int64_t width;
+    int kind;
+} slot_t;
 
 /* One table: its rows are keys [base, end) of the pass's global key space. */
 typedef struct {
     int64_t base, end, dim;
-    float *weight, *s1, *s2;
-    uint16_t *half; /* the weights when kind is 1 (fp16) or 2 (bf16); weight is then NULL */
-    int kind;
-    uint64_t seed; /* stochastic rounding of fp16/bf16 rows: element (key, d) hashes it */
+    slot_t slot[3]; /* weights, state 1 (momentum1 / exp_avg), state 2 (exp_avg_sq) */
+    uint64_t seed;  /* stochastic rounding: element (key, slot, column) hashes it */
     float step_size;
 } table_t;
 
 /* What every chunk of one backward pass shares. */
 typedef struct {
-    int opt, num_tables;
+    int opt, num_tables, stochastic; /* stochastic: else fp16/bf16 round to nearest even */
     int64_t max_dim;
     const uint64_t *packed; /* key << 32 | gradient-row offset, sorted by key */
     const float *scale, *grad;
@@ -43,220 +48,26 @@ typedef struct {
 #define PREFETCH_ROW(p, n, rw) \
     for (int64_t i_ = 0; i_ < (n); i_ += 16) __builtin_prefetch((p) + i_, rw, 3)
 
-/* Stochastic rounding of float32 to fp16 or bf16 bit patterns, in blocks (a table row, or
- * 256 elements of a flat array): block b draws a 64-bit key mix64(seed ^ b * odd) once, and
- * lane j of it 32 random bits from a 32-bit hash of (key, j) (a bijection of the lane for a
- * given key), so the result depends on (seed, block, lane) only, not on threads. The per-lane
- * work is branch-free 32-bit integer and float arithmetic, so GCC vectorises it.
- * The magnitude's pattern gets a random integer below 2^k (k = 13 fp16, 16 bf16) added and
- * its k low bits cleared: rounded up with probability (x - lo) / (hi - lo). fp16 subnormals
- * (|x| < 2^-14, even steps of 2^-24) round up with probability frac(|x| * 2^24), 24 bits.
- * NaN stays NaN, inf stays inf, values past fp16's largest finite value become inf. */
-static inline uint64_t mix64(uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
+/* The same for row `row` of a slot, by its bytes (4 or 2 a value), for writing. */
+#define PREFETCH_SLOT(s, row)                                                                \
+    do {                                                                                     \
+        const int64_t bytes_ = (s)->width * ((s)->kind ? 2 : 4);                             \
+        const char *at_ = (const char *)(s)->data + (row) * bytes_;                          \
+        for (int64_t i_ = 0; i_ < bytes_; i_ += 64) __builtin_prefetch(at_ + i_, 1, 3);     \
+    } while (0)
+
+/* Row `row` of a slot as float32: the stored row itself for float32, else converted into buf. */
+static inline float *open_slot(const slot_t *s, int64_t row, float *buf) {
+    if (!s->kind) return (float *)s->data + row * s->width;
+    load_row((const uint16_t *)s->data + row * s->width, buf, s->width, s->kind);
+    return buf;
 }
 
-static inline uint64_t block_key(uint64_t seed, uint64_t block) {
-    return mix64(seed ^ (block * 0xD1B54A32D192ED03ull));
-}
-
-/* Lane j's 32 bits: a Weyl step from the key's low half, then a multiply-xorshift finaliser
- * (Wellons' lowbias32 constants) with the high half folded in between. */
-static inline uint32_t lane_bits(uint32_t lo, uint32_t hi, uint32_t j) {
-    uint32_t x = lo + j * 0x9E3779B9u;
-    x ^= x >> 16;
-    x *= 0x7feb352du;
-    x ^= hi;
-    x ^= x >> 15;
-    x *= 0x846ca68bu;
-    x ^= x >> 16;
-    return x;
-}
-
-static inline uint16_t round_bf16(uint32_t bits, uint32_t r) {
-    const uint32_t nan = (bits >> 16) | 0x40u;
-    const uint32_t rounded = (bits + (r & 0xffffu)) >> 16;
-    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
-
-static inline uint16_t round_fp16(float x, uint32_t bits, uint32_t r) {
-    const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
-    const uint32_t a = bits & 0x7fffffffu;
-    if (a > 0x7f800000u) return sign | 0x7e00u; /* NaN */
-    if (a == 0x7f800000u) return sign | 0x7c00u; /* inf */
-    if (a < 0x38800000u) { /* below 2^-14: fp16 subnormal steps of 2^-24 */
-        const float m = fabsf(x) * 16777216.0f; /* exact: a power-of-two scaling, m < 1024 */
-        const float whole = floorf(m);
-        const float u = (float)(r >> 8) * (1.0f / 16777216.0f);
-        return sign | (uint16_t)((uint32_t)whole + (m - whole > u ? 1u : 0u));
-    }
-    const uint32_t t = (a + (r & 0x1fffu)) & ~0x1fffu;
-    const int32_t exponent = (int32_t)(t >> 23) - 127 + 15;
-    if (exponent >= 31) return sign | 0x7c00u;
-    return sign | (uint16_t)(((uint32_t)exponent << 10) | ((t >> 13) & 0x3ffu));
-}
-
-#if defined(__AVX2__) && defined(__F16C__)
-/* lane_bits for eight lanes; weyl holds lo + j * 0x9E3779B9 for each lane j. */
-static inline __m256i lane_bits8(__m256i weyl, __m256i hi) {
-    __m256i x = weyl;
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
-    x = _mm256_xor_si256(x, hi);
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846ca68bu));
-    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-}
-
-/* round_fp16 on eight lanes, the same results: each case's float32 value is computed (all
- * exactly representable in fp16), the lane's one is picked and F16C converts it (round to
- * nearest: exact, and what lies past 65504 becomes inf). */
-static inline __m128i round_fp16_8(__m256 x, __m256i r) {
-    const __m256i bits = _mm256_castps_si256(x);
-    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
-    const __m256i a = _mm256_and_si256(bits, abs_mask);
-    const __m256i sign = _mm256_andnot_si256(abs_mask, bits);
-    /* normal: noise in the 13 bits fp16 drops, then truncated (inf stays inf) */
-    const __m256i t = _mm256_andnot_si256(
-        _mm256_set1_epi32(0x1fff), _mm256_add_epi32(a, _mm256_and_si256(r, _mm256_set1_epi32(0x1fff))));
-    /* subnormal: whole + (frac > u) steps of 2^-24 */
-    const __m256 m = _mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(16777216.0f));
-    const __m256 whole = _mm256_floor_ps(m);
-    const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)),
-                                   _mm256_set1_ps(1.0f / 16777216.0f));
-    const __m256 up = _mm256_and_ps(_mm256_cmp_ps(_mm256_sub_ps(m, whole), u, _CMP_GT_OQ),
-                                    _mm256_set1_ps(1.0f));
-    const __m256 sub = _mm256_mul_ps(_mm256_add_ps(whole, up), _mm256_set1_ps(1.0f / 16777216.0f));
-    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x38800000), a);
-    const __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7f800000));
-    __m256i mag = _mm256_blendv_epi8(t, _mm256_castps_si256(sub), small);
-    mag = _mm256_blendv_epi8(mag, _mm256_set1_epi32(0x7fc00000), nan);
-    return _mm256_cvtps_ph(_mm256_castsi256_ps(_mm256_or_si256(mag, sign)),
-                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-#endif
-
-#if defined(__AVX512F__)
-/* The same on sixteen lanes with AVX-512 (mask registers for the selections). */
-static inline __m512i lane_bits16(__m512i weyl, __m512i hi) {
-    __m512i x = weyl;
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
-    x = _mm512_xor_si512(x, hi);
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846ca68bu));
-    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-}
-
-static inline __m256i round_fp16_16(__m512 x, __m512i r) {
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
-    const __m512i a = _mm512_and_si512(bits, abs_mask);
-    const __m512i sign = _mm512_andnot_si512(abs_mask, bits);
-    const __m512i t = _mm512_andnot_si512(
-        _mm512_set1_epi32(0x1fff), _mm512_add_epi32(a, _mm512_and_si512(r, _mm512_set1_epi32(0x1fff))));
-    const __mmask16 small = _mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(0x38800000));
-    const __mmask16 nan = _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7f800000));
-    /* subnormal lanes only: whole + (frac > u) steps of 2^-24 */
-    const __m512 m = _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(16777216.0f));
-    const __m512 whole = _mm512_roundscale_ps(m, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)),
-                                   _mm512_set1_ps(1.0f / 16777216.0f));
-    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(m, whole), u, _CMP_GT_OQ);
-    const __m512 sub = _mm512_mul_ps(_mm512_mask_add_ps(whole, up, whole, _mm512_set1_ps(1.0f)),
-                                     _mm512_set1_ps(1.0f / 16777216.0f));
-    __m512i mag = _mm512_mask_mov_epi32(t, small, _mm512_castps_si512(sub));
-    mag = _mm512_mask_mov_epi32(mag, nan, _mm512_set1_epi32(0x7fc00000));
-    return _mm512_cvtps_ph(_mm512_castsi512_ps(_mm512_or_si512(mag, sign)),
-                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-#endif
-
-/* A row (or block) of n float32 to fp16 (kind 1) or bf16 (kind 2) with the block's key. */
-static inline void round_row(const float *restrict w, uint16_t *restrict h, int64_t n,
-                             int kind, uint64_t key) {
-    const uint32_t lo = (uint32_t)key, hi = (uint32_t)(key >> 32);
-    if (kind == 2) { /* branch-free: GCC vectorises it */
-        for (int64_t d = 0; d < n; d++) {
-            uint32_t bits;
-            __builtin_memcpy(&bits, &w[d], 4);
-            h[d] = round_bf16(bits, lane_bits(lo, hi, (uint32_t)d));
-        }
-        return;
-    }
-    int64_t d = 0;
-#if defined(__AVX512F__)
-    const __m512i vhi = _mm512_set1_epi32((int)hi), step = _mm512_set1_epi32((int)(16u * 0x9E3779B9u));
-    __m512i weyl = _mm512_add_epi32(
-        _mm512_set1_epi32((int)lo),
-        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                           _mm512_set1_epi32((int)0x9E3779B9u)));
-    for (; d + 16 <= n; d += 16) {
-        _mm256_storeu_si256((__m256i *)(h + d),
-                            round_fp16_16(_mm512_loadu_ps(w + d), lane_bits16(weyl, vhi)));
-        weyl = _mm512_add_epi32(weyl, step);
-    }
-#elif defined(__AVX2__) && defined(__F16C__)
-    const __m256i vhi = _mm256_set1_epi32((int)hi), step = _mm256_set1_epi32((int)(8u * 0x9E3779B9u));
-    __m256i weyl = _mm256_add_epi32(
-        _mm256_set1_epi32((int)lo),
-        _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                           _mm256_set1_epi32((int)0x9E3779B9u)));
-    for (; d + 8 <= n; d += 8) {
-        _mm_storeu_si128((__m128i *)(h + d),
-                         round_fp16_8(_mm256_loadu_ps(w + d), lane_bits8(weyl, vhi)));
-        weyl = _mm256_add_epi32(weyl, step);
-    }
-#endif
-    for (; d < n; d++) {
-        uint32_t bits;
-        __builtin_memcpy(&bits, &w[d], 4);
-        h[d] = round_fp16(w[d], bits, lane_bits(lo, hi, (uint32_t)d));
-    }
-}
-
-/* fp16 / bf16 bit patterns to float32 (exact). */
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    uint32_t bits;
-    if (e == 0) { /* zero or subnormal: m * 2^-24 */
-        const float f = (float)m * (1.0f / 16777216.0f);
-        __builtin_memcpy(&bits, &f, 4);
-        bits |= sign;
-    } else if (e == 31) {
-        bits = sign | 0x7f800000u | (m << 13);
-    } else {
-        bits = sign | ((e + 112u) << 23) | (m << 13);
-    }
-    float out;
-    __builtin_memcpy(&out, &bits, 4);
-    return out;
-}
-
-static inline float bf16_to_float(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float out;
-    __builtin_memcpy(&out, &bits, 4);
-    return out;
-}
-
-/* Weight storage kinds: 0 float32, 1 fp16, 2 bf16 (the latter two as uint16 patterns). */
-/* A row of n fp16 / bf16 patterns to float32: eight at a time with F16C where available. */
-static inline void load_row(const uint16_t *restrict h, float *restrict out, int64_t n,
-                            int kind) {
-    int64_t i = 0;
-    if (kind == 2) {
-        for (; i < n; i++) out[i] = bf16_to_float(h[i]);
-        return;
-    }
-#ifdef __F16C__
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-#endif
-    for (; i < n; i++) out[i] = half_to_float(h[i]);
+/* Write back a row that open_slot converted (fp16 / bf16), rounded with the slot's key. */
+static inline void close_slot(const slot_t *s, int64_t row, const float *buf, int stochastic,
+                              uint64_t key) {
+    if (s->kind)
+        store_row(buf, (uint16_t *)s->data + row * s->width, s->width, s->kind, stochastic, key);
 }
 
 /* Sixteen partial sums: a vectorisable reduction (one serial chain would cost ~4 cycles/elem). */
@@ -272,79 +83,70 @@ static inline float sum_sq(const float *restrict x, int64_t n) {
 }
 
 /* Hyperparameters are copied to locals and pointers are restrict: otherwise every store to a
- * row could alias the structs, which forces reloads and blocks vectorisation. */
+ * row could alias the structs, which forces reloads and blocks vectorisation. fp16 / bf16
+ * slots are updated in float32 copies (buf: three rows of max_dim) and rounded back. */
 static void update_row(const pass_t *p, const table_t *tb, int64_t row, float *restrict acc,
-                       float *restrict wbuf) {
+                       float *restrict buf) {
     const int64_t D = tb->dim;
     const float lr = p->lr, eps = p->eps, wd = p->wd, step_size = tb->step_size;
     const float omb1 = p->one_minus_beta1, omb2 = p->one_minus_beta2;
-    /* fp16/bf16 rows are updated in float32 (wbuf) and rounded back stochastically. */
-    float *restrict w = tb->kind ? wbuf : tb->weight + row * D;
-    if (tb->kind) load_row(tb->half + row * D, w, D, tb->kind);
+    const slot_t *slot = tb->slot;
+    float *restrict w = open_slot(&slot[0], row, buf);
+    float *restrict s1 = slot[1].width ? open_slot(&slot[1], row, buf + p->max_dim) : NULL;
+    float *restrict s2 = slot[2].width ? open_slot(&slot[2], row, buf + 2 * p->max_dim) : NULL;
     if (wd != 0.0f)
         for (int64_t d = 0; d < D; d++) acc[d] += wd * w[d];
     switch (p->opt) {
     case 0:
         for (int64_t d = 0; d < D; d++) w[d] -= lr * acc[d];
         break;
-    case 1: {
-        float *restrict m = tb->s1 + row * D;
+    case 1:
         for (int64_t d = 0; d < D; d++) {
-            m[d] += acc[d] * acc[d];
-            w[d] -= lr * acc[d] / (sqrtf(m[d]) + eps);
+            s1[d] += acc[d] * acc[d];
+            w[d] -= lr * acc[d] / (sqrtf(s1[d]) + eps);
         }
         break;
-    }
     case 2: {
-        const float mom = tb->s1[row] + sum_sq(acc, D) / (float)D;
-        tb->s1[row] = mom;
-        const float r = lr / (sqrtf(mom) + eps);
+        s1[0] += sum_sq(acc, D) / (float)D;
+        const float r = lr / (sqrtf(s1[0]) + eps);
         for (int64_t d = 0; d < D; d++) w[d] -= r * acc[d];
         break;
     }
-    case 3: {
-        float *restrict m = tb->s1 + row * D, *restrict v = tb->s2 + row * D;
+    case 3:
         for (int64_t d = 0; d < D; d++) {
-            m[d] += (acc[d] - m[d]) * omb1;
-            v[d] += (acc[d] * acc[d] - v[d]) * omb2;
-            w[d] += -step_size * (m[d] / (sqrtf(v[d]) + eps));
+            s1[d] += (acc[d] - s1[d]) * omb1;
+            s2[d] += (acc[d] * acc[d] - s2[d]) * omb2;
+            w[d] += -step_size * (s1[d] / (sqrtf(s2[d]) + eps));
         }
         break;
-    }
     case 4: {
-        float *restrict m = tb->s1 + row * D;
         const float sq = sum_sq(acc, D);
-        for (int64_t d = 0; d < D; d++) m[d] += (acc[d] - m[d]) * omb1;
-        const float v = tb->s2[row] + (sq / (float)D - tb->s2[row]) * omb2;
-        tb->s2[row] = v;
-        const float r = -step_size / (sqrtf(v) + eps);
-        for (int64_t d = 0; d < D; d++) w[d] += r * m[d];
+        for (int64_t d = 0; d < D; d++) s1[d] += (acc[d] - s1[d]) * omb1;
+        s2[0] += (sq / (float)D - s2[0]) * omb2;
+        const float r = -step_size / (sqrtf(s2[0]) + eps);
+        for (int64_t d = 0; d < D; d++) w[d] += r * s1[d];
         break;
     }
     }
-    if (tb->kind)
-        round_row(w, tb->half + row * D, D, tb->kind,
-                  block_key(tb->seed, (uint64_t)(tb->base + row)));
+    if (!(slot[0].kind | slot[1].kind | slot[2].kind)) return; /* float32: updated in place */
+    const uint64_t key = p->stochastic ? block_key(tb->seed, (uint64_t)(tb->base + row)) : 0;
+    close_slot(&slot[0], row, w, p->stochastic, key);
+    if (s1) close_slot(&slot[1], row, s1, p->stochastic, slot_key(key, 1));
+    if (s2) close_slot(&slot[2], row, s2, p->stochastic, slot_key(key, 2));
 }
 
 /* A macro for the reason PREFETCH_ROW is one. */
 #define PREFETCH_OCCURRENCE(p, tb, k)                                              \
     do {                                                                           \
-        const int64_t row_ = KEY((p)->packed[k]) - (tb)->base, d_ = (tb)->dim;     \
-        if ((tb)->kind) PREFETCH_ROW((tb)->half + row_ * d_, d_, 1);               \
-        else PREFETCH_ROW((tb)->weight + row_ * d_, d_, 1);                        \
-        PREFETCH_ROW((p)->grad + GOFF((p)->packed[k]), d_, 0);                     \
-        if ((p)->opt == 2) __builtin_prefetch((tb)->s1 + row_, 1, 3);              \
-        if ((p)->opt == 1 || (p)->opt == 3 || (p)->opt == 4)                       \
-            PREFETCH_ROW((tb)->s1 + row_ * d_, d_, 1);                             \
-        if ((p)->opt == 3) PREFETCH_ROW((tb)->s2 + row_ * d_, d_, 1);              \
-        if ((p)->opt == 4) __builtin_prefetch((tb)->s2 + row_, 1, 3);              \
+        const int64_t row_ = KEY((p)->packed[k]) - (tb)->base;                     \
+        for (int s_ = 0; s_ < 3; s_++) PREFETCH_SLOT(&(tb)->slot[s_], row_);       \
+        PREFETCH_ROW((p)->grad + GOFF((p)->packed[k]), (tb)->dim, 0);              \
     } while (0)
 
 /* Keys are sorted, so the table of the current (and of the prefetched) key only moves up. */
 static void run_chunk(const pass_t *p, int64_t begin, int64_t end) {
     float *restrict acc = (float *)malloc(sizeof(float) * (size_t)p->max_dim);
-    float *restrict wbuf = (float *)malloc(sizeof(float) * (size_t)p->max_dim);
+    float *restrict buf = (float *)malloc(sizeof(float) * 3 * (size_t)p->max_dim);
     int t = 0, pt = 0;
     while (p->tables[t].end <= KEY(p->packed[begin])) t++;
     pt = t;
@@ -365,10 +167,10 @@ static void run_chunk(const pass_t *p, int64_t begin, int64_t end) {
             for (int64_t d = 0; d < D; d++) acc[d] += s * g[d];
             k++;
         } while (k < end && KEY(p->packed[k]) == key);
-        update_row(p, tb, key - tb->base, acc, wbuf);
+        update_row(p, tb, key - tb->base, acc, buf);
     }
     free(acc);
-    free(wbuf);
+    free(buf);
 }
 
 /* Per occurrence (parallel over bags): its key (table base + id), the offset of its bag's
@@ -589,13 +391,24 @@ int recopt_sort(int64_t n, uint64_t *words, float *scale, uint64_t *tmp_words,
  * threads, taken dynamically, so a thread slowed by a busy core holds no one up. OpenMP (not
  * pthreads): the library links libgomp.so.1, which resolves to the copy torch has loaded, so
  * it shares torch's worker threads instead of fighting their spin-waits for the cores.
- * meta: bases[T+1], dims[T], then weight, state1, state2 pointers [T] each (as int64),
- * weight kinds [T] (0 float32, 1 fp16, 2 bf16) and the rounding seed.
- * hyper: lr, eps, weight_decay, sign, 1 - beta1, 1 - beta2, then step_size[T]. */
+ * meta: bases[T+1], then for each slot (weights, state 1, state 2) its addresses [T] (as
+ * int64; 0 for a state the optimizer lacks), values a row [T] (the weights': the dim; a
+ * state's: the dim, or 1 for a row-wise statistic) and storage kinds [T] (0 float32, 1 fp16,
+ * 2 bf16); then the pass's rounding seed. stochastic: round fp16 / bf16 slots stochastically
+ * (seeded), else to nearest even. hyper: lr, eps, weight_decay, sign, 1 - beta1, 1 - beta2,
+ * then step_size[T]. Returns 0; -1 for an optimizer code it does not know, -2 when a state
+ * slot the code updates is missing. */
 #define MAX_CHUNKS 256
-int recopt_fused_update(int opt, int64_t n, const uint64_t *packed, const float *scale,
-                        const float *grad, int num_tables,
+/* The state slots each optimizer code updates: sgd none, adagrads one, adams two. */
+static const int STATE_SLOTS[5] = {0, 1, 1, 2, 2};
+int recopt_fused_update(int opt, int stochastic, int64_t n, const uint64_t *packed,
+                        const float *scale, const float *grad, int num_tables,
                         const int64_t *meta, const float *hyper, int num_threads) {
+    if (opt < 0 || opt > 4) return -1;
+    const int64_t T = num_tables;
+    for (int t = 0; t < num_tables; t++)
+        for (int s = 1; s <= STATE_SLOTS[opt]; s++)
+            if (!meta[T + 1 + 3 * s * T + t] || !meta[T + 1 + (3 * s + 1) * T + t]) return -2;
     if (n == 0) return 0;
     table_t *tables = (table_t *)malloc(sizeof(table_t) * (size_t)num_tables);
     int64_t max_dim = 1;
@@ -603,18 +416,19 @@ int recopt_fused_update(int opt, int64_t n, const uint64_t *packed, const float 
         table_t *tb = &tables[t];
         tb->base = meta[t];
         tb->end = meta[t + 1];
-        tb->dim = meta[num_tables + 1 + t];
-        tb->weight = (float *)(intptr_t)meta[2 * num_tables + 1 + t];
-        tb->s1 = (float *)(intptr_t)meta[3 * num_tables + 1 + t];
-        tb->s2 = (float *)(intptr_t)meta[4 * num_tables + 1 + t];
-        tb->kind = (int)meta[5 * num_tables + 1 + t];
-        tb->seed = (uint64_t)meta[6 * num_tables + 1];
-        tb->half = tb->kind ? (uint16_t *)tb->weight : NULL;
-        if (tb->kind) tb->weight = NULL;
+        for (int s = 0; s < 3; s++) {
+            const int64_t *column = meta + T + 1 + 3 * s * T + t;
+            slot_t *sl = &tb->slot[s];
+            sl->data = (void *)(intptr_t)column[0];
+            sl->width = sl->data ? column[T] : 0;
+            sl->kind = sl->width ? (int)column[2 * T] : 0;
+        }
+        tb->dim = tb->slot[0].width;
+        tb->seed = (uint64_t)meta[10 * T + 1];
         tb->step_size = hyper[6 + t];
         if (tb->dim > max_dim) max_dim = tb->dim;
     }
-    pass_t p = {opt, num_tables, max_dim, packed, scale, grad, tables,
+    pass_t p = {opt, num_tables, stochastic, max_dim, packed, scale, grad, tables,
                 hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], hyper[5]};
     if (num_threads < 1) num_threads = 1;
     int num_chunks = num_threads == 1 ? 1 : num_threads * 8;
@@ -636,15 +450,17 @@ int recopt_fused_update(int opt, int64_t n, const uint64_t *packed, const float 
     return 0;
 }
 
-/* Stochastic rounding of a float32 array: see the helpers above update_row. */
-int recopt_stochastic_round(int64_t n, const float *x, uint16_t *out, int kind, uint64_t seed,
-                            int num_threads) {
+/* A float32 array rounded to fp16 (kind 1) or bf16 (kind 2): stochastically (blocks of 256
+ * elements: block b's key is block_key(seed, b)) or to nearest even (stochastic 0). */
+int recopt_round(int64_t n, const float *x, uint16_t *out, int kind, int stochastic,
+                 uint64_t seed, int num_threads) {
+    if (kind != 1 && kind != 2) return -1;
     if (num_threads < 1) num_threads = 1;
     const int64_t blocks = (n + 255) / 256;
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (n > 65536)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t at = b * 256, len = n - at < 256 ? n - at : 256;
-        round_row(x + at, out + at, len, kind ? 2 : 1, block_key(seed, (uint64_t)b));
+        store_row(x + at, out + at, len, kind, stochastic, block_key(seed, (uint64_t)b));
     }
     return 0;
 }

@@ -4,7 +4,8 @@ A small C library (no torch headers: it compiles in about a second) built with t
 compiler at first use and cached; it works on raw float32 pointers with torch's OpenMP
 threads. Backward turns occurrences into sorted (key, gradient offset) words, then each
 thread walks whole runs of equal keys, sums their scaled gradient rows into a D-float buffer
-and updates that row and its state in place: no [U, D] temporary. Without a compiler,
+and updates that row and its state in place: no [U, D] temporary (fp16 / bf16 weights and
+state rows are updated in float32 and rounded back: cpu_round.h). Without a compiler,
 `available()` is False and the backend uses `updates.apply_update` (same formulas).
 Legend: N occurrences (ids) of all the kernel's tables, D a table's dim, T tables.
 """
@@ -26,10 +27,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# The C source ships as package data beside this file (setup.cfg).
+# The C source and its rounding header ship as package data beside this file (setup.cfg).
 _C_SOURCE_PATH = Path(__file__).with_name("cpu_fused.c")
+_C_HEADER_PATH = Path(__file__).with_name("cpu_round.h")
 
-_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp"]
+_CFLAGS = ["-O3", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp"]
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _load_failed = False
@@ -39,28 +41,38 @@ def _cache_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"recopt-cpu-fused-{os.getuid()}")
 
 
-def _build() -> ctypes.CDLL:
-    """Compile the C source (once per source, flags and machine) and load it."""
+def _build(march: str = "native") -> ctypes.CDLL:
+    """Compile the C source (once per source, flags and machine) and load it.
+
+    Args:
+        march: the compiler's ``-march``: ``native`` uses what this CPU has (AVX-512, AVX2 +
+            F16C); the tests also build ``x86-64`` (no vector extensions) and ``x86-64-v3``.
+    """
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    c_source = _C_SOURCE_PATH.read_text()
+    c_source, c_header = _C_SOURCE_PATH.read_text(), _C_HEADER_PATH.read_text()
+    flags = [*_CFLAGS, f"-march={march}"]
     key = hashlib.sha256(
-        "\0".join([c_source, *_CFLAGS, platform.machine(), platform.node()]).encode()
+        "\0".join([c_source, c_header, *flags, platform.machine(), platform.node()]).encode()
     ).hexdigest()[:16]
     directory = _cache_dir()
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"recopt_cpu_fused_{key}.so")
     if not os.path.exists(path):
-        source = os.path.join(directory, f"src_{key}_{os.getpid()}.c")
+        build_dir = tempfile.mkdtemp(dir=directory)  # the source beside its header
+        for name, text in ((_C_SOURCE_PATH.name, c_source), (_C_HEADER_PATH.name, c_header)):
+            with open(os.path.join(build_dir, name), "w") as f:
+                f.write(text)
+        source = os.path.join(build_dir, _C_SOURCE_PATH.name)
         tmp = path + f".{os.getpid()}.tmp"
-        with open(source, "w") as f:
-            f.write(c_source)
-        subprocess.run(
-            [compiler, *_CFLAGS, source, "-o", tmp, "-lm"], check=True, capture_output=True
-        )
-        os.replace(tmp, path)  # atomic: concurrent builders never see a partial library
-        os.remove(source)
+        try:
+            subprocess.run(
+                [compiler, *flags, source, "-o", tmp, "-lm"], check=True, capture_output=True
+            )
+            os.replace(tmp, path)  # atomic: concurrent builders never see a partial library
+        finally:
+            shutil.rmtree(build_dir, ignore_errors=True)
     library = ctypes.CDLL(path)
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     signatures: dict[str, list[type]] = {
@@ -68,8 +80,8 @@ def _build() -> ctypes.CDLL:
         "recopt_sort": [i64, ptr, ptr, ptr, ptr, i32, i32],
         "recopt_pool": [i64, i64, ptr, ptr, ptr, i32, ptr, ptr, i64, ptr, i32],
         "recopt_aggregate": [i64, ptr, ptr, ptr, ptr, i64, ptr, i32],
-        "recopt_fused_update": [i32, i64, ptr, ptr, ptr, i32, ptr, ptr, i32],
-        "recopt_stochastic_round": [i64, ptr, ptr, i32, ctypes.c_uint64, i32],
+        "recopt_fused_update": [i32, i32, i64, ptr, ptr, ptr, i32, ptr, ptr, i32],
+        "recopt_round": [i64, ptr, ptr, i32, i32, ctypes.c_uint64, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(library, name)
@@ -245,20 +257,42 @@ def aggregate(
     return out
 
 
-# The C pass's weight storage kinds; float16 / bfloat16 rows are updated in float32 and
-# rounded back stochastically.
-_WEIGHT_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# The C passes' storage kinds (cpu_round.h): float16 / bfloat16 rows are updated in float32
+# and rounded back. The one place the codes are written on the Python side.
+_STORAGE_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def weight_kind(dtype: torch.dtype) -> int:
-    """The C pass's code of a weight dtype (0 float32, 1 float16, 2 bfloat16).
+    """The C pass's code of a storage dtype (0 float32, 1 float16, 2 bfloat16).
 
     Raises:
         ValueError: another dtype.
     """
-    if dtype not in _WEIGHT_KINDS:
+    if dtype not in _STORAGE_KINDS:
         raise ValueError(f"the native CPU pass stores float32, float16 or bfloat16, not {dtype}")
-    return _WEIGHT_KINDS[dtype]
+    return _STORAGE_KINDS[dtype]
+
+
+TableTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def _slot_meta(weight: torch.Tensor, slot: torch.Tensor | None) -> tuple[int, int, int]:
+    """(address, values a row, storage kind) of a table's weights or one state tensor; zeros
+    for a state the optimizer lacks. The widths come from the tensors (the registry's state
+    shapes), so the C source holds no table of them.
+
+    Raises:
+        ValueError: a tensor that is not contiguous or has not one row per weight row.
+    """
+    if slot is None:
+        return 0, 0, 0
+    rows = weight.shape[0]
+    if not slot.is_contiguous() or slot.dim() not in (1, 2) or slot.shape[0] != rows:
+        raise ValueError(
+            f"fused_update: a state tensor of shape {tuple(slot.shape)} for a table of {rows} "
+            "rows; the native pass needs contiguous [rows] or [rows, dim] state"
+        )
+    return _ptr(slot) or 0, 1 if slot.dim() == 1 else slot.shape[1], weight_kind(slot.dtype)
 
 
 def fused_update(
@@ -267,10 +301,12 @@ def fused_update(
     scale_N: torch.Tensor | None,
     grad: torch.Tensor,
     bases: list[int],
-    tables: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
+    tables: list[TableTensors],
     hyper: list[float],
     step_sizes: list[float],
     seed: int = 0,
+    *,
+    stochastic: bool = True,
 ) -> None:
     """Aggregate the gradient of every touched row of every table, update rows and state.
 
@@ -281,29 +317,35 @@ def fused_update(
         scale_N: per sorted occurrence, the factor on its gradient, or None for 1.
         grad: the pooled-output gradient, contiguous float32.
         bases: ``T + 1`` key offsets of the tables (cumulative row counts).
-        tables: per table, contiguous ``[R, D]`` weights (float32, or float16 / bfloat16:
-            updated in float32 and rounded back stochastically) and its first and second
-            float32 state tensors (or None), all updated in place.
+        tables: per table, contiguous ``[R, D]`` weights and its first and second state
+            tensors (``[R, D]`` or ``[R]``, or None), all updated in place. Each is float32,
+            or float16 / bfloat16 (the touched rows updated in float32 and rounded back).
         hyper: lr, eps, weight_decay, sign (-1 to maximize), 1 - beta1, 1 - beta2 (the
             differences taken in double, as torch's optimizers do).
         step_sizes: per table, Adam's bias-corrected step size (0 for other optimizers).
-        seed: the stochastic rounding seed of this pass (element (key, d) hashes it), below
-            2^63.
+        seed: the stochastic rounding seed of this pass (element (key, slot, column) hashes
+            it), below 2^63.
+        stochastic: round float16 / bfloat16 values stochastically; False rounds them to
+            nearest even (``seed`` is then unused).
 
     Raises:
         RuntimeError: the native library is not available.
+        ValueError: a dtype the pass does not store, a state tensor not shaped by rows, or
+            an optimizer without the state its code needs.
     """
     if _library is None:
         raise RuntimeError("fused_update: native library not loaded; call available() first")
-    meta = bases + [w.shape[1] for w, _, _ in tables]
-    for slot in range(3):
-        meta += [0 if tensors[slot] is None else _ptr(tensors[slot]) or 0 for tensors in tables]
-    meta += [weight_kind(w.dtype) for w, _, _ in tables]
+    meta = list(bases)
+    for slot in range(3):  # per slot: addresses [T], values a row [T], storage kinds [T]
+        columns = zip(*(_slot_meta(tensors[0], tensors[slot]) for tensors in tables), strict=True)
+        for column in columns:
+            meta += column
     meta.append(seed)
     meta_t = torch.tensor(meta, dtype=torch.int64)
     hyper_t = torch.tensor(hyper + step_sizes, dtype=torch.float32)
-    _library.recopt_fused_update(
+    status = _library.recopt_fused_update(
         code,
+        int(stochastic),
         words_N.numel(),
         _ptr(words_N),
         _ptr(scale_N),
@@ -313,23 +355,52 @@ def fused_update(
         _ptr(hyper_t),
         torch.get_num_threads(),
     )
+    if status == -1:
+        raise ValueError(f"fused_update: optimizer code {code} is not one of the C pass's 0-4")
+    if status != 0:
+        raise ValueError(f"fused_update: optimizer code {code} needs state tensors not passed")
 
 
-def stochastic_round(x: torch.Tensor, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Float32 ``x`` rounded stochastically to fp16 or bf16 (recopt.kernels.precision's law).
+def round_to(x: torch.Tensor, dtype: torch.dtype, seed: int | None) -> torch.Tensor:
+    """Float32 ``x`` rounded to fp16 or bf16: stochastically, or to nearest even.
 
-    Element i's random bits are a hash of ``(seed, i)``: the result depends on the seed
-    only, not on the thread count.
+    Stochastic rounding follows recopt.kernels.precision's law; element i's random bits are a
+    hash of ``(seed, i)``, so the result depends on the seed only, not on the thread count.
+    Rounding to nearest even equals torch's ``x.to(dtype)``.
+
+    Args:
+        x: float32 values.
+        dtype: ``torch.float16`` or ``torch.bfloat16``.
+        seed: the stochastic rounding seed, or None to round to nearest even.
 
     Raises:
         RuntimeError: the native library is not available.
+        ValueError: ``dtype`` is neither fp16 nor bf16.
     """
     if _library is None:
-        raise RuntimeError("stochastic_round: native library not loaded; call available() first")
+        raise RuntimeError("round_to: native library not loaded; call available() first")
+    kind = weight_kind(dtype)
+    if kind == 0:
+        raise ValueError(f"round_to: dtype {dtype} is not rounded to; use float16 or bfloat16")
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=dtype)
-    kind = {torch.float16: 0, torch.bfloat16: 1}[dtype]
-    _library.recopt_stochastic_round(
-        x.numel(), _ptr(x), _ptr(out), kind, seed % 2**64, torch.get_num_threads()
+    _library.recopt_round(
+        x.numel(),
+        _ptr(x),
+        _ptr(out),
+        kind,
+        int(seed is not None),
+        (seed or 0) % 2**64,
+        torch.get_num_threads(),
     )
     return out
+
+
+def stochastic_round(x: torch.Tensor, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """`round_to` stochastically: float32 ``x`` to fp16 or bf16 with ``seed`` (precision's law).
+
+    Raises:
+        RuntimeError: the native library is not available.
+        ValueError: ``dtype`` is neither fp16 nor bf16.
+    """
+    return round_to(x, dtype, seed)

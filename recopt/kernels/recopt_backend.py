@@ -2,10 +2,10 @@
 
 On CPU forward and backward are native passes (`cpu_fused`): one sort of all the tables'
 ids, then one pass that sums each touched row's gradient and updates only that row and its
-state (fp16/bf16 rows in float32, rounded back stochastically). Otherwise (hooks, Adafactor,
-fp16/bf16 state, rounding to nearest, other devices) torch ops do the same per table;
-reduced precision is computed in fp32 and rounded back, with randomness that depends on
-the kernel's seed and its checkpointed pass counter only. This file holds the module and
+state (fp16/bf16 weights and state in float32, rounded back stochastically or to nearest).
+Otherwise (hooks, Adafactor, other devices) torch ops do the same per table; reduced
+precision is computed in fp32 and rounded back. Stochastic rounding depends on the kernel's
+seed and its checkpointed pass counter only. This file holds the module and
 the choice of path; the backward passes themselves are in `recopt_backward`.
 Legend: B batch, F features, N ids (occurrences) of one table, D a table's dim.
 """
@@ -55,8 +55,8 @@ class RecoptTableBatchedEmbedding(nn.Module):
         optimizer: the fused optimizer and its hyperparameters.
         pooling: sum or mean for every feature.
         device: where the weights and state live.
-        use_native: run the native CPU pass when it is available (CPU float32); False forces
-            the torch-ops path.
+        use_native: run the native CPU pass when it is available (CPU tables, float32,
+            fp16 or bf16); False forces the torch-ops path.
 
     Tables keep their ``weight_dtype`` and the state ``optimizer.state_dtype``; pooled
     outputs are float32 whatever the tables' dtype (rows are summed in float32). Tables
@@ -434,7 +434,8 @@ class RecoptTableBatchedEmbedding(nn.Module):
         weights: Tensor | None,
     ) -> bool:
         """The native passes run CPU tables (float32, fp16, bf16) with int64 ids (backward:
-        and no hooks, float32 state, stochastic rounding of reduced weights).
+        and no hooks, an optimizer with a C code; state in any of the three dtypes, rounded
+        stochastically or to nearest).
 
         ``grad_out`` None asks about the forward, which every optimizer and hook can use.
         """
@@ -442,7 +443,6 @@ class RecoptTableBatchedEmbedding(nn.Module):
             self.grad_hook is None
             and self.row_stat_hook is None
             and self._spec.c_code is not None
-            and self._native_precision_ok()
             and grad_out.dtype == torch.float32
             and grad_out.numel() < 2**32
         )
@@ -458,10 +458,3 @@ class RecoptTableBatchedEmbedding(nn.Module):
             and self._table_bases[-1] < 2**32
             and cpu_fused.available()
         )
-
-    def _native_precision_ok(self) -> bool:
-        """The native update keeps float32 state, and rounds fp16/bf16 rows stochastically
-        only (round-to-nearest and reduced state take the torch path)."""
-        if self.optimizer.state_dtype.reduced:
-            return False
-        return not self._reduced or self._rounding is not None

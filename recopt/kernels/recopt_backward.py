@@ -249,6 +249,7 @@ def native_update(
         list(_hyperparameters(kernel)),
         step_sizes,
         seed,
+        stochastic=kernel.optimizer.stochastic_rounding,
     )
 
 

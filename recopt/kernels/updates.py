@@ -3,9 +3,10 @@
 Each update reads and writes only the rows of one table that the batch touched: it gets the
 sorted unique row ids and their aggregated gradients. This is recopt's portable path (any
 device, any float dtype); `cpu_fused` runs the same formulas in one fused native pass.
-fp16/bf16 tables and state go through `apply_update_rounded`: fp32 copies of the touched
-rows are updated, then stochastically rounded back (recopt.kernels.precision); such tables
-count their rounded passes in a ``rounding_step`` state (`has_rounding_step`).
+Here fp16/bf16 tables and state go through `apply_update_rounded`: fp32 copies of the touched
+rows are updated, then rounded back, stochastically or to nearest (recopt.kernels.precision);
+tables rounded stochastically count their passes in a ``rounding_step`` state
+(`has_rounding_step`).
 Legend: R rows of the table, D its dim, U unique rows touched by the batch.
 """
 
