@@ -56,7 +56,7 @@ def fake_gpus(
 def table(name: str, rows: int = 1_000_000, dim: int = 64) -> EmbeddingBagConfig:
     """1M x 64 fp32: 256 MB of weights (plus 4 MB of row-wise Adagrad state)."""
     return EmbeddingBagConfig(
-        name=name, num_embeddings=rows, embedding_dim=dim, feature_names=[f"{name}_f"]
+        name=name, num_embeddings=rows, embedding_dim=dim, feature_names=(f"{name}_f",)
     )
 
 
@@ -143,7 +143,7 @@ def _dmp_topology(rank: int, world: int, device: str | None) -> dict[str, Any]:
     def spy(planner: Any, *args: Any, **kwargs: Any) -> Any:
         raise _Planned(planner.topology)
 
-    planner_package.plan_collectively = spy  # type: ignore[assignment]
+    planner_package.plan_collectively = spy
     module = EmbeddingBagCollection([table("a", rows=10, dim=4)], device="meta")
     try:
         DistributedModelParallel(module, device=device)
@@ -159,3 +159,30 @@ def test_dmp_plans_against_the_device_it_trains_on() -> None:
     for device in (None, "cpu"):  # CPU: the planner's default topology, as before
         cpu = run_on_ranks(_dmp_topology, 1, device, timeout_s=120)[0]
         assert cpu == {"device": "cpu", "hbm": 0, "ddr": Topology(world_size=1).ddr_bytes}
+
+
+def _dmp_plan_of_a_fused_adam_table(rank: int, world: int) -> dict[str, str]:
+    import recopt.sharding.planner as planner_package
+    from recopt.modules import FusedEmbeddingBagCollection
+
+    fake_gpus(setattr, [600])  # 540 MiB usable: a's weights (256 MB) fit, with Adam's state not
+    real = planner_package.plan_collectively
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        raise _Planned(real(*args, **kwargs))
+
+    planner_package.plan_collectively = spy
+    adam = FusedOptimizerConfig(name="adam")
+    module = FusedEmbeddingBagCollection([table("a")], optimizer=adam, device="meta")
+    try:
+        DistributedModelParallel(module, device="cuda")
+    except _Planned as planned:
+        return {t: ps.placement.describe() for t, ps in planned.args[0][""].items()}
+    raise AssertionError("DistributedModelParallel did not plan")
+
+
+def test_dmp_counts_the_state_of_the_optimizer_a_fused_module_runs() -> None:
+    # Adam keeps two fp32 moments per value (768 MB in all): the default plan must see that,
+    # not the default row-wise Adagrad's 4 MB, and take the table off the device.
+    placements = run_on_ranks(_dmp_plan_of_a_fused_adam_table, 1, timeout_s=120)[0]
+    assert placements == {"a": "uvm_caching(0.2)"}

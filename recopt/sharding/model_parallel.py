@@ -87,6 +87,7 @@ class DistributedModelParallel(nn.Module):
                 process_group,
                 device,
                 timeout,
+                table_optimizers={path: _table_optimizers(m) for path, m in found},
             )
         validate_plan(plan, tables_by_module, world, ranks_per_host)
         self.plan = plan
@@ -232,6 +233,7 @@ def _default_plan(
     process_group: dist.ProcessGroup | None,
     device: torch.device | str | None,
     timeout: datetime.timedelta,
+    table_optimizers: Mapping[str, Mapping[str, FusedOptimizerConfig]] | None = None,
 ) -> ShardingPlan:
     """The planner's plan for the device the shards will live on (planned on rank 0).
 
@@ -239,6 +241,8 @@ def _default_plan(
     (`local_topology`: free HBM plus what this process's allocator holds; host memory over the
     ranks of a host, for UVM), the least over the ranks (`shared_topology`), so a table set
     larger than HBM gets UVM / UVM-caching placements, or a `PlannerError` on every rank.
+    ``table_optimizers`` (module path -> table -> the optimizer a fused module runs it with)
+    size each table's optimizer state; other tables are counted with ``default_optimizer``.
     """
     try:
         from recopt.sharding.planner import (
@@ -257,4 +261,4 @@ def _default_plan(
         topology = Topology(world_size=world, ranks_per_host=ranks_per_host)
     planner = EmbeddingShardingPlanner(topology, default_optimizer=default_optimizer)
     # Planned on rank 0 and broadcast, so every rank holds the same plan.
-    return plan_collectively(planner, tables_by_module, process_group, timeout)
+    return plan_collectively(planner, tables_by_module, process_group, timeout, table_optimizers)
