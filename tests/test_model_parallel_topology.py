@@ -19,7 +19,13 @@ from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.modules import EmbeddingBagCollection, EmbeddingBagConfig
 from recopt.sharding import model_parallel
 from recopt.sharding.model_parallel import DistributedModelParallel
-from recopt.sharding.planner import Topology, cuda_memory_bytes, local_topology, shared_topology
+from recopt.sharding.planner import (
+    Topology,
+    TopologyError,
+    cuda_memory_bytes,
+    local_topology,
+    shared_topology,
+)
 from recopt.testing import run_on_ranks
 
 MIB = 2**20
@@ -186,3 +192,8 @@ def test_dmp_counts_the_state_of_the_optimizer_a_fused_module_runs() -> None:
     # not the default row-wise Adagrad's 4 MB, and take the table off the device.
     placements = run_on_ranks(_dmp_plan_of_a_fused_adam_table, 1, timeout_s=120)[0]
     assert placements == {"a": "uvm_caching(0.2)"}
+
+
+def test_local_topology_refuses_other_devices() -> None:
+    with pytest.raises(TopologyError, match="topology device 'meta' is unknown"):
+        local_topology(2, device="meta")

@@ -235,6 +235,7 @@ def cuda_memory_bytes(device: torch.device | str | int | None = None) -> int:
 
 
 def _cuda_index(device: torch.device | str | int | None) -> int:
+    """The GPU index ``device`` names; the current GPU when it names none."""
     if isinstance(device, int):
         return device
     index = None if device is None else torch.device(device).index
@@ -260,9 +261,14 @@ def local_topology(
         host) and, on cuda, HBM (`cuda_memory_bytes` of that GPU: what this process can fill
         now) filled in. Each rank measures its own machine; `shared_topology` makes the
         figures the same on every rank.
+
+    Raises:
+        TopologyError: ``device`` is neither a CPU nor a CUDA device.
     """
-    kind = torch.device(device).type if device is not None else None
-    kind = kind or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device is None:
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        kind = torch.device(device).type
     if kind not in DEVICES:
         raise TopologyError(f"topology device {kind!r} is unknown; valid: {DEVICES}")
     rph = min(world_size, ranks_per_host or world_size)
