@@ -197,3 +197,14 @@ def test_dmp_counts_the_state_of_the_optimizer_a_fused_module_runs() -> None:
 def test_local_topology_refuses_other_devices() -> None:
     with pytest.raises(TopologyError, match="topology device 'meta' is unknown"):
         local_topology(2, device="meta")
+
+
+@pytest.mark.cuda
+def test_cuda_memory_on_a_real_gpu() -> None:
+    # Other test workers may share the GPU, so free memory moves; only the bounds are sure.
+    held = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")  # this process's cache
+    _, total = torch.cuda.mem_get_info()
+    measured = cuda_memory_bytes("cuda")
+    assert held.numel() <= torch.cuda.memory_reserved() <= measured <= total
+    topo = local_topology(1, device=torch.device("cuda", torch.cuda.current_device()))
+    assert topo.device == "cuda" and 0 < topo.hbm_bytes <= total
