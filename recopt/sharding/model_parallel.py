@@ -44,7 +44,9 @@ class DistributedModelParallel(nn.Module):
 
     Args:
         module: the unsharded model, identical on every rank (same seed); modified in place.
-        plan: the sharding plan (default: the planner's, else a balanced table-wise plan).
+        plan: the sharding plan (default: the planner's for ``device``: on CUDA it plans
+            against the GPU's free memory, the least over the ranks, and places tables that
+            do not fit in UVM; without the planner, a balanced table-wise plan).
         process_group: the ranks (default: the world).
         device: where shards live (default: CPU).
         default_optimizer: the fused optimizer of the tables of a plain EmbeddingBagCollection
@@ -57,6 +59,8 @@ class DistributedModelParallel(nn.Module):
     Raises:
         PlanError: the plan does not fit the model (checked on every rank before any
             collective), or names an optimizer/sharding pair recopt does not support.
+        PlannerError: with no plan given, no plan fits the ranks' memory (on CUDA: neither
+            HBM nor, where fbgemm can run the table, UVM); raised on every rank.
     """
 
     def __init__(
@@ -76,7 +80,14 @@ class DistributedModelParallel(nn.Module):
         tables_by_module = {path: list(m.tables) for path, m in found}
         if plan is None:
             plan = _default_plan(
-                tables_by_module, world, ranks_per_host, default_optimizer, process_group, timeout
+                tables_by_module,
+                world,
+                ranks_per_host,
+                default_optimizer,
+                process_group,
+                device,
+                timeout,
+                table_optimizers={path: _table_optimizers(m) for path, m in found},
             )
         validate_plan(plan, tables_by_module, world, ranks_per_host)
         self.plan = plan
@@ -220,15 +231,34 @@ def _default_plan(
     ranks_per_host: int | None,
     default_optimizer: FusedOptimizerConfig | None,
     process_group: dist.ProcessGroup | None,
+    device: torch.device | str | None,
     timeout: datetime.timedelta,
+    table_optimizers: Mapping[str, Mapping[str, FusedOptimizerConfig]] | None = None,
 ) -> ShardingPlan:
+    """The planner's plan for the device the shards will live on (planned on rank 0).
+
+    On CPU the planner's default topology (4 GiB per rank). On CUDA this GPU's memory
+    (`local_topology`: free HBM plus what this process's allocator holds; host memory over the
+    ranks of a host, for UVM), the least over the ranks (`shared_topology`), so a table set
+    larger than HBM gets UVM / UVM-caching placements, or a `PlannerError` on every rank.
+    ``table_optimizers`` (module path -> table -> the optimizer a fused module runs it with)
+    size each table's optimizer state; other tables are counted with ``default_optimizer``.
+    """
     try:
-        from recopt.sharding.planner import EmbeddingShardingPlanner, Topology, plan_collectively
+        from recopt.sharding.planner import (
+            EmbeddingShardingPlanner,
+            Topology,
+            local_topology,
+            plan_collectively,
+            shared_topology,
+        )
     except ImportError:  # the planner is optional; a balanced table-wise plan always works
         return balanced_table_wise_plan(tables_by_module, world)
-    planner = EmbeddingShardingPlanner(
-        Topology(world_size=world, ranks_per_host=ranks_per_host),
-        default_optimizer=default_optimizer,
-    )
+    if device is not None and torch.device(device).type == "cuda":
+        topology = local_topology(world, ranks_per_host, device=device)
+        topology = shared_topology(topology, process_group, timeout)
+    else:
+        topology = Topology(world_size=world, ranks_per_host=ranks_per_host)
+    planner = EmbeddingShardingPlanner(topology, default_optimizer=default_optimizer)
     # Planned on rank 0 and broadcast, so every rank holds the same plan.
-    return plan_collectively(planner, tables_by_module, process_group, timeout)
+    return plan_collectively(planner, tables_by_module, process_group, timeout, table_optimizers)

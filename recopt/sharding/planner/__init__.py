@@ -9,9 +9,15 @@ from recopt.sharding.planner.planner import (
     EmbeddingShardingPlanner,
     PlannerError,
     plan_collectively,
+    shared_topology,
 )
 from recopt.sharding.planner.stats import PlanStats, TableChoice, evaluate_plan
-from recopt.sharding.planner.topology import Topology, TopologyError, local_topology
+from recopt.sharding.planner.topology import (
+    Topology,
+    TopologyError,
+    cuda_memory_bytes,
+    local_topology,
+)
 
 __all__ = [
     "ConstraintError",
@@ -22,7 +28,9 @@ __all__ = [
     "TableChoice",
     "Topology",
     "TopologyError",
+    "cuda_memory_bytes",
     "evaluate_plan",
     "local_topology",
     "plan_collectively",
+    "shared_topology",
 ]

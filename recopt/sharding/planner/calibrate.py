@@ -8,7 +8,6 @@ bandwidth cannot be measured on one machine; the file carries the default and sa
 from __future__ import annotations
 
 import datetime
-import os
 import time
 from collections.abc import Callable
 
@@ -25,7 +24,7 @@ from recopt.kernels.autotune import (
 from recopt.kernels.config import Backend, FusedOptimizerConfig, TableSpec
 from recopt.kernels.fbgemm_backend import fbgemm_problems
 from recopt.kernels.registry import OPTIMIZERS
-from recopt.sharding.planner.topology import NETWORK_10GBE_BANDWIDTH, Topology
+from recopt.sharding.planner.topology import NETWORK_10GBE_BANDWIDTH, Topology, host_memory_bytes
 from recopt.testing import run_on_ranks
 
 
@@ -172,7 +171,8 @@ def calibrate(ranks_per_host: int | None = None, quick: bool = False) -> Topolog
     backends, kernel_seconds = measure_kernels(
         "cuda" if cuda else "cpu", rows=PROBE_MAX_ROWS // scale
     )
-    ddr = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rph
+    ddr = host_memory_bytes(rph)
+    # The GPU's whole memory (a file describes the machine, not this moment's free memory).
     hbm = torch.cuda.get_device_properties(0).total_memory if cuda else 0
     uvm: dict[str, float] = {}
     if cuda:  # the tables live in HBM, and UVM tables are read over the host link

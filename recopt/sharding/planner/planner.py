@@ -326,6 +326,32 @@ def plan_collectively(
     return plan
 
 
+def shared_topology(
+    topology: Topology,
+    process_group: dist.ProcessGroup | None = None,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=5),
+) -> Topology:
+    """``topology`` with each memory figure the least any rank of the group measured.
+
+    Every rank measures its own memory (`local_topology`); a plan must fit the rank with the
+    least, and `plan_collectively` needs the same topology on every rank. One MIN all-reduce
+    of ``(hbm_bytes, ddr_bytes)``, through `recopt.comm`.
+
+    Args:
+        topology: this rank's topology.
+        process_group: the ranks (default: the world); one rank returns ``topology``.
+        timeout: limit for the all-reduce.
+
+    Returns:
+        The topology with ``hbm_bytes`` and ``ddr_bytes`` the minimum over the ranks.
+    """
+    if dist.get_world_size(process_group) == 1:
+        return topology
+    memory = torch.tensor([topology.hbm_bytes, topology.ddr_bytes], dtype=torch.int64)
+    comm.all_reduce(memory, process_group, op=dist.ReduceOp.MIN, timeout=timeout)
+    return topology.replace(hbm_bytes=int(memory[0]), ddr_bytes=int(memory[1]))
+
+
 def _broadcast(
     tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, timeout: datetime.timedelta
 ) -> None:

@@ -216,8 +216,36 @@ class Topology:
         return "\n".join(lines) + "\n"
 
 
+def host_memory_bytes(ranks_per_host: int) -> int:
+    """Physical memory of this machine divided among ``ranks_per_host`` ranks."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks_per_host
+
+
+def cuda_memory_bytes(device: torch.device | str | int | None = None) -> int:
+    """Device memory this process can fill on a GPU now (default: the current one).
+
+    The free memory (`torch.cuda.mem_get_info`) plus what this process's caching allocator
+    already holds and can reuse (e.g. an unsharded model that sharding will replace), at most
+    the GPU's total memory: other processes' memory and the CUDA context are not counted.
+    """
+    index = _cuda_index(device)
+    free, _ = torch.cuda.mem_get_info(index)
+    total = int(torch.cuda.get_device_properties(index).total_memory)
+    return min(total, int(free) + int(torch.cuda.memory_reserved(index)))
+
+
+def _cuda_index(device: torch.device | str | int | None) -> int:
+    """The GPU index ``device`` names; the current GPU when it names none."""
+    if isinstance(device, int):
+        return device
+    index = None if device is None else torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
 def local_topology(
-    world_size: int, ranks_per_host: int | None = None, device: str | None = None
+    world_size: int,
+    ranks_per_host: int | None = None,
+    device: torch.device | str | None = None,
 ) -> Topology:
     """A topology whose memory per rank is this machine's, for planning inside a job.
 
@@ -225,25 +253,35 @@ def local_topology(
         world_size: number of ranks.
         ranks_per_host: ranks per host (default: all on one host); host memory is divided
             among them.
-        device: ``cpu`` or ``cuda`` (default: ``cuda`` when available).
+        device: ``cpu``, ``cuda`` (the current GPU) or a ``torch.device`` such as ``cuda:1``
+            (default: ``cuda`` when available).
 
     Returns:
-        The default bandwidths (HBM's on cuda) with HBM (the current CUDA device's) and DDR
-        (physical memory over the ranks of a host) filled in.
+        The default bandwidths (HBM's on cuda) with DDR (physical memory over the ranks of a
+        host) and, on cuda, HBM (`cuda_memory_bytes` of that GPU: what this process can fill
+        now) filled in. Each rank measures its own machine; `shared_topology` makes the
+        figures the same on every rank.
+
+    Raises:
+        TopologyError: ``device`` is neither a CPU nor a CUDA device.
     """
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device is None:
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        kind = torch.device(device).type
+    if kind not in DEVICES:
+        raise TopologyError(f"topology device {kind!r} is unknown; valid: {DEVICES}")
     rph = min(world_size, ranks_per_host or world_size)
-    ddr = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rph
     hbm, memory_bandwidth = 0, DEFAULT_MEMORY_BANDWIDTH
-    if device == "cuda":
-        hbm = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    if kind == "cuda":
+        hbm = cuda_memory_bytes(device)
         memory_bandwidth = DEFAULT_HBM_BANDWIDTH
     return Topology(
         world_size=world_size,
         ranks_per_host=ranks_per_host,
-        device=device,
+        device=kind,
         hbm_bytes=hbm,
-        ddr_bytes=int(ddr),
+        ddr_bytes=host_memory_bytes(rph),
         memory_bandwidth=memory_bandwidth,
     )
 
