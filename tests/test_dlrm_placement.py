@@ -6,6 +6,7 @@ import pathlib
 import sys
 
 import pytest
+import torch
 
 from recopt.kernels import Placement
 
@@ -67,3 +68,33 @@ def test_uvm_on_a_cpu_run_is_refused_with_the_fix() -> None:
     config = dlrm_config.load_config(None, ["embedding.placements.t0=uvm_caching"])
     with pytest.raises(ValueError, match="'t0': placement 'uvm_caching.0.2.' needs a CUDA"):
         dlrm_train.build_model(config, torch.device("cpu"))
+
+
+# ------------------------------------------------------------------ the planner's topology
+
+
+def test_planner_topology_follows_a_cuda_run_and_measures_its_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No ``device`` in [planner]: a CUDA run plans against the GPU's free memory (so the
+    planner can choose UVM), and fields given in [planner] still win."""
+    import datetime
+
+    import dlrm_build
+    from test_model_parallel_topology import MIB, fake_gpus
+
+    fake_gpus(monkeypatch.setattr, [3000], total_mib=4000)
+    timeout = datetime.timedelta(seconds=30)
+    config = dlrm_config.load_config(None)
+    cuda = dlrm_build.RunEnv(world_size=1, device=torch.device("cuda", 0))
+    measured = dlrm_build.planning_topology(config.planner, cuda, timeout)
+    assert measured.device == "cuda"
+    assert measured.hbm_bytes == 3000 * MIB
+    assert measured.ddr_bytes == 4 * 1024**3  # the config's ddr_bytes wins
+    given = dlrm_build.planning_topology({"hbm_bytes": 1024}, cuda, timeout)
+    assert (given.device, given.hbm_bytes) == ("cuda", 1024)
+    # An explicit device describes a machine: nothing is measured.
+    cpu = dlrm_build.planning_topology({"device": "cpu"}, cuda, timeout)
+    assert (cpu.device, cpu.hbm_bytes) == ("cpu", 0)
+    on_cpu = dlrm_build.RunEnv(world_size=1)
+    assert dlrm_build.planning_topology(config.planner, on_cpu, timeout).device == "cpu"

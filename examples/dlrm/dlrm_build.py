@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from dlrm_config import TrainingConfig
@@ -27,6 +27,9 @@ from recopt.optim import (
 )
 from recopt.optim.clipping import GradientClippingOptimizer
 from recopt.optim.warmup import WarmupOptimizer
+
+if TYPE_CHECKING:
+    from recopt.sharding.planner import Topology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +76,9 @@ def shard_model(model: DLRM, config: TrainingConfig, env: RunEnv) -> nn.Module:
         ParameterConstraints,
         plan_collectively,
     )
-    from recopt.sharding.planner.topology import topology_from_dict
 
     timeout = datetime.timedelta(seconds=config.training.timeout_s)
-    topology = topology_from_dict(config.planner, "[planner]", world_size=env.world_size)
+    topology = planning_topology(config.planner, env, timeout)
     planner = EmbeddingShardingPlanner(
         topology,
         # [embedding.placements] pins those tables; the planner places the others.
@@ -91,6 +93,28 @@ def shard_model(model: DLRM, config: TrainingConfig, env: RunEnv) -> nn.Module:
         planner, {"embedding_bags": list(config.embedding.tables)}, timeout=timeout
     )
     return DistributedModelParallel(model, plan=plan, device=env.device, timeout=timeout)
+
+
+def planning_topology(values: dict[str, Any], env: RunEnv, timeout: datetime.timedelta) -> Topology:
+    """The planner's topology: ``[planner]``'s fields over the run's own device.
+
+    Without ``device`` in ``[planner]``, the topology follows the device this run trains on.
+    On CUDA the GPU's free memory and the host's memory for UVM are measured on every rank
+    and the least is kept (`shared_topology`), so the planner can place tables in UVM when
+    HBM runs short; fields given in ``[planner]`` win. On CPU, ``[planner]`` alone (the
+    Topology defaults for what it leaves out). ``device = "cpu"`` or ``"cuda"`` describes a
+    machine explicitly, measured nothing.
+    """
+    from recopt.sharding.planner import local_topology, shared_topology
+    from recopt.sharding.planner.topology import topology_from_dict
+
+    given = topology_from_dict(values, "[planner]", world_size=env.world_size)
+    if "device" in values or env.device.type != "cuda":
+        return given
+    measured = local_topology(env.world_size, device=env.device)
+    if env.world_size > 1:
+        measured = shared_topology(measured, timeout=timeout)
+    return measured.replace(**{name: getattr(given, name) for name in values})
 
 
 def build_optimizer(model: nn.Module, config: TrainingConfig) -> KeyedOptimizer:

@@ -279,10 +279,9 @@ class TrainingConfig:
     training: LoopSection = field(default_factory=LoopSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     fault_tolerance: FaultToleranceSection = field(default_factory=FaultToleranceSection)
-    # The planner's Topology fields (world_size comes from the launcher).
-    planner: dict[str, Any] = field(
-        default_factory=lambda: {"device": "cpu", "ddr_bytes": 4 * 1024**3}
-    )
+    # The planner's Topology fields (world_size comes from the launcher; without `device`, the
+    # run's device, measured on CUDA: dlrm_build.planning_topology).
+    planner: dict[str, Any] = field(default_factory=lambda: {"ddr_bytes": 4 * 1024**3})
 
 
 def load_config(path: str | None, overrides: Sequence[str] = ()) -> TrainingConfig:
