@@ -40,6 +40,10 @@ KINDS = [
 # need recopt's row-statistic hook); recopt's backend runs its torch path (the one it runs on
 # a GPU) with the native CPU library switched off, row statistics included.
 BACKENDS = {"fbgemm": ("sgd", "adagrad"), "recopt": ("row_wise_adam", "adagrad")}
+# Two kernels per rank (two optimizers), plus row-wise with one kernel: the plan fbgemm's
+# native block bucketization routes (two kernel groups reorder the virtual features).
+CASES = [(kind, backend, 2) for kind in KINDS for backend in BACKENDS]
+CASES += [("row_wise", backend, 1) for backend in BACKENDS]
 NUM_TABLES = 6
 NUM_ROWS = 50
 
@@ -93,7 +97,7 @@ def _requests(kind: str, world: int) -> dict[str, Any]:
 
 
 def _step_reads(
-    rank: int, world: int, kind: str, backend: str, guarded: bool
+    rank: int, world: int, kind: str, backend: str, num_kernels: int, guarded: bool
 ) -> tuple[list[str], list[str]]:
     from recopt.sharding import ShardedEmbeddingBagCollection, construct_module_sharding_plan
 
@@ -107,9 +111,12 @@ def _step_reads(
         tables,
         shardings,
         first,
-        table_optimizers={t.name: second for t in tables[1::2]},
+        table_optimizers={t.name: second for t in tables[1::2]} if num_kernels == 2 else None,
         skip_nonfinite=guarded,
     )
+    if kind == "row_wise":  # every rank holds a row shard of every table
+        assert len(ebc.kernels()) == num_kernels
+    assert ebc._bucketizer.row_split == (kind == "row_wise" and num_kernels == 1)
     features = _input(rank)
     ebc(features).values().sum().backward()  # first step: kernels built
     with count_read_backs() as forward_reads:
@@ -119,14 +126,15 @@ def _step_reads(
     return forward_reads, backward_reads
 
 
-def _all_reads(rank: int, world: int) -> dict[tuple[str, str, bool], tuple[list[str], list[str]]]:
+def _all_reads(
+    rank: int, world: int
+) -> dict[tuple[str, str, int, bool], tuple[list[str], list[str]]]:
     native = cpu_fused.available
     cpu_fused.available = lambda: False  # type: ignore[assignment]
     try:
         return {
-            (kind, backend, guarded): _step_reads(rank, world, kind, backend, guarded)
-            for kind in KINDS
-            for backend in BACKENDS
+            (kind, backend, n, guarded): _step_reads(rank, world, kind, backend, n, guarded)
+            for kind, backend, n in CASES
             for guarded in (True, False)
         }
     finally:
@@ -137,9 +145,9 @@ def _all_reads(rank: int, world: int) -> dict[tuple[str, str, bool], tuple[list[
 def test_sharded_step_reads_the_host_once_beyond_the_checks() -> None:
     reports = run_on_ranks(_all_reads, 2, timeout_s=300)
     for rank, report in enumerate(reports):
-        assert len(report) == len(KINDS) * len(BACKENDS) * 2
-        for (kind, backend, guarded), (forward, backward) in report.items():
-            where = f"rank {rank}, {kind}, {backend}, skip_nonfinite={guarded}"
+        assert len(report) == len(CASES) * 2
+        for (kind, backend, n, guarded), (forward, backward) in report.items():
+            where = f"rank {rank}, {kind}, {backend}, {n} kernels, skip_nonfinite={guarded}"
             assert len(forward) == 1 and "input_dist.py" in forward[0], (where, forward)
             assert forward[0].startswith("tolist"), (where, forward)
             assert len(backward) == (1 if guarded else 0), (where, backward)
