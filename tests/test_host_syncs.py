@@ -164,7 +164,7 @@ def _input_distribution_reads(rank: int, world_size: int) -> list[str]:
 
 @pytest.mark.multiprocess
 def test_sharded_input_distribution_reads_back_only_the_count_exchange() -> None:
-    # The counts this rank sends are known on the host (bucketize returns them); only what
-    # the other ranks sent has to be read back from the device.
+    # The counts this rank sends and those the other ranks sent are read back together, once
+    # (tests/test_host_syncs_sharded.py counts the whole sharded step).
     (reads,) = run_on_ranks(_input_distribution_reads, 1, timeout_s=120)
     assert len(reads) == 1 and reads[0].startswith("tolist"), reads

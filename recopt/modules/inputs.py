@@ -7,7 +7,10 @@ raises naming the table, feature and id (or weight).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
@@ -65,6 +68,62 @@ class FeatureLayout:
             NonFiniteWeightError: a per-id weight is NaN or infinite (after the conversion
                 to ``weight_dtype``).
         """
+        features = self.select(features, is_weighted, weight_dtype)
+        check_ids_in_range(
+            features.values(),
+            features.length_per_key(),
+            self.feature_names,
+            self.table_names,
+            self.num_rows,
+            features.weights_or_none(),
+        )
+        return features
+
+    def prepare_deferred(
+        self,
+        features: KeyedJaggedTensor,
+        is_weighted: bool,
+        weight_dtype: torch.dtype = torch.float32,
+    ) -> tuple[KeyedJaggedTensor, PendingCheck]:
+        """`prepare`, with the id/weight check's answer left on the device.
+
+        The ids of the result are clamped into their tables (equal to the input's when the
+        check passes), so they are safe to route before the answer is read; the caller reads
+        ``bad`` later (the sharded module: in its count exchange) and must then call
+        ``raise_error``.
+
+        Raises:
+            ValueError: as `prepare`, except the id and weight errors, which are deferred.
+        """
+        features = self.select(features, is_weighted, weight_dtype)
+        check = pending_id_check(
+            features.values(),
+            features.length_per_key(),
+            self.feature_names,
+            self.table_names,
+            self.num_rows,
+            features.weights_or_none(),
+            clamp=True,
+        )
+        if check.safe_values is not None:
+            features = KeyedJaggedTensor(
+                features.keys(),
+                check.safe_values,
+                weights=features.weights_or_none(),
+                lengths=features.lengths(),
+                offsets=features.offsets(),
+                stride=features.stride(),
+                length_per_key=features.length_per_key(),
+            )
+        return features, check
+
+    def select(
+        self,
+        features: KeyedJaggedTensor,
+        is_weighted: bool,
+        weight_dtype: torch.dtype = torch.float32,
+    ) -> KeyedJaggedTensor:
+        """`prepare` without the id/weight check (same ``ValueError`` otherwise)."""
         if features.variable_stride_per_key():
             raise ValueError(
                 "the input has a variable batch per feature (stride_per_key_per_rank "
@@ -91,14 +150,6 @@ class FeatureLayout:
                 weights=weights.to(weight_dtype),
                 stride=features.stride(),
             )
-        check_ids_in_range(
-            features.values(),
-            features.length_per_key(),
-            self.feature_names,
-            self.table_names,
-            self.num_rows,
-            features.weights_or_none(),
-        )
         return features
 
 
@@ -180,23 +231,85 @@ def check_ids_in_range(
         InvalidIdError: naming the table, the feature, the offending id and the valid range.
         NonFiniteWeightError: naming the table, the feature and the NaN or infinite weight.
     """
+    pending_id_check(
+        values, length_per_key, feature_names, table_names, num_rows, weights
+    ).raise_if_bad()
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCheck:
+    """The id/weight check of one batch, its yes/no answer still on the device.
+
+    ``bad``: a 0-dim bool tensor, true when an id is out of range or a weight not finite
+    (``None``: no ids, nothing to check). ``safe_values``: the ids clamped into their tables
+    (``None`` unless asked for).
+    """
+
+    bad: torch.Tensor | None
+    safe_values: torch.Tensor | None
+    values: torch.Tensor
+    length_per_key: Sequence[int]
+    feature_names: Sequence[str]
+    table_names: Sequence[str]
+    num_rows: Sequence[int]
+    weights: torch.Tensor | None
+
+    def raise_if_bad(self) -> None:
+        """Read the answer back (one host sync) and raise naming the culprit if it is bad."""
+        if self.bad is not None and self.bad:  # the one host sync of the check
+            self.raise_error()
+
+    def raise_error(self) -> NoReturn:
+        """The slow pass of a failed check: raise naming the table, feature and id (weight)."""
+        _raise_first_bad_id(
+            self.values, self.length_per_key, self.feature_names, self.table_names, self.num_rows
+        )
+        if self.weights is not None:
+            _raise_first_bad_weight(
+                self.weights, self.length_per_key, self.feature_names, self.table_names
+            )
+        raise AssertionError("the check failed but no feature holds the cause")  # invariant
+
+
+def pending_id_check(
+    values: torch.Tensor,
+    length_per_key: Sequence[int],
+    feature_names: Sequence[str],
+    table_names: Sequence[str],
+    num_rows: Sequence[int],
+    weights: torch.Tensor | None = None,
+    clamp: bool = False,
+) -> PendingCheck:
+    """`check_ids_in_range` without reading its answer back (no host sync).
+
+    Args:
+        values, length_per_key, feature_names, table_names, num_rows, weights: as
+            `check_ids_in_range`.
+        clamp: also return the ids clamped into their tables (one more pass over the ids), so
+            that they can be routed before the answer is known.
+    """
     total = sum(length_per_key)
+    check = PendingCheck(
+        None, None, values, length_per_key, feature_names, table_names, num_rows, weights
+    )
     if total == 0:
-        return
+        return check
     device = values.device
     limits = torch.tensor(list(num_rows), dtype=torch.int64).to(device, non_blocking=True)
     repeats = torch.tensor(list(length_per_key), dtype=torch.int64).to(device, non_blocking=True)
     # output_size makes repeat_interleave size its result without reading ``repeats`` back.
     limit_per_id = torch.repeat_interleave(limits, repeats, output_size=total)
     ids = values[:total]
-    bad = torch.logical_or(ids < 0, ids >= limit_per_id).any()
+    safe: torch.Tensor | None = None
+    if clamp:
+        safe = torch.minimum(ids.clamp(min=0), limit_per_id - 1)
+        bad = (safe != ids).any()
+        safe = safe if total == values.numel() else torch.cat([safe, values[total:]])
+    else:
+        bad = torch.logical_or(ids < 0, ids >= limit_per_id).any()
     if weights is not None:
         bad = torch.logical_or(bad, ~torch.isfinite(weights[:total]).all())
-    if bad:  # the one host sync of the check
-        _raise_first_bad_id(values, length_per_key, feature_names, table_names, num_rows)
-        if weights is not None:
-            _raise_first_bad_weight(weights, length_per_key, feature_names, table_names)
-        raise AssertionError("the check failed but no feature holds the cause")  # invariant
+    return dataclasses.replace(check, bad=bad, safe_values=safe)
 
 
 def _raise_first_bad_id(

@@ -13,19 +13,22 @@ from __future__ import annotations
 import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from recopt.comm import all_to_all_counts, all_to_all_flat
+from recopt.modules.inputs import PendingCheck
 from recopt.sparse import KeyedJaggedTensor
 
 Tensor = torch.Tensor
 
-# Columns of the count exchange: model-parallel ids to the destination, data-parallel ids,
-# this rank's batch size, and whether this rank's input was rejected.
-_MP_IDS, _DP_IDS, _BATCH, _FLAG = range(4)
+# Columns of the count exchange: this rank's batch size, whether its input was rejected, then
+# the ids it sends to each of the destination's virtual features (padded to the most any rank
+# has), then the ids of each data-parallel feature. Every size of the step after it (splits,
+# each kernel's ids, each kernel's feature bounds) follows from this table on the host.
+_BATCH, _FLAG, _IDS = range(3)
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
 
 
@@ -48,7 +51,11 @@ class VirtualFeature:
 
 @dataclass(slots=True)
 class ReceivedInput:
-    """What one rank received for one step, per source rank (all tensors 1-D)."""
+    """What one rank received for one step, per source rank (all tensors 1-D).
+
+    ``mp_id_counts[s][v]`` (host ints) is how many ids source ``s`` sent for this rank's
+    virtual feature ``v``; ``dp_id_counts[s][f]`` the same for data-parallel feature ``f``.
+    """
 
     batch_sizes: list[int]
     max_batch: int
@@ -58,6 +65,18 @@ class ReceivedInput:
     dp_lengths: list[Tensor]  # per source: [F_dp * Bm]
     dp_ids: list[Tensor]
     dp_weights: list[Tensor | None]
+    mp_id_counts: list[list[int]]
+    dp_id_counts: list[list[int]]
+
+
+class KernelInput(NamedTuple):
+    """One kernel's input: ids, bag offsets, per-id weights, and each feature's first id
+    (``offsets[f * B]`` for f in 0..F, host ints: the kernel's ``offset_per_key``)."""
+
+    ids: Tensor
+    offsets: Tensor
+    weights: Tensor | None
+    bounds: list[int]
 
 
 class Bucketizer:
@@ -129,6 +148,15 @@ class Bucketizer:
         self.route_gv = t([gv for r in routes for gv in r])
         self.gv_dest = t(gv_dest)
         self.gv_feature = t(self.gv_feature_list)
+        # The count exchange's table: where each virtual feature's id count goes in it.
+        self.dp_column = _IDS + max(self.dest_counts, default=0)
+        self.num_columns = self.dp_column + len(self.dp_features)
+        slots = [
+            d * self.num_columns + _IDS + j
+            for d, n in enumerate(self.dest_counts)
+            for j in range(n)
+        ]
+        self.count_slot = t(slots)
 
     def _pure_row_split(
         self, blocks: list[list[int]], routes: list[list[int]], block_base: list[int]
@@ -147,18 +175,19 @@ class Bucketizer:
                     return False
         return _block_bucketize_op() is not None
 
-    def bucketize(
-        self, features: KeyedJaggedTensor
-    ) -> tuple[Tensor, Tensor | None, list[int], Tensor]:
+    def bucketize(self, features: KeyedJaggedTensor) -> tuple[Tensor, Tensor | None, Tensor]:
         """Sort this rank's model-parallel ids into destination / virtual-feature order.
 
+        Reads nothing back: how many ids go where stays on the device (``lengths_G_B``'s row
+        sums) until the count exchange reads it together with what the other ranks send.
+
         Args:
-            features: the prepared input (layout order, ids checked).
+            features: the prepared input (layout order, ids in range).
 
         Returns:
-            ``(ids_N, weights_N, ids_per_destination, lengths_G_B)``: the routed local ids
-            (and weights) grouped by virtual feature, bags in order; how many go to each rank;
-            and every virtual feature's bag lengths over this rank's batch.
+            ``(ids_N, weights_N, lengths_G_B)``: the routed local ids (and weights) grouped by
+            virtual feature, bags in order, and every virtual feature's bag lengths over this
+            rank's batch.
         """
         if self.whole_features:
             return self._bucketize_whole(features)
@@ -171,7 +200,7 @@ class Bucketizer:
         if n == 0 or self.num_virtual == 0:
             no_w = None if weights is None else weights[:0]
             lengths_G_B = values.new_zeros(self.num_virtual, batch)
-            return values[:0], no_w, [0] * self.world_size, lengths_G_B
+            return values[:0], no_w, lengths_G_B
         bag_N = torch.repeat_interleave(
             torch.arange(lengths.numel(), device=values.device), lengths, output_size=n
         )
@@ -201,14 +230,15 @@ class Bucketizer:
             bag_N = bag_N[source_N]
             weights = None if weights is None else weights[source_N]
         size = self.num_virtual * batch
-        lengths_G_B = torch.bincount(gv_N * batch + bag_N, minlength=size).view(-1, batch)
-        counts = torch.bincount(self.gv_dest[gv_N], minlength=self.world_size).tolist()
+        # index_add_, not bincount: CUDA's bincount reads the largest key back to size its output.
+        lengths_G_B = gv_N.new_zeros(size).index_add_(
+            0, gv_N * batch + bag_N, torch.ones_like(gv_N)
+        )
+        lengths_G_B = lengths_G_B.view(-1, batch)
         gv_N, order = torch.sort(gv_N, stable=True)
-        return ids_N[order], None if weights is None else weights[order], counts, lengths_G_B
+        return ids_N[order], None if weights is None else weights[order], lengths_G_B
 
-    def _bucketize_rows(
-        self, features: KeyedJaggedTensor
-    ) -> tuple[Tensor, Tensor | None, list[int], Tensor]:
+    def _bucketize_rows(self, features: KeyedJaggedTensor) -> tuple[Tensor, Tensor | None, Tensor]:
         """Row-wise layouts: fbgemm's block bucketization, one native pass over the ids."""
         op = _block_bucketize_op()
         assert op is not None
@@ -225,12 +255,9 @@ class Bucketizer:
             self.split_bounds,
         )
         lengths_G_B = lengths.view(self.num_virtual, features.stride())
-        counts = lengths.view(self.world_size, -1).sum(1).tolist()
-        return ids, weights, counts, lengths_G_B
+        return ids, weights, lengths_G_B
 
-    def _bucketize_whole(
-        self, features: KeyedJaggedTensor
-    ) -> tuple[Tensor, Tensor | None, list[int], Tensor]:
+    def _bucketize_whole(self, features: KeyedJaggedTensor) -> tuple[Tensor, Tensor | None, Tensor]:
         """No row split (table-wise, column-wise, data-parallel): each virtual feature gets its
         feature's whole segment, so routing copies segments and does no per-id work."""
         values, weights = features.values(), features.weights_or_none()
@@ -240,12 +267,9 @@ class Bucketizer:
         w = None
         if weights is not None:
             w = torch.cat([weights[opk[f] : opk[f + 1]] for f in order]) if order else weights[:0]
-        counts = [0] * self.world_size
-        for gv, f in enumerate(order):
-            counts[self.gv_dest_list[gv]] += opk[f + 1] - opk[f]
         batch = features.stride()
         lengths_G_B = features.lengths().view(-1, batch)[self.gv_feature]
-        return ids, w, counts, lengths_G_B
+        return ids, w, lengths_G_B
 
 
 def _block_bucketize_op() -> Any:
@@ -317,8 +341,12 @@ def distribute_input(
     weighted: bool,
     group: dist.ProcessGroup | None,
     rank: int,
+    check: PendingCheck | None = None,
 ) -> ReceivedInput:
     """Exchange counts, then lengths + ids (+ weights) with every rank: two collectives.
+
+    The one host read of the step's input: the counts this rank sends and the counts it
+    received, read together after the count exchange (the id check's flag rides in it too).
 
     Args:
         features: this rank's prepared input, or ``None`` when it was rejected.
@@ -327,38 +355,43 @@ def distribute_input(
         weighted: whether ids carry weights.
         group: the process group.
         rank: this rank.
+        check: the id/weight check of ``features`` with its answer still on the device (its
+            ids must already be safe to route, `FeatureLayout.prepare_deferred`); ``None``
+            when the ids were checked already.
 
     Returns:
         What this rank received.
 
     Raises:
-        The local ``error`` on the rank whose input was rejected; `RemoteInputError` naming the
-        rejected ranks on every other rank. Nothing is sent past the count exchange then.
+        The local ``error`` (or the check's ``InvalidIdError`` / ``NonFiniteWeightError``) on
+        the rank whose input was rejected; `RemoteInputError` naming the rejected ranks on
+        every other rank. Nothing is sent past the count exchange then.
     """
     world = bucketizer.world_size
     # On the ids' device: NCCL exchanges device tensors only.
-    counts = torch.zeros(world, 4, dtype=torch.int64, device=bucketizer.device)
-    routed: tuple[Tensor, Tensor | None, list[int], Tensor] | None = None
+    counts = torch.zeros(world, bucketizer.num_columns, dtype=torch.int64, device=bucketizer.device)
+    routed: tuple[Tensor, Tensor | None, Tensor] | None = None
     if features is None or error is not None:
         counts[:, _FLAG] = 1
     else:
         routed = bucketizer.bucketize(features)
-        counts[:, _MP_IDS] = torch.tensor(routed[2], dtype=torch.int64, device=counts.device)
-        counts[:, _BATCH] = features.stride()
-        opk = features.offset_per_key()
-        counts[:, _DP_IDS] = sum(opk[f + 1] - opk[f] for f in bucketizer.dp_features)
-    recv_counts = all_to_all_counts(counts, group).tolist()
-    bad = [s for s, row in enumerate(recv_counts) if row[_FLAG]]
+        _fill_counts(counts, bucketizer, features, routed[2], check)
+    recv = all_to_all_counts(counts, group)
+    sent, received = torch.stack([counts, recv]).tolist()  # the one read of the exchange
+    bad = [s for s, row in enumerate(received) if row[_FLAG]]
     if error is not None:
         raise error
+    if sent and sent[0][_FLAG]:
+        assert check is not None
+        check.raise_error()
     if bad:
         raise RemoteInputError(
             f"the input of rank(s) {bad} was rejected (see the error raised on that rank); "
             "this step was abandoned on every rank and nothing was updated"
         )
     assert features is not None and routed is not None
-    ids_N, w_N, _, lengths_G_B = routed
-    batch_sizes = [row[_BATCH] for row in recv_counts]
+    ids_N, w_N, lengths_G_B = routed
+    batch_sizes = [row[_BATCH] for row in received]
     max_batch = max(batch_sizes)
     if lengths_G_B.shape[1] == max_batch:
         lengths = lengths_G_B.reshape(-1)
@@ -367,17 +400,49 @@ def distribute_input(
         lengths[:, : lengths_G_B.shape[1]] = lengths_G_B
         lengths = lengths.reshape(-1)
     dp_len, dp_ids, dp_w = _dp_part(features, bucketizer.dp_features, max_batch)
+    sent_ids = [sum(_mp_counts(bucketizer, row, d)) for d, row in enumerate(sent)]
     send, send_splits = _pack(
-        bucketizer, routed[2], lengths, ids_N, w_N, dp_len, dp_ids, dp_w, max_batch, weighted
+        bucketizer, sent_ids, lengths, ids_N, w_N, dp_len, dp_ids, dp_w, max_batch, weighted
     )
+    mp_counts = [_mp_counts(bucketizer, row, rank) for row in received]
+    dp_counts = [row[bucketizer.dp_column :] for row in received]
     n_vf = bucketizer.dest_counts[rank]
     n_dp = len(bucketizer.dp_features) * max_batch
     factor = 2 if weighted else 1
     recv_splits = [
-        n_vf * max_batch + n_dp + factor * (row[_MP_IDS] + row[_DP_IDS]) for row in recv_counts
+        n_vf * max_batch + n_dp + factor * (sum(mp) + sum(dp))
+        for mp, dp in zip(mp_counts, dp_counts, strict=True)
     ]
-    recv = all_to_all_flat(send, send_splits, recv_splits, group)
-    return _unpack(recv, recv_splits, recv_counts, n_vf, n_dp, max_batch, batch_sizes, weighted)
+    recv_flat = all_to_all_flat(send, send_splits, recv_splits, group)
+    out = ReceivedInput(batch_sizes, max_batch, [], [], [], [], [], [], mp_counts, dp_counts)
+    _unpack(out, recv_flat, recv_splits, n_vf * max_batch, n_dp, weighted)
+    return out
+
+
+def _mp_counts(bucketizer: Bucketizer, row: list[int], dest: int) -> list[int]:
+    """The ids of each of ``dest``'s virtual features in one row of the count table."""
+    return row[_IDS : _IDS + bucketizer.dest_counts[dest]]
+
+
+def _fill_counts(
+    counts: Tensor,
+    bucketizer: Bucketizer,
+    features: KeyedJaggedTensor,
+    lengths_G_B: Tensor,
+    check: PendingCheck | None,
+) -> None:
+    """Write this rank's row of the count table for every destination, on the device."""
+    counts[:, _BATCH] = features.stride()
+    if check is not None and check.bad is not None:
+        counts[:, _FLAG] = check.bad
+    if bucketizer.num_virtual:
+        counts.view(-1)[bucketizer.count_slot] = lengths_G_B.sum(1).to(torch.int64)
+    if bucketizer.dp_features:
+        lpk = features.length_per_key()
+        dp = [lpk[f] for f in bucketizer.dp_features]
+        counts[:, bucketizer.dp_column :] = torch.tensor(
+            dp, dtype=torch.int64, device=counts.device
+        )
 
 
 def _pack(
@@ -392,8 +457,7 @@ def _pack(
     max_batch: int,
     weighted: bool,
 ) -> tuple[Tensor, list[int]]:
-    # The host's own counts (bucketize returned them): reading the count tensor back would
-    # wait for the device a second time.
+    # ``id_counts``: the ids sent to each destination, from the count exchange's one read.
     len_parts = lengths.split([c * max_batch for c in bucketizer.dest_counts])
     id_parts = ids_N.split(id_counts)
     w_parts = pack_weights(w_N).split(id_counts) if weighted and w_N is not None else None
@@ -410,20 +474,20 @@ def _pack(
 
 
 def _unpack(
+    out: ReceivedInput,
     recv: Tensor,
     recv_splits: list[int],
-    recv_counts: list[list[int]],
-    n_vf: int,
-    n_dp: int,
-    max_batch: int,
-    batch_sizes: list[int],
+    n_mp_lengths: int,
+    n_dp_lengths: int,
     weighted: bool,
-) -> ReceivedInput:
-    out = ReceivedInput(batch_sizes, max_batch, [], [], [], [], [], [])
-    for chunk, row in zip(recv.split(recv_splits), recv_counts, strict=True):
-        sizes = [n_vf * max_batch, n_dp, row[_MP_IDS], row[_DP_IDS]]
+) -> None:
+    """Split the received buffer per source into ``out``'s lengths, ids and weights."""
+    for chunk, mp, dp in zip(
+        recv.split(recv_splits), out.mp_id_counts, out.dp_id_counts, strict=True
+    ):
+        sizes = [n_mp_lengths, n_dp_lengths, sum(mp), sum(dp)]
         if weighted:
-            sizes += [row[_MP_IDS], row[_DP_IDS]]
+            sizes += [sum(mp), sum(dp)]
         parts = chunk.split(sizes)
         out.mp_lengths.append(parts[0])
         out.dp_lengths.append(parts[1])
@@ -431,4 +495,3 @@ def _unpack(
         out.dp_ids.append(parts[3])
         out.mp_weights.append(unpack_weights(parts[4]) if weighted else None)
         out.dp_weights.append(unpack_weights(parts[5]) if weighted else None)
-    return out

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from recopt.comm import all_to_all_flat
 from recopt.kernels.contract import Kernel, KernelHook
 from recopt.kernels.registry import optimizer_spec
+from recopt.sharding.input_dist import KernelInput
 from recopt.sharding.layout import ShardedLayout
 
 Tensor = torch.Tensor
@@ -98,23 +99,19 @@ class RowStatExchange:
 
         return hook
 
-    def attach(
-        self, outs: list[Tensor], inputs: list[tuple[Tensor, Tensor, Tensor | None]]
-    ) -> list[Tensor]:
+    def attach(self, outs: list[Tensor], inputs: list[KernelInput]) -> list[Tensor]:
         """Route the kernels' outputs through the exchange so it runs before their backward.
 
         Args:
             outs: each kernel's output.
-            inputs: each kernel's ``(indices, offsets, per_sample_weights)``.
+            inputs: each kernel's input (ids, offsets, weights, host feature bounds).
         """
         if not self.enabled:
             return outs
         return list(_Exchange.apply(self, inputs, *outs))
 
     # ------------------------------------------------------------------ backward side
-    def exchange(
-        self, grads: Sequence[Tensor], inputs: list[tuple[Tensor, Tensor, Tensor | None]]
-    ) -> None:
+    def exchange(self, grads: Sequence[Tensor], inputs: list[KernelInput]) -> None:
         """Compute this rank's partial sums, swap them with the other column shards, and keep,
         per local shard, the sum of the OTHER shards' partials for the hook."""
         partials = self._partials(grads, inputs)
@@ -166,12 +163,14 @@ class RowStatExchange:
         return next(tk for tk in self._rank_shards[self._layout.rank] if tk[0] == t)
 
     def _partials(
-        self, grads: Sequence[Tensor], inputs: list[tuple[Tensor, Tensor, Tensor | None]]
+        self, grads: Sequence[Tensor], inputs: list[KernelInput]
     ) -> dict[tuple[int, int], Tensor]:
         """Per local full-row shard: sum over its columns of the squared aggregated row grads."""
         layout = self._layout
         out: dict[tuple[int, int], Tensor] = {}
-        for g, grad, (ids, offsets, weights) in zip(layout.mp_groups, grads, inputs, strict=True):
+        for g, grad, (ids, offsets, weights, bounds) in zip(
+            layout.mp_groups, grads, inputs, strict=True
+        ):
             rows_per_feature = grad.shape[0]
             acc: dict[tuple[int, int], list[_Part]] = {}
             col = 0
@@ -180,7 +179,7 @@ class RowStatExchange:
                 if not _needs_full_rows(layout, vf.table):
                     continue
                 bag_offsets = offsets[i * rows_per_feature : (i + 1) * rows_per_feature + 1]
-                lo, hi = int(bag_offsets[0]), int(bag_offsets[-1])
+                lo, hi = bounds[i], bounds[i + 1]  # host ints: nothing read back
                 bag = torch.repeat_interleave(
                     torch.arange(rows_per_feature, device=ids.device),
                     bag_offsets.diff(),
@@ -244,7 +243,7 @@ class _Exchange(torch.autograd.Function):
     def forward(
         ctx: Any,
         owner: RowStatExchange,
-        inputs: list[tuple[Tensor, Tensor, Tensor | None]],
+        inputs: list[KernelInput],
         *outs: Tensor,
     ) -> tuple[Tensor, ...]:
         ctx.owner = owner

@@ -31,11 +31,13 @@ from recopt.kernels.contract import Kernel
 from recopt.kernels.factory import create_kernel
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
+from recopt.modules.inputs import PendingCheck
 from recopt.modules.nonfinite import NonFiniteGradGuard, backward_if_given, finite_flag
 from recopt.modules.variable_batch import expand_rows, regular_batch
 from recopt.optim.fused import FusedOptimizerModule
 from recopt.sharding.input_dist import (
     Bucketizer,
+    KernelInput,
     ReceivedInput,
     distribute_input,
     segment_transpose,
@@ -271,15 +273,17 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         """
         start = time.perf_counter()
         prepared: KeyedJaggedTensor | None = None
+        check: PendingCheck | None = None
         error: ValueError | None = None
         index_F_B: Tensor | None = None
         try:
             features, index_F_B = regular_batch(features, self._layout.features.feature_names)
-            prepared = self._layout.features.prepare(features, self.is_weighted)
+            # The id check's answer rides in the count exchange: no read of its own.
+            prepared, check = self._layout.features.prepare_deferred(features, self.is_weighted)
         except ValueError as e:
             error = e
         received = distribute_input(
-            prepared, error, self._bucketizer, self.is_weighted, self._pg, self._rank
+            prepared, error, self._bucketizer, self.is_weighted, self._pg, self._rank, check
         )
         assert prepared is not None
         start = self._record("input_dist", start)
@@ -345,8 +349,9 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             received.mp_lengths,
             received.mp_ids,
             received.mp_weights,
+            received.mp_id_counts,
         )
-        outs = [kernel(*args) for kernel, args in zip(self._mp_kernels, inputs, strict=True)]
+        outs = [_run(kernel, x) for kernel, x in zip(self._mp_kernels, inputs, strict=True)]
         outs = self._row_stats.attach(outs, inputs)
         return self._send_buffer(outs, received.batch_sizes, received.max_batch)
 
@@ -358,10 +363,12 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         lengths: list[Tensor],
         ids: list[Tensor],
         weights: list[Tensor | None],
-    ) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+        id_counts: list[list[int]],
+    ) -> list[KernelInput]:
         """Kernel inputs over the global (padded) batch: feature-major, each feature's bags of
         rank 0, then rank 1, ... (received source-major; kernels need a table's features
-        contiguous, which fbgemm's exact optimizers rely on)."""
+        contiguous, which fbgemm's exact optimizers rely on). Every id count comes from the
+        count exchange's host copy (``id_counts[source][feature]``): nothing is read back."""
         lengths_W_V_B = torch.stack([x.view(num_features, max_batch) for x in lengths])
         seg_W_V = lengths_W_V_B.sum(2)
         all_ids = segment_transpose(torch.cat(ids), seg_W_V)
@@ -369,20 +376,27 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         if weights[0] is not None:
             all_w = segment_transpose(torch.cat(weights), seg_W_V)  # type: ignore[arg-type]
         lengths_V_W_B = lengths_W_V_B.transpose(0, 1)
+        per_feature = [sum(col) for col in zip(*id_counts, strict=True)]
         if len(group_sizes) == 1:
-            return [(all_ids, _offsets(lengths_V_W_B.reshape(-1)), all_w)]
-        per_feature = seg_W_V.sum(0)
+            offsets = _offsets(lengths_V_W_B.reshape(-1))
+            return [KernelInput(all_ids, offsets, all_w, _bounds(per_feature))]
         bounds = [0]
         for n in group_sizes:
             bounds.append(bounds[-1] + n)
-        id_sizes = [int(x) for x in per_feature.cumsum(0)[[b - 1 for b in bounds[1:]]].tolist()]
-        id_sizes = [c - p for p, c in zip([0, *id_sizes[:-1]], id_sizes, strict=True)]
+        id_sizes = [sum(per_feature[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
         id_parts = all_ids.split(id_sizes)
         w_parts = None if all_w is None else all_w.split(id_sizes)
         result = []
         for i in range(len(group_sizes)):
             lens = lengths_V_W_B[bounds[i] : bounds[i + 1]].reshape(-1)
-            result.append((id_parts[i], _offsets(lens), None if w_parts is None else w_parts[i]))
+            result.append(
+                KernelInput(
+                    id_parts[i],
+                    _offsets(lens),
+                    None if w_parts is None else w_parts[i],
+                    _bounds(per_feature[bounds[i] : bounds[i + 1]]),
+                )
+            )
         return result
 
     def _send_buffer(self, outs: list[Tensor], batch_sizes: list[int], max_batch: int) -> Tensor:
@@ -406,8 +420,9 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             received.dp_lengths,
             received.dp_ids,
             received.dp_weights,
+            received.dp_id_counts,
         )
-        outs = [kernel(*args) for kernel, args in zip(self._dp_kernels, inputs, strict=True)]
+        outs = [_run(kernel, x) for kernel, x in zip(self._dp_kernels, inputs, strict=True)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     # ------------------------------------------------------------------------------ state
@@ -439,6 +454,20 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 self._state.load_weight(name, state_dict[prefix + name])
             except ValueError as e:
                 error_msgs.append(str(e))
+
+
+def _run(kernel: Kernel, x: KernelInput) -> Tensor:
+    """One kernel's lookup, given its feature bounds from the host (the kernel reads nothing)."""
+    out: Tensor = kernel(x.ids, x.offsets, x.weights, offset_per_key=x.bounds)
+    return out
+
+
+def _bounds(ids_per_feature: list[int]) -> list[int]:
+    """Each feature's first id, then the total (F+1 host ints)."""
+    bounds = [0]
+    for n in ids_per_feature:
+        bounds.append(bounds[-1] + n)
+    return bounds
 
 
 def _offsets(lengths: Tensor) -> Tensor:
