@@ -1,8 +1,8 @@
 """The sharded output exchange keeps no large per-step temporary (each costs page faults).
 
 A buffer of megabytes allocated and freed every step is fresh pages every step wherever the
-allocator hands large blocks back to the system (glibc does), which cost the row-wise benchmark
-steps 3-10 ms (benchmarks/README.md, "Non-finite gradient gate"). On 2 gloo ranks, with the
+allocator hands large blocks back to the system (glibc does): up to 10 ms a step on the row-wise
+benchmark (benchmarks/README.md, "Non-finite gradient gate"). On 2 gloo ranks, with the
 NaN/inf gate on and off: the returning gradients land in the memory the pooled outputs were
 sent from, and row-wise layouts receive and send back through one buffer kept across steps.
 """

@@ -74,9 +74,9 @@ def _min_max(grad: Tensor) -> Tensor:
     the gradients reaching a gate often are not: ``loss = out.sum()`` expands one value over
     the whole output (stride 0), a row-wise sharded output's gradient can be one block
     repeated per rank. That copy, the size of the gradient, is a fresh allocation every step,
-    which for a large one means fresh pages (page faults): 6-10 ms a step on the sharded
-    row-wise benchmark (benchmarks/README.md, "Non-finite gradient gate"). Repeats hold no new
-    value, so a broadcast dimension is read once, and a permuted layout is read in memory
+    which for a large one means fresh pages (page faults; part of what the gate once cost a
+    sharded row-wise step: benchmarks/README.md, "Non-finite gradient gate"). Repeats hold no
+    new value, so a broadcast dimension is read once, and a permuted layout is read in memory
     order; only a layout with gaps (a strided slice) is still copied.
     """
     for d in range(grad.dim()):
