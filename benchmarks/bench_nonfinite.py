@@ -6,7 +6,9 @@ load; reports the best round's seconds per step (forward + backward with the fus
 and the difference, which is the gate's price: one 1-element all-reduce, one aminmax over the
 output gradient and one host read per backward. On a loaded machine that difference is below
 the noise, so the gate's parts are also timed alone (median of 200, this rank's output
-gradient shape): ``gate_parts_ms``. Run:
+gradient shape): ``gate_parts_ms``. ``*_faults_per_step``: minor page faults per step (this
+process, last round), which large per-step temporaries cost wherever glibc hands them back to
+the system (benchmarks/README.md, "Non-finite gradient gate"). Run:
 ``python benchmarks/bench_nonfinite.py [--tables 26] [--rows 100000] [--dim 64] [--batch 512]``.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import resource
 import statistics
 import time
 from typing import Any
@@ -42,9 +45,13 @@ def _compare(rank: int, world: int, args: argparse.Namespace, kind: str) -> dict
     }
     batches = _batches(args, args.batch, 100 + rank, args.steps + args.warmup)
     best = {True: float("inf"), False: float("inf")}
+    faults = {True: 0.0, False: 0.0}
     for _ in range(args.rounds):
         for gated, module in modules.items():
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             best[gated] = min(best[gated], _time_steps(module, batches, args.warmup)[0])
+            after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            faults[gated] = (after - before) / len(batches)
     grad = torch.randn(args.batch, args.tables * args.dim)  # this rank's output gradient
     timeout = datetime.timedelta(seconds=60)
     times = []
@@ -56,6 +63,8 @@ def _compare(rank: int, world: int, args: argparse.Namespace, kind: str) -> dict
         "gated_step_s": best[True],
         "ungated_step_s": best[False],
         "gate_parts_ms": 1e3 * statistics.median(times),
+        "gated_faults_per_step": faults[True],
+        "ungated_faults_per_step": faults[False],
     }
 
 

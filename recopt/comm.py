@@ -88,6 +88,14 @@ class OutputExchange(torch.autograd.Function):
     data-parallel gradient (the equivalent of all-reducing the replicas' table gradients).
     ``dummy`` (a 0-element tensor requiring grad) makes backward run on every rank, also on a
     rank with no shards, so the collective is never left waiting.
+
+    No large per-step temporary: one is fresh pages (page faults) every step where the
+    allocator hands large blocks back to the system (glibc; benchmarks/README.md, "Non-finite
+    gradient gate"). Without data-parallel rows the returning gradients land in ``mp_send``'s
+    memory (dead once sent: the kernels' backward reads only ids; the collective does not bump
+    its version, which a view made inside a custom Function forbids). ``meta.sum_over_ranks``
+    (row-wise layouts) returns the sum of the received blocks; the blocks, and the repeated
+    gradient sent back, live in ``meta.scratch``, which never leaves this class.
     """
 
     @staticmethod
@@ -99,7 +107,16 @@ class OutputExchange(torch.autograd.Function):
         meta: ExchangeMeta,
     ) -> tuple[Tensor, Tensor]:
         ctx.meta = meta
-        mp_recv = all_to_all_flat(mp_send, meta.mp_send_splits, meta.mp_recv_splits, meta.group)
+        # See the class doc; one rank copies in place (it would bump mp_send's version).
+        reuse = mp_send.is_contiguous() and mp_send.numel() > 0 and len(meta.batch_sizes) > 1
+        ctx.send_buffer = mp_send.detach() if reuse else None
+        recv_numel = sum(meta.mp_recv_splits)
+        scratch = meta.scratch.get(recv_numel, mp_send) if meta.sum_over_ranks else None
+        mp_recv = all_to_all_flat(
+            mp_send, meta.mp_send_splits, meta.mp_recv_splits, meta.group, out=scratch
+        )
+        if meta.sum_over_ranks:  # [B * width], a new tensor: the scratch is free again
+            mp_recv = mp_recv.view(len(meta.mp_recv_splits), -1).sum(0)
         lo = meta.rank * meta.dp_stride
         dp_own_B_D = dp_global_G_D[lo : lo + meta.batch_sizes[meta.rank]].clone()
         return mp_recv, dp_own_B_D
@@ -118,12 +135,20 @@ class OutputExchange(torch.autograd.Function):
         dp_dim = meta.dp_dim
         own_b = meta.batch_sizes[meta.rank]
         if grad_mp_recv is None:
-            grad_mp_recv = torch.zeros(sum(meta.mp_recv_splits), device=meta.device)
+            blocks = len(meta.mp_recv_splits) if meta.sum_over_ranks else 1
+            grad_mp_recv = torch.zeros(sum(meta.mp_recv_splits) // blocks, device=meta.device)
         if grad_dp_own_B_D is None:
             grad_dp_own_B_D = torch.zeros(own_b, dp_dim, device=meta.device)
         if dp_dim == 0:  # nothing to interleave: the gradients go back as they came
+            out, ctx.send_buffer = ctx.send_buffer, None  # a second backward allocates
+            if out is not None and out.dtype != grad_mp_recv.dtype:
+                out = None
             recv = all_to_all_flat(
-                grad_mp_recv.contiguous(), meta.mp_recv_splits, meta.mp_send_splits, meta.group
+                _send_layout(grad_mp_recv, meta),
+                meta.mp_recv_splits,
+                meta.mp_send_splits,
+                meta.group,
+                out=out,
             )
             return recv, grad_mp_recv.new_zeros(meta.dp_rows, 0), None, None
         dp_flat = grad_dp_own_B_D.reshape(-1).to(grad_mp_recv.dtype)
@@ -150,6 +175,24 @@ class OutputExchange(torch.autograd.Function):
         return grad_mp_send, grad_dp, None, None
 
 
+def _send_layout(grad_mp_recv: Tensor, meta: ExchangeMeta) -> Tensor:
+    """The model-parallel gradients as sent back: contiguous, one block per source rank.
+
+    Summed outputs got the sum of every rank's block, so each block's gradient is the same:
+    it is repeated into the scratch buffer (as is any other non-contiguous gradient, e.g. the
+    stride-0 one of ``loss = out.sum()``), which the collective reads before this returns.
+    """
+    if meta.sum_over_ranks:
+        grad = grad_mp_recv.reshape(1, -1).expand(len(meta.mp_recv_splits), -1)
+    elif grad_mp_recv.is_contiguous():
+        return grad_mp_recv
+    else:
+        grad = grad_mp_recv
+    send = meta.scratch.get(grad.numel(), grad_mp_recv)
+    send.view(grad.shape).copy_(grad)
+    return send
+
+
 class ExchangeMeta:
     """Sizes of one step's output exchange (Python ints, known after the count exchange).
 
@@ -166,6 +209,9 @@ class ExchangeMeta:
         admit: called first in backward with this rank's output gradients; False (the same on
             every rank: it must agree with the others, see `all_ranks_finite`) returns no
             gradient at all, skipping the exchange and the hooks.
+        scratch: the collection's reusable buffer for the temporaries of the exchange.
+        sum_over_ranks: every rank sends the same columns (equal splits, no data-parallel
+            rows): return their sum, ``[B * width]``, instead of the blocks.
     """
 
     def __init__(
@@ -181,6 +227,8 @@ class ExchangeMeta:
         dp_dim: int,
         backward_hooks: list[Callable[[], None]],
         admit: Callable[[Tensor | None, Tensor | None], bool] | None = None,
+        scratch: ScratchBuffer | None = None,
+        sum_over_ranks: bool = False,
     ) -> None:
         self.group = group
         self.rank = rank
@@ -193,6 +241,22 @@ class ExchangeMeta:
         self.dp_rows = dp_stride * len(batch_sizes)
         self.backward_hooks = backward_hooks
         self.admit = admit
+        self.scratch = ScratchBuffer() if scratch is None else scratch
+        self.sum_over_ranks = sum_over_ranks
+
+
+class ScratchBuffer:
+    """One reused buffer (grown to the largest request) for temporaries of a single call."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0)
+
+    def get(self, numel: int, like: Tensor) -> Tensor:
+        """``numel`` elements of ``like``'s dtype and device, contents undefined."""
+        buf = self._buffer
+        if buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf[:numel]
 
 
 def all_reduce_sum(tensor: Tensor, group: ProcessGroup | None) -> Tensor:

@@ -154,3 +154,32 @@ def test_kernels_with_a_grad_hook_are_not_gated() -> None:
     _step(ebc, seed=2, scale=float("nan"))
     assert sorted(set(calls)) == [0, 1]
     assert ebc.skipped_nonfinite_steps == 0
+
+
+STRIDED_GRADS = {
+    "contiguous": lambda g: g,
+    "broadcast scalar (loss = out.sum())": lambda g: g[:1, :1].expand(6, 8).reshape(-1),
+    "repeated block (row-wise)": lambda g: g.unsqueeze(0).expand(3, 6, 8),
+    "transposed": lambda g: g.t(),
+    "strided slice": lambda g: g[:, ::2],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(STRIDED_GRADS))
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_finite_flag_reads_strided_gradients_in_place(
+    layout: str, bad: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same answer as isfinite().all() on every layout; broadcast and permuted gradients are
+    reduced without the contiguous copy (a fresh, page-faulting buffer each step)."""
+    from recopt.modules.nonfinite import finite_flag
+
+    g = torch.randn(6, 8)
+    if bad is not None:
+        g[0, 0] = bad
+    grad = STRIDED_GRADS[layout](g)
+    seen: list[bool] = []
+    aminmax = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda t: seen.append(t.is_contiguous()) or aminmax(t))
+    assert bool(finite_flag([grad, None], grad.device)) == bool(torch.isfinite(grad).all())
+    assert seen == [layout != "strided slice"]  # only a layout with gaps is still copied

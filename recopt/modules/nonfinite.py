@@ -58,12 +58,34 @@ def finite_flag(grads: Sequence[Tensor | None], device: torch.device) -> Tensor:
     """A 0-dim bool tensor on ``device``: every value of ``grads`` is finite (no host read).
 
     min and max propagate NaN and hold any inf; ~15x cheaper on CPU than isfinite(grad).all(),
-    which materialises a flag per element.
+    which materialises a flag per element. Nothing the size of a gradient is allocated, also
+    for a strided one (`_min_max`).
     """
-    parts = [torch.stack(torch.aminmax(g)).float() for g in grads if g is not None and g.numel()]
+    parts = [_min_max(g).float() for g in grads if g is not None and g.numel()]
     if not parts:
         return torch.ones((), dtype=torch.bool, device=device)
     return torch.isfinite(torch.cat(parts)).all()
+
+
+def _min_max(grad: Tensor) -> Tensor:
+    """``[min, max]`` of ``grad``, without copying a broadcast or permuted gradient.
+
+    The full-tensor ``aminmax`` (and ``min``, ``max``) first make their input contiguous, and
+    the gradients reaching a gate often are not: ``loss = out.sum()`` expands one value over
+    the whole output (stride 0), a row-wise sharded output's gradient can be one block
+    repeated per rank. That copy, the size of the gradient, is a fresh allocation every step,
+    which for a large one means fresh pages (page faults; part of what the gate once cost a
+    sharded row-wise step: benchmarks/README.md, "Non-finite gradient gate"). Repeats hold no
+    new value, so a broadcast dimension is read once, and a permuted layout is read in memory
+    order; only a layout with gaps (a strided slice) is still copied.
+    """
+    for d in range(grad.dim()):
+        if grad.stride(d) == 0 and grad.size(d) > 1:
+            grad = grad.narrow(d, 0, 1)
+    if not grad.is_contiguous():
+        order = sorted(range(grad.dim()), key=lambda d: grad.stride(d), reverse=True)
+        grad = grad.permute(order)
+    return torch.stack(torch.aminmax(grad))
 
 
 def guarded_lookup(

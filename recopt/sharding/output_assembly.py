@@ -3,8 +3,9 @@
 A rank receives, per source rank, the ``[B, width]`` block its shards pooled for this rank's
 batch (then its data-parallel rows); one gather, or a scatter-add where row shards' partials
 of a feature add up, puts them in the features' columns, and mean-pooled features are divided
-by their full bag lengths (shards pool with SUM). Legend: B this rank's batch, F features,
-D output width.
+by their full bag lengths (shards pool with SUM). Where every rank pools the same columns
+(row-wise layouts), the exchange itself sums the blocks (`sums_over_ranks`). Legend: B this
+rank's batch, F features, D output width.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class OutputAssembly:
     Attributes:
         dest_width: per destination rank, the width of the columns its shards pool here.
         dp_dim: the width of the data-parallel tables' columns.
+        sums_over_ranks: every rank pools every column, no data-parallel rows: the exchange
+            hands `assemble` the sum of the ranks' blocks (``[B * D]``), not the blocks.
     """
 
     def __init__(
@@ -65,12 +68,13 @@ class OutputAssembly:
             self._stacked = torch.argsort(torch.tensor(per_dest[0], device=self.device))
             if per_dest[0] == list(range(self._out_dim)):
                 self._stacked = torch.zeros(0, dtype=torch.int64)  # identity
+        self.sums_over_ranks = self._stacked is not None
 
     def assemble(self, mp_recv: Tensor, dp_own: Tensor, prepared: KeyedJaggedTensor) -> Tensor:
         """The ``[B, D]`` pooled output from the exchange's model- and data-parallel parts."""
         batch = prepared.stride()
-        if self._stacked is not None:
-            out_B_D = mp_recv.view(len(self.dest_width), batch, self._out_dim).sum(0)
+        if self._stacked is not None:  # the exchange summed the ranks' blocks
+            out_B_D = mp_recv.view(batch, self._out_dim)
             if self._stacked.numel():
                 out_B_D = out_B_D.index_select(1, self._stacked)
             return self._mean_pool(out_B_D, prepared)

@@ -23,6 +23,7 @@ from recopt.comm import (
     ExchangeMeta,
     KernelRequest,
     OutputExchange,
+    ScratchBuffer,
     all_ranks_finite,
     share_backend_decisions,
 )
@@ -167,6 +168,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             [opt.learning_rate for opt in self._layout.group_optimizers],
         )
         self._output = OutputAssembly(self._layout, self.tables, self.device)
+        self._scratch = ScratchBuffer()  # the output exchange's temporaries, kept across steps
         # Set to a dict to accumulate forward time per phase (input_dist, lookup, output_dist).
         self.phase_seconds: dict[str, float] | None = None
         self._skip_nonfinite = skip_nonfinite
@@ -314,6 +316,8 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             dp_dim=self._output.dp_dim,
             backward_hooks=[self._state.on_backward],
             admit=self._admit if gated else None,
+            scratch=self._scratch,
+            sum_over_ranks=self._output.sums_over_ranks,
         )
         mp_recv, dp_own = OutputExchange.apply(mp_send, dp_global, self._dummy, meta)
         pooled = self._output.assemble(mp_recv, dp_own, prepared)
