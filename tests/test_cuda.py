@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from recopt.kernels import registry
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, InvalidIdError
 from recopt.sparse import KeyedJaggedTensor
@@ -27,16 +28,7 @@ pytestmark = pytest.mark.cuda
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 GPU = torch.device("cuda", 0)
-OPTIMIZERS = [
-    "sgd",
-    "adagrad",
-    "row_wise_adagrad",
-    "adam",
-    "row_wise_adam",
-    "lamb",
-    "row_wise_lamb",
-    "adafactor",
-]
+OPTIMIZERS = list(registry.OPTIMIZERS)  # every fused optimizer
 
 
 def _tables() -> list[EmbeddingBagConfig]:

@@ -18,6 +18,7 @@ from recopt.ft.embedding import (
     union_row_gradients,
 )
 from recopt.ft.lighthouse import Lighthouse
+from recopt.kernels import registry
 from recopt.kernels.config import Backend
 from recopt.modules import (
     EmbeddingBagConfig,
@@ -28,16 +29,7 @@ from recopt.modules import (
 )
 from recopt.sparse import KeyedJaggedTensor
 
-OPTIMIZERS = [
-    "sgd",
-    "adagrad",
-    "row_wise_adagrad",
-    "adam",
-    "row_wise_adam",
-    "lamb",
-    "row_wise_lamb",
-    "adafactor",
-]
+OPTIMIZERS = list(registry.OPTIMIZERS)  # every fused optimizer
 
 
 def _tables(shared: bool = True) -> list[EmbeddingBagConfig]:

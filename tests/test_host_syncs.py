@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from recopt.kernels import cpu_fused
+from recopt.kernels import cpu_fused, registry
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, InvalidIdError
 from recopt.sparse import KeyedJaggedTensor
@@ -97,16 +97,7 @@ def test_fused_forward_backward_reads_back_at_most_one_value(name: str) -> None:
     assert backward_calls == [], backward_calls
 
 
-RECOPT_OPTIMIZERS = [
-    "sgd",
-    "adagrad",
-    "row_wise_adagrad",
-    "adam",
-    "row_wise_adam",
-    "lamb",
-    "row_wise_lamb",
-    "adafactor",
-]
+RECOPT_OPTIMIZERS = list(registry.OPTIMIZERS)  # every fused optimizer
 
 
 @pytest.mark.parametrize("name", RECOPT_OPTIMIZERS)

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from recopt.kernels import registry
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.factory import choose_backend
 from recopt.kernels.precision import (
@@ -30,15 +31,7 @@ from recopt.sparse import KeyedJaggedTensor
 
 CPU = torch.device("cpu")
 REDUCED = [torch.float16, torch.bfloat16]
-ROW_OPTIMIZERS = [
-    "sgd",
-    "adagrad",
-    "row_wise_adagrad",
-    "adam",
-    "row_wise_adam",
-    "lamb",
-    "row_wise_lamb",
-]
+ROW_OPTIMIZERS = [n for n, s in registry.OPTIMIZERS.items() if not s.whole_table_statistics]
 
 
 def _neighbours(start: float, dtype: torch.dtype) -> tuple[float, float]:

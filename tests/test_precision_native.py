@@ -17,7 +17,7 @@ import subprocess
 import pytest
 import torch
 
-from recopt.kernels import cpu_fused
+from recopt.kernels import cpu_fused, registry
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.precision import Precision
 from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
@@ -25,7 +25,7 @@ from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
 Tensor = torch.Tensor
 CPU = torch.device("cpu")
 REDUCED = [torch.float16, torch.bfloat16]
-ROW_OPTIMIZERS = ["sgd", "adagrad", "row_wise_adagrad", "adam", "row_wise_adam"]
+ROW_OPTIMIZERS = [n for n, s in registry.OPTIMIZERS.items() if s.c_code is not None]  # native
 ROUNDING = [pytest.param(True, id="stochastic"), pytest.param(False, id="nearest")]
 
 pytestmark = pytest.mark.skipif(

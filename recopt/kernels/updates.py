@@ -116,6 +116,35 @@ def _l2_and_sign(config: FusedOptimizerConfig, weight_U_D: Tensor, grad_U_D: Ten
     return grad
 
 
+def _moments(
+    config: FusedOptimizerConfig,
+    state: dict[str, Tensor],
+    rows_U: Tensor,
+    grad_U_D: Tensor,
+    row_stat: RowStat | None,
+) -> tuple[Tensor, Tensor]:
+    """Adam's moments of the touched rows, updated in ``state`` (Adam and LAMB share them).
+
+    Returns:
+        The new first moment ``[U, D]`` and the second, ``[U, D]`` or, row-wise (one value
+        per row: the mean of ``g^2``), ``[U, 1]``; both are copies, free to change in place.
+    """
+    beta1, beta2 = config.betas
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    m_U_D = exp_avg.index_select(0, rows_U)
+    m_U_D.add_(grad_U_D.sub(m_U_D).mul_(1.0 - beta1))
+    exp_avg.index_copy_(0, rows_U, m_U_D)
+    if exp_avg_sq.dim() == 2:
+        v_U_D = exp_avg_sq.index_select(0, rows_U)
+        v_U_D.add_(grad_U_D.square().sub_(v_U_D).mul_(1.0 - beta2))
+        exp_avg_sq.index_copy_(0, rows_U, v_U_D)
+        return m_U_D, v_U_D
+    v_U = exp_avg_sq.index_select(0, rows_U)
+    v_U.add_(_row_mean_sq(grad_U_D, row_stat).sub_(v_U).mul_(1.0 - beta2))
+    exp_avg_sq.index_copy_(0, rows_U, v_U)
+    return m_U_D, v_U.unsqueeze(1)
+
+
 def _adam_like(
     config: FusedOptimizerConfig,
     lr: float,
@@ -129,22 +158,10 @@ def _adam_like(
     """Adam (SparseAdam's formulas) and row-wise Adam on the touched rows."""
     beta1, beta2 = config.betas
     eps = config.eps1 if config.eps1 is not None else 1e-8
-    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
     if step is None:
         step = int(state["step"].item())
-    m_U_D = exp_avg.index_select(0, rows_U)
-    m_U_D.add_(grad_U_D.sub(m_U_D).mul_(1.0 - beta1))
-    exp_avg.index_copy_(0, rows_U, m_U_D)
-    if exp_avg_sq.dim() == 2:
-        v_U_D = exp_avg_sq.index_select(0, rows_U)
-        v_U_D.add_(grad_U_D.square().sub_(v_U_D).mul_(1.0 - beta2))
-        exp_avg_sq.index_copy_(0, rows_U, v_U_D)
-        denom = v_U_D.sqrt().add_(eps)
-    else:
-        v_U = exp_avg_sq.index_select(0, rows_U)
-        v_U.add_(_row_mean_sq(grad_U_D, row_stat).sub_(v_U).mul_(1.0 - beta2))
-        exp_avg_sq.index_copy_(0, rows_U, v_U)
-        denom = v_U.sqrt().add_(eps).unsqueeze(1)
+    m_U_D, v_U_x = _moments(config, state, rows_U, grad_U_D, row_stat)
+    denom = v_U_x.sqrt_().add_(eps)
     bias_correction1 = 1.0 - beta1**step
     bias_correction2 = 1.0 - beta2**step
     step_size = lr * math.sqrt(bias_correction2) / bias_correction1
@@ -171,22 +188,10 @@ def _lamb(
     """
     beta1, beta2 = config.betas
     eps = config.eps1 if config.eps1 is not None else 1e-8
-    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
     if step is None:
         step = int(state["step"].item())
-    m_U_D = exp_avg.index_select(0, rows_U).mul_(beta1).add_(grad_U_D, alpha=1.0 - beta1)
-    exp_avg.index_copy_(0, rows_U, m_U_D)
-    bias_correction2 = 1.0 - beta2**step
-    if exp_avg_sq.dim() == 2:
-        v_U_D = exp_avg_sq.index_select(0, rows_U).mul_(beta2)
-        v_U_D.addcmul_(grad_U_D, grad_U_D, value=1.0 - beta2)
-        exp_avg_sq.index_copy_(0, rows_U, v_U_D)
-        denom = v_U_D.div(bias_correction2).sqrt_().add_(eps)
-    else:
-        v_U = exp_avg_sq.index_select(0, rows_U).mul_(beta2)
-        v_U.add_(_row_mean_sq(grad_U_D, row_stat), alpha=1.0 - beta2)
-        exp_avg_sq.index_copy_(0, rows_U, v_U)
-        denom = v_U.div(bias_correction2).sqrt_().add_(eps).unsqueeze(1)
+    m_U_D, v_U_x = _moments(config, state, rows_U, grad_U_D, row_stat)
+    denom = v_U_x.div_(1.0 - beta2**step).sqrt_().add_(eps)
     r_U_D = m_U_D.div(1.0 - beta1**step).div_(denom)
     w_U_D = weight.index_select(0, rows_U)
     if config.weight_decay != 0.0:
