@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -405,3 +406,12 @@ def test_plan_cli_reads_the_section_weight_dtype_with_per_table_override(tmp_pat
     planned = read_config(str(config))
     assert [t.weight_dtype for t in planned.tables] == [Precision.BF16, Precision.FP32]
     assert planned.optimizer is not None and planned.optimizer.state_dtype is Precision.BF16
+
+
+def test_fp16_state_warns_that_small_squared_gradients_vanish() -> None:
+    with pytest.warns(UserWarning, match="state_dtype='bf16' halves the memory"):
+        FusedOptimizerConfig(name="adam", state_dtype="fp16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FusedOptimizerConfig(name="adam", state_dtype="bf16")
+        FusedOptimizerConfig(name="sgd", state_dtype="fp16")  # no state to lose

@@ -160,6 +160,15 @@ def test_native_pass_refuses_what_it_cannot_store() -> None:
         update(3, (torch.zeros(4, 2), None))
     with pytest.raises(ValueError, match="optimizer code 9 is not one of the C pass's 0-4"):
         update(9, (None, None))
+    # A state narrower or wider than the code updates would be written past its rows.
+    row_state = torch.zeros(4)
+    with pytest.raises(ValueError, match=r"code 3 got state of \[\[2, 1\]\] values a row"):
+        update(3, (torch.zeros(4, 2), row_state))  # adam's [R, D] second moment given as [R]
+    with pytest.raises(ValueError, match=r"code 2 got state of \[\[2, 0\]\]"):
+        update(2, (torch.zeros(4, 2), None))  # row-wise adagrad's [R] state given as [R, D]
+    with pytest.raises(ValueError, match=r"code 1 got state of \[\[3, 0\]\]"):
+        update(1, (torch.zeros(4, 3), None))
+    assert torch.equal(row_state, torch.zeros(4)) and torch.equal(weight, torch.zeros(4, 2))
     update(3, (torch.zeros(4, 2), torch.zeros(4, 2, dtype=torch.bfloat16)))  # slots' own dtypes
 
 

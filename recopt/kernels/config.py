@@ -7,6 +7,7 @@ planner. Which optimizers exist, their state and defaults: kernels/registry.py.
 from __future__ import annotations
 
 import enum
+import warnings
 from dataclasses import dataclass
 
 from recopt.kernels.placement import DEVICE, Placement
@@ -105,6 +106,16 @@ class FusedOptimizerConfig:
             raise ValueError(
                 f"{where} {self.state_dtype.value!r}: adafactor reduces its statistics over the "
                 "whole table and keeps them in fp32; use state_dtype='fp32'"
+            )
+        if self.state_dtype is Precision.FP16 and spec.states:
+            warnings.warn(
+                f"{where} 'fp16': fp16 flushes values below 6e-8 to 0, i.e. the squared "
+                "gradient of every gradient below ~2.4e-4 (Adam's and LAMB's (1 - beta2) * g^2: "
+                "below ~8e-3 at beta2=0.999), as embedding gradients often are; the steps then "
+                "divide by eps alone. state_dtype='bf16' halves the memory the same way and "
+                "keeps fp32's range",
+                UserWarning,
+                stacklevel=3,
             )
         if isinstance(self.eps, tuple):
             if spec is not ADAFACTOR or len(self.eps) != 2:

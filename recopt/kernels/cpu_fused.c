@@ -399,8 +399,11 @@ int recopt_sort(int64_t n, uint64_t *words, float *scale, uint64_t *tmp_words,
  * then step_size[T]. Returns 0; -1 for an optimizer code it does not know, -2 when a state
  * slot the code updates is missing. */
 #define MAX_CHUNKS 256
-/* The state slots each optimizer code updates: sgd none, adagrads one, adams two. */
+/* The state slots each optimizer code updates (sgd none, adagrads one, adams two) and their
+ * values a row: -1 for the weights' dim, 1 for a row-wise statistic. A slot of another width
+ * would be read and written past its rows, so it is refused (-3). */
 static const int STATE_SLOTS[5] = {0, 1, 1, 2, 2};
+static const int STATE_WIDTHS[5][2] = {{0, 0}, {-1, 0}, {1, 0}, {-1, -1}, {-1, 1}};
 int recopt_fused_update(int opt, int stochastic, int64_t n, const uint64_t *packed,
                         const float *scale, const float *grad, int num_tables,
                         const int64_t *meta, const float *hyper, int num_threads) {
@@ -409,6 +412,13 @@ int recopt_fused_update(int opt, int stochastic, int64_t n, const uint64_t *pack
     for (int t = 0; t < num_tables; t++)
         for (int s = 1; s <= STATE_SLOTS[opt]; s++)
             if (!meta[T + 1 + 3 * s * T + t] || !meta[T + 1 + (3 * s + 1) * T + t]) return -2;
+    for (int t = 0; t < num_tables; t++) {
+        const int64_t dim = meta[T + 1 + T + t]; /* the weights' values a row */
+        for (int s = 1; s <= STATE_SLOTS[opt]; s++) {
+            const int want = STATE_WIDTHS[opt][s - 1];
+            if (meta[T + 1 + (3 * s + 1) * T + t] != (want < 0 ? dim : want)) return -3;
+        }
+    }
     if (n == 0) return 0;
     table_t *tables = (table_t *)malloc(sizeof(table_t) * (size_t)num_tables);
     int64_t max_dim = 1;

@@ -330,8 +330,9 @@ def fused_update(
 
     Raises:
         RuntimeError: the native library is not available.
-        ValueError: a dtype the pass does not store, a state tensor not shaped by rows, or
-            an optimizer without the state its code needs.
+        ValueError: a dtype the pass does not store, a state tensor not shaped by rows, an
+            optimizer without the state its code needs, or state of another width than its
+            code updates (which would be written past its rows).
     """
     if _library is None:
         raise RuntimeError("fused_update: native library not loaded; call available() first")
@@ -357,8 +358,15 @@ def fused_update(
     )
     if status == -1:
         raise ValueError(f"fused_update: optimizer code {code} is not one of the C pass's 0-4")
-    if status != 0:
+    if status == -2:
         raise ValueError(f"fused_update: optimizer code {code} needs state tensors not passed")
+    if status != 0:
+        widths = [[_slot_meta(t[0], t[s])[1] for s in (1, 2)] for t in tables]
+        raise ValueError(
+            f"fused_update: optimizer code {code} got state of {widths} values a row for tables "
+            f"of dims {[t[0].shape[1] for t in tables]}; its state is per element ([rows, dim]) "
+            "or per row ([rows]) as its registry spec says"
+        )
 
 
 def round_to(x: torch.Tensor, dtype: torch.dtype, seed: int | None) -> torch.Tensor:
