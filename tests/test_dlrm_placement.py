@@ -83,6 +83,8 @@ def test_planner_topology_follows_a_cuda_run_and_measures_its_gpu(
     import dlrm_build
     from test_model_parallel_topology import MIB, fake_gpus
 
+    from recopt.sharding.planner.topology import host_memory_bytes
+
     fake_gpus(monkeypatch.setattr, [3000], total_mib=4000)
     timeout = datetime.timedelta(seconds=30)
     config = dlrm_config.load_config(None)
@@ -90,9 +92,12 @@ def test_planner_topology_follows_a_cuda_run_and_measures_its_gpu(
     measured = dlrm_build.planning_topology(config.planner, cuda, timeout)
     assert measured.device == "cuda"
     assert measured.hbm_bytes == 3000 * MIB
-    assert measured.ddr_bytes == 4 * 1024**3  # the config's ddr_bytes wins
-    given = dlrm_build.planning_topology({"hbm_bytes": 1024}, cuda, timeout)
-    assert (given.device, given.hbm_bytes) == ("cuda", 1024)
+    assert measured.ddr_bytes == host_memory_bytes(1)  # measured too: the config sets none
+    given = dlrm_build.planning_topology({"hbm_bytes": 1024, "ddr_bytes": 2048}, cuda, timeout)
+    assert (given.device, given.hbm_bytes, given.ddr_bytes) == ("cuda", 1024, 2048)
+    for path in ("configs/dlrm_small.toml", "configs/dlrm_criteo_shape.toml"):  # measure too
+        shipped = dlrm_config.load_config(str(ROOT / path)).planner
+        assert dlrm_build.planning_topology(shipped, cuda, timeout) == measured
     # An explicit device describes a machine: nothing is measured.
     cpu = dlrm_build.planning_topology({"device": "cpu"}, cuda, timeout)
     assert (cpu.device, cpu.hbm_bytes) == ("cpu", 0)

@@ -39,6 +39,7 @@ def fake_gpus(
     total_mib: int = 80 * 1024,
     reserved_mib: int = 0,
     current: int = 0,
+    allocated_mib: int = 0,
 ) -> None:
     """Make torch.cuda describe ``len(free_mib)`` GPUs, GPU i with ``free_mib[i]`` MiB free."""
 
@@ -56,6 +57,7 @@ def fake_gpus(
     set_attr(cuda, "current_device", lambda: current)
     set_attr(cuda, "mem_get_info", lambda d=None: (free_mib[index(d)] * MIB, total_mib * MIB))
     set_attr(cuda, "memory_reserved", lambda d=None: reserved_mib * MIB)
+    set_attr(cuda, "memory_allocated", lambda d=None: allocated_mib * MIB)
     set_attr(cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=total_mib * MIB))
 
 
@@ -76,6 +78,10 @@ def test_cuda_memory_is_what_this_process_can_fill(monkeypatch: pytest.MonkeyPat
     assert cuda_memory_bytes(torch.device("cuda", 1)) == 3500 * MIB
     fake_gpus(monkeypatch.setattr, [3900], total_mib=4000, reserved_mib=500)
     assert cuda_memory_bytes(0) == 4000 * MIB  # never more than the GPU has
+    # Live tensors (e.g. the unsharded model, still there while the shards are allocated)
+    # count as used; only the allocator's unused cache is added to the free memory.
+    fake_gpus(monkeypatch.setattr, [1000], total_mib=4000, reserved_mib=500, allocated_mib=300)
+    assert cuda_memory_bytes(0) == 1200 * MIB
 
 
 def test_local_topology_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -40,6 +40,7 @@ class RunEnv:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    local_world_size: int | None = None  # ranks on this host (torchrun's LOCAL_WORLD_SIZE)
 
     @property
     def is_main(self) -> bool:
@@ -111,7 +112,7 @@ def planning_topology(values: dict[str, Any], env: RunEnv, timeout: datetime.tim
     given = topology_from_dict(values, "[planner]", world_size=env.world_size)
     if "device" in values or env.device.type != "cuda":
         return given
-    measured = local_topology(env.world_size, device=env.device)
+    measured = local_topology(env.world_size, env.local_world_size, device=env.device)
     if env.world_size > 1:
         measured = shared_topology(measured, timeout=timeout)
     return measured.replace(**{name: getattr(given, name) for name in values})

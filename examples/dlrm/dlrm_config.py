@@ -280,8 +280,9 @@ class TrainingConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     fault_tolerance: FaultToleranceSection = field(default_factory=FaultToleranceSection)
     # The planner's Topology fields (world_size comes from the launcher; without `device`, the
-    # run's device, measured on CUDA: dlrm_build.planning_topology).
-    planner: dict[str, Any] = field(default_factory=lambda: {"ddr_bytes": 4 * 1024**3})
+    # run's device, its memory measured on CUDA: dlrm_build.planning_topology). Empty by
+    # default, so that only the fields a config sets override what is measured.
+    planner: dict[str, Any] = field(default_factory=dict)
 
 
 def load_config(path: str | None, overrides: Sequence[str] = ()) -> TrainingConfig:

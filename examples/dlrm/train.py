@@ -59,7 +59,7 @@ from recopt.metrics import click_metrics  # noqa: E402
 
 def default_threads(env: RunEnv) -> int:
     """This machine's cores shared among the ranks on it (torchrun's LOCAL_WORLD_SIZE)."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(env.world_size)))
+    local_ranks = env.local_world_size or env.world_size
     return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
 
 
@@ -68,7 +68,8 @@ def _env_from_environ() -> RunEnv:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = comm.device_for_local_rank(local_rank, use_cuda=torch.cuda.is_available())
-    return RunEnv(rank, world_size, local_rank, device)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    return RunEnv(rank, world_size, local_rank, device, local_world)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -225,13 +225,15 @@ def cuda_memory_bytes(device: torch.device | str | int | None = None) -> int:
     """Device memory this process can fill on a GPU now (default: the current one).
 
     The free memory (`torch.cuda.mem_get_info`) plus what this process's caching allocator
-    already holds and can reuse (e.g. an unsharded model that sharding will replace), at most
-    the GPU's total memory: other processes' memory and the CUDA context are not counted.
+    holds but no tensor uses (reserved minus allocated), at most the GPU's total memory. Live
+    tensors count as used, an unsharded model too: the sharded tables are allocated while it
+    is still there (build the model on the ``meta`` device to plan against the whole GPU).
     """
     index = _cuda_index(device)
     free, _ = torch.cuda.mem_get_info(index)
     total = int(torch.cuda.get_device_properties(index).total_memory)
-    return min(total, int(free) + int(torch.cuda.memory_reserved(index)))
+    cached = int(torch.cuda.memory_reserved(index)) - int(torch.cuda.memory_allocated(index))
+    return min(total, int(free) + max(0, cached))
 
 
 def _cuda_index(device: torch.device | str | int | None) -> int:
