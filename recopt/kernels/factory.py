@@ -6,6 +6,9 @@ it cannot run the tables is ruled out here; `recopt.kernels.autotune` measures t
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from recopt.kernels.autotune import BackendDecision, ShapeClass, default_resolver
@@ -164,3 +167,17 @@ def create_kernel(
         kernel = RecoptTableBatchedEmbedding(tables, feature_table_map, optimizer, pooling, device)
     kernel.backend_decision = decision  # read by the modules' param_groups
     return kernel
+
+
+@contextlib.contextmanager
+def rng_unchanged(device: torch.device) -> Iterator[None]:
+    """Leave torch's random streams (CPU, and ``device``'s when it is a GPU) as they were.
+
+    Kernel construction may draw random numbers (fbgemm initialises its own weights, AUTO's
+    probes make random tables), and how many depends on the backend and on whether AUTO's
+    choice was cached. Modules build their kernels inside this, then initialise the weights
+    themselves, so one seed gives the same weights whatever backend runs.
+    """
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        yield

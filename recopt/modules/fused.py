@@ -17,7 +17,7 @@ from torch import nn
 
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.contract import Kernel
-from recopt.kernels.factory import create_kernel
+from recopt.kernels.factory import create_kernel, rng_unchanged
 from recopt.kernels.placement import DEVICE, Placement
 from recopt.kernels.precision import Precision
 from recopt.kernels.updates import ROUNDING_STEP
@@ -151,11 +151,10 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self.device = torch.device(device if device is not None else "cpu")
         self._layout = FeatureLayout(self.tables)
         optimizers = resolve_table_optimizers(self.tables, optimizer, table_optimizers)
-        # Kernel construction may draw random numbers (fbgemm initialises its weights); restore
-        # the RNG so our uniform_ draws equal EmbeddingBagCollection's under the same seed.
-        rng_state = torch.random.get_rng_state()
-        self._groups = self._build_groups(optimizers)
-        torch.random.set_rng_state(rng_state)
+        # Our uniform_ draws below equal EmbeddingBagCollection's under the same seed, whatever
+        # the kernels drew while being built.
+        with rng_unchanged(self.device):
+            self._groups = self._build_groups(optimizers)
         self.embedding_bags = nn.ModuleDict()
         weights: dict[int, torch.Tensor] = {}
         for group in self._groups:

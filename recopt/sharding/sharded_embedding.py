@@ -29,7 +29,7 @@ from recopt.comm import (
 )
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.contract import Kernel
-from recopt.kernels.factory import create_kernel
+from recopt.kernels.factory import create_kernel, rng_unchanged
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
 from recopt.modules.inputs import PendingCheck
@@ -148,10 +148,13 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         # Kernels are kept out of the module tree: their weights are exposed (sharded) through
         # state_dict and the fused optimizer, and must not reach DDP or a dense optimizer.
         # Replicas must run the same backend on every rank: rank 0 resolves AUTO for all.
+        # The weights' draws do not depend on the backend (or on a cached AUTO choice).
         groups = [*self._layout.mp_groups, *self._layout.dp_groups]
-        share_backend_decisions([self._kernel_request(g) for g in groups], self.device, self._pg)
-        self._mp_kernels = [self._make_kernel(g) for g in self._layout.mp_groups]
-        self._dp_kernels = [self._make_kernel(g) for g in self._layout.dp_groups]
+        with rng_unchanged(self.device):
+            requests = [self._kernel_request(g) for g in groups]
+            share_backend_decisions(requests, self.device, self._pg)
+            self._mp_kernels = [self._make_kernel(g) for g in self._layout.mp_groups]
+            self._dp_kernels = [self._make_kernel(g) for g in self._layout.dp_groups]
         self._init_weights()
         self._dummy = torch.zeros(0, device=self.device, requires_grad=True)
         self._state = ShardedState(
