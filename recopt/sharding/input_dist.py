@@ -234,7 +234,7 @@ class Bucketizer:
         lengths_G_B = gv_N.new_zeros(size).index_add_(
             0, gv_N * batch + bag_N, torch.ones_like(gv_N)
         )
-        lengths_G_B = lengths_G_B.view(-1, batch)
+        lengths_G_B = lengths_G_B.view(self.num_virtual, batch)  # batch may be 0
         gv_N, order = torch.sort(gv_N, stable=True)
         return ids_N[order], None if weights is None else weights[order], lengths_G_B
 
@@ -268,7 +268,7 @@ class Bucketizer:
         if weights is not None:
             w = torch.cat([weights[opk[f] : opk[f + 1]] for f in order]) if order else weights[:0]
         batch = features.stride()
-        lengths_G_B = features.lengths().view(-1, batch)[self.gv_feature]
+        lengths_G_B = features.lengths().view(len(features.keys()), batch)[self.gv_feature]
         return ids, w, lengths_G_B
 
 
@@ -318,7 +318,7 @@ def _dp_part(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """This rank's data-parallel lengths ``[F_dp * Bm]`` (padded), ids and weights."""
     batch = features.stride()
-    lengths = features.lengths().view(-1, batch) if batch else features.lengths().view(-1, 0)
+    lengths = features.lengths().view(len(features.keys()), batch)  # batch may be 0
     padded = lengths.new_zeros(len(dp_features), max_batch)
     if dp_features and batch:
         padded[:, :batch] = lengths[dp_features]
