@@ -431,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         uvm = run_uvm(time_ms, args.warmup, args.steps, hbm_gib, cfg)
         print(json.dumps(uvm), flush=True)
     if args.uvm_only:
-        return _write(args, device_name, {}, [], [], uvm)
+        print(_save(args, device_name, {}, [], [], uvm))
+        return 0
     if not args.skip_kernels:
         for name in args.configs.split(","):
             kernels += run_kernels(configs[name], args.warmup, args.steps)
@@ -450,17 +451,6 @@ def main(argv: list[str] | None = None) -> int:
             dlrm = run_dlrm(args.dlrm_dims, batches, args.warmup, args.steps)
         finally:
             torch.distributed.destroy_process_group()
-    return _write(args, device_name, configs, kernels, dlrm, uvm)
-
-
-def _write(
-    args: argparse.Namespace,
-    device_name: str,
-    configs: dict[str, Config],
-    kernels: list[dict[str, Any]],
-    dlrm: list[dict[str, Any]],
-    uvm: dict[str, Any] | None,
-) -> int:
     print(_save(args, device_name, configs, kernels, dlrm, uvm))
     return 0
 

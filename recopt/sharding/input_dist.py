@@ -102,7 +102,6 @@ class Bucketizer:
         self.dest_counts = [len(v) for v in dest_features]
         self.dp_features = list(dp_features)
         flat = [vf for vfs in dest_features for vf in vfs]
-        gv_dest = [d for d, vfs in enumerate(dest_features) for _ in vfs]
         # Row blocks of each feature: the distinct row ranges of its table's shards.
         blocks: list[list[int]] = [[0] for _ in num_rows]
         for vf in flat:
@@ -127,7 +126,6 @@ class Bucketizer:
         # shards repeat it), so routing copies segments and needs no per-id work.
         self.whole_features = self.single_block
         self.gv_feature_list = [vf.feature for vf in flat]
-        self.gv_dest_list = gv_dest
         self.row_split = self._pure_row_split(blocks, routes, block_base)
         self.split_bounds = [
             torch.tensor([*b, num_rows[f]], dtype=torch.int64, device=device)
@@ -146,7 +144,6 @@ class Bucketizer:
         self.route_count = t([len(r) for r in routes])
         self.route_start = t([sum(len(r) for r in routes[:i]) for i in range(len(routes))])
         self.route_gv = t([gv for r in routes for gv in r])
-        self.gv_dest = t(gv_dest)
         self.gv_feature = t(self.gv_feature_list)
         # The count exchange's table: where each virtual feature's id count goes in it.
         self.dp_column = _IDS + max(self.dest_counts, default=0)
