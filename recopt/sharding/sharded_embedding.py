@@ -11,6 +11,7 @@ Legend: B this rank's batch, Bm the largest batch, W world size, D output width.
 from __future__ import annotations
 
 import datetime
+import itertools
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -387,9 +388,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         if len(group_sizes) == 1:
             offsets = _offsets(lengths_V_W_B.reshape(-1))
             return [KernelInput(all_ids, offsets, all_w, _bounds(per_feature))]
-        bounds = [0]
-        for n in group_sizes:
-            bounds.append(bounds[-1] + n)
+        bounds = _bounds(group_sizes)
         id_sizes = [sum(per_feature[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
         id_parts = all_ids.split(id_sizes)
         w_parts = None if all_w is None else all_w.split(id_sizes)
@@ -469,12 +468,10 @@ def _run(kernel: Kernel, x: KernelInput) -> Tensor:
     return out
 
 
-def _bounds(ids_per_feature: list[int]) -> list[int]:
-    """Each feature's first id, then the total (F+1 host ints)."""
-    bounds = [0]
-    for n in ids_per_feature:
-        bounds.append(bounds[-1] + n)
-    return bounds
+def _bounds(sizes: list[int]) -> list[int]:
+    """Where each part starts, then the total (host ints): a feature's first id, a group's
+    first feature."""
+    return list(itertools.accumulate(sizes, initial=0))
 
 
 def _offsets(lengths: Tensor) -> Tensor:
