@@ -69,14 +69,7 @@ class FeatureLayout:
                 to ``weight_dtype``).
         """
         features = self.select(features, is_weighted, weight_dtype)
-        check_ids_in_range(
-            features.values(),
-            features.length_per_key(),
-            self.feature_names,
-            self.table_names,
-            self.num_rows,
-            features.weights_or_none(),
-        )
+        self._pending_check(features, clamp=False).raise_if_bad()
         return features
 
     def prepare_deferred(
@@ -96,15 +89,7 @@ class FeatureLayout:
             ValueError: as `prepare`, except the id and weight errors, which are deferred.
         """
         features = self.select(features, is_weighted, weight_dtype)
-        check = pending_id_check(
-            features.values(),
-            features.length_per_key(),
-            self.feature_names,
-            self.table_names,
-            self.num_rows,
-            features.weights_or_none(),
-            clamp=True,
-        )
+        check = self._pending_check(features, clamp=True)
         if check.safe_values is not None:
             features = KeyedJaggedTensor(
                 features.keys(),
@@ -116,6 +101,18 @@ class FeatureLayout:
                 length_per_key=features.length_per_key(),
             )
         return features, check
+
+    def _pending_check(self, features: KeyedJaggedTensor, clamp: bool) -> PendingCheck:
+        """`pending_id_check` of selected ``features`` against this layout's tables."""
+        return pending_id_check(
+            features.values(),
+            features.length_per_key(),
+            self.feature_names,
+            self.table_names,
+            self.num_rows,
+            features.weights_or_none(),
+            clamp=clamp,
+        )
 
     def select(
         self,
