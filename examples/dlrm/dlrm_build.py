@@ -106,15 +106,13 @@ def planning_topology(values: dict[str, Any], env: RunEnv, timeout: datetime.tim
     Topology defaults for what it leaves out). ``device = "cpu"`` or ``"cuda"`` describes a
     machine explicitly, measured nothing.
     """
-    from recopt.sharding.planner import local_topology, shared_topology
+    from recopt.sharding.planner import training_topology
     from recopt.sharding.planner.topology import topology_from_dict
 
     given = topology_from_dict(values, "[planner]", world_size=env.world_size)
     if "device" in values or env.device.type != "cuda":
         return given
-    measured = local_topology(env.world_size, env.local_world_size, device=env.device)
-    if env.world_size > 1:
-        measured = shared_topology(measured, timeout=timeout)
+    measured = training_topology(env.world_size, env.local_world_size, env.device, timeout=timeout)
     return measured.replace(**{name: getattr(given, name) for name in values})
 
 

@@ -237,28 +237,22 @@ def _default_plan(
 ) -> ShardingPlan:
     """The planner's plan for the device the shards will live on (planned on rank 0).
 
-    On CPU the planner's default topology (4 GiB per rank). On CUDA this GPU's memory
-    (`local_topology`: free HBM plus what this process's allocator holds; host memory over the
-    ranks of a host, for UVM), the least over the ranks (`shared_topology`), so a table set
-    larger than HBM gets UVM / UVM-caching placements, or a `PlannerError` on every rank.
+    `training_topology`: on CPU the planner's default topology (4 GiB per rank); on CUDA this
+    GPU's memory (free HBM; host memory over the ranks of a host, for UVM), the least over the
+    ranks, so a table set larger than HBM gets UVM / UVM-caching placements, or a
+    `PlannerError` on every rank.
     ``table_optimizers`` (module path -> table -> the optimizer a fused module runs it with)
     size each table's optimizer state; other tables are counted with ``default_optimizer``.
     """
     try:
         from recopt.sharding.planner import (
             EmbeddingShardingPlanner,
-            Topology,
-            local_topology,
             plan_collectively,
-            shared_topology,
+            training_topology,
         )
     except ImportError:  # the planner is optional; a balanced table-wise plan always works
         return balanced_table_wise_plan(tables_by_module, world)
-    if device is not None and torch.device(device).type == "cuda":
-        topology = local_topology(world, ranks_per_host, device=device)
-        topology = shared_topology(topology, process_group, timeout)
-    else:
-        topology = Topology(world_size=world, ranks_per_host=ranks_per_host)
+    topology = training_topology(world, ranks_per_host, device, process_group, timeout)
     planner = EmbeddingShardingPlanner(topology, default_optimizer=default_optimizer)
     # Planned on rank 0 and broadcast, so every rank holds the same plan.
     return plan_collectively(planner, tables_by_module, process_group, timeout, table_optimizers)

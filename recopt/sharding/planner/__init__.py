@@ -10,6 +10,7 @@ from recopt.sharding.planner.planner import (
     PlannerError,
     plan_collectively,
     shared_topology,
+    training_topology,
 )
 from recopt.sharding.planner.stats import PlanStats, TableChoice, evaluate_plan
 from recopt.sharding.planner.topology import (
@@ -33,4 +34,5 @@ __all__ = [
     "local_topology",
     "plan_collectively",
     "shared_topology",
+    "training_topology",
 ]

@@ -40,7 +40,7 @@ from recopt.sharding.planner.proposers import (
 )
 from recopt.sharding.planner.stats import PlanStats, format_bytes, make_stats
 from recopt.sharding.planner.storage import rank_output_bytes
-from recopt.sharding.planner.topology import Topology
+from recopt.sharding.planner.topology import Topology, local_topology
 
 
 class PlannerError(ValueError):
@@ -350,6 +350,27 @@ def shared_topology(
     memory = torch.tensor([topology.hbm_bytes, topology.ddr_bytes], dtype=torch.int64)
     comm.all_reduce(memory, process_group, op=dist.ReduceOp.MIN, timeout=timeout)
     return topology.replace(hbm_bytes=int(memory[0]), ddr_bytes=int(memory[1]))
+
+
+def training_topology(
+    world_size: int,
+    ranks_per_host: int | None,
+    device: torch.device | str | None,
+    process_group: dist.ProcessGroup | None = None,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=5),
+) -> Topology:
+    """The topology of the device a job trains on, the same on every rank.
+
+    On CUDA this GPU's memory and the host's (`local_topology`), the least over the ranks
+    (`shared_topology`; skipped for one rank, which needs no process group); elsewhere the
+    `Topology` defaults (4 GiB per rank).
+    """
+    if device is None or torch.device(device).type != "cuda":
+        return Topology(world_size=world_size, ranks_per_host=ranks_per_host)
+    topology = local_topology(world_size, ranks_per_host, device=device)
+    if world_size > 1:
+        topology = shared_topology(topology, process_group, timeout)
+    return topology
 
 
 def _broadcast(
