@@ -24,18 +24,11 @@ from test_host_syncs import count_read_backs
 from recopt.kernels import cpu_fused
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.modules import EmbeddingBagConfig
+from recopt.sharding.plan import ShardingType
 from recopt.sparse import KeyedJaggedTensor
 from recopt.testing import run_on_ranks
 
-KINDS = [
-    "table_wise",
-    "row_wise",
-    "column_wise",
-    "table_row_wise",
-    "table_column_wise",
-    "data_parallel",
-    "mixed",
-]
+KINDS = [*(kind.value for kind in ShardingType), "mixed"]  # every sharding type, and a mix
 # fbgemm on CPU runs sgd / adagrad / row-wise adagrad (column splits of a row-wise optimizer
 # need recopt's row-statistic hook); recopt's backend runs its torch path (the one it runs on
 # a GPU) with the native CPU library switched off, row statistics included.
