@@ -16,7 +16,7 @@
 # do (unpack fbgemm into /tmp/site, install .gpu/whl there), only where /tmp/site lacks them, and
 # installs .gpu/wheels (benchmarks/gpu_test_wheels.sh) only if pytest is missing. Everything it
 # writes goes to $OUT (./gpu-out when OUT is unset) as it is written, flat and at most 7 files a
-# mode, so what a step wrote before a time limit stopped it comes back. Every step has its own
+# mode (tests: summary, smoke, triton, cuda_checks, cuda, suite logs and the suite's XML), so what a step wrote before a time limit stopped it comes back. Every step has its own
 # `timeout`, and together they end before DEADLINE_S (default 570 s) after the start. Each step
 # runs in its own process group, killed when the step ends, so no rank process it spawned holds
 # the GPU for the next step (recopt.testing.run_on_ranks kills its ranks itself as well).
@@ -99,13 +99,15 @@ smoke() {
   say "smoke: exit $rc"
 }
 
-# pytest with its log and JUnit XML under $out: run_pytest NAME SECONDS ARGS...
+# pytest with its log (-v: a line a test, as it runs) under $out, and its JUnit XML when
+# XML=1 (only for the suite: a call returns at most 8 files): run_pytest NAME SECONDS ARGS...
 run_pytest() {
-  local name=$1 limit=$2
+  local name=$1 limit=$2 xml=()
   shift 2
+  [ "${XML:-0}" = 1 ] && xml=(--junitxml="$out/$name.xml")
   if [ "$limit" -le 10 ]; then say "$name: skipped, no time left"; return; fi
-  limited "$limit" python3 -m pytest -p no:cacheprovider -rfEs \
-    --junitxml="$out/$name.xml" "$@" > "$out/$name.log" 2>&1
+  limited "$limit" python3 -m pytest -p no:cacheprovider -rfEs "${xml[@]}" "$@" \
+    > "$out/$name.log" 2>&1
   local rc=$?
   say "$name: exit $rc ($( [ "$rc" = 124 ] && echo "cut off at ${limit}s; see $name.log" || tail -n 1 "$out/$name.log"))"
 }
@@ -121,7 +123,7 @@ suite() {
   if [ -n "${PART:-}" ]; then
     mapfile -t files < <(ls tests/test_*.py | sort | awk -v k="${PART%/*}" -v n="${PART#*/}" 'NR % n == k % n')
   fi
-  run_pytest suite "$(budget 570)" -m "not cuda" -v "${parallel[@]}" "${files[@]}"
+  XML=1 run_pytest suite "$(budget 570)" -m "not cuda" -v "${parallel[@]}" "${files[@]}"
   grep -E "^(FAILED|ERROR)" "$out/suite.log" 2>/dev/null | head -n 40
 }
 
