@@ -258,12 +258,12 @@ def test_fbgemm_steps_keep_lambs_eps_and_set_the_counter() -> None:
         optimizer_args=args,
     )
     step = torch.zeros((), dtype=torch.int64)
-    steps = FbgemmSteps(lambda: [step], ["t0"], 1e-3, 0.999, remap_eps=False)
+    steps = FbgemmSteps([step], ["t0"], 1e-3, 0.999, remap_eps=False)
     step.fill_(4)  # as a checkpoint load writes it
-    assert steps.before_forward(tbe) == 5
+    assert steps.before_forward(tbe, [step]) == 5
     assert int(tbe.iter) == 4 and int(tbe.iter_cpu) == 4  # fbgemm adds one in its forward
     assert tbe.optimizer_args is args and args.eps == 1e-3  # untouched: no _replace call
-    steps.after_update()
+    steps.after_update([step])
     assert int(step) == 5
 
 
