@@ -21,8 +21,10 @@ import torch
 
 from recopt.kernels.autotune import ENV_BACKEND, configure_auto
 
-# A pin given by whoever runs pytest; None: tests are pinned to recopt unless marked.
+# A pin given by whoever runs pytest; None: tests are pinned to recopt unless marked. Pinned
+# from here on too, so that nothing built while collecting the tests measures.
 CALLER_PIN = os.environ.get(ENV_BACKEND)
+os.environ[ENV_BACKEND] = CALLER_PIN or "recopt"
 # Without a GPU, Triton can only interpret: set before anything imports it, so the Triton
 # kernels' CPU tests (tests/test_triton_*.py) never meet a Triton imported in compiled mode.
 if not torch.cuda.is_available():
@@ -50,12 +52,8 @@ def _backend_pin(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     The process's resolver is dropped before and after, so that it re-reads the pin.
     """
     real = any(request.node.get_closest_marker(m) for m in ("cuda", "real_backend"))
-    if CALLER_PIN is not None:
-        monkeypatch.setenv(ENV_BACKEND, CALLER_PIN)
-    elif real:
-        monkeypatch.delenv(ENV_BACKEND, raising=False)
-    else:
-        monkeypatch.setenv(ENV_BACKEND, "recopt")
+    if real and CALLER_PIN is None:
+        monkeypatch.delenv(ENV_BACKEND)
     configure_auto(None)
     yield
     configure_auto(None)
