@@ -24,6 +24,8 @@ from recopt.kernels.autotune import AutoConfig, AutoResolver, Sampler, ShapeClas
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.factory import create_kernel
 from recopt.kernels.fbgemm_backend import FbgemmTableBatchedEmbedding, build_fbgemm_tbe
+from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection
+from recopt.sparse import KeyedJaggedTensor
 
 CPU = torch.device("cpu")
 BUILD_FBGEMM_TBE = build_fbgemm_tbe  # the real one, before a test replaces it
@@ -75,6 +77,20 @@ def _dropped_is_freed(make: Callable[[], torch.nn.Module]) -> bool:
 def test_a_dropped_fbgemm_kernel_is_freed_without_the_collector() -> None:
     sgd = FusedOptimizerConfig(name="sgd", backend=Backend.FBGEMM)
     assert _dropped_is_freed(lambda: create_kernel(TABLES, [0, 1], sgd, PoolingType.SUM, CPU))
+
+
+@pytest.mark.usefixtures("no_collector")
+def test_a_dropped_fused_collection_on_fbgemm_is_freed_without_the_collector() -> None:
+    tables = [
+        EmbeddingBagConfig(name="t0", num_embeddings=40, embedding_dim=8, feature_names=["a"])
+    ]
+    sgd = FusedOptimizerConfig(name="sgd", backend=Backend.FBGEMM)
+    module = FusedEmbeddingBagCollection(tables, optimizer=sgd)
+    module(KeyedJaggedTensor.from_id_lists({"a": [[1, 2], [3]]})).values().sum().backward()
+    refs = [weakref.ref(module), *(weakref.ref(k) for k in module.kernels())]
+    assert [type(k).__name__ for k in module.kernels()] == ["FbgemmTableBatchedEmbedding"]
+    del module
+    assert all(ref() is None for ref in refs)
 
 
 @pytest.mark.parametrize("name", ["adam", "row_wise_adam", "lamb", "row_wise_lamb"])
