@@ -228,6 +228,7 @@ def test_betas_from_a_toml_list_become_a_tuple_of_floats() -> None:
     assert config.lr == 0.01 and config.eps == 1e-8  # fbgemm's TBE defaults
 
 
+@pytest.mark.real_backend  # the refusals decide, not a pin
 @pytest.mark.parametrize("name", NAMES)
 def test_fbgemm_runs_lamb_on_cuda_only_and_auto_picks_recopt_on_cpu(name: str) -> None:
     decayed = FusedOptimizerConfig(name=name, weight_decay=0.01)
