@@ -1,14 +1,16 @@
-"""recopt's CUDA update for sgd, (row-wise) Adagrad and (row-wise) Adam, in one Triton kernel.
+"""recopt's CUDA update for sgd, (row-wise) Adagrad and (row-wise) Adam, in two Triton launches.
 
 The torch path finds the touched rows with ``torch.unique``, whose data-sized output makes the
 host wait for the device once per table. Here nothing has a data-dependent size: a table's
-occurrences are sorted by id (``torch.sort``, N known on the host) and cut into chunks of
-``CHUNK`` positions, one program each (a segmented reduction). A program sums each run of equal
-ids inside its chunk; a run wholly inside is applied there (scaled, sign and L2, then the row
-and its state updated as `cpu_fused.c`'s ``update_row``, same optimizer codes:
-`OptimizerSpec.c_code`). A run crossing chunks leaves a partial sum per chunk, and a second
-launch lets the chunk where it begins add them and update the row, so a hot id with L copies
-takes CHUNK + L / CHUNK serial steps, not L. Every row is written by exactly one program. Imported
+occurrences are sorted by id (``torch.sort``, N known on the host) and one program per sorted
+position runs. The sorted positions are cut into chunks of ``CHUNK`` (a segmented reduction): the
+first position of each run of equal ids, and of each chunk a long run covers, sums that piece
+(scaled; at most CHUNK copies). A run wholly inside one chunk is applied there (sign and L2,
+then the row and its state updated as `cpu_fused.c`'s ``update_row``, same optimizer codes:
+`OptimizerSpec.c_code`); a run crossing chunks leaves a partial sum per chunk, and a second
+launch lets the chunk where it begins add them and update the row. A hot id with L copies takes
+CHUNK + L / CHUNK serial steps, not L; distinct ids keep one program each, as many programs as
+occurrences. Every row is written by exactly one program. Imported
 only where Triton is; under ``TRITON_INTERPRET=1`` it also runs on CPU tensors (the CPU tests).
 Legend: N occurrences of one table, D its dim.
 """
@@ -81,7 +83,7 @@ def _apply_row(
 
 
 @triton.jit
-def _chunk_kernel(
+def _piece_kernel(
     ids_ptr,
     goff_ptr,
     scale_ptr,
@@ -105,39 +107,38 @@ def _chunk_kernel(
     BLOCK_D: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """Chunk c sums each run of equal ids inside it; a run wholly inside updates its row here.
-    A run's piece that began in an earlier chunk goes to ``first[c]``; the piece of a run that
-    begins here and goes on past the chunk goes to ``last[c]`` (for `_combine_kernel`)."""
-    c = tl.program_id(0).to(tl.int64)
-    start = c * CHUNK
-    stop = tl.minimum(start + CHUNK, N)
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
-    key = tl.load(ids_ptr + start)
-    before = tl.load(ids_ptr + start - 1, mask=start > 0, other=-1)
-    began_earlier = (key == before).to(tl.int32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for pos in range(start, stop):
-        g = tl.load(grad_ptr + tl.load(goff_ptr + pos) + cols, mask=mask, other=0.0)
-        if HAS_SCALE:
-            g = g * tl.load(scale_ptr + pos)
-        acc += g
-        following = tl.load(ids_ptr + pos + 1, mask=pos + 1 < N, other=-1)
-        if following != key:  # the run ends at pos
-            if began_earlier != 0:
-                tl.store(first_ptr + c * D + cols, acc, mask=mask)
-            else:
-                _apply_row(key, acc, cols, mask, weight_ptr, s1_ptr, s2_ptr, D, lr, eps,
-                           weight_decay, sign, one_minus_beta1, one_minus_beta2, step_size,
-                           OPT)  # fmt: skip
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-            key = following
-            began_earlier = began_earlier * 0
-    if key == tl.load(ids_ptr + stop - 1):  # the last run goes on into the next chunk
-        if began_earlier != 0:
+    """One program per sorted position; the first position of a run, and of each chunk a run
+    covers, sums that piece (at most CHUNK copies). A run wholly inside one chunk updates its
+    row here. A piece of a run that began in an earlier chunk goes to ``first[c]``; the piece
+    where a run begins, when the run goes on past its chunk, to ``last[c]`` (for
+    `_combine_kernel`)."""
+    pos = tl.program_id(0).to(tl.int64)
+    key = tl.load(ids_ptr + pos)
+    previous = tl.load(ids_ptr + pos - 1, mask=pos > 0, other=-1)
+    if (key != previous) | (pos % CHUNK == 0):  # a piece starts here
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < D
+        c = pos // CHUNK
+        chunk_end = tl.minimum((c + 1) * CHUNK, N)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        j = pos
+        more = pos < chunk_end
+        while more:
+            g = tl.load(grad_ptr + tl.load(goff_ptr + j) + cols, mask=mask, other=0.0)
+            if HAS_SCALE:
+                g = g * tl.load(scale_ptr + j)
+            acc += g
+            j += 1
+            more = (j < chunk_end) & (tl.load(ids_ptr + j, mask=j < chunk_end, other=-1) == key)
+        goes_on = (j == chunk_end) & (tl.load(ids_ptr + j, mask=j < N, other=-1) == key)
+        if key == previous:  # the run began in an earlier chunk
             tl.store(first_ptr + c * D + cols, acc, mask=mask)
-        else:
+        elif goes_on:
             tl.store(last_ptr + c * D + cols, acc, mask=mask)
+        else:
+            _apply_row(key, acc, cols, mask, weight_ptr, s1_ptr, s2_ptr, D, lr, eps,
+                       weight_decay, sign, one_minus_beta1, one_minus_beta2, step_size,
+                       OPT)  # fmt: skip
 
 
 @triton.jit
@@ -224,7 +225,7 @@ def sparse_update(
     state = (weight if state1 is None else state1, weight if state2 is None else state2)
     hypers = (count, dim, *hyper, step_size)  # N, D, lr, eps, weight_decay, sign, 1-b1, 1-b2, ...
     block = triton.next_power_of_2(dim)
-    _chunk_kernel[(chunks,)](
+    _piece_kernel[(count,)](
         sorted_ids,
         goff,
         goff if scale is None else scale,  # an unused pointer when HAS_SCALE is False
