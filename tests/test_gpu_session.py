@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +15,10 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_session.sh"
 MIB = 2**20
 
-pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+pytestmark = pytest.mark.skipif(
+    shutil.which("git") is None or not sys.platform.startswith("linux"),
+    reason="the script runs on the Linux GPU hosts, with git",
+)
 
 
 def _bash(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
