@@ -237,7 +237,7 @@ def _in_backward_optimizers(module: nn.Module) -> dict[str, FusedOptimizerConfig
                 f"({', '.join(c.__name__ for c in classes)}); a fused table runs one, apply one"
             )
         try:
-            result[table] = fused_config(classes[0], param._optimizer_kwargs[0])
+            result[table] = fused_config(classes[0], param._optimizer_kwargs[0])  # type: ignore[attr-defined]
         except ValueError as e:
             raise ValueError(f"table {table!r} (_apply_optimizer_in_backward): {e}") from e
     return result
