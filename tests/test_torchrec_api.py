@@ -274,3 +274,20 @@ def test_train_pipeline_name_is_guarded() -> None:
         with pytest.raises(AttributeError, match="TrainPipelineSparseDist"):
             train_pipeline.TrainPipelineSparseDist  # noqa: B018
     assert dataclasses.is_dataclass(ParameterConstraints)
+
+
+def test_construct_module_sharding_plan_reads_the_modules_tables() -> None:
+    from recopt.torchrec.distributed.sharding_plan import (
+        column_wise,
+        construct_module_sharding_plan,
+        table_wise,
+    )
+
+    ebc = EmbeddingBagCollection(_tables(), device=torch.device("meta"))
+    plan = construct_module_sharding_plan(
+        ebc, {"t0": table_wise(rank=1), "t1": column_wise(ranks=[0, 1])}, world_size=2
+    )
+    assert plan["t0"].sharding_type is ShardingType.TABLE_WISE and plan["t0"].ranks == (1,)
+    assert [s.num_cols for s in plan["t1"].shards] == [4, 4]
+    with pytest.raises(ValueError, match="not an embedding collection"):
+        construct_module_sharding_plan(torch.nn.Linear(2, 2), {}, world_size=2)
