@@ -256,13 +256,28 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
             checkpoint_file(Path(path), MANIFEST_NAME, str(path))
         text = file.read_text(encoding="utf-8")
     except FileNotFoundError as e:
-        raise CheckpointError(
-            f"{file} does not exist: {path} is not a complete recopt checkpoint (an "
-            "interrupted save leaves only a '.partial' directory)"
-        ) from e
+        raise CheckpointError(_no_manifest(Path(path), file)) from e
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{file} is corrupt (not UTF-8): {e}") from e
     return Manifest.from_json(text, str(file))
+
+
+def _no_manifest(path: Path, file: Path) -> str:
+    """Why ``path`` has no manifest: a folder of checkpoints (listed), or no checkpoint."""
+    folders = sorted(p.parent.name for p in path.glob(f"*/{MANIFEST_NAME}"))
+    if folders:
+        older = f" (and {len(folders) - 5} older)" if len(folders) > 5 else ""
+        shown = ", ".join(folders[-5:]) + older
+        return (
+            f"{path} is a folder of checkpoints, not one checkpoint: it holds {shown}; give "
+            f"one of them, e.g. {path / folders[-1]} (the newest by name)"
+        )
+    if not path.is_dir():
+        return f"{path} does not exist or is not a directory: give a recopt checkpoint directory"
+    return (
+        f"{file} does not exist: {path} is not a complete recopt checkpoint (an "
+        "interrupted save leaves only a '.partial' directory)"
+    )
 
 
 def _crc_hex(data: bytes | memoryview) -> str:

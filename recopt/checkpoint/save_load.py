@@ -339,8 +339,12 @@ def load(
                     process_group=group.pg,
                     no_dist=group.pg is None,
                 )
+            note = (
+                f"rank {group.rank} of {group.world_size} now; the checkpoint (world size "
+                f"{manifest.world_size}) holds RNG states only of the ranks that saved it"
+            )
             return apply_trees(
-                decoded, model, optimizer, extra, rank_state, restore_rng_state, undo
+                decoded, model, optimizer, extra, rank_state, restore_rng_state, undo, note
             )
         except (Exception, CheckpointException) as e:
             # Tensors first: the saved optimizer state dicts below refer to them.
