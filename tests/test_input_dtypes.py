@@ -14,6 +14,7 @@ from recopt.modules import (
     EmbeddingCollection,
     EmbeddingConfig,
     FusedEmbeddingBagCollection,
+    FusedEmbeddingCollection,
     InvalidIdError,
 )
 from recopt.sparse import KeyedJaggedTensor
@@ -73,14 +74,23 @@ def test_plain_collection_refuses_non_integer_ids(dtype: torch.dtype) -> None:
     assert [float(s["step"]) for s in optimizer.state.values()] == steps
 
 
-def test_unpooled_collection_refuses_bool_ids() -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_unpooled_collections_refuse_bool_ids(fused: bool) -> None:
     tables = [EmbeddingConfig(name="t0", num_embeddings=10, embedding_dim=8, feature_names=("f0",))]
-    ec = EmbeddingCollection(tables)
+    optimizer = FusedOptimizerConfig(name="adam", lr=0.1)
+    ec = (
+        FusedEmbeddingCollection(tables, optimizer=optimizer)
+        if fused
+        else EmbeddingCollection(tables)
+    )
+    before = {k: v.clone() for k, v in ec.state_dict().items()}
     ids = KeyedJaggedTensor.from_lengths_sync(
         ["f0"], torch.tensor([True, False]), torch.tensor([1, 1])
     )
     with pytest.raises(InvalidIdError, match=MESSAGE.replace(r"torch\.\w+", "torch.bool")):
         ec(ids)
+    for key, value in ec.state_dict().items():
+        assert torch.equal(value, before[key]), key
 
 
 def test_integer_ids_of_other_widths_still_pass() -> None:
