@@ -86,8 +86,9 @@ def test_manifest_naming_a_file_outside_the_checkpoint_is_refused(
     secret = tmp_path / "secret.txt"
     secret.write_text("not part of any checkpoint")
     manifest = read_manifest(path)
-    target = secret if name.startswith("..") and "etc" not in name else Path("/etc/hostname")
-    manifest.files[name] = file_entry(target) if target.exists() else file_entry(secret)
+    target = (path / name).resolve()  # where the name leads (an absolute name replaces path)
+    # Its true size and CRC where it exists: without the check, verification would pass.
+    manifest.files[name] = file_entry(target if target.is_file() else secret)
     manifest.write(path)  # the manifest's own CRC recomputed
     seen = _spy_reads(monkeypatch)
     error = _refused(path, "not a plain file name inside the checkpoint folder")
