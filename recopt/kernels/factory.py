@@ -237,6 +237,12 @@ def rng_unchanged(device: torch.device) -> Iterator[None]:
     choice was cached. Modules build their kernels inside this, then initialise the weights
     themselves, so one seed gives the same weights whatever backend runs.
     """
-    devices = [device.index or 0] if device.type == "cuda" else []
+    devices = [cuda_index(device)] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type="cuda"):
         yield
+
+
+def cuda_index(device: torch.device) -> int:
+    """The GPU ``device`` means: its index, or for a bare ``cuda`` the current device (a rank
+    that called ``torch.cuda.set_device(r)`` builds on GPU r, not on GPU 0)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
