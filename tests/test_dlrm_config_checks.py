@@ -8,8 +8,9 @@ import pathlib
 import sys
 
 import pytest
+import torch
 
-from recopt.data import SyntheticConfig
+from recopt.data import SyntheticClickLog, SyntheticConfig
 from recopt.kernels import FusedOptimizerConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -75,3 +76,30 @@ def test_main_refuses_too_many_threads_before_any_work(tmp_path: pathlib.Path) -
             ["--set", "training.num_threads=100000", "--set", f"training.output_dir={out}"]
         )
     assert not out.exists()
+
+
+def _planted_logits(config: SyntheticConfig) -> torch.Tensor:
+    """The hidden model's logit of one fixed set of inputs (latents and ids)."""
+    log = SyntheticClickLog([("a", 1000), ("b", 50), ("c", 7)], config, 64)
+    gen = torch.Generator().manual_seed(123)
+    latent = torch.randn(64, config.num_dense, generator=gen)
+    values = torch.cat([torch.randint(0, n, (64,), generator=gen) for n in (1000, 50, 7)])
+    lengths = torch.ones(3 * 64, dtype=torch.int64)
+    effects = log._bag_effects(values, lengths, [64, 64, 64]).view(3, 64)
+    return log._hidden_logit(latent, effects)
+
+
+def test_stream_seeds_share_the_hidden_model_that_model_seed_draws() -> None:
+    # Fault-tolerant replica groups read different streams (data.synthetic.seed) of one task.
+    first, second = SyntheticConfig(seed=0), SyntheticConfig(seed=1)
+    torch.testing.assert_close(_planted_logits(first), _planted_logits(second), rtol=0, atol=0)
+    batch_0 = SyntheticClickLog([("a", 1000)], first, 64).generate(0)
+    batch_1 = SyntheticClickLog([("a", 1000)], second, 64).generate(0)
+    assert not torch.equal(batch_0[0], batch_1[0])  # other samples
+    other_task = SyntheticConfig(seed=0, model_seed=1)
+    assert not torch.allclose(_planted_logits(first), _planted_logits(other_task))
+
+
+def test_model_seed_is_a_config_key() -> None:
+    config = dlrm_config.load_config(None, ["data.synthetic.model_seed=3"])
+    assert config.data.synthetic.model_seed == 3 and config.data.synthetic.seed == 0
