@@ -136,8 +136,7 @@ class ClippingSection:
     def __post_init__(self) -> None:
         if not (self.max_gradient >= 0 and math.isfinite(self.max_gradient)):
             raise ValueError(
-                f"clipping.max_gradient must be finite and >= 0, got {self.max_gradient}; "
-                "e.g. 10.0"
+                f"clipping.max_gradient must be finite and >= 0, got {self.max_gradient}; e.g. 10.0"
             )
         if not self.norm_type > 0:  # inf is valid: the max norm
             raise ValueError(

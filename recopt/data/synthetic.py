@@ -1,9 +1,10 @@
 """A synthetic click log with a planted signal: ids follow a power law, labels a hidden model.
 
 Every batch is a pure function of (seed, model_seed, split, global batch index), generated
-with vectorised torch ops, so ranks split the stream without talking (each step, rank r of N takes global batch
-G + r, where G counts the global batches all ranks consumed before it) and a resumed run, with
-the same or another number of ranks, continues at global batch G: nothing repeated or skipped.
+with vectorised torch ops, so ranks split the stream without talking (each step, rank r of N
+takes global batch G + r, where G counts the global batches all ranks consumed before it) and a
+resumed run, with the same or another number of ranks, continues at global batch G: nothing
+repeated or skipped.
 """
 
 from __future__ import annotations

@@ -6,9 +6,8 @@ planner. Which optimizers exist, their state and defaults: kernels/registry.py.
 
 from __future__ import annotations
 
-import math
-
 import enum
+import math
 import warnings
 from dataclasses import dataclass
 
