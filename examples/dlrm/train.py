@@ -24,6 +24,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,9 +44,10 @@ from dlrm_build import (  # noqa: E402
 from dlrm_config import TrainingConfig, fault_tolerant_config, load_config  # noqa: E402
 from dlrm_nonfinite import NonFiniteSteps  # noqa: E402
 from dlrm_report import MetricsLog, ProgressBar, plot_curves  # noqa: E402
+from dlrm_resume import check_writable_root, find_resume_point  # noqa: E402
 
 from recopt import comm  # noqa: E402
-from recopt.checkpoint import CheckpointManager  # noqa: E402
+from recopt.checkpoint import CheckpointManager, load, read_manifest  # noqa: E402
 from recopt.data import Batch  # noqa: E402
 from recopt.data.prefetch import DevicePrefetcher  # noqa: E402
 from recopt.ft.launch import (  # noqa: E402
@@ -87,10 +89,11 @@ class Trainer:
         model: nn.Module,
         ft_config: ManagerConfig | None = None,
         *,
-        resume: bool = False,
+        resume: bool | str = False,
         overwrite_checkpoints: bool = False,
     ) -> None:
         self.config = config
+        self.resume_from = resume if isinstance(resume, str) else None  # --resume PATH
         self.env = env
         self.model = model
         self.base_optimizer = build_optimizer(model, config)  # what checkpoints hold
@@ -125,31 +128,57 @@ class Trainer:
         )
         self.step = 0
         self.samples = 0  # training samples all ranks consumed (continues across resumes)
+        self.saved_step = 0  # the step of the newest checkpoint (loaded or written)
         out = config.training.output_dir
         self.log = MetricsLog(os.path.join(out, "metrics.jsonl")) if env.is_main else None
         self.bar = ProgressBar(config.training.steps) if env.is_main else None
         # PLUG-IN (checkpoints): atomic step_<N> directories, the newest `keep` kept.
         ckpt = config.checkpoint
+        root = ckpt.dir or os.path.join(out, "checkpoints")
+        check_writable_root(Path(root))  # e.g. recopt-reshard's output: --resume it instead
         self.checkpoints = CheckpointManager(
-            ckpt.dir or os.path.join(out, "checkpoints"),
+            root,
             keep_last=ckpt.keep,
             timeout=datetime.timedelta(seconds=config.training.timeout_s),
-            resume=resume,
+            resume=bool(resume),
             overwrite=overwrite_checkpoints,
         )
 
     def resume(self) -> None:
-        """Loads the newest checkpoint (weights, optimizer, data position, step), if any."""
+        """Loads the newest finite checkpoint of the run's directory, or of ``--resume PATH``
+        (a step folder is loaded as it is): weights, optimizer, data position and step.
+
+        Raises:
+            ValueError: ``--resume PATH`` names no checkpoint, or only NaN/inf ones.
+        """
         self.base_optimizer.init_state()  # lazily created state must exist to be loaded in place
-        found = self.checkpoints.load_latest(
-            self.model, self.base_optimizer, extra={"data": self.train_data}
-        )
-        if found is None:
-            self._say("--resume: no checkpoint yet, starting from step 0")
+        source = Path(self.resume_from) if self.resume_from else self.checkpoints.root
+        point = find_resume_point(source)
+        if point is None:
+            if self.resume_from:
+                raise ValueError(
+                    f"--resume {source}: no checkpoint there (neither a checkpoint with its "
+                    f"manifest.json nor a folder of complete step_<N> checkpoints); name a "
+                    "step folder, a checkpoints folder, or give --resume alone"
+                )
+            self._say(f"--resume: no checkpoint yet in {source}, starting from step 0")
             return
-        self.step = int(found[1]["step"])
-        self.samples = int(found[1].get("samples", 0))
-        self._say(f"resumed from step {self.step} ({self.samples} samples seen)")
+        if point.skipped_nonfinite:
+            names = ", ".join(p.name for p in point.skipped_nonfinite)
+            self._say(f"--resume: skipped {names} (NaN/inf weights or optimizer state)")
+        timeout = datetime.timedelta(seconds=self.config.training.timeout_s)
+        extras = load(
+            point.path,
+            self.model,
+            self.base_optimizer,
+            extra={"data": self.train_data},
+            timeout=timeout,
+        )
+        manifest_step = read_manifest(point.path).step
+        self.step = int(extras.get("step", manifest_step or 0))
+        self.saved_step = self.step if point.path.parent == self.checkpoints.root else -1
+        self.samples = int(extras.get("samples", 0))
+        self._say(f"resumed from step {self.step} ({self.samples} samples seen) of {point.path}")
 
     def save(self) -> None:
         self.checkpoints.save(
@@ -158,6 +187,7 @@ class Trainer:
             self.base_optimizer,
             extra={"data": self.train_data, "step": self.step, "samples": self.samples},
         )
+        self.saved_step = self.step
 
     def train_step(self, batch: Batch) -> None:
         self.model.train()
@@ -208,6 +238,8 @@ class Trainer:
                 break
         if validated_at != self.step:  # the data ran out before training.steps
             last_val = self.validate()
+        if self.config.checkpoint.every and self.saved_step != self.step:
+            self.save()  # the steps after the last scheduled checkpoint are kept too
         if self.bar is not None:
             self.bar.close()
         if self.ft is not None:
@@ -310,7 +342,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="override a config key, e.g. --set training.steps=100 (repeatable)",
     )
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="PATH",
+        help="continue from the newest finite checkpoint of the run's checkpoint directory, or "
+        "of PATH: a step folder (e.g. recopt-reshard's output) or a checkpoints folder",
+    )
     parser.add_argument(
         "--overwrite-checkpoints",
         action="store_true",
@@ -329,7 +369,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def train(
     config: TrainingConfig,
     env: RunEnv,
-    resume: bool = False,
+    resume: bool | str = False,
     ft_config: ManagerConfig | None = None,
     overwrite_checkpoints: bool = False,
 ) -> dict[str, float]:
@@ -338,7 +378,8 @@ def train(
     Args:
         config: the run.
         env: this process's rank and device.
-        resume: continue from the newest checkpoint.
+        resume: continue from the newest finite checkpoint (True), or from a path: a step
+            folder or a checkpoints folder.
         ft_config: this replica group's fault-tolerance manager settings, or None.
         overwrite_checkpoints: replace another run's checkpoints in the checkpoint directory
             (without it, or ``resume``, such a directory is refused).
