@@ -65,6 +65,20 @@ def default_threads(env: RunEnv) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
 
 
+def poison_if_nonfinite(loss: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """``loss``, or ``loss * nan`` when it or the dense input holds NaN/inf.
+
+    A NaN in one sample's dense input need not reach the loss or the embedding gradients
+    (a fused ReLU maps it to 0), yet it makes the first dense layer's gradient NaN: clipping
+    then skips the dense step while the fused tables, updated in backward, would step. Scaled
+    by NaN, every gradient of the step is NaN: the fused gate skips the tables on every rank
+    (it decides for all), clipping skips the dense step. No host read: the factor is chosen
+    on the device.
+    """
+    finite = torch.isfinite(loss.detach()) & torch.isfinite(dense).all()
+    return loss * torch.where(finite, 1.0, float("nan")).to(loss.dtype)
+
+
 def _env_from_environ() -> RunEnv:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -196,7 +210,8 @@ class Trainer:
         self.optimizer.zero_grad()
         logits = self.model(batch.dense, batch.sparse)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-        loss.backward()  # the embedding rows are updated here, by the fused optimizer
+        # the embedding rows are updated here, by the fused optimizer
+        poison_if_nonfinite(loss, batch.dense).backward()
         self.optimizer.step()
         ft_error = self.ft.manager.errored() if self.ft is not None else None
         if self.nonfinite.step_done(self.step + 1, ft_error):  # raises after too many
