@@ -34,6 +34,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from dlrm_agree import check_same_config  # noqa: E402
 from dlrm_build import (  # noqa: E402
     RunEnv,
     build_data,
@@ -411,6 +412,7 @@ def train(
                 "--fault-tolerant)"
             )
         config = fault_tolerant_config(config)
+    check_same_config(config, datetime.timedelta(seconds=config.training.timeout_s))
     torch.set_num_threads(config.training.num_threads or default_threads(env))
     torch.set_float32_matmul_precision(config.training.matmul_precision)
     model = shard_model(build_model(config, env.device), config, env)
