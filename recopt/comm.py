@@ -284,6 +284,7 @@ def init_process_group(
     init_method: str | None = None,
     rank: int = -1,
     world_size: int = -1,
+    store_prefix: str = "",
 ) -> None:
     """Initialise the default process group for ranks computing on ``device``.
 
@@ -294,12 +295,30 @@ def init_process_group(
         init_method: rendezvous URL (None: torchrun's environment variables).
         rank: this rank (-1: from the environment).
         world_size: number of ranks (-1: from the environment).
+        store_prefix: a namespace for the group's keys in the rendezvous store, different
+            for each attempt of a job that restarts on the same store (torchrun
+            ``--max-restarts`` keeps its store: ``attempt<TORCHELASTIC_RESTART_COUNT>/``).
+            Without it a restarted rank can read a dead peer's address, left in the store
+            by the previous attempt, and its gloo connect times out.
     """
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if not store_prefix:
+        dist.init_process_group(
+            backend or default_backend(device),
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+        return
+    store, rank, world_size = next(
+        dist.rendezvous(init_method or "env://", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
     dist.init_process_group(
         backend or default_backend(device),
-        init_method=init_method,
+        store=dist.PrefixStore(store_prefix, store),
         rank=rank,
         world_size=world_size,
         timeout=timeout,

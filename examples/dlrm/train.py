@@ -446,8 +446,12 @@ def main(argv: list[str] | None = None) -> int:
         timeout = datetime.timedelta(seconds=config.fault_tolerance.timeout_s)
         ft_config = manager_config_from_env(os.environ, timeout=timeout)
     if env.world_size > 1:  # on CUDA: NCCL, and gloo beside it for CPU-side collectives
+        # torchrun --max-restarts keeps its store across attempts: each attempt its own keys.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         comm.init_process_group(
-            env.device, timeout=datetime.timedelta(seconds=config.training.timeout_s)
+            env.device,
+            timeout=datetime.timedelta(seconds=config.training.timeout_s),
+            store_prefix=f"recopt/attempt{attempt}/",
         )
     elif env.device.type == "cuda":
         torch.cuda.set_device(env.device)
