@@ -415,7 +415,10 @@ def train(
     check_same_config(config, datetime.timedelta(seconds=config.training.timeout_s))
     torch.set_num_threads(config.training.num_threads or default_threads(env))
     torch.set_float32_matmul_precision(config.training.matmul_precision)
-    model = shard_model(build_model(config, env.device), config, env)
+    # On N ranks the tables are built on the meta device: each rank allocates its shards only.
+    model = shard_model(
+        build_model(config, env.device, embeddings_on_meta=env.world_size > 1), config, env
+    )
     trainer = Trainer(
         config,
         env,
