@@ -455,6 +455,24 @@ def all_gather_object(obj: Any, group: ProcessGroup | None) -> list[Any]:
     return out
 
 
+def all_gather_bytes(
+    data: bytes, group: ProcessGroup | None, timeout: datetime.timedelta
+) -> list[bytes]:
+    """Every rank's ``data``, rank order: the lengths, then the padded bytes (two all-gathers
+    of CPU tensors, each bounded by ``timeout``; the group must serve CPU tensors: gloo)."""
+    world = dist.get_world_size(group)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    work = dist.all_gather(lengths, torch.tensor([len(data)]), group=group, async_op=True)
+    _wait(work, timeout)
+    size = max(int(n.item()) for n in lengths)
+    mine = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = [torch.zeros(size, dtype=torch.uint8) for _ in range(world)]
+    _wait(dist.all_gather(parts, mine, group=group, async_op=True), timeout)
+    return [p[: int(n.item())].numpy().tobytes() for p, n in zip(parts, lengths, strict=True)]
+
+
 def barrier(group: ProcessGroup | None, timeout: datetime.timedelta) -> None:
     """Wait for every rank of ``group``, at most ``timeout``.
 

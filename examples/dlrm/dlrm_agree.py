@@ -2,8 +2,9 @@
 
 Ranks launched with different ``--set`` values (another optimizer, a 10x lr on one rank)
 used to train "successfully" into a checkpoint that neither config can load. At start each
-rank hashes its resolved config; the ranks exchange the flattened configs (two all-gathers,
-each with a timeout) and, if any differs, every rank raises naming the differing keys.
+rank hashes its resolved config; the ranks exchange the flattened configs
+(`comm.all_gather_bytes`: two all-gathers, each with a timeout) and, if any differs, every
+rank raises naming the differing keys.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import hashlib
 import json
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from dlrm_config import TrainingConfig
 
+from recopt import comm
 from recopt.config import to_plain
 
 _SHOWN = 8  # differing keys named in the error
@@ -45,20 +46,6 @@ def config_digest(flat: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
 
 
-def _all_gather_bytes(data: bytes, timeout: datetime.timedelta) -> list[bytes]:
-    """Every rank's ``data``: lengths, then the padded bytes (gloo CPU tensors, each bounded)."""
-    world = dist.get_world_size()
-    length = torch.tensor([len(data)], dtype=torch.int64)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(lengths, length, async_op=True).wait(timeout=timeout)  # type: ignore[union-attr]
-    size = max(int(t.item()) for t in lengths)
-    mine = torch.zeros(size, dtype=torch.uint8)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    parts = [torch.zeros(size, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(parts, mine, async_op=True).wait(timeout=timeout)  # type: ignore[union-attr]
-    return [bytes(p[: int(n.item())].tolist()) for p, n in zip(parts, lengths, strict=True)]
-
-
 def check_same_config(config: TrainingConfig, timeout: datetime.timedelta) -> None:
     """Raises on every rank unless every rank of the default group runs this config.
 
@@ -73,7 +60,7 @@ def check_same_config(config: TrainingConfig, timeout: datetime.timedelta) -> No
         return
     flat = flat_config(config)
     mine = json.dumps({"digest": config_digest(flat), "config": flat}).encode()
-    received = [json.loads(part) for part in _all_gather_bytes(mine, timeout)]
+    received = [json.loads(part) for part in comm.all_gather_bytes(mine, None, timeout)]
     if len({r["digest"] for r in received}) == 1:
         return
     configs: list[dict[str, str]] = [r["config"] for r in received]
