@@ -48,8 +48,9 @@ def test_a_killed_rank_is_restarted_with_its_peer_and_the_run_finishes(
         ROOT / "tests/dlrm_crash_once.py", tmp_path / "crashed", "--max-restarts", "1"
     )
     assert crashed.returncode == 0, crashed.stderr[-4000:]
-    assert "[rank 0/2] training failed" in crashed.stderr  # rank 1 did die: rank 0 saw it
-    assert "resumed from step 2" in crashed.stderr  # the restarted group, from step_2
+    # rank 1 did die (rank 0 saw it), and the restarted group resumed from step_2
+    assert "[rank 0/2] training failed" in crashed.stderr, crashed.stderr[-4000:]
+    assert "resumed from step 2" in crashed.stderr, crashed.stderr[-4000:]
     whole = _torchrun(ROOT / "examples/dlrm/train.py", tmp_path / "whole")
     assert whole.returncode == 0, whole.stderr[-4000:]
 
