@@ -283,6 +283,7 @@ def init_process_group(
     init_method: str | None = None,
     rank: int = -1,
     world_size: int = -1,
+    store_prefix: str = "",
 ) -> None:
     """Initialise the default process group for ranks computing on ``device``.
 
@@ -293,12 +294,30 @@ def init_process_group(
         init_method: rendezvous URL (None: torchrun's environment variables).
         rank: this rank (-1: from the environment).
         world_size: number of ranks (-1: from the environment).
+        store_prefix: a namespace for the group's keys in the rendezvous store, different
+            for each attempt of a job that restarts on the same store (torchrun
+            ``--max-restarts`` keeps its store: ``attempt<TORCHELASTIC_RESTART_COUNT>/``).
+            Without it a restarted rank can read a dead peer's address, left in the store
+            by the previous attempt, and its gloo connect times out.
     """
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if not store_prefix:
+        dist.init_process_group(
+            backend or default_backend(device),
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+        return
+    store, rank, world_size = next(
+        dist.rendezvous(init_method or "env://", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
     dist.init_process_group(
         backend or default_backend(device),
-        init_method=init_method,
+        store=dist.PrefixStore(store_prefix, store),
         rank=rank,
         world_size=world_size,
         timeout=timeout,
@@ -433,6 +452,24 @@ def all_gather_object(obj: Any, group: ProcessGroup | None) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def all_gather_bytes(
+    data: bytes, group: ProcessGroup | None, timeout: datetime.timedelta
+) -> list[bytes]:
+    """Every rank's ``data``, rank order: the lengths, then the padded bytes (two all-gathers
+    of CPU tensors, each bounded by ``timeout``; the group must serve CPU tensors: gloo)."""
+    world = dist.get_world_size(group)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    work = dist.all_gather(lengths, torch.tensor([len(data)]), group=group, async_op=True)
+    _wait(work, timeout)
+    size = max(int(n.item()) for n in lengths)
+    mine = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = [torch.zeros(size, dtype=torch.uint8) for _ in range(world)]
+    _wait(dist.all_gather(parts, mine, group=group, async_op=True), timeout)
+    return [p[: int(n.item())].numpy().tobytes() for p, n in zip(parts, lengths, strict=True)]
 
 
 def barrier(group: ProcessGroup | None, timeout: datetime.timedelta) -> None:

@@ -153,6 +153,10 @@ def resolve_backend(
         return BackendDecision(backend=Backend.FBGEMM, reason="explicit")
     if optimizer.backend == Backend.RECOPT:
         return BackendDecision(backend=Backend.RECOPT, reason="explicit")
+    if device.type == "meta":
+        # A placeholder (build on meta, then shard): nothing can be measured on meta, and the
+        # sharded module resolves its own kernels on the real device.
+        return BackendDecision(backend=Backend.RECOPT, reason="meta device: nothing measured")
     request = auto_candidates(tables, optimizer, device, feature_table_map)
     assert request is not None  # AUTO
     return default_resolver().resolve(request[0], optimizer, request[1])
