@@ -69,9 +69,7 @@ def _vbe_batch(gen: torch.Generator, size: int, keys: list[str], index: int) -> 
     strides = [(size + 1) // 2] + [size] * (NUM_TABLES - 1)
     lengths = torch.randint(0, 4, (sum(strides),), generator=gen)
     values = torch.randint(0, NUM_ROWS, (int(lengths.sum()),), generator=gen)
-    inverse = torch.stack(
-        [torch.arange(size) // 2] + [torch.arange(size)] * (NUM_TABLES - 1)
-    )
+    inverse = torch.stack([torch.arange(size) // 2] + [torch.arange(size)] * (NUM_TABLES - 1))
     sparse = KeyedJaggedTensor(
         keys=keys,
         values=values,
