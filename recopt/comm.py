@@ -78,6 +78,17 @@ def all_to_all_flat(
     return recv
 
 
+def start_all_to_all_counts(send_W_C: Tensor, group: ProcessGroup | None) -> tuple[Tensor, Any]:
+    """`all_to_all_counts`, started without waiting: ``(recv, work)``, as
+    `start_all_to_all_flat`."""
+    send = send_W_C.contiguous()
+    recv = torch.empty_like(send)
+    if dist.get_world_size(group) == 1:
+        recv.copy_(send)
+        return recv, None
+    return recv, dist.all_to_all_single(recv, send, group=group, async_op=True)
+
+
 def start_all_to_all_flat(
     send: Tensor, send_splits: list[int], recv_splits: list[int], group: ProcessGroup | None
 ) -> tuple[Tensor, Any]:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from recopt.comm import all_to_all_counts, start_all_to_all_flat, wait
+from recopt.comm import start_all_to_all_counts, start_all_to_all_flat, wait
 from recopt.modules.inputs import PendingCheck
 from recopt.sparse import KeyedJaggedTensor
 
@@ -368,12 +368,12 @@ def distribute_input(
     check: PendingCheck | None = None,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> ReceivedInput:
-    """`start_input_distribution`, then wait for it."""
-    started = start_input_distribution(features, error, bucketizer, weighted, group, rank, check)
-    return started.wait(timeout)
+    """`start_count_exchange`, then the id exchange, waiting for both."""
+    counts = start_count_exchange(features, error, bucketizer, weighted, group, rank, check)
+    return counts.start_ids(timeout).wait(timeout)
 
 
-def start_input_distribution(
+def start_count_exchange(
     features: KeyedJaggedTensor | None,
     error: BaseException | None,
     bucketizer: Bucketizer,
@@ -381,8 +381,9 @@ def start_input_distribution(
     group: dist.ProcessGroup | None,
     rank: int,
     check: PendingCheck | None = None,
-) -> InputInFlight:
-    """Exchange counts, then start the lengths + ids (+ weights) exchange: two collectives.
+) -> CountExchange:
+    """Route this rank's ids and start the count exchange; `CountExchange.start_ids` then
+    starts the lengths + ids (+ weights) exchange: two collectives.
 
     The one host read of the step's input: the counts this rank sends and the counts it
     received, read together after the count exchange (the id check's flag rides in it too).
@@ -399,9 +400,9 @@ def start_input_distribution(
             when the ids were checked already.
 
     Returns:
-        The id exchange in flight (its `InputInFlight.wait` gives what this rank received).
+        The count exchange in flight.
 
-    Raises:
+    `CountExchange.start_ids` raises:
         The local ``error`` (or the check's ``InvalidIdError`` / ``NonFiniteWeightError``) on
         the rank whose input was rejected; `RemoteInputError` naming the rejected ranks on
         every other rank. Nothing is sent past the count exchange then.
@@ -415,8 +416,45 @@ def start_input_distribution(
     else:
         routed = bucketizer.bucketize(features)
         _fill_counts(counts, bucketizer, features, routed[2], check)
-    recv = all_to_all_counts(counts, group)
-    sent, received = torch.stack([counts, recv]).tolist()  # the one read of the exchange
+    recv, work = start_all_to_all_counts(counts, group)
+    return CountExchange(
+        counts, recv, work, features, error, check, routed, bucketizer, weighted, group, rank
+    )
+
+
+@dataclass(slots=True)
+class CountExchange:
+    """A distribution whose count exchange was started (`start_count_exchange`)."""
+
+    counts: Tensor
+    recv: Tensor
+    work: Any
+    features: KeyedJaggedTensor | None
+    error: BaseException | None
+    check: PendingCheck | None
+    routed: tuple[Tensor, Tensor | None, Tensor] | None
+    bucketizer: Bucketizer
+    weighted: bool
+    group: dist.ProcessGroup | None
+    rank: int
+
+    def start_ids(self, timeout: datetime.timedelta) -> InputInFlight:
+        """Read the counts (waiting at most ``timeout``) and start the id exchange.
+
+        Raises:
+            See `start_count_exchange`.
+        """
+        wait(self.work, timeout)
+        sent, received = torch.stack([self.counts, self.recv]).tolist()  # the one read
+        return _start_ids(self, sent, received)
+
+
+def _start_ids(
+    exchange: CountExchange, sent: list[list[int]], received: list[list[int]]
+) -> InputInFlight:
+    features, error, check = exchange.features, exchange.error, exchange.check
+    bucketizer, routed, weighted = exchange.bucketizer, exchange.routed, exchange.weighted
+    group, rank = exchange.group, exchange.rank
     bad = [s for s, row in enumerate(received) if row[_FLAG]]
     if error is not None:
         raise error

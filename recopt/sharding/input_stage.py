@@ -1,10 +1,12 @@
 """A sharded collection's input stage, runnable ahead of its forward (for pipelined training).
 
-`start_distribution` checks a batch's ids, routes them, runs the count exchange and starts the id
-all-to-all; `DistributedInput.wait` finishes it. A pipeline starts batch i+1's distribution
-before batch i's forward: only ids move early (lookups still follow batch i's update), and an
-error found then (a bad id on any rank, which every rank learns in the count exchange) is kept
-and raised at batch i+1's forward, on every rank, so batch i still trains.
+`start_distribution` checks a batch's ids, routes them and starts the count exchange;
+`DistributedInput.advance` reads it and starts the id all-to-all; `DistributedInput.wait`
+finishes. A pipeline starts batch i+1's distribution before batch i's forward and advances it
+after that forward, so both all-to-alls overlap batch i's compute. Only ids move early (lookups
+still follow batch i's update); an error found then (a bad id on any rank, which every rank
+learns in the count exchange) is kept and raised at batch i+1's forward, on every rank, so
+batch i still trains.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from recopt.modules.inputs import FeatureLayout
 from recopt.modules.variable_batch import regular_batch
 from recopt.sharding.input_dist import (
     Bucketizer,
+    CountExchange,
     InputInFlight,
     ReceivedInput,
-    start_input_distribution,
+    start_count_exchange,
 )
 from recopt.sparse import KeyedJaggedTensor
 
@@ -46,15 +49,29 @@ class DistributedInput:
         features: the input as the forward receives it (matched by identity).
         prepared: the checked input in layout order (None when it was rejected).
         index_F_B: a variable batch's inverse indices (`regular_batch`), else None.
-        in_flight: the id all-to-all in flight (None when the batch was rejected).
+        counts: the count exchange in flight, until `advance`.
+        in_flight: the id all-to-all in flight, once `advance` started it.
         error: why the batch was rejected, on this rank or another (raised by `wait`).
     """
 
     features: KeyedJaggedTensor
     prepared: KeyedJaggedTensor | None
     index_F_B: Tensor | None
-    in_flight: InputInFlight | None
-    error: ValueError | None
+    counts: CountExchange | None
+    in_flight: InputInFlight | None = None
+    error: ValueError | None = None
+
+    def advance(self, timeout: datetime.timedelta) -> None:
+        """Read the count exchange and start the id all-to-all (collective; once). A rejected
+        input (here or on another rank) is kept in ``error``: every rank learns it here and
+        sends nothing more."""
+        if self.counts is None:
+            return
+        counts, self.counts = self.counts, None
+        try:
+            self.in_flight = counts.start_ids(timeout)
+        except ValueError as e:  # this rank's error, the check's, or RemoteInputError
+            self.error = e
 
     def wait(
         self, timeout: datetime.timedelta
@@ -64,6 +81,7 @@ class DistributedInput:
         Raises:
             The batch's deferred error (InvalidIdError, RemoteInputError, ...), every call.
         """
+        self.advance(timeout)
         if self.error is not None:
             raise self.error
         assert self.prepared is not None and self.in_flight is not None
@@ -78,10 +96,10 @@ def start_distribution(
     group: dist.ProcessGroup | None,
     rank: int,
 ) -> DistributedInput:
-    """Check and route ``features``, exchange counts, start the id all-to-all (collective).
+    """Check and route ``features`` and start the count exchange (collective); the result's
+    `DistributedInput.advance` starts the id all-to-all, its ``wait`` finishes.
 
-    A rejected input (here or on another rank) is not raised but kept in the result's
-    ``error``: every rank learns it in the count exchange and sends nothing more.
+    A rejected input is not raised here (see `DistributedInput.advance`).
     """
     prepared: KeyedJaggedTensor | None = None
     index_F_B: Tensor | None = None
@@ -93,13 +111,8 @@ def start_distribution(
         prepared, check = layout.prepare_deferred(regular, is_weighted)
     except ValueError as e:
         error = e
-    try:
-        started = start_input_distribution(
-            prepared, error, bucketizer, is_weighted, group, rank, check
-        )
-    except ValueError as e:  # this rank's error, the check's, or RemoteInputError
-        return DistributedInput(features, prepared, index_F_B, None, e)
-    return DistributedInput(features, prepared, index_F_B, started, None)
+    counts = start_count_exchange(prepared, error, bucketizer, is_weighted, group, rank, check)
+    return DistributedInput(features, prepared, index_F_B, counts)
 
 
 class PrefetchQueue(Generic[StartedT]):

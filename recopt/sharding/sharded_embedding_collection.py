@@ -44,6 +44,10 @@ class StartedLookups:
     engine_input: DistributedInput
     error: ValueError | None  # this rank's own error, clearer than the engine's
 
+    def advance(self, timeout: datetime.timedelta) -> None:
+        """Start the id all-to-all (`DistributedInput.advance`)."""
+        self.engine_input.advance(timeout)
+
 
 class _OneIdBagShards(ShardedEmbeddingBagCollection):
     """The lookup engine of a ShardedEmbeddingCollection: its names start with ``embeddings``."""

@@ -62,10 +62,11 @@ class TrainPipelineSparseDist:
     """Train a (sharded) model one batch per `progress`, its next batches already on their way.
 
     Each call: copy batch i+2 to ``device`` (on a side stream on CUDA), start batch i+1's input
-    distribution (count exchange, then the id all-to-all left running), then zero_grad,
-    forward, backward and step of batch i, whose sharded collections consume the ids already
-    distributed. The pipeline fills itself on the first call and drains when the iterator
-    ends; `progress` then raises ``StopIteration``.
+    distribution (routing, count exchange started), then zero_grad and forward of batch i,
+    whose sharded collections consume the ids already distributed; then batch i+1's counts are
+    read and its id all-to-all started, running during batch i's backward and step. The
+    pipeline fills itself on the first call and drains when the iterator ends; `progress`
+    then raises ``StopIteration`` (and keeps raising it until `reset`).
 
     Args:
         model: takes a batch, returns ``(loss, output)``; its sharded collections
@@ -219,6 +220,7 @@ class TrainPipelineSparseDist:
                 _, output = self.model(batch)
             self._check_consumed()
             self._record("forward", start)
+            self._advance_next()
             self._stats.steps += 1
             return output, True
         if self.optimizer is not None:
@@ -226,6 +228,7 @@ class TrainPipelineSparseDist:
         loss, output = self.model(batch)
         self._check_consumed()
         start = self._record("forward", start)
+        start = self._advance_next()
         loss.backward()
         start = self._record("backward", start)
         if self.optimizer is not None:
@@ -234,6 +237,15 @@ class TrainPipelineSparseDist:
         self._stats.steps += 1
         done = self.step_committed is None or self.step_committed()
         return output, done
+
+    def _advance_next(self) -> float:
+        """Read batch i+1's count exchange (in flight during batch i's forward) and start its id
+        all-to-all, which then runs during batch i's backward."""
+        start = time.perf_counter()
+        if len(self._queue) > 1 and self._queue[1].started:
+            for started in self._queue[1].started:
+                started.advance(self.timeout)
+        return self._record("input_dist", start)
 
     def _check_consumed(self) -> None:
         unused = [m for m in self.sharded if m.unused_prefetched()]
