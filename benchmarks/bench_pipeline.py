@@ -33,10 +33,11 @@ KINDS = [*(kind.value for kind in ShardingType), "mixed"]
 class _Stage(nn.Module):
     """Sharded embeddings, then a dense top: ``batch -> (loss, loss)``."""
 
-    def __init__(self, embedding: nn.Module, width: int) -> None:
+    def __init__(self, embedding: nn.Module, width: int, hidden: int) -> None:
         super().__init__()
         self.embedding_bags = embedding
-        self.top = nn.Sequential(nn.Linear(width, 256), nn.ReLU(), nn.Linear(256, 1))
+        layers = [nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, 1)] if hidden else []
+        self.top = nn.Sequential(*layers) if hidden else nn.Linear(width, 1)
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         pooled = self.embedding_bags(batch.sparse).values()
@@ -95,7 +96,7 @@ def _build(args: argparse.Namespace, kind: str, world: int) -> tuple[Any, Any, A
     shardings = construct_module_sharding_plan(tables, requests, world)
     optimizer = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.01)
     ebc = ShardedEmbeddingBagCollection(tables, shardings, optimizer=optimizer)
-    model = _Stage(ebc, args.tables * args.dim)
+    model = _Stage(ebc, args.tables * args.dim, args.hidden)
     return model, ebc, torch.optim.SGD(model.top.parameters(), lr=0.01)
 
 
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ids", type=int, default=1, help="ids per bag")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=0, help="dense top's hidden width")
     parser.add_argument("--threads", type=int, default=1, help="compute threads per rank")
     parser.add_argument("--types", default=",".join(KINDS))
     parser.add_argument("--rounds", type=int, default=2, help="best of, interleaved")

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from recopt.data.batch import Batch
+from recopt.data.prefetch import pin_batch
 from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 from recopt.sharding.sharded_embedding_collection import ShardedEmbeddingCollection
 from recopt.sparse import KeyedJaggedTensor
@@ -179,6 +181,7 @@ class TrainPipelineSparseDist:
         state = state_dict() if callable(state_dict) else None
         event = None
         if self._stream is not None:
+            batch = _pinned(batch)  # an asynchronous copy needs page-locked host memory
             with torch.cuda.stream(self._stream):
                 batch = batch.to(self.device, non_blocking=True)
                 event = torch.cuda.Event()
@@ -282,6 +285,15 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
 def _outermost_sharded(model: nn.Module) -> list[Sharded]:
     """The model's sharded collections (an embedding collection's engine is not listed)."""
     return [m for m in model.modules() if isinstance(m, Sharded)]
+
+
+def _pinned(batch: Any) -> Any:
+    """The batch in page-locked memory: its own ``pin_memory()`` (TorchRec's batches), or
+    `pin_batch` for recopt's `Batch`; other batches are copied as they are."""
+    if isinstance(batch, Batch):
+        return pin_batch(batch)
+    pin = getattr(batch, "pin_memory", None)
+    return pin() if callable(pin) else batch
 
 
 def _record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
