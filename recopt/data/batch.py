@@ -38,6 +38,23 @@ class Batch(NamedTuple):
             self.position,
         )
 
+    def pin_memory(self) -> Batch:
+        """The batch with every tensor in page-locked host memory (for asynchronous copies)."""
+        sparse = self.sparse
+        weights = sparse.weights_or_none()
+        return Batch(
+            self.dense.pin_memory(),
+            KeyedJaggedTensor(
+                keys=sparse.keys(),
+                values=sparse.values().pin_memory(),
+                weights=None if weights is None else weights.pin_memory(),
+                lengths=sparse.lengths().pin_memory(),
+                stride=sparse.stride(),
+            ),
+            self.labels.pin_memory(),
+            self.position,
+        )
+
 
 class BatchIterator(Protocol):
     """An iterator of batches whose position can be saved and restored exactly."""

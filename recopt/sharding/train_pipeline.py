@@ -19,8 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from recopt.data.batch import Batch
-from recopt.data.prefetch import pin_batch
 from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 from recopt.sharding.sharded_embedding_collection import ShardedEmbeddingCollection
 from recopt.sparse import KeyedJaggedTensor
@@ -288,10 +286,8 @@ def _outermost_sharded(model: nn.Module) -> list[Sharded]:
 
 
 def _pinned(batch: Any) -> Any:
-    """The batch in page-locked memory: its own ``pin_memory()`` (TorchRec's batches), or
-    `pin_batch` for recopt's `Batch`; other batches are copied as they are."""
-    if isinstance(batch, Batch):
-        return pin_batch(batch)
+    """The batch in page-locked memory, by its own ``pin_memory()`` (recopt's and TorchRec's
+    batches have one); other batches are copied as they are."""
     pin = getattr(batch, "pin_memory", None)
     return pin() if callable(pin) else batch
 
