@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     per_rank = run_on_ranks(_rank, 2, args, timeout_s=1800)
     config = {k: v for k, v in vars(args).items()}
-    config["loadavg_before_after"] = os.getloadavg()
+    config["loadavg_1_5_15_min_at_end"] = os.getloadavg()
     print(json.dumps({"config": config, "results": _summary(per_rank)}, indent=1))  # noqa: T201
 
 
