@@ -80,6 +80,8 @@ def _build(world: int, case: dict[str, Any]) -> tuple[Any, Any]:
         construct_module_sharding_plan,
     )
 
+    if case.get("unpooled"):
+        return _build_unpooled(world, case)
     torch.manual_seed(0)
     dense = case.get("dense", True)
     model = TinyModel(EmbeddingBagCollection(tables()), dense=dense)
@@ -92,6 +94,46 @@ def _build(world: int, case: dict[str, Any]) -> tuple[Any, Any]:
     )
     optimizer = torch.optim.SGD(dmp.parameters(), lr=0.1) if dense else None
     return dmp, optimizer
+
+
+class _Unpooled(torch.nn.Module):
+    """An embedding collection (one row per id) under a loss: ``batch -> (loss, loss)``."""
+
+    def __init__(self) -> None:
+        from recopt.modules import EmbeddingCollection, EmbeddingConfig
+
+        super().__init__()
+        configs = [
+            EmbeddingConfig(
+                name=t.name,
+                num_embeddings=t.num_embeddings,
+                embedding_dim=t.embedding_dim,
+                feature_names=t.feature_names,
+            )
+            for t in tables()
+        ]
+        self.embeddings = EmbeddingCollection(configs)
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.embeddings(batch.sparse)
+        loss = sum((jt.values() * (k + 1)).square().sum() for k, jt in enumerate(rows.values()))
+        assert isinstance(loss, torch.Tensor)
+        return loss, loss.detach()
+
+
+def _build_unpooled(world: int, case: dict[str, Any]) -> tuple[Any, Any]:
+    from recopt.kernels import FusedOptimizerConfig
+    from recopt.sharding import (
+        DistributedModelParallel,
+        ShardingPlan,
+        construct_module_sharding_plan,
+    )
+
+    torch.manual_seed(0)
+    requests = _requests(case["kind"], world, None)
+    plan = ShardingPlan({"embeddings": construct_module_sharding_plan(tables(), requests, world)})
+    optimizer = FusedOptimizerConfig(name="adagrad", lr=0.1)
+    return DistributedModelParallel(_Unpooled(), plan, default_optimizer=optimizer), None
 
 
 def _state(model: Any, optimizer: Any) -> list[torch.Tensor]:
@@ -213,6 +255,7 @@ def _cases(world: int) -> list[dict[str, Any]]:
             {"kind": "mixed", "dense": False, "nan_label": (0, 2)},
             {"kind": "mixed", "vbe": True},
             {"kind": "mixed", "bad_id": (1, 3)},
+            {"kind": "mixed", "unpooled": True, "bad_id": (0, 2)},
             {"kind": "mixed", "retry": 2},
             {"kind": "mixed", "runner": "eval"},
             {"kind": "mixed", "runner": "resume", "optimizers": MIXED_OPTIMIZERS},

@@ -113,6 +113,7 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors
         self.__dict__["_engine"] = engine  # out of the module tree: state goes through it
         self.device = engine.device
         self._layout = FeatureLayout(self.tables)
+        self._timeout = timeout
         self._prefetched: PrefetchQueue[StartedLookups] = PrefetchQueue(
             f"{type(self).__name__} {module_path!r}"
         )
@@ -171,6 +172,7 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors
         """
         started = self._prefetched.take(features) or self.start_input_dist(features)
         if started.error is not None:
+            started.advance(self._timeout)  # read the count exchange with the other ranks
             raise started.error
         assert started.selected is not None and started.bags is not None
         selected = started.selected
