@@ -77,6 +77,48 @@ def all_to_all_flat(
     return recv
 
 
+def start_all_to_all_counts(send_W_C: Tensor, group: ProcessGroup | None) -> tuple[Tensor, Any]:
+    """`all_to_all_counts`, started without waiting: ``(recv, work)``, as
+    `start_all_to_all_flat`."""
+    send = send_W_C.contiguous()
+    recv = torch.empty_like(send)
+    if dist.get_world_size(group) == 1:
+        recv.copy_(send)
+        return recv, None
+    return recv, dist.all_to_all_single(recv, send, group=group, async_op=True)
+
+
+def start_all_to_all_flat(
+    send: Tensor, send_splits: list[int], recv_splits: list[int], group: ProcessGroup | None
+) -> tuple[Tensor, Any]:
+    """`all_to_all_flat`, started without waiting (a pipeline overlaps it with a step).
+
+    Returns:
+        ``(recv, work)``: ``recv`` holds the result once `wait` on ``work`` has returned
+        (``work`` is None when there is nothing to wait for: one rank).
+    """
+    assert send.dim() == 1 and send.numel() == sum(send_splits), (send.shape, send_splits)
+    recv = send.new_empty(sum(recv_splits))
+    if dist.get_world_size(group) == 1:
+        recv.copy_(send)
+        return recv, None
+    work = dist.all_to_all_single(
+        recv,
+        send.contiguous(),
+        output_split_sizes=recv_splits,
+        input_split_sizes=send_splits,
+        group=group,
+        async_op=True,
+    )
+    return recv, work
+
+
+def wait(work: Any, timeout: datetime.timedelta) -> None:
+    """Wait for a started collective (``None``: nothing to wait for), at most ``timeout``."""
+    if work is not None:
+        _wait(work, timeout)
+
+
 class OutputExchange(torch.autograd.Function):
     """Pooled outputs to their source ranks, and the data-parallel rows of this rank.
 

@@ -191,6 +191,9 @@ class LoopSection:
     90k samples/s).
     ``max_consecutive_nonfinite``: stop with an error after this many steps in a row whose
     loss or gradient was NaN/inf (each is skipped: nothing is updated); 0 never stops.
+    ``pipeline``: train with recopt's TrainPipelineSparseDist (batch i+1's ids distributed
+    and batch i+2 copied during batch i's step; the same result; its phase times are logged
+    as ``pipeline_<phase>_ms``); false: the plain loop.
     ``timeout_s`` bounds every collective. ``matmul_precision`` is torch's float32 matmul
     precision: ``highest`` (exact fp32), or ``medium`` (bfloat16 products where torch calls
     MKL/oneDNN matmul; see docs/dlrm.md for what it gains next to ``model.use_onednn``).
@@ -207,6 +210,7 @@ class LoopSection:
     plot: bool = True
     matmul_precision: str = "highest"
     max_consecutive_nonfinite: int = 5
+    pipeline: bool = True
 
     def __post_init__(self) -> None:
         if self.matmul_precision not in MATMUL_PRECISIONS:

@@ -44,6 +44,7 @@ from dlrm_build import (  # noqa: E402
 )
 from dlrm_config import TrainingConfig, fault_tolerant_config, load_config  # noqa: E402
 from dlrm_nonfinite import NonFiniteSteps  # noqa: E402
+from dlrm_pipeline import build_pipeline, phase_milliseconds  # noqa: E402
 from dlrm_report import MetricsLog, ProgressBar, plot_curves  # noqa: E402
 from dlrm_resume import check_writable_root, find_resume_point  # noqa: E402
 
@@ -127,8 +128,17 @@ class Trainer:
                 sync_embeddings=ft.sync_embeddings,
             )
             self.optimizer = self.ft.optimizer
-        # On a GPU the next batch is pinned and copied on a side stream during this step.
-        self.train_data = DevicePrefetcher(build_data(config, env, "train"), env.device)
+        # Pipelined (default): batch i+1's ids are distributed and batch i+2 copied while
+        # batch i trains; `train_data` is then the position after the last batch trained.
+        # Plain loop: on a GPU the next batch is pinned and copied on a side stream.
+        self.pipeline = None
+        if config.training.pipeline:
+            self.train_source = build_data(config, env, "train")
+            self.pipeline, self.train_data = build_pipeline(
+                model, self.optimizer, self.train_source, env.device, config.training.timeout_s
+            )
+        else:
+            self.train_data = DevicePrefetcher(build_data(config, env, "train"), env.device)
         self.metrics = click_metrics().to(env.device)
         self.loss_mean = torchmetrics.MeanMetric().to(env.device)
         self.window_finite_steps = 0  # steps in the metrics window that were not skipped
@@ -221,6 +231,10 @@ class Trainer:
         # the embedding rows are updated here, by the fused optimizer
         poison_if_nonfinite(loss, batch.dense).backward()
         self.optimizer.step()
+        self.step_done(loss, logits, batch.labels)
+
+    def step_done(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """After a step: the NaN/inf bookkeeping, then the window's metrics."""
         ft_error = self.ft.manager.errored() if self.ft is not None else None
         if self.nonfinite.step_done(self.step + 1, ft_error):  # raises after too many
             if self.nonfinite.in_a_row == 1:
@@ -231,8 +245,8 @@ class Trainer:
             return  # a NaN loss or logit would spoil the window's metrics
         self.window_finite_steps += 1
         with torch.no_grad():
-            self.metrics.update(torch.sigmoid(logits), batch.labels.long())
-            self.loss_mean.update(loss.detach(), weight=batch.labels.numel())
+            self.metrics.update(torch.sigmoid(logits), labels.long())
+            self.loss_mean.update(loss.detach(), weight=labels.numel())
 
     def run(self) -> dict[str, float]:
         """Trains to ``training.steps``; returns the last validation metrics."""
@@ -241,14 +255,13 @@ class Trainer:
         last_val: dict[str, float] = {}
         validated_at = -1
         batches = self._batches() if self.step < cfg.steps else iter(())  # resumed at the end
-        for batch in batches:
-            self.train_step(batch)  # already on the device (DevicePrefetcher)
+        for samples in batches:
             committed = self.step + 1 if self.ft is None else self.ft.manager.current_step()
             if committed == self.step:
                 continue  # dropped by the replica groups' vote: nothing changed
             self.step = committed  # a heal may jump ahead to the peer's step
-            window_samples += batch.labels.numel() * self.env.world_size
-            self.samples += batch.labels.numel() * self.env.world_size
+            window_samples += samples * self.env.world_size
+            self.samples += samples * self.env.world_size
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                 rate = window_samples / max(time.perf_counter() - window_start, 1e-9)
                 self._report_train(rate)
@@ -279,9 +292,22 @@ class Trainer:
             json.dump({"step": self.step, "sha256": digest}, f)
         self._say(f"fault tolerance: step {self.step}, state sha256 {digest[:16]}")
 
-    def _batches(self) -> Iterator[Batch]:
-        """Training batches until the data ends, in lockstep across ranks."""
-        yield from self.train_data
+    def _batches(self) -> Iterator[int]:
+        """Trains batches until the data ends, in lockstep across ranks; yields each one's
+        sample count after its step."""
+        if self.pipeline is None:
+            for batch in self.train_data:  # already on the device (DevicePrefetcher)
+                self.train_step(batch)
+                yield batch.labels.numel()
+        else:
+            while True:
+                self.model.train()
+                try:
+                    loss, logits, labels = self.pipeline.progress(self.train_source)
+                except StopIteration:
+                    break
+                self.step_done(loss, logits, labels)
+                yield labels.numel()
         if self.step < self.config.training.steps:
             epochs = self.config.training.epochs
             self._say(
@@ -301,6 +327,8 @@ class Trainer:
         if self.log is not None and self.bar is not None:
             record = {**values, "samples_per_s": samples_per_s, "samples": self.samples}
             record["skipped_nonfinite"] = self.nonfinite.total
+            if self.pipeline is not None:  # per step, this window
+                record.update(phase_milliseconds(self.pipeline))
             self.log.write(self.step, "train", record)
             shown = {k: values[k] for k in ("loss", "auc", "ne") if k in values}
             self.bar.update(self.step, samples_per_s, shown, skipped=self.nonfinite.total)

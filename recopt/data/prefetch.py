@@ -76,18 +76,8 @@ class DevicePrefetcher:
 
 
 def pin_batch(batch: Batch) -> Batch:
-    """The batch with every tensor in page-locked host memory (so copies can be asynchronous).
-
-    The sparse part is pinned by ``KeyedJaggedTensor.pin_memory``, which maps every tensor and
-    keeps every other field (a variable batch's ``stride_per_key_per_rank``, its
-    ``inverse_indices``, cached counts), so no field list is repeated here.
-    """
-    return Batch(
-        batch.dense.pin_memory(),
-        batch.sparse.pin_memory(),
-        batch.labels.pin_memory(),
-        batch.position,
-    )
+    """The batch with every tensor in page-locked host memory (so copies can be asynchronous)."""
+    return batch.pin_memory()
 
 
 def _tensors(batch: Batch) -> list[torch.Tensor]:

@@ -34,17 +34,16 @@ from recopt.kernels.contract import Kernel
 from recopt.kernels.factory import create_kernel, rng_unchanged
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
-from recopt.modules.inputs import PendingCheck
 from recopt.modules.nonfinite import NonFiniteGradGuard, backward_if_given, finite_flag
-from recopt.modules.variable_batch import expand_rows, regular_batch
+from recopt.modules.variable_batch import expand_rows
 from recopt.optim.fused import FusedOptimizerModule
 from recopt.sharding.input_dist import (
     Bucketizer,
     KernelInput,
     ReceivedInput,
-    distribute_input,
     segment_transpose,
 )
+from recopt.sharding.input_stage import DistributedInput, PrefetchQueue, start_distribution
 from recopt.sharding.layout import GroupLayout, ShardedLayout
 from recopt.sharding.output_assembly import OutputAssembly
 from recopt.sharding.plan import ParameterSharding, PlanError, ShardingPlan
@@ -181,6 +180,9 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._grad_guard = NonFiniteGradGuard(
             f"{type(self).__name__} (rank {self._rank})", " on this rank or another"
         )
+        self._prefetched: PrefetchQueue[DistributedInput] = PrefetchQueue(
+            f"{type(self).__name__} {module_path!r}"
+        )
 
     def _kernel_request(self, group: GroupLayout) -> KernelRequest:
         specs = []
@@ -288,20 +290,8 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 rank's is. Every rank raises, before anything is looked up or updated.
         """
         start = time.perf_counter()
-        prepared: KeyedJaggedTensor | None = None
-        check: PendingCheck | None = None
-        error: ValueError | None = None
-        index_F_B: Tensor | None = None
-        try:
-            features, index_F_B = regular_batch(features, self._layout.features.feature_names)
-            # The id check's answer rides in the count exchange: no read of its own.
-            prepared, check = self._layout.features.prepare_deferred(features, self.is_weighted)
-        except ValueError as e:
-            error = e
-        received = distribute_input(
-            prepared, error, self._bucketizer, self.is_weighted, self._pg, self._rank, check
-        )
-        assert prepared is not None
+        started = self._prefetched.take(features) or self.start_input_dist(features)
+        prepared, index_F_B, received = started.wait(self._timeout)
         start = self._record("input_dist", start)
         self._lr_sync.apply(self._state.optimizer.param_groups)
         gated = self._gated()
@@ -343,6 +333,31 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             length_per_key=self._layout.features.dims,
             values=pooled,
         )
+
+    def start_input_dist(self, features: KeyedJaggedTensor) -> DistributedInput:
+        """Start distributing ``features`` (a collective: every rank calls it together).
+
+        A rejected input is not raised here: `DistributedInput.wait` raises it, on every rank.
+        """
+        return start_distribution(
+            features,
+            self._layout.features,
+            self.is_weighted,
+            self._bucketizer,
+            self._pg,
+            self._rank,
+        )
+
+    def use_prefetched(self, started: DistributedInput) -> None:
+        """Have the next ``forward(started.features)`` consume ``started`` instead of
+        distributing its input itself (what a pipeline does with a batch distributed ahead)."""
+        self._prefetched.push(started)
+
+    def unused_prefetched(self) -> int:
+        """Queued distributions no forward consumed; clears them."""
+        count = self._prefetched.pending()
+        self._prefetched.clear()
+        return count
 
     def _record(self, phase: str, start: float) -> float:
         now = time.perf_counter()
