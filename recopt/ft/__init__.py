@@ -6,9 +6,10 @@ docs/fault_tolerance.md describes the step protocol, healing and the fused-embed
 """
 
 from recopt.ft.embedding import replica_sync_optimizer
-from recopt.ft.manager import Manager, ManagerConfig, StepParticipant
+from recopt.ft.manager import Manager, ManagerConfig
 from recopt.ft.nonfinite import NonFiniteGradientError
 from recopt.ft.optim import FaultTolerantOptimizer
+from recopt.ft.steps import StepParticipant, StepTransaction
 
 # torchft's name for the same wrapper, kept for users coming from it.
 OptimizerWrapper = FaultTolerantOptimizer
@@ -20,5 +21,6 @@ __all__ = [
     "NonFiniteGradientError",
     "OptimizerWrapper",
     "StepParticipant",
+    "StepTransaction",
     "replica_sync_optimizer",
 ]
