@@ -41,12 +41,13 @@ class Scenario:
     seed: int
     drop_at: int | None = None  # data position whose first attempt reports an error
     nan_at: int | None = None  # data position whose first attempt has a NaN dense input
-    crash_at: int | None = None  # step at which the process exits after backward
+    crash_at: int | None = None  # attempt (0-based) at which the process exits after backward
     ready_file: str | None = None  # touched once the manager is built
-    wait_at: int | None = None  # at this step, wait for ``wait_file`` to exist
-    wait_file: str | None = None
+    waits: tuple[tuple[int, str], ...] = ()  # (step, file): at that step, wait for the file
+    marks: tuple[tuple[int, str], ...] = ()  # (step, file): at that step, create the file
     step_sleep: float = 0.0
     min_replica_size: int = 1
+    quorum_timeout_s: float = 30.0
 
 
 def build_plain(seed: int) -> tuple[nn.Module, CombinedOptimizer]:
@@ -101,7 +102,7 @@ def replica_group(rank: int, world_size: int, spec: Scenario) -> list[dict[str, 
         group_world_size=world_size,
         min_replica_size=spec.min_replica_size,
         timeout=TIMEOUT,
-        quorum_timeout=datetime.timedelta(seconds=30),
+        quorum_timeout=datetime.timedelta(seconds=spec.quorum_timeout_s),
     )
     ft = make_fault_tolerant(model, optimizer, config)
     if spec.ready_file and rank == 0:
@@ -109,9 +110,12 @@ def replica_group(rank: int, world_size: int, spec: Scenario) -> list[dict[str, 
     retrier = StepRetrier(ft.manager, RetryPolicy(backoff_s=0.01, max_backoff_s=0.2))
     position, log, injected = 0, [], set()
     while ft.manager.current_step() < spec.steps:
-        step = ft.manager.current_step()
-        if step == spec.wait_at and spec.wait_file:
-            _wait_for(spec.wait_file, 120)
+        for at, path in spec.waits:
+            if ft.manager.current_step() == at:
+                _wait_for(path, 120)
+        for at, path in spec.marks:
+            if ft.manager.current_step() == at and rank == 0:
+                Path(path).touch()
         time.sleep(spec.step_sleep)
         ft.optimizer.zero_grad()
         step = ft.manager.current_step()  # healing may have moved it
@@ -122,7 +126,7 @@ def replica_group(rank: int, world_size: int, spec: Scenario) -> list[dict[str, 
             injected.add("nan")
         logits = model(dense, sparse)
         nn.functional.binary_cross_entropy_with_logits(logits, torch.ones(6)).backward()
-        if spec.crash_at == step:
+        if spec.crash_at == len(log):
             os._exit(3)  # killed mid-step: after the fused update, before the vote
         if spec.drop_at == position and "drop" not in injected:
             ft.manager.report_error(RuntimeError("dropped by the test"))

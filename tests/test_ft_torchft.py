@@ -11,6 +11,12 @@ lighthouse restart loses no sample; sharded groups (2 ranks each) do all of the 
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +38,29 @@ def _lighthouse(min_replicas: int, port: int = 0) -> Any:
         join_timeout_ms=200,
         heartbeat_timeout_ms=1000,
     )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _lighthouse_process(port: int) -> subprocess.Popen[bytes]:
+    """torchft's lighthouse binary (what a job runs), serving once its port accepts."""
+    binary = Path(sys.executable).parent / "torchft_lighthouse"
+    command = [str(binary), "--bind", f"127.0.0.1:{port}", "--min_replicas", "2"]
+    command += ["--join_timeout_ms", "200", "--heartbeat_timeout_ms", "1000"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return process
+        except OSError:
+            time.sleep(0.05)
+    process.kill()
+    raise TimeoutError(f"torchft_lighthouse did not listen on port {port} within 30 s")
 
 
 def _address(server: Any) -> str:
@@ -89,3 +118,105 @@ def test_dropped_step_restores_and_retrains_its_batch(ranks: int) -> None:
             _check_every_sample_once(log, 4)
         digests = _final_digests(logs, 3)
         assert digests[0] == digests[1], f"rank {rank}: replica groups differ"
+
+
+def test_nonfinite_step_is_dropped_on_every_group() -> None:
+    server = _lighthouse(min_replicas=2)
+    try:
+        address = _address(server)
+        specs = [
+            Scenario(replica_id="A", lighthouse=address, steps=4, seed=1, nan_at=2),
+            Scenario(replica_id="B", lighthouse=address, steps=4, seed=2),
+        ]
+        results = _run_groups(specs, 1)
+    finally:
+        server.shutdown()
+    for result in results:
+        assert not isinstance(result, Exception), result
+    logs = [result[0] for result in results]
+    for log in logs:
+        (dropped,) = [e for e in log if not e["committed"]]
+        # Only A's input held the NaN; both groups saw it in the exchanged gradients.
+        assert dropped["error"] == "NonFiniteGradientError"
+        assert dropped["step"] == 2 and dropped["after"] == dropped["before"]
+    # The NaN batch is skipped (it would fail again), every other one trained once.
+    assert [e["position"] for e in logs[0] if e["committed"]] == [0, 1, 3, 4]
+    assert [e["position"] for e in logs[1] if e["committed"]] == [0, 1, 3, 4]
+    digests = _final_digests(logs, 3)
+    assert digests[0] == digests[1]
+
+
+def test_killed_group_rejoins_and_heals(tmp_path: Any) -> None:
+    server = _lighthouse(min_replicas=1)
+    first, back = str(tmp_path / "B-first"), str(tmp_path / "B-back")
+    try:
+        address = _address(server)
+        common = {"lighthouse": address, "steps": 8, "step_sleep": 0.05}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            survivor = pool.submit(
+                _run_groups,
+                [Scenario(replica_id="A", seed=1, waits=((0, first), (5, back)), **common)],  # type: ignore[arg-type]
+                1,
+            )
+            (crashed,) = _run_groups(
+                [Scenario(replica_id="B", seed=2, crash_at=2, ready_file=first, **common)],  # type: ignore[arg-type]
+                1,
+            )
+            assert isinstance(crashed, RankFailure), crashed  # B exited mid-step
+            (rejoined,) = _run_groups(
+                [Scenario(replica_id="B", seed=2, ready_file=back, **common)],  # type: ignore[arg-type]
+                1,
+            )
+            (survived,) = survivor.result()
+    finally:
+        server.shutdown()
+    assert not isinstance(rejoined, Exception), rejoined
+    assert not isinstance(survived, Exception), survived
+    a_log, b_log = survived[0], rejoined[0]
+    assert _check_dropped_restored(a_log) >= 1  # the step B died in
+    # B's restart healed at A's step (at least 5: A waited for it there), not at step 0.
+    assert b_log[0]["step"] >= 5, b_log[0]
+    _check_dropped_restored(a_log)
+    digests = _final_digests([a_log, b_log], 7)
+    assert digests[0] == digests[1]
+
+
+def test_lighthouse_restart_loses_no_sample(tmp_path: Any) -> None:
+    """torchft_lighthouse killed for 5 s mid-run: steps drop, retry their batch, none is lost."""
+    port = _free_port()
+    lighthouse = _lighthouse_process(port)
+    at3 = str(tmp_path / "at3")
+    steps = 8
+    specs = [
+        Scenario(
+            replica_id=name,
+            lighthouse=f"http://127.0.0.1:{port}",
+            steps=steps,
+            seed=seed,
+            step_sleep=0.2,
+            marks=((3, at3),),
+        )
+        for name, seed in (("A", 1), ("B", 2))
+    ]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(_run_groups, specs, 1)
+            deadline = time.monotonic() + 120
+            while not os.path.exists(at3) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            lighthouse.kill()  # an outage of 5 s in the middle of the run
+            lighthouse.wait(10)
+            time.sleep(5)
+            lighthouse = _lighthouse_process(port)
+            results = running.result()
+    finally:
+        lighthouse.kill()
+        lighthouse.wait(10)
+    for result in results:
+        assert not isinstance(result, Exception), result
+    logs = [result[0] for result in results]
+    for log in logs:
+        assert _check_dropped_restored(log) >= 1  # the quorum failed during the outage
+        _check_every_sample_once(log, steps)
+    digests = _final_digests(logs, steps - 1)
+    assert digests[0] == digests[1]
