@@ -26,7 +26,7 @@ from recopt.ft.healing import into_local_shards, to_local_shards
 from recopt.ft.manager import Manager, ManagerConfig
 from recopt.ft.optim import FaultTolerantOptimizer
 from recopt.ft.steps import StepTransaction
-from recopt.ft.torchft_manager import TorchftConfig, TorchftManager
+from recopt.ft.torchft_manager import TorchftConfig, TorchftManager, torchft_config_from_env
 from recopt.kernels.contract import KernelOwner
 from recopt.optim.fused import is_fused
 
@@ -113,6 +113,21 @@ def manager_config_from_env(
     if environ.get(ENV_HOSTNAME):
         config = dataclasses.replace(config, hostname=environ[ENV_HOSTNAME])
     return config
+
+
+def fault_tolerance_config_from_env(
+    environ: Mapping[str, str], *, timeout: datetime.timedelta = datetime.timedelta(seconds=60)
+) -> ManagerConfig | TorchftConfig:
+    """The engine the environment names: recopt's lighthouse if ``RECOPT_FT_LIGHTHOUSE`` is
+    set (`manager_config_from_env`), else torchft (`torchft_config_from_env`).
+
+    Raises:
+        ImportError: torchft is needed and not installed (names the extra ``recopt[ft]``).
+        ValueError: a variable is missing or malformed (the message names it).
+    """
+    if environ.get(ENV_LIGHTHOUSE):
+        return manager_config_from_env(environ, timeout=timeout)
+    return torchft_config_from_env(environ, timeout=timeout)
 
 
 def _fused_collections(model: nn.Module) -> list[nn.Module]:

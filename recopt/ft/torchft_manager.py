@@ -13,7 +13,7 @@ import dataclasses
 import datetime
 import importlib.util
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from recopt.ft.steps import StepTransaction
@@ -91,6 +91,62 @@ class TorchftConfig:
         for name in ("timeout", "quorum_timeout", "connect_timeout"):
             if getattr(self, name).total_seconds() <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+
+
+ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"  # torchft's variable: http://host:port of the lighthouse
+ENV_REPLICA_ID = "REPLICA_GROUP_ID"  # this replica group's name (RECOPT_FT_REPLICA_ID also read)
+
+
+def torchft_config_from_env(
+    environ: Mapping[str, str], *, timeout: datetime.timedelta = datetime.timedelta(seconds=60)
+) -> TorchftConfig:
+    """Settings of one process of a replica group run by torchrun, from its environment.
+
+    Reads ``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID`` (or ``RECOPT_FT_REPLICA_ID``),
+    torchrun's ``MASTER_ADDR`` / ``MASTER_PORT`` (the group's TCPStore), ``RANK`` /
+    ``WORLD_SIZE`` (torchrun runs one replica group), ``RECOPT_FT_MIN_REPLICAS``,
+    ``RECOPT_FT_HOSTNAME`` and ``RECOPT_FT_BIND_HOST`` (default loopback).
+
+    Raises:
+        ImportError: torchft is not installed (names the extra).
+        ValueError: a variable is missing or malformed (the message names it).
+    """
+    require_torchft("--fault-tolerant")
+    replica_id = environ.get(ENV_REPLICA_ID) or environ.get("RECOPT_FT_REPLICA_ID", "")
+    for name, value in (
+        (ENV_LIGHTHOUSE, environ.get(ENV_LIGHTHOUSE)),
+        (ENV_REPLICA_ID, replica_id),
+    ):
+        if not value:
+            raise ValueError(
+                f"{name} is not set; --fault-tolerant needs {ENV_LIGHTHOUSE}=http://host:port "
+                f"(from `torchft_lighthouse --min_replicas N`) and a unique {ENV_REPLICA_ID} "
+                "per replica group (docs/fault_tolerance.md)"
+            )
+    numbers = {}
+    defaults = (("RECOPT_FT_MIN_REPLICAS", "1"), ("RANK", "0"), ("WORLD_SIZE", "1"))
+    for name, default in (*defaults, ("MASTER_PORT", "")):
+        value = environ.get(name, default)
+        if not value.isdigit():
+            raise ValueError(
+                f"{name}={value!r} is not a non-negative integer"
+                + ("; run each replica group under torchrun" if name == "MASTER_PORT" else "")
+            )
+        numbers[name] = int(value)
+    bind_host = environ.get("RECOPT_FT_BIND_HOST") or LOOPBACK
+    return TorchftConfig(
+        replica_id=replica_id,
+        lighthouse_addr=environ[ENV_LIGHTHOUSE],
+        store_addr=environ.get("MASTER_ADDR") or LOOPBACK,
+        store_port=numbers["MASTER_PORT"],
+        group_rank=numbers["RANK"],
+        group_world_size=numbers["WORLD_SIZE"],
+        min_replica_size=numbers["RECOPT_FT_MIN_REPLICAS"],
+        timeout=timeout,
+        quorum_timeout=timeout,
+        hostname=environ.get("RECOPT_FT_HOSTNAME") or bind_host,
+        bind_host=bind_host,
+    )
 
 
 class TorchftManager(StepTransaction):
