@@ -56,8 +56,11 @@ def _ddp_rank(rank: int, world_size: int, width: int, depth: int, steps: int) ->
     return times[2:]
 
 
-def _manager(engine: str, replica_id: str, address: Any, state_dict: Any, load: Any) -> Any:
-    """A replica group's manager on ``engine``: "recopt" (address: port) or "torchft" (URL)."""
+def _manager(
+    engine: str, replica_id: str, address: Any, state_dict: Any, load: Any, peers: int = 2
+) -> Any:
+    """A replica group's manager on ``engine``: "recopt" (address: port) or "torchft" (URL);
+    on recopt's engine it waits until ``peers`` groups are live."""
     if engine == "torchft":
         from recopt.ft.torchft_manager import TorchftConfig, TorchftManager
 
@@ -82,7 +85,8 @@ def _manager(engine: str, replica_id: str, address: Any, state_dict: Any, load: 
         hostname="127.0.0.1",
     )
     manager = Manager(config, state_dict=state_dict, load_state_dict=load)
-    wait_for_replicas(config.lighthouse, 2, TIMEOUT)
+    if peers > 1:
+        wait_for_replicas(config.lighthouse, peers, TIMEOUT)
     return manager
 
 
@@ -229,6 +233,46 @@ def bench_engines(width: int, depth: int, steps: int, rounds: int) -> dict[str, 
     }
 
 
+def _round_trips(manager: Any, steps: int) -> tuple[float, float]:
+    quorum, vote = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        manager.start_quorum()
+        middle = time.perf_counter()
+        manager.should_commit()
+        quorum.append(middle - start)
+        vote.append(time.perf_counter() - middle)
+    return statistics.median(quorum[5:]) * 1e3, statistics.median(vote[5:]) * 1e3
+
+
+def bench_round_trip(steps: int = 40) -> dict[str, Any]:
+    """One replica group alone, no model: ms of ``start_quorum`` and ``should_commit``."""
+    from torchft.coordination import LighthouseServer
+
+    theirs = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    ours = Lighthouse(LighthouseConfig(min_replicas=1), host="127.0.0.1", port=0)
+    ours.start()
+    address = f"http://127.0.0.1:{theirs.address().rsplit(':', 1)[1]}"
+    managers = {
+        "torchft": _manager("torchft", "solo", address, dict, lambda s: None),
+        "recopt": _manager("recopt", "solo", ours.port, dict, lambda s: None, peers=1),
+    }
+    row: dict[str, Any] = {"bench": "round_trip", "steps": steps}
+    try:
+        for name, manager in managers.items():
+            quorum_ms, vote_ms = _round_trips(manager, steps)
+            row[f"{name}_quorum_ms"], row[f"{name}_vote_ms"] = (
+                round(quorum_ms, 3),
+                round(vote_ms, 3),
+            )
+    finally:
+        for manager in managers.values():
+            manager.shutdown()
+        ours.shutdown()
+        theirs.shutdown()
+    return row
+
+
 def bench_overhead(width: int, depth: int, steps: int) -> dict[str, Any]:
     """Median step time of DDP and of the Manager on 2 replicas, same model."""
     ddp = run_on_ranks(_ddp_rank, 2, width, depth, steps, timeout_s=300)
@@ -359,6 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--engines)")
     args = parser.parse_args(argv)
     if args.engines:
+        print(json.dumps(bench_round_trip()), flush=True)
         for width, depth in [(256, 2)] if args.quick else [(256, 2), (1024, 4)]:
             print(json.dumps(bench_engines(width, depth, 30, args.rounds)), flush=True)
         return
