@@ -196,6 +196,8 @@ class Trainer:
                     f"({self.nonfinite.total} such step(s) so far)"
                 )
             return committed  # a NaN loss or logit would spoil the window's metrics
+        if not committed:
+            return False  # dropped: the retried batch is counted when it commits
         self.window_finite_steps += 1
         with torch.no_grad():
             self.metrics.update(torch.sigmoid(logits), batch.labels.long())
