@@ -125,39 +125,35 @@ def test_dropped_and_nonfinite_steps_restore_state(ranks: int) -> None:
         assert digests[0] == digests[1], f"rank {rank}: replica groups differ"
 
 
-def test_killed_group_rejoins_and_heals(tmp_path: Any) -> None:
+@pytest.mark.parametrize("ranks", [1, 2], ids=["plain", "sharded"])
+def test_killed_group_rejoins_and_heals(tmp_path: Any, ranks: int) -> None:
+    """B exits mid-step (after its fused update, before the vote); A drops that step, rolls
+    back and trains on alone; B restarts, heals from A (each rank from the same rank) and
+    both end with equal digests."""
     server = _lighthouse(min_replicas=1)
     first, back = str(tmp_path / "B-first"), str(tmp_path / "B-back")
+    common: dict[str, Any] = {"lighthouse": _address(server), "steps": 7, "step_sleep": 0.05}
+    a_spec = Scenario(replica_id="A", seed=1, waits=((0, first), (4, back)), **common)
     try:
-        address = _address(server)
-        common = {"lighthouse": address, "steps": 8, "step_sleep": 0.05}
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            survivor = pool.submit(
-                _run_groups,
-                [Scenario(replica_id="A", seed=1, waits=((0, first), (5, back)), **common)],  # type: ignore[arg-type]
-                1,
-            )
-            (crashed,) = _run_groups(
-                [Scenario(replica_id="B", seed=2, crash_at=2, ready_file=first, **common)],  # type: ignore[arg-type]
-                1,
-            )
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            survivor = pool.submit(_run_groups, [a_spec], ranks)
+            b_spec = Scenario(replica_id="B", seed=2, crash_at=2, ready_file=first, **common)
+            (crashed,) = _run_groups([b_spec], ranks)
             assert isinstance(crashed, RankFailure), crashed  # B exited mid-step
-            (rejoined,) = _run_groups(
-                [Scenario(replica_id="B", seed=2, ready_file=back, **common)],  # type: ignore[arg-type]
-                1,
-            )
+            b_spec = Scenario(replica_id="B", seed=2, ready_file=back, **common)
+            (rejoined,) = _run_groups([b_spec], ranks)
             (survived,) = survivor.result()
     finally:
         server.shutdown()
     assert not isinstance(rejoined, Exception), rejoined
     assert not isinstance(survived, Exception), survived
-    a_log, b_log = survived[0], rejoined[0]
-    assert _check_dropped_restored(a_log) >= 1  # the step B died in
-    # B's restart healed at A's step (at least 5: A waited for it there), not at step 0.
-    assert b_log[0]["step"] >= 5, b_log[0]
-    _check_dropped_restored(a_log)
-    digests = _final_digests([a_log, b_log], 7)
-    assert digests[0] == digests[1]
+    for rank in range(ranks):
+        a_log, b_log = survived[rank], rejoined[rank]
+        assert _check_dropped_restored(a_log) >= 1  # the step B died in
+        # B's restart healed to A's step (at least 4: A waited for it there), not step 0.
+        assert b_log[0]["step"] >= 4, b_log[0]
+        digests = _final_digests([a_log, b_log], 6)
+        assert digests[0] == digests[1], f"rank {rank}: replica groups differ"
 
 
 def test_lighthouse_restart_loses_no_sample(tmp_path: Any) -> None:
