@@ -204,7 +204,11 @@ class TensorTransport(CheckpointTransport[dict[str, Any]]):
         return f"http://{self._hostname}:{self._server.server_address[1]}"
 
     def send_checkpoint(
-        self, dst_ranks: list[int], step: int, state_dict: dict[str, Any], timeout: Any
+        self,
+        dst_ranks: list[int],
+        step: int,
+        state_dict: dict[str, Any],
+        timeout: datetime.timedelta,
     ) -> None:
         """Encode ``state_dict`` now (later updates do not leak in) and serve it for ``step``."""
         payload = encode_state(state_dict)
@@ -225,7 +229,7 @@ class TensorTransport(CheckpointTransport[dict[str, Any]]):
         return None
 
     def recv_checkpoint(
-        self, src_rank: int, metadata: str, step: int, timeout: Any
+        self, src_rank: int, metadata: str, step: int, timeout: datetime.timedelta
     ) -> dict[str, Any]:
         """Download ``step`` from ``metadata``, retrying until the source serves it.
 
@@ -235,7 +239,7 @@ class TensorTransport(CheckpointTransport[dict[str, Any]]):
                 holds NaN or inf (the source diverged).
         """
         url = f"{metadata}/checkpoint/{step}"
-        limit = timeout if isinstance(timeout, datetime.timedelta) else self._timeout
+        limit = min(timeout, self._timeout)
         deadline = time.monotonic() + limit.total_seconds()
         last: Exception | None = None
         while time.monotonic() < deadline:
