@@ -149,7 +149,8 @@ def test_killed_group_rejoins_and_heals(tmp_path: Any, ranks: int) -> None:
     assert not isinstance(survived, Exception), survived
     for rank in range(ranks):
         a_log, b_log = survived[rank], rejoined[rank]
-        assert _check_dropped_restored(a_log) >= 1  # the step B died in
+        # Every step A dropped (the one B died in, when A was in it with B) was rolled back.
+        _check_dropped_restored(a_log)
         # B's restart healed to A's step (at least 4: A waited for it there), not step 0.
         assert b_log[0]["step"] >= 4, b_log[0]
         digests = _final_digests([a_log, b_log], 6)
