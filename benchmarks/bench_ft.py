@@ -1,8 +1,9 @@
 """Fault-tolerance benchmarks: per-step overhead vs DDP, recovery time after a death, heal time.
 
-Run: ``.venv/bin/python benchmarks/bench_ft.py [--quick]``. Replicas are spawned processes on
-this machine (gloo over loopback); the lighthouse runs in this process. Prints one JSON line
-per measurement and a summary table.
+Run: ``.venv/bin/python benchmarks/bench_ft.py [--quick] [--engines]``. Replicas are spawned
+processes on this machine (gloo over loopback); the lighthouse runs in this process. Prints one
+JSON line per measurement. ``--engines`` measures only the per-step overhead of recopt's own
+engine and of torchft's (`TorchftManager`, the ``ft`` extra) side by side, rounds interleaved.
 """
 
 from __future__ import annotations
@@ -55,20 +56,54 @@ def _ddp_rank(rank: int, world_size: int, width: int, depth: int, steps: int) ->
     return times[2:]
 
 
+def _manager(
+    engine: str, replica_id: str, address: Any, state_dict: Any, load: Any, peers: int = 2
+) -> Any:
+    """A replica group's manager on ``engine``: "recopt" (address: port) or "torchft" (URL);
+    on recopt's engine it waits until ``peers`` groups are live."""
+    if engine == "torchft":
+        from recopt.ft.torchft_manager import TorchftConfig, TorchftManager
+
+        # The group's store (torchrun's role); kept alive by the manager that uses it.
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        config = TorchftConfig(
+            replica_id=replica_id,
+            lighthouse_addr=address,
+            store_addr="127.0.0.1",
+            store_port=store.port,
+            timeout=TIMEOUT,
+            quorum_timeout=TIMEOUT,
+        )
+        manager = TorchftManager(config, state_dict=state_dict, load_state_dict=load)
+        manager.group_store = store  # type: ignore[attr-defined]
+        return manager
+    config = ManagerConfig(
+        replica_id=replica_id,
+        lighthouse=("127.0.0.1", address),
+        timeout=TIMEOUT,
+        quorum_timeout=TIMEOUT,
+        hostname="127.0.0.1",
+    )
+    manager = Manager(config, state_dict=state_dict, load_state_dict=load)
+    if peers > 1:
+        wait_for_replicas(config.lighthouse, peers, TIMEOUT)
+    return manager
+
+
 def _ft_replica(
-    replica_id: str, port: int, width: int, depth: int, steps: int, kill_at: int, results: Any
+    replica_id: str,
+    address: Any,
+    width: int,
+    depth: int,
+    steps: int,
+    kill_at: int,
+    results: Any,
+    engine: str = "recopt",
 ) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = _model(width, depth)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = ManagerConfig(
-        replica_id=replica_id,
-        lighthouse=("127.0.0.1", port),
-        timeout=TIMEOUT,
-        quorum_timeout=TIMEOUT,
-        hostname="127.0.0.1",
-    )
 
     def state_dict() -> dict[str, Any]:
         return {"model": model.state_dict(), "optim": inner.state_dict()}
@@ -77,9 +112,8 @@ def _ft_replica(
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["optim"])
 
-    manager = Manager(config, state_dict=state_dict, load_state_dict=load)
+    manager = _manager(engine, replica_id, address, state_dict, load)
     optim = OptimizerWrapper(manager, inner)
-    wait_for_replicas(config.lighthouse, 2, TIMEOUT)
     report: dict[str, Any] = {"replica": replica_id, "steps": [], "commits": []}
     for attempt in range(steps):
         start = time.perf_counter()
@@ -143,6 +177,100 @@ def _run_ft(width: int, depth: int, steps: int, kill_at: int = -1, hb_s: float =
             if p.is_alive():
                 p.kill()
         lighthouse.shutdown()
+
+
+def _run_torchft(width: int, depth: int, steps: int) -> list[Any]:
+    """Two replica groups on torchft's lighthouse (both in every quorum)."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
+    address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_ft_replica,
+            args=(name, address, width, depth, steps, -1, results, "torchft"),
+        )
+        for name in ("a", "b")
+    ]
+    try:
+        for p in procs:
+            p.start()
+        return [results.get(timeout=180) for _ in range(2)]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        lighthouse.shutdown()
+
+
+def _median_ms(reports: list[Any], key: str) -> float:
+    return statistics.median([s[key] for r in reports for s in r["steps"][2:]]) * 1e3
+
+
+def bench_engines(width: int, depth: int, steps: int, rounds: int) -> dict[str, Any]:
+    """Step time of recopt's engine and of torchft's, same model, rounds interleaved."""
+    recopt_ms, torchft_ms, recopt_q, torchft_q = [], [], [], []
+    for _ in range(rounds):
+        ours = _run_ft(width, depth, steps)
+        theirs = _run_torchft(width, depth, steps)
+        recopt_ms.append(_median_ms(ours, "seconds"))
+        torchft_ms.append(_median_ms(theirs, "seconds"))
+        recopt_q.append(_median_ms(ours, "quorum_s"))
+        torchft_q.append(_median_ms(theirs, "quorum_s"))
+    recopt_step, torchft_step = statistics.median(recopt_ms), statistics.median(torchft_ms)
+    return {
+        "bench": "engines",
+        "params": _params(width, depth),
+        "rounds": rounds,
+        "recopt_step_ms": round(recopt_step, 2),
+        "torchft_step_ms": round(torchft_step, 2),
+        "recopt_quorum_ms": round(statistics.median(recopt_q), 2),
+        "torchft_quorum_ms": round(statistics.median(torchft_q), 2),
+        "torchft_over_recopt": round(torchft_step / recopt_step, 3),
+    }
+
+
+def _round_trips(manager: Any, steps: int) -> tuple[float, float]:
+    quorum, vote = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        manager.start_quorum()
+        middle = time.perf_counter()
+        manager.should_commit()
+        quorum.append(middle - start)
+        vote.append(time.perf_counter() - middle)
+    return statistics.median(quorum[5:]) * 1e3, statistics.median(vote[5:]) * 1e3
+
+
+def bench_round_trip(steps: int = 40) -> dict[str, Any]:
+    """One replica group alone, no model: ms of ``start_quorum`` and ``should_commit``."""
+    from torchft.coordination import LighthouseServer
+
+    theirs = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    ours = Lighthouse(LighthouseConfig(min_replicas=1), host="127.0.0.1", port=0)
+    ours.start()
+    address = f"http://127.0.0.1:{theirs.address().rsplit(':', 1)[1]}"
+    managers = {
+        "torchft": _manager("torchft", "solo", address, dict, lambda s: None),
+        "recopt": _manager("recopt", "solo", ours.port, dict, lambda s: None, peers=1),
+    }
+    row: dict[str, Any] = {"bench": "round_trip", "steps": steps}
+    try:
+        for name, manager in managers.items():
+            quorum_ms, vote_ms = _round_trips(manager, steps)
+            row[f"{name}_quorum_ms"], row[f"{name}_vote_ms"] = (
+                round(quorum_ms, 3),
+                round(vote_ms, 3),
+            )
+    finally:
+        for manager in managers.values():
+            manager.shutdown()
+        ours.shutdown()
+        theirs.shutdown()
+    return row
 
 
 def bench_overhead(width: int, depth: int, steps: int) -> dict[str, Any]:
@@ -269,7 +397,16 @@ def main(argv: list[str] | None = None) -> None:
     """Run every benchmark and print one JSON line each."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    parser.add_argument(
+        "--engines", action="store_true", help="only recopt's engine vs torchft's, per step"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--engines)")
     args = parser.parse_args(argv)
+    if args.engines:
+        print(json.dumps(bench_round_trip()), flush=True)
+        for width, depth in [(256, 2)] if args.quick else [(256, 2), (1024, 4)]:
+            print(json.dumps(bench_engines(width, depth, 30, args.rounds)), flush=True)
+        return
     rows = []
     sizes = [(256, 2)] if args.quick else [(256, 2), (1024, 4)]
     for width, depth in sizes:

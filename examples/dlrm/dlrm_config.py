@@ -272,18 +272,26 @@ class FaultToleranceSection:
     replica groups (row gradients averaged in the kernel's ``grad_hook``; the ``auto``
     backend then becomes ``recopt``, whose kernels have the hook); false lets each group
     train its own tables. ``timeout_s`` bounds every cross-replica collective, vote, quorum
-    and healing transfer.
+    and healing transfer. A dropped step retries its batch (the data position does not
+    advance), backing off; ``max_consecutive_failures`` dropped steps in a row stop the run
+    with the last cause.
     """
 
     replicas: int = 1
     sync_embeddings: bool = True
     timeout_s: float = 60.0
+    max_consecutive_failures: int = 50
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(
                 f"fault_tolerance.replicas must be >= 1 (replica groups to wait for), got "
                 f"{self.replicas}"
+            )
+        if self.max_consecutive_failures < 1:
+            raise ValueError(
+                "fault_tolerance.max_consecutive_failures must be >= 1 (dropped steps in a row "
+                f"before the run stops), got {self.max_consecutive_failures}"
             )
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise ValueError(

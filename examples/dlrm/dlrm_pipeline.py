@@ -8,6 +8,7 @@ their rows and batch i+2 is copied to the device; the result equals the plain lo
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,13 +38,16 @@ def build_pipeline(
     source: Any,
     device: torch.device,
     timeout_s: float,
+    step_committed: Callable[[], bool] | None = None,
 ) -> tuple[TrainPipelineSparseDist, TrainedPosition]:
     """The pipeline over ``model``, and the data position a checkpoint saves (after the last
-    batch trained, not the iterator's, which is two batches ahead)."""
+    batch trained, not the iterator's, which is two batches ahead). ``step_committed``: under
+    fault tolerance, False retrains the batch (a dropped step)."""
     pipeline = TrainPipelineSparseDist(
         LossAndLogits(model),
         optimizer,
         device,
+        step_committed=step_committed,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     return pipeline, TrainedPosition(pipeline, source)

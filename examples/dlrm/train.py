@@ -4,7 +4,7 @@
     python examples/dlrm/train.py --config configs/dlrm_small.toml --set training.steps=300
     torchrun --nproc-per-node 2 examples/dlrm/train.py --config configs/dlrm_small.toml
     python examples/dlrm/train.py --config ... --resume      # continue from the last checkpoint
-    RECOPT_FT_LIGHTHOUSE=host:29510 RECOPT_FT_REPLICA_ID=group0 \
+    TORCHFT_LIGHTHOUSE=http://host:29510 REPLICA_GROUP_ID=group0 \
         torchrun --nproc-per-node 1 examples/dlrm/train.py --fault-tolerant   # one replica group
 
 Sparse tables train with their fused optimizer (the update runs inside backward), the MLPs
@@ -53,11 +53,13 @@ from recopt.checkpoint import CheckpointManager, load, read_manifest  # noqa: E4
 from recopt.data import Batch  # noqa: E402
 from recopt.data.prefetch import DevicePrefetcher  # noqa: E402
 from recopt.ft.launch import (  # noqa: E402
+    fault_tolerance_config_from_env,
     make_fault_tolerant,
-    manager_config_from_env,
     state_digest,
 )
 from recopt.ft.manager import ManagerConfig  # noqa: E402
+from recopt.ft.retry import RetryPolicy, StepRetrier  # noqa: E402
+from recopt.ft.torchft_manager import TorchftConfig  # noqa: E402
 from recopt.metrics import click_metrics  # noqa: E402
 
 
@@ -103,7 +105,7 @@ class Trainer:
         config: TrainingConfig,
         env: RunEnv,
         model: nn.Module,
-        ft_config: ManagerConfig | None = None,
+        ft_config: ManagerConfig | TorchftConfig | None = None,
         *,
         resume: bool | str = False,
         overwrite_checkpoints: bool = False,
@@ -116,6 +118,7 @@ class Trainer:
         # The loop's optimizer: the base one, or its fault-tolerant wrapper.
         self.optimizer: torch.optim.Optimizer = self.base_optimizer
         self.ft = None
+        self.retrier: StepRetrier | None = None  # retries a dropped step's batch
         if ft_config is not None:
             # PLUG-IN (fault tolerance): the wrapper's zero_grad joins the step's quorum (and
             # may heal this group), its step averages, votes and commits or rolls back.
@@ -128,6 +131,8 @@ class Trainer:
                 sync_embeddings=ft.sync_embeddings,
             )
             self.optimizer = self.ft.optimizer
+            policy = RetryPolicy(max_consecutive_failures=ft.max_consecutive_failures)
+            self.retrier = StepRetrier(self.ft.manager, policy)
         # Pipelined (default): batch i+1's ids are distributed and batch i+2 copied while
         # batch i trains; `train_data` is then the position after the last batch trained.
         # Plain loop: on a GPU the next batch is pinned and copied on a side stream.
@@ -135,7 +140,12 @@ class Trainer:
         if config.training.pipeline:
             self.train_source = build_data(config, env, "train")
             self.pipeline, self.train_data = build_pipeline(
-                model, self.optimizer, self.train_source, env.device, config.training.timeout_s
+                model,
+                self.optimizer,
+                self.train_source,
+                env.device,
+                config.training.timeout_s,
+                step_committed=None if self.retrier is None else self._pipeline_step_committed,
             )
         else:
             self.train_data = DevicePrefetcher(build_data(config, env, "train"), env.device)
@@ -221,20 +231,48 @@ class Trainer:
         )
         self.saved_step = self.step
 
-    def train_step(self, batch: Batch) -> None:
+    def train_batch(self, batch: Batch) -> None:
+        """Trains ``batch``; under fault tolerance a dropped step retries the same batch.
+
+        The retrier backs off between attempts, skips a batch whose step was dropped for a
+        NaN/inf gradient, and raises after too many failures in a row or a permanent error.
+        """
+        while not self.train_step(batch):
+            if self.retrier is None or self.retrier.after_step(False):
+                return
+        if self.retrier is not None:
+            self.retrier.after_step(True)
+
+    def train_step(self, batch: Batch) -> bool:
+        """One attempt at a step on ``batch``; True if it committed."""
         self.model.train()
         # First: under fault tolerance this is the step's quorum, which may heal (replace) the
         # weights, and the embedding guard snapshots rows in the forward that follows.
         self.optimizer.zero_grad()
+        start = self.ft.manager.current_step() if self.ft is not None else 0
         logits = self.model(batch.dense, batch.sparse)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         # the embedding rows are updated here, by the fused optimizer
         poison_if_nonfinite(loss, batch.dense).backward()
         self.optimizer.step()
-        self.step_done(loss, logits, batch.labels)
+        committed = self.ft is None or self.ft.manager.current_step() > start
+        return self.step_done(loss, logits, batch.labels, committed)
 
-    def step_done(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        """After a step: the NaN/inf bookkeeping, then the window's metrics."""
+    def _pipeline_step_committed(self) -> bool:
+        """The pipeline's hook after each step under fault tolerance: False keeps the batch
+        at the head of the pipeline to be retried (a dropped step), True moves on (committed,
+        or given up by the retrier: a NaN/inf step)."""
+        assert self.ft is not None and self.retrier is not None
+        if self.ft.manager.current_step() > self.step:
+            self.retrier.after_step(True)
+            return True
+        return self.retrier.after_step(False)
+
+    def step_done(
+        self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, committed: bool
+    ) -> bool:
+        """After a step: the NaN/inf bookkeeping, then the window's metrics; returns
+        ``committed``."""
         ft_error = self.ft.manager.errored() if self.ft is not None else None
         if self.nonfinite.step_done(self.step + 1, ft_error):  # raises after too many
             if self.nonfinite.in_a_row == 1:
@@ -242,11 +280,14 @@ class Trainer:
                     f"step {self.step + 1}: NaN/inf loss or gradient, nothing updated "
                     f"({self.nonfinite.total} such step(s) so far)"
                 )
-            return  # a NaN loss or logit would spoil the window's metrics
+            return committed  # a NaN loss or logit would spoil the window's metrics
+        if not committed:
+            return False  # dropped: the retried batch is counted when it commits
         self.window_finite_steps += 1
         with torch.no_grad():
             self.metrics.update(torch.sigmoid(logits), labels.long())
             self.loss_mean.update(loss.detach(), weight=labels.numel())
+        return committed
 
     def run(self) -> dict[str, float]:
         """Trains to ``training.steps``; returns the last validation metrics."""
@@ -258,7 +299,7 @@ class Trainer:
         for samples in batches:
             committed = self.step + 1 if self.ft is None else self.ft.manager.current_step()
             if committed == self.step:
-                continue  # dropped by the replica groups' vote: nothing changed
+                continue  # dropped for a NaN/inf gradient by the replica groups' vote
             self.step = committed  # a heal may jump ahead to the peer's step
             window_samples += samples * self.env.world_size
             self.samples += samples * self.env.world_size
@@ -297,7 +338,7 @@ class Trainer:
         sample count after its step."""
         if self.pipeline is None:
             for batch in self.train_data:  # already on the device (DevicePrefetcher)
-                self.train_step(batch)
+                self.train_batch(batch)
                 yield batch.labels.numel()
         else:
             while True:
@@ -306,7 +347,8 @@ class Trainer:
                     loss, logits, labels = self.pipeline.progress(self.train_source)
                 except StopIteration:
                     break
-                self.step_done(loss, logits, labels)
+                committed = self.ft is None or self.ft.manager.current_step() > self.step
+                self.step_done(loss, logits, labels, committed)
                 yield labels.numel()
         if self.step < self.config.training.steps:
             epochs = self.config.training.epochs
@@ -411,8 +453,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--fault-tolerant",
         action="store_true",
-        help="run as one replica group of a fault-tolerant job (needs RECOPT_FT_LIGHTHOUSE, "
-        "RECOPT_FT_REPLICA_ID; see docs/fault_tolerance.md)",
+        help="run as one replica group of a fault-tolerant job on torchft (needs the extra "
+        "recopt[ft], TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID and torchrun; see "
+        "docs/fault_tolerance.md)",
     )
     return parser.parse_args(argv)
 
@@ -421,7 +464,7 @@ def train(
     config: TrainingConfig,
     env: RunEnv,
     resume: bool | str = False,
-    ft_config: ManagerConfig | None = None,
+    ft_config: ManagerConfig | TorchftConfig | None = None,
     overwrite_checkpoints: bool = False,
 ) -> dict[str, float]:
     """Builds everything and trains; returns the final validation metrics.
@@ -484,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     ft_config = None
     if args.fault_tolerant:
         timeout = datetime.timedelta(seconds=config.fault_tolerance.timeout_s)
-        ft_config = manager_config_from_env(os.environ, timeout=timeout)
+        ft_config = fault_tolerance_config_from_env(os.environ, timeout=timeout)
     if env.world_size > 1:  # on CUDA: NCCL, and gloo beside it for CPU-side collectives
         # torchrun --max-restarts keeps its store across attempts: each attempt its own keys.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

@@ -29,8 +29,8 @@ from recopt.ft.embedding_tables import (
     kernels_of,
     scalar_states,
 )
-from recopt.ft.manager import Manager, StepParticipant
 from recopt.ft.nonfinite import NonFiniteGradientError, report_nonfinite
+from recopt.ft.steps import StepParticipant, StepTransaction
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class FusedEmbeddingGuard(StepParticipant):
             ``embedding_bags.<table>.weight`` in its ``fused_optimizer``.
     """
 
-    def __init__(self, module: nn.Module, manager: Manager | None = None) -> None:
+    def __init__(self, module: nn.Module, manager: StepTransaction | None = None) -> None:
         self._module = module
         self._skips_at_start = self._skipped_steps()
         self._snapshots: list[_Snapshot] = []
@@ -275,7 +275,7 @@ def union_row_gradients(
 
 
 def make_grad_hook(
-    manager: Manager, *, union: bool = False
+    manager: StepTransaction, *, union: bool = False
 ) -> Callable[[int, torch.Tensor, torch.Tensor], Any]:
     """A kernel ``grad_hook`` that averages touched rows' gradients across replica groups.
 
@@ -333,7 +333,9 @@ class EmbeddingReplicaSync(StepParticipant):
             statistics depend on rows this replica never sees).
     """
 
-    def __init__(self, module: nn.Module, manager: Manager, guard: FusedEmbeddingGuard) -> None:
+    def __init__(
+        self, module: nn.Module, manager: StepTransaction, guard: FusedEmbeddingGuard
+    ) -> None:
         self._manager = manager
         self._guard = guard
         self._kernels = kernels_of(module)

@@ -25,6 +25,8 @@ from recopt.ft.embedding import EmbeddingReplicaSync, FusedEmbeddingGuard
 from recopt.ft.healing import into_local_shards, to_local_shards
 from recopt.ft.manager import Manager, ManagerConfig
 from recopt.ft.optim import FaultTolerantOptimizer
+from recopt.ft.steps import StepTransaction
+from recopt.ft.torchft_manager import TorchftConfig, TorchftManager, torchft_config_from_env
 from recopt.kernels.contract import KernelOwner
 from recopt.optim.fused import is_fused
 
@@ -41,7 +43,7 @@ ENV_BIND_HOST = "RECOPT_FT_BIND_HOST"  # interface the state server listens on (
 class FaultTolerantTraining:
     """What `make_fault_tolerant` built; ``optimizer`` replaces the loop's optimizer."""
 
-    manager: Manager
+    manager: StepTransaction
     optimizer: FaultTolerantOptimizer
     guards: list[FusedEmbeddingGuard] = dataclasses.field(default_factory=list)
     syncs: list[EmbeddingReplicaSync] = dataclasses.field(default_factory=list)
@@ -113,6 +115,21 @@ def manager_config_from_env(
     return config
 
 
+def fault_tolerance_config_from_env(
+    environ: Mapping[str, str], *, timeout: datetime.timedelta = datetime.timedelta(seconds=60)
+) -> ManagerConfig | TorchftConfig:
+    """The engine the environment names: recopt's lighthouse if ``RECOPT_FT_LIGHTHOUSE`` is
+    set (`manager_config_from_env`), else torchft (`torchft_config_from_env`).
+
+    Raises:
+        ImportError: torchft is needed and not installed (names the extra ``recopt[ft]``).
+        ValueError: a variable is missing or malformed (the message names it).
+    """
+    if environ.get(ENV_LIGHTHOUSE):
+        return manager_config_from_env(environ, timeout=timeout)
+    return torchft_config_from_env(environ, timeout=timeout)
+
+
 def _fused_collections(model: nn.Module) -> list[nn.Module]:
     """The embedding collections whose optimizer runs inside backward (both twins)."""
     return [m for m in model.modules() if is_fused(m) and isinstance(m, KernelOwner)]
@@ -141,7 +158,7 @@ def _healing_state(
 def make_fault_tolerant(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    config: ManagerConfig,
+    config: ManagerConfig | TorchftConfig,
     *,
     wait_for: int = 1,
     sync_embeddings: bool = True,
@@ -159,9 +176,11 @@ def make_fault_tolerant(
         model: the whole model (one full copy per replica group).
         optimizer: its optimizer, e.g. a CombinedOptimizer of fused and dense parts; its
             dense parameters' gradients are averaged over the replica groups.
-        config: this replica group's manager settings.
+        config: this replica group's manager settings: a `TorchftConfig` runs on torchft
+            (`TorchftManager`), a `ManagerConfig` on recopt's own lighthouse.
         wait_for: before returning, wait (up to ``config.quorum_timeout``) until this many
-            replica groups are live, so the first quorum has them all.
+            replica groups are live, so the first quorum has them all (recopt's lighthouse;
+            torchft's lighthouse waits for its ``--min_replicas`` itself).
         sync_embeddings: keep fused tables identical across replica groups
             (`EmbeddingReplicaSync`, needs kernels with ``grad_hook``); False lets each
             replica group train its own tables (healing still copies them).
@@ -172,6 +191,7 @@ def make_fault_tolerant(
 
     Raises:
         ValueError: ``sync_embeddings`` with a kernel that cannot take part (no hook).
+        ImportError: a `TorchftConfig` without torchft installed (names the extra).
     """
     extras = dict(extra_state or {})
     init_state = getattr(optimizer, "init_state", None)
@@ -179,7 +199,11 @@ def make_fault_tolerant(
         init_state()  # strict in-place loaders need the lazily created state on both sides
 
     state_dict, load_state_dict = _healing_state(model, optimizer, extras)
-    manager = Manager(config, state_dict=state_dict, load_state_dict=load_state_dict)
+    manager: StepTransaction
+    if isinstance(config, TorchftConfig):
+        manager = TorchftManager(config, state_dict=state_dict, load_state_dict=load_state_dict)
+    else:
+        manager = Manager(config, state_dict=state_dict, load_state_dict=load_state_dict)
     guards, syncs = [], []
     try:
         for module in _fused_collections(model):
@@ -189,7 +213,7 @@ def make_fault_tolerant(
     except ValueError:
         manager.shutdown()
         raise
-    if wait_for > 1:
+    if wait_for > 1 and isinstance(config, ManagerConfig):
         live = wait_for_replicas(config.lighthouse, wait_for, config.quorum_timeout, config.secret)
         logger.info("replica %s: %d replica groups live: %s", config.replica_id, len(live), live)
     return FaultTolerantTraining(manager, FaultTolerantOptimizer(manager, optimizer), guards, syncs)

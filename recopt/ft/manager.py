@@ -13,18 +13,16 @@ import dataclasses
 import datetime
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from recopt.ft.auth import LOOPBACK, check_bind
 from recopt.ft.client import request
 from recopt.ft.healing import CheckpointServer, fetch_checkpoint, plan_recovery
 from recopt.ft.heartbeat import Heartbeat
-from recopt.ft.nonfinite import NonFiniteGradientError
-from recopt.modules.nonfinite import finite_flag
+from recopt.ft.steps import StepTransaction
 
 logger = logging.getLogger(__name__)
 
@@ -83,23 +81,7 @@ class ManagerConfig:
         check_bind(self.bind_host, self.secret, f"replica {self.replica_id!r}'s state server")
 
 
-class StepParticipant:
-    """Something that must learn a step's outcome (e.g. fused embedding rows to roll back)."""
-
-    def on_start(self) -> None:
-        """A step begins (after healing): forget anything left from an unfinished step."""
-
-    def before_vote(self) -> None:
-        """Last collectives of the step (its errors drop the step); skipped if errored."""
-
-    def on_commit(self) -> None:
-        """The step committed."""
-
-    def on_abort(self) -> None:
-        """The step was dropped: undo whatever it already applied."""
-
-
-class Manager:
+class Manager(StepTransaction):
     """Coordinates one replica group with its peers; see the module docstring for a step.
 
     Args:
@@ -116,22 +98,16 @@ class Manager:
         state_dict: Callable[[], dict[str, Any]],
         load_state_dict: Callable[[dict[str, Any]], None],
     ) -> None:
+        super().__init__(config.replica_id, config.min_replica_size, config.timeout)
         self.config = config
         self._state_dict = state_dict
         self._load_state_dict = load_state_dict
         self._step = 0
         self._batches_committed = 0
         self._first = True
-        self._errored: Exception | None = None
-        self._pg_broken = False
         self._round: int | None = None
         self._quorum_id: str | None = None  # "<lighthouse epoch>/<quorum id>"
-        self._rank = 0
-        self._num_participants = 0
-        # A gloo backend; typed Any because torch's stubs omit its collectives.
-        self._pg: Any = None
         self._store: dist.TCPStore | None = None
-        self._participants: list[StepParticipant] = []
         self._server = CheckpointServer(config.bind_host, config.timeout, config.secret)
         self._heartbeat = Heartbeat(config)
         # Known to the lighthouse from now on, so that a quorum forming while this replica
@@ -150,30 +126,6 @@ class Manager:
     def batches_committed(self) -> int:
         """Sum over committed steps of the number of participants (replica batches)."""
         return self._batches_committed
-
-    def num_participants(self) -> int:
-        """Replica groups in the current step's quorum (0 if it did not form)."""
-        return self._num_participants
-
-    def participant_rank(self) -> int:
-        """This replica's rank in the current quorum."""
-        return self._rank
-
-    def errored(self) -> Exception | None:
-        """The first error of the current step, if any."""
-        return self._errored
-
-    def report_error(self, exc: Exception) -> None:
-        """Mark the current step errored (it will be dropped); the first error is kept."""
-        if self._errored is None:
-            logger.warning(
-                "replica %s: step %d errored: %s", self.config.replica_id, self._step, exc
-            )
-            self._errored = exc
-
-    def register_participant(self, participant: StepParticipant) -> None:
-        """Have ``participant`` told each step's outcome, in registration order."""
-        self._participants.append(participant)
 
     # -- the step -----------------------------------------------------------------------------
     def start_quorum(self) -> None:
@@ -204,8 +156,7 @@ class Manager:
             self._apply_quorum(reply)
         except Exception as exc:  # noqa: BLE001 - any failure here only drops the step
             self.report_error(exc)
-        for participant in self._participants:
-            participant.on_start()
+        self._begin()
 
     def _apply_quorum(self, reply: dict[str, Any]) -> None:
         members: list[dict[str, Any]] = reply["members"]
@@ -282,177 +233,29 @@ class Manager:
             raise
         self._pg_broken = False
 
-    # -- collectives --------------------------------------------------------------------------
-    def allreduce(self, tensors: list[torch.Tensor]) -> None:
-        """Average ``tensors`` in place over the participants (one flat buffer per dtype).
-
-        A failure or timeout marks the step errored and leaves the tensors unspecified (the
-        step will be dropped). Does nothing on an already errored step.
-
-        Args:
-            tensors: dense tensors of identical shapes and order on every participant.
-        """
-        if self._errored is not None or not tensors:
-            return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for group in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in group])
-            if not self._sum(flat):
-                return
-            flat.div_(self._num_participants)
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-    def _sum(self, flat: torch.Tensor) -> bool:
-        """All-reduce (sum) in place with the timeout; False (and errored) on failure."""
-        if self._num_participants <= 1:
-            return True
-        try:
-            assert self._pg is not None
-            work = self._pg.allreduce([flat])
-            work.wait(self.config.timeout)
-            return True
-        except Exception as exc:  # noqa: BLE001 - a peer died, hung or the group broke
-            self._pg_broken = True
-            self.report_error(exc)
-            return False
-
-    def allreduce_gradients(self, params: Iterable[torch.Tensor]) -> None:
-        """Average the dense gradients of ``params`` over the participants.
-
-        A parameter without a gradient here counts as a zero gradient if some participant has
-        one, and keeps ``grad=None`` if none has (torch optimizers then skip it, as they
-        would without fault tolerance). One collective per dtype carries grads and presence.
-
-        Raises:
-            ValueError: a gradient is sparse (average it yourself, or use a dense layout).
-        """
-        if self._errored is not None:
-            return
-        plist = [p for p in params if p.requires_grad]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in plist:
-            if p.grad is not None and p.grad.is_sparse:
-                raise ValueError(
-                    f"parameter of shape {tuple(p.shape)} has a sparse gradient; the Manager "
-                    "averages dense gradients only: use a dense layout (sparse=False)"
-                )
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for group in by_dtype.values():
-            if not self._allreduce_group(group):
-                return
-
-    def _allreduce_group(self, group: list[torch.Tensor]) -> bool:
-        parts = [
-            p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in group
-        ]
-        present = torch.tensor([p.grad is not None for p in group], dtype=group[0].dtype)
-        flat = torch.cat([*parts, present.to(group[0].device)])
-        if not self._sum(flat):
-            return False
-        # The same sum on every participant, so all of them drop a NaN/inf step together.
-        # One host read: the presence counts and whether every sum is finite.
-        flag = finite_flag([flat], flat.device).to(flat.dtype).reshape(1)
-        *counts, finite = torch.cat([flat[-len(group) :], flag]).tolist()
-        if not finite:
-            self.report_error(
-                NonFiniteGradientError(
-                    "the dense gradients averaged over the replicas hold NaN or inf (some "
-                    "replica's loss or gradient is not finite); the step is dropped on every "
-                    "replica"
-                )
-            )
-            return False
-        offset = 0
-        for p, count in zip(group, counts, strict=True):
-            if count > 0:
-                grad = flat[offset : offset + p.numel()].view_as(p).div_(self._num_participants)
-                if p.grad is None:
-                    p.grad = grad.clone()
-                else:
-                    p.grad.copy_(grad)
-            offset += p.numel()
-        return True
-
-    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every participant's ``tensor`` (first dimension may differ), in quorum rank order.
-
-        Returns:
-            One tensor per participant, or None if the step errored (it will be dropped).
-        """
-        if self._errored is not None:
-            return None
-        if self._num_participants <= 1:
-            return [tensor]
-        sizes = torch.zeros(self._num_participants, dtype=torch.int64)
-        sizes[self._rank] = tensor.shape[0]
-        if not self._sum(sizes):
-            return None
-        longest = int(sizes.max())
-        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
-        padded[: tensor.shape[0]] = tensor
-        outputs = [torch.empty_like(padded) for _ in range(self._num_participants)]
-        try:
-            assert self._pg is not None
-            self._pg.allgather([outputs], [padded]).wait(self.config.timeout)
-        except Exception as exc:  # noqa: BLE001 - same failure model as allreduce
-            self._pg_broken = True
-            self.report_error(exc)
-            return None
-        return [out[: int(n)] for out, n in zip(outputs, sizes.tolist(), strict=True)]
-
     # -- the vote -----------------------------------------------------------------------------
-    def should_commit(self) -> bool:
-        """Vote on the current step; True only if every participant succeeded.
+    def _vote(self, ok: bool) -> bool:
+        """Send this replica's vote to the lighthouse; a step commits only if all voted yes."""
+        if self._round is None:
+            return False
+        payload = {
+            "op": "vote",
+            "round": self._round,
+            "replica_id": self.config.replica_id,
+            "group_rank": self.config.group_rank,
+            "ok": ok,
+        }
+        try:
+            config = self.config
+            reply = request(config.lighthouse, payload, config.timeout, config.secret)
+            return bool(reply["commit"]) and ok
+        except Exception as exc:  # noqa: BLE001 - no answer is a no
+            self.report_error(exc)
+            return False
 
-        On True the step and batch counters advance; participants registered with
-        `register_participant` are told the outcome either way.
-        """
-        for participant in self._participants:
-            if self._errored is None:
-                try:
-                    participant.before_vote()
-                except Exception as exc:  # noqa: BLE001 - a failed exchange drops the step
-                    self.report_error(exc)
-        ok = self._errored is None and self._num_participants >= self.config.min_replica_size
-        if self._errored is None and not ok:
-            logger.warning(
-                "replica %s: %d participants < min_replica_size %d; not committing",
-                self.config.replica_id,
-                self._num_participants,
-                self.config.min_replica_size,
-            )
-        commit = False
-        if self._round is not None:
-            payload = {
-                "op": "vote",
-                "round": self._round,
-                "replica_id": self.config.replica_id,
-                "group_rank": self.config.group_rank,
-            }
-            try:
-                reply = request(
-                    self.config.lighthouse,
-                    {**payload, "ok": ok},
-                    self.config.timeout,
-                    self.config.secret,
-                )
-                commit = bool(reply["commit"]) and ok
-            except Exception as exc:  # noqa: BLE001 - no answer is a no
-                self.report_error(exc)
-        if commit:
-            self._step += 1
-            self._batches_committed += self._num_participants
-        for participant in self._participants:
-            if commit:
-                participant.on_commit()
-            else:
-                participant.on_abort()
-        return commit
+    def _on_commit(self) -> None:
+        self._step += 1
+        self._batches_committed += self._num_participants
 
     # -- lifecycle ----------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from recopt.ft.manager import Manager
+from recopt.ft.steps import StepTransaction
 
 
 class FaultTolerantOptimizer(torch.optim.Optimizer):
@@ -40,7 +40,11 @@ class FaultTolerantOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, manager: Manager, optim: torch.optim.Optimizer, *, allreduce_gradients: bool = True
+        self,
+        manager: StepTransaction,
+        optim: torch.optim.Optimizer,
+        *,
+        allreduce_gradients: bool = True,
     ) -> None:
         # The base initialiser is not called: all state lives in the wrapped optimizer.
         self.manager = manager

@@ -1,0 +1,152 @@
+"""Replica groups of the torchft contract test (tests/test_ft_torchft.py).
+
+`replica_group` runs one replica group under `recopt.testing.run_on_ranks` (1 rank: a plain
+DLRM with fused tables; 2 ranks: the DLRM of ft_sharded_worker sharded row-, table-wise and
+data-parallel) on `TorchftManager`, and returns one entry per attempted step: the data position
+it trained, whether it committed, its error, and state digests before and after the step.
+`Scenario` says what the group injects: a dropped step, a NaN input, a crash mid-step, a wait.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from ft_sharded_worker import ROWS, batch
+from ft_sharded_worker import build as build_sharded
+from torch import nn
+
+from recopt.ft.launch import make_fault_tolerant, state_digest
+from recopt.ft.retry import RetryPolicy, StepRetrier
+from recopt.ft.torchft_manager import TorchftConfig
+from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.models.dlrm import DLRM, DLRMConfig
+from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection
+from recopt.optim import CombinedOptimizer, KeyedOptimizerWrapper
+
+TIMEOUT = datetime.timedelta(seconds=20)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Scenario:
+    replica_id: str
+    lighthouse: str
+    steps: int
+    seed: int
+    drop_at: int | None = None  # data position whose first attempt reports an error
+    nan_at: int | None = None  # data position whose first attempt has a NaN dense input
+    crash_at: int | None = None  # attempt (0-based) at which the process exits after backward
+    ready_file: str | None = None  # touched once the manager is built
+    waits: tuple[tuple[int, str], ...] = ()  # (step, file): at that step, wait for the file
+    marks: tuple[tuple[int, str], ...] = ()  # (step, file): at that step, create the file
+    step_sleep: float = 0.0
+    min_replica_size: int = 1
+    quorum_timeout_s: float = 30.0
+
+
+def build_plain(seed: int) -> tuple[nn.Module, CombinedOptimizer]:
+    """The DLRM of ft_sharded_worker on one process (fused Adam tables, dense Adam)."""
+    torch.manual_seed(seed)
+    tables = [
+        EmbeddingBagConfig(name=t, num_embeddings=n, embedding_dim=8, feature_names=(f"f{t}",))
+        for t, n in ROWS.items()
+    ]
+    optimizer = FusedOptimizerConfig(name="adam", lr=0.05, backend=Backend.RECOPT)
+    sparse = FusedEmbeddingBagCollection(tables, optimizer=optimizer)
+    model = DLRM(sparse, DLRMConfig(dense_in_features=4, bottom_mlp=(8, 8), top_mlp=(8,)))
+    dense_params = {
+        n: p for n, p in model.named_parameters() if not n.startswith("embedding_bags.")
+    }
+    dense = KeyedOptimizerWrapper(dense_params, lambda p: torch.optim.Adam(p, lr=0.01))
+    return model, CombinedOptimizer([sparse.fused_optimizer, ("dense", dense)])
+
+
+def _group_store(rank: int) -> tuple[Any, int]:
+    """The replica group's TCPStore (what torchrun's MASTER_ADDR/PORT would be)."""
+    store = None
+    port = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        port[0] = store.port
+    dist.broadcast(port, 0)
+    return store, int(port[0])
+
+
+def _wait_for(path: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.05)
+
+
+def replica_group(rank: int, world_size: int, spec: Scenario) -> list[dict[str, Any]]:
+    """Train until ``spec.steps`` commits; one entry per attempt (see the module docstring)."""
+    store, port = _group_store(rank)
+    if world_size == 1:
+        model, optimizer = build_plain(spec.seed)
+    else:
+        model, optimizer = build_sharded(spec.seed, TIMEOUT)
+    config = TorchftConfig(
+        replica_id=spec.replica_id,
+        lighthouse_addr=spec.lighthouse,
+        store_addr="127.0.0.1",
+        store_port=port,
+        group_rank=rank,
+        group_world_size=world_size,
+        min_replica_size=spec.min_replica_size,
+        timeout=TIMEOUT,
+        quorum_timeout=datetime.timedelta(seconds=spec.quorum_timeout_s),
+    )
+    ft = make_fault_tolerant(model, optimizer, config)
+    if spec.ready_file and rank == 0:
+        Path(spec.ready_file).touch()
+    retrier = StepRetrier(ft.manager, RetryPolicy(backoff_s=0.01, max_backoff_s=0.2))
+    position, log, injected = 0, [], set()
+    while ft.manager.current_step() < spec.steps:
+        for at, path in spec.waits:
+            if ft.manager.current_step() == at:
+                _wait_for(path, 120)
+        for at, path in spec.marks:
+            if ft.manager.current_step() == at and rank == 0:
+                Path(path).touch()
+        time.sleep(spec.step_sleep)
+        ft.optimizer.zero_grad()
+        step = ft.manager.current_step()  # healing may have moved it
+        before = state_digest(model.state_dict(), optimizer.state_dict())
+        dense, sparse = batch(spec.seed, position, rank)
+        if spec.nan_at == position and "nan" not in injected:
+            dense[0, 0] = float("nan")
+            injected.add("nan")
+        logits = model(dense, sparse)
+        nn.functional.binary_cross_entropy_with_logits(logits, torch.ones(6)).backward()
+        if spec.crash_at == len(log):
+            os._exit(3)  # killed mid-step: after the fused update, before the vote
+        if spec.drop_at == position and "drop" not in injected:
+            ft.manager.report_error(RuntimeError("dropped by the test"))
+            injected.add("drop")
+        ft.optimizer.step()
+        committed = ft.manager.current_step() > step
+        error = ft.manager.errored()
+        log.append(
+            {
+                "step": step,
+                "position": position,
+                "committed": committed,
+                "participants": ft.manager.num_participants(),
+                "error": None if error is None else type(error).__name__,
+                "before": before,
+                "after": state_digest(model.state_dict(), optimizer.state_dict()),
+            }
+        )
+        if retrier.after_step(committed):
+            position += 1
+    ft.shutdown()
+    del store
+    return log

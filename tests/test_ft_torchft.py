@@ -1,0 +1,198 @@
+"""The fault-tolerance contract on torchft: its Rust lighthouse, started here, and 2 replica groups.
+
+Each replica group runs under `run_on_ranks` (in a thread of this process, so groups run side
+by side) on `TorchftManager`; tests/ft_torchft_groups.py is what every group does. Every
+scenario ends with the groups' states compared by digest at the last step, and checks what the
+scenario is about: a dropped step restores fused tables and optimizer state bit for bit and
+retrains its batch; a NaN is dropped on every group; a killed group rejoins and heals; a
+lighthouse restart loses no sample; sharded groups (2 ranks each) do all of the above per rank.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchft", reason="the ft extra: pip install 'recopt[ft]'")
+
+from ft_torchft_groups import Scenario, replica_group  # noqa: E402
+from torchft.coordination import LighthouseServer  # noqa: E402
+
+from recopt.testing import RankFailure, run_on_ranks  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _lighthouse(min_replicas: int, port: int = 0) -> Any:
+    return LighthouseServer(
+        bind=f"[::]:{port}",
+        min_replicas=min_replicas,
+        join_timeout_ms=200,
+        heartbeat_timeout_ms=1000,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _lighthouse_process(port: int) -> subprocess.Popen[bytes]:
+    """torchft's lighthouse binary (what a job runs), serving once its port accepts."""
+    binary = Path(sys.executable).parent / "torchft_lighthouse"
+    command = [str(binary), "--bind", f"127.0.0.1:{port}", "--min_replicas", "2"]
+    command += ["--join_timeout_ms", "200", "--heartbeat_timeout_ms", "1000"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return process
+        except OSError:
+            time.sleep(0.05)
+    process.kill()
+    raise TimeoutError(f"torchft_lighthouse did not listen on port {port} within 30 s")
+
+
+def _address(server: Any) -> str:
+    port = int(server.address().rsplit(":", 1)[1])
+    return f"http://127.0.0.1:{port}"
+
+
+def _run_groups(specs: list[Scenario], ranks: int) -> list[Any]:
+    """Each spec's group on ``ranks`` processes, side by side; a failure is returned."""
+
+    def one(spec: Scenario) -> Any:
+        try:
+            return run_on_ranks(replica_group, ranks, spec, timeout_s=150)
+        except RankFailure as exc:
+            return exc
+
+    with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
+        return list(pool.map(one, specs))
+
+
+def _final_digests(logs: list[list[dict[str, Any]]], step: int) -> list[str]:
+    return [next(e["after"] for e in log if e["committed"] and e["step"] == step) for log in logs]
+
+
+def _check_every_sample_once(log: list[dict[str, Any]], steps: int) -> None:
+    trained = [e["position"] for e in log if e["committed"]]
+    assert trained == list(range(steps)), trained
+
+
+def _check_dropped_restored(log: list[dict[str, Any]]) -> int:
+    dropped = [e for e in log if not e["committed"]]
+    for entry in dropped:
+        assert entry["after"] == entry["before"], entry
+    return len(dropped)
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["plain", "sharded"])
+def test_dropped_and_nonfinite_steps_restore_state(ranks: int) -> None:
+    """Both groups drop position 1 (an injected error): both roll back and retrain it. Only A's
+    input at position 3 holds a NaN: both groups see it in the exchanged gradients, drop the
+    step and skip that batch (it would fail again)."""
+    server = _lighthouse(min_replicas=2)
+    try:
+        address = _address(server)
+        specs = [
+            Scenario(replica_id="A", lighthouse=address, steps=5, seed=1, drop_at=1, nan_at=3),
+            Scenario(replica_id="B", lighthouse=address, steps=5, seed=2, drop_at=1),
+        ]
+        results = _run_groups(specs, ranks)
+    finally:
+        server.shutdown()
+    for result in results:
+        assert not isinstance(result, Exception), result
+    for rank in range(ranks):
+        logs = [result[rank] for result in results]
+        for log in logs:
+            assert _check_dropped_restored(log) == 2
+            dropped = [(e["position"], e["error"]) for e in log if not e["committed"]]
+            assert dropped == [(1, "RuntimeError"), (3, "NonFiniteGradientError")], log
+            assert [e["position"] for e in log if e["committed"]] == [0, 1, 2, 4, 5]
+        digests = _final_digests(logs, 4)
+        assert digests[0] == digests[1], f"rank {rank}: replica groups differ"
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["plain", "sharded"])
+def test_killed_group_rejoins_and_heals(tmp_path: Any, ranks: int) -> None:
+    """B exits mid-step (after its fused update, before the vote); A drops that step, rolls
+    back and trains on alone; B restarts, heals from A (each rank from the same rank) and
+    both end with equal digests."""
+    server = _lighthouse(min_replicas=1)
+    first, back = str(tmp_path / "B-first"), str(tmp_path / "B-back")
+    common: dict[str, Any] = {"lighthouse": _address(server), "steps": 7, "step_sleep": 0.05}
+    a_spec = Scenario(replica_id="A", seed=1, waits=((0, first), (4, back)), **common)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            survivor = pool.submit(_run_groups, [a_spec], ranks)
+            b_spec = Scenario(replica_id="B", seed=2, crash_at=2, ready_file=first, **common)
+            (crashed,) = _run_groups([b_spec], ranks)
+            assert isinstance(crashed, RankFailure), crashed  # B exited mid-step
+            b_spec = Scenario(replica_id="B", seed=2, ready_file=back, **common)
+            (rejoined,) = _run_groups([b_spec], ranks)
+            (survived,) = survivor.result()
+    finally:
+        server.shutdown()
+    assert not isinstance(rejoined, Exception), rejoined
+    assert not isinstance(survived, Exception), survived
+    for rank in range(ranks):
+        a_log, b_log = survived[rank], rejoined[rank]
+        # Every step A dropped (the one B died in, when A was in it with B) was rolled back.
+        _check_dropped_restored(a_log)
+        # B's restart healed to A's step (at least 4: A waited for it there), not step 0.
+        assert b_log[0]["step"] >= 4, b_log[0]
+        digests = _final_digests([a_log, b_log], 6)
+        assert digests[0] == digests[1], f"rank {rank}: replica groups differ"
+
+
+def test_lighthouse_restart_loses_no_sample(tmp_path: Any) -> None:
+    """torchft_lighthouse killed for 5 s mid-run: steps drop, retry their batch, none is lost."""
+    port = _free_port()
+    lighthouse = _lighthouse_process(port)
+    at3 = str(tmp_path / "at3")
+    steps = 8
+    specs = [
+        Scenario(
+            replica_id=name,
+            lighthouse=f"http://127.0.0.1:{port}",
+            steps=steps,
+            seed=seed,
+            step_sleep=0.2,
+            marks=((3, at3),),
+        )
+        for name, seed in (("A", 1), ("B", 2))
+    ]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(_run_groups, specs, 1)
+            deadline = time.monotonic() + 120
+            while not os.path.exists(at3) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            lighthouse.kill()  # an outage of 5 s in the middle of the run
+            lighthouse.wait(10)
+            time.sleep(5)
+            lighthouse = _lighthouse_process(port)
+            results = running.result()
+    finally:
+        lighthouse.kill()
+        lighthouse.wait(10)
+    for result in results:
+        assert not isinstance(result, Exception), result
+    logs = [result[0] for result in results]
+    for log in logs:
+        assert _check_dropped_restored(log) >= 1  # the quorum failed during the outage
+        _check_every_sample_once(log, steps)
+    digests = _final_digests(logs, steps - 1)
+    assert digests[0] == digests[1]
