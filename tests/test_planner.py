@@ -77,7 +77,7 @@ def recomputed_rank_bytes(
             )
             for r in range(topo.world_size):
                 used[r] += rank_output_bytes(t.embedding_dim, w)
-            if ps.sharding_type is ShardingType.DATA_PARALLEL:
+            if ps.sharding_type.replicated:
                 for r in ps.ranks:
                     used[r] += replica_storage_bytes(
                         t.num_embeddings, t.embedding_dim, w, topo.world_size

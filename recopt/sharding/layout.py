@@ -174,7 +174,7 @@ class ShardedLayout:
 
     def is_data_parallel(self, t: int) -> bool:
         """Whether table ``t`` is replicated."""
-        return self.shardings[t].sharding_type is ShardingType.DATA_PARALLEL
+        return self.shardings[t].sharding_type.replicated
 
     def _table_features(self, t: int) -> list[int]:
         return [f for f, ft in enumerate(self.features.feature_table) if ft == t]

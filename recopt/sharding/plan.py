@@ -8,7 +8,6 @@ checked by `plan_validation.validate_plan` identically on every rank before any 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import os
 from collections import Counter
@@ -18,13 +17,10 @@ from typing import Any, Protocol
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.kernels.placement import DEVICE, Placement
+from recopt.sharding.sharding_types import PlanError, ShardingType, ShardSpec, sharding_spec
 
 # The JSON layout version; `from_json` rejects any other so an old reader never half-reads a plan.
 PLAN_FORMAT_VERSION = 1
-
-
-class PlanError(ValueError):
-    """A sharding plan is malformed, incomplete or does not fit the tables and ranks it is for."""
 
 
 class TableLike(Protocol):
@@ -38,61 +34,6 @@ class TableLike(Protocol):
 
     @property
     def embedding_dim(self) -> int: ...
-
-
-class ShardingType(enum.StrEnum):
-    """How one table is split over ranks."""
-
-    DATA_PARALLEL = "data_parallel"
-    TABLE_WISE = "table_wise"
-    ROW_WISE = "row_wise"
-    COLUMN_WISE = "column_wise"
-    TABLE_ROW_WISE = "table_row_wise"
-    TABLE_COLUMN_WISE = "table_column_wise"
-
-    @property
-    def splits_rows(self) -> bool:
-        """Shards are row ranges of the full width (row-wise, table-row-wise)."""
-        return self in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
-
-    @property
-    def splits_columns(self) -> bool:
-        """Shards are column ranges of the full height (column-wise, table-column-wise)."""
-        return self in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
-
-    @property
-    def host_local(self) -> bool:
-        """All shards of a table stay on the ranks of one host (the table-* types)."""
-        return self in (ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE)
-
-    @property
-    def replicated(self) -> bool:
-        """Every rank holds the whole table (data-parallel)."""
-        return self is ShardingType.DATA_PARALLEL
-
-    @property
-    def whole_table(self) -> bool:
-        """Each rank that holds the table sees all its rows and columns (table-wise, DP)."""
-        return not (self.splits_rows or self.splits_columns)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ShardSpec:
-    """One rectangle of a table placed on one rank.
-
-    Args:
-        rank: the rank that stores the rectangle.
-        row_offset: first row of the rectangle in the full table.
-        num_rows: number of rows.
-        col_offset: first column in the full table.
-        num_cols: number of columns (the width the kernel sees).
-    """
-
-    rank: int
-    row_offset: int
-    num_rows: int
-    col_offset: int
-    num_cols: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -122,7 +63,7 @@ class ParameterSharding:
     def __post_init__(self) -> None:
         # Accept plain strings and lists from hand-written plans; store the canonical forms so
         # equality and JSON round trips do not depend on how the plan was spelled.
-        object.__setattr__(self, "sharding_type", ShardingType(self.sharding_type))
+        object.__setattr__(self, "sharding_type", sharding_spec(self.sharding_type).sharding_type)
         object.__setattr__(self, "compute_kernel", Backend(self.compute_kernel))
         object.__setattr__(self, "ranks", tuple(self.ranks))
         object.__setattr__(self, "shards", tuple(self.shards))

@@ -20,8 +20,7 @@ from recopt.kernels.precision import Precision
 from recopt.kernels.registry import fbgemm_spec_names, optimizer_spec
 from recopt.modules.config import EmbeddingConfig
 from recopt.sharding.layout import needs_row_stat_hook, sharding_refusal
-from recopt.sharding.plan import ParameterSharding, ShardingType, ShardSpec
-from recopt.sharding.plan_helpers import split_columns, split_evenly
+from recopt.sharding.plan import ParameterSharding, PlanError, ShardingType
 from recopt.sharding.planner.constraints import ParameterConstraints, TableWorkload
 from recopt.sharding.planner.perf import replica_cost, shard_cost
 from recopt.sharding.planner.storage import (
@@ -30,6 +29,7 @@ from recopt.sharding.planner.storage import (
     shard_storage_bytes,
 )
 from recopt.sharding.planner.topology import Topology
+from recopt.sharding.sharding_types import sharding_spec
 
 # Preference among options of equal estimated cost: fewer shards and less communication first.
 TYPE_ORDER = {t: i for i, t in enumerate(ShardingType)}
@@ -90,7 +90,7 @@ class ShardingOption:
     @property
     def is_replicated(self) -> bool:
         """Data-parallel: every rank holds the whole table."""
-        return self.sharding_type is ShardingType.DATA_PARALLEL
+        return self.sharding_type.replicated
 
     @property
     def host_local(self) -> bool:
@@ -117,22 +117,7 @@ class ShardingOption:
                 optimizer=self.plan_optimizer,
                 placement=self.placement,
             )
-        shards, offset = [], 0
-        for (rows, cols), rank in zip(self.shard_sizes, shard_ranks, strict=True):
-            if self.sharding_type.splits_columns:
-                shards.append(
-                    ShardSpec(
-                        rank=rank, row_offset=0, num_rows=rows, col_offset=offset, num_cols=cols
-                    )
-                )
-                offset += cols
-            else:
-                shards.append(
-                    ShardSpec(
-                        rank=rank, row_offset=offset, num_rows=rows, col_offset=0, num_cols=cols
-                    )
-                )
-                offset += rows
+        shards = sharding_spec(self.sharding_type).place(self.shard_sizes, shard_ranks)
         return ParameterSharding(
             sharding_type=self.sharding_type,
             ranks=tuple(sorted(set(shard_ranks))),
@@ -267,25 +252,25 @@ def _layouts(
     kind: ShardingType, table: Any, c: ParameterConstraints, topology: Topology
 ) -> list[tuple[list[tuple[int, int]], list[int] | None]]:
     rows, dim, w = table.num_embeddings, table.embedding_dim, topology.world_size
-    if kind is ShardingType.DATA_PARALLEL:
-        return [([(rows, dim)], list(range(w)))]
-    if kind is ShardingType.TABLE_WISE:
-        return [([(rows, dim)], None)]
-    if kind.splits_rows:
-        n = w if kind is ShardingType.ROW_WISE else topology.local_world_size
-        sizes = [(r, dim) for r in split_evenly(rows, n) if r > 0]
-        fixed = list(range(len(sizes))) if kind is ShardingType.ROW_WISE else None
-        return [(sizes, fixed)]
-    limit = w if kind is ShardingType.COLUMN_WISE else topology.local_world_size
+    spec, where = sharding_spec(kind), f"table {table.name!r}"
+    if spec.replicated:
+        return [(spec.cut(rows, dim, 1, where), list(range(w)))]
+    if spec.one_shard:
+        return [(spec.cut(rows, dim, 1, where), None)]
+    group = topology.local_world_size if spec.host_local else w
+    if spec.splits_rows:
+        sizes = spec.cut(rows, dim, group, where)
+        # Over every rank, row range i lands on rank i; on one host the partitioner picks it.
+        return [(sizes, None if spec.host_local else list(range(len(sizes))))]
     layouts: list[tuple[list[tuple[int, int]], list[int] | None]] = []
     parts = 2
-    while parts <= min(limit, dim // c.min_partition):
+    while parts <= min(group, dim // c.min_partition):
         try:
-            widths = split_columns(dim, parts)
-        except ValueError:
-            widths = []
-        if widths and min(widths) >= c.min_partition:
-            layouts.append(([(rows, cw) for cw in widths], None))
+            sizes = spec.cut(rows, dim, parts, where)
+        except PlanError:
+            sizes = []
+        if sizes and min(cols for _, cols in sizes) >= c.min_partition:
+            layouts.append((sizes, None))
         parts *= 2
     if not layouts and c.sharding_types is not None:
         layouts.append(([(rows, dim)], None))  # asked for explicitly: one full-height shard
@@ -386,7 +371,7 @@ def shard_estimate(
     data-parallel) of ``table`` under one placement; ``k`` column shards share its rows."""
     rows, w = table.num_embeddings, topology.world_size
     _, host = resident_bytes(n, d, workload, placement)
-    if kind is ShardingType.DATA_PARALLEL:
+    if kind.replicated:
         return (
             replica_storage_bytes(n, d, workload, w, placement),
             host,

@@ -12,7 +12,6 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from recopt.sharding.plan import ShardingType
 from recopt.sharding.planner.enumerator import ShardingOption
 from recopt.sharding.planner.topology import Topology
 
@@ -230,7 +229,7 @@ def _fit_on_host(
     opt: ShardingOption, host_ranks: list[int], ranks: _Ranks, memory_first: bool
 ) -> tuple[float, list[int]] | None:
     """(score, rank per shard) of the option on one host, lower score better; None if it fails."""
-    distinct = opt.sharding_type is ShardingType.TABLE_ROW_WISE  # one row range per rank
+    distinct = opt.sharding_type.splits_rows  # one row range per rank
     used = {r: float(ranks.bytes[r]) for r in host_ranks}
     host_used = {r: ranks.host[r] for r in host_ranks}
     cost = {r: ranks.cost[r] for r in host_ranks}

@@ -13,7 +13,7 @@ from typing import Any
 
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.kernels.placement import DEVICE
-from recopt.sharding.plan import ParameterSharding, ShardingPlan, ShardingType
+from recopt.sharding.plan import ParameterSharding, ShardingPlan
 from recopt.sharding.planner.constraints import (
     ParameterConstraints,
     TableWorkload,
@@ -261,7 +261,7 @@ def _placed_estimates(
 ) -> list[_ShardEstimate]:
     """The estimates of every shard of one table (every rank for a replica)."""
     kind, where = ps.sharding_type, ps.placement
-    k = len(ps.shards) if kind in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE) else 1
+    k = len(ps.shards) if kind.splits_columns else 1
 
     def estimate(rank: int, rows: int, cols: int) -> _ShardEstimate:
         nbytes, host, seconds = shard_estimate(kind, k, rows, cols, table, load, topology, where)
@@ -272,7 +272,7 @@ def _placed_estimates(
         )
         return _ShardEstimate(rank, nbytes, host, seconds, device_seconds)
 
-    if kind is ShardingType.DATA_PARALLEL:
+    if kind.replicated:
         replica = estimate(0, table.num_embeddings, table.embedding_dim)
         return [dataclasses.replace(replica, rank=r) for r in ps.ranks]
     return [estimate(s.rank, s.num_rows, s.num_cols) for s in ps.shards]
