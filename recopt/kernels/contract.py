@@ -17,6 +17,7 @@ from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, Ta
 
 if TYPE_CHECKING:
     from recopt.kernels.autotune import BackendDecision
+    from recopt.kernels.updates import AdafactorNorm, RowStat
 
 Tensor = torch.Tensor
 # (table index, unique rows [U] ascending, per-row tensor) -> tensor. ``grad_hook`` gets the
@@ -119,3 +120,37 @@ def flush_kernel_caches(module: torch.nn.Module) -> int:
                 kernel.flush()
                 count += 1
     return count
+
+
+# The torch update of one fused optimizer (recopt/kernels/updates.py registers one per spec).
+class RowUpdate(Protocol):
+    """A row rule: updates the touched rows of one table (and their state) in place."""
+
+    def __call__(
+        self,
+        config: FusedOptimizerConfig,
+        lr: float,
+        weight: Tensor,
+        state: dict[str, Tensor],
+        rows_U: Tensor,
+        grad_U_D: Tensor,
+        row_stat: RowStat | None = None,
+        step: int | None = None,
+    ) -> None: ...
+
+
+class TableUpdate(Protocol):
+    """A rule whose statistics span the whole table (`whole_table_statistics`): it also
+    reads and keeps the table's running weight norm."""
+
+    def __call__(
+        self,
+        config: FusedOptimizerConfig,
+        lr: float,
+        weight: Tensor,
+        state: dict[str, Tensor],
+        rows_U: Tensor,
+        grad_U_D: Tensor,
+        norm: AdafactorNorm,
+        step: int | None = None,
+    ) -> None: ...

@@ -382,7 +382,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
         if (
             self.grad_hook is not None
             or self.row_stat_hook is not None
-            or self._spec.c_code is None
+            or not self._spec.triton_update
             or self._reduced
             or grad_out.dtype != torch.float32
             or any(w.device.type != "cuda" or w.dtype != torch.float32 for w in self.weights)
