@@ -25,8 +25,7 @@ from recopt.ft.embedding import EmbeddingReplicaSync, FusedEmbeddingGuard
 from recopt.ft.healing import into_local_shards, to_local_shards
 from recopt.ft.manager import Manager, ManagerConfig
 from recopt.ft.optim import FaultTolerantOptimizer
-from recopt.kernels.contract import KernelOwner
-from recopt.optim.fused import is_fused
+from recopt.modules.collection import FusedCollection
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +114,7 @@ def manager_config_from_env(
 
 def _fused_collections(model: nn.Module) -> list[nn.Module]:
     """The embedding collections whose optimizer runs inside backward (both twins)."""
-    return [m for m in model.modules() if is_fused(m) and isinstance(m, KernelOwner)]
+    return [m for m in model.modules() if isinstance(m, FusedCollection)]
 
 
 def _healing_state(

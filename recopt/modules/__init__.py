@@ -2,6 +2,7 @@
 each as a plain torch module and a fused-optimizer twin."""
 
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType
+from recopt.modules.collection import FusedCollection
 from recopt.modules.config import (
     BaseEmbeddingConfig,
     EmbeddingBagConfig,
@@ -22,6 +23,7 @@ __all__ = [
     "EmbeddingCollection",
     "EmbeddingConfig",
     "EmbeddingFusedOptimizer",
+    "FusedCollection",
     "FusedEmbeddingBagCollection",
     "FusedEmbeddingCollection",
     "FusedOptimizerConfig",

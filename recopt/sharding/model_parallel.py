@@ -19,11 +19,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from recopt import comm
 from recopt.kernels.config import FusedOptimizerConfig
+from recopt.modules.collection import FusedCollection
 from recopt.modules.embedding import EmbeddingCollection
 from recopt.modules.embedding_bag import EmbeddingBagCollection
 from recopt.modules.fused import FusedEmbeddingBagCollection
 from recopt.modules.fused_embedding import FusedEmbeddingCollection
-from recopt.modules.fused_groups import optimizer_from_param_group
 from recopt.optim.combined import CombinedOptimizer
 from recopt.optim.keyed import KeyedOptimizer
 from recopt.sharding.plan import ShardingPlan
@@ -78,7 +78,9 @@ class DistributedModelParallel(nn.Module):
         world = dist.get_world_size(process_group)
         found = _embedding_modules(module)
         tables_by_module = {path: list(m.tables) for path, m in found}
-        if plan is None:
+        if plan is not None:  # a plan of our own planner was validated where it was made
+            validate_plan(plan, tables_by_module, world, ranks_per_host)
+        else:
             plan = _default_plan(
                 tables_by_module,
                 world,
@@ -89,7 +91,6 @@ class DistributedModelParallel(nn.Module):
                 timeout,
                 table_optimizers={path: _table_optimizers(m) for path, m in found},
             )
-        validate_plan(plan, tables_by_module, world, ranks_per_host)
         self.plan = plan
         sharded: list[tuple[str, ShardedModule]] = []
         for path, old in found:
@@ -183,8 +184,9 @@ def _shard(
         "process_group": process_group,
         "device": device,
         "module_path": path,
-        "skip_nonfinite": getattr(old, "skip_nonfinite", True),
+        "skip_nonfinite": old.skip_nonfinite if isinstance(old, FusedCollection) else True,
         "timeout": timeout,
+        "plan_validated": True,  # DMP validated the whole plan
     }
     if isinstance(old, _UNPOOLED_TYPES):
         return ShardedEmbeddingCollection(
@@ -197,18 +199,10 @@ def _shard(
 
 
 def _table_optimizers(module: nn.Module) -> dict[str, FusedOptimizerConfig]:
-    """The per-table optimizers of a fused collection, read from its param groups."""
+    """The per-table optimizers of a fused collection (its param groups' hyperparameters)."""
     if not isinstance(module, FusedEmbeddingBagCollection | FusedEmbeddingCollection):
         return {}
-    opt = module.fused_optimizer
-    name_of = {id(p): n for n, p in opt.params.items()}
-    result: dict[str, FusedOptimizerConfig] = {}
-    for group in opt.param_groups:
-        config = optimizer_from_param_group(group)
-        for p in group["params"]:
-            table = name_of[id(p)].split(".")[1]
-            result[table] = config
-    return result
+    return module.table_optimizers()
 
 
 def _on_meta(module: nn.Module) -> bool:
