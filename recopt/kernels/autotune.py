@@ -20,6 +20,7 @@ import torch
 
 from recopt.kernels.autotune_cache import DecisionCache, machine_key
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
+from recopt.kernels.contract import BackendDecision
 from recopt.kernels.precision import Precision
 
 logger = logging.getLogger(__name__)
@@ -138,40 +139,6 @@ class ShapeClass:
         for reduced precision)."""
         key = f"{self.device}/{self.optimizer}/dim{self.dim}/rows{self.rows}"
         return key if self.precision == "fp32" else f"{key}/{self.precision}"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BackendDecision:
-    """The backend one kernel runs on, and why.
-
-    Args:
-        backend: ``fbgemm`` or ``recopt``.
-        reason: ``explicit``, ``pinned``, ``only candidate``, ``measured``, ``cached`` or
-            ``shared by rank 0`` (what decided it, with detail).
-        seconds: median seconds per probe step by backend name, when measured.
-    """
-
-    backend: Backend
-    reason: str
-    seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
-
-    def to_json(self) -> dict[str, object]:
-        """A JSON-able dict (the cache and the rank-0 broadcast carry this)."""
-        return {"backend": self.backend.value, "reason": self.reason, "seconds": dict(self.seconds)}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, object]) -> BackendDecision:
-        """Inverse of `to_json`.
-
-        Raises:
-            ValueError: not a decision (a corrupt cache entry).
-        """
-        backend = Backend(str(data["backend"]))
-        seconds = data.get("seconds", {})
-        if backend is Backend.AUTO or not isinstance(seconds, dict):
-            raise ValueError(f"not a backend decision: {data!r}")
-        times = {str(k): float(v) for k, v in seconds.items()}
-        return cls(backend=backend, reason=str(data.get("reason", "")), seconds=times)
 
 
 MIN_REPEATS = 3

@@ -7,7 +7,9 @@ declared, typed members: no ``setattr``, no backend-private attributes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -16,7 +18,6 @@ from torch.utils.hooks import RemovableHandle
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
 
 if TYPE_CHECKING:
-    from recopt.kernels.autotune import BackendDecision
     from recopt.kernels.updates import AdafactorNorm, RowStat
 
 Tensor = torch.Tensor
@@ -25,6 +26,40 @@ Tensor = torch.Tensor
 # ``row_stat_hook`` gets each row's sum of squared gradients over the kernel's columns [U]
 # and returns the mean over the full row (for row-wise optimizers on column shards).
 KernelHook = Callable[[int, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BackendDecision:
+    """The backend one kernel runs on, and why.
+
+    Args:
+        backend: ``fbgemm`` or ``recopt``.
+        reason: ``explicit``, ``pinned``, ``only candidate``, ``measured``, ``cached`` or
+            ``shared by rank 0`` (what decided it, with detail).
+        seconds: median seconds per probe step by backend name, when measured.
+    """
+
+    backend: Backend
+    reason: str
+    seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, object]:
+        """A JSON-able dict (the cache and the rank-0 broadcast carry this)."""
+        return {"backend": self.backend.value, "reason": self.reason, "seconds": dict(self.seconds)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, object]) -> BackendDecision:
+        """Inverse of `to_json`.
+
+        Raises:
+            ValueError: not a decision (a corrupt cache entry).
+        """
+        backend = Backend(str(data["backend"]))
+        seconds = data.get("seconds", {})
+        if backend is Backend.AUTO or not isinstance(seconds, dict):
+            raise ValueError(f"not a backend decision: {data!r}")
+        times = {str(k): float(v) for k, v in seconds.items()}
+        return cls(backend=backend, reason=str(data.get("reason", "")), seconds=times)
 
 
 class Kernel(Protocol):

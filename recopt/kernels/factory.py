@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
-from recopt.kernels.autotune import BackendDecision, ShapeClass, default_resolver
+from recopt.kernels.autotune import ShapeClass, default_resolver
 from recopt.kernels.config import (
     Backend,
     FusedOptimizerConfig,
@@ -19,7 +19,7 @@ from recopt.kernels.config import (
     TableSpec,
     validate_kernel_layout,
 )
-from recopt.kernels.contract import Kernel
+from recopt.kernels.contract import BackendDecision, Kernel
 from recopt.kernels.fbgemm_backend import (  # fbgemm itself is imported only when used
     fbgemm_problems,
 )

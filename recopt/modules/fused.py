@@ -23,6 +23,7 @@ from recopt.kernels.precision import Precision
 from recopt.kernels.updates import ROUNDING_STEP
 from recopt.modules.collection import FusedCollection
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
+from recopt.modules.embedding_bag import EmbeddingBagCollection
 from recopt.modules.fused_groups import (
     LearningRateSync,
     make_param_group,
@@ -355,3 +356,45 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
                 columns[f] = out[:, start : start + dim]
                 start += dim
         return torch.cat(columns, dim=1)
+
+
+def fuse_embedding_optimizer(
+    model: nn.Module,
+    optimizer_type: type,
+    optimizer_kwargs: Mapping[str, Any] | None = None,
+    device: torch.device | str | None = None,
+) -> nn.Module:
+    """Replace every `EmbeddingBagCollection` in ``model`` by its fused twin, weights kept.
+
+    Args:
+        model: a collection, or a module holding collections (replaced in place).
+        optimizer_type: the torch optimizer whose update the fused kernels apply.
+        optimizer_kwargs: its keyword arguments.
+        device: where the fused tables live (default: where the collection's weights are).
+
+    Returns:
+        ``model`` with its collections replaced (the fused collection if ``model`` is one).
+
+    Raises:
+        ValueError: as `fused_config`.
+    """
+    config = fused_config(optimizer_type, optimizer_kwargs)
+
+    def fuse(ebc: EmbeddingBagCollection) -> FusedEmbeddingBagCollection:
+        fused = FusedEmbeddingBagCollection(
+            ebc.tables,
+            optimizer=config,
+            is_weighted=ebc.is_weighted,
+            device=device if device is not None else ebc.device,
+        )
+        fused.load_state_dict(ebc.state_dict())
+        return fused
+
+    if isinstance(model, EmbeddingBagCollection):
+        return fuse(model)
+    for name, child in list(model.named_children()):
+        if isinstance(child, EmbeddingBagCollection):
+            setattr(model, name, fuse(child))
+        else:
+            fuse_embedding_optimizer(child, optimizer_type, optimizer_kwargs, device)
+    return model

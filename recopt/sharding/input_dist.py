@@ -364,29 +364,8 @@ def distribute_input(
         the rank whose input was rejected; `RemoteInputError` naming the rejected ranks on
         every other rank. Nothing is sent past the count exchange then.
     """
-    world = bucketizer.world_size
-    # On the ids' device: NCCL exchanges device tensors only.
-    counts = torch.zeros(world, bucketizer.num_columns, dtype=torch.int64, device=bucketizer.device)
-    routed: tuple[Tensor, Tensor | None, Tensor] | None = None
-    if features is None or error is not None:
-        counts[:, _FLAG] = 1
-    else:
-        routed = bucketizer.bucketize(features)
-        _fill_counts(counts, bucketizer, features, routed[2], check)
-    recv = all_to_all_counts(counts, group)
-    sent, received = torch.stack([counts, recv]).tolist()  # the one read of the exchange
-    bad = [s for s, row in enumerate(received) if row[_FLAG]]
-    if error is not None:
-        raise error
-    if sent and sent[0][_FLAG]:
-        assert check is not None
-        check.raise_error()
-    if bad:
-        raise RemoteInputError(
-            f"the input of rank(s) {bad} was rejected (see the error raised on that rank); "
-            "this step was abandoned on every rank and nothing was updated"
-        )
-    assert features is not None and routed is not None
+    sent, received, routed = _exchange_counts(features, error, bucketizer, group, check)
+    assert features is not None
     ids_N, w_N, lengths_G_B = routed
     batch_sizes = [row[_BATCH] for row in received]
     max_batch = max(batch_sizes)
@@ -414,6 +393,42 @@ def distribute_input(
     out = ReceivedInput(batch_sizes, max_batch, [], [], [], [], [], [], mp_counts, dp_counts)
     _unpack(out, recv_flat, recv_splits, n_vf * max_batch, n_dp, weighted)
     return out
+
+
+def _exchange_counts(
+    features: KeyedJaggedTensor | None,
+    error: BaseException | None,
+    bucketizer: Bucketizer,
+    group: dist.ProcessGroup | None,
+    check: PendingCheck | None,
+) -> tuple[list[list[int]], list[list[int]], tuple[Tensor, Tensor | None, Tensor]]:
+    """The count exchange of `distribute_input` and its one host read: (counts sent, counts
+    received, this rank's routed ids / weights / lengths), or the step's input error raised
+    on every rank (the arguments and the errors are `distribute_input`'s)."""
+    world = bucketizer.world_size
+    # On the ids' device: NCCL exchanges device tensors only.
+    counts = torch.zeros(world, bucketizer.num_columns, dtype=torch.int64, device=bucketizer.device)
+    routed: tuple[Tensor, Tensor | None, Tensor] | None = None
+    if features is None or error is not None:
+        counts[:, _FLAG] = 1
+    else:
+        routed = bucketizer.bucketize(features)
+        _fill_counts(counts, bucketizer, features, routed[2], check)
+    recv = all_to_all_counts(counts, group)
+    sent, received = torch.stack([counts, recv]).tolist()  # the one read of the exchange
+    bad = [s for s, row in enumerate(received) if row[_FLAG]]
+    if error is not None:
+        raise error
+    if sent and sent[0][_FLAG]:
+        assert check is not None
+        check.raise_error()
+    if bad:
+        raise RemoteInputError(
+            f"the input of rank(s) {bad} was rejected (see the error raised on that rank); "
+            "this step was abandoned on every rank and nothing was updated"
+        )
+    assert routed is not None
+    return sent, received, routed
 
 
 def _mp_counts(bucketizer: Bucketizer, row: list[int], dest: int) -> list[int]:

@@ -20,14 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recopt.comm import (
-    ExchangeMeta,
-    KernelRequest,
-    OutputExchange,
-    ScratchBuffer,
-    all_ranks_finite,
-    share_backend_decisions,
-)
+from recopt.comm import all_ranks_finite
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.contract import Kernel
 from recopt.kernels.factory import create_kernel, rng_unchanged
@@ -37,6 +30,7 @@ from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimize
 from recopt.modules.inputs import PendingCheck
 from recopt.modules.nonfinite import NonFiniteGradGuard, backward_if_given, finite_flag
 from recopt.modules.variable_batch import expand_rows, regular_batch
+from recopt.sharding.backend_decisions import KernelRequest, share_backend_decisions
 from recopt.sharding.input_dist import (
     Bucketizer,
     KernelInput,
@@ -46,6 +40,7 @@ from recopt.sharding.input_dist import (
 )
 from recopt.sharding.layout import GroupLayout, ShardedLayout
 from recopt.sharding.output_assembly import OutputAssembly
+from recopt.sharding.output_exchange import ExchangeMeta, OutputExchange, ScratchBuffer
 from recopt.sharding.plan import ParameterSharding, PlanError, ShardingPlan
 from recopt.sharding.plan_validation import validate_plan
 from recopt.sharding.row_stats import RowStatExchange
