@@ -407,7 +407,7 @@ def _errors_case(rank: int, world: int) -> None:
                 tables,
                 {
                     **_requests("row_wise", world),
-                    "t1": column_wise([0], compute_kernel=Backend.FBGEMM, optimizer=rw),
+                    "t1": column_wise([0], backend=Backend.FBGEMM, optimizer=rw),
                 },
                 world,
             )

@@ -9,12 +9,13 @@ the registry, so a new type is one spec entry plus the expected traits below.
 from __future__ import annotations
 
 import ast
+import json
 import pathlib
 
 import pytest
 
 import recopt
-from recopt.kernels.config import FusedOptimizerConfig
+from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.modules import EmbeddingBagConfig
 from recopt.sharding import (
     SHARDING_SPECS,
@@ -24,9 +25,12 @@ from recopt.sharding import (
     ShardingRequest,
     ShardingSpec,
     ShardingType,
+    row_wise,
     sharding_spec,
+    table_wise,
     validate_plan,
 )
+from recopt.sharding.layout import resolve_optimizer
 from recopt.sharding.planner.constraints import ParameterConstraints
 from recopt.sharding.planner.enumerator import enumerate_options, table_workload
 from recopt.sharding.planner.perf import shard_cost
@@ -128,7 +132,7 @@ def test_a_type_without_a_spec_is_an_error_everywhere(monkeypatch: pytest.Monkey
     refused(lambda: kind.splits_columns)
     plan_json = (
         '{"version": 1, "plan": {"": {"t": {"sharding_type": "column_wise", "ranks": [0], '
-        '"shards": [], "compute_kernel": "auto", "optimizer": null}}}}'
+        '"shards": [], "backend": "auto", "optimizer": null}}}}'
     )
     refused(lambda: ShardingPlan.from_json(plan_json))
     topology = Topology(world_size=WORLD)
@@ -178,3 +182,26 @@ def test_the_library_tests_traits_not_type_names() -> None:
             if named:
                 offenders.append(f"{path.relative_to(library)}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_a_plan_names_the_backend_backend_and_old_plan_files_still_load() -> None:
+    ps = row_wise(backend=Backend.RECOPT).resolve(TABLE, 2)
+    plan = ShardingPlan({"": {"t": ps}})
+    doc = json.loads(plan.to_json())
+    assert (
+        doc["plan"][""]["t"]["backend"] == "recopt" and "compute_kernel" not in doc["plan"][""]["t"]
+    )
+    # A plan file written before the rename calls the field compute_kernel.
+    old = doc["plan"][""]["t"]
+    old["compute_kernel"] = old.pop("backend")
+    assert ShardingPlan.from_json(json.dumps(doc)).plan == plan.plan
+
+
+def test_a_plan_backend_contradicting_the_optimizers_is_an_error() -> None:
+    ps = table_wise(0, backend=Backend.RECOPT).resolve(TABLE, 1)
+    for agreeing in (Backend.AUTO, Backend.RECOPT):
+        optimizer = FusedOptimizerConfig(name="adagrad", backend=agreeing)
+        assert resolve_optimizer(TABLE, ps, optimizer, "").backend is Backend.RECOPT
+    fbgemm = FusedOptimizerConfig(name="adagrad", backend=Backend.FBGEMM)
+    with pytest.raises(PlanError, match="backend 'recopt' contradicts the optimizer's backend"):
+        resolve_optimizer(TABLE, ps, fbgemm, "")

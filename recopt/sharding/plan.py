@@ -46,7 +46,9 @@ class ParameterSharding:
             rank, each holding a full replica).
         shards: the rectangles that tile the table exactly (empty for DATA_PARALLEL). Row-wise
             types put at most one rectangle on a rank; column-wise types may put several.
-        compute_kernel: the kernel backend for the table's shards.
+        backend: the kernel backend of the table's shards (``auto``: the optimizer's
+            ``backend``; both set and different is a `PlanError`). Plan files written
+            before this name call it ``compute_kernel``; they still load.
         optimizer: the fused optimizer for this table; ``None`` means the module's own.
         placement: where every shard's rows live on its rank (device memory, UVM, or UVM
             with an HBM cache; kernels/placement.py). Anything but ``device`` needs CUDA and
@@ -56,7 +58,7 @@ class ParameterSharding:
     sharding_type: ShardingType
     ranks: tuple[int, ...]
     shards: tuple[ShardSpec, ...] = ()
-    compute_kernel: Backend = Backend.AUTO
+    backend: Backend = Backend.AUTO
     optimizer: FusedOptimizerConfig | None = None
     placement: Placement = DEVICE
 
@@ -64,7 +66,7 @@ class ParameterSharding:
         # Accept plain strings and lists from hand-written plans; store the canonical forms so
         # equality and JSON round trips do not depend on how the plan was spelled.
         object.__setattr__(self, "sharding_type", sharding_spec(self.sharding_type).sharding_type)
-        object.__setattr__(self, "compute_kernel", Backend(self.compute_kernel))
+        object.__setattr__(self, "backend", Backend(self.backend))
         object.__setattr__(self, "ranks", tuple(self.ranks))
         object.__setattr__(self, "shards", tuple(self.shards))
         if isinstance(self.placement, str):  # a location alone: "uvm", "uvm_caching"
@@ -158,7 +160,7 @@ def _sharding_to_dict(ps: ParameterSharding) -> dict[str, Any]:
         "sharding_type": ps.sharding_type.value,
         "ranks": list(ps.ranks),
         "shards": [dataclasses.asdict(s) for s in ps.shards],
-        "compute_kernel": ps.compute_kernel.value,
+        "backend": ps.backend.value,
         "optimizer": opt,
         "placement": {
             "location": ps.placement.location.value,
@@ -169,7 +171,9 @@ def _sharding_to_dict(ps: ParameterSharding) -> dict[str, Any]:
 
 def _sharding_from_dict(d: dict[str, Any], table: str, module: str) -> ParameterSharding:
     where = f"table {table!r} (module {module!r})"
-    keys = {"sharding_type", "ranks", "shards", "compute_kernel", "optimizer"}
+    if "compute_kernel" in d and "backend" not in d:  # the backend's name in older plans
+        d = {("backend" if k == "compute_kernel" else k): v for k, v in d.items()}
+    keys = {"sharding_type", "ranks", "shards", "backend", "optimizer"}
     # "placement" came later: plans written before it hold every table in device memory.
     _check_keys(d, keys | {"placement"}, where, required=keys)
     try:
@@ -186,7 +190,7 @@ def _sharding_from_dict(d: dict[str, Any], table: str, module: str) -> Parameter
             sharding_type=ShardingType(d["sharding_type"]),
             ranks=tuple(d["ranks"]),
             shards=shards,
-            compute_kernel=Backend(d["compute_kernel"]),
+            backend=Backend(d["backend"]),
             optimizer=optimizer,
             placement=_placement_from_json(d.get("placement"), where),
         )

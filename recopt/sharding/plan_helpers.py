@@ -37,7 +37,7 @@ class ShardingRequest:
         ranks: explicit ranks (table-wise: one; row-wise: ``None`` for all; column-wise: in
             column order, repeats allowed).
         host: the host for the table-row-wise and table-column-wise types.
-        compute_kernel: the kernel backend.
+        backend: the kernel backend.
         optimizer: a per-table fused optimizer, or ``None`` for the module's.
         placement: where the table's shards live on their ranks (CUDA only for UVM).
     """
@@ -45,7 +45,7 @@ class ShardingRequest:
     sharding_type: ShardingType
     ranks: tuple[int, ...] | None = None
     host: int | None = None
-    compute_kernel: Backend = Backend.AUTO
+    backend: Backend = Backend.AUTO
     optimizer: FusedOptimizerConfig | None = None
     placement: Placement = DEVICE
 
@@ -92,7 +92,7 @@ class ShardingRequest:
             sharding_type=self.sharding_type,
             ranks=tuple(ranks),
             shards=tuple(shards),
-            compute_kernel=self.compute_kernel,
+            backend=self.backend,
             optimizer=self.optimizer,
             placement=self.placement,
         )
@@ -114,7 +114,7 @@ class ShardingRequest:
 def table_wise(
     rank: int,
     *,
-    compute_kernel: Backend = Backend.AUTO,
+    backend: Backend = Backend.AUTO,
     optimizer: FusedOptimizerConfig | None = None,
     placement: Placement = DEVICE,
 ) -> ShardingRequest:
@@ -122,7 +122,7 @@ def table_wise(
     return ShardingRequest(
         sharding_type=ShardingType.TABLE_WISE,
         ranks=(rank,),
-        compute_kernel=compute_kernel,
+        backend=backend,
         optimizer=optimizer,
         placement=placement,
     )
@@ -131,7 +131,7 @@ def table_wise(
 def row_wise(
     ranks: Sequence[int] | None = None,
     *,
-    compute_kernel: Backend = Backend.AUTO,
+    backend: Backend = Backend.AUTO,
     optimizer: FusedOptimizerConfig | None = None,
     placement: Placement = DEVICE,
 ) -> ShardingRequest:
@@ -142,7 +142,7 @@ def row_wise(
     return ShardingRequest(
         sharding_type=ShardingType.ROW_WISE,
         ranks=None if ranks is None else tuple(ranks),
-        compute_kernel=compute_kernel,
+        backend=backend,
         optimizer=optimizer,
         placement=placement,
     )
@@ -151,7 +151,7 @@ def row_wise(
 def column_wise(
     ranks: Sequence[int],
     *,
-    compute_kernel: Backend = Backend.AUTO,
+    backend: Backend = Backend.AUTO,
     optimizer: FusedOptimizerConfig | None = None,
     placement: Placement = DEVICE,
 ) -> ShardingRequest:
@@ -159,7 +159,7 @@ def column_wise(
     return ShardingRequest(
         sharding_type=ShardingType.COLUMN_WISE,
         ranks=tuple(ranks),
-        compute_kernel=compute_kernel,
+        backend=backend,
         optimizer=optimizer,
         placement=placement,
     )
@@ -168,7 +168,7 @@ def column_wise(
 def table_row_wise(
     host: int,
     *,
-    compute_kernel: Backend = Backend.AUTO,
+    backend: Backend = Backend.AUTO,
     optimizer: FusedOptimizerConfig | None = None,
     placement: Placement = DEVICE,
 ) -> ShardingRequest:
@@ -176,7 +176,7 @@ def table_row_wise(
     return ShardingRequest(
         sharding_type=ShardingType.TABLE_ROW_WISE,
         host=host,
-        compute_kernel=compute_kernel,
+        backend=backend,
         optimizer=optimizer,
         placement=placement,
     )
@@ -185,7 +185,7 @@ def table_row_wise(
 def table_column_wise(
     host: int,
     *,
-    compute_kernel: Backend = Backend.AUTO,
+    backend: Backend = Backend.AUTO,
     optimizer: FusedOptimizerConfig | None = None,
     placement: Placement = DEVICE,
 ) -> ShardingRequest:
@@ -193,7 +193,7 @@ def table_column_wise(
     return ShardingRequest(
         sharding_type=ShardingType.TABLE_COLUMN_WISE,
         host=host,
-        compute_kernel=compute_kernel,
+        backend=backend,
         optimizer=optimizer,
         placement=placement,
     )
@@ -201,14 +201,14 @@ def table_column_wise(
 
 def data_parallel(
     *,
-    compute_kernel: Backend = Backend.AUTO,
+    backend: Backend = Backend.AUTO,
     optimizer: FusedOptimizerConfig | None = None,
     placement: Placement = DEVICE,
 ) -> ShardingRequest:
     """A full replica on every rank; gradients are all-reduced."""
     return ShardingRequest(
         sharding_type=ShardingType.DATA_PARALLEL,
-        compute_kernel=compute_kernel,
+        backend=backend,
         optimizer=optimizer,
         placement=placement,
     )

@@ -168,12 +168,12 @@ def _check_tiling(spans: list[tuple[int, int]], extent: int, axis: str, where: s
 def _check_kernel_width(ps: ParameterSharding, widths: list[int], where: str) -> None:
     # The fbgemm table-batched kernels require widths that are multiples of 4; recopt's own
     # kernel (and AUTO, which falls back to it) takes any width.
-    if ps.compute_kernel is Backend.FBGEMM:
+    if ps.backend is Backend.FBGEMM:
         odd = [w for w in widths if w % 4]
         if odd:
             raise PlanError(
                 f"{where}: shard width {odd[0]} is not a multiple of 4, which the "
-                "fbgemm kernel requires; use compute_kernel 'auto' or 'recopt', or "
+                "fbgemm kernel requires; use backend 'auto' or 'recopt', or "
                 "column shards whose widths are multiples of 4"
             )
 

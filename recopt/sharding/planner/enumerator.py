@@ -47,7 +47,7 @@ class ShardingOption:
         module: the module path.
         table: the table config.
         sharding_type: the strategy.
-        compute_kernel: the kernel backend.
+        backend: the kernel backend.
         optimizer: the fused optimizer the estimates assume.
         shard_sizes: (rows, cols) per shard, in order along the split axis; data-parallel: one
             entry for the replica every rank holds.
@@ -67,7 +67,7 @@ class ShardingOption:
     module: str
     table: Any
     sharding_type: ShardingType
-    compute_kernel: Backend
+    backend: Backend
     optimizer: FusedOptimizerConfig
     shard_sizes: list[tuple[int, int]]
     shard_bytes: list[int]
@@ -101,8 +101,8 @@ class ShardingOption:
         """A short label, e.g. ``row_wise x8`` or ``column_wise x4``."""
         n = len(self.shard_sizes)
         label = self.sharding_type.value if n == 1 else f"{self.sharding_type.value} x{n}"
-        if self.compute_kernel is not Backend.AUTO:
-            label += f" ({self.compute_kernel.value})"
+        if self.backend is not Backend.AUTO:
+            label += f" ({self.backend.value})"
         return label
 
     def to_parameter_sharding(
@@ -113,7 +113,7 @@ class ShardingOption:
             return ParameterSharding(
                 sharding_type=self.sharding_type,
                 ranks=tuple(range(world_size)),
-                compute_kernel=self.compute_kernel,
+                backend=self.backend,
                 optimizer=self.plan_optimizer,
                 placement=self.placement,
             )
@@ -122,7 +122,7 @@ class ShardingOption:
             sharding_type=self.sharding_type,
             ranks=tuple(sorted(set(shard_ranks))),
             shards=tuple(shards),
-            compute_kernel=self.compute_kernel,
+            backend=self.backend,
             optimizer=self.plan_optimizer,
             placement=self.placement,
         )
@@ -164,7 +164,7 @@ def enumerate_options(
     """
     where = f"table {table.name!r} (module {module!r})"
     kinds = _allowed_types(constraints, workload.optimizer, topology, where)
-    kernels = constraints.compute_kernels or (workload.optimizer.backend,)
+    kernels = constraints.backends or (workload.optimizer.backend,)
     placements = _allowed_placements(constraints, topology, where)
     layouts = [(k, layout) for k in kinds for layout in _layouts(k, table, constraints, topology)]
     # Every type has a layout (column-wise falls back to one shard when named explicitly).
@@ -195,7 +195,7 @@ def enumerate_options(
             o.max_shard_bytes,
             TYPE_ORDER[o.sharding_type],
             len(o.shard_sizes),
-            kernel_rank[o.compute_kernel],
+            kernel_rank[o.backend],
             placement_rank[o.placement],
         )
     )
@@ -343,7 +343,7 @@ def _option(
         module=module,
         table=table,
         sharding_type=kind,
-        compute_kernel=kernel,
+        backend=kernel,
         optimizer=workload.optimizer,
         shard_sizes=sizes,
         shard_bytes=[b for b, _, _ in estimates],

@@ -31,7 +31,7 @@ from recopt.sharding.planner.enumerator import (
     enumerate_all,
     table_workload,
 )
-from recopt.sharding.planner.partitioner import Placement, PlacementFailure
+from recopt.sharding.planner.partitioner import AssignmentFailure, RankAssignment
 from recopt.sharding.planner.proposers import (
     greedy_proposal,
     improve,
@@ -133,7 +133,7 @@ class EmbeddingShardingPlanner:
         capacity = topo.usable_bytes - base
         choice = greedy_proposal(options, capacity)
         result = make_feasible(options, choice, topo, [base] * topo.world_size)
-        if isinstance(result, PlacementFailure):
+        if isinstance(result, AssignmentFailure):
             raise PlannerError(self._explain(result, options, choice, base))
         result = reclaim_device_memory(options, choice, result, topo, [base] * topo.world_size)
         placement = improve(
@@ -202,7 +202,7 @@ class EmbeddingShardingPlanner:
 
     def _explain(
         self,
-        failure: PlacementFailure,
+        failure: AssignmentFailure,
         options: Sequence[Sequence[ShardingOption]],
         choice: Sequence[int],
         base: int,
@@ -263,7 +263,7 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _to_plan(
-    placement: Placement, tables_by_module: Mapping[str, Sequence[Any]], world_size: int
+    placement: RankAssignment, tables_by_module: Mapping[str, Sequence[Any]], world_size: int
 ) -> ShardingPlan:
     plan: dict[str, dict[str, ParameterSharding]] = {m: {} for m in tables_by_module}
     for opt, ranks in zip(placement.options, placement.shard_ranks, strict=True):

@@ -20,7 +20,7 @@ from recopt.sharding.planner.constraints import (
     resolve_constraints,
 )
 from recopt.sharding.planner.enumerator import shard_estimate, table_workload
-from recopt.sharding.planner.partitioner import Placement
+from recopt.sharding.planner.partitioner import RankAssignment
 from recopt.sharding.planner.storage import (
     rank_output_bytes,
 )
@@ -142,7 +142,7 @@ class PlanStats:
         return self.format()
 
 
-def make_stats(placement: Placement, topology: Topology) -> PlanStats:
+def make_stats(placement: RankAssignment, topology: Topology) -> PlanStats:
     """Collect the estimates of a placement."""
     tables = []
     for opt, ranks in zip(placement.options, placement.shard_ranks, strict=True):
