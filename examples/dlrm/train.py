@@ -110,7 +110,10 @@ class Trainer:
             )
             self.optimizer = self.ft.optimizer
         # On a GPU the next batch is pinned and copied on a side stream during this step.
-        self.train_data = DevicePrefetcher(build_data(config, env, "train"), env.device)
+        train_data = build_data(config, env, "train")
+        if train_data is None:
+            raise ValueError(f"data.source {config.data.source!r} has no training data configured")
+        self.train_data = DevicePrefetcher(train_data, env.device)
         self.metrics = click_metrics().to(env.device)
         self.loss_mean = torchmetrics.MeanMetric().to(env.device)
         self.window_finite_steps = 0  # steps in the metrics window that were not skipped
@@ -253,15 +256,14 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Metrics over ``data.val_batches`` held-out batches (the same ones every time)."""
-        data_config = self.config.data
-        if data_config.val_batches == 0 or (
-            data_config.source == "criteo" and not data_config.criteo.val_paths
-        ):
+        if self.config.data.val_batches == 0:
+            return {}
+        data = build_data(self.config, self.env, "val")
+        if data is None:  # a source without validation data
             return {}
         self.model.eval()
         metrics = click_metrics().to(self.env.device)
         loss_mean = torchmetrics.MeanMetric().to(self.env.device)
-        data = build_data(self.config, self.env, "val")
         for i, batch in enumerate(data):
             if i >= self.config.data.val_batches:
                 break
