@@ -113,3 +113,19 @@ def test_config_rules_come_from_the_spec(monkeypatch: pytest.MonkeyPatch) -> Non
         FusedOptimizerConfig(name=TWIN, state_dtype=Precision.BF16)
     with pytest.raises(ValueError, match="only adafactor and sgd_twin take"):
         FusedOptimizerConfig(name="adam", eps=(1e-30, 1e-3))
+
+
+def test_a_backend_without_a_kernel_class_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from recopt.kernels import backends
+    from recopt.kernels.config import Backend
+    from recopt.kernels.factory import create_kernel
+
+    tables = [TableSpec(name="t0", num_embeddings=10, embedding_dim=8)]
+    config = FusedOptimizerConfig(name="sgd", backend=Backend.RECOPT)
+    kernel = create_kernel(tables, [0], config, PoolingType.SUM, torch.device("cpu"))
+    assert isinstance(kernel, backends.KERNEL_CLASSES[Backend.RECOPT])
+    monkeypatch.delitem(backends.KERNEL_CLASSES, Backend.RECOPT)
+    with pytest.raises(
+        ValueError, match="backend 'recopt' has no kernel class; known: \\['fbgemm'\\]"
+    ):
+        create_kernel(tables, [0], config, PoolingType.SUM, torch.device("cpu"))

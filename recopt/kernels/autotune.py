@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from recopt.kernels.autotune_cache import DecisionCache, machine_key
+from recopt.kernels.backends import kernel_class
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
-from recopt.kernels.contract import BackendDecision
+from recopt.kernels.contract import BackendDecision, Kernel
 from recopt.kernels.precision import Precision
 
 logger = logging.getLogger(__name__)
@@ -180,9 +181,6 @@ def probe_samplers(
     The probe has the class's rows and dim, ``config.probe_bags`` bags of
     ``config.ids_per_bag`` uniform ids; each kernel is warmed up once before it is timed.
     """
-    from recopt.kernels.fbgemm_backend import FbgemmTableBatchedEmbedding
-    from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
-
     device = torch.device(shape.device)
     table = [
         TableSpec(
@@ -197,21 +195,17 @@ def probe_samplers(
     ids = torch.randint(0, shape.rows, (n,), generator=gen).to(device)
     offsets = torch.arange(0, n + 1, config.ids_per_bag, dtype=torch.int64, device=device)
     grad = torch.ones(config.probe_bags, shape.dim, device=device)
-    classes = {
-        Backend.FBGEMM: FbgemmTableBatchedEmbedding,
-        Backend.RECOPT: RecoptTableBatchedEmbedding,
-    }
     samplers: dict[Backend, Sampler] = {}
     for backend in candidates:
         opt = dataclasses.replace(optimizer, backend=backend)
-        kernel = classes[backend](table, [0], opt, PoolingType.SUM, device)
+        kernel = kernel_class(backend)(table, [0], opt, PoolingType.SUM, device)
         samplers[backend] = _timed_step(kernel, ids, offsets, grad, device)
         samplers[backend]()  # warm-up: first touch of the pages, native library load
     return samplers
 
 
 def _timed_step(
-    kernel: torch.nn.Module,
+    kernel: Kernel,
     ids: torch.Tensor,
     offsets: torch.Tensor,
     grad: torch.Tensor,

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from recopt.kernels.autotune import ShapeClass, default_resolver
+from recopt.kernels.backends import kernel_class
 from recopt.kernels.config import (
     Backend,
     FusedOptimizerConfig,
@@ -156,15 +157,9 @@ def create_kernel(
     """
     validate_kernel_layout(tables, feature_table_map)
     decision = resolve_backend(tables, optimizer, torch.device(device), feature_table_map)
-    kernel: Kernel
-    if decision.backend == Backend.FBGEMM:
-        from recopt.kernels.fbgemm_backend import FbgemmTableBatchedEmbedding
-
-        kernel = FbgemmTableBatchedEmbedding(tables, feature_table_map, optimizer, pooling, device)
-    else:
-        from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
-
-        kernel = RecoptTableBatchedEmbedding(tables, feature_table_map, optimizer, pooling, device)
+    kernel = kernel_class(decision.backend)(
+        tables, feature_table_map, optimizer, pooling, torch.device(device)
+    )
     kernel.backend_decision = decision  # read by the modules' param_groups
     return kernel
 
