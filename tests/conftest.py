@@ -1,10 +1,12 @@
 """Test-suite settings.
 
 Tests marked ``cuda`` are skipped on a machine without a CUDA GPU, where Triton runs in its
-interpreter (``TRITON_INTERPRET=1``). Backend.AUTO is pinned, so
-which backend a test runs does not depend on this machine's timings, and tests never write to
-~/.cache (spawned ranks inherit both); test_kernel_autotune.py tests the measurement with its
-own resolvers.
+interpreter (``TRITON_INTERPRET=1``). Tests never write to ~/.cache (``RECOPT_CACHE_DIR``).
+Backend.AUTO is pinned to recopt per test (``RECOPT_BACKEND``, which spawned ranks inherit), so
+which backend a test runs does not depend on this machine's timings; tests marked ``cuda`` or
+``real_backend`` run unpinned and see AUTO's real choice (its refusals, its measurement). A
+``RECOPT_BACKEND`` set by whoever runs pytest applies to every test.
+test_kernel_autotune.py tests the measurement with its own resolvers.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ from typing import Any
 import pytest
 import torch
 
-os.environ.setdefault("RECOPT_BACKEND", "recopt")
+from recopt.kernels.autotune import ENV_BACKEND, configure_auto
+
+# A pin given by whoever runs pytest; None: tests are pinned to recopt unless marked. Pinned
+# from here on too, so that nothing built while collecting the tests measures.
+CALLER_PIN = os.environ.get(ENV_BACKEND)
+os.environ[ENV_BACKEND] = CALLER_PIN or "recopt"
 # Without a GPU, Triton can only interpret: set before anything imports it, so the Triton
 # kernels' CPU tests (tests/test_triton_*.py) never meet a Triton imported in compiled mode.
 if not torch.cuda.is_available():
@@ -36,6 +43,20 @@ def local_lighthouse() -> Iterator[Any]:
         yield server
     finally:
         server.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _backend_pin(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Pin AUTO to recopt, except for tests marked ``cuda`` or ``real_backend``.
+
+    The process's resolver is dropped before and after, so that it re-reads the pin.
+    """
+    real = any(request.node.get_closest_marker(m) for m in ("cuda", "real_backend"))
+    if real and CALLER_PIN is None:
+        monkeypatch.delenv(ENV_BACKEND)
+    configure_auto(None)
+    yield
+    configure_auto(None)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

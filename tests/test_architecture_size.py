@@ -12,11 +12,8 @@ import pathlib
 
 LIBRARY = pathlib.Path(__file__).resolve().parents[1] / "recopt"
 MAX_FUNCTION_LINES = 80
-# Explicit, temporary exclusions: (file relative to recopt/, qualified function name).
-LONG_FUNCTION_EXCLUSIONS: set[tuple[str, str]] = {
-    # Being split by the cuda-fbgemm work (issue 24 leaves it to that change).
-    ("kernels/fbgemm_backend.py", "FbgemmTableBatchedEmbedding.__init__"),
-}
+# Explicit exclusions: (file relative to recopt/, qualified function name). None today.
+LONG_FUNCTION_EXCLUSIONS: set[tuple[str, str]] = set()
 
 
 def _functions(tree: ast.AST, prefix: str = "") -> list[tuple[str, ast.AST]]:

@@ -4,11 +4,16 @@ CPU == CUDA for every fused optimizer and both backends after several steps (fbg
 LAMB against recopt's CPU kernel, also through a checkpoint each way); DMP at one rank
 over NCCL (also NCCL alone, where the plan broadcast must move its CPU tensor); a checkpoint
 GPU -> CPU -> GPU; the batch prefetcher; the DLRM script for a few steps. The multi-rank
-contract on ranks sharing one GPU is in test_sharding_contract.py.
+contract on ranks sharing one GPU is in test_sharding_contract.py. AUTO is not pinned here
+(tests/conftest.py): bf16 and weight-decay refusals, AUTO's choices for them and for LAMB, and
+the memory a dropped fbgemm kernel frees are checked against the real kernels (issue 23).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import os
 import pathlib
 import sys
 from typing import Any
@@ -47,11 +52,17 @@ def _batch(step: int, num_bags: int = 6) -> KeyedJaggedTensor:
     return KeyedJaggedTensor.from_id_lists(bags)
 
 
-def _fused(name: str, backend: Backend, device: torch.device) -> FusedEmbeddingBagCollection:
+def _fused(
+    name: str,
+    backend: Backend,
+    device: torch.device,
+    tables: list[EmbeddingBagConfig] | None = None,
+    **options: Any,
+) -> FusedEmbeddingBagCollection:
     torch.manual_seed(0)
-    optimizer = FusedOptimizerConfig(name=name, lr=0.05, backend=backend)
+    optimizer = FusedOptimizerConfig(name=name, lr=0.05, backend=backend, **options)
     try:
-        return FusedEmbeddingBagCollection(_tables(), optimizer=optimizer, device=device)
+        return FusedEmbeddingBagCollection(tables or _tables(), optimizer=optimizer, device=device)
     except ValueError as err:
         if backend == Backend.FBGEMM and "not supported by the fbgemm backend" in str(err):
             pytest.skip(f"fbgemm has no {name!r} on {device.type}: {err}")
@@ -241,3 +252,105 @@ def test_dlrm_script_trains_a_few_steps_on_cuda(tmp_path: pathlib.Path) -> None:
     ]  # fmt: skip
     assert dlrm_train.main(argv) == 0
     assert (out / "metrics.jsonl").read_text().count('"split": "val"') >= 1
+
+
+# issue 23: refusals and AUTO's choices with RECOPT_BACKEND unset, and freed memory ------------
+
+
+def _backends(ebc: FusedEmbeddingBagCollection) -> set[tuple[str, str]]:
+    return {(g["backend"], g["backend_reason"]) for g in ebc.fused_optimizer.param_groups}
+
+
+def _bf16_tables() -> list[EmbeddingBagConfig]:
+    return [dataclasses.replace(t, weight_dtype="bf16") for t in _tables()]
+
+
+def test_auto_runs_bf16_on_recopt_and_fbgemm_refuses_bf16_even_in_uvm() -> None:
+    from recopt.kernels.placement import Location, Placement
+
+    assert os.environ.get("RECOPT_BACKEND") in (None, "auto")  # conftest leaves AUTO unpinned
+    options = {"stochastic_rounding": False}
+    gpu = _fused("row_wise_adagrad", Backend.AUTO, GPU, _bf16_tables(), **options)
+    assert _backends(gpu) == {("recopt", "only candidate")}
+    cpu = _fused("row_wise_adagrad", Backend.RECOPT, CPU, _bf16_tables(), **options)
+    gpu.load_state_dict(cpu.state_dict())
+    _train(gpu, range(3))
+    _train(cpu, range(3))
+    for key, value in cpu.state_dict().items():  # bf16: to a few of its 8 mantissa bits
+        torch.testing.assert_close(gpu.state_dict()[key].cpu(), value, atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="do not run bf16 weights"):
+        _fused("row_wise_adagrad", Backend.FBGEMM, GPU, _bf16_tables())
+    uvm = {"t0": Placement(location=Location.UVM)}
+    with pytest.raises(ValueError, match="placed in UVM.*weight_dtype='fp16' or 'fp32'"):
+        FusedEmbeddingBagCollection(
+            _bf16_tables(),
+            optimizer=FusedOptimizerConfig(name="row_wise_adagrad"),
+            device=GPU,
+            table_placements=uvm,
+        )
+
+
+@pytest.mark.parametrize("backend", [Backend.FBGEMM, Backend.AUTO])
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "row_wise_adagrad"])
+def test_weight_decay_on_cuda_equals_recopts_cpu_kernel_or_is_refused(
+    name: str, backend: Backend
+) -> None:
+    """fbgemm's CUDA sgd and adagrad ignore weight_decay (refused; AUTO picks recopt); its
+    row-wise adagrad applies recopt's L2 term (allowed, and equal)."""
+    if backend is Backend.FBGEMM and name in ("sgd", "adagrad"):
+        with pytest.raises(ValueError, match="ignores weight_decay"):
+            _fused(name, backend, GPU, weight_decay=0.5)
+        return
+    gpu = _fused(name, backend, GPU, weight_decay=0.5)
+    if name in ("sgd", "adagrad"):
+        assert _backends(gpu) == {("recopt", "only candidate")}
+    cpu = _fused(name, Backend.RECOPT, CPU, weight_decay=0.5)
+    gpu.load_state_dict(cpu.state_dict())
+    _train(gpu, range(4))
+    _train(cpu, range(4))
+    _assert_same(gpu, cpu)
+
+
+@pytest.mark.parametrize("name", ["lamb", "row_wise_lamb"])
+def test_auto_runs_lamb_on_recopt_where_fbgemm_writes_nan(name: str) -> None:
+    """AUTO's objection to fbgemm's LAMB, and the behaviour behind it: a touched row whose
+    summed gradient is zero on its first step (direction r = 0) becomes NaN on fbgemm's kernel
+    and stays as it was on recopt's. Should fbgemm's kernel ever guard it, this test fails and
+    the objection (registry: fbgemm_zero_direction_nan) can go."""
+    assert ("recopt", "only candidate") in _backends(_fused(name, Backend.AUTO, GPU))
+    kjt = KeyedJaggedTensor.from_id_lists({"a": [[3], [5]], "b": [[1], [2]]}).to(GPU)
+    upstream = torch.ones(2, 24, device=GPU)
+    upstream[0] = 0.0  # bag 0 alone holds row 3 of t0: its gradient is exactly zero
+    rows = {}
+    for backend in (Backend.FBGEMM, Backend.RECOPT):
+        ebc = _fused(name, backend, GPU)
+        before = ebc.state_dict()["embedding_bags.t0.weight"][3].clone()
+        (ebc(kjt).values() * upstream).sum().backward()
+        rows[backend] = (before, ebc.state_dict()["embedding_bags.t0.weight"][3])
+    assert torch.isnan(rows[Backend.FBGEMM][1]).all()
+    torch.testing.assert_close(rows[Backend.RECOPT][1], rows[Backend.RECOPT][0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["adam", "row_wise_adam", "lamb", "row_wise_lamb"])
+def test_a_dropped_stepped_fbgemm_module_frees_its_gpu_memory_at_once(name: str) -> None:
+    tables = [
+        EmbeddingBagConfig(
+            name="t0", num_embeddings=200_000, embedding_dim=64, feature_names=["a"]
+        ),
+        EmbeddingBagConfig(name="t1", num_embeddings=25, embedding_dim=16, feature_names=["b"]),
+    ]
+    gc.collect()
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated(GPU)
+    gc.disable()  # reference counting alone must free it
+    try:
+        ebc = _fused(name, Backend.FBGEMM, GPU, tables)
+        assert _backends(ebc) == {("fbgemm", "explicit")}
+        (ebc(_batch(0).to(GPU)).values()).sum().backward()
+        held = torch.cuda.memory_allocated(GPU) - baseline
+        assert held > 200_000 * 64 * 4 * 2  # weights and at least a first moment
+        del ebc
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated(GPU) - baseline < held // 100
+    finally:
+        gc.enable()

@@ -66,18 +66,18 @@ def _run_both(name: str, mapped: bool) -> tuple[torch.Tensor, list[torch.Tensor]
     ours["weight"] = weight.clone()
     theirs = [ours["exp_avg"].clone(), ours["exp_avg_sq"].clone()]
     step_tensor = torch.zeros((), dtype=torch.int64)
-    steps = FbgemmSteps(lambda: [step_tensor], ["t0"], eps=1e-3, beta2=0.95)
+    steps = FbgemmSteps([step_tensor], ["t0"], eps=1e-3, beta2=0.95)
     tbe = _fake_tbe(eps=1e-3)
     tbe.optimizer_args = OptimizerArgs(eps=1e-3, beta1=0.8, beta2=0.95)
     for _ in range(5):
         rows = torch.randperm(30, generator=gen)[:12].sort().values
         grad = torch.randn(12, 8, generator=gen, dtype=torch.float64)
         # fbgemm: counter set before forward, advanced by fbgemm itself, used in backward.
-        iteration = steps.before_forward(tbe)
+        iteration = steps.before_forward(tbe, [step_tensor])
         assert int(tbe.iter_cpu) + 1 == iteration
         args = tbe.optimizer_args if mapped else tbe.optimizer_args._replace(eps=1e-3)
         _fbgemm_adam_rows(weight, *theirs, rows, grad, 0.02, args, iteration)
-        steps.after_update()
+        steps.after_update([step_tensor])
         ours["step"].add_(1)
         state = {k: v for k, v in ours.items() if k != "weight"}
         updates.apply_update(config, 0.02, ours["weight"], state, rows, grad)
@@ -97,19 +97,19 @@ def test_fbgemm_adam_with_mapped_eps_equals_recopts_adam(name: str) -> None:
 
 def test_steps_follow_a_load_and_refuse_unequal_counters() -> None:
     tensors = [torch.zeros((), dtype=torch.int64) for _ in range(2)]
-    steps = FbgemmSteps(lambda: tensors, ["a", "b"], eps=1e-8, beta2=0.999)
+    steps = FbgemmSteps(tensors, ["a", "b"], eps=1e-8, beta2=0.999)
     tbe = _fake_tbe(eps=1e-8)
-    assert steps.before_forward(tbe) == 1
-    steps.after_update()
+    assert steps.before_forward(tbe, tensors) == 1
+    steps.after_update(tensors)
     assert [int(t) for t in tensors] == [1, 1]
     for t in tensors:
         t.fill_(41)  # a checkpoint load, equal steps
-    assert steps.before_forward(tbe) == 42
+    assert steps.before_forward(tbe, tensors) == 42
     assert int(tbe.iter) == int(tbe.iter_cpu) == 41
     assert tbe.optimizer_args.eps == pytest.approx(1e-8 / math.sqrt(1.0 - 0.999**42))
     tensors[1].fill_(7)
     with pytest.raises(ValueError, match=r"'a': 41, 'b': 7.*backend='recopt'"):
-        steps.before_forward(tbe)
+        steps.before_forward(tbe, tensors)
     assert shared_step([], []) == 0
 
 

@@ -408,7 +408,7 @@ def test_fbgemm_adam_is_offered_on_cuda_topologies_without_weight_decay() -> Non
         )
         assert plan["m"]["t"].backend == Backend.FBGEMM
         decayed = {"m": {"t": FusedOptimizerConfig(name=name, weight_decay=0.1)}}
-        with pytest.raises(PlannerError, match="no L2 weight decay"):
+        with pytest.raises(PlannerError, match="decays weights decoupled"):
             EmbeddingShardingPlanner(topo, constraints={"t": only_fbgemm}).plan(
                 {"m": [table("t", 100, 8)]}, decayed
             )

@@ -262,6 +262,7 @@ def test_small_updates_survive_stochastic_rounding_not_nearest() -> None:
     assert abs(stochastic.mean().item() - expected) < bound
 
 
+@pytest.mark.real_backend  # the refusals decide, not a pin
 def test_fbgemm_refuses_what_its_cpu_build_lacks_and_auto_picks_recopt() -> None:
     fp16 = [TableSpec(name="t", num_embeddings=8, embedding_dim=8, weight_dtype="fp16")]
     bf16 = [TableSpec(name="t", num_embeddings=8, embedding_dim=8, weight_dtype="bf16")]

@@ -7,6 +7,7 @@ and fbgemm version and shape class, so later runs pay nothing. fbgemm's CPU kern
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -302,7 +303,11 @@ class AutoResolver:
             )
         start = time.perf_counter()
         samplers = self._sampler_factory(shape, optimizer, candidates, self.config)
-        medians = measure(samplers, self.config.repeats)
+        try:
+            medians = measure(samplers, self.config.repeats)
+        finally:
+            del samplers  # the probe kernels: freed now, before the next shape class is built
+            _collect_garbage(shape.device)
         self.measurements += 1
         best = min(medians, key=lambda b: (medians[b], b.value))
         seconds = {b.value: s for b, s in medians.items()}
@@ -323,6 +328,18 @@ class AutoResolver:
         """Take decisions made elsewhere (rank 0's): they win over this process's pin and
         measurements, so every rank runs the same backends."""
         self._adopted.update(decisions)
+
+
+def _collect_garbage(device: str) -> None:
+    """Free what the probes left in reference cycles and, on CUDA, the allocator's cached blocks.
+
+    A probe of a large table holds as much memory as the table: left to the collector, it would
+    still be held while the next shape class or the real kernels are built, and the caching
+    allocator's blocks are memory other processes sharing the GPU cannot use.
+    """
+    gc.collect()
+    if device == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _format_times(seconds: Mapping[str, float]) -> str:

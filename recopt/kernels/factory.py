@@ -7,7 +7,8 @@ it cannot run the tables is ruled out here; `recopt.kernels.autotune` measures t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ from recopt.kernels.config import (
 )
 from recopt.kernels.contract import BackendDecision, Kernel
 from recopt.kernels.fbgemm_backend import (  # fbgemm itself is imported only when used
+    fbgemm_auto_objections,
     fbgemm_problems,
 )
 from recopt.kernels.placement import placed_off_device, placement_problems
@@ -35,18 +37,71 @@ def auto_candidates(
 ) -> tuple[ShapeClass, list[Backend]] | None:
     """What AUTO chooses among for these tables: their shape class and the able backends.
 
+    fbgemm is a candidate where it can run the tables (`fbgemm_problems`) and AUTO has no
+    objection to it (`fbgemm_auto_objections`). Pure and local, so every rank reaches the same
+    answer (or the same refusal) before any collective.
+
     Returns:
         ``None`` when ``optimizer.backend`` is explicit (nothing to decide).
+
+    Raises:
+        ValueError: a table is placed in UVM where nothing can run it (see `resolve_backend`).
     """
     if optimizer.backend != Backend.AUTO:
         return None
     device = torch.device(device)
+    _check_placements(tables, optimizer, device, feature_table_map)
     if placed_off_device(tables):
-        # Only fbgemm reads UVM; resolve_backend has already refused tables it cannot run.
-        return ShapeClass.of(tables, optimizer, device), [Backend.FBGEMM]
+        return ShapeClass.of(tables, optimizer, device), [Backend.FBGEMM]  # the only UVM kernel
     problems = fbgemm_problems(tables, optimizer, device, feature_table_map)
+    problems += fbgemm_auto_objections(optimizer, device)
     candidates = [Backend.RECOPT] if problems else [Backend.FBGEMM, Backend.RECOPT]
     return ShapeClass.of(tables, optimizer, device), candidates
+
+
+# One kernel as create_kernel sees it: its tables, feature-to-table map and optimizer.
+KernelRequest = tuple[list[TableSpec], list[int], FusedOptimizerConfig]
+# What AUTO asks of the resolver for one kernel: shape class, optimizer, candidates.
+AutoRequest = tuple[ShapeClass, FusedOptimizerConfig, list[Backend]]
+
+
+def auto_requests(
+    kernels: Sequence[KernelRequest], device: torch.device
+) -> tuple[list[AutoRequest], ValueError | None]:
+    """The AUTO requests of these kernels, or the refusal that stops them.
+
+    The refusal is returned, not raised, so that a rank can tell the others before it raises
+    (`recopt.sharding.backend_decisions.share_backend_decisions`).
+    """
+    requests = []
+    try:
+        for tables, feature_table_map, optimizer in kernels:
+            request = auto_candidates(tables, optimizer, device, feature_table_map)
+            if request is not None:
+                requests.append((request[0], optimizer, request[1]))
+    except ValueError as err:
+        return [], err
+    return requests, None
+
+
+def resolve_requests(
+    requests_by_rank: Sequence[Sequence[AutoRequest]],
+) -> tuple[dict[str, Any], Exception | None]:
+    """Every rank's AUTO requests resolved by this process, as a JSON-able answer.
+
+    Returns:
+        ``({"decisions": {shape key: decision json}}, None)``, or ``({"error": message},
+        the error)`` when a resolution failed (e.g. a probe kernel that did not build), so
+        that rank 0 can tell the others before it raises.
+    """
+    resolver = default_resolver()
+    decisions: dict[str, BackendDecision] = {}
+    try:
+        for shape, optimizer, candidates in (r for rank in requests_by_rank for r in rank):
+            decisions.setdefault(shape.key(), resolver.resolve(shape, optimizer, candidates))
+    except Exception as err:  # whatever stops rank 0 must not leave the others waiting
+        return {"error": f"{type(err).__name__}: {err}"}, err
+    return {"decisions": {k: d.to_json() for k, d in decisions.items()}}, None
 
 
 def _check_placements(
@@ -55,7 +110,8 @@ def _check_placements(
     device: torch.device,
     feature_table_map: list[int] | None,
 ) -> None:
-    """Refuse tables placed in UVM off CUDA, or where fbgemm (the only UVM kernel) cannot run."""
+    """Refuse tables placed in UVM off CUDA, or where fbgemm (the only UVM kernel) cannot run,
+    or, under AUTO, where fbgemm runs only when asked for explicitly."""
     problems = placement_problems(tables, device.type)
     if problems:
         raise ValueError("; ".join(problems))
@@ -68,6 +124,8 @@ def _check_placements(
             "use backend 'fbgemm' or 'auto', or placement 'device'"
         )
     fbgemm = fbgemm_problems(tables, optimizer, device, feature_table_map)
+    if optimizer.backend == Backend.AUTO:
+        fbgemm += fbgemm_auto_objections(optimizer, device)
     if fbgemm:
         raise ValueError(
             f"tables {off_device} are placed in UVM, which only the fbgemm backend reads, and "
@@ -110,7 +168,8 @@ def choose_backend(
     """Resolve the backend that runs these tables with this optimizer on this device.
 
     An explicit ``optimizer.backend`` wins. ``Backend.AUTO`` is fbgemm when a table is placed
-    in UVM (kernels/placement.py), recopt when fbgemm cannot run the tables; otherwise
+    in UVM (kernels/placement.py), recopt when fbgemm cannot run the tables or has a
+    defect recopt's kernel lacks (`fbgemm_auto_objections`: LAMB's NaN rows); otherwise
     `recopt.kernels.autotune` decides: a pin (``RECOPT_BACKEND`` or ``AutoConfig.pin``), else
     the faster backend on a probe of these shapes, measured once per machine and shape class
     and cached on disk.

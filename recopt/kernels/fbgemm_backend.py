@@ -4,8 +4,9 @@ The CPU build trains with SGD, Adagrad and row-wise Adagrad only, fp32 or fp16 w
 (rounded to nearest) and fp32 state; the CUDA build also with Adam and row-wise Adam
 (fbgemm's ADAM / PARTIAL_ROWWISE_ADAM, mapped to SparseAdam's formula and recopt's per-table
 ``step`` by `fbgemm_steps`) and LAMB and row-wise LAMB (LAMB / PARTIAL_ROWWISE_LAMB, whose
-formulas recopt's are; only the step counter is mapped), fp32, fp16 or bf16 weights in any
-placement. recopt validates ids itself, so fbgemm's (warn-and-use-row-0) bounds check is off.
+formulas recopt's are; only the step counter is mapped), fp32 or fp16 weights in any
+placement (no bf16 on either build). Weight decay only where fbgemm applies it as recopt
+does. recopt validates ids itself, so fbgemm's (warn-and-use-row-0) bounds check is off.
 Tables rounded stochastically (CUDA) keep recopt's ``rounding_step`` counter, advanced but not
 used: fbgemm draws its own.
 """
@@ -13,6 +14,7 @@ used: fbgemm draws its own.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -69,12 +71,9 @@ def fbgemm_problems(
             f"fbgemm backend on {device.type} (supported: {sorted(supported)}); use "
             "backend='recopt' or 'auto'"
         )
-    elif spec.fbgemm_decoupled_weight_decay and optimizer.weight_decay != 0.0:
-        problems.append(
-            f"fbgemm's {optimizer.name!r} decays weights decoupled (AdamW's form), recopt's adds "
-            f"the L2 term to the gradient (weight_decay={optimizer.weight_decay}); use "
-            "backend='recopt' or 'auto', or weight_decay=0"
-        )
+    else:
+        decay = fbgemm_weight_decay_problem(optimizer, device.type)
+        problems.extend([decay] if decay else [])
     if optimizer.maximize:
         problems.append(
             "fbgemm has no 'maximize' option; use backend='recopt' or 'auto' (maximize=True)"
@@ -91,15 +90,57 @@ def fbgemm_problems(
     return problems
 
 
+def fbgemm_weight_decay_problem(optimizer: FusedOptimizerConfig, device_type: str) -> str:
+    """Why fbgemm's build for ``device_type`` would not apply ``optimizer.weight_decay`` as
+    recopt does (``""`` when it would, or when there is no weight decay).
+
+    fbgemm's codegen takes no weight decay for EXACT_SGD and EXACT_ADAGRAD (it ignores it
+    silently on both builds), its 1.8 CPU row-wise Adagrad passes 0, and its Adam decays in
+    AdamW's decoupled form where recopt adds an L2 term to the gradient.
+    """
+    spec = optimizer_spec(optimizer.name)
+    decay = optimizer.weight_decay
+    if decay == 0.0 or device_type in spec.fbgemm_weight_decay:
+        return ""
+    fix = "use backend='recopt' or 'auto', or weight_decay=0"
+    if spec.fbgemm_decoupled_weight_decay:
+        return (
+            f"fbgemm's {optimizer.name!r} decays weights decoupled (AdamW's form), recopt's "
+            f"adds the L2 term to the gradient (weight_decay={decay}); {fix}"
+        )
+    return (
+        f"fbgemm's {device_type} {optimizer.name!r} ignores weight_decay (weight_decay={decay} "
+        f"would not be applied, where recopt applies it); {fix}"
+    )
+
+
+def fbgemm_auto_objections(optimizer: FusedOptimizerConfig, device: torch.device) -> list[str]:
+    """Why AUTO does not pick fbgemm although fbgemm can run the tables.
+
+    An explicit ``backend='fbgemm'`` accepts these; AUTO picks recopt's kernel instead, and a
+    table that only fbgemm can hold (UVM) must ask for fbgemm explicitly.
+    """
+    if device.type == "cuda" and optimizer_spec(optimizer.name).fbgemm_zero_direction_nan:
+        return [
+            f"fbgemm's {optimizer.name!r} writes NaN into a touched row whose update direction "
+            "is zero (its trust ratio ||w|| / ||r|| with r = 0, e.g. a zero summed gradient on "
+            "a row's first step), where recopt's kernel leaves the row unchanged "
+            "(docs/kernels.md); pass backend='fbgemm' to accept that"
+        ]
+    return []
+
+
 def fbgemm_precision_problems(
     tables: Sequence[TableSpec], optimizer: FusedOptimizerConfig, device: torch.device
 ) -> list[str]:
-    """What fbgemm lacks of the requested weight and state precision (fbgemm-gpu 1.8.0).
+    """What fbgemm lacks of the requested weight and state precision.
 
     One weights precision per kernel; fp32 state for its sgd/adagrad kernels (its
-    ``optimizer_state_dtypes`` is for partial row-wise Adam only); on CPU no bf16 weights
-    (its CPU forward is not built for them) and no stochastic rounding (its CPU kernels
-    round to nearest whatever ``stochastic_rounding`` says; measured).
+    ``optimizer_state_dtypes`` is for partial row-wise Adam only); no bf16 weights on either
+    build (the CPU forward is not built for them; the CUDA build the GPU hosts run,
+    fbgemm-gpu 1.6.0, asserts ``cache_precision bf16 not supported!`` when it builds the
+    kernel and has no bf16 case in its training forward); on CPU no stochastic rounding (its
+    CPU kernels round to nearest whatever ``stochastic_rounding`` says; measured).
     """
     fix = "use backend='recopt' or 'auto'"
     names = ", ".join(repr(t.name) for t in tables)
@@ -115,17 +156,17 @@ def fbgemm_precision_problems(
             f"fbgemm keeps {optimizer.name!r} state in fp32; state_dtype "
             f"{optimizer.state_dtype.value!r} needs recopt's kernel: {fix}"
         )
-    if device.type == "cpu":
-        if Precision.BF16 in kinds:
-            problems.append(
-                f"tables {names}: fbgemm's CPU kernels do not run bf16 weights; use "
-                f"weight_dtype='fp16', or {fix}"
-            )
-        if Precision.FP16 in kinds and optimizer.stochastic_rounding:
-            problems.append(
-                f"tables {names}: fbgemm's CPU kernels round fp16 updates to nearest, not "
-                f"stochastically; pass stochastic_rounding=False to accept that, or {fix}"
-            )
+    if Precision.BF16 in kinds:
+        problems.append(
+            f"tables {names}: fbgemm's {device.type} kernels do not run bf16 weights; use "
+            "weight_dtype='fp16' or 'fp32', or keep bf16 in device memory (placement "
+            f"'device') on backend='recopt' or 'auto'"
+        )
+    if device.type == "cpu" and Precision.FP16 in kinds and optimizer.stochastic_rounding:
+        problems.append(
+            f"tables {names}: fbgemm's CPU kernels round fp16 updates to nearest, not "
+            f"stochastically; pass stochastic_rounding=False to accept that, or {fix}"
+        )
     return problems
 
 
@@ -146,14 +187,86 @@ def name_fbgemm_states(
     return states
 
 
+def _fbgemm_locations(on_cuda: bool) -> dict[Location, Any]:
+    """fbgemm's ``EmbeddingLocation`` for each of recopt's locations."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+
+    return {
+        Location.DEVICE: EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST,
+        Location.UVM: EmbeddingLocation.MANAGED,
+        Location.UVM_CACHING: EmbeddingLocation.MANAGED_CACHING,
+    }
+
+
+def build_fbgemm_tbe(
+    tables: Sequence[TableSpec],
+    feature_table_map: Sequence[int],
+    optimizer: FusedOptimizerConfig,
+    pooling: PoolingType,
+    device: torch.device,
+) -> Any:
+    """fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen`` for tables `fbgemm_problems` passed.
+
+    fbgemm has one HBM cache per kernel, sized by one load factor over its cached tables
+    (`combined_cache_load_factor`); on CUDA it draws its own rounding stream (not seeded by
+    ``rounding_seed``).
+    """
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+        WeightDecayMode,
+    )
+
+    on_cuda = device.type == "cuda"
+    compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
+    locations = _fbgemm_locations(on_cuda)
+    spec = optimizer_spec(optimizer.name)
+    fbgemm_name = spec.fbgemm_cuda if on_cuda else spec.fbgemm_cpu
+    assert fbgemm_name is not None  # fbgemm_problems checked it
+    precision = Precision(tables[0].weight_dtype)
+    weights_precision = {Precision.FP32: SparseType.FP32, Precision.FP16: SparseType.FP16}
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [
+            (t.num_embeddings, t.embedding_dim, locations[t.placement.location], compute)
+            for t in tables
+        ],
+        feature_table_map=list(feature_table_map),
+        optimizer=EmbOptimType[fbgemm_name],
+        learning_rate=optimizer.learning_rate,
+        eps=fbgemm_eps(optimizer),
+        beta1=optimizer.betas[0],
+        beta2=optimizer.betas[1],
+        weight_decay=optimizer.weight_decay,
+        weight_decay_mode=WeightDecayMode.L2 if optimizer.weight_decay else WeightDecayMode.NONE,
+        pooling_mode=PoolingMode.SUM if pooling == PoolingType.SUM else PoolingMode.MEAN,
+        bounds_check_mode=BoundsCheckMode.NONE,
+        weights_precision=weights_precision[precision],  # bf16: refused by fbgemm_problems
+        stochastic_rounding=precision.reduced and optimizer.stochastic_rounding,
+        output_dtype=SparseType.FP32,
+        cache_load_factor=combined_cache_load_factor(
+            [t.num_embeddings for t in tables], [t.placement for t in tables]
+        ),
+        device=device,
+    )
+    return tbe
+
+
+def fbgemm_eps(optimizer: FusedOptimizerConfig) -> float:
+    """The ``eps`` fbgemm is built with (recopt's ``eps1``, fbgemm's default when unset)."""
+    return 1e-8 if optimizer.eps1 is None else optimizer.eps1
+
+
 class FbgemmTableBatchedEmbedding(nn.Module):
     """Several tables in one fbgemm ``SplitTableBatchedEmbeddingBagsCodegen``.
 
     Args:
         tables: the tables, in kernel order.
         feature_table_map: for each input feature, the index of its table.
-        optimizer: the fused optimizer (sgd, adagrad or row_wise_adagrad; on CUDA also adam
-            and row_wise_adam without weight decay, lamb and row_wise_lamb).
+        optimizer: the fused optimizer (sgd, adagrad or row_wise_adagrad; on CUDA also adam,
+            row_wise_adam, lamb and row_wise_lamb); weight decay only where fbgemm applies it
+            as recopt does (`fbgemm_weight_decay_problem`).
         pooling: sum or mean.
         device: cpu or cuda.
 
@@ -162,8 +275,8 @@ class FbgemmTableBatchedEmbedding(nn.Module):
     kernel's one cache sized by `combined_cache_load_factor`.
 
     Raises:
-        ValueError: the optimizer, an option or a table's dim is not supported by fbgemm, or a
-            table is placed in UVM on a device other than CUDA.
+        ValueError: the optimizer, an option, the weights' dtype or a table's dim is not
+            supported by fbgemm, or a table is placed in UVM on a device other than CUDA.
     """
 
     def __init__(
@@ -175,43 +288,11 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         device: torch.device,
     ) -> None:
         super().__init__()
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-            BoundsCheckMode,
-            EmbeddingLocation,
-            PoolingMode,
-        )
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice,
-            SplitTableBatchedEmbeddingBagsCodegen,
-            WeightDecayMode,
-        )
-
         problems = fbgemm_problems(tables, optimizer, device, feature_table_map)
         problems += placement_problems(tables, device.type)
         if problems:
             raise ValueError("; ".join(problems))
-        on_cuda = device.type == "cuda"
-        compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
-        locations = {
-            Location.DEVICE: EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST,
-            Location.UVM: EmbeddingLocation.MANAGED,
-            Location.UVM_CACHING: EmbeddingLocation.MANAGED_CACHING,
-        }
-        # fbgemm has one HBM cache per kernel, sized by one load factor over its cached tables.
-        cache_load_factor = combined_cache_load_factor(
-            [t.num_embeddings for t in tables], [t.placement for t in tables]
-        )
-        self._caching = any(t.placement.location is Location.UVM_CACHING for t in tables)
         spec = optimizer_spec(optimizer.name)
-        precision = Precision(tables[0].weight_dtype)
-        weights_precision = {
-            Precision.FP32: SparseType.FP32,
-            Precision.FP16: SparseType.FP16,
-            Precision.BF16: SparseType.BF16,
-        }[precision]
-        fbgemm_name = spec.fbgemm_cuda if on_cuda else spec.fbgemm_cpu
-        assert fbgemm_name is not None  # fbgemm_problems checked it
         self._state_names = spec.fbgemm_states
         self.tables = list(tables)
         self.feature_table_map = list(feature_table_map)
@@ -223,48 +304,39 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         self.backend_decision: BackendDecision | None = None  # set by create_kernel
         self.grad_hook: KernelHook | None = None
         self.row_stat_hook: KernelHook | None = None
-        eps = 1e-8 if optimizer.eps1 is None else optimizer.eps1
-        self._tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            [
-                (t.num_embeddings, t.embedding_dim, locations[t.placement.location], compute)
-                for t in tables
-            ],
-            feature_table_map=list(feature_table_map),
-            optimizer=EmbOptimType[fbgemm_name],
-            learning_rate=optimizer.learning_rate,
-            eps=eps,
-            beta1=optimizer.betas[0],
-            beta2=optimizer.betas[1],
-            weight_decay=optimizer.weight_decay,
-            weight_decay_mode=WeightDecayMode.L2
-            if optimizer.weight_decay
-            else WeightDecayMode.NONE,
-            pooling_mode=PoolingMode.SUM if pooling == PoolingType.SUM else PoolingMode.MEAN,
-            bounds_check_mode=BoundsCheckMode.NONE,
-            weights_precision=weights_precision,
-            # On CUDA fbgemm draws its own rounding stream (not seeded by rounding_seed).
-            stochastic_rounding=precision.reduced and optimizer.stochastic_rounding,
-            output_dtype=SparseType.FP32,
-            cache_load_factor=cache_load_factor,
-            device=device,
-        )
-        # Stepped optimizers (CUDA Adam, LAMB): recopt's per-table counters, the checkpointed state.
-        self._steps: FbgemmSteps | None = None
-        if spec.stepped:
-            for t in range(len(self.tables)):
-                step = torch.zeros((), dtype=torch.int64, device=device)
-                self.register_buffer(f"_step_{t}", step, persistent=False)
-            names = [t.name for t in self.tables]
-            self._steps = FbgemmSteps(
-                self._step_tensors, names, eps, optimizer.betas[1], spec.fbgemm_remap_eps
-            )
-        # recopt's pass counters, so that checkpoints keep the same state keys on both backends
-        # (fbgemm's CUDA rounding does not read them).
+        self._caching = any(t.placement.location is Location.UVM_CACHING for t in tables)
+        self._tbe = build_fbgemm_tbe(tables, feature_table_map, optimizer, pooling, device)
+        # Stepped optimizers (CUDA Adam, LAMB): recopt's per-table counters, the checkpointed
+        # state. recopt's pass counters, so that checkpoints keep the same state keys on both
+        # backends (fbgemm's CUDA rounding does not read them).
+        self._steps = self._add_step_counters(device) if spec.stepped else None
+        precision = Precision(tables[0].weight_dtype)
         self._counts_passes = has_rounding_step(optimizer, precision)
         if self._counts_passes:
-            for t in range(len(self.tables)):
-                counter = torch.zeros((), dtype=torch.int64, device=device)
-                self.register_buffer(f"_{ROUNDING_STEP}_{t}", counter, persistent=False)
+            self._add_counters(ROUNDING_STEP, device)
+
+    def _add_counters(self, prefix: str, device: torch.device) -> list[torch.Tensor]:
+        """One 0-dim int64 buffer ``_{prefix}_{t}`` per table (not in the state dict: the
+        optimizer states carry them)."""
+        counters = []
+        for t in range(len(self.tables)):
+            counter = torch.zeros((), dtype=torch.int64, device=device)
+            self.register_buffer(f"_{prefix}_{t}", counter, persistent=False)
+            counters.append(counter)
+        return counters
+
+    def _add_step_counters(self, device: torch.device) -> FbgemmSteps:
+        """The per-table ``step`` buffers and the `FbgemmSteps` that maps them onto fbgemm's
+        one counter (it holds no reference to this module: the counters are passed in)."""
+        steps = self._add_counters("step", device)
+        optimizer = self.optimizer
+        return FbgemmSteps(
+            steps,
+            [t.name for t in self.tables],
+            fbgemm_eps(optimizer),
+            optimizer.betas[1],
+            optimizer_spec(optimizer.name).fbgemm_remap_eps,
+        )
 
     def forward(
         self,
@@ -275,7 +347,7 @@ class FbgemmTableBatchedEmbedding(nn.Module):
     ) -> torch.Tensor:
         # fbgemm finds each feature's ids on the device: offset_per_key is not needed.
         if self._steps is not None:
-            self._steps.before_forward(self._tbe)
+            self._steps.before_forward(self._tbe, self._step_tensors())
         out: torch.Tensor = self._tbe(indices, offsets, per_sample_weights=per_sample_weights)
         if (self._steps is not None or self._counts_passes) and out.requires_grad:
             # Called when the pooled output's gradient arrives, i.e. only for a backward that
@@ -285,7 +357,7 @@ class FbgemmTableBatchedEmbedding(nn.Module):
 
     def _advance_counters(self, grad: torch.Tensor) -> None:
         if self._steps is not None:
-            self._steps.after_update()
+            self._steps.after_update(self._step_tensors())
         with torch.no_grad():
             for counter in self._pass_tensors():
                 counter.add_(1)  # on the device: nothing is read back

@@ -7,13 +7,16 @@ table, advanced by each backward that updates. Before each forward this sets fbg
 from recopt's; for adam (SparseAdam's ``eps`` on ``sqrt(v)``) it also sets fbgemm's ``eps`` to
 ``eps / sqrt(1 - beta2^t)``, which makes the two formulas equal (docs/kernels.md, "fbgemm's
 CUDA Adam"); recopt's lamb is fbgemm's formula, its ``eps`` passes as is. The backward advances
-recopt's counters. Checkpoints hold recopt's counters, so they move between backends.
+recopt's counters. Checkpoints hold recopt's counters, so they move between backends. The
+kernel passes its counters into each call: `FbgemmSteps` holds no reference to the kernel, so
+a dropped kernel (and fbgemm's memory with it) is freed by reference counting, not by a later
+``gc.collect()``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -53,7 +56,7 @@ class FbgemmSteps:
     """Keeps fbgemm's iteration counter and ``eps`` in step with recopt's per-table counters.
 
     Args:
-        get_steps: returns the tables' 0-dim int64 ``step`` tensors (the checkpointed state).
+        steps: the tables' 0-dim int64 ``step`` tensors (the checkpointed state), zero now.
         table_names: the tables, for error messages.
         eps: recopt's ``eps`` (SparseAdam's when ``remap_eps``).
         beta2: the second-moment coefficient.
@@ -63,29 +66,32 @@ class FbgemmSteps:
 
     def __init__(
         self,
-        get_steps: Callable[[], list[Tensor]],
+        steps: Sequence[Tensor],
         table_names: Sequence[str],
         eps: float,
         beta2: float,
         remap_eps: bool = True,
     ) -> None:
-        self._get_steps = get_steps
         self._names = list(table_names)
         self._eps = eps
         self._beta2 = beta2
         self._remap_eps = remap_eps
-        self._mirror = StepMirror(get_steps(), [0] * len(self._names))
+        self._mirror = StepMirror(steps, [0] * len(self._names))
 
-    def before_forward(self, tbe: Any) -> int:
+    def before_forward(self, tbe: Any, steps: Sequence[Tensor]) -> int:
         """Set ``tbe``'s counter (and ``eps``) for the step this forward's backward applies.
 
         fbgemm adds one to its counter in forward and uses the result in backward. Reads the
         counters back only after they were written from outside (a checkpoint load).
 
+        Args:
+            tbe: fbgemm's kernel.
+            steps: the tables' ``step`` tensors now (a module's ``to()`` may replace them).
+
         Returns:
             The step the update will use (recopt's counter + 1).
         """
-        step = shared_step(self._mirror.values(self._get_steps()), self._names)
+        step = shared_step(self._mirror.values(steps), self._names)
         # Both copies: fbgemm reloads iter_cpu from the device `iter` whenever it is 0 (and
         # builds older than its host copy read `iter` alone).
         tbe.iter.fill_(step)
@@ -96,6 +102,7 @@ class FbgemmSteps:
             tbe.optimizer_args = tbe.optimizer_args._replace(eps=eps)
         return step + 1
 
-    def after_update(self) -> None:
-        """Advance every table's counter (device op; the host copy follows without a read)."""
-        self._mirror.advance(self._get_steps())
+    def after_update(self, steps: Sequence[Tensor]) -> None:
+        """Advance every table's counter in ``steps`` (device op; the host copy follows
+        without a read)."""
+        self._mirror.advance(steps)

@@ -53,6 +53,14 @@ class OptimizerSpec:
         fbgemm_decoupled_weight_decay: fbgemm's CUDA kernel applies ``weight_decay`` in
             AdamW's decoupled form where recopt adds an L2 term (the fbgemm backend refuses a
             non-zero weight decay).
+        fbgemm_weight_decay: the device types whose fbgemm build applies ``weight_decay`` as
+            recopt does; elsewhere fbgemm ignores it silently (its codegen takes none for
+            EXACT_SGD and EXACT_ADAGRAD; its 1.8 CPU row-wise Adagrad passes 0), so the
+            fbgemm backend refuses a non-zero weight decay there.
+        fbgemm_zero_direction_nan: fbgemm's kernel writes NaN into a touched row whose update
+            direction is zero (LAMB's trust ratio ``||w|| / ||r||`` with ``r = 0``), where
+            recopt's leaves the row unchanged: AUTO never picks fbgemm for it (an explicit
+            ``backend='fbgemm'`` still runs it).
         fbgemm_remap_eps: fbgemm adds ``eps`` to the bias-corrected root where recopt
             (SparseAdam) adds it to ``sqrt(v)``; `fbgemm_steps` maps it every step. ``False``
             for a stepped optimizer whose formula is fbgemm's own (LAMB).
@@ -86,6 +94,8 @@ class OptimizerSpec:
     fbgemm_cuda: str | None = None
     fbgemm_states: tuple[str, ...] = ()
     fbgemm_decoupled_weight_decay: bool = False
+    fbgemm_weight_decay: frozenset[str] = frozenset()
+    fbgemm_zero_direction_nan: bool = False
     fbgemm_remap_eps: bool = False
     fbgemm_cpu_shared_table_broken: bool = False
     cpu_prefers_fbgemm: bool = False
@@ -140,6 +150,7 @@ ROW_WISE_ADAGRAD = OptimizerSpec(
     fbgemm_cpu="EXACT_ROWWISE_ADAGRAD",
     fbgemm_cuda="EXACT_ROWWISE_ADAGRAD",
     fbgemm_states=("momentum1",),
+    fbgemm_weight_decay=frozenset({"cuda"}),  # L2 on CUDA; fbgemm-gpu-cpu 1.8 passes 0
     fbgemm_cpu_shared_table_broken=True,
     cpu_prefers_fbgemm=True,
     c_code=2,
@@ -181,6 +192,8 @@ LAMB = OptimizerSpec(
     weight_decay_in_update=True,
     fbgemm_cuda="LAMB",
     fbgemm_states=("exp_avg", "exp_avg_sq"),
+    fbgemm_weight_decay=frozenset({"cuda"}),  # added to the direction, as recopt's
+    fbgemm_zero_direction_nan=True,
 )
 ROW_WISE_LAMB = OptimizerSpec(
     name="row_wise_lamb",
@@ -191,6 +204,8 @@ ROW_WISE_LAMB = OptimizerSpec(
     weight_decay_in_update=True,
     fbgemm_cuda="PARTIAL_ROWWISE_LAMB",
     fbgemm_states=("exp_avg", "exp_avg_sq"),
+    fbgemm_weight_decay=frozenset({"cuda"}),  # added to the direction, as recopt's
+    fbgemm_zero_direction_nan=True,
 )
 ADAFACTOR = OptimizerSpec(
     name="adafactor",

@@ -16,12 +16,13 @@ import torch.distributed as dist
 from recopt import comm
 from recopt.comm import ProcessGroup
 from recopt.kernels.autotune import default_resolver
-from recopt.kernels.config import FusedOptimizerConfig, TableSpec
 from recopt.kernels.contract import BackendDecision
-from recopt.kernels.factory import auto_candidates
+from recopt.kernels.factory import KernelRequest, auto_requests, resolve_requests
 
-# One kernel as create_kernel sees it: its tables, feature-to-table map and optimizer.
-KernelRequest = tuple[list[TableSpec], list[int], FusedOptimizerConfig]
+
+class BackendDecisionError(ValueError):
+    """Another rank could not take part in the backend decision (its kernels are refused, or
+    rank 0's resolution failed), so every rank stops instead of waiting for it."""
 
 
 def share_backend_decisions(
@@ -33,7 +34,9 @@ def share_backend_decisions(
     bit-identical, and each rank's own measurement can differ under load. Every rank sends its
     kernels' shape classes to rank 0 (one all-gather), rank 0 resolves them all (pin, cache, or
     a measurement of the probe, which needs only the shape class), and broadcasts the
-    decisions, which every rank adopts. Two collectives, bounded by the group's timeout.
+    decisions, which every rank adopts. Two collectives, bounded by the group's timeout. A
+    failure travels with them: a rank whose kernels are refused sends its refusal in the
+    all-gather, rank 0 broadcasts an error of its resolution, and every rank then raises.
 
     Args:
         kernels: this rank's kernels, before they are built.
@@ -42,28 +45,40 @@ def share_backend_decisions(
 
     Returns:
         The decisions adopted, by shape-class key.
+
+    Raises:
+        ValueError: this rank's kernels are refused (the refusal itself).
+        BackendDecisionError: another rank's kernels are refused, or rank 0's resolution
+            failed (rank 0 raises its own error); the message names the rank and the error.
+        Exception: on rank 0, whatever stopped its resolution.
     """
     if dist.get_world_size(group) == 1:
         return {}
-    requests = []
-    for tables, feature_table_map, optimizer in kernels:
-        request = auto_candidates(tables, optimizer, device, feature_table_map)
-        if request is not None:
-            requests.append((request[0], optimizer, request[1]))
-    gathered = comm.all_gather_object(requests, group)
-    resolver = default_resolver()
-    shared: dict[str, Any] | None = None
+    requests, refusal = auto_requests(kernels, device)
+    sent = (requests, None if refusal is None else str(refusal))
+    gathered = comm.all_gather_object(sent, group)
+    if refusal is not None:
+        raise refusal
+    refused = [f"rank {r}: {message}" for r, (_, message) in enumerate(gathered) if message]
+    if refused:
+        raise BackendDecisionError(
+            f"other ranks' kernels were refused, so no rank builds its kernels: {refused}"
+        )
+    answer: dict[str, Any] | None = None
+    failure: Exception | None = None
     if dist.get_rank(group) == 0:
-        decisions: dict[str, BackendDecision] = {}
-        for shape, optimizer, candidates in (r for rank in gathered for r in rank):
-            decision = resolver.resolve(shape, optimizer, candidates)
-            decisions.setdefault(shape.key(), decision)
-        shared = {k: d.to_json() for k, d in decisions.items()}
-    shared = comm.broadcast_object(shared, group)
-    assert shared is not None
+        answer, failure = resolve_requests([rank[0] for rank in gathered])
+    shared: dict[str, Any] = comm.broadcast_object(answer, group)
+    if failure is not None:
+        raise failure
+    if "error" in shared:
+        raise BackendDecisionError(
+            f"rank 0 failed to decide the kernels' backends, so no rank builds its kernels: "
+            f"{shared['error']}"
+        )
     adopted = {
         k: BackendDecision.from_json({**v, "reason": f"shared by rank 0 ({v['reason']})"})
-        for k, v in shared.items()
+        for k, v in shared["decisions"].items()
     }
-    resolver.adopt(adopted)
+    default_resolver().adopt(adopted)
     return adopted

@@ -12,7 +12,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from recopt.kernels.config import Backend, FusedOptimizerConfig
+import torch
+
+from recopt.kernels.config import Backend, FusedOptimizerConfig, TableSpec
+from recopt.kernels.fbgemm_backend import fbgemm_auto_objections, fbgemm_problems
 from recopt.kernels.precision import Precision
 from recopt.kernels.registry import optimizer_spec
 from recopt.modules.config import EmbeddingBagConfig
@@ -93,7 +96,7 @@ def resolve_optimizer(
             f"backend {optimizer.backend.value!r}; set one of them to 'auto' or make them equal"
         )
     if not ps.placement.on_device:
-        _check_uvm_kernel(where, ps, optimizer, backend)
+        _check_uvm_kernel(where, ps, optimizer, backend, table)
         # Explicit: UVM shards get kernels of their own, never shared with device shards that
         # fbgemm might not run (AUTO would then have to pick fbgemm for both).
         backend = Backend.FBGEMM
@@ -108,9 +111,14 @@ def resolve_optimizer(
 
 
 def _check_uvm_kernel(
-    where: str, ps: ParameterSharding, optimizer: FusedOptimizerConfig, backend: Backend
+    where: str,
+    ps: ParameterSharding,
+    optimizer: FusedOptimizerConfig,
+    backend: Backend,
+    table: EmbeddingBagConfig,
 ) -> None:
-    """A table in UVM runs on fbgemm: refuse what would put it on recopt's kernel."""
+    """A table in UVM runs on fbgemm: refuse what would put it on recopt's kernel, and what
+    fbgemm cannot run (or, under AUTO, runs only when asked for), on every rank alike."""
     placed = f"{where}: placement {ps.placement.describe()!r} needs the fbgemm kernel"
     if backend is Backend.RECOPT:
         raise PlanError(f"{placed}, but backend is 'recopt'; use 'auto' or 'fbgemm'")
@@ -119,6 +127,19 @@ def _check_uvm_kernel(
             f"{placed}, but {ps.sharding_type.value} with {optimizer.name} needs recopt's "
             "full-row statistic hook; shard it another way or use placement 'device'"
         )
+    widths = sorted({s.num_cols for s in ps.shards}) or [table.embedding_dim]
+    shards = [
+        TableSpec(
+            name=table.name, num_embeddings=1, embedding_dim=w, weight_dtype=table.weight_dtype
+        )
+        for w in widths
+    ]
+    cuda = torch.device("cuda")
+    problems = fbgemm_problems(shards, optimizer, cuda)
+    if backend is Backend.AUTO:
+        problems += fbgemm_auto_objections(optimizer, cuda)
+    if problems:
+        raise PlanError(f"{placed}, which cannot run it: {'; '.join(problems)}")
 
 
 class ShardedLayout:

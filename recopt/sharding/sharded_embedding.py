@@ -23,14 +23,14 @@ from torch import nn
 from recopt.comm import all_ranks_finite
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.contract import Kernel
-from recopt.kernels.factory import create_kernel, rng_unchanged
+from recopt.kernels.factory import KernelRequest, create_kernel, rng_unchanged
 from recopt.modules.collection import FusedCollection
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
 from recopt.modules.inputs import PendingCheck
 from recopt.modules.nonfinite import NonFiniteGradGuard, backward_if_given, finite_flag
 from recopt.modules.variable_batch import expand_rows, regular_batch
-from recopt.sharding.backend_decisions import KernelRequest, share_backend_decisions
+from recopt.sharding.backend_decisions import share_backend_decisions
 from recopt.sharding.input_dist import (
     Bucketizer,
     KernelInput,

@@ -14,10 +14,15 @@ from typing import Any
 import torch
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig, TableSpec
-from recopt.kernels.fbgemm_backend import FBGEMM_DIM_MULTIPLE, fbgemm_precision_problems
+from recopt.kernels.fbgemm_backend import (
+    FBGEMM_DIM_MULTIPLE,
+    fbgemm_auto_objections,
+    fbgemm_precision_problems,
+    fbgemm_weight_decay_problem,
+)
 from recopt.kernels.placement import DEVICE, Location, Placement
 from recopt.kernels.precision import Precision
-from recopt.kernels.registry import fbgemm_spec_names, optimizer_spec
+from recopt.kernels.registry import fbgemm_spec_names
 from recopt.modules.config import EmbeddingConfig
 from recopt.sharding.layout import needs_row_stat_hook, sharding_refusal
 from recopt.sharding.plan import ParameterSharding, PlanError, ShardingType
@@ -291,6 +296,8 @@ def _kernel_problem(
         if kernel is Backend.RECOPT or optimizer.backend is Backend.RECOPT:
             return f"placement {placement.describe()!r} needs the fbgemm kernel, not recopt's"
         why = _kernel_problem(Backend.FBGEMM, kind, sizes, workload, device)
+        if not why and Backend.FBGEMM not in (kernel, optimizer.backend):
+            why = "; ".join(fbgemm_auto_objections(optimizer, torch.device(device)))
         return f"placement {placement.describe()!r} needs the fbgemm kernel: {why}" if why else ""
     if kernel is not Backend.FBGEMM:
         return ""
@@ -309,8 +316,9 @@ def _kernel_problem(
         return (
             f"fbgemm does not run optimizer {optimizer.name!r} on {device} (it runs {sorted(runs)})"
         )
-    if optimizer_spec(optimizer.name).fbgemm_decoupled_weight_decay and optimizer.weight_decay:
-        return f"fbgemm's {optimizer.name!r} has no L2 weight decay (weight_decay must be 0)"
+    decay = fbgemm_weight_decay_problem(optimizer, device)
+    if decay:
+        return decay
     odd = [cols for _, cols in sizes if cols % FBGEMM_DIM_MULTIPLE]
     if odd:
         return (
