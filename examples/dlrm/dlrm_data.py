@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from recopt.data import CriteoClickLog, SyntheticClickLog
 from recopt.data.batch import BatchIterator
+from recopt.data.criteo import NUM_SPARSE
 
 if TYPE_CHECKING:
     from dlrm_config import TrainingConfig
@@ -24,6 +25,22 @@ DataBuilder = Callable[["TrainingConfig", int, int, str], BatchIterator | None]
 def feature_sizes(config: TrainingConfig) -> list[tuple[str, int]]:
     """(feature, rows of its table) in table order: the KJT keys the data must produce."""
     return [(f, t.num_embeddings) for t in config.embedding.tables for f in t.feature_names]
+
+
+def check_criteo_features(features: list[tuple[str, int]]) -> None:
+    """Criteo needs one feature (and table) per categorical column: say which config has them.
+
+    Raises:
+        ValueError: naming the count, the 26-table config and how to use it.
+    """
+    if len(features) != NUM_SPARSE:
+        raise ValueError(
+            f"data.source is 'criteo', whose files have {NUM_SPARSE} categorical columns, but "
+            f"the config's embedding.tables look up {len(features)} features; start from the "
+            "26-table config: --config configs/dlrm_criteo_shape.toml (26 tables of 100k "
+            "rows, dim 64: about 650 MB a checkpoint), or give one feature per column in "
+            "embedding.tables"
+        )
 
 
 def synthetic_source(
@@ -47,10 +64,11 @@ def criteo_source(
 ) -> BatchIterator | None:
     """Criteo TSV files (`CriteoClickLog`, ``[data.criteo]``); None for a split without files."""
     data = config.data
+    features = feature_sizes(config)
+    check_criteo_features(features)
     paths = data.criteo.train_paths if split == "train" else data.criteo.val_paths
     if not paths:
         return None
-    features = feature_sizes(config)
     return CriteoClickLog(
         paths,
         [name for name, _ in features],
