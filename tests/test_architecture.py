@@ -65,7 +65,7 @@ _ALLOWED_IMPORTS: dict[str, set[str]] = {
     "metrics": set(),
     "testing": {"comm"},
     "progress": set(),
-    "comm": {"kernels", "config"},
+    "comm": set(),
     "data": {"sparse", "config"},
     "modules": {"kernels", "optim", "sparse", "config"},
     "models": {"modules", "kernels", "optim", "sparse", "config"},

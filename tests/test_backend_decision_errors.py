@@ -1,10 +1,11 @@
 """The ranks' shared backend decision stops every rank together when one of them fails.
 
-Rank 0 resolves every rank's AUTO kernels and broadcasts the answer (recopt/comm.py,
-`share_backend_decisions`). Before issue 23, a rank 0 that raised while resolving (a probe kernel
-fbgemm could not build, such as bf16 on CUDA) left the other ranks waiting in the broadcast
-until the group's timeout; now the error travels in the broadcast, and a rank whose own kernels
-are refused says so in the all-gather, so every rank raises at once.
+Rank 0 resolves every rank's AUTO kernels and broadcasts the answer
+(recopt/sharding/backend_decisions.py, `share_backend_decisions`). Before issue 23, a rank 0
+that raised while resolving (a probe kernel fbgemm could not build, such as bf16 on CUDA) left
+the other ranks waiting in the broadcast until the group's timeout; now the error travels in
+the broadcast, and a rank whose own kernels are refused says so in the all-gather, so every
+rank raises at once.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _failing_probe(
 
 def _decide(rank: int, world_size: int, case: str) -> tuple[str, str]:
     """This rank's outcome of the shared decision: the error's type and message."""
-    from recopt.comm import share_backend_decisions
+    from recopt.sharding.backend_decisions import share_backend_decisions
 
     configure_auto(AutoResolver(AutoConfig(), _failing_probe, machine="m"))
     device = torch.device("cpu")

@@ -246,7 +246,7 @@ def test_lamb_in_uvm_needs_fbgemm_asked_for_in_the_plan_and_the_planner() -> Non
     lamb = {"m": {"t": FusedOptimizerConfig(name="lamb")}}
     with pytest.raises(PlannerError, match="does not fit|short by"):
         EmbeddingShardingPlanner(topo, batch_size=512).plan({"m": [big]}, lamb)
-    only_fbgemm = {"t": ParameterConstraints(compute_kernels=(Backend.FBGEMM,))}
+    only_fbgemm = {"t": ParameterConstraints(backends=(Backend.FBGEMM,))}
     plan = EmbeddingShardingPlanner(topo, batch_size=512, constraints=only_fbgemm).plan(
         {"m": [big]}, lamb
     )

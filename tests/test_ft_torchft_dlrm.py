@@ -24,6 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
 
 import dlrm_config  # noqa: E402
+import dlrm_pipeline  # noqa: E402
 import train as dlrm_train  # noqa: E402
 
 TORCHFT_ENV = {"TORCHFT_LIGHTHOUSE": "http://127.0.0.1:29510", "REPLICA_GROUP_ID": "g0"}
@@ -68,8 +69,9 @@ def _argv(out: pathlib.Path, steps: int) -> list[str]:
     return [arg for item in sets for arg in ("--set", item)]
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipelined"])
 def test_a_dropped_step_retrains_the_same_batch(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, pipeline: bool
 ) -> None:
     pytest.importorskip("torchft")
     from torchft.coordination import LighthouseServer
@@ -86,15 +88,32 @@ def test_a_dropped_step_retrains_the_same_batch(
         return real_vote(self, ok and votes["n"] != 3)
 
     attempts: list[tuple[int, bool]] = []
-    real_step = dlrm_train.Trainer.train_step
-
-    def recorded_step(self: Any, batch: Any) -> bool:
-        committed = real_step(self, batch)
-        attempts.append((id(batch), committed))
-        return committed
-
     monkeypatch.setattr(TorchftManager, "_vote", flaky_vote)
-    monkeypatch.setattr(dlrm_train.Trainer, "train_step", recorded_step)
+    if pipeline:  # the batch each forward sees, and the pipeline's commit hook's answers
+        trained: list[int] = []
+        real_forward = dlrm_pipeline.LossAndLogits.forward
+        real_hook = dlrm_train.Trainer._pipeline_step_committed
+
+        def recorded_forward(self: Any, batch: Any) -> Any:
+            trained.append(id(batch))
+            return real_forward(self, batch)
+
+        def recorded_hook(self: Any) -> bool:
+            committed = self.ft.manager.current_step() > self.step
+            attempts.append((trained[-1], committed))
+            return real_hook(self)
+
+        monkeypatch.setattr(dlrm_pipeline.LossAndLogits, "forward", recorded_forward)
+        monkeypatch.setattr(dlrm_train.Trainer, "_pipeline_step_committed", recorded_hook)
+    else:
+        real_step = dlrm_train.Trainer.train_step
+
+        def recorded_step(self: Any, batch: Any) -> bool:
+            committed = real_step(self, batch)
+            attempts.append((id(batch), committed))
+            return committed
+
+        monkeypatch.setattr(dlrm_train.Trainer, "train_step", recorded_step)
     server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
@@ -107,7 +126,8 @@ def test_a_dropped_step_retrains_the_same_batch(
             timeout=datetime.timedelta(seconds=20),
         )
         out = tmp_path / "run"
-        config = dlrm_config.load_config(None, _argv(out, 5)[1::2])
+        sets = [*_argv(out, 5)[1::2], f"training.pipeline={str(pipeline).lower()}"]
+        config = dlrm_config.load_config(None, sets)
         dlrm_train.train(config, dlrm_train.RunEnv(), ft_config=ft)
     finally:
         server.shutdown()

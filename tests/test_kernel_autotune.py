@@ -194,7 +194,6 @@ def test_param_groups_show_the_decision() -> None:
 
 
 def _ranks_agree(rank: int, world_size: int) -> list[str]:
-    from recopt.comm import share_backend_decisions
     from recopt.modules import EmbeddingBagConfig
     from recopt.sharding import (
         ShardedEmbeddingBagCollection,
@@ -202,6 +201,7 @@ def _ranks_agree(rank: int, world_size: int) -> list[str]:
         data_parallel,
         table_wise,
     )
+    from recopt.sharding.backend_decisions import share_backend_decisions
 
     # Each rank's own measurement disagrees: rank 0 finds fbgemm faster, rank 1 recopt.
     fast = Backend.FBGEMM if rank == 0 else Backend.RECOPT

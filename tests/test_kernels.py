@@ -15,6 +15,7 @@ import torch
 from recopt.kernels import cpu_fused
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
+from recopt.kernels.registry import OPTIMIZERS
 
 CPU = torch.device("cpu")
 TABLES = [
@@ -24,6 +25,11 @@ TABLES = [
 FEATURE_TABLE_MAP = [0, 1, 0]  # features 0 and 2 share table 0
 BATCH = 5
 NATIVE = [pytest.param(True, id="native"), pytest.param(False, id="torch")]
+# From the registry: the optimizers with a native update (the rest, lamb and adafactor, have
+# parity tests of their own: tests/test_lamb.py and the SparseAdam/Adafactor tests below), and
+# those fbgemm's CPU build runs.
+NATIVE_OPTIMIZERS = [name for name, spec in OPTIMIZERS.items() if spec.c_code is not None]
+FBGEMM_CPU_OPTIMIZERS = [name for name, spec in OPTIMIZERS.items() if spec.fbgemm_cpu]
 
 
 def make_batch(
@@ -164,7 +170,7 @@ def run_against_reference(
 
 
 @pytest.mark.parametrize("native", NATIVE)
-@pytest.mark.parametrize("name", ["sgd", "adagrad", "row_wise_adagrad", "adam", "row_wise_adam"])
+@pytest.mark.parametrize("name", NATIVE_OPTIMIZERS)
 @pytest.mark.parametrize(
     ("pooling", "weighted"),
     [
@@ -182,7 +188,7 @@ def test_optimizer_matches_reference(
 
 
 @pytest.mark.parametrize("native", NATIVE)
-@pytest.mark.parametrize("name", ["sgd", "adagrad", "row_wise_adagrad", "adam", "row_wise_adam"])
+@pytest.mark.parametrize("name", NATIVE_OPTIMIZERS)
 def test_weight_decay_and_maximize(name: str, native: bool) -> None:
     cfg = FusedOptimizerConfig(name=name, lr=0.03, weight_decay=0.1, maximize=True, eps=1e-6)
     run_against_reference(cfg, PoolingType.SUM, True, native)
@@ -383,7 +389,7 @@ def _fbgemm_tbe(name: str, pooling: PoolingType, lr: float) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("native", NATIVE)
-@pytest.mark.parametrize("name", ["sgd", "adagrad", "row_wise_adagrad"])
+@pytest.mark.parametrize("name", FBGEMM_CPU_OPTIMIZERS)
 @pytest.mark.parametrize(
     ("pooling", "weighted"),
     [(PoolingType.SUM, False), (PoolingType.SUM, True), (PoolingType.MEAN, False)],

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from recopt.comm import ScratchBuffer
 from recopt.kernels import FusedOptimizerConfig
 from recopt.modules import EmbeddingBagConfig
+from recopt.sharding.output_exchange import ScratchBuffer
 from recopt.sparse import KeyedJaggedTensor
 from recopt.testing import run_on_ranks
 

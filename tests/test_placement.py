@@ -138,7 +138,7 @@ def test_old_plan_file_without_placement_loads_as_device() -> None:
                     "sharding_type": "table_wise",
                     "ranks": [0],
                     "shards": [[0, 0, 40, 0, 8]],
-                    "compute_kernel": "auto",
+                    "backend": "auto",
                     "optimizer": None,
                 }
             }
@@ -163,7 +163,7 @@ def test_plan_json_rejects_bad_placement(placement: object, match: str) -> None:
         "sharding_type": "table_wise",
         "ranks": [0],
         "shards": [[0, 0, 40, 0, 8]],
-        "compute_kernel": "auto",
+        "backend": "auto",
         "optimizer": None,
         "placement": placement,
     }
@@ -195,10 +195,10 @@ def test_uvm_table_on_recopt_kernel_or_row_stat_layout_is_a_plan_error() -> None
     on_recopt = ParameterSharding(
         sharding_type=ShardingType.TABLE_WISE,
         ranks=(0,),
-        compute_kernel=Backend.RECOPT,
+        backend=Backend.RECOPT,
         placement=UVM,
     )
-    with pytest.raises(PlanError, match="compute_kernel is 'recopt'; use 'auto' or 'fbgemm'"):
+    with pytest.raises(PlanError, match="backend is 'recopt'; use 'auto' or 'fbgemm'"):
         resolve_optimizer(table, on_recopt, opt, "sparse")
     column = ParameterSharding(sharding_type=ShardingType.COLUMN_WISE, ranks=(0,), placement=UVM)
     with pytest.raises(PlanError, match="full-row statistic hook"):

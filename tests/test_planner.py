@@ -77,7 +77,7 @@ def recomputed_rank_bytes(
             )
             for r in range(topo.world_size):
                 used[r] += rank_output_bytes(t.embedding_dim, w)
-            if ps.sharding_type is ShardingType.DATA_PARALLEL:
+            if ps.sharding_type.replicated:
                 for r in ps.ranks:
                     used[r] += replica_storage_bytes(
                         t.num_embeddings, t.embedding_dim, w, topo.world_size
@@ -247,7 +247,7 @@ def test_constraints_are_honoured() -> None:
             sharding_types=(ShardingType.COLUMN_WISE,), min_partition=32, optimizer=adam
         ),
         "z": ParameterConstraints(
-            compute_kernels=(Backend.FBGEMM,), sharding_types=(ShardingType.DATA_PARALLEL,)
+            backends=(Backend.FBGEMM,), sharding_types=(ShardingType.DATA_PARALLEL,)
         ),
         "b.x": ParameterConstraints(sharding_types=(ShardingType.TABLE_WISE,)),
     }
@@ -258,7 +258,7 @@ def test_constraints_are_honoured() -> None:
     assert y.sharding_type is ShardingType.COLUMN_WISE and y.optimizer == adam
     assert all(s.num_cols >= 32 for s in y.shards)
     assert plan["a"]["z"].sharding_type is ShardingType.DATA_PARALLEL
-    assert plan["a"]["z"].compute_kernel is Backend.FBGEMM
+    assert plan["a"]["z"].backend is Backend.FBGEMM
     assert plan["b"]["x"].sharding_type is ShardingType.TABLE_WISE
 
 
@@ -302,18 +302,18 @@ def test_adafactor_only_table_wise_or_data_parallel() -> None:
 def test_fbgemm_not_offered_for_column_shards_of_row_wise_optimizers() -> None:
     c = {
         "t": ParameterConstraints(
-            sharding_types=(ShardingType.COLUMN_WISE,), compute_kernels=(Backend.FBGEMM,)
+            sharding_types=(ShardingType.COLUMN_WISE,), backends=(Backend.FBGEMM,)
         )
     }
     with pytest.raises(PlannerError, match="fbgemm cannot run 'row_wise_adagrad' on column shards"):
         EmbeddingShardingPlanner(Topology(world_size=2), constraints=c).plan(
             {"m": [table("t", 99, 64)]}
         )
-    c["t"] = dataclasses.replace(c["t"], compute_kernels=(Backend.FBGEMM, Backend.RECOPT))
+    c["t"] = dataclasses.replace(c["t"], backends=(Backend.FBGEMM, Backend.RECOPT))
     plan = EmbeddingShardingPlanner(Topology(world_size=2), constraints=c).plan(
         {"m": [table("t", 99, 64)]}
     )
-    assert plan["m"]["t"].compute_kernel is Backend.RECOPT
+    assert plan["m"]["t"].backend is Backend.RECOPT
 
 
 def test_module_optimizers_drive_estimates_but_stay_out_of_the_plan() -> None:
@@ -337,11 +337,7 @@ def test_every_planned_sharding_is_accepted_by_the_sharded_layout() -> None:
     for name in sorted(OPTIMIZERS):  # every fused optimizer of the registry
         optimizer = FusedOptimizerConfig(name=name)
         for world_size, kernels in ((4, None), (8, (Backend.FBGEMM, Backend.RECOPT))):
-            c = (
-                {t.name: ParameterConstraints(compute_kernels=kernels) for t in tables}
-                if kernels
-                else {}
-            )
+            c = {t.name: ParameterConstraints(backends=kernels) for t in tables} if kernels else {}
             topo = Topology(world_size=world_size, ranks_per_host=4, ddr_bytes=4 * GIB)
             plan = EmbeddingShardingPlanner(topo, constraints=c, default_optimizer=optimizer).plan(
                 {"m": tables}
@@ -385,14 +381,14 @@ def test_pooling_factor_and_batch_size_change_estimates() -> None:
         (
             {
                 "t": ParameterConstraints(
-                    compute_kernels=(Backend.FBGEMM,), optimizer=FusedOptimizerConfig(name="adam")
+                    backends=(Backend.FBGEMM,), optimizer=FusedOptimizerConfig(name="adam")
                 )
             },
             r"table 't' \(module 'm'\): no allowed kernel can run it: "
             "fbgemm does not run optimizer 'adam' on cpu",
         ),
         (
-            {"t": ParameterConstraints(compute_kernels=(Backend.FBGEMM,))},
+            {"t": ParameterConstraints(backends=(Backend.FBGEMM,))},
             "fbgemm needs shard widths that are multiples of 4, not 6",
         ),
     ],
@@ -405,12 +401,12 @@ def test_constraint_errors(constraints: dict[str, ParameterConstraints], message
 
 def test_fbgemm_adam_is_offered_on_cuda_topologies_without_weight_decay() -> None:
     topo = Topology(world_size=2, device="cuda", hbm_bytes=8 * GIB)
-    only_fbgemm = ParameterConstraints(compute_kernels=(Backend.FBGEMM,))
+    only_fbgemm = ParameterConstraints(backends=(Backend.FBGEMM,))
     for name in ("adam", "row_wise_adam"):
         plan = EmbeddingShardingPlanner(topo, constraints={"t": only_fbgemm}).plan(
             {"m": [table("t", 100, 8)]}, {"m": {"t": FusedOptimizerConfig(name=name)}}
         )
-        assert plan["m"]["t"].compute_kernel == Backend.FBGEMM
+        assert plan["m"]["t"].backend == Backend.FBGEMM
         decayed = {"m": {"t": FusedOptimizerConfig(name=name, weight_decay=0.1)}}
         with pytest.raises(PlannerError, match="decays weights decoupled"):
             EmbeddingShardingPlanner(topo, constraints={"t": only_fbgemm}).plan(
@@ -422,7 +418,7 @@ def test_fbgemm_adam_is_offered_on_cuda_topologies_without_weight_decay() -> Non
     ("kwargs", "message"),
     [
         ({"sharding_types": ("diagonal",)}, "'diagonal' is not a valid ShardingType"),
-        ({"compute_kernels": ()}, "an empty list allows nothing"),
+        ({"backends": ()}, "an empty list allows nothing"),
         ({"min_partition": 0}, "min_partition must be >= 1, got 0"),
         ({"pooling_factor": 0.0}, "pooling_factor must be > 0, got 0.0"),
         ({"batch_size": 0}, "batch_size must be >= 1, got 0"),

@@ -12,7 +12,7 @@ from recopt.modules import EmbeddingBagConfig
 from recopt.sharding import ShardingType, validate_plan
 from recopt.sharding.planner import EmbeddingShardingPlanner, PlannerError, Topology, evaluate_plan
 from recopt.sharding.planner.enumerator import ShardingOption
-from recopt.sharding.planner.partitioner import Placement, PlacementFailure, partition
+from recopt.sharding.planner.partitioner import AssignmentFailure, RankAssignment, partition
 from recopt.sharding.planner.proposers import greedy_proposal, improve, make_feasible
 
 
@@ -28,7 +28,7 @@ def tw(name: str, nbytes: int, cost: float) -> ShardingOption:
         module="m",
         table=T(name),
         sharding_type=ShardingType.TABLE_WISE,
-        compute_kernel=Backend.AUTO,
+        backend=Backend.AUTO,
         optimizer=FusedOptimizerConfig(),
         shard_sizes=[(10, 4)],
         shard_bytes=[nbytes],
@@ -42,7 +42,7 @@ def rw(name: str, nbytes: list[int], costs: list[float]) -> ShardingOption:
         module="m",
         table=T(name),
         sharding_type=ShardingType.ROW_WISE,
-        compute_kernel=Backend.AUTO,
+        backend=Backend.AUTO,
         optimizer=FusedOptimizerConfig(),
         shard_sizes=[(5, 4)] * len(nbytes),
         shard_bytes=nbytes,
@@ -56,7 +56,7 @@ def dp(name: str, nbytes: int, cost: float, world_size: int) -> ShardingOption:
         module="m",
         table=T(name),
         sharding_type=ShardingType.DATA_PARALLEL,
-        compute_kernel=Backend.AUTO,
+        backend=Backend.AUTO,
         optimizer=FusedOptimizerConfig(),
         shard_sizes=[(10, 4)],
         shard_bytes=[nbytes],
@@ -72,7 +72,7 @@ def two_ranks(cap: int) -> Topology:
 def test_lpt_balances_cost() -> None:
     options = [tw("a", 1, 5.0), tw("b", 1, 4.0), tw("c", 1, 3.0), tw("d", 1, 2.0)]
     result = partition(options, two_ranks(100), [0, 0])
-    assert isinstance(result, Placement)
+    assert isinstance(result, RankAssignment)
     assert result.shard_ranks == [[0], [1], [1], [0]]
     assert result.rank_cost == [7.0, 7.0] and result.rank_bytes == [2, 2]
 
@@ -82,14 +82,14 @@ def test_memory_first_pass_rescues_a_fragmented_packing() -> None:
     # largest-first by bytes packs 6+4 | 6+4.
     options = [tw("a", 6, 4.0), tw("b", 4, 3.0), tw("c", 4, 2.0), tw("d", 6, 1.0)]
     result = partition(options, two_ranks(10), [0, 0])
-    assert isinstance(result, Placement)
+    assert isinstance(result, RankAssignment)
     assert sorted(result.rank_bytes) == [10, 10]
 
 
 def test_failure_names_the_shard_and_the_roomiest_rank() -> None:
     options = [tw("a", 6, 4.0), tw("b", 6, 3.0), tw("c", 5, 2.0)]
     result = partition(options, two_ranks(10), [1, 0])
-    assert isinstance(result, PlacementFailure)
+    assert isinstance(result, AssignmentFailure)
     assert result.option_index == 2 and result.needed_bytes == 5
     assert result.best_rank == 1 and result.free_bytes == 4
 
@@ -97,7 +97,7 @@ def test_failure_names_the_shard_and_the_roomiest_rank() -> None:
 def test_replicas_and_row_shards_use_their_fixed_ranks() -> None:
     options = [dp("d", 3, 1.0, 2), rw("r", [2, 1], [0.5, 0.25]), tw("t", 1, 2.0)]
     result = partition(options, two_ranks(10), [0, 0])
-    assert isinstance(result, Placement)
+    assert isinstance(result, RankAssignment)
     assert result.shard_ranks == [[0, 1], [0, 1], [1]]
     assert result.rank_bytes == [5, 5] and result.rank_cost == [1.5, 3.25]
 
@@ -105,7 +105,7 @@ def test_replicas_and_row_shards_use_their_fixed_ranks() -> None:
 def test_replica_overflow_is_reported_on_the_fullest_rank() -> None:
     options = [dp("d1", 4, 1.0, 2), dp("d2", 4, 1.0, 2)]
     result = partition(options, two_ranks(10), [0, 3])
-    assert isinstance(result, PlacementFailure)
+    assert isinstance(result, AssignmentFailure)
     assert result.option_index == 1 and result.best_rank == 1 and result.free_bytes == 3
 
 
@@ -118,14 +118,14 @@ def test_make_feasible_spreads_another_table_when_the_failing_one_cannot_shrink(
     choice = greedy_proposal(options, capacity=10)
     assert choice == [0, 0, 0]
     result = make_feasible(options, choice, two_ranks(10), [0, 0])
-    assert isinstance(result, Placement) and choice == [1, 0, 0]
+    assert isinstance(result, RankAssignment) and choice == [1, 0, 0]
     assert result.rank_bytes == [10, 10]
 
 
 def test_make_feasible_gives_up_with_the_failure() -> None:
     options = [[tw("x", 8, 1.0)], [tw("y", 8, 1.0)], [tw("z", 8, 1.0)]]
     result = make_feasible(options, [0, 0, 0], two_ranks(10), [0, 0])
-    assert isinstance(result, PlacementFailure) and result.option_index == 2
+    assert isinstance(result, AssignmentFailure) and result.option_index == 2
 
 
 def test_greedy_skips_options_too_big_for_an_empty_rank() -> None:
@@ -144,7 +144,7 @@ def test_search_splits_the_table_that_dominates_the_slowest_rank() -> None:
     ]
     choice = [0, 0, 0]
     start = partition([o[0] for o in options], two_ranks(100), [0, 0])
-    assert isinstance(start, Placement) and start.max_cost == 10.0
+    assert isinstance(start, RankAssignment) and start.max_cost == 10.0
     best = improve(options, choice, start, two_ranks(100), [0, 0])
     assert choice[0] == 1 and best.max_cost == 4.0
 
@@ -152,7 +152,7 @@ def test_search_splits_the_table_that_dominates_the_slowest_rank() -> None:
 def test_search_respects_its_trial_budget() -> None:
     options = [[tw("hot", 1, 10.0), rw("hot", [1, 1], [3.0, 3.0])], [tw("a", 1, 1.0)]]
     start = partition([o[0] for o in options], two_ranks(100), [0, 0])
-    assert isinstance(start, Placement)
+    assert isinstance(start, RankAssignment)
     choice = [0, 0]
     best = improve(options, choice, start, two_ranks(100), [0, 0], max_trials=0)
     assert best is start and choice == [0, 0]

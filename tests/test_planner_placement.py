@@ -346,7 +346,7 @@ def test_topology_host_memory_is_only_for_cuda() -> None:
 
 def test_reclaim_moves_an_over_repaired_table_back_to_device() -> None:
     from recopt.sharding.planner.enumerator import enumerate_all
-    from recopt.sharding.planner.partitioner import Placement as Assignment
+    from recopt.sharding.planner.partitioner import RankAssignment as Assignment
     from recopt.sharding.planner.partitioner import partition
     from recopt.sharding.planner.proposers import reclaim_device_memory
 

@@ -27,6 +27,7 @@ from contract_inputs import BATCHES, batch_bags, flat, inputs, kjt
 from torch import nn
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType
+from recopt.kernels.registry import OPTIMIZERS as REGISTERED_OPTIMIZERS
 from recopt.modules import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
@@ -37,6 +38,7 @@ from recopt.modules import (
     InvalidIdError,
 )
 from recopt.sharding import (
+    SHARDING_SPECS,
     PlanError,
     ShardingPlan,
     column_wise,
@@ -50,16 +52,16 @@ from recopt.sharding import (
 from recopt.sparse import KeyedJaggedTensor
 from recopt.testing import run_on_ranks
 
-OPTIMIZERS = ["sgd", "adagrad", "row_wise_adagrad", "adam", "row_wise_adam"]
-TYPES = [
-    "table_wise",
-    "row_wise",
-    "column_wise",
-    "table_row_wise",
-    "table_column_wise",
-    "data_parallel",
-    "mixed",
+# Every registered optimizer that runs on every sharding type. Excluded, with cases of their
+# own below on the types that keep what they need whole: whole-table statistics (adafactor)
+# and full-row norms (lamb, row_wise_lamb).
+OPTIMIZERS = [
+    name
+    for name, spec in REGISTERED_OPTIMIZERS.items()
+    if not (spec.whole_table_statistics or spec.full_row_norms)
 ]
+# Every registered sharding type, plus "mixed" (several types in one module).
+TYPES = [*(t.value for t in SHARDING_SPECS), "mixed"]
 STEPS = 3
 CPU = torch.device("cpu")
 MEAN = PoolingType.MEAN
@@ -133,7 +135,9 @@ def _requests(kind: str, world: int) -> dict[str, Any]:
         return {t: table_wise(0) for t in ("t0", "t1", "t2")}
     if kind == "data_parallel":
         return {t: data_parallel() for t in ("t0", "t1", "t2")}
-    return {"t0": row_wise(), "t1": column_wise([last, 0]), "t2": data_parallel()}
+    if kind == "mixed":
+        return {"t0": row_wise(), "t1": column_wise([last, 0]), "t2": data_parallel()}
+    raise AssertionError(f"sharding type {kind!r} has no requests here; add its layout above")
 
 
 def _cases() -> list[Case]:
@@ -175,9 +179,17 @@ def _cases() -> list[Case]:
         Case("table_row_wise/lamb", "table_row_wise", "lamb", extra={"maximize": True}),
         Case("data_parallel/row_wise_lamb", "data_parallel", "row_wise_lamb", vbe=True),
     ]
-    ec_optimizers = ["adagrad", "row_wise_adam", "row_wise_adagrad", "sgd", "adam", "adam", "sgd"]
-    unpooled = [*zip(TYPES, ec_optimizers, strict=True)]
-    cases += [Case(f"ec/{k}/{o}", k, o, unpooled=True) for k, o in unpooled]
+    # One optimizer per type for the embedding collections (a new type needs its entry).
+    ec_optimizer = {
+        "table_wise": "adagrad",
+        "row_wise": "row_wise_adam",
+        "column_wise": "row_wise_adagrad",
+        "table_row_wise": "sgd",
+        "table_column_wise": "adam",
+        "data_parallel": "adam",
+        "mixed": "sgd",
+    }
+    cases += [Case(f"ec/{k}/{ec_optimizer[k]}", k, ec_optimizer[k], unpooled=True) for k in TYPES]
     cases += [
         Case("ec/table_wise/adafactor", "table_wise", "adafactor", unpooled=True),
         Case("ec/mixed/plain-ec", "mixed", "adam", plain_ebc=True, unpooled=True),
@@ -395,7 +407,7 @@ def _errors_case(rank: int, world: int) -> None:
                 tables,
                 {
                     **_requests("row_wise", world),
-                    "t1": column_wise([0], compute_kernel=Backend.FBGEMM, optimizer=rw),
+                    "t1": column_wise([0], backend=Backend.FBGEMM, optimizer=rw),
                 },
                 world,
             )

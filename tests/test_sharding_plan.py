@@ -106,7 +106,7 @@ def test_column_wise_impossible_split_is_clear() -> None:
 
 def test_column_wise_fbgemm_odd_width_rejected_by_validation() -> None:
     with pytest.raises(PlanError, match="shard width 3 is not a multiple of 4.*fbgemm"):
-        one(Table("t", 5, 6), column_wise([0, 1], compute_kernel=Backend.FBGEMM), 2)
+        one(Table("t", 5, 6), column_wise([0, 1], backend=Backend.FBGEMM), 2)
 
 
 def test_table_row_wise_uses_one_host() -> None:
@@ -129,9 +129,9 @@ def test_table_row_wise_unknown_host() -> None:
 
 def test_data_parallel_and_options_carried() -> None:
     opt = FusedOptimizerConfig(name="adam", lr=0.5)
-    ps = one(Table("t", 3, 4), data_parallel(compute_kernel=Backend.RECOPT, optimizer=opt), 3)
+    ps = one(Table("t", 3, 4), data_parallel(backend=Backend.RECOPT, optimizer=opt), 3)
     assert ps.ranks == (0, 1, 2) and ps.shards == ()
-    assert ps.compute_kernel is Backend.RECOPT and ps.optimizer == opt
+    assert ps.backend is Backend.RECOPT and ps.optimizer == opt
 
 
 def test_empty_rank_list_rejected() -> None:
@@ -174,7 +174,7 @@ def rich_plan() -> ShardingPlan:
     )
     per = {
         "a": row_wise(optimizer=opt),
-        "b": column_wise([1, 0, 1], compute_kernel=Backend.FBGEMM),
+        "b": column_wise([1, 0, 1], backend=Backend.FBGEMM),
         "c": data_parallel(),
     }
     return ShardingPlan(
@@ -194,7 +194,7 @@ def test_json_round_trip_exact(tmp_path: object) -> None:
     assert opt is not None and opt.lr == 0.1 / 3 and opt.betas == (0.8, 0.95)
     assert opt.backend is Backend.FBGEMM and opt.eps is None
     doc = json.loads(plan.to_json())
-    assert doc["plan"]["sparse.ebc"]["b"]["compute_kernel"] == "fbgemm"
+    assert doc["plan"]["sparse.ebc"]["b"]["backend"] == "fbgemm"
     assert doc["plan"]["sparse.ebc"]["c"]["sharding_type"] == "data_parallel"
 
 
@@ -217,9 +217,9 @@ def test_parameter_sharding_accepts_strings_and_lists() -> None:
         sharding_type="table_wise",  # type: ignore[arg-type]
         ranks=[0],  # type: ignore[arg-type]
         shards=[ShardSpec(rank=0, row_offset=0, num_rows=1, col_offset=0, num_cols=1)],  # type: ignore[arg-type]
-        compute_kernel="recopt",  # type: ignore[arg-type]
+        backend="recopt",  # type: ignore[arg-type]
     )
-    assert ps.sharding_type is ShardingType.TABLE_WISE and ps.compute_kernel is Backend.RECOPT
+    assert ps.sharding_type is ShardingType.TABLE_WISE and ps.backend is Backend.RECOPT
     assert ps.ranks == (0,) and isinstance(ps.shards, tuple)
 
 
@@ -358,7 +358,7 @@ def test_valid_hand_built_row_wise_passes() -> None:
                 shard(0, 0, 100, 0, 6),
                 shard(1, 0, 100, 6, 2),
                 kind=ShardingType.COLUMN_WISE,
-                compute_kernel=Backend.FBGEMM,
+                backend=Backend.FBGEMM,
             ),
             "shard width 6 is not a multiple of 4, which the fbgemm kernel requires",
         ),
@@ -376,7 +376,7 @@ def test_odd_widths_allowed_for_auto_and_recopt() -> None:
                 shard(0, 0, 100, 0, 6),
                 shard(1, 0, 100, 6, 2),
                 kind=ShardingType.COLUMN_WISE,
-                compute_kernel=kernel,
+                backend=kernel,
             )
         )
 
@@ -384,7 +384,7 @@ def test_odd_widths_allowed_for_auto_and_recopt() -> None:
 def test_data_parallel_fbgemm_needs_dim_multiple_of_four() -> None:
     table = Table("d", 4, 6)
     ps = ParameterSharding(
-        sharding_type=ShardingType.DATA_PARALLEL, ranks=(0, 1), compute_kernel=Backend.FBGEMM
+        sharding_type=ShardingType.DATA_PARALLEL, ranks=(0, 1), backend=Backend.FBGEMM
     )
     with pytest.raises(
         PlanError, match=r"table 'd' \(module ''\): shard width 6 is not a multiple of 4"

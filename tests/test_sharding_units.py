@@ -183,7 +183,7 @@ def test_column_shards_with_row_wise_optimizers_run_on_recopt() -> None:
     auto = construct_module_sharding_plan(TABLES[:1], {"a": column_wise([0, 1])}, 2)["a"]
     assert resolve_optimizer(TABLES[0], auto, rw, "m").backend is Backend.RECOPT
     forced = construct_module_sharding_plan(
-        TABLES[:1], {"a": column_wise([0, 1], compute_kernel=Backend.FBGEMM)}, 2
+        TABLES[:1], {"a": column_wise([0, 1], backend=Backend.FBGEMM)}, 2
     )["a"]
     with pytest.raises(PlanError, match="'a'.*row_wise_adagrad.*'recopt'"):
         resolve_optimizer(TABLES[0], forced, rw, "m")

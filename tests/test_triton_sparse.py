@@ -16,8 +16,11 @@ from triton_helpers import interpreted_module
 from recopt.kernels import updates
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
+from recopt.kernels.registry import OPTIMIZERS as REGISTERED
 
-OPTIMIZERS = ["sgd", "adagrad", "row_wise_adagrad", "adam", "row_wise_adam"]
+# Every registered optimizer whose update the Triton kernel has (the others take the torch path
+# on CUDA; tests/test_triton_adafactor.py covers adafactor's own Triton pass).
+OPTIMIZERS = [name for name, spec in REGISTERED.items() if spec.triton_update]
 
 
 @pytest.fixture

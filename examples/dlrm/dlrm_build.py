@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from dlrm_config import TrainingConfig
+from dlrm_data import data_source
 from dlrm_memory import check_host_memory, host_ranks
 from torch import nn
 
-from recopt.data import CriteoClickLog, SyntheticClickLog
-from recopt.data.criteo import NUM_SPARSE
+from recopt.data.batch import BatchIterator
 from recopt.models import DLRM
 from recopt.modules import FusedEmbeddingBagCollection
 from recopt.optim import (
@@ -187,51 +187,7 @@ def _dense_factory(config: TrainingConfig) -> Any:
     return factory
 
 
-def feature_sizes(config: TrainingConfig) -> list[tuple[str, int]]:
-    """(feature, rows of its table) in table order: the KJT keys the data must produce."""
-    return [(f, t.num_embeddings) for t in config.embedding.tables for f in t.feature_names]
-
-
-def check_criteo_features(features: list[tuple[str, int]]) -> None:
-    """Criteo needs one feature (and table) per categorical column: say which config has them.
-
-    Raises:
-        ValueError: naming the count, the 26-table config and how to use it.
-    """
-    if len(features) != NUM_SPARSE:
-        raise ValueError(
-            f"data.source is 'criteo', whose files have {NUM_SPARSE} categorical columns, but "
-            f"the config's embedding.tables look up {len(features)} features; start from the "
-            "26-table config: --config configs/dlrm_criteo_shape.toml (26 tables of 100k "
-            "rows, dim 64: about 650 MB a checkpoint), or give one feature per column in "
-            "embedding.tables"
-        )
-
-
-def build_data(
-    config: TrainingConfig, env: RunEnv, split: str
-) -> SyntheticClickLog | CriteoClickLog:
-    """This rank's share of the training (endless) or validation (``val_batches``) stream."""
-    data = config.data
-    features = feature_sizes(config)
-    if data.source == "synthetic":
-        return SyntheticClickLog(
-            features,
-            data.synthetic,
-            data.batch_size,
-            rank=env.rank,
-            world_size=env.world_size,
-            split=split,
-            num_batches=None if split == "train" else data.val_batches,
-        )
-    check_criteo_features(features)
-    paths = data.criteo.train_paths if split == "train" else data.criteo.val_paths
-    return CriteoClickLog(
-        paths,
-        [name for name, _ in features],
-        [rows for _, rows in features],
-        data.batch_size,
-        rank=env.rank,
-        world_size=env.world_size,
-        epochs=config.training.epochs if split == "train" else 1,
-    )
+def build_data(config: TrainingConfig, env: RunEnv, split: str) -> BatchIterator | None:
+    """This rank's share of the training (endless) or validation (``val_batches``) stream of
+    ``[data] source`` (dlrm_data.py), or None when the source has no data for ``split``."""
+    return data_source(config.data.source)(config, env.rank, env.world_size, split)

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dlrm_data import data_source
+
 from recopt.config import apply_overrides, from_dict, load_toml, merge, to_plain
 from recopt.data import SyntheticConfig
 from recopt.ft import replica_sync_optimizer
@@ -26,7 +28,6 @@ from recopt.optim.clipping import GradientClipping
 from recopt.optim.warmup import WarmupPolicy, WarmupStage
 from recopt.sharding.planner.constraints import placement_from_value
 
-DATA_SOURCES = ("synthetic", "criteo")
 DENSE_OPTIMIZERS = ("adagrad", "adam", "sgd")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 # training.num_threads above this many per core only oversubscribes (and a huge count crashed
@@ -165,8 +166,7 @@ class DataSection:
     criteo: CriteoSection = field(default_factory=CriteoSection)
 
     def __post_init__(self) -> None:
-        if self.source not in DATA_SOURCES:
-            raise ValueError(f"data.source {self.source!r} is unknown; use one of {DATA_SOURCES}")
+        data_source(self.source)  # an unknown source is an error listing the known ones
         if self.batch_size < 1 or self.val_batches < 0:
             raise ValueError(
                 f"data.batch_size ({self.batch_size}) must be >= 1 and data.val_batches "

@@ -133,12 +133,15 @@ class Trainer:
             self.optimizer = self.ft.optimizer
             policy = RetryPolicy(max_consecutive_failures=ft.max_consecutive_failures)
             self.retrier = StepRetrier(self.ft.manager, policy)
+        train_source = build_data(config, env, "train")
+        if train_source is None:
+            raise ValueError(f"data.source {config.data.source!r} has no training data configured")
         # Pipelined (default): batch i+1's ids are distributed and batch i+2 copied while
         # batch i trains; `train_data` is then the position after the last batch trained.
         # Plain loop: on a GPU the next batch is pinned and copied on a side stream.
         self.pipeline = None
         if config.training.pipeline:
-            self.train_source = build_data(config, env, "train")
+            self.train_source = train_source
             self.pipeline, self.train_data = build_pipeline(
                 model,
                 self.optimizer,
@@ -148,7 +151,7 @@ class Trainer:
                 step_committed=None if self.retrier is None else self._pipeline_step_committed,
             )
         else:
-            self.train_data = DevicePrefetcher(build_data(config, env, "train"), env.device)
+            self.train_data = DevicePrefetcher(train_source, env.device)
         self.metrics = click_metrics().to(env.device)
         self.loss_mean = torchmetrics.MeanMetric().to(env.device)
         self.window_finite_steps = 0  # steps in the metrics window that were not skipped
@@ -378,15 +381,14 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Metrics over ``data.val_batches`` held-out batches (the same ones every time)."""
-        data_config = self.config.data
-        if data_config.val_batches == 0 or (
-            data_config.source == "criteo" and not data_config.criteo.val_paths
-        ):
+        if self.config.data.val_batches == 0:
+            return {}
+        data = build_data(self.config, self.env, "val")
+        if data is None:  # a source without validation data
             return {}
         self.model.eval()
         metrics = click_metrics().to(self.env.device)
         loss_mean = torchmetrics.MeanMetric().to(self.env.device)
-        data = build_data(self.config, self.env, "val")
         for i, batch in enumerate(data):
             if i >= self.config.data.val_batches:
                 break

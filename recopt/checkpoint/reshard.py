@@ -47,7 +47,7 @@ from recopt.checkpoint.manifest import (
 )
 from recopt.checkpoint.reader import SafeFileSystemReader
 from recopt.checkpoint.state import CheckpointError, archive_crc_off
-from recopt.sharding.plan import ShardingPlan, ShardingType
+from recopt.sharding.plan import ShardingPlan
 
 # A table's keys: ``model/<module>.embedding_bags.<table>.weight`` (``embeddings.`` in an
 # embedding collection) and optimizer state under ``.../state/<same fqn>/<table>.<state>``.
@@ -208,7 +208,7 @@ def target_chunks(
         sharding = (plan.get(table[0]) or {}).get(table[1])
     if sharding is None:
         return _even_rows(shape, world_size) if was_sharded else whole
-    if sharding.sharding_type == ShardingType.DATA_PARALLEL:
+    if sharding.sharding_type.replicated:
         return whole
     rects: list[Rect]
     if len(shape) == 2:

@@ -32,6 +32,7 @@ from recopt.ft.embedding_tables import (
 from recopt.ft.nonfinite import NonFiniteGradientError, report_nonfinite
 from recopt.ft.steps import StepParticipant, StepTransaction
 from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.modules.collection import FusedCollection
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,8 @@ class FusedEmbeddingGuard(StepParticipant):
         return total
 
     def _skipped_steps(self) -> int:
-        return int(getattr(self._module, "skipped_nonfinite_steps", 0))
+        module = self._module
+        return module.skipped_nonfinite_steps if isinstance(module, FusedCollection) else 0
 
     def on_start(self) -> None:
         self.clear()  # leftovers of forwards that never reached a vote

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from recopt.kernels.contract import Kernel, KernelOwner
+from recopt.kernels.contract import Kernel
 from recopt.kernels.registry import OPTIMIZERS
+from recopt.modules.collection import FusedCollection
 
 
 def rows_only_update(optimizer_name: str) -> bool:
@@ -37,16 +38,14 @@ class FusedTable:
 
 def is_sharded(module: nn.Module) -> bool:
     """A collection whose fused weights are ShardedTensors, with local kernels to hook."""
-    optimizer = getattr(module, "fused_optimizer", None)
-    params = dict(getattr(optimizer, "params", {}) or {})
-    return isinstance(module, KernelOwner) and any(
-        isinstance(p, ShardedTensor) for p in params.values()
+    return isinstance(module, FusedCollection) and any(
+        isinstance(p, ShardedTensor) for p in module.fused_optimizer.params.values()
     )
 
 
 def kernels_of(module: nn.Module) -> list[Kernel]:
     """The module's kernels; it must run its tables on kernels (an embedding twin)."""
-    if not isinstance(module, KernelOwner):
+    if not isinstance(module, FusedCollection):
         raise ValueError(
             f"{type(module).__name__} has no kernels(); pass a FusedEmbeddingBagCollection or "
             "a ShardedEmbeddingBagCollection"
@@ -68,9 +67,10 @@ def kernel_tables(kernel: Kernel) -> list[FusedTable]:
 
 def scalar_states(module: nn.Module) -> list[torch.Tensor]:
     """Plain 0-dim state tensors of a sharded collection's optimizer (step counters)."""
-    optimizer = getattr(module, "fused_optimizer", None)
+    if not isinstance(module, FusedCollection):
+        return []
     found: dict[int, torch.Tensor] = {}
-    for state in getattr(optimizer, "state", {}).values():
+    for state in module.fused_optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor) and not isinstance(value, ShardedTensor):
                 if value.dim() == 0:
@@ -79,13 +79,13 @@ def scalar_states(module: nn.Module) -> list[torch.Tensor]:
 
 
 def collect_tables(module: nn.Module) -> list[FusedTable]:
-    optimizer = getattr(module, "fused_optimizer", None)
-    configs = getattr(module, "tables", None)
-    if optimizer is None or configs is None:
+    if not isinstance(module, FusedCollection):
         raise ValueError(
-            f"{type(module).__name__} has no 'fused_optimizer' or 'tables'; "
-            "FusedEmbeddingGuard takes a FusedEmbeddingBagCollection or FusedEmbeddingCollection"
+            f"{type(module).__name__} is no fused collection (no 'fused_optimizer', 'tables', "
+            "...); FusedEmbeddingGuard takes a FusedEmbeddingBagCollection or "
+            "FusedEmbeddingCollection"
         )
+    optimizer, configs = module.fused_optimizer, module.tables
     params: dict[str, torch.Tensor] = dict(optimizer.params)
     optimizer_of: dict[int, str] = {}
     for group in optimizer.param_groups:

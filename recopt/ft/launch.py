@@ -27,8 +27,7 @@ from recopt.ft.manager import Manager, ManagerConfig
 from recopt.ft.optim import FaultTolerantOptimizer
 from recopt.ft.steps import StepTransaction
 from recopt.ft.torchft_manager import TorchftConfig, TorchftManager, torchft_config_from_env
-from recopt.kernels.contract import KernelOwner
-from recopt.optim.fused import is_fused
+from recopt.modules.collection import FusedCollection
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +131,7 @@ def fault_tolerance_config_from_env(
 
 def _fused_collections(model: nn.Module) -> list[nn.Module]:
     """The embedding collections whose optimizer runs inside backward (both twins)."""
-    return [m for m in model.modules() if is_fused(m) and isinstance(m, KernelOwner)]
+    return [m for m in model.modules() if isinstance(m, FusedCollection)]
 
 
 def _healing_state(

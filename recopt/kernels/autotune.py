@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 
 from recopt.kernels.autotune_cache import DecisionCache, machine_key
+from recopt.kernels.backends import kernel_class
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
+from recopt.kernels.contract import BackendDecision, Kernel
 from recopt.kernels.precision import Precision
 
 logger = logging.getLogger(__name__)
@@ -141,40 +143,6 @@ class ShapeClass:
         return key if self.precision == "fp32" else f"{key}/{self.precision}"
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BackendDecision:
-    """The backend one kernel runs on, and why.
-
-    Args:
-        backend: ``fbgemm`` or ``recopt``.
-        reason: ``explicit``, ``pinned``, ``only candidate``, ``measured``, ``cached`` or
-            ``shared by rank 0`` (what decided it, with detail).
-        seconds: median seconds per probe step by backend name, when measured.
-    """
-
-    backend: Backend
-    reason: str
-    seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
-
-    def to_json(self) -> dict[str, object]:
-        """A JSON-able dict (the cache and the rank-0 broadcast carry this)."""
-        return {"backend": self.backend.value, "reason": self.reason, "seconds": dict(self.seconds)}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, object]) -> BackendDecision:
-        """Inverse of `to_json`.
-
-        Raises:
-            ValueError: not a decision (a corrupt cache entry).
-        """
-        backend = Backend(str(data["backend"]))
-        seconds = data.get("seconds", {})
-        if backend is Backend.AUTO or not isinstance(seconds, dict):
-            raise ValueError(f"not a backend decision: {data!r}")
-        times = {str(k): float(v) for k, v in seconds.items()}
-        return cls(backend=backend, reason=str(data.get("reason", "")), seconds=times)
-
-
 MIN_REPEATS = 3
 # Early stop only for a clear gap: the slowest sample of the fastest candidate times this is
 # still below every other candidate's fastest sample.
@@ -214,9 +182,6 @@ def probe_samplers(
     The probe has the class's rows and dim, ``config.probe_bags`` bags of
     ``config.ids_per_bag`` uniform ids; each kernel is warmed up once before it is timed.
     """
-    from recopt.kernels.fbgemm_backend import FbgemmTableBatchedEmbedding
-    from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
-
     device = torch.device(shape.device)
     table = [
         TableSpec(
@@ -231,21 +196,17 @@ def probe_samplers(
     ids = torch.randint(0, shape.rows, (n,), generator=gen).to(device)
     offsets = torch.arange(0, n + 1, config.ids_per_bag, dtype=torch.int64, device=device)
     grad = torch.ones(config.probe_bags, shape.dim, device=device)
-    classes = {
-        Backend.FBGEMM: FbgemmTableBatchedEmbedding,
-        Backend.RECOPT: RecoptTableBatchedEmbedding,
-    }
     samplers: dict[Backend, Sampler] = {}
     for backend in candidates:
         opt = dataclasses.replace(optimizer, backend=backend)
-        kernel = classes[backend](table, [0], opt, PoolingType.SUM, device)
+        kernel = kernel_class(backend)(table, [0], opt, PoolingType.SUM, device)
         samplers[backend] = _timed_step(kernel, ids, offsets, grad, device)
         samplers[backend]()  # warm-up: first touch of the pages, native library load
     return samplers
 
 
 def _timed_step(
-    kernel: torch.nn.Module,
+    kernel: Kernel,
     ids: torch.Tensor,
     offsets: torch.Tensor,
     grad: torch.Tensor,

@@ -14,12 +14,11 @@ import tempfile
 import warnings
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from recopt.kernels.autotune import BackendDecision
+from recopt.kernels.contract import BackendDecision
 
 CACHE_FILE = "backend_choices.json"
 CACHE_VERSION = 1
@@ -89,8 +88,6 @@ class DecisionCache:
 
     def get(self, key: str) -> BackendDecision | None:
         """The decision recorded for ``key`` on this machine, or ``None``."""
-        from recopt.kernels.autotune import BackendDecision
-
         try:
             entry = self._load().get("machines", {}).get(self.machine, {}).get(key)
             return None if entry is None else BackendDecision.from_json(entry)

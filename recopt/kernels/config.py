@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from recopt.kernels.placement import DEVICE, Placement
 from recopt.kernels.precision import Precision, parse_precision
-from recopt.kernels.registry import ADAFACTOR, ROW_WISE_ADAGRAD, optimizer_spec
+from recopt.kernels.registry import OPTIMIZERS, ROW_WISE_ADAGRAD, optimizer_spec
 
 
 class PoolingType(enum.StrEnum):
@@ -103,10 +103,10 @@ class FusedOptimizerConfig:
         spec = optimizer_spec(self.name)
         where = f"fused optimizer {self.name!r}: state_dtype"
         object.__setattr__(self, "state_dtype", parse_precision(self.state_dtype, where))
-        if self.state_dtype.reduced and spec is ADAFACTOR:
+        if self.state_dtype.reduced and spec.fp32_state_only:
             raise ValueError(
-                f"{where} {self.state_dtype.value!r}: adafactor reduces its statistics over the "
-                "whole table and keeps them in fp32; use state_dtype='fp32'"
+                f"{where} {self.state_dtype.value!r}: {self.name} reduces its statistics over "
+                "the whole table and keeps them in fp32; use state_dtype='fp32'"
             )
         if self.state_dtype is Precision.FP16 and spec.states:
             warnings.warn(
@@ -119,10 +119,12 @@ class FusedOptimizerConfig:
                 stacklevel=3,
             )
         if isinstance(self.eps, tuple):
-            if spec is not ADAFACTOR or len(self.eps) != 2:
+            if not spec.eps_pair or len(self.eps) != 2:
+                takes = sorted(s.name for s in OPTIMIZERS.values() if s.eps_pair)
                 raise ValueError(
                     f"fused optimizer {self.name!r}: eps={self.eps!r} is a pair, which only "
-                    "adafactor takes (as (eps1, eps2)); pass one float"
+                    f"{' and '.join(takes)} take{'s' if len(takes) == 1 else ''} "
+                    "(as (eps1, eps2)); pass one float"
                 )
             object.__setattr__(self, "eps2", float(self.eps[1]))
             object.__setattr__(self, "eps", self.eps[0])

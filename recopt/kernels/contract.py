@@ -7,7 +7,9 @@ declared, typed members: no ``setattr``, no backend-private attributes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -16,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
 
 if TYPE_CHECKING:
-    from recopt.kernels.autotune import BackendDecision
+    from recopt.kernels.updates import AdafactorNorm, RowStat
 
 Tensor = torch.Tensor
 # (table index, unique rows [U] ascending, per-row tensor) -> tensor. ``grad_hook`` gets the
@@ -24,6 +26,40 @@ Tensor = torch.Tensor
 # ``row_stat_hook`` gets each row's sum of squared gradients over the kernel's columns [U]
 # and returns the mean over the full row (for row-wise optimizers on column shards).
 KernelHook = Callable[[int, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BackendDecision:
+    """The backend one kernel runs on, and why.
+
+    Args:
+        backend: ``fbgemm`` or ``recopt``.
+        reason: ``explicit``, ``pinned``, ``only candidate``, ``measured``, ``cached`` or
+            ``shared by rank 0`` (what decided it, with detail).
+        seconds: median seconds per probe step by backend name, when measured.
+    """
+
+    backend: Backend
+    reason: str
+    seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, object]:
+        """A JSON-able dict (the cache and the rank-0 broadcast carry this)."""
+        return {"backend": self.backend.value, "reason": self.reason, "seconds": dict(self.seconds)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, object]) -> BackendDecision:
+        """Inverse of `to_json`.
+
+        Raises:
+            ValueError: not a decision (a corrupt cache entry).
+        """
+        backend = Backend(str(data["backend"]))
+        seconds = data.get("seconds", {})
+        if backend is Backend.AUTO or not isinstance(seconds, dict):
+            raise ValueError(f"not a backend decision: {data!r}")
+        times = {str(k): float(v) for k, v in seconds.items()}
+        return cls(backend=backend, reason=str(data.get("reason", "")), seconds=times)
 
 
 class Kernel(Protocol):
@@ -119,3 +155,37 @@ def flush_kernel_caches(module: torch.nn.Module) -> int:
                 kernel.flush()
                 count += 1
     return count
+
+
+# The torch update of one fused optimizer (recopt/kernels/updates.py registers one per spec).
+class RowUpdate(Protocol):
+    """A row rule: updates the touched rows of one table (and their state) in place."""
+
+    def __call__(
+        self,
+        config: FusedOptimizerConfig,
+        lr: float,
+        weight: Tensor,
+        state: dict[str, Tensor],
+        rows_U: Tensor,
+        grad_U_D: Tensor,
+        row_stat: RowStat | None = None,
+        step: int | None = None,
+    ) -> None: ...
+
+
+class TableUpdate(Protocol):
+    """A rule whose statistics span the whole table (`whole_table_statistics`): it also
+    reads and keeps the table's running weight norm."""
+
+    def __call__(
+        self,
+        config: FusedOptimizerConfig,
+        lr: float,
+        weight: Tensor,
+        state: dict[str, Tensor],
+        rows_U: Tensor,
+        grad_U_D: Tensor,
+        norm: AdafactorNorm,
+        step: int | None = None,
+    ) -> None: ...

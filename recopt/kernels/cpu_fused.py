@@ -357,7 +357,11 @@ def fused_update(
         torch.get_num_threads(),
     )
     if status == -1:
-        raise ValueError(f"fused_update: optimizer code {code} is not one of the C pass's 0-4")
+        raise ValueError(
+            f"fused_update: optimizer code {code} has no case in update_row of "
+            "recopt/kernels/cpu_fused.c; add one there, or set the spec's c_code=None so its "
+            "CPU tables take the torch update"
+        )
     if status == -2:
         raise ValueError(f"fused_update: optimizer code {code} needs state tensors not passed")
     if status != 0:

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from recopt.kernels.autotune import BackendDecision, ShapeClass, default_resolver
+from recopt.kernels.autotune import ShapeClass, default_resolver
+from recopt.kernels.backends import kernel_class
 from recopt.kernels.config import (
     Backend,
     FusedOptimizerConfig,
@@ -20,7 +21,7 @@ from recopt.kernels.config import (
     TableSpec,
     validate_kernel_layout,
 )
-from recopt.kernels.contract import Kernel
+from recopt.kernels.contract import BackendDecision, Kernel
 from recopt.kernels.fbgemm_backend import (  # fbgemm itself is imported only when used
     fbgemm_auto_objections,
     fbgemm_problems,
@@ -70,7 +71,7 @@ def auto_requests(
     """The AUTO requests of these kernels, or the refusal that stops them.
 
     The refusal is returned, not raised, so that a rank can tell the others before it raises
-    (`recopt.comm.share_backend_decisions`).
+    (`recopt.sharding.backend_decisions.share_backend_decisions`).
     """
     requests = []
     try:
@@ -219,15 +220,9 @@ def create_kernel(
     """
     validate_kernel_layout(tables, feature_table_map)
     decision = resolve_backend(tables, optimizer, torch.device(device), feature_table_map)
-    kernel: Kernel
-    if decision.backend == Backend.FBGEMM:
-        from recopt.kernels.fbgemm_backend import FbgemmTableBatchedEmbedding
-
-        kernel = FbgemmTableBatchedEmbedding(tables, feature_table_map, optimizer, pooling, device)
-    else:
-        from recopt.kernels.recopt_backend import RecoptTableBatchedEmbedding
-
-        kernel = RecoptTableBatchedEmbedding(tables, feature_table_map, optimizer, pooling, device)
+    kernel = kernel_class(decision.backend)(
+        tables, feature_table_map, optimizer, pooling, torch.device(device)
+    )
     kernel.backend_decision = decision  # read by the modules' param_groups
     return kernel
 

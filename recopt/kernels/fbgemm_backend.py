@@ -19,9 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from recopt.kernels.autotune import BackendDecision
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
-from recopt.kernels.contract import KernelHook
+from recopt.kernels.contract import BackendDecision, KernelHook
 from recopt.kernels.fbgemm_steps import FbgemmSteps
 from recopt.kernels.placement import Location, combined_cache_load_factor, placement_problems
 from recopt.kernels.precision import Precision

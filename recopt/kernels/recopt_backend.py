@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from recopt.kernels import cpu_fused, recopt_backward, registry, updates
-from recopt.kernels.autotune import BackendDecision
 from recopt.kernels.config import (
     Backend,
     FusedOptimizerConfig,
@@ -28,7 +27,7 @@ from recopt.kernels.config import (
     TableSpec,
     validate_kernel_layout,
 )
-from recopt.kernels.contract import KernelHook
+from recopt.kernels.contract import BackendDecision, KernelHook
 from recopt.kernels.placement import placed_off_device
 from recopt.kernels.precision import Precision, RoundingStream, rounding_seed
 from recopt.kernels.steps import StepMirror
@@ -96,16 +95,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
         self._lr = optimizer.learning_rate
         device = torch.device(device)
         self._check_precision()
-        self.weights = nn.ParameterList()
-        for table in tables:
-            bound = 1.0 / math.sqrt(table.num_embeddings)
-            weight = torch.empty(
-                table.num_embeddings,
-                table.embedding_dim,
-                device=device,
-                dtype=Precision(table.weight_dtype).dtype,
-            )
-            self.weights.append(nn.Parameter(weight.uniform_(-bound, bound)))
+        self.weights = nn.ParameterList([_init_weight(table, device) for table in tables])
         self._reduced = optimizer.state_dtype.reduced or any(
             Precision(t.weight_dtype).reduced for t in tables
         )
@@ -117,19 +107,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
         if any(counted):
             seed = rounding_seed(optimizer.rounding_seed, [t.name for t in tables])
             self._rounding = RoundingStream(seed, device)
-        self._state_names: list[list[str]] = []
-        for t, table in enumerate(tables):
-            state = updates.init_state(
-                optimizer.name,
-                table.num_embeddings,
-                table.embedding_dim,
-                device,
-                optimizer.state_dtype.dtype,
-                rounding_step=counted[t],
-            )
-            self._state_names.append(list(state))
-            for name, tensor in state.items():
-                self.register_buffer(f"_state_{t}_{name}", tensor, persistent=False)
+        self._state_names = self._init_states(device, counted)
         self._norms = [updates.AdafactorNorm() for _ in tables]
         # Host copies of the step and pass counters (fresh state: all zero), so no step reads
         # them back.
@@ -152,6 +130,23 @@ class RecoptTableBatchedEmbedding(nn.Module):
         self.backend_decision: BackendDecision | None = None  # set by create_kernel
         self.grad_hook: KernelHook | None = None
         self.row_stat_hook: KernelHook | None = None
+
+    def _init_states(self, device: torch.device, counted: list[bool]) -> list[list[str]]:
+        """Zero state of every table as buffers ``_state_<t>_<name>``; its names per table."""
+        names: list[list[str]] = []
+        for t, table in enumerate(self.tables):
+            state = updates.init_state(
+                self.optimizer.name,
+                table.num_embeddings,
+                table.embedding_dim,
+                device,
+                self.optimizer.state_dtype.dtype,
+                rounding_step=counted[t],
+            )
+            names.append(list(state))
+            for name, tensor in state.items():
+                self.register_buffer(f"_state_{t}_{name}", tensor, persistent=False)
+        return names
 
     def _check_precision(self) -> None:
         if not self._spec.dense_state:
@@ -382,7 +377,7 @@ class RecoptTableBatchedEmbedding(nn.Module):
         if (
             self.grad_hook is not None
             or self.row_stat_hook is not None
-            or self._spec.c_code is None
+            or not self._spec.triton_update
             or self._reduced
             or grad_out.dtype != torch.float32
             or any(w.device.type != "cuda" or w.dtype != torch.float32 for w in self.weights)
@@ -458,3 +453,15 @@ class RecoptTableBatchedEmbedding(nn.Module):
             and self._table_bases[-1] < 2**32
             and cpu_fused.available()
         )
+
+
+def _init_weight(table: TableSpec, device: torch.device) -> nn.Parameter:
+    """A table's weight, uniform in +-1/sqrt(rows) (torch's draws, in table order)."""
+    bound = 1.0 / math.sqrt(table.num_embeddings)
+    weight = torch.empty(
+        table.num_embeddings,
+        table.embedding_dim,
+        device=device,
+        dtype=Precision(table.weight_dtype).dtype,
+    )
+    return nn.Parameter(weight.uniform_(-bound, bound))

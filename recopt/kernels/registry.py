@@ -70,8 +70,12 @@ class OptimizerSpec:
         cpu_prefers_fbgemm: ``Backend.AUTO`` on CPU picks fbgemm when it can run the tables
             (measured, docs/kernels.md: recopt's sgd and adagrad cost half and a quarter of
             fbgemm's CPU time; row-wise adagrad is even or cheaper on fbgemm).
-        c_code: the optimizer's code in the native CPU kernel (cpu_fused.c), ``None`` if it
-            has no native update.
+        c_code: the optimizer's code in the native CPU kernel (cpu_fused.c, ``update_row``),
+            ``None`` if it has no native update.
+        triton_update: recopt's CUDA kernel (triton_sparse.py) has a branch for ``c_code``;
+            ``False`` sends CUDA tables to the torch update.
+        fp32_state_only: its state must stay float32 (``state_dtype`` fp16/bf16 refused).
+        eps_pair: ``eps`` may be a pair ``(eps1, eps2)`` (torch's Adafactor form).
         default_lr: the reference optimizer's default learning rate.
         default_eps: the reference default ``eps`` (``None``: Adafactor's dtype epsilon).
         light_state: keeps at most one float per row (what the planner suggests when memory
@@ -96,9 +100,16 @@ class OptimizerSpec:
     fbgemm_cpu_shared_table_broken: bool = False
     cpu_prefers_fbgemm: bool = False
     c_code: int | None = None
+    triton_update: bool = False
+    fp32_state_only: bool = False
+    eps_pair: bool = False
     default_lr: float = 0.01
     default_eps: float | None = 1e-8
     light_state: bool = False
+
+    def __post_init__(self) -> None:
+        if self.triton_update and self.c_code is None:
+            raise ValueError(f"OptimizerSpec {self.name!r}: triton_update needs a c_code")
 
     def state_floats(self, rows: int, dim: int) -> int:
         """Number of float32 state values for one ``rows`` x ``dim`` table."""
@@ -119,6 +130,7 @@ SGD = OptimizerSpec(
     fbgemm_cpu="EXACT_SGD",
     fbgemm_cuda="EXACT_SGD",
     c_code=0,
+    triton_update=True,
     light_state=True,
 )
 ADAGRAD = OptimizerSpec(
@@ -129,6 +141,7 @@ ADAGRAD = OptimizerSpec(
     fbgemm_states=("momentum1",),
     fbgemm_cpu_shared_table_broken=True,
     c_code=1,
+    triton_update=True,
 )
 ROW_WISE_ADAGRAD = OptimizerSpec(
     name="row_wise_adagrad",
@@ -141,6 +154,7 @@ ROW_WISE_ADAGRAD = OptimizerSpec(
     fbgemm_cpu_shared_table_broken=True,
     cpu_prefers_fbgemm=True,
     c_code=2,
+    triton_update=True,
     light_state=True,
 )
 ADAM = OptimizerSpec(
@@ -152,6 +166,7 @@ ADAM = OptimizerSpec(
     fbgemm_decoupled_weight_decay=True,
     fbgemm_remap_eps=True,
     c_code=3,
+    triton_update=True,
     default_lr=1e-3,  # torch.optim.SparseAdam's
 )
 ROW_WISE_ADAM = OptimizerSpec(
@@ -164,6 +179,7 @@ ROW_WISE_ADAM = OptimizerSpec(
     fbgemm_decoupled_weight_decay=True,
     fbgemm_remap_eps=True,
     c_code=4,
+    triton_update=True,
 )
 # LAMB as fbgemm's CUDA kernels define it (no torch reference exists): Adam's moments with
 # eps on the bias-corrected root, weight decay added to the update direction, then each row's
@@ -197,6 +213,8 @@ ADAFACTOR = OptimizerSpec(
     stepped=True,
     whole_table_statistics=True,
     dense_state=True,
+    fp32_state_only=True,  # its statistics are reduced over the whole table
+    eps_pair=True,
     default_eps=None,  # torch.optim.Adafactor's: the machine epsilon of the weights' dtype
 )
 

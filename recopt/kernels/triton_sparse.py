@@ -23,6 +23,11 @@ import triton.language as tl
 
 Tensor = torch.Tensor
 
+# The optimizer codes `_sparse_update_kernel` has a branch for (`OptimizerSpec.c_code` of the
+# specs with ``triton_update``); `sparse_update` refuses any other, so a code without a branch
+# is an error instead of a row left as it was.
+CODES = frozenset(range(5))
+
 
 # Occurrences one program sums. A run of L copies of one id costs at most CHUNK + L / CHUNK
 # serial steps (its chunks in parallel, then one combine) instead of L: the DLRM script's
@@ -71,7 +76,7 @@ def _apply_row(
         tl.store(s1_ptr + key * D + cols, m, mask=mask)
         tl.store(s2_ptr + key * D + cols, v, mask=mask)
         w = w - step_size * (m / (tl.sqrt(v) + eps))
-    else:  # row-wise adam
+    elif OPT == 4:  # row-wise adam
         m = tl.load(s1_ptr + key * D + cols, mask=mask, other=0.0)
         m = m + (acc - m) * one_minus_beta1
         tl.store(s1_ptr + key * D + cols, m, mask=mask)
@@ -201,7 +206,7 @@ def sparse_update(
     """Sum each touched row's gradient and apply the optimizer to it and its state, in place.
 
     Args:
-        code: the optimizer's `OptimizerSpec.c_code` (0 sgd ... 4 row-wise adam).
+        code: the optimizer's `OptimizerSpec.c_code`, one of `CODES`.
         ids_N: the table's ids, one per occurrence (any order; int64).
         goff_N: per occurrence, the flat offset of its bag's row in ``grad_out``.
         scale_N: per occurrence, the factor on its gradient (weights, 1/length), or None.
@@ -210,7 +215,16 @@ def sparse_update(
         hyper: lr, eps, weight_decay, sign (-1 to maximize), 1 - beta1, 1 - beta2.
         step_size: Adam's bias-corrected step size (0 otherwise).
         chunk: occurrences a program sums (`CHUNK`; tests make it small to cross chunks).
+
+    Raises:
+        ValueError: ``code`` is not one of `CODES`.
     """
+    if code not in CODES:
+        raise ValueError(
+            f"sparse_update: optimizer code {code} has no branch in recopt/kernels/"
+            f"triton_sparse.py (codes {sorted(CODES)}); add one there, or set the spec's "
+            "triton_update=False so its CUDA tables take the torch update"
+        )
     count = ids_N.numel()
     if count == 0:
         return

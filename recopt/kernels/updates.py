@@ -24,6 +24,7 @@ import torch
 
 from recopt.kernels import registry
 from recopt.kernels.config import FusedOptimizerConfig
+from recopt.kernels.contract import RowUpdate, TableUpdate
 from recopt.kernels.precision import Precision, stochastic_round
 
 Tensor = torch.Tensor
@@ -408,12 +409,17 @@ def apply_update(
     Raises:
         ValueError: ``adafactor`` without ``norm``.
     """
-    update = _UPDATES[config.name]
-    if update is _adafactor:
+    if registry.optimizer_spec(config.name).whole_table_statistics:
+        table_update = _TABLE_UPDATES.get(config.name)
+        if table_update is None:
+            raise _no_update(config.name, "_TABLE_UPDATES")
         if norm is None:
-            raise ValueError("apply_update: adafactor needs its AdafactorNorm; pass norm=")
-        _adafactor(config, lr, weight, state, rows_U, grad_U_D, norm, step)
+            raise ValueError(f"apply_update: {config.name} needs its AdafactorNorm; pass norm=")
+        table_update(config, lr, weight, state, rows_U, grad_U_D, norm, step)
         return
+    update = _UPDATES.get(config.name)
+    if update is None:
+        raise _no_update(config.name, "_UPDATES")
     if rows_U.numel() == 0:
         return
     w_U_D = weight.index_select(0, rows_U)
@@ -468,9 +474,15 @@ def apply_update_rounded(
             write(value, state_U[key])
 
 
-# The update rule of each optimizer in the registry: (config, lr, weight, state, rows_U,
-# grad_U_D, row_stat, step) for every row rule (adafactor also takes its norm).
-_UPDATES: dict[str, Callable[..., None]] = {
+def _no_update(name: str, registry_name: str) -> ValueError:
+    return ValueError(
+        f"fused optimizer {name!r} has no torch update: register its function in "
+        f"{registry_name} of recopt/kernels/updates.py"
+    )
+
+
+# The update rule of each optimizer in the registry, by the kind its spec says.
+_UPDATES: dict[str, RowUpdate] = {
     registry.SGD.name: _sgd,
     registry.ADAGRAD.name: _adagrad,
     registry.ROW_WISE_ADAGRAD.name: _adagrad,
@@ -478,5 +490,5 @@ _UPDATES: dict[str, Callable[..., None]] = {
     registry.ROW_WISE_ADAM.name: _adam_like,
     registry.LAMB.name: _lamb,
     registry.ROW_WISE_LAMB.name: _lamb,
-    registry.ADAFACTOR.name: _adafactor,
 }
+_TABLE_UPDATES: dict[str, TableUpdate] = {registry.ADAFACTOR.name: _adafactor}

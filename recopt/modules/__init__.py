@@ -2,6 +2,7 @@
 each as a plain torch module and a fused-optimizer twin."""
 
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType
+from recopt.modules.collection import FusedCollection
 from recopt.modules.config import (
     BaseEmbeddingConfig,
     EmbeddingBagConfig,
@@ -10,10 +11,14 @@ from recopt.modules.config import (
 )
 from recopt.modules.embedding import EmbeddingCollection
 from recopt.modules.embedding_bag import EmbeddingBagCollection
-from recopt.modules.fused import EmbeddingFusedOptimizer, FusedEmbeddingBagCollection
+from recopt.modules.fused import (
+    EmbeddingFusedOptimizer,
+    FusedEmbeddingBagCollection,
+    fuse_embedding_optimizer,
+)
 from recopt.modules.fused_embedding import FusedEmbeddingCollection
 from recopt.modules.inputs import InvalidIdError, NonFiniteWeightError
-from recopt.modules.torch_optimizers import fuse_embedding_optimizer, fused_config
+from recopt.modules.torch_optimizers import fused_config
 
 __all__ = [
     "BaseEmbeddingConfig",
@@ -22,6 +27,7 @@ __all__ = [
     "EmbeddingCollection",
     "EmbeddingConfig",
     "EmbeddingFusedOptimizer",
+    "FusedCollection",
     "FusedEmbeddingBagCollection",
     "FusedEmbeddingCollection",
     "FusedOptimizerConfig",

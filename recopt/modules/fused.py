@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,17 +21,20 @@ from recopt.kernels.factory import create_kernel, rng_unchanged
 from recopt.kernels.placement import DEVICE, Placement
 from recopt.kernels.precision import Precision
 from recopt.kernels.updates import ROUNDING_STEP
+from recopt.modules.collection import FusedCollection
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
+from recopt.modules.embedding_bag import EmbeddingBagCollection
 from recopt.modules.fused_groups import (
     LearningRateSync,
     make_param_group,
+    optimizer_from_param_group,
     resolve_table_optimizers,
 )
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.nonfinite import NonFiniteGradGuard, guarded_lookup
 from recopt.modules.torch_optimizers import fused_config
 from recopt.modules.variable_batch import expand_rows, regular_batch
-from recopt.optim.fused import FusedOptimizer, FusedOptimizerModule
+from recopt.optim.fused import FusedOptimizer
 from recopt.sparse import KeyedJaggedTensor, KeyedTensor
 
 
@@ -87,7 +90,7 @@ def _resolve_placements(
     return {name: (placements or {}).get(name, DEVICE) for name in names}
 
 
-class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
+class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
     """`EmbeddingBagCollection` with the sparse optimizer fused into backward.
 
     Same input and output as `EmbeddingBagCollection`. After ``loss.backward()`` the rows looked up
@@ -109,6 +112,8 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             a ``grad_hook`` (fault tolerance): its collectives need every replica to update.
         table_placements: table name -> where its rows live (kernels/placement.py); tables not
             named are in device memory. UVM placements need CUDA and run on fbgemm.
+        param_prefix: the fused optimizer's param names are ``<prefix>.<table>.weight`` (an
+            embedding collection's lookup engine passes ``embeddings``).
 
     A feature may look up several tables; its outputs are then keyed ``feature@table``.
 
@@ -118,10 +123,6 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             CUDA: the message gives the fix), both ``optimizer`` and ``optimizer_type``, or an
             ``optimizer_type`` / keyword with no fused equivalent.
     """
-
-    # The fused optimizer's param names are ``<prefix>.<table>.weight`` (an embedding
-    # collection's lookup engine uses ``embeddings``).
-    _param_prefix: ClassVar[str] = "embedding_bags"
 
     def __init__(
         self,
@@ -135,8 +136,10 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         *,
         optimizer_type: type | None = None,
         optimizer_kwargs: Mapping[str, Any] | None = None,
+        param_prefix: str = "embedding_bags",
     ) -> None:
         super().__init__()
+        self._param_prefix = param_prefix
         validate_tables(tables, allow_shared_features=True)
         if optimizer_type is not None:
             if optimizer is not None:
@@ -145,7 +148,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                     f"optimizer_type= ({optimizer_type.__name__}), not both"
                 )
             optimizer = fused_config(optimizer_type, optimizer_kwargs)
-        self.tables = list(tables)
+        self.tables: list[EmbeddingBagConfig] = list(tables)
         self._placements = _resolve_placements(self.tables, table_placements)
         self.is_weighted = is_weighted
         self.device = torch.device(device if device is not None else "cpu")
@@ -257,6 +260,14 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         """The features looked up, in table order (repeated when shared by tables)."""
         return list(self._layout.feature_names)
 
+    def table_optimizers(self) -> dict[str, FusedOptimizerConfig]:
+        """Table name -> the optimizer it runs with now (its param group's hyperparameters)."""
+        result: dict[str, FusedOptimizerConfig] = {}
+        for group, param_group in zip(self._groups, self._optimizer.param_groups, strict=True):
+            config = optimizer_from_param_group(param_group)
+            result.update((self.tables[t].name, config) for t in group.table_indices)
+        return result
+
     @property
     def skip_nonfinite(self) -> bool:
         """Whether the output gradient is checked before the fused update (constructor arg)."""
@@ -345,3 +356,45 @@ class FusedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 columns[f] = out[:, start : start + dim]
                 start += dim
         return torch.cat(columns, dim=1)
+
+
+def fuse_embedding_optimizer(
+    model: nn.Module,
+    optimizer_type: type,
+    optimizer_kwargs: Mapping[str, Any] | None = None,
+    device: torch.device | str | None = None,
+) -> nn.Module:
+    """Replace every `EmbeddingBagCollection` in ``model`` by its fused twin, weights kept.
+
+    Args:
+        model: a collection, or a module holding collections (replaced in place).
+        optimizer_type: the torch optimizer whose update the fused kernels apply.
+        optimizer_kwargs: its keyword arguments.
+        device: where the fused tables live (default: where the collection's weights are).
+
+    Returns:
+        ``model`` with its collections replaced (the fused collection if ``model`` is one).
+
+    Raises:
+        ValueError: as `fused_config`.
+    """
+    config = fused_config(optimizer_type, optimizer_kwargs)
+
+    def fuse(ebc: EmbeddingBagCollection) -> FusedEmbeddingBagCollection:
+        fused = FusedEmbeddingBagCollection(
+            ebc.tables,
+            optimizer=config,
+            is_weighted=ebc.is_weighted,
+            device=device if device is not None else ebc.device,
+        )
+        fused.load_state_dict(ebc.state_dict())
+        return fused
+
+    if isinstance(model, EmbeddingBagCollection):
+        return fuse(model)
+    for name, child in list(model.named_children()):
+        if isinstance(child, EmbeddingBagCollection):
+            setattr(model, name, fuse(child))
+        else:
+            fuse_embedding_optimizer(child, optimizer_type, optimizer_kwargs, device)
+    return model

@@ -8,13 +8,13 @@ SUM-pooled bag of one, so every fused optimizer and backend works unchanged. Wei
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
 
 import torch
 from torch import nn
 
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.kernels.contract import Kernel
+from recopt.modules.collection import FusedCollection
 from recopt.modules.config import EmbeddingConfig, validate_tables
 from recopt.modules.embedding import TableAccessors
 from recopt.modules.fused import EmbeddingFusedOptimizer, FusedEmbeddingBagCollection
@@ -26,17 +26,10 @@ from recopt.modules.unpooled import (
     rows_per_feature,
     select_lookups,
 )
-from recopt.optim.fused import FusedOptimizerModule
 from recopt.sparse import JaggedTensor, KeyedJaggedTensor
 
 
-class _OneIdBagEngine(FusedEmbeddingBagCollection):
-    """The lookup engine of a FusedEmbeddingCollection: its names start with ``embeddings``."""
-
-    _param_prefix: ClassVar[str] = "embeddings"
-
-
-class FusedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors):
+class FusedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
     """`EmbeddingCollection` with the sparse optimizer fused into backward.
 
     Same input and output as `EmbeddingCollection`. After ``loss.backward()`` the rows looked up
@@ -72,14 +65,15 @@ class FusedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors):
     ) -> None:
         super().__init__()
         validate_tables(tables, allow_shared_features=True, config_type=EmbeddingConfig)
-        self.tables = list(tables)
+        self.tables: list[EmbeddingConfig] = list(tables)
         self._need_indices = need_indices
-        engine = _OneIdBagEngine(
+        engine = FusedEmbeddingBagCollection(
             lookup_bag_configs(self.tables),
             optimizer=optimizer,
             table_optimizers=table_optimizers,
             device=device,
             skip_nonfinite=skip_nonfinite,
+            param_prefix="embeddings",
         )
         # The engine stays out of the module tree; its weights are registered here under
         # ``embeddings`` (the same holders: loads and in-place edits reach the kernels).
@@ -89,8 +83,8 @@ class FusedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors):
         self._layout = FeatureLayout(self.tables)
 
     @property
-    def _bags(self) -> _OneIdBagEngine:
-        engine: _OneIdBagEngine = self.__dict__["_engine"]
+    def _bags(self) -> FusedEmbeddingBagCollection:
+        engine: FusedEmbeddingBagCollection = self.__dict__["_engine"]
         return engine
 
     @property
@@ -115,6 +109,10 @@ class FusedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors):
     def feature_names(self) -> list[str]:
         """The features looked up, in table order (repeated when shared by tables)."""
         return list(self._layout.feature_names)
+
+    def table_optimizers(self) -> dict[str, FusedOptimizerConfig]:
+        """Table name -> the optimizer it runs with now (its param group's hyperparameters)."""
+        return self._bags.table_optimizers()
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         """Look up every id; backward updates the looked-up rows in place.

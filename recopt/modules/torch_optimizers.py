@@ -1,7 +1,7 @@
 """Fused embedding optimizers named the TorchRec way: a torch optimizer class and its kwargs.
 
 ``FusedEmbeddingBagCollection(tables, optimizer_type=torch.optim.Adagrad,
-optimizer_kwargs={"lr": 0.1})`` and `fuse_embedding_optimizer` map the class to the fused
+optimizer_kwargs={"lr": 0.1})`` and `fused.fuse_embedding_optimizer` map the class to the fused
 kernel with the same update (and torch's defaults for that class), so TorchRec code builds
 the same model; a class or keyword with no fused equivalent is refused, naming it.
 """
@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.kernels.registry import ADAGRAD, ADAM, ROW_WISE_ADAGRAD, SGD
@@ -67,48 +66,3 @@ def fused_config(
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     return FusedOptimizerConfig(name=name, **{**defaults, **kwargs})
-
-
-def fuse_embedding_optimizer(
-    model: nn.Module,
-    optimizer_type: type,
-    optimizer_kwargs: Mapping[str, Any] | None = None,
-    device: torch.device | str | None = None,
-) -> nn.Module:
-    """Replace every `EmbeddingBagCollection` in ``model`` by its fused twin, weights kept.
-
-    Args:
-        model: a collection, or a module holding collections (replaced in place).
-        optimizer_type: the torch optimizer whose update the fused kernels apply.
-        optimizer_kwargs: its keyword arguments.
-        device: where the fused tables live (default: where the collection's weights are).
-
-    Returns:
-        ``model`` with its collections replaced (the fused collection if ``model`` is one).
-
-    Raises:
-        ValueError: as `fused_config`.
-    """
-    from recopt.modules.embedding_bag import EmbeddingBagCollection
-    from recopt.modules.fused import FusedEmbeddingBagCollection
-
-    config = fused_config(optimizer_type, optimizer_kwargs)
-
-    def fuse(ebc: EmbeddingBagCollection) -> FusedEmbeddingBagCollection:
-        fused = FusedEmbeddingBagCollection(
-            ebc.tables,
-            optimizer=config,
-            is_weighted=ebc.is_weighted,
-            device=device if device is not None else ebc.device,
-        )
-        fused.load_state_dict(ebc.state_dict())
-        return fused
-
-    if isinstance(model, EmbeddingBagCollection):
-        return fuse(model)
-    for name, child in list(model.named_children()):
-        if isinstance(child, EmbeddingBagCollection):
-            setattr(model, name, fuse(child))
-        else:
-            fuse_embedding_optimizer(child, optimizer_type, optimizer_kwargs, device)
-    return model

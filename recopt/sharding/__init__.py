@@ -18,8 +18,6 @@ from recopt.sharding.plan_helpers import (
     construct_module_sharding_plan,
     data_parallel,
     row_wise,
-    split_columns,
-    split_evenly,
     table_column_wise,
     table_row_wise,
     table_wise,
@@ -27,6 +25,13 @@ from recopt.sharding.plan_helpers import (
 from recopt.sharding.plan_validation import validate_plan
 from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 from recopt.sharding.sharded_embedding_collection import ShardedEmbeddingCollection
+from recopt.sharding.sharding_types import (
+    SHARDING_SPECS,
+    ShardingSpec,
+    sharding_spec,
+    split_columns,
+    split_evenly,
+)
 from recopt.sharding.state import full_tensor
 from recopt.sharding.train_pipeline import (
     EvalPipelineSparseDist,
@@ -50,6 +55,9 @@ __all__ = [
     "ShardSpec",
     "ShardingPlan",
     "ShardingRequest",
+    "SHARDING_SPECS",
+    "ShardingSpec",
+    "sharding_spec",
     "ShardingType",
     "TableLike",
     "balanced_table_wise_plan",

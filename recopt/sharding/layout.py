@@ -79,7 +79,8 @@ def resolve_optimizer(
 
     Raises:
         PlanError: a type the optimizer cannot run (`sharding_refusal`: adafactor on a type
-            other than table-wise / data-parallel, lamb on column shards), a column-sharded
+            other than table-wise / data-parallel, lamb on column shards), a plan backend
+            other than the optimizer's (neither ``auto``), a column-sharded
             row-wise optimizer forced onto fbgemm (which has no row statistic hook), or a table
             placed in UVM on a kernel other than fbgemm (the only one that reads UVM).
     """
@@ -88,7 +89,12 @@ def resolve_optimizer(
     refusal = sharding_refusal(kind, optimizer.name)
     if refusal:
         raise PlanError(f"{where}: {refusal}")
-    backend = ps.compute_kernel if ps.compute_kernel is not Backend.AUTO else optimizer.backend
+    backend = ps.backend if ps.backend is not Backend.AUTO else optimizer.backend
+    if Backend.AUTO not in (ps.backend, optimizer.backend) and ps.backend != optimizer.backend:
+        raise PlanError(
+            f"{where}: the plan's backend {ps.backend.value!r} contradicts the optimizer's "
+            f"backend {optimizer.backend.value!r}; set one of them to 'auto' or make them equal"
+        )
     if not ps.placement.on_device:
         _check_uvm_kernel(where, ps, optimizer, backend, table)
         # Explicit: UVM shards get kernels of their own, never shared with device shards that
@@ -98,7 +104,7 @@ def resolve_optimizer(
         if backend is Backend.FBGEMM:
             raise PlanError(
                 f"{where}: {kind.value} with {optimizer.name} needs the full-row statistic "
-                "hook, which only the recopt kernel has; use compute_kernel 'auto' or 'recopt'"
+                "hook, which only the recopt kernel has; use backend 'auto' or 'recopt'"
             )
         backend = Backend.RECOPT
     return dataclasses.replace(optimizer, backend=backend)
@@ -115,7 +121,7 @@ def _check_uvm_kernel(
     fbgemm cannot run (or, under AUTO, runs only when asked for), on every rank alike."""
     placed = f"{where}: placement {ps.placement.describe()!r} needs the fbgemm kernel"
     if backend is Backend.RECOPT:
-        raise PlanError(f"{placed}, but compute_kernel is 'recopt'; use 'auto' or 'fbgemm'")
+        raise PlanError(f"{placed}, but backend is 'recopt'; use 'auto' or 'fbgemm'")
     if needs_row_stat_hook(ps.sharding_type, optimizer):
         raise PlanError(
             f"{placed}, but {ps.sharding_type.value} with {optimizer.name} needs recopt's "
@@ -195,7 +201,7 @@ class ShardedLayout:
 
     def is_data_parallel(self, t: int) -> bool:
         """Whether table ``t`` is replicated."""
-        return self.shardings[t].sharding_type is ShardingType.DATA_PARALLEL
+        return self.shardings[t].sharding_type.replicated
 
     def _table_features(self, t: int) -> list[int]:
         return [f for f, ft in enumerate(self.features.feature_table) if ft == t]

@@ -19,11 +19,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from recopt import comm
 from recopt.kernels.config import FusedOptimizerConfig
+from recopt.modules.collection import FusedCollection
 from recopt.modules.embedding import EmbeddingCollection
 from recopt.modules.embedding_bag import EmbeddingBagCollection
 from recopt.modules.fused import FusedEmbeddingBagCollection
 from recopt.modules.fused_embedding import FusedEmbeddingCollection
-from recopt.modules.fused_groups import optimizer_from_param_group
 from recopt.modules.torch_optimizers import fused_config
 from recopt.optim.combined import CombinedOptimizer
 from recopt.optim.keyed import KeyedOptimizer
@@ -83,7 +83,9 @@ class DistributedModelParallel(nn.Module):
         world = dist.get_world_size(process_group)
         found = _embedding_modules(module)
         tables_by_module = {path: list(m.tables) for path, m in found}
-        if plan is None:
+        if plan is not None:  # a plan of our own planner was validated where it was made
+            validate_plan(plan, tables_by_module, world, ranks_per_host)
+        else:
             plan = _default_plan(
                 tables_by_module,
                 world,
@@ -94,7 +96,6 @@ class DistributedModelParallel(nn.Module):
                 timeout,
                 table_optimizers={path: _table_optimizers(m) for path, m in found},
             )
-        validate_plan(plan, tables_by_module, world, ranks_per_host)
         self.plan = plan
         sharded: list[tuple[str, ShardedModule]] = []
         for path, old in found:
@@ -188,8 +189,9 @@ def _shard(
         "process_group": process_group,
         "device": device,
         "module_path": path,
-        "skip_nonfinite": getattr(old, "skip_nonfinite", True),
+        "skip_nonfinite": old.skip_nonfinite if isinstance(old, FusedCollection) else True,
         "timeout": timeout,
+        "plan_validated": True,  # DMP validated the whole plan
     }
     if isinstance(old, _UNPOOLED_TYPES):
         return ShardedEmbeddingCollection(
@@ -202,19 +204,11 @@ def _shard(
 
 
 def _table_optimizers(module: nn.Module) -> dict[str, FusedOptimizerConfig]:
-    """The per-table optimizers of a fused collection, read from its param groups, or those
-    attached to a plain collection's tables by ``_apply_optimizer_in_backward``."""
+    """The per-table optimizers of a fused collection (its param groups' hyperparameters), or
+    those attached to a plain collection's tables by ``_apply_optimizer_in_backward``."""
     if not isinstance(module, FusedEmbeddingBagCollection | FusedEmbeddingCollection):
         return _in_backward_optimizers(module)
-    opt = module.fused_optimizer
-    name_of = {id(p): n for n, p in opt.params.items()}
-    result: dict[str, FusedOptimizerConfig] = {}
-    for group in opt.param_groups:
-        config = optimizer_from_param_group(group)
-        for p in group["params"]:
-            table = name_of[id(p)].split(".")[1]
-            result[table] = config
-    return result
+    return module.table_optimizers()
 
 
 def _in_backward_optimizers(module: nn.Module) -> dict[str, FusedOptimizerConfig]:
@@ -226,11 +220,10 @@ def _in_backward_optimizers(module: nn.Module) -> dict[str, FusedOptimizerConfig
             (naming the table and the optimizer).
     """
     result: dict[str, FusedOptimizerConfig] = {}
-    for name, param in module.named_parameters():
+    for table, param in _plain_table_weights(module):
         classes = getattr(param, "_optimizer_classes", None)
         if not classes:
             continue
-        table = name.split(".")[1]  # embedding_bags.<table>.weight / embeddings.<table>.weight
         if len(classes) > 1:
             raise ValueError(
                 f"table {table!r}: {len(classes)} optimizers applied in backward "
@@ -241,6 +234,22 @@ def _in_backward_optimizers(module: nn.Module) -> dict[str, FusedOptimizerConfig
         except ValueError as e:
             raise ValueError(f"table {table!r} (_apply_optimizer_in_backward): {e}") from e
     return result
+
+
+def _plain_table_weights(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(table name, weight) of a plain collection's tables, read from its table configs."""
+    if isinstance(module, EmbeddingBagCollection):
+        holders = module.embedding_bags
+    elif isinstance(module, EmbeddingCollection):
+        holders = module.embeddings
+    else:
+        return []
+    weights = []
+    for table in module.tables:
+        weight = holders[table.name].weight
+        assert isinstance(weight, nn.Parameter)
+        weights.append((table.name, weight))
+    return weights
 
 
 def _on_meta(module: nn.Module) -> bool:

@@ -8,7 +8,6 @@ checked by `plan_validation.validate_plan` identically on every rank before any 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import os
 from collections import Counter
@@ -18,13 +17,10 @@ from typing import Any, Protocol
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.kernels.placement import DEVICE, Placement
+from recopt.sharding.sharding_types import PlanError, ShardingType, ShardSpec, sharding_spec
 
 # The JSON layout version; `from_json` rejects any other so an old reader never half-reads a plan.
 PLAN_FORMAT_VERSION = 1
-
-
-class PlanError(ValueError):
-    """A sharding plan is malformed, incomplete or does not fit the tables and ranks it is for."""
 
 
 class TableLike(Protocol):
@@ -40,61 +36,6 @@ class TableLike(Protocol):
     def embedding_dim(self) -> int: ...
 
 
-class ShardingType(enum.StrEnum):
-    """How one table is split over ranks."""
-
-    DATA_PARALLEL = "data_parallel"
-    TABLE_WISE = "table_wise"
-    ROW_WISE = "row_wise"
-    COLUMN_WISE = "column_wise"
-    TABLE_ROW_WISE = "table_row_wise"
-    TABLE_COLUMN_WISE = "table_column_wise"
-
-    @property
-    def splits_rows(self) -> bool:
-        """Shards are row ranges of the full width (row-wise, table-row-wise)."""
-        return self in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
-
-    @property
-    def splits_columns(self) -> bool:
-        """Shards are column ranges of the full height (column-wise, table-column-wise)."""
-        return self in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
-
-    @property
-    def host_local(self) -> bool:
-        """All shards of a table stay on the ranks of one host (the table-* types)."""
-        return self in (ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE)
-
-    @property
-    def replicated(self) -> bool:
-        """Every rank holds the whole table (data-parallel)."""
-        return self is ShardingType.DATA_PARALLEL
-
-    @property
-    def whole_table(self) -> bool:
-        """Each rank that holds the table sees all its rows and columns (table-wise, DP)."""
-        return not (self.splits_rows or self.splits_columns)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ShardSpec:
-    """One rectangle of a table placed on one rank.
-
-    Args:
-        rank: the rank that stores the rectangle.
-        row_offset: first row of the rectangle in the full table.
-        num_rows: number of rows.
-        col_offset: first column in the full table.
-        num_cols: number of columns (the width the kernel sees).
-    """
-
-    rank: int
-    row_offset: int
-    num_rows: int
-    col_offset: int
-    num_cols: int
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParameterSharding:
     """How one table is sharded.
@@ -105,7 +46,9 @@ class ParameterSharding:
             rank, each holding a full replica).
         shards: the rectangles that tile the table exactly (empty for DATA_PARALLEL). Row-wise
             types put at most one rectangle on a rank; column-wise types may put several.
-        compute_kernel: the kernel backend for the table's shards.
+        backend: the kernel backend of the table's shards (``auto``: the optimizer's
+            ``backend``; both set and different is a `PlanError`). Plan files written
+            before this name call it ``compute_kernel``; they still load.
         optimizer: the fused optimizer for this table; ``None`` means the module's own.
         placement: where every shard's rows live on its rank (device memory, UVM, or UVM
             with an HBM cache; kernels/placement.py). Anything but ``device`` needs CUDA and
@@ -115,15 +58,15 @@ class ParameterSharding:
     sharding_type: ShardingType
     ranks: tuple[int, ...]
     shards: tuple[ShardSpec, ...] = ()
-    compute_kernel: Backend = Backend.AUTO
+    backend: Backend = Backend.AUTO
     optimizer: FusedOptimizerConfig | None = None
     placement: Placement = DEVICE
 
     def __post_init__(self) -> None:
         # Accept plain strings and lists from hand-written plans; store the canonical forms so
         # equality and JSON round trips do not depend on how the plan was spelled.
-        object.__setattr__(self, "sharding_type", ShardingType(self.sharding_type))
-        object.__setattr__(self, "compute_kernel", Backend(self.compute_kernel))
+        object.__setattr__(self, "sharding_type", sharding_spec(self.sharding_type).sharding_type)
+        object.__setattr__(self, "backend", Backend(self.backend))
         object.__setattr__(self, "ranks", tuple(self.ranks))
         object.__setattr__(self, "shards", tuple(self.shards))
         if isinstance(self.placement, str):  # a location alone: "uvm", "uvm_caching"
@@ -217,7 +160,7 @@ def _sharding_to_dict(ps: ParameterSharding) -> dict[str, Any]:
         "sharding_type": ps.sharding_type.value,
         "ranks": list(ps.ranks),
         "shards": [dataclasses.asdict(s) for s in ps.shards],
-        "compute_kernel": ps.compute_kernel.value,
+        "backend": ps.backend.value,
         "optimizer": opt,
         "placement": {
             "location": ps.placement.location.value,
@@ -228,7 +171,9 @@ def _sharding_to_dict(ps: ParameterSharding) -> dict[str, Any]:
 
 def _sharding_from_dict(d: dict[str, Any], table: str, module: str) -> ParameterSharding:
     where = f"table {table!r} (module {module!r})"
-    keys = {"sharding_type", "ranks", "shards", "compute_kernel", "optimizer"}
+    if "compute_kernel" in d and "backend" not in d:  # the backend's name in older plans
+        d = {("backend" if k == "compute_kernel" else k): v for k, v in d.items()}
+    keys = {"sharding_type", "ranks", "shards", "backend", "optimizer"}
     # "placement" came later: plans written before it hold every table in device memory.
     _check_keys(d, keys | {"placement"}, where, required=keys)
     try:
@@ -245,7 +190,7 @@ def _sharding_from_dict(d: dict[str, Any], table: str, module: str) -> Parameter
             sharding_type=ShardingType(d["sharding_type"]),
             ranks=tuple(d["ranks"]),
             shards=shards,
-            compute_kernel=Backend(d["compute_kernel"]),
+            backend=Backend(d["backend"]),
             optimizer=optimizer,
             placement=_placement_from_json(d.get("placement"), where),
         )

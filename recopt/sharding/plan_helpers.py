@@ -17,12 +17,12 @@ from recopt.sharding.plan import (
     PlanError,
     ShardingPlan,
     ShardingType,
-    ShardSpec,
     TableLike,
     check_world,
     table_names,
 )
 from recopt.sharding.plan_validation import validate_plan
+from recopt.sharding.sharding_types import ShardSpec, sharding_spec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,7 +37,7 @@ class ShardingRequest:
         ranks: explicit ranks (table-wise: one; row-wise: ``None`` for all; column-wise: in
             column order, repeats allowed).
         host: the host for the table-row-wise and table-column-wise types.
-        compute_kernel: the kernel backend.
+        backend: the kernel backend.
         optimizer: a per-table fused optimizer, or ``None`` for the module's.
         placement: where the table's shards live on their ranks (CUDA only for UVM).
     """
@@ -45,17 +45,17 @@ class ShardingRequest:
     sharding_type: ShardingType
     ranks: tuple[int, ...] | None = None
     host: int | None = None
-    compute_kernel: Backend = Backend.AUTO
+    backend: Backend = Backend.AUTO
     optimizer: FusedOptimizerConfig | None = None
     placement: Placement = DEVICE
 
     def __post_init__(self) -> None:
-        if self.sharding_type == ShardingType.TABLE_WISE and (
+        if sharding_spec(self.sharding_type).one_shard and (
             self.ranks is None or len(self.ranks) != 1
         ):
             raise PlanError(
-                f"ShardingRequest(sharding_type=table_wise) needs exactly one rank, got ranks="
-                f"{self.ranks}; pass ranks=(r,) or use table_wise(r)"
+                f"ShardingRequest(sharding_type={self.sharding_type}) needs exactly one rank, got "
+                f"ranks={self.ranks}; pass ranks=(r,) or use table_wise(r)"
             )
 
     def resolve(
@@ -72,40 +72,27 @@ class ShardingRequest:
             PlanError: the layout is impossible (e.g. columns that cannot be split evenly).
         """
         rph = check_world(world_size, ranks_per_host)
-        rows, dim = table.num_embeddings, table.embedding_dim
-        kind = self.sharding_type
+        spec = sharding_spec(self.sharding_type)
         where = f"table {table.name!r} (module {module_path!r})"
-        if kind is ShardingType.DATA_PARALLEL:
-            shards: list[ShardSpec] = []
-            ranks: Sequence[int] = range(world_size)
-        elif kind is ShardingType.TABLE_WISE:
+        ranks: Sequence[int]
+        if spec.replicated:
+            ranks = range(world_size)
+        elif spec.one_shard:
             assert self.ranks is not None  # checked in __post_init__
-            shards = [
-                ShardSpec(
-                    rank=self.ranks[0], row_offset=0, num_rows=rows, col_offset=0, num_cols=dim
-                )
-            ]
-        elif kind in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
-            ranks = self._ranks_or_host(world_size, rph, where)
-            shards = [
-                ShardSpec(rank=r, row_offset=off, num_rows=n, col_offset=0, num_cols=dim)
-                for r, off, n in zip(ranks, *_offsets(split_evenly(rows, len(ranks))), strict=True)
-                if n > 0
-            ]
+            ranks = self.ranks
         else:
             ranks = self._ranks_or_host(world_size, rph, where)
-            widths = split_columns(dim, len(ranks), where)
-            shards = [
-                ShardSpec(rank=r, row_offset=0, num_rows=rows, col_offset=off, num_cols=n)
-                for r, off, n in zip(ranks, *_offsets(widths), strict=True)
-            ]
+        shards: list[ShardSpec] = []
+        if not spec.replicated:
+            sizes = spec.cut(table.num_embeddings, table.embedding_dim, len(ranks), where)
+            shards = spec.place(sizes, ranks)
         if shards:
             ranks = sorted({s.rank for s in shards})
         return ParameterSharding(
-            sharding_type=kind,
+            sharding_type=self.sharding_type,
             ranks=tuple(ranks),
             shards=tuple(shards),
-            compute_kernel=self.compute_kernel,
+            backend=self.backend,
             optimizer=self.optimizer,
             placement=self.placement,
         )
@@ -124,46 +111,10 @@ class ShardingRequest:
         return range(world_size) if self.ranks is None else self.ranks
 
 
-def split_evenly(total: int, parts: int) -> list[int]:
-    """Split ``total`` into ``parts`` sizes differing by at most one, larger ones first."""
-    base, extra = divmod(total, parts)
-    return [base + 1] * extra + [base] * (parts - extra)
-
-
-def split_columns(dim: int, parts: int, where: str = "table") -> list[int]:
-    """Column widths for ``parts`` column shards of a ``dim``-wide table.
-
-    Equal widths that are multiples of 4 when ``dim`` allows it; otherwise multiples of 4 as equal
-    as possible (wider first) when ``dim`` is a multiple of 4 and at least ``4 * parts``;
-    otherwise equal widths when ``parts`` divides ``dim``.
-
-    Raises:
-        PlanError: none of these is possible.
-    """
-    if dim % (4 * parts) == 0:
-        return [dim // parts] * parts
-    if dim % 4 == 0 and dim >= 4 * parts:
-        return [4 * b for b in split_evenly(dim // 4, parts)]
-    if dim % parts == 0:
-        return [dim // parts] * parts
-    raise PlanError(
-        f"{where}: embedding_dim {dim} cannot be split into {parts} column shards of equal width "
-        f"or of widths that are multiples of 4; use a number of shards that divides {dim}"
-    )
-
-
-def _offsets(sizes: list[int]) -> tuple[list[int], list[int]]:
-    offsets, start = [], 0
-    for n in sizes:
-        offsets.append(start)
-        start += n
-    return offsets, sizes
-
-
 def table_wise(
     rank: int,
     *,
-    compute_kernel: Backend = Backend.AUTO,
+    backend: Backend = Backend.AUTO,
     optimizer: FusedOptimizerConfig | None = None,
     placement: Placement = DEVICE,
 ) -> ShardingRequest:
@@ -171,7 +122,7 @@ def table_wise(
     return ShardingRequest(
         sharding_type=ShardingType.TABLE_WISE,
         ranks=(rank,),
-        compute_kernel=compute_kernel,
+        backend=backend,
         optimizer=optimizer,
         placement=placement,
     )
@@ -180,7 +131,7 @@ def table_wise(
 def row_wise(
     ranks: Sequence[int] | None = None,
     *,
-    compute_kernel: Backend = Backend.AUTO,
+    backend: Backend = Backend.AUTO,
     optimizer: FusedOptimizerConfig | None = None,
     placement: Placement = DEVICE,
 ) -> ShardingRequest:
@@ -191,7 +142,7 @@ def row_wise(
     return ShardingRequest(
         sharding_type=ShardingType.ROW_WISE,
         ranks=None if ranks is None else tuple(ranks),
-        compute_kernel=compute_kernel,
+        backend=backend,
         optimizer=optimizer,
         placement=placement,
     )
@@ -200,7 +151,7 @@ def row_wise(
 def column_wise(
     ranks: Sequence[int],
     *,
-    compute_kernel: Backend = Backend.AUTO,
+    backend: Backend = Backend.AUTO,
     optimizer: FusedOptimizerConfig | None = None,
     placement: Placement = DEVICE,
 ) -> ShardingRequest:
@@ -208,7 +159,7 @@ def column_wise(
     return ShardingRequest(
         sharding_type=ShardingType.COLUMN_WISE,
         ranks=tuple(ranks),
-        compute_kernel=compute_kernel,
+        backend=backend,
         optimizer=optimizer,
         placement=placement,
     )
@@ -217,7 +168,7 @@ def column_wise(
 def table_row_wise(
     host: int,
     *,
-    compute_kernel: Backend = Backend.AUTO,
+    backend: Backend = Backend.AUTO,
     optimizer: FusedOptimizerConfig | None = None,
     placement: Placement = DEVICE,
 ) -> ShardingRequest:
@@ -225,7 +176,7 @@ def table_row_wise(
     return ShardingRequest(
         sharding_type=ShardingType.TABLE_ROW_WISE,
         host=host,
-        compute_kernel=compute_kernel,
+        backend=backend,
         optimizer=optimizer,
         placement=placement,
     )
@@ -234,7 +185,7 @@ def table_row_wise(
 def table_column_wise(
     host: int,
     *,
-    compute_kernel: Backend = Backend.AUTO,
+    backend: Backend = Backend.AUTO,
     optimizer: FusedOptimizerConfig | None = None,
     placement: Placement = DEVICE,
 ) -> ShardingRequest:
@@ -242,7 +193,7 @@ def table_column_wise(
     return ShardingRequest(
         sharding_type=ShardingType.TABLE_COLUMN_WISE,
         host=host,
-        compute_kernel=compute_kernel,
+        backend=backend,
         optimizer=optimizer,
         placement=placement,
     )
@@ -250,14 +201,14 @@ def table_column_wise(
 
 def data_parallel(
     *,
-    compute_kernel: Backend = Backend.AUTO,
+    backend: Backend = Backend.AUTO,
     optimizer: FusedOptimizerConfig | None = None,
     placement: Placement = DEVICE,
 ) -> ShardingRequest:
     """A full replica on every rank; gradients are all-reduced."""
     return ShardingRequest(
         sharding_type=ShardingType.DATA_PARALLEL,
-        compute_kernel=compute_kernel,
+        backend=backend,
         optimizer=optimizer,
         placement=placement,
     )

@@ -13,12 +13,12 @@ from recopt.sharding.plan import (
     ParameterSharding,
     PlanError,
     ShardingPlan,
-    ShardingType,
     ShardSpec,
     TableLike,
     check_world,
     table_names,
 )
+from recopt.sharding.sharding_types import sharding_spec
 
 
 def validate_plan(
@@ -73,7 +73,7 @@ def _validate_table(
     bad = [r for r in (*ps.ranks, *(s.rank for s in ps.shards)) if not 0 <= r < world_size]
     if bad:
         raise PlanError(f"{where}: rank {bad[0]} does not exist; ranks are 0..{world_size - 1}")
-    if ps.sharding_type is ShardingType.DATA_PARALLEL:
+    if ps.sharding_type.replicated:
         if ps.shards or ps.ranks != tuple(range(world_size)):
             raise PlanError(
                 f"{where}: data_parallel must have no shards and ranks 0..{world_size - 1}"
@@ -113,19 +113,20 @@ def _validate_table(
 
 def _check_type_layout(ps: ParameterSharding, rows: int, dim: int, where: str, rph: int) -> None:
     kind = ps.sharding_type
-    if kind is ShardingType.TABLE_WISE and len(ps.shards) != 1:
+    spec = sharding_spec(kind)
+    if spec.one_shard and len(ps.shards) != 1:
         raise PlanError(
-            f"{where}: table_wise needs exactly one shard (the whole table), got "
+            f"{where}: {kind.value} needs exactly one shard (the whole table), got "
             f"{len(ps.shards)}; use row_wise or column_wise to split it"
         )
-    if kind.splits_rows or kind is ShardingType.TABLE_WISE:
+    if not spec.splits_columns:
         for s in ps.shards:
             if s.col_offset != 0 or s.num_cols != dim:
                 raise PlanError(
                     f"{where}: {kind.value} shards span every column (0..{dim}); "
                     f"shard {_rect(s)} on rank {s.rank} does not"
                 )
-    if kind.splits_columns or kind is ShardingType.TABLE_WISE:
+    if not spec.splits_rows:
         for s in ps.shards:
             if s.row_offset != 0 or s.num_rows != rows:
                 raise PlanError(
@@ -167,12 +168,12 @@ def _check_tiling(spans: list[tuple[int, int]], extent: int, axis: str, where: s
 def _check_kernel_width(ps: ParameterSharding, widths: list[int], where: str) -> None:
     # The fbgemm table-batched kernels require widths that are multiples of 4; recopt's own
     # kernel (and AUTO, which falls back to it) takes any width.
-    if ps.compute_kernel is Backend.FBGEMM:
+    if ps.backend is Backend.FBGEMM:
         odd = [w for w in widths if w % 4]
         if odd:
             raise PlanError(
                 f"{where}: shard width {odd[0]} is not a multiple of 4, which the "
-                "fbgemm kernel requires; use compute_kernel 'auto' or 'recopt', or "
+                "fbgemm kernel requires; use backend 'auto' or 'recopt', or "
                 "column shards whose widths are multiples of 4"
             )
 

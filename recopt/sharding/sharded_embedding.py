@@ -14,29 +14,22 @@ import datetime
 import itertools
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from recopt.comm import (
-    ExchangeMeta,
-    KernelRequest,
-    OutputExchange,
-    ScratchBuffer,
-    all_ranks_finite,
-    broadcast,
-    share_backend_decisions,
-)
+from recopt.comm import all_ranks_finite, broadcast
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.contract import Kernel
-from recopt.kernels.factory import create_kernel, rng_unchanged
+from recopt.kernels.factory import KernelRequest, create_kernel, rng_unchanged
+from recopt.modules.collection import FusedCollection
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
 from recopt.modules.nonfinite import NonFiniteGradGuard, backward_if_given, finite_flag
 from recopt.modules.variable_batch import expand_rows
-from recopt.optim.fused import FusedOptimizerModule
+from recopt.sharding.backend_decisions import share_backend_decisions
 from recopt.sharding.input_dist import (
     Bucketizer,
     KernelInput,
@@ -46,10 +39,11 @@ from recopt.sharding.input_dist import (
 from recopt.sharding.input_stage import DistributedInput, PrefetchQueue, start_distribution
 from recopt.sharding.layout import GroupLayout, ShardedLayout
 from recopt.sharding.output_assembly import OutputAssembly
+from recopt.sharding.output_exchange import ExchangeMeta, OutputExchange, ScratchBuffer
 from recopt.sharding.plan import ParameterSharding, PlanError, ShardingPlan
 from recopt.sharding.plan_validation import validate_plan
 from recopt.sharding.row_stats import RowStatExchange
-from recopt.sharding.state import ShardedState
+from recopt.sharding.state import ShardedFusedOptimizer, ShardedState
 from recopt.sparse import KeyedJaggedTensor, KeyedTensor
 
 Tensor = torch.Tensor
@@ -71,7 +65,7 @@ def _check_placements(
             )
 
 
-class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
+class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
     """A FusedEmbeddingBagCollection whose tables are split over ranks by a sharding plan.
 
     Same input (this rank's batch) and output (its pooled ``KeyedTensor``) as the unsharded
@@ -101,15 +95,15 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             hook's collectives need every replica group to run its kernels' backward; there the
             hook reports a non-finite gradient and the step is dropped everywhere instead.
         timeout: limit of that check's all-reduce.
+        param_prefix: state-dict and fused-optimizer names are ``<prefix>.<table>.weight`` (an
+            embedding collection's lookup engine passes ``embeddings``).
+        plan_validated: the caller validated ``shardings`` against these tables and this
+            world size (`DistributedModelParallel` validates the whole plan once).
 
     Raises:
         ValueError: invalid tables; ``PlanError`` for an invalid plan or an unsupported
             optimizer/sharding pair.
     """
-
-    # State-dict and fused-optimizer names are ``<prefix>.<table>.weight`` (an embedding
-    # collection's lookup engine uses ``embeddings``).
-    _param_prefix: ClassVar[str] = "embedding_bags"
 
     def __init__(
         self,
@@ -123,19 +117,23 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         module_path: str = "",
         skip_nonfinite: bool = True,
         timeout: datetime.timedelta = AGREE_TIMEOUT,
+        *,
+        param_prefix: str = "embedding_bags",
+        plan_validated: bool = False,
     ) -> None:
         super().__init__()
+        self._param_prefix = param_prefix
         validate_tables(tables, allow_shared_features=True)
-        self.tables = list(tables)
+        self.tables: list[EmbeddingBagConfig] = list(tables)
         self.is_weighted = is_weighted
         self.device = torch.device(device if device is not None else "cpu")
         self._pg = process_group
         self._rank = dist.get_rank(process_group)
         world = dist.get_world_size(process_group)
-        # Pure and identical on every rank: a bad plan fails here, before any collective.
-        validate_plan(
-            ShardingPlan({module_path: dict(shardings)}), {module_path: self.tables}, world
-        )
+        if not plan_validated:  # pure and identical on every rank, before any collective
+            validate_plan(
+                ShardingPlan({module_path: dict(shardings)}), {module_path: self.tables}, world
+            )
         _check_placements(shardings, self.device, module_path)
         planned = {t.name: shardings[t.name].optimizer for t in self.tables}
         optimizers = resolve_table_optimizers(self.tables, optimizer, table_optimizers, planned)
@@ -239,7 +237,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
 
     # ------------------------------------------------------------------------------ public
     @property
-    def fused_optimizer(self) -> Any:
+    def fused_optimizer(self) -> ShardedFusedOptimizer:
         """KeyedOptimizer over ``embedding_bags.<t>.weight`` with plan-independent state keys."""
         return self._state.optimizer
 

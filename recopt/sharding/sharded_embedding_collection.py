@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from torch import nn
 
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.kernels.contract import Kernel
+from recopt.modules.collection import FusedCollection
 from recopt.modules.config import EmbeddingConfig, validate_tables
 from recopt.modules.embedding import TableAccessors
 from recopt.modules.inputs import FeatureLayout
@@ -27,10 +28,10 @@ from recopt.modules.unpooled import (
     rows_per_feature,
     select_lookups,
 )
-from recopt.optim.fused import FusedOptimizerModule
 from recopt.sharding.input_stage import DistributedInput, PrefetchQueue
 from recopt.sharding.plan import ParameterSharding
 from recopt.sharding.sharded_embedding import AGREE_TIMEOUT, ShardedEmbeddingBagCollection
+from recopt.sharding.state import ShardedFusedOptimizer
 from recopt.sparse import JaggedTensor, KeyedJaggedTensor
 
 
@@ -49,13 +50,7 @@ class StartedLookups:
         self.engine_input.advance(timeout)
 
 
-class _OneIdBagShards(ShardedEmbeddingBagCollection):
-    """The lookup engine of a ShardedEmbeddingCollection: its names start with ``embeddings``."""
-
-    _param_prefix: ClassVar[str] = "embeddings"
-
-
-class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors):
+class ShardedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
     """A FusedEmbeddingCollection whose tables are split over ranks by a sharding plan.
 
     Same input (this rank's batch) and output (``dict[str, JaggedTensor]`` of this rank's ids) as
@@ -76,6 +71,7 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors
         skip_nonfinite: skip every rank's fused update when any rank's output gradient holds
             NaN/inf (see ShardedEmbeddingBagCollection).
         timeout: limit of that check's all-reduce.
+        plan_validated: the caller validated ``shardings`` (as in ShardedEmbeddingBagCollection).
 
     Raises:
         ValueError: invalid tables; ``PlanError`` for an invalid plan or an unsupported
@@ -94,12 +90,14 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors
         need_indices: bool = False,
         skip_nonfinite: bool = True,
         timeout: datetime.timedelta = AGREE_TIMEOUT,
+        *,
+        plan_validated: bool = False,
     ) -> None:
         super().__init__()
         validate_tables(tables, allow_shared_features=True, config_type=EmbeddingConfig)
-        self.tables = list(tables)
+        self.tables: list[EmbeddingConfig] = list(tables)
         self._need_indices = need_indices
-        engine = _OneIdBagShards(
+        engine = ShardedEmbeddingBagCollection(
             lookup_bag_configs(self.tables),
             shardings,
             optimizer=optimizer,
@@ -109,6 +107,8 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors
             module_path=module_path,
             skip_nonfinite=skip_nonfinite,
             timeout=timeout,
+            param_prefix="embeddings",
+            plan_validated=plan_validated,
         )
         self.__dict__["_engine"] = engine  # out of the module tree: state goes through it
         self.device = engine.device
@@ -119,12 +119,12 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors
         )
 
     @property
-    def _bags(self) -> _OneIdBagShards:
-        engine: _OneIdBagShards = self.__dict__["_engine"]
+    def _bags(self) -> ShardedEmbeddingBagCollection:
+        engine: ShardedEmbeddingBagCollection = self.__dict__["_engine"]
         return engine
 
     @property
-    def fused_optimizer(self) -> Any:
+    def fused_optimizer(self) -> ShardedFusedOptimizer:
         """KeyedOptimizer over ``embeddings.<t>.weight`` with plan-independent state keys."""
         return self._bags.fused_optimizer
 

@@ -35,7 +35,7 @@ class ParameterConstraints:
         sharding_types: allowed sharding types (``None``: every type; on one host the
             table-row-wise and table-column-wise types, identical there to row-wise and
             column-wise, are left out unless named).
-        compute_kernels: allowed kernel backends, in order of preference (``None``: AUTO).
+        backends: allowed kernel backends, in order of preference (``None``: AUTO).
         optimizer: the table's fused optimizer (``None``: the planner's default).
         min_partition: the narrowest column shard column-wise types may cut (default 4,
             fbgemm's width multiple).
@@ -50,7 +50,7 @@ class ParameterConstraints:
     """
 
     sharding_types: tuple[ShardingType, ...] | None = None
-    compute_kernels: tuple[Backend, ...] | None = None
+    backends: tuple[Backend, ...] | None = None
     optimizer: FusedOptimizerConfig | None = None
     min_partition: int = 4
     pooling_factor: float = 1.0
@@ -63,15 +63,15 @@ class ParameterConstraints:
             if self.sharding_types is not None:
                 types = tuple(ShardingType(t) for t in self.sharding_types)
                 object.__setattr__(self, "sharding_types", types)
-            if self.compute_kernels is not None:
-                kernels = tuple(Backend(k) for k in self.compute_kernels)
-                object.__setattr__(self, "compute_kernels", kernels)
+            if self.backends is not None:
+                kernels = tuple(Backend(k) for k in self.backends)
+                object.__setattr__(self, "backends", kernels)
         except ValueError as e:
             raise ConstraintError(
                 f"constraint: {e}; sharding types: {[t.value for t in ShardingType]}, "
                 f"kernels: {[k.value for k in Backend]}"
             ) from e
-        if self.sharding_types == () or self.compute_kernels == ():
+        if self.sharding_types == () or self.backends == ():
             raise ConstraintError("constraint: an empty list allows nothing; omit the key instead")
         if not isinstance(self.min_partition, int) or self.min_partition < 1:
             raise ConstraintError(
@@ -123,7 +123,7 @@ def constraints_from_dict(table: str, values: Mapping[str, Any]) -> ParameterCon
     try:
         if "optimizer" in kw:
             kw["optimizer"] = optimizer_from_dict(kw["optimizer"], f"table {table!r} optimizer")
-        for key in ("sharding_types", "compute_kernels"):
+        for key in ("sharding_types", "backends"):
             if key in kw:
                 kw[key] = tuple(kw[key])
         if "placements" in kw:

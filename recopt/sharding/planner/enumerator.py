@@ -25,8 +25,7 @@ from recopt.kernels.precision import Precision
 from recopt.kernels.registry import fbgemm_spec_names
 from recopt.modules.config import EmbeddingConfig
 from recopt.sharding.layout import needs_row_stat_hook, sharding_refusal
-from recopt.sharding.plan import ParameterSharding, ShardingType, ShardSpec
-from recopt.sharding.plan_helpers import split_columns, split_evenly
+from recopt.sharding.plan import ParameterSharding, PlanError, ShardingType
 from recopt.sharding.planner.constraints import (
     ParameterConstraints,
     TableWorkload,
@@ -39,6 +38,7 @@ from recopt.sharding.planner.storage import (
     shard_storage_bytes,
 )
 from recopt.sharding.planner.topology import Topology
+from recopt.sharding.sharding_types import sharding_spec
 
 # Preference among options of equal estimated cost: fewer shards and less communication first.
 TYPE_ORDER = {t: i for i, t in enumerate(ShardingType)}
@@ -56,7 +56,7 @@ class ShardingOption:
         module: the module path.
         table: the table config.
         sharding_type: the strategy.
-        compute_kernel: the kernel backend.
+        backend: the kernel backend.
         optimizer: the fused optimizer the estimates assume.
         shard_sizes: (rows, cols) per shard, in order along the split axis; data-parallel: one
             entry for the replica every rank holds.
@@ -76,7 +76,7 @@ class ShardingOption:
     module: str
     table: Any
     sharding_type: ShardingType
-    compute_kernel: Backend
+    backend: Backend
     optimizer: FusedOptimizerConfig
     shard_sizes: list[tuple[int, int]]
     shard_bytes: list[int]
@@ -99,7 +99,7 @@ class ShardingOption:
     @property
     def is_replicated(self) -> bool:
         """Data-parallel: every rank holds the whole table."""
-        return self.sharding_type is ShardingType.DATA_PARALLEL
+        return self.sharding_type.replicated
 
     @property
     def host_local(self) -> bool:
@@ -110,8 +110,8 @@ class ShardingOption:
         """A short label, e.g. ``row_wise x8`` or ``column_wise x4``."""
         n = len(self.shard_sizes)
         label = self.sharding_type.value if n == 1 else f"{self.sharding_type.value} x{n}"
-        if self.compute_kernel is not Backend.AUTO:
-            label += f" ({self.compute_kernel.value})"
+        if self.backend is not Backend.AUTO:
+            label += f" ({self.backend.value})"
         return label
 
     def to_parameter_sharding(
@@ -122,31 +122,16 @@ class ShardingOption:
             return ParameterSharding(
                 sharding_type=self.sharding_type,
                 ranks=tuple(range(world_size)),
-                compute_kernel=self.compute_kernel,
+                backend=self.backend,
                 optimizer=self.plan_optimizer,
                 placement=self.placement,
             )
-        shards, offset = [], 0
-        for (rows, cols), rank in zip(self.shard_sizes, shard_ranks, strict=True):
-            if self.sharding_type.splits_columns:
-                shards.append(
-                    ShardSpec(
-                        rank=rank, row_offset=0, num_rows=rows, col_offset=offset, num_cols=cols
-                    )
-                )
-                offset += cols
-            else:
-                shards.append(
-                    ShardSpec(
-                        rank=rank, row_offset=offset, num_rows=rows, col_offset=0, num_cols=cols
-                    )
-                )
-                offset += rows
+        shards = sharding_spec(self.sharding_type).place(self.shard_sizes, shard_ranks)
         return ParameterSharding(
             sharding_type=self.sharding_type,
             ranks=tuple(sorted(set(shard_ranks))),
             shards=tuple(shards),
-            compute_kernel=self.compute_kernel,
+            backend=self.backend,
             optimizer=self.plan_optimizer,
             placement=self.placement,
         )
@@ -188,7 +173,7 @@ def enumerate_options(
     """
     where = f"table {table.name!r} (module {module_label(module)})"
     kinds = _allowed_types(constraints, workload.optimizer, topology, where)
-    kernels = constraints.compute_kernels or (workload.optimizer.backend,)
+    kernels = constraints.backends or (workload.optimizer.backend,)
     placements = _allowed_placements(constraints, topology, where)
     layouts = [(k, layout) for k in kinds for layout in _layouts(k, table, constraints, topology)]
     # Every type has a layout (column-wise falls back to one shard when named explicitly).
@@ -219,7 +204,7 @@ def enumerate_options(
             o.max_shard_bytes,
             TYPE_ORDER[o.sharding_type],
             len(o.shard_sizes),
-            kernel_rank[o.compute_kernel],
+            kernel_rank[o.backend],
             placement_rank[o.placement],
         )
     )
@@ -276,25 +261,25 @@ def _layouts(
     kind: ShardingType, table: Any, c: ParameterConstraints, topology: Topology
 ) -> list[tuple[list[tuple[int, int]], list[int] | None]]:
     rows, dim, w = table.num_embeddings, table.embedding_dim, topology.world_size
-    if kind is ShardingType.DATA_PARALLEL:
-        return [([(rows, dim)], list(range(w)))]
-    if kind is ShardingType.TABLE_WISE:
-        return [([(rows, dim)], None)]
-    if kind.splits_rows:
-        n = w if kind is ShardingType.ROW_WISE else topology.local_world_size
-        sizes = [(r, dim) for r in split_evenly(rows, n) if r > 0]
-        fixed = list(range(len(sizes))) if kind is ShardingType.ROW_WISE else None
-        return [(sizes, fixed)]
-    limit = w if kind is ShardingType.COLUMN_WISE else topology.local_world_size
+    spec, where = sharding_spec(kind), f"table {table.name!r}"
+    if spec.replicated:
+        return [(spec.cut(rows, dim, 1, where), list(range(w)))]
+    if spec.one_shard:
+        return [(spec.cut(rows, dim, 1, where), None)]
+    group = topology.local_world_size if spec.host_local else w
+    if spec.splits_rows:
+        sizes = spec.cut(rows, dim, group, where)
+        # Over every rank, row range i lands on rank i; on one host the partitioner picks it.
+        return [(sizes, None if spec.host_local else list(range(len(sizes))))]
     layouts: list[tuple[list[tuple[int, int]], list[int] | None]] = []
     parts = 2
-    while parts <= min(limit, dim // c.min_partition):
+    while parts <= min(group, dim // c.min_partition):
         try:
-            widths = split_columns(dim, parts)
-        except ValueError:
-            widths = []
-        if widths and min(widths) >= c.min_partition:
-            layouts.append(([(rows, cw) for cw in widths], None))
+            sizes = spec.cut(rows, dim, parts, where)
+        except PlanError:
+            sizes = []
+        if sizes and min(cols for _, cols in sizes) >= c.min_partition:
+            layouts.append((sizes, None))
         parts *= 2
     if not layouts and c.sharding_types is not None:
         layouts.append(([(rows, dim)], None))  # asked for explicitly: one full-height shard
@@ -370,7 +355,7 @@ def _option(
         module=module,
         table=table,
         sharding_type=kind,
-        compute_kernel=kernel,
+        backend=kernel,
         optimizer=workload.optimizer,
         shard_sizes=sizes,
         shard_bytes=[b for b, _, _ in estimates],
@@ -398,7 +383,7 @@ def shard_estimate(
     data-parallel) of ``table`` under one placement; ``k`` column shards share its rows."""
     rows, w = table.num_embeddings, topology.world_size
     _, host = resident_bytes(n, d, workload, placement)
-    if kind is ShardingType.DATA_PARALLEL:
+    if kind.replicated:
         return (
             replica_storage_bytes(n, d, workload, w, placement),
             host,

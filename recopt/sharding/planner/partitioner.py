@@ -12,15 +12,15 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from recopt.sharding.plan import ShardingType
 from recopt.sharding.planner.enumerator import ShardingOption
 from recopt.sharding.planner.topology import Topology
 
 
 @dataclass(slots=True)
-class Placement:
-    """A feasible assignment: the ranks of every shard, and the resulting load per rank
-    (``rank_bytes`` in device memory, ``rank_host_bytes`` in host memory for UVM)."""
+class RankAssignment:
+    """A feasible assignment of shards to ranks: the rank of every shard, and the resulting
+    load per rank (``rank_bytes`` in device memory, ``rank_host_bytes`` in host memory for UVM).
+    Where a shard's rows live on its rank is `recopt.kernels.placement.Placement`."""
 
     options: list[ShardingOption]
     shard_ranks: list[list[int]]
@@ -40,7 +40,7 @@ class Placement:
 
 
 @dataclass(frozen=True, slots=True)
-class PlacementFailure:
+class AssignmentFailure:
     """A shard that fit on no rank: which, how large, and the best rank's free memory
     (``host``: the memory short was host memory for UVM, not device memory)."""
 
@@ -73,18 +73,18 @@ class _Ranks:
 
     def failure(
         self, index: int, nbytes: int, among: Sequence[int], host: int = 0
-    ) -> PlacementFailure:
+    ) -> AssignmentFailure:
         best = min(among, key=lambda r: (self.bytes[r], r))
         if self.bytes[best] + nbytes <= self.cap and host:  # device memory was not short
             best = min(among, key=lambda r: (self.host[r], r))
             free = max(0, self.host_cap - self.host[best])
-            return PlacementFailure(index, host, best, free, host=True)
-        return PlacementFailure(index, nbytes, best, max(0, self.cap - self.bytes[best]))
+            return AssignmentFailure(index, host, best, free, host=True)
+        return AssignmentFailure(index, nbytes, best, max(0, self.cap - self.bytes[best]))
 
 
 def partition(
     options: Sequence[ShardingOption], topology: Topology, base_bytes: Sequence[int]
-) -> Placement | PlacementFailure:
+) -> RankAssignment | AssignmentFailure:
     """Assign ranks to the shards of ``options`` (one chosen option per table).
 
     Args:
@@ -93,10 +93,10 @@ def partition(
         base_bytes: bytes already used on each rank before any shard (pooled-output buffers).
 
     Returns:
-        A `Placement`, or the `PlacementFailure` of the memory-first pass when neither fits.
+        A `RankAssignment`, or the `AssignmentFailure` of the memory-first pass when neither fits.
     """
     first = _partition(options, topology, base_bytes, memory_first=False)
-    if isinstance(first, Placement):
+    if isinstance(first, RankAssignment):
         return first
     return _partition(options, topology, base_bytes, memory_first=True)
 
@@ -106,7 +106,7 @@ def _partition(
     topology: Topology,
     base_bytes: Sequence[int],
     memory_first: bool,
-) -> Placement | PlacementFailure:
+) -> RankAssignment | AssignmentFailure:
     ranks = _Ranks(topology, base_bytes)
     shard_ranks: list[list[int]] = [[] for _ in options]
     everyone = range(topology.world_size)
@@ -128,12 +128,12 @@ def _partition(
         i, j = failed
         opt = options[i]
         return ranks.failure(i, opt.shard_bytes[j], everyone, opt.shard_host_bytes[j])
-    return Placement(list(options), shard_ranks, ranks.bytes, ranks.cost, ranks.host)
+    return RankAssignment(list(options), shard_ranks, ranks.bytes, ranks.cost, ranks.host)
 
 
 def _place_fixed(
     options: Sequence[ShardingOption], shard_ranks: list[list[int]], ranks: _Ranks
-) -> PlacementFailure | None:
+) -> AssignmentFailure | None:
     """Data-parallel replicas (summed once: they weigh the same on every rank), then row-wise."""
     replicas = [i for i, o in enumerate(options) if o.is_replicated]
     replica_bytes = sum(options[i].shard_bytes[0] for i in replicas)
@@ -230,7 +230,7 @@ def _fit_on_host(
     opt: ShardingOption, host_ranks: list[int], ranks: _Ranks, memory_first: bool
 ) -> tuple[float, list[int]] | None:
     """(score, rank per shard) of the option on one host, lower score better; None if it fails."""
-    distinct = opt.sharding_type is ShardingType.TABLE_ROW_WISE  # one row range per rank
+    distinct = opt.sharding_type.splits_rows  # one row range per rank
     used = {r: float(ranks.bytes[r]) for r in host_ranks}
     host_used = {r: ranks.host[r] for r in host_ranks}
     cost = {r: ranks.cost[r] for r in host_ranks}

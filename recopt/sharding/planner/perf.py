@@ -58,7 +58,7 @@ def _row_reduce_seconds(num_bytes: float, kind: ShardingType, topology: Topology
     width). Table-row-wise: reduced inside the host first, then each of the host's ranks sends
     its 1/h part of the other hosts' bags across hosts.
     """
-    if kind is ShardingType.ROW_WISE:
+    if not kind.host_local:
         return all_to_all_seconds(num_bytes, topology)
     w, h = topology.world_size, topology.local_world_size
     intra = num_bytes * (h - 1) / h / topology.intra_host_bandwidth
@@ -99,7 +99,7 @@ def shard_cost(
         ids, bags, num_rows, num_cols, workload, topology, placement
     )
     inputs = all_to_all_seconds(ID_BYTES * (ids + bags), topology)
-    if kind in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+    if kind.splits_rows:
         outputs = _row_reduce_seconds(pooled, kind, topology)
     else:
         outputs = all_to_all_seconds(pooled, topology)

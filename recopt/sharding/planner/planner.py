@@ -32,7 +32,7 @@ from recopt.sharding.planner.enumerator import (
     enumerate_all,
     table_workload,
 )
-from recopt.sharding.planner.partitioner import Placement, PlacementFailure
+from recopt.sharding.planner.partitioner import AssignmentFailure, RankAssignment
 from recopt.sharding.planner.proposers import (
     greedy_proposal,
     improve,
@@ -134,7 +134,7 @@ class EmbeddingShardingPlanner:
         capacity = topo.usable_bytes - base
         choice = greedy_proposal(options, capacity)
         result = make_feasible(options, choice, topo, [base] * topo.world_size)
-        if isinstance(result, PlacementFailure):
+        if isinstance(result, AssignmentFailure):
             raise PlannerError(self._explain(result, options, choice, base))
         result = reclaim_device_memory(options, choice, result, topo, [base] * topo.world_size)
         placement = improve(
@@ -204,7 +204,7 @@ class EmbeddingShardingPlanner:
 
     def _explain(
         self,
-        failure: PlacementFailure,
+        failure: AssignmentFailure,
         options: Sequence[Sequence[ShardingOption]],
         choice: Sequence[int],
         base: int,
@@ -266,7 +266,7 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _to_plan(
-    placement: Placement, tables_by_module: Mapping[str, Sequence[Any]], world_size: int
+    placement: RankAssignment, tables_by_module: Mapping[str, Sequence[Any]], world_size: int
 ) -> ShardingPlan:
     plan: dict[str, dict[str, ParameterSharding]] = {m: {} for m in tables_by_module}
     for opt, ranks in zip(placement.options, placement.shard_ranks, strict=True):
@@ -293,7 +293,8 @@ def plan_collectively(
         table_optimizers: as in `EmbeddingShardingPlanner.plan`.
 
     Returns:
-        The plan, validated on every rank.
+        The plan: validated once, on rank 0 (`EmbeddingShardingPlanner.plan`); its JSON round
+        trip is exact, so every rank holds that same valid plan.
 
     Raises:
         PlannerError: planning failed on rank 0.
@@ -324,9 +325,7 @@ def plan_collectively(
         raise error
     if int(header[1]):
         raise PlannerError(f"planning on rank 0 failed: {text}")
-    plan = ShardingPlan.from_json(text)
-    validate_plan(plan, tables_by_module, world, planner.topology.local_world_size)
-    return plan
+    return ShardingPlan.from_json(text)
 
 
 def shared_topology(

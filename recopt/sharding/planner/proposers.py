@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from recopt.sharding.planner.enumerator import ShardingOption
-from recopt.sharding.planner.partitioner import Placement, PlacementFailure, partition
+from recopt.sharding.planner.partitioner import AssignmentFailure, RankAssignment, partition
 from recopt.sharding.planner.topology import Topology
 
 # The search re-partitions once per trial; this many shard placements in total bounds its time
@@ -44,7 +44,7 @@ def make_feasible(
     choice: list[int],
     topology: Topology,
     base_bytes: Sequence[int],
-) -> Placement | PlacementFailure:
+) -> RankAssignment | AssignmentFailure:
     """Spread tables over more ranks until the partitioner places everything, or none can spread.
 
     Each round moves the tables whose largest shard is at least as large as the one that did
@@ -55,7 +55,7 @@ def make_feasible(
     while True:
         chosen = [o[k] for o, k in zip(options, choice, strict=True)]
         result = partition(chosen, topology, base_bytes)
-        if isinstance(result, Placement):
+        if isinstance(result, RankAssignment):
             return result
         tables = _tables_to_shrink(options, choice, result)
         if not tables:
@@ -67,7 +67,7 @@ def make_feasible(
 
 
 def _tables_to_shrink(
-    options: Sequence[Sequence[ShardingOption]], choice: list[int], failure: PlacementFailure
+    options: Sequence[Sequence[ShardingOption]], choice: list[int], failure: AssignmentFailure
 ) -> list[int]:
     def current(t: int) -> int:
         return options[t][choice[t]].max_shard_bytes
@@ -89,10 +89,10 @@ def _tables_to_shrink(
 def reclaim_device_memory(
     options: Sequence[Sequence[ShardingOption]],
     choice: list[int],
-    placement: Placement,
+    placement: RankAssignment,
     topology: Topology,
     base_bytes: Sequence[int],
-) -> Placement:
+) -> RankAssignment:
     """Give tables placed in UVM a cheaper option (device memory, or a cache) where it fits.
 
     The memory repair moves whole groups of tables at a time and may move more than needed;
@@ -118,7 +118,7 @@ def reclaim_device_memory(
             result = partition(
                 [o[c] for o, c in zip(options, choice, strict=True)], topology, base_bytes
             )
-            if isinstance(result, Placement) and result.max_cost <= best.max_cost * (1 + 1e-9):
+            if isinstance(result, RankAssignment) and result.max_cost <= best.max_cost * (1 + 1e-9):
                 best = result
                 break
             choice[t] = previous
@@ -134,11 +134,11 @@ def _trial_budget(options: Sequence[Sequence[ShardingOption]], choice: list[int]
 def improve(
     options: Sequence[Sequence[ShardingOption]],
     choice: list[int],
-    placement: Placement,
+    placement: RankAssignment,
     topology: Topology,
     base_bytes: Sequence[int],
     max_trials: int | None = None,
-) -> Placement:
+) -> RankAssignment:
     """Local search on the slowest rank; mutates ``choice`` and returns the best placement.
 
     Args:
@@ -160,7 +160,9 @@ def improve(
                 result = partition(
                     [o[c] for o, c in zip(options, choice, strict=True)], topology, base_bytes
                 )
-                if isinstance(result, Placement) and result.max_cost < best.max_cost * (1 - 1e-9):
+                if isinstance(result, RankAssignment) and result.max_cost < best.max_cost * (
+                    1 - 1e-9
+                ):
                     best, improved = result, True
                     break
                 choice[table] = previous
@@ -173,7 +175,7 @@ def improve(
     return best
 
 
-def _tables_on_rank(placement: Placement, rank: int) -> list[tuple[int, float]]:
+def _tables_on_rank(placement: RankAssignment, rank: int) -> list[tuple[int, float]]:
     """(table, the cost its shards put on ``rank``), largest first."""
     found = []
     for t, (opt, ranks) in enumerate(zip(placement.options, placement.shard_ranks, strict=True)):

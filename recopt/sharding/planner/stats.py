@@ -13,14 +13,14 @@ from typing import Any
 
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.kernels.placement import DEVICE
-from recopt.sharding.plan import ParameterSharding, ShardingPlan, ShardingType
+from recopt.sharding.plan import ParameterSharding, ShardingPlan
 from recopt.sharding.planner.constraints import (
     ParameterConstraints,
     TableWorkload,
     resolve_constraints,
 )
 from recopt.sharding.planner.enumerator import shard_estimate, table_workload
-from recopt.sharding.planner.partitioner import Placement
+from recopt.sharding.planner.partitioner import RankAssignment
 from recopt.sharding.planner.storage import (
     rank_output_bytes,
 )
@@ -142,7 +142,7 @@ class PlanStats:
         return self.format()
 
 
-def make_stats(placement: Placement, topology: Topology) -> PlanStats:
+def make_stats(placement: RankAssignment, topology: Topology) -> PlanStats:
     """Collect the estimates of a placement."""
     tables = []
     for opt, ranks in zip(placement.options, placement.shard_ranks, strict=True):
@@ -261,7 +261,7 @@ def _placed_estimates(
 ) -> list[_ShardEstimate]:
     """The estimates of every shard of one table (every rank for a replica)."""
     kind, where = ps.sharding_type, ps.placement
-    k = len(ps.shards) if kind in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE) else 1
+    k = len(ps.shards) if kind.splits_columns else 1
 
     def estimate(rank: int, rows: int, cols: int) -> _ShardEstimate:
         nbytes, host, seconds = shard_estimate(kind, k, rows, cols, table, load, topology, where)
@@ -272,7 +272,7 @@ def _placed_estimates(
         )
         return _ShardEstimate(rank, nbytes, host, seconds, device_seconds)
 
-    if kind is ShardingType.DATA_PARALLEL:
+    if kind.replicated:
         replica = estimate(0, table.num_embeddings, table.embedding_dim)
         return [dataclasses.replace(replica, rank=r) for r in ps.ranks]
     return [estimate(s.rank, s.num_rows, s.num_cols) for s in ps.shards]
