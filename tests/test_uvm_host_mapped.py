@@ -36,3 +36,28 @@ def test_an_fbgemm_without_the_argument_is_called_as_before() -> None:
             pass
 
     assert fbgemm_uvm_arguments(OldTbe, _tables(UVM)) == {}
+
+
+def test_the_fbgemm_kernel_passes_the_host_mapped_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+    """build_fbgemm_tbe hands fbgemm's constructor ``uvm_host_mapped=True`` for a UVM table
+    (fbgemm's constructor replaced by a recorder: UVM needs a GPU)."""
+    training = pytest.importorskip("fbgemm_gpu.split_table_batched_embeddings_ops_training")
+    import torch
+
+    from recopt.kernels.config import FusedOptimizerConfig, PoolingType
+    from recopt.kernels.fbgemm_backend import build_fbgemm_tbe
+
+    real = training.SplitTableBatchedEmbeddingBagsCodegen
+    calls: list[dict[str, object]] = []
+
+    def recorder(*args: object, **kwargs: object) -> object:
+        calls.append(kwargs)
+        return None
+
+    recorder.__signature__ = __import__("inspect").signature(real)  # type: ignore[attr-defined]
+    monkeypatch.setattr(training, "SplitTableBatchedEmbeddingBagsCodegen", recorder)
+    optimizer = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.1)
+    build_fbgemm_tbe(_tables(UVM), [0], optimizer, PoolingType.SUM, torch.device("cpu"))
+    build_fbgemm_tbe(_tables(Placement()), [0], optimizer, PoolingType.SUM, torch.device("cpu"))
+    assert calls[0].get("uvm_host_mapped") is True
+    assert "uvm_host_mapped" not in calls[1]

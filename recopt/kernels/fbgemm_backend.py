@@ -22,7 +22,12 @@ from torch import nn
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType, TableSpec
 from recopt.kernels.contract import BackendDecision, KernelHook
 from recopt.kernels.fbgemm_steps import FbgemmSteps
-from recopt.kernels.placement import Location, combined_cache_load_factor, placement_problems
+from recopt.kernels.placement import (
+    Location,
+    combined_cache_load_factor,
+    fbgemm_uvm_arguments,
+    placement_problems,
+)
 from recopt.kernels.precision import Precision
 from recopt.kernels.registry import OPTIMIZERS, fbgemm_spec_names, optimizer_spec
 from recopt.kernels.updates import ROUNDING_STEP, has_rounding_step
@@ -249,6 +254,9 @@ def build_fbgemm_tbe(
             [t.num_embeddings for t in tables], [t.placement for t in tables]
         ),
         device=device,
+        # Off-device tables: pinned host memory the GPU reads, not managed memory (which can
+        # hang a GPU asked for more than it has free).
+        **fbgemm_uvm_arguments(SplitTableBatchedEmbeddingBagsCodegen, tables),
     )
     return tbe
 
