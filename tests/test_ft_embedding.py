@@ -89,7 +89,9 @@ CASES = [(name, Backend.RECOPT) for name in OPTIMIZERS] + [
 @pytest.mark.parametrize("name, backend", CASES)
 def test_aborted_step_restores_every_table_and_state(name: str, backend: Backend) -> None:
     torch.manual_seed(0)
-    config = FusedOptimizerConfig(name=name, lr=0.05, weight_decay=0.01, backend=backend)
+    # fbgemm's CPU kernels ignore weight decay, so recopt refuses it there (issue 23).
+    decay = 0.0 if backend == Backend.FBGEMM else 0.01
+    config = FusedOptimizerConfig(name=name, lr=0.05, weight_decay=decay, backend=backend)
     tables = _tables(shared=backend != Backend.FBGEMM)
     module = FusedEmbeddingBagCollection(tables, optimizer=config)
     guard = FusedEmbeddingGuard(module)

@@ -2,7 +2,7 @@
 them) mapped to recopt's `FusedOptimizerConfig`; what has no recopt equivalent is refused.
 
 ``{"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}`` is
-``FusedOptimizerConfig(name="row_wise_adagrad", lr=0.05, eps=1e-8)``: fbgemm's defaults
+recopt's row-wise Adagrad with ``lr=0.05, eps=1e-8``: fbgemm's defaults
 (learning rate 0.01, eps 1e-8) apply to what is not given, as under TorchRec.
 """
 
@@ -12,20 +12,22 @@ from collections.abc import Mapping
 from typing import Any
 
 from recopt.kernels.config import FusedOptimizerConfig
+from recopt.kernels.registry import OPTIMIZERS, optimizer_spec
 
-# fbgemm EmbOptimType value -> recopt fused optimizer (same update).
-EMB_OPTIM_TYPES: dict[str, str] = {
-    "sgd": "sgd",
-    "exact_sgd": "sgd",
-    "exact_adagrad": "adagrad",
-    "adagrad": "adagrad",
-    "exact_row_wise_adagrad": "row_wise_adagrad",
-    "row_wise_adagrad": "row_wise_adagrad",
-    "adam": "adam",
-    "partial_row_wise_adam": "row_wise_adam",
-    "lamb": "lamb",
-    "partial_row_wise_lamb": "row_wise_lamb",
+# fbgemm EmbOptimType name -> recopt fused optimizer (same update): from the registry's fbgemm
+# names, plus fbgemm's non-exact variants of the same updates.
+_ALIASES = {
+    "SGD": "EXACT_SGD",
+    "ADAGRAD": "EXACT_ADAGRAD",
+    "ROWWISE_ADAGRAD": "EXACT_ROWWISE_ADAGRAD",
 }
+EMB_OPTIM_TYPES: dict[str, str] = {
+    fbgemm: spec.name
+    for spec in OPTIMIZERS.values()
+    for fbgemm in (spec.fbgemm_cuda, spec.fbgemm_cpu)
+    if fbgemm is not None
+}
+EMB_OPTIM_TYPES.update({alias: EMB_OPTIM_TYPES[exact] for alias, exact in _ALIASES.items()})
 FBGEMM_DEFAULTS: dict[str, Any] = {"lr": 0.01, "eps": 1e-8}
 # fused_params key -> FusedOptimizerConfig field.
 _FIELDS = {
@@ -37,8 +39,9 @@ _FIELDS = {
 
 
 def _optimizer_name(value: Any) -> str:
-    """``EmbOptimType.X`` or its value string -> recopt's optimizer name."""
-    key = str(getattr(value, "value", value)).lower()
+    """``EmbOptimType.X``, its name or its value string -> recopt's optimizer name."""
+    raw = str(getattr(value, "name", value))
+    key = raw.upper().replace("ROW_WISE", "ROWWISE")  # fbgemm's values spell it row_wise
     if key not in EMB_OPTIM_TYPES:
         raise ValueError(
             f"fused_params['optimizer']={value!r} has no recopt fused kernel; use one of "
@@ -73,6 +76,6 @@ def fused_params_config(fused_params: Mapping[str, Any] | None) -> FusedOptimize
             )
         return None
     name = _optimizer_name(optimizer)
-    if name in ("adam", "row_wise_adam", "lamb", "row_wise_lamb"):
+    if any(key == "exp_avg" for key, _ in optimizer_spec(name).states):  # Adam, LAMB: betas
         values["betas"] = (float(betas[0]), float(betas[1]))
     return FusedOptimizerConfig(name=name, **{**FBGEMM_DEFAULTS, **values})
