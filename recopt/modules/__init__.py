@@ -12,6 +12,7 @@ from recopt.modules.embedding import EmbeddingCollection
 from recopt.modules.embedding_bag import EmbeddingBagCollection
 from recopt.modules.fused import EmbeddingFusedOptimizer, FusedEmbeddingBagCollection
 from recopt.modules.fused_embedding import FusedEmbeddingCollection
+from recopt.modules.id_map import IdMapConfig
 from recopt.modules.inputs import InvalidIdError, NonFiniteWeightError
 from recopt.modules.torch_optimizers import fuse_embedding_optimizer, fused_config
 
@@ -25,6 +26,7 @@ __all__ = [
     "FusedEmbeddingBagCollection",
     "FusedEmbeddingCollection",
     "FusedOptimizerConfig",
+    "IdMapConfig",
     "InvalidIdError",
     "NonFiniteWeightError",
     "PoolingType",
