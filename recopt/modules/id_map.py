@@ -10,7 +10,6 @@ Legend: N rows, U distinct ids of a batch, M ids of a batch, C candidate slots.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -152,9 +151,8 @@ class IdMap(nn.Module):
             self.register_buffer(
                 "candidate_count", torch.zeros(slots, dtype=torch.int64, device=device)
             )
-        self._index: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._index: dict[str, tuple[tuple[int, int], torch.Tensor, torch.Tensor]] = {}
         self.last_stats = RemapStats()
-        self.register_load_state_dict_post_hook(_drop_index)
 
     def _register_slots(self, prefix: str, size: int, device: torch.device | str | None) -> None:
         ids_name = "row_ids" if not prefix else f"{prefix}ids"
@@ -172,14 +170,22 @@ class IdMap(nn.Module):
         return value
 
     def _find(self, which: str, ids_U: torch.Tensor) -> torch.Tensor:
-        """The slot of each of ``ids_U`` in the row (``which`` "") or candidate table, or -1."""
-        if which not in self._index:
-            ids = self._buffer("row_ids" if not which else "candidate_ids")
-            used = self._buffer("occupied" if not which else "candidate_used")
+        """The slot of each of ``ids_U`` in the row (``which`` "") or candidate table, or -1.
+
+        A sorted copy of the live ids is kept between batches; it is rebuilt when the ids or
+        the occupancy changed in place (a remap, a state_dict load, a checkpoint's copy),
+        which torch's version counters of those buffers tell.
+        """
+        ids = self._buffer("row_ids" if not which else "candidate_ids")
+        used = self._buffer("occupied" if not which else "candidate_used")
+        stamp = (ids._version, used._version)
+        cached = self._index.get(which)
+        if cached is None or cached[0] != stamp:
             slots = used.nonzero().squeeze(1)
             keys, order = torch.sort(ids[slots])
-            self._index[which] = (keys, slots[order])
-        keys, slots = self._index[which]
+            cached = (stamp, keys, slots[order])
+            self._index[which] = cached
+        _, keys, slots = cached
         if keys.numel() == 0:
             return torch.full_like(ids_U, -1)
         pos = torch.searchsorted(keys, ids_U).clamp(max=keys.numel() - 1)
@@ -243,7 +249,6 @@ class IdMap(nn.Module):
             if stats.expired:
                 occupied &= ~expired_N
                 self._buffer("row_ids")[expired_N] = -1
-                self._index.pop("", None)
                 slot_U = self._find("", ids_U)
         known_U = slot_U >= 0
         self._count_known(slot_U[known_U], counts_U[known_U])
@@ -261,8 +266,6 @@ class IdMap(nn.Module):
         occupied[rows] = True
         last_seen[rows] = step
         self._buffer("frequency")[rows] = wanted_counts[: rows.numel()].to(torch.float64)
-        if rows.numel():
-            self._index.pop("", None)
         stats.new_ids = rows.numel()
         slot_U = self._find("", ids_U) if rows.numel() else slot_U
         stats.zero_row_ids = int((slot_U < 0).sum())
@@ -298,7 +301,6 @@ class IdMap(nn.Module):
         victims = rows[self._eviction_order(rows)[:need]]
         occupied[victims] = False
         self._buffer("row_ids")[victims] = -1
-        self._index.pop("", None)
         return torch.cat([free, victims]), victims.numel()
 
     def _eviction_order(self, rows: torch.Tensor) -> torch.Tensor:
@@ -344,11 +346,4 @@ class IdMap(nn.Module):
         count_C[spare] = total[placed]
         cand_seen[spare] = step
         used[spare] = True
-        self._index.pop("candidate_", None)
         return admitted
-
-
-def _drop_index(module: nn.Module, incompatible_keys: Any) -> None:
-    """After a state_dict load the sorted index is rebuilt from the loaded buffers."""
-    if isinstance(module, IdMap):
-        module._index.clear()

@@ -21,7 +21,7 @@ from recopt.kernels.config import PoolingType
 from recopt.kernels.registry import StateShape, optimizer_spec
 from recopt.modules.config import BaseEmbeddingConfig
 from recopt.modules.id_map import IdMap, Remapped
-from recopt.modules.inputs import FeatureLayout
+from recopt.modules.inputs import FeatureLayout, pending_id_check
 from recopt.sparse import KeyedJaggedTensor
 
 
@@ -38,8 +38,8 @@ class MappedBatch:
     lengths_before: torch.Tensor | None = None
 
 
-class IdMaps(nn.Module):
-    """The maps of a collection's id-mapped tables, by table name.
+class IdMaps(nn.ModuleDict):
+    """The maps of a collection's id-mapped tables, by table name (``id_maps.<table>.``).
 
     Args:
         tables: the collection's tables (those without ``id_map`` are left alone).
@@ -49,8 +49,7 @@ class IdMaps(nn.Module):
     def __init__(
         self, tables: Sequence[BaseEmbeddingConfig], device: torch.device | str | None
     ) -> None:
-        super().__init__()
-        self.maps = nn.ModuleDict(
+        super().__init__(
             {
                 t.name: IdMap(t.id_map, t.num_embeddings, device)
                 for t in tables
@@ -69,13 +68,13 @@ class IdMaps(nn.Module):
 
     def table_map(self, name: str) -> IdMap:
         """The map of table ``name``."""
-        idmap = self.maps[name]
+        idmap = self[name]
         assert isinstance(idmap, IdMap)
         return idmap
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Per table: the last training batch's occupancy, new ids, evictions, admissions."""
-        return {name: self.table_map(name).last_stats.as_dict() for name in self.maps}
+        return {name: self.table_map(name).last_stats.as_dict() for name in self}
 
     def remap(
         self, features: KeyedJaggedTensor, layout: FeatureLayout, training: bool
@@ -90,7 +89,7 @@ class IdMaps(nn.Module):
         rows = values.clone()
         dropped = torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
         batch = MappedBatch(features)
-        for name in self.maps:
+        for name in self:
             spans = [
                 (bounds[f], bounds[f + 1]) for f, t in enumerate(layout.table_names) if t == name
             ]
@@ -218,3 +217,52 @@ def hash_uniform(ids_K: torch.Tensor, step: int, dim: int) -> torch.Tensor:
     key = _mix(ids_K.to(torch.int64) * _GOLDEN + step)
     x = _mix(key.unsqueeze(1) + (column.unsqueeze(0) + 1) * _GOLDEN)
     return _shift_right(x, 11).to(torch.float64) / float(1 << 53)
+
+
+def prepare_mapped(
+    id_maps: IdMaps,
+    layout: FeatureLayout,
+    features: KeyedJaggedTensor,
+    is_weighted: bool,
+    weight_dtype: torch.dtype,
+    training: bool,
+) -> MappedBatch:
+    """`FeatureLayout.prepare` for a collection with id-mapped tables, then the remap.
+
+    The unmapped features' ids and every weight are checked first, so a bad input raises
+    before any map changes; the mapped features' raw ids need no check (any int64 is valid).
+    The caller re-initialises ``fresh`` rows before its lookup.
+
+    Raises:
+        As `FeatureLayout.prepare`.
+    """
+    features = layout.select(features, is_weighted, weight_dtype)
+    values, bounds = features.values(), features.offset_per_key()
+    masked = values.clone()
+    for f, name in enumerate(layout.table_names):
+        if name in id_maps:
+            masked[bounds[f] : bounds[f + 1]] = 0
+    pending_id_check(
+        masked,
+        features.length_per_key(),
+        layout.feature_names,
+        layout.table_names,
+        layout.num_rows,
+        features.weights_or_none(),
+    ).raise_if_bad()
+    return id_maps.remap(features, layout, training)
+
+
+def refuse_id_maps(tables: Sequence[BaseEmbeddingConfig], module: str) -> None:
+    """Raise if a table has ``id_map``: ``module`` (a collection) does not support it yet.
+
+    Raises:
+        ValueError: naming the tables and what to do instead.
+    """
+    mapped = [t.name for t in tables if t.id_map is not None]
+    if mapped:
+        raise ValueError(
+            f"tables {mapped} have id_map, which {module} does not support yet "
+            "(docs/id_map.md says what does); use the unsharded EmbeddingBagCollection or "
+            "FusedEmbeddingBagCollection for them, or drop id_map"
+        )

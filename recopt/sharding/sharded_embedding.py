@@ -33,6 +33,7 @@ from recopt.kernels.contract import Kernel
 from recopt.kernels.factory import create_kernel, rng_unchanged
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
+from recopt.modules.id_map_lookup import refuse_id_maps
 from recopt.modules.inputs import PendingCheck
 from recopt.modules.nonfinite import NonFiniteGradGuard, backward_if_given, finite_flag
 from recopt.modules.variable_batch import expand_rows, regular_batch
@@ -126,6 +127,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     ) -> None:
         super().__init__()
         validate_tables(tables, allow_shared_features=True)
+        refuse_id_maps(tables, "ShardedEmbeddingBagCollection")
         self.tables = list(tables)
         self.is_weighted = is_weighted
         self.device = torch.device(device if device is not None else "cpu")

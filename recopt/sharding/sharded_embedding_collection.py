@@ -20,6 +20,7 @@ from recopt.kernels.config import FusedOptimizerConfig
 from recopt.kernels.contract import Kernel
 from recopt.modules.config import EmbeddingConfig, validate_tables
 from recopt.modules.embedding import TableAccessors
+from recopt.modules.id_map_lookup import refuse_id_maps
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.unpooled import (
     lookup_bag_configs,
@@ -81,6 +82,7 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors
     ) -> None:
         super().__init__()
         validate_tables(tables, allow_shared_features=True, config_type=EmbeddingConfig)
+        refuse_id_maps(tables, "ShardedEmbeddingCollection")
         self.tables = list(tables)
         self._need_indices = need_indices
         engine = _OneIdBagShards(
