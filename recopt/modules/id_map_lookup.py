@@ -21,7 +21,7 @@ from recopt.kernels.config import PoolingType
 from recopt.kernels.registry import StateShape, optimizer_spec
 from recopt.modules.config import BaseEmbeddingConfig
 from recopt.modules.id_map import IdMap, Remapped
-from recopt.modules.inputs import FeatureLayout, pending_id_check
+from recopt.modules.inputs import FeatureLayout, PendingCheck, pending_id_check
 from recopt.sparse import KeyedJaggedTensor
 
 
@@ -84,37 +84,55 @@ class IdMaps(nn.ModuleDict):
         Every feature of a table shares its map: their ids are remapped together, as one step
         of the map. Ids that read the zero row are dropped from their bags.
         """
-        values = features.values()
-        bounds = features.offset_per_key()
-        rows = values.clone()
-        dropped = torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
-        batch = MappedBatch(features)
-        for name in self:
-            spans = [
-                (bounds[f], bounds[f + 1]) for f, t in enumerate(layout.table_names) if t == name
-            ]
-            ids = torch.cat([values[a:b] for a, b in spans])
-            result = self.table_map(name).remap(ids, training)
-            batch.fresh[name] = result
-            start = 0
-            for a, b in spans:
-                rows[a:b] = result.rows_M[start : start + b - a]
-                dropped[a:b] = result.rows_M[start : start + b - a] < 0
-                start += b - a
-        if not bool(dropped.any()):
-            batch.features = _with_values(features, rows, features.lengths(), None)
-            return batch
-        lengths = features.lengths()
-        bag_M = torch.repeat_interleave(
-            torch.arange(lengths.numel(), device=values.device), lengths, output_size=rows.numel()
-        )
-        kept = torch.zeros_like(lengths).index_add_(0, bag_M, (~dropped).to(lengths.dtype))
-        weights = features.weights_or_none()
-        batch.features = _with_values(
-            features, rows[~dropped], kept, None if weights is None else weights[~dropped]
-        )
-        batch.lengths_before = lengths
+        ids = table_ids(features, layout, list(self))
+        results = {name: self.table_map(name).remap(ids[name], training) for name in ids}
+        return apply_rows(features, layout, results)
+
+
+def _spans(features: KeyedJaggedTensor, layout: FeatureLayout, name: str) -> list[tuple[int, int]]:
+    bounds = features.offset_per_key()
+    return [(bounds[f], bounds[f + 1]) for f, t in enumerate(layout.table_names) if t == name]
+
+
+def table_ids(
+    features: KeyedJaggedTensor, layout: FeatureLayout, names: Sequence[str]
+) -> dict[str, torch.Tensor]:
+    """Per table of ``names``: the raw ids of all its features, feature after feature."""
+    values = features.values()
+    return {
+        name: torch.cat([values[a:b] for a, b in _spans(features, layout, name)]) for name in names
+    }
+
+
+def apply_rows(
+    features: KeyedJaggedTensor, layout: FeatureLayout, results: Mapping[str, Remapped]
+) -> MappedBatch:
+    """``features`` with each mapped table's ids replaced by ``results[table].rows_M``
+    (aligned with `table_ids`); ids of the zero row (-1) are dropped from their bags."""
+    values = features.values()
+    rows = values.clone()
+    dropped = torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
+    batch = MappedBatch(features, dict(results))
+    for name, result in results.items():
+        start = 0
+        for a, b in _spans(features, layout, name):
+            rows[a:b] = result.rows_M[start : start + b - a]
+            dropped[a:b] = result.rows_M[start : start + b - a] < 0
+            start += b - a
+    if not bool(dropped.any()):
+        batch.features = _with_values(features, rows, features.lengths(), None)
         return batch
+    lengths = features.lengths()
+    bag_M = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=values.device), lengths, output_size=rows.numel()
+    )
+    kept = torch.zeros_like(lengths).index_add_(0, bag_M, (~dropped).to(lengths.dtype))
+    weights = features.weights_or_none()
+    batch.features = _with_values(
+        features, rows[~dropped], kept, None if weights is None else weights[~dropped]
+    )
+    batch.lengths_before = lengths
+    return batch
 
 
 def _with_values(
@@ -237,20 +255,28 @@ def prepare_mapped(
         As `FeatureLayout.prepare`.
     """
     features = layout.select(features, is_weighted, weight_dtype)
+    unmapped_check(features, layout, list(id_maps)).raise_if_bad()
+    return id_maps.remap(features, layout, training)
+
+
+def unmapped_check(
+    features: KeyedJaggedTensor, layout: FeatureLayout, mapped: Sequence[str]
+) -> PendingCheck:
+    """The id check of the features of tables not in ``mapped`` and of every weight (the
+    mapped features' raw ids are all valid), its answer left on the device."""
     values, bounds = features.values(), features.offset_per_key()
     masked = values.clone()
     for f, name in enumerate(layout.table_names):
-        if name in id_maps:
+        if name in mapped:
             masked[bounds[f] : bounds[f + 1]] = 0
-    pending_id_check(
+    return pending_id_check(
         masked,
         features.length_per_key(),
         layout.feature_names,
         layout.table_names,
         layout.num_rows,
         features.weights_or_none(),
-    ).raise_if_bad()
-    return id_maps.remap(features, layout, training)
+    )
 
 
 def refuse_id_maps(tables: Sequence[BaseEmbeddingConfig], module: str) -> None:

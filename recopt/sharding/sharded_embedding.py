@@ -33,11 +33,12 @@ from recopt.kernels.contract import Kernel
 from recopt.kernels.factory import create_kernel, rng_unchanged
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
-from recopt.modules.id_map_lookup import refuse_id_maps
+from recopt.modules.id_map_lookup import MappedBatch, mean_scale
 from recopt.modules.inputs import PendingCheck
 from recopt.modules.nonfinite import NonFiniteGradGuard, backward_if_given, finite_flag
 from recopt.modules.variable_batch import expand_rows, regular_batch
 from recopt.optim.fused import FusedOptimizerModule
+from recopt.sharding.id_map_sharded import ShardedIdMaps
 from recopt.sharding.input_dist import (
     Bucketizer,
     KernelInput,
@@ -127,7 +128,6 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     ) -> None:
         super().__init__()
         validate_tables(tables, allow_shared_features=True)
-        refuse_id_maps(tables, "ShardedEmbeddingBagCollection")
         self.tables = list(tables)
         self.is_weighted = is_weighted
         self.device = torch.device(device if device is not None else "cpu")
@@ -182,6 +182,16 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._grad_guard = NonFiniteGradGuard(
             f"{type(self).__name__} (rank {self._rank})", " on this rank or another"
         )
+        self._id_maps: ShardedIdMaps | None = None
+        if any(t.id_map is not None for t in self.tables):
+            self._id_maps = ShardedIdMaps(
+                self.tables,
+                self._layout,
+                [*self._mp_kernels, *self._dp_kernels],
+                self._pg,
+                self.device,
+                timeout,
+            )
 
     def _kernel_request(self, group: GroupLayout) -> KernelRequest:
         specs = []
@@ -284,12 +294,21 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         check: PendingCheck | None = None
         error: ValueError | None = None
         index_F_B: Tensor | None = None
+        mapped: MappedBatch | None = None
         try:
             features, index_F_B = regular_batch(features, self._layout.features.feature_names)
-            # The id check's answer rides in the count exchange: no read of its own.
-            prepared, check = self._layout.features.prepare_deferred(features, self.is_weighted)
+            if self._id_maps is not None:
+                mapped, prepared, check = self._id_maps.prepare(
+                    features, self._layout.features, self.is_weighted, self.training
+                )
+            else:
+                # The id check's answer rides in the count exchange: no read of its own.
+                prepared, check = self._layout.features.prepare_deferred(features, self.is_weighted)
         except ValueError as e:
             error = e
+            if self._id_maps is not None and mapped is None and prepared is None:
+                # the other ranks' id gather needs this rank
+                self._id_maps.prepare(None, self._layout.features, self.is_weighted, self.training)
         received = distribute_input(
             prepared, error, self._bucketizer, self.is_weighted, self._pg, self._rank, check
         )
@@ -327,6 +346,9 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         )
         mp_recv, dp_own = OutputExchange.apply(mp_send, dp_global, self._dummy, meta)
         pooled = self._output.assemble(mp_recv, dp_own, prepared)
+        if mapped is not None:
+            poolings = [self.tables[t].pooling for t in self._layout.features.feature_table]
+            pooled = mean_scale(pooled, mapped, self._layout.features, poolings)
         if index_F_B is not None:
             pooled = expand_rows(pooled, self._layout.features.dims, index_F_B)
         self._record("output_dist", start)
@@ -335,6 +357,11 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             length_per_key=self._layout.features.dims,
             values=pooled,
         )
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per id-mapped table: occupancy, new ids, evictions, admissions of the last step
+        (the same on every rank: each steps a replica of the map with the global batch)."""
+        return {} if self._id_maps is None else self._id_maps.maps.stats()
 
     def _record(self, phase: str, start: float) -> float:
         now = time.perf_counter()
@@ -439,6 +466,8 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     ) -> None:
         for name, value in self._state.weights.items():
             destination[prefix + name] = value
+        if self._id_maps is not None:
+            self._id_maps.save(destination, prefix)
 
     def _load_from_state_dict(
         self,
@@ -451,9 +480,14 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         error_msgs: list[str],
     ) -> None:
         own = set(self._state.weights)
+        maps = self._id_maps
         for key in state_dict:
-            if key.startswith(prefix) and key[len(prefix) :] not in own:
-                unexpected_keys.append(key)
+            name = key[len(prefix) :]
+            if key.startswith(prefix) and name not in own:
+                if maps is None or not maps.owns(name):
+                    unexpected_keys.append(key)
+        if maps is not None:
+            maps.load(state_dict, prefix, missing_keys)
         for name in self._state.weights:
             if prefix + name not in state_dict:
                 missing_keys.append(prefix + name)
