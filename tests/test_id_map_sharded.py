@@ -3,11 +3,13 @@
 At 2 and 3 ranks (one spawned gloo group each, every case in a loop): forward outputs,
 then after training steps every weight, optimizer state and map buffer equals an unsharded
 FusedEmbeddingBagCollection fed the ranks' batches concatenated (the maps evict, expire and
-admit on the way); a bad id of an unmapped table raises on every rank and moves no map.
+admit on the way); a bad id of an unmapped table raises on every rank and moves no map; a
+DistributedModelParallel checkpoint saved under one plan resumes under another.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -124,6 +126,10 @@ def _run_case(kind: str, optimizer: str, rank: int, world: int) -> None:
         torch.testing.assert_close(
             full_tensor(state[key]), value, atol=1e-5, rtol=1e-5, msg=f"{kind}/{optimizer} {key}"
         )
+    again = ShardedEmbeddingBagCollection(TABLES, plan, optimizer=config)
+    again.load_state_dict(ref_state)  # an unsharded state, maps included, into the shards
+    for key, value in ref_state.items():
+        assert torch.equal(full_tensor(again.state_dict()[key]).to(value.dtype), value), key
     got_opt = sharded.fused_optimizer.state_dict()["state"]
     for param, states in ref.fused_optimizer.state_dict()["state"].items():
         for name, value in states.items():
@@ -152,7 +158,61 @@ def _bad_input_case(rank: int, world: int) -> None:
     assert int(sharded.state_dict()["id_maps.t1.step"]) == 1
 
 
-def _all_cases(rank: int, world: int) -> list[str]:
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        config = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.05)
+        self.sparse = FusedEmbeddingBagCollection(TABLES, optimizer=config)
+        self.dense = torch.nn.Linear(24, 1)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.dense(self.sparse(kjt).values()).square().sum()
+
+
+def _dmp(kind: str, world: int) -> tuple[Any, torch.optim.Optimizer]:
+    from recopt.sharding import ShardingPlan
+    from recopt.sharding.model_parallel import DistributedModelParallel
+
+    plan = ShardingPlan(
+        {"sparse": construct_module_sharding_plan(TABLES, _requests(kind, world), world)}
+    )
+    dmp = DistributedModelParallel(_Model(), plan)
+    return dmp, torch.optim.SGD([p for _, p in dmp.named_parameters()], lr=0.01)
+
+
+def _train(dmp: Any, dense: torch.optim.Optimizer, rank: int, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = dmp(_kjt(_bags(rank, step)))
+        dense.zero_grad()
+        loss.backward()
+        dense.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _checkpoint_case(rank: int, world: int, root: str) -> None:
+    """DMP: save under one plan, load under another; the run goes on as without the stop."""
+    from recopt.checkpoint import load, save
+    from recopt.sharding.state import full_tensor
+
+    dmp, dense = _dmp("row_wise", world)
+    _train(dmp, dense, rank, range(3))
+    save(Path(root) / "ck", dmp, {"fused": dmp.fused_optimizer, "dense": dense}, step=3)
+    straight = _train(dmp, dense, rank, range(3, STEPS))
+    other, other_dense = _dmp("table_wise", world)
+    load(Path(root) / "ck", other, {"fused": other.fused_optimizer, "dense": other_dense})
+    resumed = _train(other, other_dense, rank, range(3, STEPS))
+    torch.testing.assert_close(resumed, straight, rtol=1e-5, atol=1e-6)
+    mine = {k: full_tensor(v) for k, v in dmp.state_dict().items()}
+    theirs = {k: full_tensor(v) for k, v in other.state_dict().items()}
+    assert sorted(mine) == sorted(theirs) and "sparse.id_maps.t1.row_ids" in mine
+    for key, value in mine.items():
+        torch.testing.assert_close(theirs[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _all_cases(rank: int, world: int, root: str) -> list[str]:
     done = []
     for i, kind in enumerate(KINDS):
         for optimizer in (OPTIMIZERS[i % len(OPTIMIZERS)], OPTIMIZERS[(i + 1) % len(OPTIMIZERS)]):
@@ -160,10 +220,12 @@ def _all_cases(rank: int, world: int) -> list[str]:
             done.append(f"{kind}/{optimizer}")
     _bad_input_case(rank, world)
     done.append("bad input")
+    _checkpoint_case(rank, world, root)
+    done.append("checkpoint")
     return done
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_sharded_id_maps_equal_unsharded(world: int) -> None:
-    results = run_on_ranks(_all_cases, world, timeout_s=900.0)
-    assert all(r == results[0] for r in results) and len(results[0]) == 2 * len(KINDS) + 1
+def test_sharded_id_maps_equal_unsharded(world: int, tmp_path: Path) -> None:
+    results = run_on_ranks(_all_cases, world, str(tmp_path), timeout_s=900.0)
+    assert all(r == results[0] for r in results) and len(results[0]) == 2 * len(KINDS) + 2
