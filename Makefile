@@ -10,7 +10,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: here this takes the CPU build; an unpinned torch pulls CUDA wheels.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,plot]'
+	$(PY) -m pip install --quiet -e '.[test,plot,tensorboard]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -80,6 +80,8 @@ _ALLOWED_IMPORTS: dict[str, set[str]] = {
         "config",
         "progress",
     },
+    # TorchRec's import paths over recopt (adapters only): nothing in recopt imports it.
+    "torchrec": {"modules", "models", "kernels", "optim", "sparse", "sharding"},
     "ft": {
         "comm",
         "checkpoint",

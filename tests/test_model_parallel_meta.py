@@ -72,3 +72,29 @@ def test_meta_embedding_collection_is_materialised_by_dmp() -> None:
     weight = results[0]["weight"]
     assert torch.equal(weight, results[1]["weight"]) and weight.shape == (16, 4)
     assert 0 < float(weight.abs().max()) <= math.sqrt(1.0 / 16)
+
+
+def _replica_after_row_wise(rank: int, world: int) -> torch.Tensor:
+    from recopt.sharding import (
+        ShardingPlan,
+        construct_module_sharding_plan,
+        data_parallel,
+        row_wise,
+    )
+
+    tables = [
+        EmbeddingBagConfig(name="a", num_embeddings=17, embedding_dim=4, feature_names=["fa"]),
+        EmbeddingBagConfig(name="b", num_embeddings=9, embedding_dim=4, feature_names=["fb"]),
+    ]
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables, device="meta")
+    per_table = {"a": row_wise(), "b": data_parallel()}
+    plan = ShardingPlan({"": construct_module_sharding_plan(tables, per_table, world)})
+    dmp = DistributedModelParallel(ebc, plan=plan)
+    return full_tensor(dmp.state_dict()["embedding_bags.b.weight"]).clone()
+
+
+def test_meta_data_parallel_replicas_start_equal() -> None:
+    # Each rank draws its row-wise shard of `a` (9 or 8 rows) before the replica of `b`.
+    first, second = run_on_ranks(_replica_after_row_wise, 2, timeout_s=120)
+    assert torch.equal(first, second) and float(first.abs().max()) > 0

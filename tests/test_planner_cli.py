@@ -205,3 +205,49 @@ def test_calibrate_writes_a_topology_the_cli_reads_back(
     assert values["kernel_seconds_per_id"]["adam/recopt"] > 0.0
     assert main([str(EXAMPLE), "--world-size", "4", "--topology", str(topo_file)]) == 0
     assert "estimated step" in capsys.readouterr().out
+
+
+BIG_TABLE = TABLE.replace("num_embeddings = 10", "num_embeddings = 40000000").replace(
+    "embedding_dim = 4", "embedding_dim = 64"
+)  # 9.5 GiB with its optimizer state: more than two ranks of the default 4 GiB
+
+
+@pytest.mark.parametrize(
+    ("planner", "topology", "source"),
+    [
+        ("", None, "the default ddr_bytes: no [planner] ddr_bytes in"),
+        ("[planner]\nddr_bytes = 4294967296\n", None, "[planner] ddr_bytes of"),
+        ("", "ddr_bytes = 4294967296\n", "ddr_bytes of --topology"),
+        ("", 'device = "cuda"\nhbm_bytes = 4294967296\n', "hbm_bytes of --topology"),
+    ],
+)
+def test_cli_out_of_memory_names_the_setting_and_where_it_came_from(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    planner: str,
+    topology: str | None,
+    source: str,
+) -> None:
+    argv = [_write(tmp_path, BIG_TABLE + planner), "--world-size", "2"]
+    if topology is not None:
+        (tmp_path / "topo.toml").write_text(topology)
+        argv += ["--topology", str(tmp_path / "topo.toml")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    key = "hbm_bytes" if "cuda" in (topology or "") else "ddr_bytes"
+    assert f"ranks of 4.00 GiB each ({source}" in err
+    assert f"set it in the config's [planner] section ({key} = <bytes per rank>" in err
+    # The root module is called as the stats table calls it, never ''.
+    assert "'t' (module (root))" in err and "(module '')" not in err
+
+
+def test_cli_root_module_is_root_in_table_and_messages(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([_write(tmp_path, TABLE), "--world-size", "1"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("t "))
+    assert row.split()[1] == "(root)"
+    constrained = TABLE + "[planner.constraints.t]\nsharding_types = ['row_wise']\n"
+    constrained += "optimizer = {name = 'adafactor'}\n"  # table-wise or data-parallel only
+    assert main([_write(tmp_path, constrained), "--world-size", "2"]) == 1
+    assert "table 't' (module (root))" in capsys.readouterr().err

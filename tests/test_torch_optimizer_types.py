@@ -148,7 +148,9 @@ def test_in_backward_optimizer_filter() -> None:
     _apply_optimizer_in_backward(
         torch.optim.SGD, ebc.embedding_bags["t0"].parameters(), optimizer_kwargs={"lr": 1.0}
     )
-    inside = dict(in_backward_optimizer_filter(ebc.named_parameters()))
+    inside = dict(in_backward_optimizer_filter(ebc.named_parameters(), include=True))
     outside = dict(in_backward_optimizer_filter(ebc.named_parameters(), include=False))
     assert set(inside) == {"embedding_bags.t0.weight"}
     assert set(outside) == {"embedding_bags.t1.weight"}
+    # TorchRec's default: the parameters without an in-backward optimizer (the dense ones).
+    assert dict(in_backward_optimizer_filter(ebc.named_parameters())) == outside

@@ -46,6 +46,9 @@ def test_swap_imports_points_at_the_shim() -> None:
 
 def test_categories() -> None:
     assert torchrec_parity.category("test_keyed_tensor.py::TestKeyedTensor::test_pytree") == (
+        "public"  # the sparse types are registered with pytree, as TorchRec's
+    )
+    assert torchrec_parity.category("test_x.py::TestJaggedTensorTracing::test_a") == (
         "torchscript/fx"
     )
     assert torchrec_parity.category("test_x.py::TestKeyedTensorRegroupOp::test_a") == "internal"
@@ -53,6 +56,15 @@ def test_categories() -> None:
         "public"
     )
     assert torchrec_parity.category("test_keyed.py::TestKeyedOptimizer::test_load") == "public"
+    assert torchrec_parity.category("test_x.py::TestComputeKJTToJTDict::test_a") == "public"
+
+
+def test_shim_serves_recopt_torchrec_first() -> None:
+    assert torchrec_parity.recopt_module("optim.keyed") == "recopt.torchrec.optim.keyed"
+    assert torchrec_parity.recopt_module("no_such_module") is None
+    assert "recopt.torchrec.sparse.jagged_tensor" in torchrec_parity.shim_text(
+        "sparse.jagged_tensor"
+    )
 
 
 def test_a_stand_in_checkout_runs_and_is_counted(tmp_path: pathlib.Path) -> None:

@@ -15,6 +15,7 @@ from dlrm_config import TrainingConfig
 from torch import nn
 
 from recopt.data import CriteoClickLog, SyntheticClickLog
+from recopt.data.criteo import NUM_SPARSE
 from recopt.models import DLRM
 from recopt.modules import FusedEmbeddingBagCollection
 from recopt.optim import (
@@ -167,6 +168,22 @@ def feature_sizes(config: TrainingConfig) -> list[tuple[str, int]]:
     return [(f, t.num_embeddings) for t in config.embedding.tables for f in t.feature_names]
 
 
+def check_criteo_features(features: list[tuple[str, int]]) -> None:
+    """Criteo needs one feature (and table) per categorical column: say which config has them.
+
+    Raises:
+        ValueError: naming the count, the 26-table config and how to use it.
+    """
+    if len(features) != NUM_SPARSE:
+        raise ValueError(
+            f"data.source is 'criteo', whose files have {NUM_SPARSE} categorical columns, but "
+            f"the config's embedding.tables look up {len(features)} features; start from the "
+            "26-table config: --config configs/dlrm_criteo_shape.toml (26 tables of 100k "
+            "rows, dim 64: about 650 MB a checkpoint), or give one feature per column in "
+            "embedding.tables"
+        )
+
+
 def build_data(
     config: TrainingConfig, env: RunEnv, split: str
 ) -> SyntheticClickLog | CriteoClickLog:
@@ -183,6 +200,7 @@ def build_data(
             split=split,
             num_batches=None if split == "train" else data.val_batches,
         )
+    check_criteo_features(features)
     paths = data.criteo.train_paths if split == "train" else data.criteo.val_paths
     return CriteoClickLog(
         paths,

@@ -2,7 +2,9 @@
 
 Only rank 0 reports. The bar redraws in place on a terminal and otherwise prints one plain
 line per update, which the trainer makes every ``log_every`` steps (logs of batch jobs stay
-readable; recopt.progress.ProgressLine); matplotlib is optional.
+readable; recopt.progress.ProgressLine); matplotlib is optional. When ``tensorboard`` is
+installed (``pip install 'recopt[tensorboard]'``) the metrics log writes every record as
+TensorBoard scalars too, under ``<output_dir>/tensorboard``.
 """
 
 from __future__ import annotations
@@ -59,26 +61,55 @@ class ProgressBar:
         self._line.close()
 
 
+TENSORBOARD_DIR = "tensorboard"
+
+
 class MetricsLog:
     """Appends one JSON object per record to ``path`` and keeps them for the final plot.
 
+    With ``tensorboard`` installed, each record's values are also TensorBoard scalars
+    ``<split>/<name>`` (``train/loss``, ``val/auc``) at its step, in ``TENSORBOARD_DIR``
+    beside ``path`` (a resumed run adds an events file there; TensorBoard joins them).
+
     Args:
         path: the ``.jsonl`` file (appended to, so a resumed run continues it).
+        tensorboard: also write TensorBoard events when the package is installed.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, tensorboard: bool = True) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path = path
         self.records: list[dict[str, Any]] = []
         self._start = time.time()
+        events_dir = os.path.join(os.path.dirname(path) or ".", TENSORBOARD_DIR)
+        self.events: Any = _event_writer(events_dir) if tensorboard else None
 
     def write(self, step: int, split: str, values: dict[str, float]) -> None:
-        """Writes ``{"step", "split", "time_s", **values}``."""
+        """Writes ``{"step", "split", "time_s", **values}`` (and the values as scalars)."""
         record = {"step": step, "split": split, "time_s": round(time.time() - self._start, 3)}
         record.update({k: float(v) for k, v in values.items()})
         self.records.append(record)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        if self.events is not None:
+            for name, value in values.items():
+                self.events.add_scalar(f"{split}/{name}", float(value), step)
+            self.events.flush()  # readable at once, as the JSONL is
+
+    def close(self) -> None:
+        """Closes the TensorBoard events file (the JSONL is closed after every write)."""
+        if self.events is not None:
+            self.events.close()
+            self.events = None
+
+
+def _event_writer(directory: str) -> Any:
+    """torch's TensorBoard ``SummaryWriter`` on ``directory``, or None without tensorboard."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # the optional extra is not installed
+        return None
+    return SummaryWriter(log_dir=directory)
 
 
 def plot_curves(records: list[dict[str, Any]], path: str) -> str | None:

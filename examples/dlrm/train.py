@@ -128,6 +128,13 @@ class Trainer:
         out = config.training.output_dir
         self.log = MetricsLog(os.path.join(out, "metrics.jsonl")) if env.is_main else None
         self.bar = ProgressBar(config.training.steps) if env.is_main else None
+        data = config.data
+        if data.source == "criteo" and not data.criteo.val_paths and data.val_batches:
+            self._say(
+                "data.criteo.val_paths is empty: this run validates nothing; give held-out "
+                "files (--set 'data.criteo.val_paths=[\"day_23.tsv\"]') to validate, or set "
+                "data.val_batches=0 to say that none is wanted"
+            )
         # PLUG-IN (checkpoints): atomic step_<N> directories, the newest `keep` kept.
         ckpt = config.checkpoint
         self.checkpoints = CheckpointManager(
@@ -373,6 +380,8 @@ def train(
         trainer.finish()
     finally:
         trainer.checkpoints.close()
+        if trainer.log is not None:
+            trainer.log.close()
         if trainer.ft is not None:
             trainer.ft.shutdown()
     return result

@@ -1,9 +1,13 @@
-"""A TorchRec-style training loop on recopt: TorchRec code with only its imports changed.
+"""A TorchRec training script run on recopt: TorchRec code in which ``torchrec`` became
+``recopt.torchrec`` (``sed 's/\\btorchrec\\b/recopt.torchrec/g'``) and nothing else.
 
 A click model over pooled user features (EmbeddingBagCollection) and an unpooled item history
-(EmbeddingCollection), sharded by DistributedModelParallel under the planner's plan, trained
-with a CombinedOptimizer of the fused embedding optimizer and a dense Adam. Run on one process
-(``python examples/torchrec_style/train.py``) or ``torchrun --nproc-per-node 2 ...`` (gloo).
+(EmbeddingCollection), built on the meta device; the user tables get row-wise Adagrad through
+``apply_optimizer_in_backward``, the item table Adagrad through its sharder's
+``fused_params``; the planner plans under per-table constraints; DistributedModelParallel
+shards; a CombinedOptimizer of the fused optimizer and a dense Adam trains; a DCP checkpoint
+is saved and loaded back. Run on one process (``python examples/torchrec_style/train.py``) or
+``torchrun --nproc-per-node 2 examples/torchrec_style/train.py`` (gloo).
 """
 
 from __future__ import annotations
@@ -14,20 +18,31 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 
-# With TorchRec these would be: torchrec (configs, collections, KeyedJaggedTensor),
-# torchrec.distributed (DistributedModelParallel), torchrec.optim.keyed (the optimizers).
-from recopt.kernels.config import FusedOptimizerConfig
-from recopt.modules import (
+from recopt.torchrec import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     EmbeddingCollection,
     EmbeddingConfig,
+    JaggedTensor,
+    KeyedJaggedTensor,
 )
-from recopt.optim import CombinedOptimizer, KeyedOptimizerWrapper
-from recopt.sharding import DistributedModelParallel
-from recopt.sparse import JaggedTensor, KeyedJaggedTensor
+from recopt.torchrec.distributed import DistributedModelParallel
+from recopt.torchrec.distributed.embedding import EmbeddingCollectionSharder
+from recopt.torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from recopt.torchrec.distributed.planner import (
+    EmbeddingShardingPlanner,
+    ParameterConstraints,
+    Topology,
+)
+from recopt.torchrec.distributed.types import ShardingType
+from recopt.torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from recopt.torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from recopt.torchrec.optim.optimizers import in_backward_optimizer_filter
+from recopt.torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 NUM_USERS, NUM_CATEGORIES, NUM_ITEMS = 500, 20, 200
 DIM = 16
@@ -109,19 +124,50 @@ def sample_batch(
     return features, labels
 
 
-def train(steps: int, batch_size: int, seed: int, log_every: int) -> list[float]:
-    """Train for ``steps`` on this rank's batches; returns this rank's losses."""
-    rank = dist.get_rank()
+def build(seed: int) -> tuple[DistributedModelParallel, CombinedOptimizer]:
+    """The sharded model and its optimizer, as a TorchRec tutorial builds them."""
     torch.manual_seed(seed)  # the same initial model on every rank
-    taste = torch.randn(NUM_ITEMS, generator=torch.Generator().manual_seed(seed))
+    model = HistoryClickModel(device=torch.device("meta"))
+    apply_optimizer_in_backward(RowWiseAdagrad, model.user_features.parameters(), {"lr": 0.1})
+    sharders = [
+        EmbeddingBagCollectionSharder(),
+        EmbeddingCollectionSharder(
+            fused_params={"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.1}
+        ),
+    ]
+    constraints = {
+        "user": ParameterConstraints(
+            sharding_types=[ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value]
+        ),
+        "category": ParameterConstraints(sharding_types=[ShardingType.DATA_PARALLEL.value]),
+        "item": ParameterConstraints(
+            sharding_types=[ShardingType.TABLE_WISE.value], pooling_factors=[4.0, 1.0]
+        ),
+    }
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
+        constraints=constraints,
+    )
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     model = DistributedModelParallel(
-        HistoryClickModel(),
-        default_optimizer=FusedOptimizerConfig(name="row_wise_adagrad", lr=0.1),
+        model, device=torch.device("cpu"), plan=plan, sharders=sharders
     )
     dense_optimizer = KeyedOptimizerWrapper(
-        dict(model.named_parameters()), lambda params: torch.optim.Adam(params, lr=0.01)
+        dict(in_backward_optimizer_filter(model.named_parameters())),
+        lambda params: torch.optim.Adam(params, lr=0.01),
     )
-    optimizer = CombinedOptimizer([model.fused_optimizer, dense_optimizer])
+    return model, CombinedOptimizer([model.fused_optimizer, dense_optimizer])
+
+
+def train(
+    steps: int, batch_size: int, seed: int, log_every: int, checkpoint_dir: str | None = None
+) -> list[float]:
+    """Train for ``steps`` on this rank's batches, then save a DCP checkpoint to
+    ``checkpoint_dir`` (if given), take one more step and load it back; returns the losses
+    (the last two: a fixed batch's loss at the save and after the load, equal)."""
+    rank = dist.get_rank()
+    taste = torch.randn(NUM_ITEMS, generator=torch.Generator().manual_seed(seed))
+    model, optimizer = build(seed)
     loss_fn = nn.BCEWithLogitsLoss()
     generator = torch.Generator().manual_seed(seed + 1 + rank)
     losses = []
@@ -134,7 +180,39 @@ def train(steps: int, batch_size: int, seed: int, log_every: int) -> list[float]
         losses.append(float(loss.detach()))
         if rank == 0 and (step % log_every == 0 or step == steps - 1):
             print(f"step {step} loss {losses[-1]:.4f}", flush=True)
+    if checkpoint_dir is not None:
+        losses += save_and_restore(model, optimizer, checkpoint_dir, taste, generator)
     return losses
+
+
+def save_and_restore(
+    model: DistributedModelParallel,
+    optimizer: CombinedOptimizer,
+    checkpoint_dir: str,
+    taste: torch.Tensor,
+    generator: torch.Generator,
+) -> list[float]:
+    """Save model and optimizer with DCP, train one step, load: the model is back."""
+    features, labels = sample_batch(64, taste, generator)
+    loss_fn = nn.BCEWithLogitsLoss()
+    with torch.no_grad():
+        saved_loss = float(loss_fn(model(features), labels))
+    dcp.save(
+        {"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=checkpoint_dir
+    )
+    loss = loss_fn(model(features), labels)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    dcp.load(state, checkpoint_id=checkpoint_dir)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optim"])
+    with torch.no_grad():
+        restored_loss = float(loss_fn(model(features), labels))
+    if dist.get_rank() == 0:
+        print(f"checkpoint loss {saved_loss:.6f} restored {restored_loss:.6f}", flush=True)
+    return [saved_loss, restored_loss]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--checkpoint-dir", help="DCP checkpoint folder, the same on every rank")
     args = parser.parse_args(argv)
     started = not dist.is_initialized()
     if started and "WORLD_SIZE" in os.environ:  # torchrun
@@ -152,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         store = os.path.join(tempfile.mkdtemp(prefix="recopt-example-"), "store")
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
-        train(args.steps, args.batch_size, args.seed, args.log_every)
+        train(args.steps, args.batch_size, args.seed, args.log_every, args.checkpoint_dir)
     finally:
         if started:
             dist.destroy_process_group()

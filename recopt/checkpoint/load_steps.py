@@ -192,8 +192,12 @@ def apply_trees(
     rank_state: dict[str, Any] | None,
     restore_rng_state: bool,
     undo: list[Callable[[], None]],
+    rng_note: str = "",
 ) -> dict[str, Any]:
-    """Load the decoded trees into live objects, recording in ``undo`` how to take it back."""
+    """Load the decoded trees into live objects, recording in ``undo`` how to take it back.
+
+    ``rng_note`` says why a rank may lack saved RNG state (the world sizes), for the warning.
+    """
     model.load_state_dict(decoded["model"])
     if optimizer is not None:
         pairs = (
@@ -211,7 +215,10 @@ def apply_trees(
             obj.load_state_dict(extras[name])
     if restore_rng_state:
         if rank_state is None:
-            logger.warning("no saved RNG state for this rank (the world size grew); kept")
+            logger.warning(
+                "the checkpoint holds no RNG state for this rank (%s): it keeps its own generators",
+                rng_note or "it was saved at another world size",
+            )
         else:
             undo.append(functools.partial(restore_rng, capture_rng()))
             restore_rng(rank_state["rng"])

@@ -72,8 +72,9 @@ class CheckpointManager:
                 raise CheckpointError(
                     f"{self.root} holds checkpoints of another run (steps "
                     f"{[step for step, _ in found]}); a new run would rotate them away or "
-                    "overwrite them. Pass resume=True to continue from them (--resume), "
-                    "overwrite=True to replace them, or use another directory"
+                    "overwrite them. To continue from them pass resume=True (the DLRM "
+                    "script: --resume); to replace them pass overwrite=True (the DLRM script: "
+                    "--overwrite-checkpoints); or use another directory"
                 )
         except BaseException:
             self.close()

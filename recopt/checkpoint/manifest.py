@@ -122,7 +122,10 @@ class Manifest:
                 recopt_version=body["recopt_version"],
                 torch_version=body["torch_version"],
             )
+            _check_fields(manifest, where)
             check_sizes(manifest, where)
+            for name in manifest.files:
+                plain_file_name(name, where)
         except (KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{where} is malformed ({type(e).__name__}: {e})") from e
         return manifest
@@ -130,6 +133,37 @@ class Manifest:
     def write(self, directory: Path) -> None:
         """Write ``manifest.json`` into ``directory`` and flush it to disk."""
         write_durably(directory / MANIFEST_NAME, self.to_json().encode())
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_fields(manifest: Manifest, where: str) -> None:
+    """The manifest's scalar fields and file entries have the types recopt writes.
+
+    Raises:
+        CheckpointError: naming the first field of a wrong type or value.
+    """
+    checks = [
+        ("world_size", _is_int(manifest.world_size) and manifest.world_size >= 1),
+        ("step", manifest.step is None or _is_int(manifest.step)),
+        ("plan", manifest.plan is None or isinstance(manifest.plan, str)),
+        ("finite", manifest.finite is None or isinstance(manifest.finite, bool)),
+        ("recopt_version", isinstance(manifest.recopt_version, str)),
+        ("torch_version", isinstance(manifest.torch_version, str)),
+    ]
+    checks += [
+        (f"files[{name!r}]", _is_int(e.size) and e.size >= 0 and isinstance(e.crc32, str))
+        for name, e in manifest.files.items()
+    ]
+    for field_name, ok in checks:
+        if not ok:
+            value = getattr(manifest, field_name, None) if "[" not in field_name else "entry"
+            raise CheckpointError(
+                f"{where}: field {field_name} ({value!r}) is not of the type recopt writes; "
+                "the manifest is forged or damaged: use another checkpoint"
+            )
 
 
 def tensor_bytes(entry: TensorEntry) -> int:
@@ -171,6 +205,45 @@ def check_sizes(manifest: Manifest, where: str = MANIFEST_NAME) -> None:
         )
 
 
+def plain_file_name(name: object, where: str) -> str:
+    """``name`` if it is a plain file name (a checkpoint is one flat folder), else raise.
+
+    Raises:
+        CheckpointError: ``name`` is not a str, is empty, ``.``/``..``, absolute, or holds a
+            path separator or NUL (it would name a file outside the checkpoint folder).
+    """
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or any(c in name for c in "/\\\0")
+        or os.path.isabs(name)
+    ):
+        raise CheckpointError(
+            f"{where} names the file {name!r}, which is not a plain file name inside the "
+            "checkpoint folder; refusing to read it (the checkpoint was forged or damaged)"
+        )
+    return name
+
+
+def checkpoint_file(directory: Path, name: object, where: str) -> Path:
+    """The file ``name`` of the checkpoint ``directory``, refused if it leaves the directory.
+
+    The name must be plain (`plain_file_name`), and the path it resolves to (symbolic links
+    followed) must still lie directly in ``directory`` (itself resolved).
+
+    Raises:
+        CheckpointError: naming the file, where it leads, and ``where`` it was named.
+    """
+    file = directory / plain_file_name(name, where)
+    target = file.resolve()
+    if target.parent != directory.resolve():
+        raise CheckpointError(
+            f"{file} (named in {where}) leads to {target}, outside the checkpoint folder "
+            f"{directory}; refusing to read it (replace the link with the file itself)"
+        )
+    return file
+
+
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Read and check the manifest of the checkpoint directory ``path``.
 
@@ -179,15 +252,32 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """
     file = Path(path) / MANIFEST_NAME
     try:
+        if file.is_symlink():
+            checkpoint_file(Path(path), MANIFEST_NAME, str(path))
         text = file.read_text(encoding="utf-8")
     except FileNotFoundError as e:
-        raise CheckpointError(
-            f"{file} does not exist: {path} is not a complete recopt checkpoint (an "
-            "interrupted save leaves only a '.partial' directory)"
-        ) from e
+        raise CheckpointError(_no_manifest(Path(path), file)) from e
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{file} is corrupt (not UTF-8): {e}") from e
     return Manifest.from_json(text, str(file))
+
+
+def _no_manifest(path: Path, file: Path) -> str:
+    """Why ``path`` has no manifest: a folder of checkpoints (listed), or no checkpoint."""
+    folders = sorted(p.parent.name for p in path.glob(f"*/{MANIFEST_NAME}"))
+    if folders:
+        older = f" (and {len(folders) - 5} older)" if len(folders) > 5 else ""
+        shown = ", ".join(folders[-5:]) + older
+        return (
+            f"{path} is a folder of checkpoints, not one checkpoint: it holds {shown}; give "
+            f"one of them, e.g. {path / folders[-1]} (the newest by name)"
+        )
+    if not path.is_dir():
+        return f"{path} does not exist or is not a directory: give a recopt checkpoint directory"
+    return (
+        f"{file} does not exist: {path} is not a complete recopt checkpoint (an "
+        "interrupted save leaves only a '.partial' directory)"
+    )
 
 
 def _crc_hex(data: bytes | memoryview) -> str:
@@ -216,7 +306,11 @@ def verify_files(directory: Path, manifest: Manifest, names: Iterable[str]) -> l
     problems = []
     for name in names:
         expected = manifest.files[name]
-        file = directory / name
+        try:
+            file = checkpoint_file(directory, name, str(directory / MANIFEST_NAME))
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
         if not file.is_file():
             problems.append(f"{file}: missing (expected {expected.size} bytes)")
             continue

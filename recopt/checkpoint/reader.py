@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from recopt.checkpoint.manifest import DCP_METADATA_NAME
+from recopt.checkpoint.manifest import DCP_METADATA_NAME, checkpoint_file
 from recopt.checkpoint.state import CheckpointError
 
 _ALLOWED_GLOBALS = {
@@ -107,7 +107,7 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is not None:
             return self._metadata
-        path = Path(self.path) / DCP_METADATA_NAME
+        path = checkpoint_file(Path(self.path), DCP_METADATA_NAME, str(self.path))
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):
@@ -121,7 +121,10 @@ class SafeFileSystemReader(FileSystemReader):
                 item
             )
         for relative_path, items in per_file.items():
-            with open(Path(self.path) / relative_path, "rb", buffering=0) as file:
+            where = str(Path(self.path) / DCP_METADATA_NAME)
+            with open(
+                checkpoint_file(Path(self.path), relative_path, where), "rb", buffering=0
+            ) as file:
                 for item in items:
                     info: _StorageInfo = self.storage_data[item.storage_index]
                     if info.transform_descriptors or item.type == LoadItemType.BYTE_IO:

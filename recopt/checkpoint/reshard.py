@@ -402,8 +402,9 @@ _SAFETENSORS_DTYPES = {
 def export_full(
     src: str | Path, dst: str | Path, *, progress: ProgressFn | None = None
 ) -> ReshardReport:
-    """Export ``src`` as unsharded tensors: ``model.safetensors`` (the model's state dict keys)
-    and ``state.safetensors`` (optimizer and extra tensors, keyed by checkpoint path).
+    """Export ``src`` as unsharded tensors: ``model.safetensors`` (the model's tensors, tables
+    as ``<module>.<table>.weight``: `model_export_names`; `read_model_export` gives back the
+    state dict) and ``state.safetensors`` (optimizer and extra tensors, by checkpoint path).
 
     Raises:
         CheckpointError: ``src`` is damaged, ``dst`` exists, or a dtype safetensors lacks.
@@ -416,11 +417,11 @@ def export_full(
         "state.safetensors": [k for k in sorted(manifest.tensors) if not k.startswith("model/")],
     }
     for file_name, keys in groups.items():
-        names = {
-            k: k.removeprefix("model/") if file_name == "model.safetensors" else k for k in keys
-        }
+        names = model_export_names(keys) if file_name == "model.safetensors" else {}
+        renamed = {names[k]: k.removeprefix("model/") for k in keys if k in names}
+        names = {k: names.get(k, k) for k in keys}
         with open(partial / file_name, "wb") as out:
-            out.write(_safetensors_header(manifest, keys, names))
+            out.write(_safetensors_header(manifest, keys, names, renamed))
             for key in keys:
                 entry = manifest.tensors[key]
                 full = _read_tensor(reader, key, entry.shape, entry.dtype)
@@ -430,10 +431,52 @@ def export_full(
     return tally.report(None)
 
 
-def _safetensors_header(manifest: Manifest, keys: list[str], names: dict[str, str]) -> bytes:
-    header: dict[str, object] = {
-        "__metadata__": {"format": "pt", "source": "recopt", "step": str(manifest.step)}
-    }
+def model_export_names(keys: Iterable[str]) -> dict[str, str]:
+    """The ``model.safetensors`` name of each ``model/`` key.
+
+    A table's weight is named ``<module>.<table>.weight`` (``<table>.weight`` at the root):
+    the collection's own ``embedding_bags`` / ``embeddings`` dict is left out, so a DLRM's
+    ``embedding_bags.embedding_bags.t0.weight`` exports as ``embedding_bags.t0.weight``.
+    Other tensors keep their state-dict key; so does a table whose short name another
+    tensor already has.
+    """
+    names = {k: k.removeprefix("model/") for k in keys}
+    short: dict[str, str] = {}
+    for key in names:
+        table = _table_of(key)
+        if table is not None and _TABLE_FQN.fullmatch(key.removeprefix("model/")):
+            module, name = table
+            short[key] = f"{module}.{name}.weight" if module else f"{name}.weight"
+    taken = set(names.values())
+    for key, name in short.items():
+        if name not in taken and list(short.values()).count(name) == 1:
+            names[key] = name
+    return names
+
+
+def read_model_export(path: str | Path) -> dict[str, torch.Tensor]:
+    """The model's state dict from an export's ``model.safetensors``, keyed as the model's
+    ``state_dict()`` (ready for ``load_state_dict``), from this or an older recopt's export.
+
+    Args:
+        path: the export directory or its ``model.safetensors``.
+    """
+    from safetensors import safe_open
+
+    file = Path(path)
+    file = file / "model.safetensors" if file.is_dir() else file
+    with safe_open(str(file), "pt") as f:
+        renamed = json.loads((f.metadata() or {}).get("state_dict_keys", "{}"))
+        return {renamed.get(name, name): f.get_tensor(name) for name in f.keys()}
+
+
+def _safetensors_header(
+    manifest: Manifest, keys: list[str], names: dict[str, str], renamed: dict[str, str]
+) -> bytes:
+    metadata = {"format": "pt", "source": "recopt", "step": str(manifest.step)}
+    if renamed:  # export name -> state-dict key, for read_model_export
+        metadata["state_dict_keys"] = json.dumps(renamed, sort_keys=True)
+    header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for key in keys:
         entry = manifest.tensors[key]

@@ -54,6 +54,8 @@ from recopt.checkpoint.state import (
     TensorLike,
     archive_crc_off,
     capture_rng,
+    check_rank_state,
+    check_skeleton,
     dtype_name,
     encode_tree,
     optimizer_state_dict,
@@ -337,8 +339,12 @@ def load(
                     process_group=group.pg,
                     no_dist=group.pg is None,
                 )
+            note = (
+                f"rank {group.rank} of {group.world_size} now; the checkpoint (world size "
+                f"{manifest.world_size}) holds RNG states only of the ranks that saved it"
+            )
             return apply_trees(
-                decoded, model, optimizer, extra, rank_state, restore_rng_state, undo
+                decoded, model, optimizer, extra, rank_state, restore_rng_state, undo, note
             )
         except (Exception, CheckpointException) as e:
             # Tensors first: the saved optimizer state dicts below refer to them.
@@ -405,8 +411,22 @@ def _verify(directory: Path, group: _Group) -> tuple[Manifest, Any, dict[str, An
     mine = set(names[group.rank :: group.world_size]) | (needed & set(names))
     problems += verify_files(directory, manifest, sorted(mine))
     group.agree(problems, f"checkpoint {directory} failed verification")
-    skeleton = json.loads((directory / SKELETON_NAME).read_text())
-    rank_state = None
-    if own in manifest.files:
-        rank_state = json.loads((directory / own).read_text())
+    skeleton = rank_state = None
+    try:
+        skeleton = _read_json(directory / SKELETON_NAME)
+        check_skeleton(skeleton, str(directory / SKELETON_NAME))
+        if own in manifest.files:
+            rank_state = _read_json(directory / own)
+            check_rank_state(rank_state, str(directory / own))
+    except CheckpointError as e:
+        problems.append(str(e))
+    group.agree(problems, f"cannot load checkpoint {directory}")
     return manifest, skeleton, rank_state
+
+
+def _read_json(file: Path) -> Any:
+    """A JSON side file of a checkpoint (already verified against the manifest)."""
+    try:
+        return json.loads(file.read_bytes())
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError
+        raise CheckpointError(f"{file} is not JSON ({e}); the checkpoint is damaged") from e

@@ -101,6 +101,62 @@ def decode_tree(node: JSON, tensors: Mapping[str, TensorLike]) -> Any:
     raise CheckpointError(f"unknown checkpoint skeleton tag {tag!r}")
 
 
+def check_skeleton(node: JSON, where: str, depth: int = 0) -> None:
+    """Check that ``node`` is a skeleton as `encode_tree` writes it, before anything reads it.
+
+    A skeleton holds only tagged nodes: a tensor's key (str), a dict's ``[key, node]`` pairs
+    (str or int keys), a list's or tuple's nodes, a JSON scalar. The top is a dict node.
+
+    Raises:
+        CheckpointError: naming the first malformed node's path in ``where``.
+    """
+    problem = _skeleton_problem(node, "", depth)
+    if problem is None and not (isinstance(node, dict) and _DICT in node):
+        problem = "(top): not a dict node"
+    if problem is not None:
+        raise CheckpointError(
+            f"{where} is not a recopt checkpoint skeleton: {problem}; the checkpoint is "
+            "damaged or was not written by recopt: use another one"
+        )
+
+
+_MAX_DEPTH = 200  # far deeper than any state tree; stops a forged one from exhausting the stack
+
+
+def _skeleton_problem(node: JSON, path: str, depth: int) -> str | None:
+    """The first malformed node under ``node`` (as ``"path: what"``), or ``None``."""
+    here = path or "(top)"
+    if depth > _MAX_DEPTH:
+        return f"{here}: nested deeper than {_MAX_DEPTH}"
+    if not isinstance(node, dict) or len(node) != 1:
+        return f"{here}: {str(node)[:60]!r} is not a one-tag node"
+    ((tag, body),) = node.items()
+    if tag == _TENSOR:
+        return None if isinstance(body, str) else f"{here}: tensor key {body!r} is not a str"
+    if tag == _VALUE:
+        return None if isinstance(body, _SCALARS) else f"{here}: value {body!r} is not a scalar"
+    if tag not in (_DICT, _LIST, _TUPLE):
+        return f"{here}: unknown checkpoint skeleton tag {tag!r}"
+    if not isinstance(body, list):
+        return f"{here}: {tag!r} holds a {type(body).__name__}, not a list"
+    for index, item in enumerate(body):
+        if tag != _DICT:
+            key: Any = index
+        elif (
+            isinstance(item, list)
+            and len(item) == 2
+            and isinstance(item[0], str | int)
+            and not isinstance(item[0], bool)
+        ):
+            key, item = item
+        else:
+            return f"{here}: entry {str(item)[:60]!r} is not a [str or int key, node] pair"
+        problem = _skeleton_problem(item, _join(path, key), depth + 1)
+        if problem is not None:
+            return problem
+    return None
+
+
 def subtree(node: JSON, key: str | int) -> JSON | None:
     """The encoded child ``key`` of an encoded dict node, or ``None`` if absent."""
     for k, value in node.get(_DICT, []):
@@ -216,6 +272,33 @@ def capture_rng() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [_b64(s.cpu()) for s in torch.cuda.get_rng_state_all()]
     return state
+
+
+def check_rank_state(state: Any, where: str) -> None:
+    """Check the shape of a rank file (``{"rank": r, "rng": capture_rng()}``) before use.
+
+    Raises:
+        CheckpointError: naming ``where`` and what is wrong.
+    """
+    rng = state.get("rng") if isinstance(state, dict) else None
+    ok = isinstance(rng, dict)
+    if isinstance(rng, dict):
+        python, numpy = rng.get("python"), rng.get("numpy")
+        ok = (
+            isinstance(python, list)
+            and len(python) == 3
+            and isinstance(python[1], list)
+            and isinstance(numpy, list)
+            and len(numpy) == 5
+            and isinstance(numpy[1], list)
+            and isinstance(rng.get("torch"), str)
+            and isinstance(rng.get("cuda", []), list)
+        )
+    if not ok:
+        raise CheckpointError(
+            f"{where} does not hold a rank's RNG state as recopt writes it; the checkpoint is "
+            "damaged or was not written by recopt: use another one"
+        )
 
 
 def restore_rng(state: Mapping[str, Any]) -> None:

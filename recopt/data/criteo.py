@@ -91,7 +91,9 @@ class CriteoClickLog:
         if len(feature_names) != NUM_SPARSE or len(num_embeddings) != NUM_SPARSE:
             raise ValueError(
                 f"Criteo has {NUM_SPARSE} categorical columns; got {len(feature_names)} "
-                f"feature_names and {len(num_embeddings)} num_embeddings"
+                f"feature_names and {len(num_embeddings)} num_embeddings: give one feature name "
+                f"and one table size per column, {NUM_SPARSE} of each (the DLRM example's "
+                "configs/dlrm_criteo_shape.toml has such 26 tables)"
             )
         for name, rows in zip(feature_names, num_embeddings, strict=True):
             if rows < 2:

@@ -19,7 +19,7 @@ from recopt.sparse import KeyedJaggedTensor
 
 
 class InvalidIdError(ValueError):
-    """An id outside ``[0, num_embeddings)`` of its table."""
+    """An id outside ``[0, num_embeddings)`` of its table, or ids of a non-integer dtype."""
 
 
 class NonFiniteWeightError(ValueError):
@@ -64,7 +64,8 @@ class FeatureLayout:
         Raises:
             ValueError: a feature is missing, weights are missing / unexpected, or the
                 input has a variable batch per feature (``regular_batch`` removes it).
-            InvalidIdError: an id is outside its table.
+            InvalidIdError: an id is outside its table, or the ids are not integers (bool,
+                float: refused before anything is looked up).
             NonFiniteWeightError: a per-id weight is NaN or infinite (after the conversion
                 to ``weight_dtype``).
         """
@@ -168,6 +169,31 @@ def require_features(keys: Sequence[str], names: Sequence[str]) -> None:
         raise ValueError(
             f"input is missing features {missing}; it has {list(keys)}, the collection "
             f"looks up {wanted}"
+        )
+
+
+def require_integer_ids(
+    values: torch.Tensor, feature_names: Sequence[str], table_names: Sequence[str]
+) -> None:
+    """Refuse ids of a non-integer dtype (a dtype check: no host sync).
+
+    Bool ids would pass the lookup as 0/1 and fail in the optimizer's backward (after its
+    step counters moved); float ids fail inside torch with an error naming neither table nor
+    feature. All features share one ids tensor, so all are named.
+
+    Raises:
+        InvalidIdError: naming the dtype, the first table and feature, and the fix.
+    """
+    dtype = values.dtype
+    bad = dtype.is_floating_point or dtype.is_complex or dtype == torch.bool
+    if bad and feature_names:
+        pairs = [f"{f!r} (table {t!r})" for f, t in zip(feature_names, table_names, strict=True)]
+        more = f" and {len(pairs) - 3} more" if len(pairs) > 3 else ""
+        raise InvalidIdError(
+            f"table {table_names[0]!r}, feature {feature_names[0]!r}: ids are of dtype {dtype}, "
+            f"not integers (features {', '.join(pairs[:3])}{more} share this ids tensor); "
+            "give int64 (or int32) row ids, e.g. map the raw values to rows and call .long() "
+            "(nothing was updated)."
         )
 
 
@@ -289,7 +315,11 @@ def pending_id_check(
             `check_ids_in_range`.
         clamp: also return the ids clamped into their tables (one more pass over the ids), so
             that they can be routed before the answer is known.
+
+    Raises:
+        InvalidIdError: the ids are not integers (`require_integer_ids`), raised at once.
     """
+    require_integer_ids(values, feature_names, table_names)
     total = sum(length_per_key)
     check = PendingCheck(
         None, None, values, length_per_key, feature_names, table_names, num_rows, weights

@@ -158,14 +158,17 @@ def fused_optimizers(model: nn.Module) -> list[tuple[str, KeyedOptimizer]]:
 
 
 def in_backward_optimizer_filter(
-    named_parameters: Iterable[tuple[str, torch.Tensor]], include: bool = True
+    named_parameters: Iterable[tuple[str, torch.Tensor]], include: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The parameters that do (``include``) or do not have an optimizer applied in backward
-    by ``torch.distributed.optim._apply_optimizer_in_backward``.
+    """The parameters that do not (default) or do (``include``) have an optimizer applied in
+    backward by ``torch.distributed.optim._apply_optimizer_in_backward``.
+
+    The default is TorchRec's: ``dict(in_backward_optimizer_filter(model.named_parameters()))``
+    is what the dense optimizer takes, the embedding tables left to their own optimizer.
 
     Args:
         named_parameters: ``(name, parameter)`` pairs, e.g. ``model.named_parameters()``.
-        include: keep the in-backward parameters (True) or the others (False).
+        include: keep the in-backward parameters (True) or the others (False, the default).
     """
     for name, param in named_parameters:
         if hasattr(param, "_in_backward_optimizers") == include:

@@ -24,6 +24,7 @@ from recopt.modules.embedding_bag import EmbeddingBagCollection
 from recopt.modules.fused import FusedEmbeddingBagCollection
 from recopt.modules.fused_embedding import FusedEmbeddingCollection
 from recopt.modules.fused_groups import optimizer_from_param_group
+from recopt.modules.torch_optimizers import fused_config
 from recopt.optim.combined import CombinedOptimizer
 from recopt.optim.keyed import KeyedOptimizer
 from recopt.sharding.plan import ShardingPlan
@@ -51,7 +52,9 @@ class DistributedModelParallel(nn.Module):
         device: where shards live (default: CPU).
         default_optimizer: the fused optimizer of the tables of a plain EmbeddingBagCollection
             or EmbeddingCollection whose plan entry names none (default:
-            `FusedOptimizerConfig()`).
+            `FusedOptimizerConfig()`). A table given an optimizer by torch's
+            ``_apply_optimizer_in_backward(cls, params, kwargs)`` (TorchRec's way) gets the
+            fused equivalent of ``cls`` with ``kwargs`` instead.
         ranks_per_host: for host-local sharding types and plan validation.
         timeout: of the dense process group's collectives and of the sharded collections'
             NaN/inf skip vote.
@@ -59,6 +62,8 @@ class DistributedModelParallel(nn.Module):
     Raises:
         PlanError: the plan does not fit the model (checked on every rank before any
             collective), or names an optimizer/sharding pair recopt does not support.
+        ValueError: an optimizer applied in backward that has no fused equivalent (naming
+            the table and the optimizer).
         PlannerError: with no plan given, no plan fits the ranks' memory (on CUDA: neither
             HBM nor, where fbgemm can run the table, UVM); raised on every rank.
     """
@@ -197,9 +202,10 @@ def _shard(
 
 
 def _table_optimizers(module: nn.Module) -> dict[str, FusedOptimizerConfig]:
-    """The per-table optimizers of a fused collection, read from its param groups."""
+    """The per-table optimizers of a fused collection, read from its param groups, or those
+    attached to a plain collection's tables by ``_apply_optimizer_in_backward``."""
     if not isinstance(module, FusedEmbeddingBagCollection | FusedEmbeddingCollection):
-        return {}
+        return _in_backward_optimizers(module)
     opt = module.fused_optimizer
     name_of = {id(p): n for n, p in opt.params.items()}
     result: dict[str, FusedOptimizerConfig] = {}
@@ -208,6 +214,32 @@ def _table_optimizers(module: nn.Module) -> dict[str, FusedOptimizerConfig]:
         for p in group["params"]:
             table = name_of[id(p)].split(".")[1]
             result[table] = config
+    return result
+
+
+def _in_backward_optimizers(module: nn.Module) -> dict[str, FusedOptimizerConfig]:
+    """Table -> the fused optimizer equal to the one torch's ``_apply_optimizer_in_backward``
+    attached to its weight (TorchRec's way of choosing a table's optimizer).
+
+    Raises:
+        ValueError: a table with several such optimizers, or one with no fused equivalent
+            (naming the table and the optimizer).
+    """
+    result: dict[str, FusedOptimizerConfig] = {}
+    for name, param in module.named_parameters():
+        classes = getattr(param, "_optimizer_classes", None)
+        if not classes:
+            continue
+        table = name.split(".")[1]  # embedding_bags.<table>.weight / embeddings.<table>.weight
+        if len(classes) > 1:
+            raise ValueError(
+                f"table {table!r}: {len(classes)} optimizers applied in backward "
+                f"({', '.join(c.__name__ for c in classes)}); a fused table runs one, apply one"
+            )
+        try:
+            result[table] = fused_config(classes[0], param._optimizer_kwargs[0])  # type: ignore[attr-defined]
+        except ValueError as e:
+            raise ValueError(f"table {table!r} (_apply_optimizer_in_backward): {e}") from e
     return result
 
 

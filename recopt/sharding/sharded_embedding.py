@@ -26,6 +26,7 @@ from recopt.comm import (
     OutputExchange,
     ScratchBuffer,
     all_ranks_finite,
+    broadcast,
     share_backend_decisions,
 )
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType, TableSpec
@@ -158,7 +159,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             share_backend_decisions(requests, self.device, self._pg)
             self._mp_kernels = [self._make_kernel(g) for g in self._layout.mp_groups]
             self._dp_kernels = [self._make_kernel(g) for g in self._layout.dp_groups]
-        self._init_weights()
+        self._init_weights(timeout)
         self._dummy = torch.zeros(0, device=self.device, requires_grad=True)
         self._state = ShardedState(
             self._layout,
@@ -231,11 +232,20 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             specs, feature_table_map, group.optimizer, PoolingType.SUM, self.device
         )
 
-    def _init_weights(self) -> None:
+    def _init_weights(self, timeout: datetime.timedelta) -> None:
         groups = [*self._layout.mp_groups, *self._layout.dp_groups]
         for group, kernel in zip(groups, [*self._mp_kernels, *self._dp_kernels], strict=True):
             for (t, _), weight in zip(group.tables, kernel.split_embedding_weights(), strict=True):
                 self.tables[t].init_weight(weight)  # init_fn, when given, sees each shard
+        # Replicas must start equal, but each rank drew its own shards before them, so the
+        # ranks' random streams differ by now: every replica takes rank 0's draw.
+        src = 0 if self._pg is None else dist.get_global_rank(self._pg, 0)
+        for kernel in self._dp_kernels:
+            for weight in kernel.split_embedding_weights():
+                sent = weight if weight.is_contiguous() else weight.contiguous()
+                broadcast(sent, src, self._pg, timeout)
+                if sent is not weight:
+                    weight.copy_(sent)
 
     # ------------------------------------------------------------------------------ public
     @property

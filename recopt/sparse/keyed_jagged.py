@@ -90,6 +90,7 @@ class KeyedJaggedTensor:
         keys = check_keys(keys)
         values = check_values(values)
         check_weights(weights, values)
+        lengths_given = lengths is not None
         lengths, offsets = check_layout_shapes(values, lengths, offsets)
         per_rank, batch = None, None
         if stride_per_key_per_rank is not None and len(stride_per_key_per_rank) > 0:
@@ -101,6 +102,7 @@ class KeyedJaggedTensor:
         lpk = None if length_per_key is None else [int(n) for n in length_per_key]
         batch = batch if per_rank is None else stride
         self._init(keys, values, weights, lengths, strides, lpk, offsets, per_rank, batch)
+        self._lengths_given = lengths_given
         self._inverse_indices: InverseIndices | None = inverse_indices
         if values.device.type == "cpu" and lpk is None:
             self.length_per_key()  # validates now: on the CPU it costs no device sync
@@ -121,6 +123,7 @@ class KeyedJaggedTensor:
         self._values = values
         self._weights = weights
         self._lengths = lengths
+        self._lengths_given = True  # False: built from offsets alone (see lengths_or_none)
         self._offsets = offsets
         self._stride_per_key = stride_per_key
         self._stride_per_key_per_rank = per_rank
@@ -309,8 +312,9 @@ class KeyedJaggedTensor:
         return self._lengths
 
     def lengths_or_none(self) -> torch.Tensor | None:
-        """Returns the lengths (always present: derived from offsets when needed)."""
-        return self._lengths
+        """Returns the lengths, or None for a KJT built from offsets alone (as TorchRec;
+        `lengths()` derives them)."""
+        return self._lengths if self._lengths_given else None
 
     def offsets(self) -> torch.Tensor:
         """Returns the int64 offsets, the exclusive cumsum of lengths."""

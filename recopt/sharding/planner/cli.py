@@ -23,8 +23,10 @@ from recopt.sharding.planner.constraints import (
     constraints_from_dict,
     optimizer_from_dict,
 )
-from recopt.sharding.planner.planner import EmbeddingShardingPlanner
+from recopt.sharding.planner.planner import EmbeddingShardingPlanner, PlannerError
+from recopt.sharding.planner.stats import format_bytes
 from recopt.sharding.planner.topology import (
+    Topology,
     load_topology_values,
     topology_fields,
     topology_from_dict,
@@ -169,7 +171,10 @@ def _plan(args: argparse.Namespace) -> int:
         default_optimizer=config.optimizer,
         max_search_trials=config.max_search_trials,
     )
-    plan = planner.plan({config.module_path: config.tables})
+    try:
+        plan = planner.plan({config.module_path: config.tables})
+    except PlannerError as e:
+        raise PlannerError(f"{e}\n{_memory_hint(args, config, topology)}") from e
     assert planner.stats is not None
     print(planner.stats.format(args.max_tables))
     explanation = planner.stats.explain_placements()
@@ -179,6 +184,25 @@ def _plan(args: argparse.Namespace) -> int:
         plan.save(args.output)
         print(f"plan written to {args.output}")
     return 0
+
+
+def _memory_hint(args: argparse.Namespace, config: PlannerInput, topology: Topology) -> str:
+    """Where the memory per rank of this plan came from, and the setting that changes it."""
+    key = "hbm_bytes" if topology.device == "cuda" else "ddr_bytes"
+    if args.topology:
+        source = f"{key} of --topology {args.topology}"
+    elif key in config.topology:
+        source = f"[planner] {key} of {args.config}"
+    else:
+        source = f"the default {key}: no [planner] {key} in {args.config}"
+    return (
+        f"recopt-plan planned {topology.world_size} {topology.device} ranks of "
+        f"{format_bytes(getattr(topology, key))} each ({source}). To plan for ranks with more "
+        f"memory, set it in the config's [planner] section ({key} = <bytes per rank>"
+        + (", and ddr_bytes for host memory (UVM)" if key == "hbm_bytes" else "")
+        + ") or pass --topology FILE (recopt-plan --calibrate --output FILE measures this "
+        "machine); or plan for more ranks (--world-size)"
+    )
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -21,6 +21,12 @@ class ConstraintError(ValueError):
     """A constraint is malformed or names a table that does not exist."""
 
 
+def module_label(module: str) -> str:
+    """A module path in the planner's messages: quoted, or ``(root)`` for ``""`` as in the
+    stats table (an empty quoted name reads as a missing one)."""
+    return repr(module) if module else "(root)"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParameterConstraints:
     """What the planner may choose for one table, and how the table is used.

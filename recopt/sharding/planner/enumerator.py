@@ -27,7 +27,11 @@ from recopt.modules.config import EmbeddingConfig
 from recopt.sharding.layout import needs_row_stat_hook, sharding_refusal
 from recopt.sharding.plan import ParameterSharding, ShardingType, ShardSpec
 from recopt.sharding.plan_helpers import split_columns, split_evenly
-from recopt.sharding.planner.constraints import ParameterConstraints, TableWorkload
+from recopt.sharding.planner.constraints import (
+    ParameterConstraints,
+    TableWorkload,
+    module_label,
+)
 from recopt.sharding.planner.perf import replica_cost, shard_cost
 from recopt.sharding.planner.storage import (
     replica_storage_bytes,
@@ -182,7 +186,7 @@ def enumerate_options(
     Raises:
         EnumerationError: the constraints leave no option (naming the table and the reason).
     """
-    where = f"table {table.name!r} (module {module!r})"
+    where = f"table {table.name!r} (module {module_label(module)})"
     kinds = _allowed_types(constraints, workload.optimizer, topology, where)
     kernels = constraints.compute_kernels or (workload.optimizer.backend,)
     placements = _allowed_placements(constraints, topology, where)

@@ -23,6 +23,7 @@ from recopt.sharding.plan import ParameterSharding, ShardingPlan, table_names
 from recopt.sharding.plan_validation import validate_plan
 from recopt.sharding.planner.constraints import (
     ParameterConstraints,
+    module_label,
     resolve_constraints,
 )
 from recopt.sharding.planner.enumerator import (
@@ -175,7 +176,8 @@ class EmbeddingShardingPlanner:
             return
         largest = sorted(least, key=lambda bo: -bo[0])[:3]
         names = ", ".join(
-            f"{o.table.name!r} (module {o.module!r}) {format_bytes(b)}" for b, o in largest
+            f"{o.table.name!r} (module {module_label(o.module)}) {format_bytes(b)}"
+            for b, o in largest
         )
         raise PlannerError(
             f"the tables need at least {format_bytes(need)} in total but the "
@@ -212,9 +214,10 @@ class EmbeddingShardingPlanner:
         short = failure.needed_bytes - failure.free_bytes
         if failure.host:
             return (
-                f"table {opt.table.name!r} (module {opt.module!r}) does not fit: device memory "
-                f"is full, and its layout {opt.describe()} in {opt.placement.describe()} needs "
-                f"{format_bytes(failure.needed_bytes)} of host memory for UVM on one rank, but "
+                f"table {opt.table.name!r} (module {module_label(opt.module)}) does not fit: "
+                f"device memory is full, and its layout {opt.describe()} in "
+                f"{opt.placement.describe()} needs {format_bytes(failure.needed_bytes)} of host "
+                "memory for UVM on one rank, but "
                 f"the rank with the most (rank {failure.best_rank}) has "
                 f"{format_bytes(failure.free_bytes)} free of "
                 f"{format_bytes(topo.host_usable_bytes)} usable ({format_bytes(topo.ddr_bytes)} "
@@ -238,9 +241,9 @@ class EmbeddingShardingPlanner:
         fixes.append(f"lower batch_size ({self.batch_size})")
         fixes.append("allow more sharding types for this table")
         return (
-            f"table {opt.table.name!r} (module {opt.module!r}) does not fit: its layout "
-            f"{opt.describe()} needs {format_bytes(failure.needed_bytes)} on one rank, but the "
-            f"rank with the most room (rank {failure.best_rank}) has "
+            f"table {opt.table.name!r} (module {module_label(opt.module)}) does not fit: its "
+            f"layout {opt.describe()} needs {format_bytes(failure.needed_bytes)} on one rank, but "
+            f"the rank with the most room (rank {failure.best_rank}) has "
             f"{format_bytes(failure.free_bytes)} free of {format_bytes(topo.usable_bytes)} usable "
             f"({format_bytes(topo.memory_bytes)} less the {topo.reserve_fraction:.0%} reserve; "
             f"{format_bytes(base)} of it holds every rank's pooled outputs); short by "

@@ -1,0 +1,5 @@
+"""``torchrec.optim.clipping``: recopt's gradient clipping."""
+
+from recopt.optim import GradientClipping, GradientClippingOptimizer
+
+__all__ = ["GradientClipping", "GradientClippingOptimizer"]
