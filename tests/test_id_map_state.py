@@ -139,9 +139,8 @@ def test_safetensors_export_writes_each_rows_id(tmp_path: Path) -> None:
         idmap = model.sparse.id_maps[table]  # type: ignore[index]
         assert torch.equal(exported[f"sparse.id_maps.{table}.row_ids"], idmap.row_ids)
         assert torch.equal(exported[f"sparse.id_maps.{table}.occupied"], idmap.occupied)
-        assert torch.equal(
-            exported[f"sparse.embedding_bags.{table}.weight"],
-            model.sparse.embedding_bags[table].weight,
+        assert torch.equal(  # tables export as <module>.<table>.weight
+            exported[f"sparse.{table}.weight"], model.sparse.embedding_bags[table].weight
         )
     live = exported["sparse.id_maps.item.row_ids"][exported["sparse.id_maps.item.occupied"]]
     assert live.numel() > 0 and bool((live % 2**35 == 0).all())  # raw ids, not row numbers
