@@ -17,7 +17,6 @@ from recopt.modules import (
     InvalidIdError,
 )
 from recopt.modules.id_map_lookup import hash_uniform
-from recopt.sharding.sharded_embedding_collection import ShardedEmbeddingCollection
 from recopt.sparse import KeyedJaggedTensor
 
 BIG = 2**40
@@ -217,11 +216,9 @@ def test_fused_embedding_collection_maps_raw_ids_to_rows() -> None:
     assert list(_rows_of(fec)) == [BIG]  # eval reaches the engine: no new id placed
 
 
-def test_collections_without_id_map_support_refuse_it() -> None:
+def test_plain_embedding_collection_refuses_id_map() -> None:
     unpooled = EmbeddingConfig(
         name="t", num_embeddings=4, embedding_dim=4, feature_names=("f",), id_map=IdMapConfig()
     )
-    with pytest.raises(ValueError, match=r"tables \['t'\] have id_map, which Sharded"):
-        ShardedEmbeddingCollection([unpooled], shardings={})
     with pytest.raises(ValueError, match="EmbeddingCollection \\(use FusedEmbeddingCollection"):
         EmbeddingCollection([unpooled])

@@ -212,6 +212,53 @@ def _checkpoint_case(rank: int, world: int, root: str) -> None:
         torch.testing.assert_close(theirs[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
+def _unpooled_case(kind: str, rank: int, world: int) -> None:
+    """ShardedEmbeddingCollection: each rank's rows equal the unsharded module's rows of its
+    ids (the global batch is the ranks' ids concatenated, feature by feature)."""
+    from recopt.modules import EmbeddingConfig, FusedEmbeddingCollection
+    from recopt.sharding.sharded_embedding_collection import ShardedEmbeddingCollection
+
+    tables = [
+        EmbeddingConfig(
+            name=t.name,
+            num_embeddings=t.num_embeddings,
+            embedding_dim=t.embedding_dim,
+            feature_names=t.feature_names,
+            id_map=t.id_map,
+        )
+        for t in TABLES
+    ]
+    config = FusedOptimizerConfig(name="adagrad", lr=0.05)
+    torch.manual_seed(0)
+    ref = FusedEmbeddingCollection(tables, config)
+    plan = construct_module_sharding_plan(tables, _requests(kind, world), world)
+    sharded = ShardedEmbeddingCollection(tables, plan, optimizer=config)
+    sharded.load_state_dict(ref.state_dict())
+    for step in range(STEPS):
+        out, ref_out = sharded(_kjt(_bags(rank, step))), ref(_kjt(_everyone(world, step)))
+        loss = torch.zeros(())
+        ref_loss = torch.zeros(())
+        for f in FEATURES:
+            counts = [sum(len(b) for b in _bags(r, step)[f]) for r in range(world)]
+            start = sum(counts[:rank])
+            mine = ref_out[f].values()[start : start + counts[rank]]
+            torch.testing.assert_close(out[f].values(), mine, msg=f"ec/{kind} {f} step {step}")
+            loss = loss + out[f].values().square().sum()
+            ref_loss = ref_loss + ref_out[f].values().square().sum()
+        loss.backward()
+        ref_loss.backward()
+        assert sharded.stats() == ref.stats()
+    for key, value in ref.state_dict().items():
+        got = full_tensor_of(sharded.state_dict()[key])
+        torch.testing.assert_close(got, value, atol=1e-5, rtol=1e-5, msg=f"ec/{kind} {key}")
+
+
+def full_tensor_of(value: Any) -> torch.Tensor:
+    from recopt.sharding.state import full_tensor
+
+    return full_tensor(value)
+
+
 def _all_cases(rank: int, world: int, root: str) -> list[str]:
     done = []
     for i, kind in enumerate(KINDS):
@@ -222,10 +269,13 @@ def _all_cases(rank: int, world: int, root: str) -> list[str]:
     done.append("bad input")
     _checkpoint_case(rank, world, root)
     done.append("checkpoint")
+    for kind in ("row_wise", "table_wise"):
+        _unpooled_case(kind, rank, world)
+        done.append(f"ec/{kind}")
     return done
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_id_maps_equal_unsharded(world: int, tmp_path: Path) -> None:
     results = run_on_ranks(_all_cases, world, str(tmp_path), timeout_s=900.0)
-    assert all(r == results[0] for r in results) and len(results[0]) == 2 * len(KINDS) + 2
+    assert all(r == results[0] for r in results) and len(results[0]) == 2 * len(KINDS) + 4

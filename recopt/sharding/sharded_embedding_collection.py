@@ -20,7 +20,6 @@ from recopt.kernels.config import FusedOptimizerConfig
 from recopt.kernels.contract import Kernel
 from recopt.modules.config import EmbeddingConfig, validate_tables
 from recopt.modules.embedding import TableAccessors
-from recopt.modules.id_map_lookup import refuse_id_maps
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.unpooled import (
     lookup_bag_configs,
@@ -82,7 +81,6 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors
     ) -> None:
         super().__init__()
         validate_tables(tables, allow_shared_features=True, config_type=EmbeddingConfig)
-        refuse_id_maps(tables, "ShardedEmbeddingCollection")
         self.tables = list(tables)
         self._need_indices = need_indices
         engine = _OneIdBagShards(
@@ -134,6 +132,10 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors
     def phase_seconds(self, value: dict[str, float] | None) -> None:
         self._bags.phase_seconds = value
 
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per id-mapped table: occupancy, new ids, evictions, admissions of the last step."""
+        return self._bags.stats()
+
     def kernels(self) -> list[Kernel]:
         """This rank's kernels: model-parallel ones, then data-parallel replicas."""
         return self._bags.kernels()
@@ -152,6 +154,7 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors
             InvalidIdError / ValueError: this rank's input is bad; `RemoteInputError`: another
                 rank's is. Every rank raises, before anything is looked up or updated.
         """
+        self._bags.training = self.training  # the engine is outside the module tree
         try:
             selected = select_lookups(features, self._layout)
             bags = one_id_bags(selected)
