@@ -84,8 +84,10 @@ def main(argv: list[str] | None = None) -> None:
                 alone.table_map(name).remap(ids, True)
 
         measured = {
-            "modulo step": _timed(lambda: modulo(_kjt(raw % args.rows)).values().sum().backward()),
-            "id_map step": _timed(lambda: mapped(_kjt(raw)).values().sum().backward()),
+            "modulo step": _timed(
+                lambda raw=raw: modulo(_kjt(raw % args.rows)).values().sum().backward()
+            ),
+            "id_map step": _timed(lambda raw=raw: mapped(_kjt(raw)).values().sum().backward()),
             "remap alone": _timed(remap_all),
         }
         if step >= args.warmup:

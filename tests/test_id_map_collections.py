@@ -231,3 +231,19 @@ def test_fault_tolerance_refuses_id_mapped_tables() -> None:
     with pytest.raises(ValueError, match=r"tables \['t'\] have id_map, whose map fault"):
         FusedEmbeddingGuard(fused)
     FusedEmbeddingGuard(FusedEmbeddingBagCollection([_table(4, None)]))  # without: accepted
+
+
+def test_sharded_id_maps_refuse_an_init_fn() -> None:
+    from recopt.sharding.id_map_sharded import refuse_init_fn
+
+    table = EmbeddingBagConfig(
+        name="t",
+        num_embeddings=4,
+        embedding_dim=4,
+        feature_names=("f",),
+        init_fn=torch.nn.init.zeros_,
+        id_map=IdMapConfig(),
+    )
+    with pytest.raises(ValueError, match=r"tables \['t'\] have id_map and init_fn"):
+        refuse_init_fn([table])
+    refuse_init_fn([_table(4, IdMapConfig())])  # the default uniform init: accepted
