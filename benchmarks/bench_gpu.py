@@ -1,13 +1,16 @@
 """The GPU benchmark of issue 13, in one run: embedding kernels and the DLRM step on one GPU.
 
-Kernels (configs A, B, C; sgd, row-wise Adagrad, Adam, row-wise Adam, Adafactor): fbgemm's
-CUDA TBE called directly (where fbgemm has the optimizer), recopt's FusedEmbeddingBagCollection
-(backend auto) and recopt's own kernel (backend recopt: its Triton kernels; and the same with
+Kernels (configs A, B, C with uniform ids, DLRM with the DLRM script's power-law ids; sgd,
+row-wise Adagrad, Adam, row-wise Adam, Adafactor): fbgemm's CUDA TBE called directly (where
+fbgemm has the optimizer), recopt's FusedEmbeddingBagCollection (backend auto) and recopt's own
+kernel (backend recopt: its Triton kernels; and the same with
 Triton switched off, "recopt_torch_ops"), each timed forward + backward (+ fused update) with
 CUDA events, and its host syncs per step counted with torch.profiler (cudaStreamSynchronize,
 cudaDeviceSynchronize and synchronous cudaMemcpy calls, those inside torch ops such as
 ``torch.unique`` included; device-to-host copies are counted beside them). DLRM (Criteo shape,
 26 x 100k rows, one id per bag): recopt's step against TorchRec's, when TorchRec imports.
+Every figure is written (``--out`` and its .md) as soon as it is measured, and each candidate's
+memory is freed (``gc.collect``, ``empty_cache``) before the next is built.
 
     PYTHONPATH=$PWD python benchmarks/bench_gpu.py --out gpu.json        # also writes gpu.md
     PYTHONPATH=$PWD python benchmarks/bench_gpu.py --quick --out smoke.json
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import pathlib
@@ -33,6 +37,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from bench_gpu_report import CANDIDATES, Results, markdown
+
+__all__ = ["CANDIDATES", "Results", "markdown"]  # the report's, kept importable from here
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 Step = Callable[[int], None]  # runs step ``i`` (batches are cycled)
@@ -43,7 +50,6 @@ FBGEMM_OPTIMIZERS = {
     "adam": "ADAM",
     "row_wise_adam": "PARTIAL_ROWWISE_ADAM",
 }
-CANDIDATES = ("fbgemm_direct", "fused_auto", "recopt_kernel", "recopt_torch_ops")
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
 
 
@@ -55,16 +61,23 @@ class Config:
     dim: int
     batch: int
     ids_per_bag: int
+    ids: str = "uniform"  # or "power_law": the DLRM script's synthetic ids (zipf 1.1)
 
 
 CONFIGS = {
     "A": Config(name="A", num_tables=8, rows=1_000_000, dim=64, batch=16384, ids_per_bag=20),
     "B": Config(name="B", num_tables=26, rows=100_000, dim=128, batch=16384, ids_per_bag=20),
     "C": Config(name="C", num_tables=26, rows=1_000_000, dim=128, batch=65536, ids_per_bag=1),
-}
+    # The DLRM script's Criteo shape and power-law ids: the hottest id of a feature comes
+    # ~1,600 times a batch, what configs A, B, C (uniform ids) never show.
+    "DLRM": Config(
+        name="DLRM", num_tables=26, rows=100_000, dim=128, batch=16384, ids_per_bag=1,
+        ids="power_law",
+    ),
+}  # fmt: skip
 QUICK = {
     k: Config(name=k, num_tables=c.num_tables, rows=c.rows // 100, dim=c.dim, batch=512,
-              ids_per_bag=c.ids_per_bag)
+              ids_per_bag=c.ids_per_bag, ids=c.ids)
     for k, c in CONFIGS.items()
 }  # fmt: skip
 
@@ -73,7 +86,16 @@ QUICK = {
 
 
 def make_batches(cfg: Config, count: int, device: torch.device) -> list[torch.Tensor]:
-    """Uniform ids of ``count`` batches, feature-major (one bag length for every bag)."""
+    """Ids of ``count`` batches, feature-major (one bag length for every bag): uniform, or
+    for ``power_law`` those of the DLRM script's synthetic data (recopt.data.synthetic)."""
+    if cfg.ids == "power_law":
+        from recopt.data import SyntheticClickLog, SyntheticConfig
+
+        if cfg.ids_per_bag != 1:
+            raise ValueError(f"config {cfg.name}: power-law ids come one per bag, as in DLRM")
+        features = [(f"f{i}", cfg.rows) for i in range(cfg.num_tables)]
+        log = SyntheticClickLog(features, SyntheticConfig(), batch_size=cfg.batch)
+        return [log.generate(k)[1].values().to(device) for k in range(count)]
     gen = torch.Generator().manual_seed(0)
     n = cfg.num_tables * cfg.batch * cfg.ids_per_bag
     return [torch.randint(0, cfg.rows, (n,), generator=gen).to(device) for _ in range(count)]
@@ -193,10 +215,20 @@ def host_syncs(step: Step, steps: int) -> dict[str, float]:
     return per_step
 
 
-def run_kernels(cfg: Config, warmup: int, steps: int) -> list[dict[str, Any]]:
-    device = torch.device("cuda", torch.cuda.current_device())
+def release() -> None:
+    """Frees what the last candidate left (a reference cycle keeps a module alive until
+    ``gc.collect``; freed blocks stay in torch's cache until ``empty_cache``)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_kernels(
+    cfg: Config, warmup: int, steps: int, results: Results, device: torch.device | None = None
+) -> None:
+    """Times every candidate of every optimizer on ``cfg``; each row is saved when measured."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
     ids = make_batches(cfg, 4, device)
-    rows: list[dict[str, Any]] = []
     for optimizer in OPTIMIZERS:
         candidates: dict[str, Callable[[], Step]] = {}
         if optimizer in FBGEMM_OPTIMIZERS:
@@ -216,10 +248,9 @@ def run_kernels(cfg: Config, warmup: int, steps: int) -> list[dict[str, Any]]:
                 row["error"] = f"{type(err).__name__}: {err}"[:300]
             finally:
                 step = None  # type: ignore[assignment]
-                torch.cuda.empty_cache()
-            rows.append(row)
+                release()
+            results.add_kernel(row)
             print(json.dumps(row), flush=True)
-    return rows
 
 
 # ---------------------------------------------------------------------------- DLRM
@@ -304,13 +335,14 @@ def torchrec_dlrm_step(dim: int, batch_size: int, device: torch.device) -> Step:
     return step
 
 
-def run_dlrm(dims: list[int], batches: list[int], warmup: int, steps: int) -> list[dict[str, Any]]:
+def run_dlrm(
+    dims: list[int], batches: list[int], warmup: int, steps: int, results: Results
+) -> None:
     torchrec_error = None
     try:
         import torchrec  # noqa: F401
     except Exception as err:  # absent, or built against another torch: recopt's side still runs
         torchrec_error = f"{type(err).__name__}: {err}"[:300]
-    rows = []
     for dim in dims:
         for batch_size in batches:
             row: dict[str, Any] = {"dim": dim, "batch": batch_size}
@@ -325,58 +357,12 @@ def run_dlrm(dims: list[int], batches: list[int], warmup: int, steps: int) -> li
                     row[f"{name}_syncs"] = round(host_syncs(step, 3)["syncs"], 2)
                 except Exception as err:  # keep the other side's figure
                     row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:300]
-                torch.cuda.empty_cache()
+                step = None  # type: ignore[assignment]
+                release()
             if row.get("recopt_ms") and row.get("torchrec_ms"):
                 row["recopt_over_torchrec_speed"] = round(row["torchrec_ms"] / row["recopt_ms"], 3)
-            rows.append(row)
+            results.add_dlrm(row)
             print(json.dumps(row), flush=True)
-    return rows
-
-
-# ---------------------------------------------------------------------------- report
-
-
-def markdown(kernels: list[dict[str, Any]], dlrm: list[dict[str, Any]], device: str) -> str:
-    lines = [
-        f"# bench_gpu.py on {device}",
-        "",
-        "## Kernels: ms per fwd+bwd+update (syncs/step)",
-        "",
-    ]
-    lines += [
-        "| config | optimizer | fbgemm direct | FusedEBC auto | recopt kernel "
-        "| recopt, torch ops | FusedEBC speed / fbgemm | recopt time / fbgemm rw-adagrad |"
-    ]
-    lines += ["| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    keyed = {(r["config"], r["optimizer"], r["candidate"]): r for r in kernels}
-    for cfg, opt in dict.fromkeys((r["config"], r["optimizer"]) for r in kernels):
-        cells = []
-        for cand in CANDIDATES:
-            r = keyed.get((cfg, opt, cand))
-            cells.append(
-                "-" if r is None else f"{r['ms']} ({r['syncs']})" if "ms" in r else "error"
-            )
-        fb, auto = (
-            keyed.get((cfg, opt, "fbgemm_direct"), {}),
-            keyed.get((cfg, opt, "fused_auto"), {}),
-        )
-        ratio = f"{fb['ms'] / auto['ms']:.2f}x" if "ms" in fb and "ms" in auto else "-"
-        # Issue 13's target for recopt's own CUDA kernels: within 1.5x of this time.
-        rwa = keyed.get((cfg, "row_wise_adagrad", "fbgemm_direct"), {})
-        own = keyed.get((cfg, opt, "recopt_kernel"), {})
-        target = f"{own['ms'] / rwa['ms']:.2f}x" if "ms" in rwa and "ms" in own else "-"
-        lines.append(f"| {cfg} | {opt} | " + " | ".join(cells) + f" | {ratio} | {target} |")
-    lines += ["", "## DLRM step (Criteo shape), ms", ""]
-    lines += [
-        "| dim | batch | recopt | TorchRec | recopt speed / TorchRec |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for r in dlrm:
-        lines.append(
-            f"| {r['dim']} | {r['batch']} | {r.get('recopt_ms', 'error')} | "
-            f"{r.get('torchrec_ms') or 'n/a'} | {r.get('recopt_over_torchrec_speed', '-')} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -384,7 +370,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", required=True, help="JSON results (a .md table is written beside)")
-    parser.add_argument("--configs", default="A,B,C", help="comma-separated subset of A,B,C")
+    parser.add_argument(
+        "--configs",
+        default="A,B,C,DLRM",
+        help="comma-separated subset of A,B,C,DLRM (DLRM: the DLRM script's power-law ids)",
+    )
     parser.add_argument("--quick", action="store_true", help="tables / 100, batch 512: a smoke run")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="timed steps (median)")
@@ -415,29 +405,38 @@ def main(argv: list[str] | None = None) -> int:
             "host with fbgemm-gpu's CUDA build (see ../shared/gpu/README.md).\n"
         )
         return 2
-    from recopt import comm
-
     os.environ.setdefault("LOCAL_RANK", "0")  # TorchRec's DMP reads it
     torch.cuda.set_device(0)
     device_name = torch.cuda.get_device_name(0)
     configs = QUICK if args.quick else CONFIGS
-    kernels: list[dict[str, Any]] = []
-    uvm: dict[str, Any] | None = None
+    names = args.configs.split(",")
+    meta: dict[str, Any] = {"device": device_name, "torch": torch.__version__, "quick": args.quick}
+    meta["configs"] = {k: asdict(configs[k]) for k in names}
+    results = Results(pathlib.Path(args.out), meta)
+    results.save()  # an empty table at once: the file exists even if the first row never comes
     if args.uvm or args.uvm_only:
         from bench_uvm import UvmConfig, run_uvm
 
         cfg = UvmConfig(batch=512) if args.quick else UvmConfig()
         hbm_gib = args.uvm_hbm_gib or (1.0 if args.quick else None)  # quick: a 1 GiB budget
-        uvm = run_uvm(time_ms, args.warmup, args.steps, hbm_gib, cfg)
-        print(json.dumps(uvm), flush=True)
+        results.set_uvm(run_uvm(time_ms, args.warmup, args.steps, hbm_gib, cfg))
+        print(json.dumps(results.uvm), flush=True)
+        release()
     if args.uvm_only:
-        print(_save(args, device_name, {}, [], [], uvm))
+        print(results.save())
         return 0
     if not args.skip_kernels:
-        for name in args.configs.split(","):
-            kernels += run_kernels(configs[name], args.warmup, args.steps)
-            # Written after every config: a run cut off by a time limit keeps what it measured.
-            _save(args, device_name, configs, kernels, [], uvm)
+        for name in names:
+            run_kernels(configs[name], args.warmup, args.steps, results)
+    if args.dlrm_dims:
+        _dlrm_in_a_group(args, results)
+    print(results.save())
+    return 0
+
+
+def _dlrm_in_a_group(args: argparse.Namespace, results: Results) -> None:
+    from recopt import comm
+
     with tempfile.TemporaryDirectory() as tmp:  # TorchRec's DMP needs a process group
         comm.init_process_group(
             torch.device("cuda", 0),
@@ -448,34 +447,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         try:
             batches = [512] if args.quick else args.dlrm_batches
-            dlrm = run_dlrm(args.dlrm_dims, batches, args.warmup, args.steps)
+            run_dlrm(args.dlrm_dims, batches, args.warmup, args.steps, results)
         finally:
             torch.distributed.destroy_process_group()
-    print(_save(args, device_name, configs, kernels, dlrm, uvm))
-    return 0
-
-
-def _save(
-    args: argparse.Namespace,
-    device_name: str,
-    configs: dict[str, Config],
-    kernels: list[dict[str, Any]],
-    dlrm: list[dict[str, Any]],
-    uvm: dict[str, Any] | None,
-) -> str:
-    """Write the JSON results and the markdown table beside them; returns the table."""
-    out = pathlib.Path(args.out)
-    meta: dict[str, Any] = {"device": device_name, "torch": torch.__version__, "quick": args.quick}
-    meta["configs"] = {k: asdict(configs[k]) for k in args.configs.split(",") if k in configs}
-    result = {"meta": meta, "kernels": kernels, "dlrm": dlrm, "uvm": uvm}
-    out.write_text(json.dumps(result, indent=1))
-    text = markdown(kernels, dlrm, device_name)
-    if uvm is not None:
-        from bench_uvm import markdown as uvm_markdown
-
-        text += "\n".join(uvm_markdown(uvm)) + "\n"
-    out.with_suffix(".md").write_text(text)
-    return text
 
 
 if __name__ == "__main__":

@@ -2,25 +2,30 @@
 # One GPU session of recopt, on a GPU host without a package index (Python 3.12, torch 2.11 +
 # CUDA 13, 16 cores), in calls that each end within the device tool's 10 minutes per command:
 #
-#   bash benchmarks/gpu_session.sh tests   # smoke check, pytest -m cuda, then the rest of the suite
-#   bash benchmarks/gpu_session.sh bench   # bench_gpu.py: kernels A/B/C, DLRM vs TorchRec, UVM
-#   bash benchmarks/gpu_session.sh suite   # only the non-cuda suite, when `tests` ran out of time
-#                                          # (PART=1/2 and PART=2/2: half the test files each)
-#   bash benchmarks/gpu_session.sh smoke   # only the smoke check
+#   bash benchmarks/gpu_session.sh check     # HERE, before any device call: the size it carries
+#   bash benchmarks/gpu_session.sh tests     # smoke, compiled Triton tests, test_cuda.py, the
+#                                            # rest of -m cuda, then the suite in the time left
+#   bash benchmarks/gpu_session.sh contract  # the shared-GPU contract test, alone in its call
+#   bash benchmarks/gpu_session.sh bench     # bench_gpu.py: kernels A/B/C/DLRM, DLRM vs TorchRec, UVM
+#   bash benchmarks/gpu_session.sh suite     # only the non-cuda suite, when `tests` ran out of time
+#                                            # (PART=1/2 and PART=2/2: half the test files each)
+#   bash benchmarks/gpu_session.sh smoke     # only the smoke check
 #
 # Run from the repository root with .gpu/ beside it (../shared/gpu/pack_fbgemm.sh --torchrec made
 # it here; the call carries it). The script first does what pack_fbgemm.sh's two printed lines
 # do (unpack fbgemm into /tmp/site, install .gpu/whl there), only where /tmp/site lacks them, and
 # installs .gpu/wheels (benchmarks/gpu_test_wheels.sh) only if pytest is missing. Everything it
 # writes goes to $OUT (./gpu-out when OUT is unset) as it is written, flat and at most 7 files a
-# mode, so what a step wrote before a time limit stopped it comes back. Every step has its own
-# `timeout`, and together they end before DEADLINE_S (default 570 s) after the start.
+# mode (tests: summary, smoke, triton, cuda_checks, cuda, suite logs and the suite's XML), so what a step wrote before a time limit stopped it comes back. Every step has its own
+# `timeout`, and together they end before DEADLINE_S (default 570 s) after the start. Each step
+# runs in its own process group, killed when the step ends, so no rank process it spawned holds
+# the GPU for the next step (recopt.testing.run_on_ranks kills its ranks itself as well).
 set -u -o pipefail
 mode=${1:-}
 start=$(date +%s)
 deadline=$((start + ${DEADLINE_S:-570}))
 out=${OUT:-$PWD/gpu-out}
-mkdir -p "$out"
+[ "$mode" = check ] || mkdir -p "$out"  # `check` runs here: it writes nothing to the checkout
 site=${GPU_SITE:-/tmp/site}  # where pack_fbgemm.sh's lines unpack (GPU_SITE: elsewhere)
 
 # Seconds a step may take: at most $1, and never past the deadline (0: no time left).
@@ -33,11 +38,42 @@ say() { echo "[$(($(date +%s) - start))s] $*" | tee -a "$out/summary.txt"; }
 
 # limited SECONDS CMD...: CMD under `timeout`, or not at all with 10 s or less left (a
 # `timeout 0` would never stop it). Returns CMD's status (124: cut off; 125: not run).
+# `timeout` makes its own process group (its pid); whatever is left in it once CMD has ended
+# (ranks of a test that timed out) is killed before the next step starts.
 limited() {
-  local limit=$1
+  local limit=$1 pid rc
   shift
   if [ "$limit" -le 10 ]; then echo "no time left for: $*"; return 125; fi
-  timeout --kill-after=10 "$limit" "$@"
+  timeout --kill-after=10 "$limit" "$@" &
+  pid=$!
+  wait "$pid"
+  rc=$?
+  if kill -0 -- "-$pid" 2>/dev/null; then
+    echo "killing what the step left running: $(ps -o pid=,args= -g "$pid" 2>/dev/null | head -n 5)"
+    kill -KILL -- "-$pid" 2>/dev/null
+  fi
+  return "$rc"
+}
+
+# Bytes the device tool would carry: the files git does not ignore (tracked or not), plus .gpu.
+carried_bytes() {
+  local tree gpu
+  tree=$(git ls-files -z --cached --others --exclude-standard -- . ':(exclude).gpu' \
+    | xargs -0 -r stat -c %s -- 2>/dev/null | awk '{s += $1} END {print s + 0}')
+  gpu=$(du -sb .gpu 2>/dev/null | cut -f1)
+  echo $((tree + ${gpu:-0}))
+}
+
+# Run here, before the device: fails when the checkout and .gpu exceed what a call may carry.
+check() {
+  local bytes limit=$((64 * 1024 * 1024))
+  bytes=$(carried_bytes)
+  echo "checkout + .gpu: $((bytes / 1024 / 1024)) MiB of the $((limit / 1024 / 1024)) MiB a device call may carry"
+  [ -d .gpu ] || echo "no .gpu here: run ../shared/gpu/pack_fbgemm.sh --torchrec first"
+  if [ "$bytes" -gt "$limit" ]; then
+    echo "too large by $(((bytes - limit) / 1024)) KiB: remove untracked files, or pack without --torchrec"
+    return 1
+  fi
 }
 
 setup() {
@@ -63,13 +99,15 @@ smoke() {
   say "smoke: exit $rc"
 }
 
-# pytest with its log and JUnit XML under $out: run_pytest NAME SECONDS ARGS...
+# pytest with its log (-v: a line a test, as it runs) under $out, and its JUnit XML when
+# XML=1 (only for the suite: a call returns at most 8 files): run_pytest NAME SECONDS ARGS...
 run_pytest() {
-  local name=$1 limit=$2
+  local name=$1 limit=$2 xml=()
   shift 2
+  [ "${XML:-0}" = 1 ] && xml=(--junitxml="$out/$name.xml")
   if [ "$limit" -le 10 ]; then say "$name: skipped, no time left"; return; fi
-  limited "$limit" python3 -m pytest -p no:cacheprovider -rfEs \
-    --junitxml="$out/$name.xml" "$@" > "$out/$name.log" 2>&1
+  limited "$limit" python3 -m pytest -p no:cacheprovider -rfEs "${xml[@]}" "$@" \
+    > "$out/$name.log" 2>&1
   local rc=$?
   say "$name: exit $rc ($( [ "$rc" = 124 ] && echo "cut off at ${limit}s; see $name.log" || tail -n 1 "$out/$name.log"))"
 }
@@ -85,21 +123,35 @@ suite() {
   if [ -n "${PART:-}" ]; then
     mapfile -t files < <(ls tests/test_*.py | sort | awk -v k="${PART%/*}" -v n="${PART#*/}" 'NR % n == k % n')
   fi
-  run_pytest suite "$(budget 570)" -m "not cuda" -v "${parallel[@]}" "${files[@]}"
+  XML=1 run_pytest suite "$(budget 570)" -m "not cuda" -v "${parallel[@]}" "${files[@]}"
   grep -E "^(FAILED|ERROR)" "$out/suite.log" 2>/dev/null | head -n 40
 }
 
 tests() {
   smoke
-  # The GPU tier alone first and on one process: it is what this session exists for.
-  run_pytest cuda "$(budget 270)" -m cuda -v
-  grep -E "^(FAILED|ERROR)" "$out/cuda.log" 2>/dev/null | head -n 40
+  # What this session exists for first, on one process, each step's log and XML kept as they
+  # come: the Triton kernels compiled (no interpreter on a GPU host), then test_cuda.py's
+  # CPU-vs-CUDA checks, then the rest of the cuda tier without the shared-GPU contract test
+  # (its own call: `contract`), then the rest of the suite in the time left.
+  run_pytest triton "$(budget 120)" -v tests/test_triton_sparse.py tests/test_triton_adafactor.py
+  run_pytest cuda_checks "$(budget 150)" -v tests/test_cuda.py
+  run_pytest cuda "$(budget 200)" -m cuda -v \
+    --ignore=tests/test_triton_sparse.py --ignore=tests/test_triton_adafactor.py \
+    --ignore=tests/test_sharding_contract.py --ignore=tests/test_cuda.py
+  grep -hE "^(FAILED|ERROR)" "$out"/triton.log "$out"/cuda_checks.log "$out"/cuda.log 2>/dev/null | head -n 40
   suite
 }
 
+contract() {
+  # Six tests (2 and 3 ranks x three parts of the cases), each run_on_ranks under 240 s.
+  run_pytest contract "$(budget 560)" -v tests/test_sharding_contract.py -m cuda
+  grep -E "^(FAILED|ERROR)" "$out/contract.log" 2>/dev/null | head -n 40
+}
+
 bench() {
-  # Kernels: configs A, B, C (written after each config), no DLRM here.
-  limited "$(budget 330)" python3 benchmarks/bench_gpu.py \
+  # Kernels: config DLRM (power-law ids; small, so first) then A, B, C, each row written as it
+  # is measured; no DLRM step here.
+  limited "$(budget 330)" python3 benchmarks/bench_gpu.py --configs DLRM,A,B,C \
     --out "$out/kernels.json" --dlrm-dims >> "$out/bench.log" 2>&1
   say "kernels: exit $?"
   # DLRM Criteo shape: recopt vs TorchRec (when .gpu/whl brought it), dims 64/128 x 2048/16384.
@@ -114,8 +166,12 @@ bench() {
   for f in kernels dlrm uvm; do [ -f "$out/$f.md" ] && cat "$out/$f.md"; done
 }
 
+# Sourced (tests/test_gpu_session.py): define the functions only.
+if [ "${BASH_SOURCE[0]}" != "$0" ]; then return 0; fi
+
 case $mode in
-  tests | bench | suite | smoke) setup && "$mode" ;;
-  *) echo "usage: $0 tests|bench|suite|smoke" >&2; exit 2 ;;
+  check) check; exit $? ;;
+  tests | contract | bench | suite | smoke) setup && "$mode" ;;
+  *) echo "usage: $0 check|tests|contract|bench|suite|smoke" >&2; exit 2 ;;
 esac
 say "done in $(($(date +%s) - start)) s"

@@ -77,6 +77,48 @@ def all_to_all_flat(
     return recv
 
 
+def start_all_to_all_counts(send_W_C: Tensor, group: ProcessGroup | None) -> tuple[Tensor, Any]:
+    """`all_to_all_counts`, started without waiting: ``(recv, work)``, as
+    `start_all_to_all_flat`."""
+    send = send_W_C.contiguous()
+    recv = torch.empty_like(send)
+    if dist.get_world_size(group) == 1:
+        recv.copy_(send)
+        return recv, None
+    return recv, dist.all_to_all_single(recv, send, group=group, async_op=True)
+
+
+def start_all_to_all_flat(
+    send: Tensor, send_splits: list[int], recv_splits: list[int], group: ProcessGroup | None
+) -> tuple[Tensor, Any]:
+    """`all_to_all_flat`, started without waiting (a pipeline overlaps it with a step).
+
+    Returns:
+        ``(recv, work)``: ``recv`` holds the result once `wait` on ``work`` has returned
+        (``work`` is None when there is nothing to wait for: one rank).
+    """
+    assert send.dim() == 1 and send.numel() == sum(send_splits), (send.shape, send_splits)
+    recv = send.new_empty(sum(recv_splits))
+    if dist.get_world_size(group) == 1:
+        recv.copy_(send)
+        return recv, None
+    work = dist.all_to_all_single(
+        recv,
+        send.contiguous(),
+        output_split_sizes=recv_splits,
+        input_split_sizes=send_splits,
+        group=group,
+        async_op=True,
+    )
+    return recv, work
+
+
+def wait(work: Any, timeout: datetime.timedelta) -> None:
+    """Wait for a started collective (``None``: nothing to wait for), at most ``timeout``."""
+    if work is not None:
+        _wait(work, timeout)
+
+
 class OutputExchange(torch.autograd.Function):
     """Pooled outputs to their source ranks, and the data-parallel rows of this rank.
 
@@ -283,6 +325,7 @@ def init_process_group(
     init_method: str | None = None,
     rank: int = -1,
     world_size: int = -1,
+    store_prefix: str = "",
 ) -> None:
     """Initialise the default process group for ranks computing on ``device``.
 
@@ -293,12 +336,30 @@ def init_process_group(
         init_method: rendezvous URL (None: torchrun's environment variables).
         rank: this rank (-1: from the environment).
         world_size: number of ranks (-1: from the environment).
+        store_prefix: a namespace for the group's keys in the rendezvous store, different
+            for each attempt of a job that restarts on the same store (torchrun
+            ``--max-restarts`` keeps its store: ``attempt<TORCHELASTIC_RESTART_COUNT>/``).
+            Without it a restarted rank can read a dead peer's address, left in the store
+            by the previous attempt, and its gloo connect times out.
     """
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if not store_prefix:
+        dist.init_process_group(
+            backend or default_backend(device),
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+        return
+    store, rank, world_size = next(
+        dist.rendezvous(init_method or "env://", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
     dist.init_process_group(
         backend or default_backend(device),
-        init_method=init_method,
+        store=dist.PrefixStore(store_prefix, store),
         rank=rank,
         world_size=world_size,
         timeout=timeout,
@@ -465,6 +526,24 @@ def all_gather_object(obj: Any, group: ProcessGroup | None) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def all_gather_bytes(
+    data: bytes, group: ProcessGroup | None, timeout: datetime.timedelta
+) -> list[bytes]:
+    """Every rank's ``data``, rank order: the lengths, then the padded bytes (two all-gathers
+    of CPU tensors, each bounded by ``timeout``; the group must serve CPU tensors: gloo)."""
+    world = dist.get_world_size(group)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    work = dist.all_gather(lengths, torch.tensor([len(data)]), group=group, async_op=True)
+    _wait(work, timeout)
+    size = max(int(n.item()) for n in lengths)
+    mine = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = [torch.zeros(size, dtype=torch.uint8) for _ in range(world)]
+    _wait(dist.all_gather(parts, mine, group=group, async_op=True), timeout)
+    return [p[: int(n.item())].numpy().tobytes() for p, n in zip(parts, lengths, strict=True)]
 
 
 def barrier(group: ProcessGroup | None, timeout: datetime.timedelta) -> None:

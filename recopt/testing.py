@@ -5,15 +5,21 @@ the host (gloo moves CUDA tensors and, like NCCL, refuses CPU tensors in such a 
 multi-GPU logic runs on a single GPU. Every rank gets a `file://` rendezvous in a private
 temporary directory (no port races) and a timeout on its process group; the parent collects
 each rank's return value or traceback and kills the group as soon as one rank fails, so a
-failure surfaces as that error, not a hang.
+failure surfaces as that error, not a hang. The ranks are killed whatever ends the call (an
+exception, pytest's timeout, Ctrl-C) and die with the parent process (Linux), so none holds a
+GPU or cores once its test is over. Ranks get ``cpu_count // (world_size * xdist workers)``
+torch threads each.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import pickle
 import queue
+import signal
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -39,8 +45,10 @@ def _rank_main(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     backend: str,
+    threads: int,
 ) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    _die_with_parent()
+    torch.set_num_threads(threads)
     try:
         device = torch.device("cpu")
         if "cuda" in backend or "nccl" in backend:  # ranks spread over the GPUs, or share one
@@ -92,29 +100,58 @@ def run_on_ranks(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    threads = rank_threads(world_size, os.cpu_count(), os.environ.get("PYTEST_XDIST_WORKER_COUNT"))
     with tempfile.TemporaryDirectory(prefix="recopt-ranks-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
+        rank_args = (world_size, init_file, timeout_s, results, fn, args, backend, threads)
         procs = [
-            ctx.Process(
-                target=_rank_main,
-                args=(rank, world_size, init_file, timeout_s, results, fn, args, backend),
-                daemon=True,
-            )
+            ctx.Process(target=_rank_main, args=(rank, *rank_args), daemon=True)
             for rank in range(world_size)
         ]
-        for p in procs:
-            p.start()
-        reports = _collect(procs, results, world_size, timeout_s, grace_s)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=10)
+        try:
+            for p in procs:
+                p.start()
+            reports = _collect(procs, results, world_size, timeout_s, grace_s)
+        finally:  # also on pytest's timeout or Ctrl-C: no rank may outlive this call
+            _kill(procs)
     failures = [
         f"rank {r}: {msg}" for r, (status, msg) in sorted(reports.items()) if status != "ok"
     ]
     if failures:
         raise RankFailure(f"{len(failures)} of {world_size} ranks failed:\n" + "\n".join(failures))
     return [pickle.loads(reports[r][1]) for r in range(world_size)]
+
+
+def rank_threads(world_size: int, cpu_count: int | None, xdist_workers: str | None) -> int:
+    """Torch threads per rank: the cores shared by the ranks of this call and, under
+    pytest-xdist (``PYTEST_XDIST_WORKER_COUNT``), by every worker's ranks; at least 1."""
+    workers = int(xdist_workers) if xdist_workers and xdist_workers.isdigit() else 1
+    return max(1, (cpu_count or 1) // (world_size * max(1, workers)))
+
+
+def _kill(procs: list[Any]) -> None:
+    """Kills the ranks still alive and reaps all of them (ranks never started are skipped)."""
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            p.kill()
+    for p in procs:
+        if p.pid is not None:
+            p.join(timeout=10)
+
+
+def _die_with_parent() -> None:
+    """On Linux, ask the kernel to kill this rank when its parent dies, so ranks do not outlive
+    a parent killed without running its ``finally`` (pytest-timeout's thread method exits at
+    once; a SIGKILL). Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(1)
 
 
 def _collect(

@@ -89,7 +89,7 @@ def _torchrec_style_on_rank(rank: int, world: int, folder: str) -> list[float]:
 
 def test_torchrec_style_loop_learns_on_two_ranks(tmp_path: pathlib.Path) -> None:
 
-    results = run_on_ranks(_torchrec_style_on_rank, 2, str(tmp_path / "ckpt"), timeout_s=300)
+    results = run_on_ranks(_torchrec_style_on_rank, 2, str(tmp_path / "ckpt"), timeout_s=270)
     for losses in results:
         assert len(losses) == 42 and _learns(losses[:40])
         assert losses[40] == losses[41]  # saved, then loaded back after one more step

@@ -136,7 +136,7 @@ def _all_reads(
 
 @pytest.mark.multiprocess
 def test_sharded_step_reads_the_host_once_beyond_the_checks() -> None:
-    reports = run_on_ranks(_all_reads, 2, timeout_s=300)
+    reports = run_on_ranks(_all_reads, 2, timeout_s=270)
     for rank, report in enumerate(reports):
         assert len(report) == len(CASES) * 2
         for (kind, backend, n, guarded), (forward, backward) in report.items():
@@ -186,7 +186,7 @@ def test_deferred_id_check_rejects_a_negative_id_before_routing_it() -> None:
 
 
 if __name__ == "__main__":
-    for rank, report in enumerate(run_on_ranks(_all_reads, 2, timeout_s=600)):
+    for rank, report in enumerate(run_on_ranks(_all_reads, 2, timeout_s=270)):
         for case, (forward, backward) in report.items():
             print(rank, case, len(forward), len(backward))
             for r in forward + backward:

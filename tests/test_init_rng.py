@@ -7,6 +7,8 @@ random streams put back afterwards (`rng_unchanged`) and draw the weights themse
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -36,6 +38,26 @@ def test_rng_unchanged_puts_the_stream_back() -> None:
     with rng_unchanged(torch.device("cpu")):
         torch.rand(100)
     assert torch.equal(torch.rand(4), expected)
+
+
+@pytest.mark.parametrize(("device", "want"), [("cuda", [2]), ("cuda:1", [1]), ("cpu", [])])
+def test_rng_unchanged_forks_the_gpu_the_device_means(
+    device: str, want: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A rank on GPU 2 (torch.cuda.set_device(2)) builds on a bare "cuda": that GPU's stream
+    # is the one to put back, not GPU 0's. No GPU here: the fork is recorded, not run.
+    forked: list[list[int]] = []
+
+    @contextlib.contextmanager
+    def fork_rng(devices: list[int], device_type: str) -> Iterator[None]:
+        forked.append(list(devices))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.random, "fork_rng", fork_rng)
+    with rng_unchanged(torch.device(device)):
+        pass
+    assert forked == [want]
 
 
 def test_fused_collection_weights_do_not_depend_on_the_backend() -> None:

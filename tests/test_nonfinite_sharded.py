@@ -137,7 +137,7 @@ def test_non_finite_gradient_on_one_rank_skips_every_rank(world: int) -> None:
 
 @pytest.mark.cuda
 def test_non_finite_gradient_on_one_rank_skips_every_rank_on_a_gpu() -> None:
-    run_on_ranks(_one_rank_bad, 2, "cuda", timeout_s=300, backend="cuda:gloo")
+    run_on_ranks(_one_rank_bad, 2, "cuda", timeout_s=270, backend="cuda:gloo")
 
 
 def _without_skip(rank: int, world: int) -> None:

@@ -5,6 +5,7 @@ All on CPU: the topology describes a GPU with a small fake HBM.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,35 @@ def test_resident_bytes_per_placement() -> None:
     ada = workload("adagrad")
     assert resident_bytes(ROWS, DIM, ada, UVM) == (0, 2 * weights)
     assert resident_bytes(ROWS, DIM, ada, CACHED) == (cache, 2 * weights)
+
+
+@pytest.mark.parametrize("name", ["row_wise_adam", "row_wise_lamb"])
+def test_uvm_row_wise_adam_keeps_only_its_row_state_in_hbm(name: str) -> None:
+    # Issue 23's example: fbgemm keeps the [rows] second moment on the device and the
+    # [rows, dim] first moment in UVM with the weights, so 50M x 128 needs ~0.19 GiB of HBM
+    # (counting the first moment too made it 24 GiB).
+    rows, dim = 50_000_000, 128
+    hbm, host = resident_bytes(rows, dim, workload(name), UVM)
+    assert hbm == 4 * rows and hbm / GIB == pytest.approx(0.186, abs=0.001)
+    assert host == 4 * rows * dim * 2  # weights and exp_avg
+    cache = math.ceil(0.2 * rows) * (4 * dim + CACHE_SLOT_BYTES)
+    assert resident_bytes(rows, dim, workload(name), CACHED) == (cache + 4 * rows, host)
+    # On the device everything is in HBM; plain Adam's two [rows, dim] moments stay in UVM.
+    assert resident_bytes(rows, dim, workload(name), DEVICE) == (host + 4 * rows, 0)
+    assert resident_bytes(rows, dim, workload("adam"), UVM) == (0, 3 * 4 * rows * dim)
+
+
+def test_a_uvm_row_wise_adam_table_larger_than_hbm_is_planned() -> None:
+    big = table("big", 50_000_000, 128)
+    forced = {"big": ParameterConstraints(placements=(UVM,))}
+    adam = FusedOptimizerConfig(name="row_wise_adam")
+    placements, planner = plan_placements(
+        gpu(1024), [big], constraints=forced, default_optimizer=adam
+    )
+    assert placements == {"big": UVM}
+    stats = planner.stats
+    assert stats is not None and stats.rank_bytes[0] <= stats.usable_bytes
+    assert stats.rank_host_bytes[0] == 2 * 4 * 50_000_000 * 128
 
 
 def test_bytes_per_value_scales_the_resident_bytes() -> None:

@@ -404,5 +404,5 @@ def _resume_on_ranks(rank: int, world: int, root: str) -> list[str]:
 
 @pytest.mark.multiprocess
 def test_sharded_collection_resumes_bit_identically_on_two_ranks(tmp_path: Path) -> None:
-    for rank_problems in run_on_ranks(_resume_on_ranks, 2, str(tmp_path), timeout_s=300):
+    for rank_problems in run_on_ranks(_resume_on_ranks, 2, str(tmp_path), timeout_s=270):
         assert rank_problems == []

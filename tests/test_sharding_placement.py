@@ -92,4 +92,4 @@ def _compare(rank: int, world: int) -> bool:
 
 @pytest.mark.cuda
 def test_cuda_placed_shards_train_equal_to_shards_in_hbm() -> None:
-    assert run_on_ranks(_compare, 2, timeout_s=300, backend="cuda:gloo") == [True, True]
+    assert run_on_ranks(_compare, 2, timeout_s=270, backend="cuda:gloo") == [True, True]

@@ -6,6 +6,7 @@ without Triton); the ``cuda`` test compares the compiled kernel on a GPU with th
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import pytest
@@ -53,6 +54,33 @@ def _train(kernel: RecoptTableBatchedEmbedding, weighted: bool, steps: int) -> N
         kernel(ids.to(device), offsets.to(device), psw).backward(grad)
 
 
+def _power_law_ids(gen: torch.Generator, rows: torch.Tensor) -> torch.Tensor:
+    """One id per entry of ``rows`` (its table's size), P(k) ~ 1 / (k + 1), as the DLRM
+    script's synthetic ids: id 0 takes about a quarter of a 25-row table's ids."""
+    u = torch.rand(rows.numel(), generator=gen, dtype=torch.float64)
+    ids = torch.pow(rows + 1.0, u).floor().long() - 1
+    return torch.minimum(ids.clamp(min=0), rows - 1)
+
+
+def _train_hot(kernel: RecoptTableBatchedEmbedding, steps: int) -> list[int]:
+    """Power-law ids, hundreds of copies of t0's hottest row; returns its copies per step."""
+    gen = torch.Generator().manual_seed(11)
+    device = kernel.split_embedding_weights()[0].device
+    table_rows = torch.repeat_interleave(torch.tensor([25, 12, 25]), 6)  # f0, f1, f2 x 6 bags
+    hottest = []
+    for _ in range(steps):
+        lengths = torch.randint(40, 120, (3 * 6,), generator=gen)
+        ids = _power_law_ids(gen, torch.repeat_interleave(table_rows, lengths))
+        f1 = slice(int(lengths[:6].sum()), int(lengths[:12].sum()))
+        t0_ids = torch.cat([ids[: f1.start], ids[f1.stop :]])  # f0 and f2 share t0
+        hottest.append(int(torch.bincount(t0_ids).max()))
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        grad = torch.randn(6, 28, generator=gen).to(device)
+        psw = torch.rand(ids.numel(), generator=gen).to(device)
+        kernel(ids.to(device), offsets.to(device), psw).backward(grad)
+    return hottest
+
+
 def _assert_same(a: RecoptTableBatchedEmbedding, b: RecoptTableBatchedEmbedding) -> None:
     for wa, wb in zip(a.split_embedding_weights(), b.split_embedding_weights(), strict=True):
         torch.testing.assert_close(wa.cpu(), wb.cpu(), rtol=1e-5, atol=1e-6)
@@ -85,6 +113,27 @@ def test_triton_update_equals_the_torch_path(
         _assert_same(with_triton, reference)
 
 
+@pytest.mark.parametrize(
+    ("name", "chunk"), [*((name, 64) for name in OPTIMIZERS), ("adagrad", 3), ("row_wise_adam", 3)]
+)
+def test_a_hot_id_across_chunks_equals_the_torch_path(
+    name: str, chunk: int, interpreted: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Runs of one id span many chunks (3: nearly every run crosses one; 64: the default, the
+    # hottest row's ~200 copies span several) and chunks lie wholly inside one run.
+    config = FusedOptimizerConfig(name=name, lr=0.05, weight_decay=0.1, maximize=True)
+    reference = _kernel(config, PoolingType.MEAN, "cpu")
+    hottest = _train_hot(reference, 2)
+    assert min(hottest) > 2 * 64
+    update = functools.partial(interpreted.sparse_update, chunk=chunk)
+    with monkeypatch.context() as patch:
+        patch.setattr(RecoptTableBatchedEmbedding, "_triton_update_fn", lambda self, g: update)
+        patch.setattr(updates, "apply_update", _must_not_run)
+        with_triton = _kernel(config, PoolingType.MEAN, "cpu")
+        _train_hot(with_triton, 2)
+    _assert_same(with_triton, reference)
+
+
 def _must_not_run(*args: object, **kwargs: object) -> None:
     raise AssertionError("the torch update ran; the Triton kernel should have")
 
@@ -114,6 +163,24 @@ def test_recopt_kernel_on_cuda_uses_triton_and_equals_the_cpu_kernel(name: str) 
             dst.copy_(src)
     _train(on_cpu, True, 4)
     _train(on_gpu, True, 4)
+    _assert_same(on_gpu, on_cpu)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_compiled_kernel_with_a_hot_id_equals_the_cpu_kernel(name: str) -> None:
+    pytest.importorskip("triton")
+    config = FusedOptimizerConfig(name=name, lr=0.05, weight_decay=0.01)
+    on_cpu = _kernel(config, PoolingType.SUM, "cpu")
+    on_gpu = _kernel(config, PoolingType.SUM, "cuda")
+    assert on_gpu._triton_update_fn(torch.zeros(1, device="cuda")) is not None
+    with torch.no_grad():
+        for src, dst in zip(
+            on_cpu.split_embedding_weights(), on_gpu.split_embedding_weights(), strict=True
+        ):
+            dst.copy_(src)
+    assert min(_train_hot(on_cpu, 2)) > 2 * 64  # the hottest row spans several chunks
+    _train_hot(on_gpu, 2)
     _assert_same(on_gpu, on_cpu)
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from dlrm_config import TrainingConfig
+from dlrm_memory import check_host_memory, host_ranks
 from torch import nn
 
 from recopt.data import CriteoClickLog, SyntheticClickLog
@@ -53,16 +54,29 @@ class RunEnv:
 # ---------------------------------------------------------------------------------------------
 
 
-def build_model(config: TrainingConfig, device: torch.device) -> DLRM:
-    """The unsharded model: fused embedding bags + DLRM / DCNv2 dense part, seeded."""
+def build_model(
+    config: TrainingConfig, device: torch.device, *, embeddings_on_meta: bool = False
+) -> DLRM:
+    """The unsharded model: fused embedding bags + DLRM / DCNv2 dense part, seeded.
+
+    Args:
+        config: the run.
+        device: where the dense part (and, unless on meta, the tables) is built.
+        embeddings_on_meta: build the tables on the meta device (no memory): the
+            model-parallel wrapper then allocates only this rank's shards (`shard_model`).
+    """
     torch.manual_seed(config.training.seed)
     ebc = FusedEmbeddingBagCollection(
         config.embedding.tables,
         optimizer=config.embedding.optimizer,
-        device=device,
+        device=torch.device("meta") if embeddings_on_meta else device,
         table_placements=config.embedding.placements,
     )
-    return DLRM(ebc, config.model).to(device)
+    model = DLRM(ebc, config.model)
+    for child in model.children():
+        if child is not ebc:
+            child.to(device)
+    return model
 
 
 def shard_model(model: DLRM, config: TrainingConfig, env: RunEnv) -> nn.Module:
@@ -94,6 +108,16 @@ def shard_model(model: DLRM, config: TrainingConfig, env: RunEnv) -> nn.Module:
     plan = plan_collectively(
         planner, {"embedding_bags": list(config.embedding.tables)}, timeout=timeout
     )
+    if env.device.type == "cpu":  # on CUDA the planner fitted the plan to the GPUs' memory
+        dense = [m for name, m in model.named_children() if name != "embedding_bags"]
+        check_host_memory(
+            plan["embedding_bags"],
+            config.embedding.tables,
+            config.embedding.optimizer,
+            nn.ModuleList(dense),
+            host_ranks(env.rank, env.local_world_size, env.world_size),
+            timeout,
+        )
     return DistributedModelParallel(model, plan=plan, device=env.device, timeout=timeout)
 
 

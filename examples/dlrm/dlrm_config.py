@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,9 @@ from recopt.sharding.planner.constraints import placement_from_value
 DATA_SOURCES = ("synthetic", "criteo")
 DENSE_OPTIMIZERS = ("adagrad", "adam", "sgd")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
+# training.num_threads above this many per core only oversubscribes (and a huge count crashed
+# torch's thread pool with a segfault).
+MAX_THREADS_PER_CORE = 4
 
 
 def default_tables() -> tuple[EmbeddingBagConfig, ...]:
@@ -129,6 +133,16 @@ class ClippingSection:
     max_gradient: float = 10.0
     norm_type: float = 2.0
 
+    def __post_init__(self) -> None:
+        if not (self.max_gradient >= 0 and math.isfinite(self.max_gradient)):
+            raise ValueError(
+                f"clipping.max_gradient must be finite and >= 0, got {self.max_gradient}; e.g. 10.0"
+            )
+        if not self.norm_type > 0:  # inf is valid: the max norm
+            raise ValueError(
+                f"clipping.norm_type must be > 0 (or inf for the max norm), got {self.norm_type}"
+            )
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CriteoSection:
@@ -177,6 +191,9 @@ class LoopSection:
     90k samples/s).
     ``max_consecutive_nonfinite``: stop with an error after this many steps in a row whose
     loss or gradient was NaN/inf (each is skipped: nothing is updated); 0 never stops.
+    ``pipeline``: train with recopt's TrainPipelineSparseDist (batch i+1's ids distributed
+    and batch i+2 copied during batch i's step; the same result; its phase times are logged
+    as ``pipeline_<phase>_ms``); false: the plain loop.
     ``timeout_s`` bounds every collective. ``matmul_precision`` is torch's float32 matmul
     precision: ``highest`` (exact fp32), or ``medium`` (bfloat16 products where torch calls
     MKL/oneDNN matmul; see docs/dlrm.md for what it gains next to ``model.use_onednn``).
@@ -193,6 +210,7 @@ class LoopSection:
     plot: bool = True
     matmul_precision: str = "highest"
     max_consecutive_nonfinite: int = 5
+    pipeline: bool = True
 
     def __post_init__(self) -> None:
         if self.matmul_precision not in MATMUL_PRECISIONS:
@@ -212,6 +230,13 @@ class LoopSection:
                 raise ValueError(
                     f"training.{name} must be >= {low}, got {getattr(self, name)}{hint}"
                 )
+        most_threads = MAX_THREADS_PER_CORE * (os.cpu_count() or 1)
+        if self.num_threads > most_threads:
+            raise ValueError(
+                f"training.num_threads {self.num_threads} is more than {MAX_THREADS_PER_CORE} "
+                f"per core of this machine's {os.cpu_count()} cores; use at most {most_threads}, "
+                "or 0 to give each rank its share of the cores"
+            )
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise ValueError(
                 f"training.timeout_s must be finite and > 0 (seconds each collective may take), "

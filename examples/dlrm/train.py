@@ -24,6 +24,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from dlrm_agree import check_same_config  # noqa: E402
 from dlrm_build import (  # noqa: E402
     RunEnv,
     build_data,
@@ -42,10 +44,12 @@ from dlrm_build import (  # noqa: E402
 )
 from dlrm_config import TrainingConfig, fault_tolerant_config, load_config  # noqa: E402
 from dlrm_nonfinite import NonFiniteSteps  # noqa: E402
+from dlrm_pipeline import build_pipeline, phase_milliseconds  # noqa: E402
 from dlrm_report import MetricsLog, ProgressBar, plot_curves  # noqa: E402
+from dlrm_resume import check_writable_root, find_resume_point  # noqa: E402
 
 from recopt import comm  # noqa: E402
-from recopt.checkpoint import CheckpointManager  # noqa: E402
+from recopt.checkpoint import CheckpointManager, load, read_manifest  # noqa: E402
 from recopt.data import Batch  # noqa: E402
 from recopt.data.prefetch import DevicePrefetcher  # noqa: E402
 from recopt.ft.launch import (  # noqa: E402
@@ -61,6 +65,20 @@ def default_threads(env: RunEnv) -> int:
     """This machine's cores shared among the ranks on it (torchrun's LOCAL_WORLD_SIZE)."""
     local_ranks = env.local_world_size or env.world_size
     return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+
+
+def poison_if_nonfinite(loss: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """``loss``, or ``loss * nan`` when it or the dense input holds NaN/inf.
+
+    A NaN in one sample's dense input need not reach the loss or the embedding gradients
+    (a fused ReLU maps it to 0), yet it makes the first dense layer's gradient NaN: clipping
+    then skips the dense step while the fused tables, updated in backward, would step. Scaled
+    by NaN, every gradient of the step is NaN: the fused gate skips the tables on every rank
+    (it decides for all), clipping skips the dense step. No host read: the factor is chosen
+    on the device.
+    """
+    finite = torch.isfinite(loss.detach()) & torch.isfinite(dense).all()
+    return loss * torch.where(finite, 1.0, float("nan")).to(loss.dtype)
 
 
 def _env_from_environ() -> RunEnv:
@@ -87,10 +105,11 @@ class Trainer:
         model: nn.Module,
         ft_config: ManagerConfig | None = None,
         *,
-        resume: bool = False,
+        resume: bool | str = False,
         overwrite_checkpoints: bool = False,
     ) -> None:
         self.config = config
+        self.resume_from = resume if isinstance(resume, str) else None  # --resume PATH
         self.env = env
         self.model = model
         self.base_optimizer = build_optimizer(model, config)  # what checkpoints hold
@@ -109,8 +128,17 @@ class Trainer:
                 sync_embeddings=ft.sync_embeddings,
             )
             self.optimizer = self.ft.optimizer
-        # On a GPU the next batch is pinned and copied on a side stream during this step.
-        self.train_data = DevicePrefetcher(build_data(config, env, "train"), env.device)
+        # Pipelined (default): batch i+1's ids are distributed and batch i+2 copied while
+        # batch i trains; `train_data` is then the position after the last batch trained.
+        # Plain loop: on a GPU the next batch is pinned and copied on a side stream.
+        self.pipeline = None
+        if config.training.pipeline:
+            self.train_source = build_data(config, env, "train")
+            self.pipeline, self.train_data = build_pipeline(
+                model, self.optimizer, self.train_source, env.device, config.training.timeout_s
+            )
+        else:
+            self.train_data = DevicePrefetcher(build_data(config, env, "train"), env.device)
         self.metrics = click_metrics().to(env.device)
         self.loss_mean = torchmetrics.MeanMetric().to(env.device)
         self.window_finite_steps = 0  # steps in the metrics window that were not skipped
@@ -125,6 +153,7 @@ class Trainer:
         )
         self.step = 0
         self.samples = 0  # training samples all ranks consumed (continues across resumes)
+        self.saved_step = 0  # the step of the newest checkpoint (loaded or written)
         out = config.training.output_dir
         self.log = MetricsLog(os.path.join(out, "metrics.jsonl")) if env.is_main else None
         self.bar = ProgressBar(config.training.steps) if env.is_main else None
@@ -137,26 +166,51 @@ class Trainer:
             )
         # PLUG-IN (checkpoints): atomic step_<N> directories, the newest `keep` kept.
         ckpt = config.checkpoint
+        root = ckpt.dir or os.path.join(out, "checkpoints")
+        check_writable_root(Path(root))  # e.g. recopt-reshard's output: --resume it instead
         self.checkpoints = CheckpointManager(
-            ckpt.dir or os.path.join(out, "checkpoints"),
+            root,
             keep_last=ckpt.keep,
             timeout=datetime.timedelta(seconds=config.training.timeout_s),
-            resume=resume,
+            resume=bool(resume),
             overwrite=overwrite_checkpoints,
         )
 
     def resume(self) -> None:
-        """Loads the newest checkpoint (weights, optimizer, data position, step), if any."""
+        """Loads the newest finite checkpoint of the run's directory, or of ``--resume PATH``
+        (a step folder is loaded as it is): weights, optimizer, data position and step.
+
+        Raises:
+            ValueError: ``--resume PATH`` names no checkpoint, or only NaN/inf ones.
+        """
         self.base_optimizer.init_state()  # lazily created state must exist to be loaded in place
-        found = self.checkpoints.load_latest(
-            self.model, self.base_optimizer, extra={"data": self.train_data}
-        )
-        if found is None:
-            self._say("--resume: no checkpoint yet, starting from step 0")
+        source = Path(self.resume_from) if self.resume_from else self.checkpoints.root
+        point = find_resume_point(source)
+        if point is None:
+            if self.resume_from:
+                raise ValueError(
+                    f"--resume {source}: no checkpoint there (neither a checkpoint with its "
+                    f"manifest.json nor a folder of complete step_<N> checkpoints); name a "
+                    "step folder, a checkpoints folder, or give --resume alone"
+                )
+            self._say(f"--resume: no checkpoint yet in {source}, starting from step 0")
             return
-        self.step = int(found[1]["step"])
-        self.samples = int(found[1].get("samples", 0))
-        self._say(f"resumed from step {self.step} ({self.samples} samples seen)")
+        if point.skipped_nonfinite:
+            names = ", ".join(p.name for p in point.skipped_nonfinite)
+            self._say(f"--resume: skipped {names} (NaN/inf weights or optimizer state)")
+        timeout = datetime.timedelta(seconds=self.config.training.timeout_s)
+        extras = load(
+            point.path,
+            self.model,
+            self.base_optimizer,
+            extra={"data": self.train_data},
+            timeout=timeout,
+        )
+        manifest_step = read_manifest(point.path).step
+        self.step = int(extras.get("step", manifest_step or 0))
+        self.saved_step = self.step if point.path.parent == self.checkpoints.root else -1
+        self.samples = int(extras.get("samples", 0))
+        self._say(f"resumed from step {self.step} ({self.samples} samples seen) of {point.path}")
 
     def save(self) -> None:
         self.checkpoints.save(
@@ -165,6 +219,7 @@ class Trainer:
             self.base_optimizer,
             extra={"data": self.train_data, "step": self.step, "samples": self.samples},
         )
+        self.saved_step = self.step
 
     def train_step(self, batch: Batch) -> None:
         self.model.train()
@@ -173,8 +228,13 @@ class Trainer:
         self.optimizer.zero_grad()
         logits = self.model(batch.dense, batch.sparse)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-        loss.backward()  # the embedding rows are updated here, by the fused optimizer
+        # the embedding rows are updated here, by the fused optimizer
+        poison_if_nonfinite(loss, batch.dense).backward()
         self.optimizer.step()
+        self.step_done(loss, logits, batch.labels)
+
+    def step_done(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """After a step: the NaN/inf bookkeeping, then the window's metrics."""
         ft_error = self.ft.manager.errored() if self.ft is not None else None
         if self.nonfinite.step_done(self.step + 1, ft_error):  # raises after too many
             if self.nonfinite.in_a_row == 1:
@@ -185,8 +245,8 @@ class Trainer:
             return  # a NaN loss or logit would spoil the window's metrics
         self.window_finite_steps += 1
         with torch.no_grad():
-            self.metrics.update(torch.sigmoid(logits), batch.labels.long())
-            self.loss_mean.update(loss.detach(), weight=batch.labels.numel())
+            self.metrics.update(torch.sigmoid(logits), labels.long())
+            self.loss_mean.update(loss.detach(), weight=labels.numel())
 
     def run(self) -> dict[str, float]:
         """Trains to ``training.steps``; returns the last validation metrics."""
@@ -195,14 +255,13 @@ class Trainer:
         last_val: dict[str, float] = {}
         validated_at = -1
         batches = self._batches() if self.step < cfg.steps else iter(())  # resumed at the end
-        for batch in batches:
-            self.train_step(batch)  # already on the device (DevicePrefetcher)
+        for samples in batches:
             committed = self.step + 1 if self.ft is None else self.ft.manager.current_step()
             if committed == self.step:
                 continue  # dropped by the replica groups' vote: nothing changed
             self.step = committed  # a heal may jump ahead to the peer's step
-            window_samples += batch.labels.numel() * self.env.world_size
-            self.samples += batch.labels.numel() * self.env.world_size
+            window_samples += samples * self.env.world_size
+            self.samples += samples * self.env.world_size
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                 rate = window_samples / max(time.perf_counter() - window_start, 1e-9)
                 self._report_train(rate)
@@ -215,6 +274,8 @@ class Trainer:
                 break
         if validated_at != self.step:  # the data ran out before training.steps
             last_val = self.validate()
+        if self.config.checkpoint.every and self.saved_step != self.step:
+            self.save()  # the steps after the last scheduled checkpoint are kept too
         if self.bar is not None:
             self.bar.close()
         if self.ft is not None:
@@ -231,9 +292,22 @@ class Trainer:
             json.dump({"step": self.step, "sha256": digest}, f)
         self._say(f"fault tolerance: step {self.step}, state sha256 {digest[:16]}")
 
-    def _batches(self) -> Iterator[Batch]:
-        """Training batches until the data ends, in lockstep across ranks."""
-        yield from self.train_data
+    def _batches(self) -> Iterator[int]:
+        """Trains batches until the data ends, in lockstep across ranks; yields each one's
+        sample count after its step."""
+        if self.pipeline is None:
+            for batch in self.train_data:  # already on the device (DevicePrefetcher)
+                self.train_step(batch)
+                yield batch.labels.numel()
+        else:
+            while True:
+                self.model.train()
+                try:
+                    loss, logits, labels = self.pipeline.progress(self.train_source)
+                except StopIteration:
+                    break
+                self.step_done(loss, logits, labels)
+                yield labels.numel()
         if self.step < self.config.training.steps:
             epochs = self.config.training.epochs
             self._say(
@@ -253,6 +327,8 @@ class Trainer:
         if self.log is not None and self.bar is not None:
             record = {**values, "samples_per_s": samples_per_s, "samples": self.samples}
             record["skipped_nonfinite"] = self.nonfinite.total
+            if self.pipeline is not None:  # per step, this window
+                record.update(phase_milliseconds(self.pipeline))
             self.log.write(self.step, "train", record)
             shown = {k: values[k] for k in ("loss", "auc", "ne") if k in values}
             self.bar.update(self.step, samples_per_s, shown, skipped=self.nonfinite.total)
@@ -317,7 +393,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="override a config key, e.g. --set training.steps=100 (repeatable)",
     )
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="PATH",
+        help="continue from the newest finite checkpoint of the run's checkpoint directory, or "
+        "of PATH: a step folder (e.g. recopt-reshard's output) or a checkpoints folder",
+    )
     parser.add_argument(
         "--overwrite-checkpoints",
         action="store_true",
@@ -336,7 +420,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def train(
     config: TrainingConfig,
     env: RunEnv,
-    resume: bool = False,
+    resume: bool | str = False,
     ft_config: ManagerConfig | None = None,
     overwrite_checkpoints: bool = False,
 ) -> dict[str, float]:
@@ -345,7 +429,8 @@ def train(
     Args:
         config: the run.
         env: this process's rank and device.
-        resume: continue from the newest checkpoint.
+        resume: continue from the newest finite checkpoint (True), or from a path: a step
+            folder or a checkpoints folder.
         ft_config: this replica group's fault-tolerance manager settings, or None.
         overwrite_checkpoints: replace another run's checkpoints in the checkpoint directory
             (without it, or ``resume``, such a directory is refused).
@@ -362,9 +447,13 @@ def train(
                 "--fault-tolerant)"
             )
         config = fault_tolerant_config(config)
+    check_same_config(config, datetime.timedelta(seconds=config.training.timeout_s))
     torch.set_num_threads(config.training.num_threads or default_threads(env))
     torch.set_float32_matmul_precision(config.training.matmul_precision)
-    model = shard_model(build_model(config, env.device), config, env)
+    # On N ranks the tables are built on the meta device: each rank allocates its shards only.
+    model = shard_model(
+        build_model(config, env.device, embeddings_on_meta=env.world_size > 1), config, env
+    )
     trainer = Trainer(
         config,
         env,
@@ -397,8 +486,12 @@ def main(argv: list[str] | None = None) -> int:
         timeout = datetime.timedelta(seconds=config.fault_tolerance.timeout_s)
         ft_config = manager_config_from_env(os.environ, timeout=timeout)
     if env.world_size > 1:  # on CUDA: NCCL, and gloo beside it for CPU-side collectives
+        # torchrun --max-restarts keeps its store across attempts: each attempt its own keys.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         comm.init_process_group(
-            env.device, timeout=datetime.timedelta(seconds=config.training.timeout_s)
+            env.device,
+            timeout=datetime.timedelta(seconds=config.training.timeout_s),
+            store_prefix=f"recopt/attempt{attempt}/",
         )
     elif env.device.type == "cuda":
         torch.cuda.set_device(env.device)

@@ -38,6 +38,19 @@ class Batch(NamedTuple):
             self.position,
         )
 
+    def pin_memory(self) -> Batch:
+        """The batch with every tensor in page-locked host memory (for asynchronous copies).
+
+        The sparse part goes through ``KeyedJaggedTensor.pin_memory``, which keeps every field
+        (a variable batch's ``stride_per_key_per_rank`` and ``inverse_indices`` included).
+        """
+        return Batch(
+            self.dense.pin_memory(),
+            self.sparse.pin_memory(),
+            self.labels.pin_memory(),
+            self.position,
+        )
+
 
 class BatchIterator(Protocol):
     """An iterator of batches whose position can be saved and restored exactly."""

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from recopt.data.batch import Batch, BatchIterator
-from recopt.sparse import KeyedJaggedTensor
 
 
 class DevicePrefetcher:
@@ -78,24 +77,8 @@ class DevicePrefetcher:
 
 def pin_batch(batch: Batch) -> Batch:
     """The batch with every tensor in page-locked host memory (so copies can be asynchronous)."""
-    sparse = batch.sparse
-    weights = sparse.weights_or_none()
-    return Batch(
-        batch.dense.pin_memory(),
-        KeyedJaggedTensor(
-            keys=sparse.keys(),
-            values=sparse.values().pin_memory(),
-            weights=None if weights is None else weights.pin_memory(),
-            lengths=sparse.lengths().pin_memory(),
-            stride=sparse.stride(),
-        ),
-        batch.labels.pin_memory(),
-        batch.position,
-    )
+    return batch.pin_memory()
 
 
 def _tensors(batch: Batch) -> list[torch.Tensor]:
-    sparse = batch.sparse
-    weights = sparse.weights_or_none()
-    found = [batch.dense, batch.labels, sparse.values(), sparse.lengths()]
-    return found if weights is None else [*found, weights]
+    return [batch.dense, batch.labels, *batch.sparse.tensors()]

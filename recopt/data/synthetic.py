@@ -1,9 +1,10 @@
 """A synthetic click log with a planted signal: ids follow a power law, labels a hidden model.
 
-Every batch is a pure function of (seed, split, global batch index), generated with vectorised
-torch ops, so ranks split the stream without talking (each step, rank r of N takes global batch
-G + r, where G counts the global batches all ranks consumed before it) and a resumed run, with
-the same or another number of ranks, continues at global batch G: nothing repeated or skipped.
+Every batch is a pure function of (seed, model_seed, split, global batch index), generated
+with vectorised torch ops, so ranks split the stream without talking (each step, rank r of N
+takes global batch G + r, where G counts the global batches all ranks consumed before it) and a
+resumed run, with the same or another number of ranks, continues at global batch G: nothing
+repeated or skipped.
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ class SyntheticConfig:
         signal: scale of the hidden model's logit (0 makes labels pure noise).
         signal_features: how many sparse features the hidden model reads (the first ones).
         ctr_bias: bias of the hidden logit; negative values make clicks rarer.
-        seed: seeds both the hidden model and the stream.
+        seed: seeds the stream (which samples are drawn); streams with different seeds
+            are different samples of the same hidden model.
+        model_seed: seeds the hidden model (the planted weights and id effects the labels
+            follow); keep it equal across runs (or fault-tolerant replica groups) that
+            should learn the same thing.
     """
 
     num_dense: int = 13
@@ -46,6 +51,7 @@ class SyntheticConfig:
     signal_features: int = 8
     ctr_bias: float = -1.0
     seed: int = 0
+    model_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.num_dense < 1:
@@ -55,8 +61,13 @@ class SyntheticConfig:
                 f"data.min_ids_per_bag ({self.min_ids_per_bag}) and data.max_ids_per_bag "
                 f"({self.max_ids_per_bag}) need 0 <= min <= max and max >= 1"
             )
-        if not self.zipf_exponent > 0:
-            raise ValueError(f"data.zipf_exponent must be > 0, got {self.zipf_exponent}")
+        for name, value, ok, rule in (
+            ("zipf_exponent", self.zipf_exponent, self.zipf_exponent > 0, " and > 0 (e.g. 1.1)"),
+            ("signal", self.signal, self.signal >= 0, " and >= 0 (0: labels are pure noise)"),
+            ("ctr_bias", self.ctr_bias, True, " (e.g. -1.0)"),
+        ):
+            if not (ok and math.isfinite(value)):
+                raise ValueError(f"data.synthetic.{name} must be finite{rule}, got {value}")
 
 
 def _hash_unit(ids: torch.Tensor, salt: int) -> torch.Tensor:
@@ -131,8 +142,9 @@ class SyntheticClickLog:
         self._init_hidden_model()
 
     def _init_hidden_model(self) -> None:
-        """Draws the hidden model's weights from the seed alone (the same on every rank)."""
-        gen = torch.Generator().manual_seed(self.config.seed)
+        """Draws the hidden model's weights from ``model_seed`` alone (the same on every rank
+        and for every stream ``seed``)."""
+        gen = torch.Generator().manual_seed(self.config.model_seed)
         num_signal = min(self.config.signal_features, len(self.keys))
         self._dense_weights = torch.zeros(self.config.num_dense)
         num_dense_signal = min(4, self.config.num_dense)
@@ -221,7 +233,7 @@ class SyntheticClickLog:
     ) -> torch.Tensor:
         """Mean hidden id effect of each bag, [F*B] (0 for an empty bag)."""
         salts = torch.repeat_interleave(
-            torch.arange(len(self.keys)) * 7919 + self.config.seed,
+            torch.arange(len(self.keys)) * 7919 + self.config.model_seed,
             torch.tensor(length_per_key),
         )
         effects = _hash_unit(values * 131 + salts, 17)

@@ -7,6 +7,7 @@ planner. Which optimizers exist, their state and defaults: kernels/registry.py.
 from __future__ import annotations
 
 import enum
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -188,6 +189,11 @@ class FusedOptimizerConfig:
                 raise ValueError(
                     f"fused optimizer {self.name!r}: {field_name} should be {rule} but is "
                     f"{value}; pass a value {rule}"
+                )
+            if not math.isfinite(value):  # an inf lr or eps passes its range check
+                raise ValueError(
+                    f"fused optimizer {self.name!r}: {field_name} should be finite but is "
+                    f"{value}; pass a finite value {rule}"
                 )
 
     @property

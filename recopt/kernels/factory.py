@@ -153,6 +153,10 @@ def resolve_backend(
         return BackendDecision(backend=Backend.FBGEMM, reason="explicit")
     if optimizer.backend == Backend.RECOPT:
         return BackendDecision(backend=Backend.RECOPT, reason="explicit")
+    if device.type == "meta":
+        # A placeholder (build on meta, then shard): nothing can be measured on meta, and the
+        # sharded module resolves its own kernels on the real device.
+        return BackendDecision(backend=Backend.RECOPT, reason="meta device: nothing measured")
     request = auto_candidates(tables, optimizer, device, feature_table_map)
     assert request is not None  # AUTO
     return default_resolver().resolve(request[0], optimizer, request[1])
@@ -237,6 +241,12 @@ def rng_unchanged(device: torch.device) -> Iterator[None]:
     choice was cached. Modules build their kernels inside this, then initialise the weights
     themselves, so one seed gives the same weights whatever backend runs.
     """
-    devices = [device.index or 0] if device.type == "cuda" else []
+    devices = [cuda_index(device)] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type="cuda"):
         yield
+
+
+def cuda_index(device: torch.device) -> int:
+    """The GPU ``device`` means: its index, or for a bare ``cuda`` the current device (a rank
+    that called ``torch.cuda.set_device(r)`` builds on GPU r, not on GPU 0)."""
+    return device.index if device.index is not None else torch.cuda.current_device()

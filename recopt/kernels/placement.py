@@ -8,10 +8,11 @@ table trains to the same values wherever it lives. Only fbgemm's CUDA kernel rea
 from __future__ import annotations
 
 import enum
+import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 # fbgemm's default, and TorchRec's: a fifth of the table's rows cached in HBM.
 DEFAULT_CACHE_LOAD_FACTOR = 0.2
@@ -142,3 +143,24 @@ def combined_cache_load_factor(rows: Sequence[int], placements: Sequence[Placeme
     if not total:
         return DEFAULT_CACHE_LOAD_FACTOR
     return sum(n * f for n, f in cached) / total
+
+
+def fbgemm_uvm_arguments(
+    tbe_class: Callable[..., Any], tables: Sequence[PlacedTable]
+) -> dict[str, bool]:
+    """Extra arguments for fbgemm's TBE so that its UVM is host memory mapped into the GPU.
+
+    By default fbgemm allocates UVM with ``cudaMallocManaged``; asking for more managed memory
+    than the card has free can hang the GPU, and the planner places tables larger than HBM
+    in UVM on purpose. ``uvm_host_mapped=True`` (fbgemm >= 1.0: ``malloc`` +
+    ``cudaHostRegister``) keeps the rows in pinned host memory the GPU reads directly, never
+    migrated into HBM. Returned only when some table is off the device and ``tbe_class``
+    takes the argument (empty otherwise, so an older fbgemm is called as before).
+    """
+    if all(t.placement.on_device for t in tables):
+        return {}
+    try:
+        parameters = inspect.signature(tbe_class).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"uvm_host_mapped": True} if "uvm_host_mapped" in parameters else {}

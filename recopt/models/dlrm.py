@@ -227,10 +227,10 @@ class DLRM(nn.Module):
         pooled = self.embedding_bags(sparse)
         pooled_B_FD = _in_order(pooled, self.feature_names)
         if self.config.interaction == "dot":
-            batch = dense_B_D.shape[0]
-            vectors_B_N_D = torch.cat([dense_B_D, pooled_B_FD], dim=1).view(
-                batch, -1, dense_B_D.shape[1]
-            )
+            batch, dim = dense_B_D.shape
+            # The vector count is explicit: an empty batch (B = 0) has no size to infer it from.
+            num_vectors = 1 + pooled_B_FD.shape[1] // dim
+            vectors_B_N_D = torch.cat([dense_B_D, pooled_B_FD], dim=1).view(batch, num_vectors, dim)
             top_in = torch.cat([dense_B_D, self.interaction(vectors_B_N_D)], dim=1)
         else:
             top_in = self.interaction(torch.cat([dense_B_D, pooled_B_FD], dim=1))

@@ -110,6 +110,7 @@ class FusedLinear(nn.Linear):
             and x.dtype == torch.float32
             and self.weight.dtype == torch.float32
             and x.dim() == 2
+            and x.shape[0] > 0  # oneDNN's backward product has no descriptor for B = 0
         ):
             result: torch.Tensor = _OneDnnLinear.apply(
                 x.contiguous(), self.weight, self.bias, self.activation

@@ -28,9 +28,17 @@ from recopt.sharding.plan_validation import validate_plan
 from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 from recopt.sharding.sharded_embedding_collection import ShardedEmbeddingCollection
 from recopt.sharding.state import full_tensor
+from recopt.sharding.train_pipeline import (
+    EvalPipelineSparseDist,
+    TrainedPosition,
+    TrainPipelineSparseDist,
+)
 
 __all__ = [
     "DistributedModelParallel",
+    "EvalPipelineSparseDist",
+    "TrainPipelineSparseDist",
+    "TrainedPosition",
     "RemoteInputError",
     "ShardedEmbeddingBagCollection",
     "ShardedEmbeddingCollection",

@@ -32,6 +32,9 @@ from recopt.modules.id_map_lookup import (
     unmapped_check,
 )
 from recopt.modules.inputs import FeatureLayout, PendingCheck
+from recopt.modules.variable_batch import regular_batch
+from recopt.sharding.input_dist import Bucketizer, start_count_exchange
+from recopt.sharding.input_stage import DistributedInput
 from recopt.sharding.layout import GroupLayout, ShardedLayout
 from recopt.sparse import KeyedJaggedTensor
 
@@ -105,6 +108,34 @@ class ShardedIdMaps:
             return None, None, None
         prepared, check = layout.prepare_deferred(mapped.features, is_weighted, selected=True)
         return mapped, prepared, check
+
+    def start_distribution(
+        self,
+        features: KeyedJaggedTensor,
+        layout: FeatureLayout,
+        is_weighted: bool,
+        bucketizer: Bucketizer,
+        training: bool,
+    ) -> DistributedInput:
+        """`input_stage.start_distribution` with the mapped ids rewritten to rows first."""
+        prepared: KeyedJaggedTensor | None = None
+        check: PendingCheck | None = None
+        index_F_B: torch.Tensor | None = None
+        error: ValueError | None = None
+        mapped: MappedBatch | None = None
+        try:
+            regular, index_F_B = regular_batch(features, layout.feature_names)
+            mapped, prepared, check = self.prepare(regular, layout, is_weighted, training)
+        except ValueError as e:
+            error = e
+            if mapped is None and prepared is None:  # the other ranks' id gather needs us
+                self.prepare(None, layout, is_weighted, training)
+        counts = start_count_exchange(
+            prepared, error, bucketizer, is_weighted, self._pg, self._rank, check
+        )
+        started = DistributedInput(features, prepared, index_F_B, counts)
+        started.mapped = mapped
+        return started
 
     def remap(
         self, features: KeyedJaggedTensor | None, layout: FeatureLayout, training: bool

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from recopt.comm import all_to_all_counts, all_to_all_flat
+from recopt.comm import start_all_to_all_counts, start_all_to_all_flat, wait
 from recopt.modules.inputs import PendingCheck
 from recopt.sparse import KeyedJaggedTensor
 
@@ -331,6 +331,33 @@ def _dp_part(
     return padded.reshape(-1), dp_ids, dp_w
 
 
+@dataclass(slots=True)
+class InputInFlight:
+    """A distribution whose id all-to-all was started and not yet waited for."""
+
+    out: ReceivedInput  # batch sizes and counts filled; the tensors once `wait` returns
+    recv: Tensor
+    work: Any
+    recv_splits: list[int]
+    n_mp_lengths: int
+    n_dp_lengths: int
+    weighted: bool
+
+    def wait(self, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> ReceivedInput:
+        """Finish the id all-to-all (at most ``timeout``) and split what arrived."""
+        if not self.out.mp_lengths and not self.out.dp_lengths:
+            wait(self.work, timeout)
+            _unpack(
+                self.out,
+                self.recv,
+                self.recv_splits,
+                self.n_mp_lengths,
+                self.n_dp_lengths,
+                self.weighted,
+            )
+        return self.out
+
+
 def distribute_input(
     features: KeyedJaggedTensor | None,
     error: BaseException | None,
@@ -339,8 +366,24 @@ def distribute_input(
     group: dist.ProcessGroup | None,
     rank: int,
     check: PendingCheck | None = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> ReceivedInput:
-    """Exchange counts, then lengths + ids (+ weights) with every rank: two collectives.
+    """`start_count_exchange`, then the id exchange, waiting for both."""
+    counts = start_count_exchange(features, error, bucketizer, weighted, group, rank, check)
+    return counts.start_ids(timeout).wait(timeout)
+
+
+def start_count_exchange(
+    features: KeyedJaggedTensor | None,
+    error: BaseException | None,
+    bucketizer: Bucketizer,
+    weighted: bool,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    check: PendingCheck | None = None,
+) -> CountExchange:
+    """Route this rank's ids and start the count exchange; `CountExchange.start_ids` then
+    starts the lengths + ids (+ weights) exchange: two collectives.
 
     The one host read of the step's input: the counts this rank sends and the counts it
     received, read together after the count exchange (the id check's flag rides in it too).
@@ -357,9 +400,9 @@ def distribute_input(
             when the ids were checked already.
 
     Returns:
-        What this rank received.
+        The count exchange in flight.
 
-    Raises:
+    `CountExchange.start_ids` raises:
         The local ``error`` (or the check's ``InvalidIdError`` / ``NonFiniteWeightError``) on
         the rank whose input was rejected; `RemoteInputError` naming the rejected ranks on
         every other rank. Nothing is sent past the count exchange then.
@@ -373,8 +416,45 @@ def distribute_input(
     else:
         routed = bucketizer.bucketize(features)
         _fill_counts(counts, bucketizer, features, routed[2], check)
-    recv = all_to_all_counts(counts, group)
-    sent, received = torch.stack([counts, recv]).tolist()  # the one read of the exchange
+    recv, work = start_all_to_all_counts(counts, group)
+    return CountExchange(
+        counts, recv, work, features, error, check, routed, bucketizer, weighted, group, rank
+    )
+
+
+@dataclass(slots=True)
+class CountExchange:
+    """A distribution whose count exchange was started (`start_count_exchange`)."""
+
+    counts: Tensor
+    recv: Tensor
+    work: Any
+    features: KeyedJaggedTensor | None
+    error: BaseException | None
+    check: PendingCheck | None
+    routed: tuple[Tensor, Tensor | None, Tensor] | None
+    bucketizer: Bucketizer
+    weighted: bool
+    group: dist.ProcessGroup | None
+    rank: int
+
+    def start_ids(self, timeout: datetime.timedelta) -> InputInFlight:
+        """Read the counts (waiting at most ``timeout``) and start the id exchange.
+
+        Raises:
+            See `start_count_exchange`.
+        """
+        wait(self.work, timeout)
+        sent, received = torch.stack([self.counts, self.recv]).tolist()  # the one read
+        return _start_ids(self, sent, received)
+
+
+def _start_ids(
+    exchange: CountExchange, sent: list[list[int]], received: list[list[int]]
+) -> InputInFlight:
+    features, error, check = exchange.features, exchange.error, exchange.check
+    bucketizer, routed, weighted = exchange.bucketizer, exchange.routed, exchange.weighted
+    group, rank = exchange.group, exchange.rank
     bad = [s for s, row in enumerate(received) if row[_FLAG]]
     if error is not None:
         raise error
@@ -410,10 +490,9 @@ def distribute_input(
         n_vf * max_batch + n_dp + factor * (sum(mp) + sum(dp))
         for mp, dp in zip(mp_counts, dp_counts, strict=True)
     ]
-    recv_flat = all_to_all_flat(send, send_splits, recv_splits, group)
+    recv_flat, work = start_all_to_all_flat(send, send_splits, recv_splits, group)
     out = ReceivedInput(batch_sizes, max_batch, [], [], [], [], [], [], mp_counts, dp_counts)
-    _unpack(out, recv_flat, recv_splits, n_vf * max_batch, n_dp, weighted)
-    return out
+    return InputInFlight(out, recv_flat, work, recv_splits, n_vf * max_batch, n_dp, weighted)
 
 
 def _mp_counts(bucketizer: Bucketizer, row: list[int], dest: int) -> list[int]:

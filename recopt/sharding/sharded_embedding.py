@@ -35,18 +35,17 @@ from recopt.kernels.factory import create_kernel, rng_unchanged
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
 from recopt.modules.id_map_lookup import MappedBatch, mean_scale
-from recopt.modules.inputs import PendingCheck
 from recopt.modules.nonfinite import NonFiniteGradGuard, backward_if_given, finite_flag
-from recopt.modules.variable_batch import expand_rows, regular_batch
+from recopt.modules.variable_batch import expand_rows
 from recopt.optim.fused import FusedOptimizerModule
 from recopt.sharding.id_map_sharded import ShardedIdMaps
 from recopt.sharding.input_dist import (
     Bucketizer,
     KernelInput,
     ReceivedInput,
-    distribute_input,
     segment_transpose,
 )
+from recopt.sharding.input_stage import DistributedInput, PrefetchQueue, start_distribution
 from recopt.sharding.layout import GroupLayout, ShardedLayout
 from recopt.sharding.output_assembly import OutputAssembly
 from recopt.sharding.plan import ParameterSharding, PlanError, ShardingPlan
@@ -193,6 +192,9 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 self.device,
                 timeout,
             )
+        self._prefetched: PrefetchQueue[DistributedInput] = PrefetchQueue(
+            f"{type(self).__name__} {module_path!r}"
+        )
 
     def _kernel_request(self, group: GroupLayout) -> KernelRequest:
         specs = []
@@ -300,29 +302,9 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 rank's is. Every rank raises, before anything is looked up or updated.
         """
         start = time.perf_counter()
-        prepared: KeyedJaggedTensor | None = None
-        check: PendingCheck | None = None
-        error: ValueError | None = None
-        index_F_B: Tensor | None = None
-        mapped: MappedBatch | None = None
-        try:
-            features, index_F_B = regular_batch(features, self._layout.features.feature_names)
-            if self._id_maps is not None:
-                mapped, prepared, check = self._id_maps.prepare(
-                    features, self._layout.features, self.is_weighted, self.training
-                )
-            else:
-                # The id check's answer rides in the count exchange: no read of its own.
-                prepared, check = self._layout.features.prepare_deferred(features, self.is_weighted)
-        except ValueError as e:
-            error = e
-            if self._id_maps is not None and mapped is None and prepared is None:
-                # the other ranks' id gather needs this rank
-                self._id_maps.prepare(None, self._layout.features, self.is_weighted, self.training)
-        received = distribute_input(
-            prepared, error, self._bucketizer, self.is_weighted, self._pg, self._rank, check
-        )
-        assert prepared is not None
+        started = self._prefetched.take(features) or self.start_input_dist(features)
+        prepared, index_F_B, received = started.wait(self._timeout)
+        mapped: MappedBatch | None = started.mapped
         start = self._record("input_dist", start)
         self._lr_sync.apply(self._state.optimizer.param_groups)
         gated = self._gated()
@@ -372,6 +354,35 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         """Per id-mapped table: occupancy, new ids, evictions, admissions of the last step
         (the same on every rank: each steps a replica of the map with the global batch)."""
         return {} if self._id_maps is None else self._id_maps.maps.stats()
+
+    def start_input_dist(self, features: KeyedJaggedTensor) -> DistributedInput:
+        """Start distributing ``features`` (a collective: every rank calls it together).
+
+        A rejected input is not raised here: `DistributedInput.wait` raises it, on every rank.
+        """
+        if self._id_maps is not None:
+            return self._id_maps.start_distribution(
+                features, self._layout.features, self.is_weighted, self._bucketizer, self.training
+            )
+        return start_distribution(
+            features,
+            self._layout.features,
+            self.is_weighted,
+            self._bucketizer,
+            self._pg,
+            self._rank,
+        )
+
+    def use_prefetched(self, started: DistributedInput) -> None:
+        """Have the next ``forward(started.features)`` consume ``started`` instead of
+        distributing its input itself (what a pipeline does with a batch distributed ahead)."""
+        self._prefetched.push(started)
+
+    def unused_prefetched(self) -> int:
+        """Queued distributions no forward consumed; clears them."""
+        count = self._prefetched.pending()
+        self._prefetched.clear()
+        return count
 
     def _record(self, phase: str, start: float) -> float:
         now = time.perf_counter()

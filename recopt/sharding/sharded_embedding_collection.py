@@ -7,9 +7,9 @@ own features to its own stride; the engine already pads ranks to the largest bat
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -28,9 +28,25 @@ from recopt.modules.unpooled import (
     select_lookups,
 )
 from recopt.optim.fused import FusedOptimizerModule
+from recopt.sharding.input_stage import DistributedInput, PrefetchQueue
 from recopt.sharding.plan import ParameterSharding
 from recopt.sharding.sharded_embedding import AGREE_TIMEOUT, ShardedEmbeddingBagCollection
 from recopt.sparse import JaggedTensor, KeyedJaggedTensor
+
+
+@dataclass(slots=True)
+class StartedLookups:
+    """One batch's lookups selected and their distribution started (see `start_input_dist`)."""
+
+    features: KeyedJaggedTensor
+    selected: KeyedJaggedTensor | None
+    bags: KeyedJaggedTensor | None
+    engine_input: DistributedInput
+    error: ValueError | None  # this rank's own error, clearer than the engine's
+
+    def advance(self, timeout: datetime.timedelta) -> None:
+        """Start the id all-to-all (`DistributedInput.advance`)."""
+        self.engine_input.advance(timeout)
 
 
 class _OneIdBagShards(ShardedEmbeddingBagCollection):
@@ -97,6 +113,10 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors
         self.__dict__["_engine"] = engine  # out of the module tree: state goes through it
         self.device = engine.device
         self._layout = FeatureLayout(self.tables)
+        self._timeout = timeout
+        self._prefetched: PrefetchQueue[StartedLookups] = PrefetchQueue(
+            f"{type(self).__name__} {module_path!r}"
+        )
 
     @property
     def _bags(self) -> _OneIdBagShards:
@@ -154,20 +174,42 @@ class ShardedEmbeddingCollection(nn.Module, FusedOptimizerModule, TableAccessors
             InvalidIdError / ValueError: this rank's input is bad; `RemoteInputError`: another
                 rank's is. Every rank raises, before anything is looked up or updated.
         """
+        started = self._prefetched.take(features) or self.start_input_dist(features)
+        if started.error is not None:
+            started.advance(self._timeout)  # read the count exchange with the other ranks
+            raise started.error
+        assert started.selected is not None and started.bags is not None
+        selected = started.selected
+        self._bags.use_prefetched(started.engine_input)
+        pooled = self._bags(started.bags)
+        dims = self._layout.dims
+        return rows_per_feature(pooled.values(), selected, dims, self._need_indices)
+
+    def start_input_dist(self, features: KeyedJaggedTensor) -> StartedLookups:
+        """Select the lookups of ``features`` and start distributing them (a collective).
+
+        A rejected input is not raised here but by the forward that consumes the result.
+        """
         self._bags.training = self.training  # the engine is outside the module tree
         try:
             selected = select_lookups(features, self._layout)
             bags = one_id_bags(selected)
-        except ValueError:
+        except ValueError as e:
             # The engine refuses the raw input too (its features are the lookups) and shares
             # that verdict with the other ranks, so no rank is left waiting in a collective;
             # this rank then raises its own, clearer error.
-            with contextlib.suppress(ValueError):
-                self._bags(features)
-            raise
-        pooled = self._bags(bags)
-        dims = self._layout.dims
-        return rows_per_feature(pooled.values(), selected, dims, self._need_indices)
+            return StartedLookups(features, None, None, self._bags.start_input_dist(features), e)
+        return StartedLookups(features, selected, bags, self._bags.start_input_dist(bags), None)
+
+    def use_prefetched(self, started: StartedLookups) -> None:
+        """Have the next ``forward(started.features)`` consume ``started``."""
+        self._prefetched.push(started)
+
+    def unused_prefetched(self) -> int:
+        """Queued distributions no forward consumed; clears them."""
+        count = self._prefetched.pending() + self._bags.unused_prefetched()
+        self._prefetched.clear()
+        return count
 
     def _save_to_state_dict(
         self, destination: dict[str, Any], prefix: str, keep_vars: bool

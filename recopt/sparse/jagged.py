@@ -297,7 +297,8 @@ def _pad(
         desired_length = int(lengths.max()) if lengths.numel() else 0
     num_bags = lengths.numel()
     out = values.new_full((num_bags, desired_length, *values.shape[1:]), padding)
-    bag = torch.repeat_interleave(torch.arange(num_bags, device=values.device), lengths)
+    bags = torch.arange(num_bags, device=values.device)
+    bag = torch.repeat_interleave(bags, lengths, output_size=values.shape[0])  # no device read
     position = torch.arange(values.shape[0], device=values.device) - exclusive_cumsum(lengths)[bag]
     keep = position < desired_length
     out[bag[keep], position[keep]] = values[keep]

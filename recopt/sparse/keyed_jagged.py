@@ -493,11 +493,16 @@ class KeyedJaggedTensor:
         """Returns a copy in pinned host memory."""
         return map_tensors(self, lambda t: t.pin_memory())
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held (values, weights, lengths, offsets, inverse indices, if present)."""
+        inverse = None if self._inverse_indices is None else self._inverse_indices[1]
+        found = (self._values, self._weights, self._lengths, self._offsets, inverse)
+        return [tensor for tensor in found if tensor is not None]
+
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         """Marks every tensor as used by ``stream`` (see ``torch.Tensor.record_stream``)."""
-        for tensor in (self._values, self._weights, self._lengths, self._offsets):
-            if tensor is not None:
-                tensor.record_stream(stream)
+        for tensor in self.tensors():
+            tensor.record_stream(stream)
 
     def __str__(self) -> str:
         """TorchRec's readable form: each key's bags (and weights) as nested lists."""

@@ -17,9 +17,9 @@ from recopt.sharding.planner.constraints import TableWorkload
 from recopt.sharding.planner.storage import (
     FLOAT_BYTES,
     ID_BYTES,
+    hbm_state_bytes,
     ids_to_shard,
     state_bytes,
-    state_in_hbm,
 )
 from recopt.sharding.planner.topology import Topology
 
@@ -141,16 +141,19 @@ def _memory_seconds(
     each byte at the speed of the memory it is in."""
     hbm = 1.0 / topology.memory_bandwidth
     table = row_seconds_per_byte(placement, workload, topology)
-    state = hbm if state_in_hbm(placement, workload) else 1.0 / topology.uvm_bandwidth
     pooled = FLOAT_BYTES * bags * cols
     row_bytes = workload.weight_bytes * cols
-    state_row_bytes = state_bytes(rows, cols, workload) / rows
+    # A state row's bytes, each at the speed of the memory it is in (per-row states of a UVM
+    # table in HBM, the [rows, dim] ones in UVM: `hbm_state_bytes`).
+    hbm_state_row = hbm_state_bytes(rows, cols, workload, placement) / rows
+    host_state_row = state_bytes(rows, cols, workload) / rows - hbm_state_row
+    state_seconds = hbm_state_row * hbm + host_state_row / topology.uvm_bandwidth
     # Forward: gather one row per id, write the pooled output.
     fwd = ids * row_bytes * table + pooled * hbm
     # Backward: read the output gradient, write a gradient row per id, then the fused update
     # reads and writes each touched row and its state.
     bwd = (pooled + ids * FLOAT_BYTES * cols) * hbm  # gradient rows: float32 whatever the weights
-    bwd += ids * 2 * (row_bytes * table + state_row_bytes * state)
+    bwd += ids * 2 * (row_bytes * table + state_seconds)
     return fwd, bwd
 
 

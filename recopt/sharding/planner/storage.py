@@ -14,7 +14,7 @@ import math
 
 from recopt.kernels.config import optimizer_state_floats
 from recopt.kernels.placement import DEVICE, Location, Placement
-from recopt.kernels.registry import optimizer_spec
+from recopt.kernels.registry import StateShape, optimizer_spec
 from recopt.sharding.plan import ShardingType
 from recopt.sharding.planner.constraints import TableWorkload
 
@@ -22,6 +22,7 @@ FLOAT_BYTES = 4  # pooled outputs and gradient rows: float32 (weights and state:
 ID_BYTES = 8  # ids and lengths: int64 (the KeyedJaggedTensor layout)
 # fbgemm's cache keeps, per slot, the row's index and its LRU time step (two int64).
 CACHE_SLOT_BYTES = 16
+PER_ROW = StateShape.PER_ROW
 
 
 def weight_bytes(num_rows: int, num_cols: int, workload: TableWorkload) -> int:
@@ -35,10 +36,20 @@ def state_bytes(num_rows: int, num_cols: int, workload: TableWorkload) -> int:
     return workload.state_bytes * floats
 
 
-def state_in_hbm(placement: Placement, workload: TableWorkload) -> bool:
-    """Whether the optimizer state is in HBM: always in device memory, and for row-wise
-    optimizers (one value per row) also in UVM, where fbgemm keeps it on the device."""
-    return placement.on_device or optimizer_spec(workload.optimizer.name).row_wise
+def hbm_state_bytes(
+    num_rows: int, num_cols: int, workload: TableWorkload, placement: Placement
+) -> int:
+    """Bytes of a shard's optimizer state in HBM: all of it in device memory; off the device,
+    only its per-row states (row-wise Adagrad's ``momentum1``, row-wise Adam's and LAMB's
+    ``exp_avg_sq``), which fbgemm keeps on the device for a UVM table, while the ``[rows, dim]``
+    ones (``exp_avg``, Adagrad's sum) stay in UVM with the weights (fbgemm's
+    ``construct_split_state``: a state goes to the device when its table does or it is row-wise).
+    """
+    if placement.on_device:
+        return state_bytes(num_rows, num_cols, workload)
+    states = optimizer_spec(workload.optimizer.name).states
+    per_row = sum(shape.floats(num_rows, num_cols) for _, shape in states if shape is PER_ROW)
+    return workload.state_bytes * per_row
 
 
 def cache_rows(num_rows: int, placement: Placement) -> int:
@@ -53,15 +64,16 @@ def resident_bytes(
 ) -> tuple[int, int]:
     """(HBM, host) bytes of a shard's weights, state and cache under ``placement``.
 
-    ``device``: weights and state in device memory. ``uvm``: weights (and element-wise state)
-    in host memory. ``uvm_caching``: the same, plus a cache of ``cache_load_factor`` of the rows
-    in HBM (a row of weights and `CACHE_SLOT_BYTES` per slot).
+    ``device``: weights and state in device memory. ``uvm``: weights and the ``[rows, dim]``
+    states in host memory, per-row states in HBM (`hbm_state_bytes`). ``uvm_caching``: the
+    same, plus a cache of ``cache_load_factor`` of the rows in HBM (a row of weights and
+    `CACHE_SLOT_BYTES` per slot).
     """
     weights = weight_bytes(num_rows, num_cols, workload)
     state = state_bytes(num_rows, num_cols, workload)
     if placement.on_device:
         return weights + state, 0
-    hbm_state = state if state_in_hbm(placement, workload) else 0
+    hbm_state = hbm_state_bytes(num_rows, num_cols, workload, placement)
     slots = cache_rows(num_rows, placement)
     cache = slots * (workload.weight_bytes * num_cols + CACHE_SLOT_BYTES)
     return cache + hbm_state, weights + state - hbm_state

@@ -1,0 +1,164 @@
+"""Shared pieces of the pipelined-training tests: a tiny model, its data, the plain loop.
+
+The plain loop (zero_grad, forward, backward, step per batch) is the reference every pipelined
+run is compared with, exactly: losses, outputs, weights and optimizer state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from recopt.data.batch import Batch
+from recopt.modules import EmbeddingBagConfig
+from recopt.sparse import KeyedJaggedTensor
+
+NUM_TABLES = 4
+NUM_ROWS = 40
+DIM = 12
+
+
+def tables() -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name=f"t{i}", num_embeddings=NUM_ROWS, embedding_dim=DIM, feature_names=[f"f{i}"]
+        )
+        for i in range(NUM_TABLES)
+    ]
+
+
+class TinyModel(nn.Module):
+    """``forward(batch) -> (loss, (loss, logits))``: pooled embeddings through a linear layer
+    (``dense=False``: their plain sum, no dense parameter)."""
+
+    def __init__(self, embedding: nn.Module, dense: bool = True) -> None:
+        super().__init__()
+        self.embedding_bags = embedding
+        self.top = nn.Linear(NUM_TABLES * DIM, 1) if dense else None
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        pooled = self.embedding_bags(batch.sparse).values()
+        logits = self.top(pooled).squeeze(1) if self.top is not None else pooled.sum(1)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, (loss.detach(), logits.detach())
+
+
+def make_batch(
+    rank: int, index: int, *, bad_id: bool = False, nan_label: bool = False, vbe: bool = False
+) -> Batch:
+    """Batch ``index`` of ``rank``: uneven batch sizes over ranks and steps, some empty bags."""
+    gen = torch.Generator().manual_seed(1000 * rank + index)
+    size = 4 + (rank + index) % 3
+    keys = [f"f{i}" for i in range(NUM_TABLES)]
+    if vbe:  # feature f0 has one bag for every two samples
+        return _vbe_batch(gen, size, keys, index)
+    lengths = torch.randint(0, 4, (NUM_TABLES * size,), generator=gen)
+    values = torch.randint(0, NUM_ROWS, (int(lengths.sum()),), generator=gen)
+    if bad_id:
+        values[-1] = NUM_ROWS + 3
+    labels = torch.randint(0, 2, (size,), generator=gen).float()
+    if nan_label:
+        labels[0] = float("nan")
+    sparse = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
+    return Batch(torch.zeros(size, 1), sparse, labels, index + 1)
+
+
+def _vbe_batch(gen: torch.Generator, size: int, keys: list[str], index: int) -> Batch:
+    strides = [(size + 1) // 2] + [size] * (NUM_TABLES - 1)
+    lengths = torch.randint(0, 4, (sum(strides),), generator=gen)
+    values = torch.randint(0, NUM_ROWS, (int(lengths.sum()),), generator=gen)
+    inverse = torch.stack([torch.arange(size) // 2] + [torch.arange(size)] * (NUM_TABLES - 1))
+    sparse = KeyedJaggedTensor(
+        keys=keys,
+        values=values,
+        lengths=lengths,
+        stride_per_key_per_rank=[[s] for s in strides],
+        inverse_indices=(keys, inverse),
+    )
+    labels = torch.randint(0, 2, (size,), generator=gen).float()
+    return Batch(torch.zeros(size, 1), sparse, labels, index + 1)
+
+
+class Batches:
+    """A resumable iterator over ``batches`` (a list), its position saved by `state_dict`."""
+
+    def __init__(self, batches: list[Batch]) -> None:
+        self.batches = batches
+        self.position = 0
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> Batch:
+        if self.position >= len(self.batches):
+            raise StopIteration
+        self.position += 1
+        return self.batches[self.position - 1]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+
+
+def plain_loop(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, batches: list[Batch]
+) -> list[Any]:
+    """The unpipelined reference: one step per batch; a batch that raises is skipped (its
+    exception type recorded in place of its output)."""
+    outputs: list[Any] = []
+    for batch in batches:
+        if optimizer is not None:
+            optimizer.zero_grad()
+        try:
+            loss, output = model(batch)
+        except ValueError as e:
+            outputs.append(type(e).__name__)
+            continue
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+        outputs.append(output)
+    return outputs
+
+
+def pipelined_loop(pipeline: Any, iterator: Any) -> list[Any]:
+    """`progress` until StopIteration; a step that raises is recorded like `plain_loop`."""
+    outputs: list[Any] = []
+    while True:
+        try:
+            outputs.append(pipeline.progress(iterator))
+        except StopIteration:
+            return outputs
+        except ValueError as e:
+            outputs.append(type(e).__name__)
+
+
+def local_tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor of a (sharded) state dict, flattened in key order; ShardedTensors as this
+    rank's shards."""
+    if isinstance(value, dict):
+        return [t for k in sorted(value, key=str) for t in local_tensors(value[k])]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in local_tensors(v)]
+    if hasattr(value, "local_shards"):
+        return [s.tensor.detach().clone().flatten() for s in value.local_shards()]
+    if isinstance(value, torch.Tensor):
+        return [value.detach().clone().flatten()]
+    return []
+
+
+def same(a: Any, b: Any) -> bool:
+    """Exact equality of nested outputs / tensor lists (NaN equal to NaN)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    if isinstance(a, list | tuple):
+        return (
+            isinstance(b, list | tuple)
+            and len(a) == len(b)
+            and all(same(x, y) for x, y in zip(a, b, strict=True))
+        )
+    return bool(a == b)
