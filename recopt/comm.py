@@ -287,6 +287,38 @@ def all_reduce(
     return tensor
 
 
+def all_gather_sized(
+    header: Tensor,
+    values: Tensor,
+    group: ProcessGroup | None,
+    timeout: datetime.timedelta,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Every rank's ``header`` (int64, the same length everywhere, ``header[0]`` the number
+    of ``values`` it sends) and its ``values`` (1-D, any count); two all-gathers.
+
+    Returns:
+        (headers, values): one entry per rank, in rank order, on ``values``' device.
+
+    Raises:
+        RuntimeError: a collective did not finish within ``timeout``.
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return [header], [values]
+    moved = _on_served_device(header, group)
+    headers = [torch.empty_like(moved) for _ in range(world)]
+    _wait(dist.all_gather(headers, moved, group=group, async_op=True), timeout)
+    counts = [int(h[0]) for h in headers]
+    padded = torch.zeros(max(1, *counts), dtype=values.dtype, device=moved.device)
+    padded[: values.numel()] = values
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    _wait(dist.all_gather(gathered, padded, group=group, async_op=True), timeout)
+    return (
+        [h.to(header.device) for h in headers],
+        [g[:n].to(values.device) for g, n in zip(gathered, counts, strict=True)],
+    )
+
+
 def all_ranks_finite(
     local_finite: Tensor, group: ProcessGroup | None, timeout: datetime.timedelta
 ) -> bool:

@@ -7,6 +7,7 @@ the model's sparse input. One case runs a sharded model on one rank.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import pytest
@@ -97,12 +98,15 @@ class _Rebuilds(TinyModel):
         return super().forward(batch._replace(sparse=sparse))
 
 
-def _sharded(cls: type[TinyModel]) -> tuple[Any, torch.optim.Optimizer]:
-    from recopt.modules import EmbeddingBagCollection
+def _sharded(cls: type[TinyModel], id_map: bool = False) -> tuple[Any, torch.optim.Optimizer]:
+    from recopt.modules import EmbeddingBagCollection, IdMapConfig
     from recopt.sharding import DistributedModelParallel
 
     torch.manual_seed(0)
-    dmp = DistributedModelParallel(cls(EmbeddingBagCollection(tables())))
+    configs = tables()
+    if id_map:
+        configs = [dataclasses.replace(t, id_map=IdMapConfig(policy="lru")) for t in configs]
+    dmp = DistributedModelParallel(cls(EmbeddingBagCollection(configs)))
     return dmp, torch.optim.SGD(dmp.parameters(), lr=0.1)
 
 
@@ -118,12 +122,18 @@ def _one_rank(rank: int, world: int) -> dict[str, Any]:
     model, optimizer = _sharded(TinyModel)
     outputs = pipelined_loop(TrainPipelineSparseDist(model, optimizer, "cpu"), iter(batches))
     equal = same(expected, outputs) and same(expected_state, _dmp_state(model))
+    result: dict[str, Any] = {"equal": equal, "rebuilds": None, "id_map": None}
     model, optimizer = _sharded(_Rebuilds)
     try:
         TrainPipelineSparseDist(model, optimizer, "cpu").progress(iter(batches))
     except ValueError as e:
-        return {"equal": equal, "rebuilds": str(e)}
-    return {"equal": equal, "rebuilds": None}
+        result["rebuilds"] = str(e)
+    model, optimizer = _sharded(TinyModel, id_map=True)
+    try:
+        TrainPipelineSparseDist(model, optimizer, "cpu")
+    except ValueError as e:
+        result["id_map"] = str(e)
+    return result
 
 
 @pytest.mark.multiprocess
@@ -134,3 +144,5 @@ def test_one_rank_sharded_and_a_model_that_rebuilds_its_input() -> None:
     # the pipeline says so and what to do.
     assert "another KeyedJaggedTensor" in result["rebuilds"]
     assert "sparse_input" in result["rebuilds"]
+    # Id-mapped tables remap when their batch is distributed (ahead, in a pipeline): refused.
+    assert "id_map" in result["id_map"] and "plain loop" in result["id_map"]

@@ -70,10 +70,18 @@ class FusedEmbeddingGuard(StepParticipant):
 
     Raises:
         ValueError: the module does not expose a table's weight under
-            ``embedding_bags.<table>.weight`` in its ``fused_optimizer``.
+            ``embedding_bags.<table>.weight`` in its ``fused_optimizer``, or it has id-mapped
+            tables (their map is not rolled back yet: docs/id_map.md).
     """
 
     def __init__(self, module: nn.Module, manager: StepTransaction | None = None) -> None:
+        mapped = [t.name for t in getattr(module, "tables", []) if getattr(t, "id_map", None)]
+        if mapped:
+            raise ValueError(
+                f"tables {mapped} have id_map, whose map fault tolerance does not roll back "
+                "on a dropped step yet (docs/id_map.md); train them without fault tolerance "
+                "or drop id_map"
+            )
         self._module = module
         self._skips_at_start = self._skipped_steps()
         self._snapshots: list[_Snapshot] = []

@@ -17,6 +17,7 @@ from recopt.modules.fused import (
     fuse_embedding_optimizer,
 )
 from recopt.modules.fused_embedding import FusedEmbeddingCollection
+from recopt.modules.id_map import IdMapConfig
 from recopt.modules.inputs import InvalidIdError, NonFiniteWeightError
 from recopt.modules.torch_optimizers import fused_config
 
@@ -31,6 +32,7 @@ __all__ = [
     "FusedEmbeddingBagCollection",
     "FusedEmbeddingCollection",
     "FusedOptimizerConfig",
+    "IdMapConfig",
     "InvalidIdError",
     "NonFiniteWeightError",
     "PoolingType",

@@ -17,6 +17,7 @@ import torch
 
 from recopt.kernels.config import PoolingType
 from recopt.kernels.precision import Precision, parse_precision
+from recopt.modules.id_map import IdMapConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,6 +39,8 @@ class BaseEmbeddingConfig:
             ``"bf16"`` (also ``"float16"``, ``torch.float16``, ...; stored as a `Precision`).
             Reduced-precision tables are updated in fp32 and stochastically rounded back
             (docs/kernels.md, "Reduced precision"); outputs (pooled or not) are fp32 either way.
+        id_map: make the table take any int64 id, each distinct id mapped to its own row
+            with eviction (`IdMapConfig`, docs/id_map.md); ``None``: ids are row numbers.
     """
 
     name: str
@@ -48,6 +51,7 @@ class BaseEmbeddingConfig:
     weight_init_max: float | None = None
     init_fn: Callable[[torch.Tensor], Any] | None = None
     weight_dtype: Precision = Precision.FP32
+    id_map: IdMapConfig | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (from TOML/JSON) but store tuples so the config stays hashable.
@@ -71,6 +75,11 @@ class BaseEmbeddingConfig:
         if len(set(self.feature_names)) != len(self.feature_names):
             raise ValueError(
                 f"{where}: feature_names repeats a feature: {list(self.feature_names)}"
+            )
+        if self.id_map is not None and not isinstance(self.id_map, IdMapConfig):
+            raise ValueError(
+                f"{where}: id_map must be an IdMapConfig, got {self.id_map!r}; e.g. "
+                "id_map=IdMapConfig(policy='lru')"
             )
         lo, hi = self.init_bounds()
         if not lo <= hi:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from recopt.modules.config import EmbeddingConfig, validate_tables
+from recopt.modules.id_map_lookup import refuse_id_maps
 from recopt.modules.inputs import FeatureLayout, check_ids_in_range, require_features
 from recopt.modules.unpooled import meta_rows_per_feature
 from recopt.sparse import JaggedTensor, KeyedJaggedTensor
@@ -87,6 +88,7 @@ class EmbeddingCollection(nn.Module, TableAccessors):
     ) -> None:
         super().__init__()
         validate_tables(tables, allow_shared_features=True, config_type=EmbeddingConfig)
+        refuse_id_maps(tables, "EmbeddingCollection (use FusedEmbeddingCollection)")
         self.tables = list(tables)
         self._need_indices = need_indices
         self._layout = FeatureLayout(self.tables)

@@ -13,6 +13,13 @@ import torch
 from torch import nn
 
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
+from recopt.modules.id_map_lookup import (
+    IdMaps,
+    MappedBatch,
+    init_rows,
+    mean_scale,
+    prepare_mapped,
+)
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.variable_batch import expand_rows, regular_batch
 from recopt.sparse import KeyedJaggedTensor, KeyedTensor
@@ -32,6 +39,10 @@ class EmbeddingBagCollection(nn.Module):
             ``with torch.device("meta"):`` builds on meta); ``"meta"`` allocates nothing
             and forward returns meta tensors of the right shapes.
         sparse_grad: produce sparse gradients (for ``torch.optim.SparseAdam``).
+
+    Tables with ``id_map`` take any int64 id (docs/id_map.md): in training a batch's new ids
+    get rows (re-initialised; the state of an optimizer outside the module is not reset),
+    in eval unknown ids read a zero row. `stats` reports each map's last training batch.
 
     Example::
 
@@ -73,6 +84,11 @@ class EmbeddingBagCollection(nn.Module):
             )
             table.init_weight(bag.weight)
             self.embedding_bags[table.name] = bag
+        self.id_maps = IdMaps.of(self.tables, device)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per id-mapped table: occupancy, new ids, evictions, admissions of the last step."""
+        return {} if self.id_maps is None else self.id_maps.stats()
 
     @property
     def device(self) -> torch.device:
@@ -104,7 +120,7 @@ class EmbeddingBagCollection(nn.Module):
         if dtype in (torch.float16, torch.bfloat16):
             dtype = torch.float32  # per-id weights: converted per table in _pool
         features, index_F_B = regular_batch(features, self._layout.feature_names)
-        features = self._layout.prepare(features, self.is_weighted, dtype)
+        features, mapped = self._prepare(features, dtype)
         batch = features.stride()
         values, offsets = features.values(), features.offsets()
         weights = features.weights_or_none()
@@ -123,11 +139,31 @@ class EmbeddingBagCollection(nn.Module):
                 )
             )
         pooled_B_D = torch.cat(pooled, dim=1)
+        if mapped is not None:
+            poolings = [self.tables[t].pooling for t in self._layout.feature_table]
+            pooled_B_D = mean_scale(pooled_B_D, mapped, self._layout, poolings)
         if index_F_B is not None:
             pooled_B_D = expand_rows(pooled_B_D, self._layout.dims, index_F_B)
         return KeyedTensor(
             keys=self._layout.output_keys, length_per_key=self._layout.dims, values=pooled_B_D
         )
+
+    def _prepare(
+        self, features: KeyedJaggedTensor, dtype: torch.dtype
+    ) -> tuple[KeyedJaggedTensor, MappedBatch | None]:
+        """The checked features; with id maps, remapped to rows (fresh rows re-initialised)."""
+        if self.id_maps is None:
+            return self._layout.prepare(features, self.is_weighted, dtype), None
+        mapped = prepare_mapped(
+            self.id_maps, self._layout, features, self.is_weighted, dtype, self.training
+        )
+        for table in self.tables:
+            if table.name in mapped.fresh:
+                bag = self.embedding_bags[table.name]
+                assert isinstance(bag, nn.EmbeddingBag)
+                fresh = mapped.fresh[table.name]
+                init_rows(table, bag.weight, fresh, fresh.stats.step)
+        return mapped.features, mapped
 
 
 def _pool(

@@ -30,6 +30,14 @@ from recopt.modules.fused_groups import (
     optimizer_from_param_group,
     resolve_table_optimizers,
 )
+from recopt.modules.id_map_lookup import (
+    IdMaps,
+    MappedBatch,
+    init_rows,
+    mean_scale,
+    prepare_mapped,
+    reset_state_rows,
+)
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.nonfinite import NonFiniteGradGuard, guarded_lookup
 from recopt.modules.torch_optimizers import fused_config
@@ -116,6 +124,9 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
             embedding collection's lookup engine passes ``embeddings``).
 
     A feature may look up several tables; its outputs are then keyed ``feature@table``.
+    Tables with ``id_map`` take any int64 id (docs/id_map.md): a row given to a new id is
+    re-initialised and its per-row optimizer state zeroed before the lookup; the map's update
+    stands when the gate skips the step. `stats` reports each map's last training batch.
 
     Raises:
         ValueError: invalid tables, an override naming an unknown table, a kernel that cannot
@@ -175,6 +186,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
         self._single_group = len(self._groups) == 1
         self._skip_nonfinite = skip_nonfinite
         self._grad_guard = NonFiniteGradGuard(type(self).__name__)
+        self.id_maps = IdMaps.of(self.tables, self.device)
 
     def _build_groups(self, optimizers: Mapping[str, FusedOptimizerConfig]) -> list[_KernelGroup]:
         # One kernel per optimizer, pooling and weight dtype (a kernel holds one precision);
@@ -278,6 +290,10 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
         """Backward passes whose fused update was skipped for a NaN/inf output gradient."""
         return self._grad_guard.skipped_steps
 
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per id-mapped table: occupancy, new ids, evictions, admissions of the last step."""
+        return {} if self.id_maps is None else self.id_maps.stats()
+
     def kernels(self) -> list[Kernel]:
         """The kernels, one per (optimizer, pooling) group."""
         return [g.kernel for g in self._groups]
@@ -296,7 +312,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
             pooled_meta = torch.empty(features.stride(), sum(self._layout.dims), device="meta")
             return KeyedTensor(self._layout.output_keys, self._layout.dims, pooled_meta)
         features, index_F_B = regular_batch(features, self._layout.feature_names)
-        features = self._layout.prepare(features, self.is_weighted)
+        features, mapped = self._prepare(features)
         self._lr_sync.apply(self._optimizer.param_groups)
         if self._skip_nonfinite and all(g.kernel.grad_hook is None for g in self._groups):
             pooled = guarded_lookup(
@@ -307,11 +323,35 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
             )
         else:
             pooled = self._lookup_all(features, features.weights_or_none())
+        if mapped is not None:
+            poolings = [self.tables[t].pooling for t in self._layout.feature_table]
+            pooled = mean_scale(pooled, mapped, self._layout, poolings)
         if index_F_B is not None:
             pooled = expand_rows(pooled, self._layout.dims, index_F_B)
         return KeyedTensor(
             keys=self._layout.output_keys, length_per_key=self._layout.dims, values=pooled
         )
+
+    def _prepare(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, MappedBatch | None]:
+        """The checked features; with id maps, remapped to rows (fresh rows reset)."""
+        if self.id_maps is None:
+            return self._layout.prepare(features, self.is_weighted), None
+        mapped = prepare_mapped(
+            self.id_maps, self._layout, features, self.is_weighted, torch.float32, self.training
+        )
+        for group in self._groups:
+            kernel = group.kernel
+            for t, weight, states in zip(
+                group.table_indices,
+                kernel.split_embedding_weights(),
+                kernel.split_optimizer_states(),
+                strict=True,
+            ):
+                fresh = mapped.fresh.get(self.tables[t].name)
+                if fresh is not None and fresh.fresh_rows.numel():
+                    init_rows(self.tables[t], weight, fresh, fresh.stats.step)
+                    reset_state_rows(group.optimizer.name, states, fresh.fresh_rows)
+        return mapped.features, mapped
 
     def _lookup_all(
         self, features: KeyedJaggedTensor, weights: torch.Tensor | None

@@ -49,6 +49,9 @@ class FusedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
         need_indices: put each feature's ids in its output's ``weights`` (as TorchRec).
         skip_nonfinite: skip the fused update of a backward whose gradient is not finite.
 
+    Tables with ``id_map`` take any int64 id, as in `FusedEmbeddingBagCollection`; an id
+    that reads the zero row (not admitted) gets a zero output row.
+
     Raises:
         ValueError: invalid tables, an override naming an unknown table, or a kernel that cannot
             take a table (the message gives the fix).
@@ -81,6 +84,8 @@ class FusedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
         self.embeddings = engine.embedding_bags
         self.device = engine.device
         self._layout = FeatureLayout(self.tables)
+        if engine.id_maps is not None:  # the engine's maps, in this module's state_dict
+            self.id_maps = engine.id_maps
 
     @property
     def _bags(self) -> FusedEmbeddingBagCollection:
@@ -101,6 +106,10 @@ class FusedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
     def skipped_nonfinite_steps(self) -> int:
         """Backward passes whose fused update was skipped for a NaN/inf output gradient."""
         return self._bags.skipped_nonfinite_steps
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per id-mapped table: occupancy, new ids, evictions, admissions of the last step."""
+        return self._bags.stats()
 
     def kernels(self) -> list[Kernel]:
         """The kernels, one per optimizer group."""
@@ -127,5 +136,6 @@ class FusedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
         dims = self._layout.dims
         if self.device.type == "meta":
             return meta_rows_per_feature(features.to_dict(), dims, self._need_indices)
+        self._bags.training = self.training  # the engine is outside the module tree
         pooled = self._bags(one_id_bags(features))
         return rows_per_feature(pooled.values(), features, dims, self._need_indices)

@@ -78,8 +78,12 @@ class FeatureLayout:
         features: KeyedJaggedTensor,
         is_weighted: bool,
         weight_dtype: torch.dtype = torch.float32,
+        selected: bool = False,
     ) -> tuple[KeyedJaggedTensor, PendingCheck]:
         """`prepare`, with the id/weight check's answer left on the device.
+
+        ``selected``: ``features`` already went through `select` (id maps rewrite them
+        between the two); only the check runs.
 
         The ids of the result are clamped into their tables (equal to the input's when the
         check passes), so they are safe to route before the answer is read; the caller reads
@@ -89,7 +93,8 @@ class FeatureLayout:
         Raises:
             ValueError: as `prepare`, except the id and weight errors, which are deferred.
         """
-        features = self.select(features, is_weighted, weight_dtype)
+        if not selected:
+            features = self.select(features, is_weighted, weight_dtype)
         check = self._pending_check(features, clamp=True)
         if check.safe_values is not None:
             features = KeyedJaggedTensor(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 from collections import deque
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,7 @@ class DistributedInput:
     counts: CountExchange | None
     in_flight: InputInFlight | None = None
     error: ValueError | None = None
+    mapped: Any = None  # id maps: the remapped batch (`MappedBatch`), for the mean rescale
 
     def advance(self, timeout: datetime.timedelta) -> None:
         """Read the count exchange and start the id all-to-all (collective; once). A rejected

@@ -27,9 +27,11 @@ from recopt.kernels.factory import KernelRequest, create_kernel, rng_unchanged
 from recopt.modules.collection import FusedCollection
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
+from recopt.modules.id_map_lookup import MappedBatch, mean_scale
 from recopt.modules.nonfinite import NonFiniteGradGuard, backward_if_given, finite_flag
 from recopt.modules.variable_batch import expand_rows
 from recopt.sharding.backend_decisions import share_backend_decisions
+from recopt.sharding.id_map_sharded import ShardedIdMaps
 from recopt.sharding.input_dist import (
     Bucketizer,
     KernelInput,
@@ -178,6 +180,16 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
         self._grad_guard = NonFiniteGradGuard(
             f"{type(self).__name__} (rank {self._rank})", " on this rank or another"
         )
+        self._id_maps: ShardedIdMaps | None = None
+        if any(t.id_map is not None for t in self.tables):
+            self._id_maps = ShardedIdMaps(
+                self.tables,
+                self._layout,
+                [*self._mp_kernels, *self._dp_kernels],
+                self._pg,
+                self.device,
+                timeout,
+            )
         self._prefetched: PrefetchQueue[DistributedInput] = PrefetchQueue(
             f"{type(self).__name__} {module_path!r}"
         )
@@ -290,6 +302,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
         start = time.perf_counter()
         started = self._prefetched.take(features) or self.start_input_dist(features)
         prepared, index_F_B, received = started.wait(self._timeout)
+        mapped: MappedBatch | None = started.mapped
         start = self._record("input_dist", start)
         self._lr_sync.apply(self._state.optimizer.param_groups)
         gated = self._gated()
@@ -323,6 +336,9 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
         )
         mp_recv, dp_own = OutputExchange.apply(mp_send, dp_global, self._dummy, meta)
         pooled = self._output.assemble(mp_recv, dp_own, prepared)
+        if mapped is not None:
+            poolings = [self.tables[t].pooling for t in self._layout.features.feature_table]
+            pooled = mean_scale(pooled, mapped, self._layout.features, poolings)
         if index_F_B is not None:
             pooled = expand_rows(pooled, self._layout.features.dims, index_F_B)
         self._record("output_dist", start)
@@ -332,11 +348,20 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
             values=pooled,
         )
 
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per id-mapped table: occupancy, new ids, evictions, admissions of the last step
+        (the same on every rank: each steps a replica of the map with the global batch)."""
+        return {} if self._id_maps is None else self._id_maps.maps.stats()
+
     def start_input_dist(self, features: KeyedJaggedTensor) -> DistributedInput:
         """Start distributing ``features`` (a collective: every rank calls it together).
 
         A rejected input is not raised here: `DistributedInput.wait` raises it, on every rank.
         """
+        if self._id_maps is not None:
+            return self._id_maps.start_distribution(
+                features, self._layout.features, self.is_weighted, self._bucketizer, self.training
+            )
         return start_distribution(
             features,
             self._layout.features,
@@ -460,6 +485,8 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
     ) -> None:
         for name, value in self._state.weights.items():
             destination[prefix + name] = value
+        if self._id_maps is not None:
+            self._id_maps.save(destination, prefix)
 
     def _load_from_state_dict(
         self,
@@ -472,9 +499,14 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
         error_msgs: list[str],
     ) -> None:
         own = set(self._state.weights)
+        maps = self._id_maps
         for key in state_dict:
-            if key.startswith(prefix) and key[len(prefix) :] not in own:
-                unexpected_keys.append(key)
+            name = key[len(prefix) :]
+            if key.startswith(prefix) and name not in own:
+                if maps is None or not maps.owns(name):
+                    unexpected_keys.append(key)
+        if maps is not None:
+            maps.load(state_dict, prefix, missing_keys)
         for name in self._state.weights:
             if prefix + name not in state_dict:
                 missing_keys.append(prefix + name)

@@ -152,6 +152,10 @@ class ShardedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
     def phase_seconds(self, value: dict[str, float] | None) -> None:
         self._bags.phase_seconds = value
 
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per id-mapped table: occupancy, new ids, evictions, admissions of the last step."""
+        return self._bags.stats()
+
     def kernels(self) -> list[Kernel]:
         """This rank's kernels: model-parallel ones, then data-parallel replicas."""
         return self._bags.kernels()
@@ -186,6 +190,7 @@ class ShardedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
 
         A rejected input is not raised here but by the forward that consumes the result.
         """
+        self._bags.training = self.training  # the engine is outside the module tree
         try:
             selected = select_lookups(features, self._layout)
             bags = one_id_bags(selected)

@@ -82,7 +82,9 @@ class TrainPipelineSparseDist:
 
     Raises:
         ValueError: a batch has no sparse input ``sparse_input`` can find, or the model
-            passes its sharded collection another input than the one distributed ahead.
+            passes its sharded collection another input than the one distributed ahead; or a
+            sharded collection has id-mapped tables (their map would evict rows for batch i+1
+            that batch i's backward still updates: train them with the plain loop).
     """
 
     def __init__(
@@ -102,6 +104,7 @@ class TrainPipelineSparseDist:
         self.step_committed = step_committed
         self.timeout = timeout
         self.sharded: list[Sharded] = _outermost_sharded(model)
+        _refuse_id_maps(self.sharded)
         self._queue: deque[_Queued] = deque()
         self._exhausted = False
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -283,6 +286,20 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
 def _outermost_sharded(model: nn.Module) -> list[Sharded]:
     """The model's sharded collections (an embedding collection's engine is not listed)."""
     return [m for m in model.modules() if isinstance(m, Sharded)]
+
+
+def _refuse_id_maps(sharded: list[Sharded]) -> None:
+    """Id-mapped tables remap (and may evict) when their batch is distributed: a batch
+    distributed ahead could take a row batch i is still training."""
+    mapped = [
+        t.name for m in sharded for t in getattr(m, "tables", []) if getattr(t, "id_map", None)
+    ]
+    if mapped:
+        raise ValueError(
+            f"TrainPipelineSparseDist: tables {mapped} have id_map, whose remap runs when a "
+            "batch is distributed, so batch i+1's evictions would reach rows batch i still "
+            "trains; train them with the plain loop (DLRM: training.pipeline = false)"
+        )
 
 
 def _pinned(batch: Any) -> Any:

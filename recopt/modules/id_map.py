@@ -1,0 +1,349 @@
+"""Id maps: raw int64 ids of an unbounded space mapped to a table's rows without collisions.
+
+One `IdMap` per id-mapped table holds, as tensors, each row's raw id, when it was last seen and
+how often (decayed), plus an optional table of admission candidates. `IdMap.remap` turns a
+batch's raw ids into rows in torch ops: known ids keep their row, new ids take free rows, and
+when the table is full the policy (``lru`` / ``lfu``) evicts rows not used by the batch.
+Legend: N rows, U distinct ids of a batch, M ids of a batch, C candidate slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+POLICIES = ("lru", "lfu")
+DEFAULT_LFU_DECAY = 0.99
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IdMapConfig:
+    """How an id-mapped table gives rows to raw ids (``EmbeddingBagConfig.id_map``).
+
+    With it a table takes any int64 id: each distinct id gets its own row while there is room
+    (``num_embeddings`` rows); when a batch brings new ids to a full table, rows not used by
+    the batch are evicted by ``policy``. An evicted or freed row is re-initialised (the table's
+    init) and, in the fused collections, its optimizer state zeroed before its new id uses it.
+
+    Args:
+        policy: ``"lru"`` evicts the row least recently seen; ``"lfu"`` the row seen least
+            often, its count multiplied by ``decay`` every step (ties: least recently seen,
+            then the lowest row).
+        decay: ``lfu`` only: per-step decay of the counts, in ``(0, 1]``; default 0.99
+            (1.0 counts forever).
+        ttl_steps: ids unseen for more than this many training steps lose their row (it is
+            free for new ids; the id, seen again, gets a fresh row).
+        admit_after: an id gets a row only once seen this many times (occurrences, over
+            training batches); before that it reads a shared zero row that is never
+            trained. ``None`` or 1: at once.
+        candidate_slots: how many not-yet-admitted ids are counted (default
+            ``num_embeddings``); when full, the least recently seen candidate is forgotten.
+
+    Example (TOML, on a table): ``id_map = { policy = "lfu", decay = 0.95, admit_after = 2 }``
+    """
+
+    policy: str = "lru"
+    decay: float | None = None
+    ttl_steps: int | None = None
+    admit_after: int | None = None
+    candidate_slots: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"id_map.policy {self.policy!r} is not a policy; use one of {list(POLICIES)}"
+            )
+        if self.decay is not None:
+            if self.policy != "lfu":
+                raise ValueError(
+                    f"id_map.decay {self.decay!r} applies to policy 'lfu' only; drop it or "
+                    "set policy = 'lfu'"
+                )
+            if isinstance(self.decay, bool) or not 0.0 < float(self.decay) <= 1.0:
+                raise ValueError(f"id_map.decay must be in (0, 1], got {self.decay!r}; e.g. 0.99")
+        for name in ("ttl_steps", "admit_after", "candidate_slots"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"id_map.{name} must be an int >= 1 or unset, got {value!r}")
+        if self.candidate_slots is not None and (self.admit_after or 1) <= 1:
+            raise ValueError(
+                f"id_map.candidate_slots {self.candidate_slots} needs admit_after >= 2 "
+                "(candidates are ids waiting for admission); drop it or set admit_after"
+            )
+
+    @property
+    def lfu_decay(self) -> float:
+        """The per-step decay of the ``lfu`` counts (1.0 under ``lru``: plain counts)."""
+        if self.policy != "lfu":
+            return 1.0
+        return DEFAULT_LFU_DECAY if self.decay is None else float(self.decay)
+
+
+@dataclass(slots=True)
+class RemapStats:
+    """What one training batch did to a table's map (`IdMap.last_stats`).
+
+    ``occupancy``: live rows / rows after the batch; ``new_ids``: ids given a row;
+    ``evictions``: live ids evicted by the policy; ``expired``: rows freed by ``ttl_steps``;
+    ``admissions``: candidates admitted (``admit_after``); ``zero_row_ids``: distinct ids that
+    read the zero row (not admitted yet, or more new ids than rows).
+    """
+
+    step: int = 0
+    occupancy: float = 0.0
+    new_ids: int = 0
+    evictions: int = 0
+    expired: int = 0
+    admissions: int = 0
+    zero_row_ids: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        """The counters by name."""
+        return {name: float(getattr(self, name)) for name in self.__slots__}
+
+
+@dataclass(slots=True)
+class Remapped:
+    """The rows of one batch: ``rows_M`` (-1: the zero row) and the rows to re-initialise.
+
+    ``fresh_rows`` got a new id this batch (their weights and optimizer state must be reset
+    before the lookup); ``fresh_ids`` are those ids, in the same order.
+    """
+
+    rows_M: torch.Tensor
+    fresh_rows: torch.Tensor
+    fresh_ids: torch.Tensor
+    stats: RemapStats = field(default_factory=RemapStats)
+
+
+class IdMap(nn.Module):
+    """The map of one table: raw id -> row, with the policy's counters (all buffers).
+
+    Buffers (in the module's state_dict): ``row_ids`` [N] (the raw id of each row, -1 where
+    free: check ``occupied``), ``occupied`` [N] bool, ``last_seen`` [N] (step), ``frequency``
+    [N] float64 (count, decayed to ``last_seen`` under lfu), ``step`` (training batches
+    seen); with admission also ``candidate_ids``/``candidate_used``/``candidate_count``/
+    ``candidate_seen`` [C].
+
+    Args:
+        config: the table's `IdMapConfig`.
+        num_rows: the table's ``num_embeddings``.
+        device: where the map lives (the table's device).
+    """
+
+    def __init__(
+        self, config: IdMapConfig, num_rows: int, device: torch.device | str | None = None
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.num_rows = num_rows
+        self._register_slots("", num_rows, device)
+        self.register_buffer("frequency", torch.zeros(num_rows, dtype=torch.float64, device=device))
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
+        self.admit_after = config.admit_after or 1
+        if self.admit_after > 1:
+            slots = config.candidate_slots or num_rows
+            self._register_slots("candidate_", slots, device)
+            self.register_buffer(
+                "candidate_count", torch.zeros(slots, dtype=torch.int64, device=device)
+            )
+        self._index: dict[str, tuple[tuple[int, int], torch.Tensor, torch.Tensor]] = {}
+        self.last_stats = RemapStats()
+
+    def _register_slots(self, prefix: str, size: int, device: torch.device | str | None) -> None:
+        ids_name = "row_ids" if not prefix else f"{prefix}ids"
+        occupied_name = "occupied" if not prefix else f"{prefix}used"
+        self.register_buffer(ids_name, torch.full((size,), -1, dtype=torch.int64, device=device))
+        self.register_buffer(occupied_name, torch.zeros(size, dtype=torch.bool, device=device))
+        self.register_buffer(
+            f"{prefix}last_seen" if prefix else "last_seen",
+            torch.full((size,), -1, dtype=torch.int64, device=device),
+        )
+
+    def _buffer(self, name: str) -> torch.Tensor:
+        value = getattr(self, name)
+        assert isinstance(value, torch.Tensor)
+        return value
+
+    def _find(self, which: str, ids_U: torch.Tensor) -> torch.Tensor:
+        """The slot of each of ``ids_U`` in the row (``which`` "") or candidate table, or -1.
+
+        A sorted copy of the live ids is kept between batches; it is rebuilt when the ids or
+        the occupancy changed in place (a remap, a state_dict load, a checkpoint's copy),
+        which torch's version counters of those buffers tell.
+        """
+        ids = self._buffer("row_ids" if not which else "candidate_ids")
+        used = self._buffer("occupied" if not which else "candidate_used")
+        stamp = (ids._version, used._version)
+        cached = self._index.get(which)
+        if cached is None or cached[0] != stamp:
+            slots = used.nonzero().squeeze(1)
+            keys, order = torch.sort(ids[slots])
+            cached = (stamp, keys, slots[order])
+            self._index[which] = cached
+        _, keys, slots = cached
+        if keys.numel() == 0:
+            return torch.full_like(ids_U, -1)
+        pos = torch.searchsorted(keys, ids_U).clamp(max=keys.numel() - 1)
+        return torch.where(keys[pos] == ids_U, slots[pos], torch.full_like(ids_U, -1))
+
+    def occupancy(self) -> float:
+        """Live rows / rows (rows past ``ttl_steps`` count as free)."""
+        return float(self._live().sum()) / self.num_rows
+
+    def _live(self) -> torch.Tensor:
+        live = self._buffer("occupied")
+        ttl = self.config.ttl_steps
+        if ttl is not None:
+            live = live & (self._buffer("step") - self._buffer("last_seen") <= ttl)
+        return live
+
+    def remap(self, ids_M: torch.Tensor, training: bool) -> Remapped:
+        """Rows for a batch of raw ids; in training, new ids get rows and counters move.
+
+        Outside training (``training=False``) nothing changes: unknown (or expired) ids read
+        the zero row (-1).
+
+        Args:
+            ids_M: raw int64 ids, any values.
+            training: update the map (one step) or only read it.
+
+        Returns:
+            `Remapped`: a row per id (-1 for the zero row) and the rows given to new ids.
+        """
+        ids_M = ids_M.to(torch.int64)
+        empty = ids_M.new_empty(0)
+        if ids_M.numel() == 0 and not training:
+            return Remapped(torch.full_like(ids_M, -1), empty, empty)
+        ids_U, inverse_M, counts_U = torch.unique(
+            ids_M, sorted=True, return_inverse=True, return_counts=True
+        )
+        slot_U = self._find("", ids_U)
+        ttl = self.config.ttl_steps
+        if not training:
+            if ttl is not None:
+                stale = self._buffer("step") - self._buffer("last_seen")[slot_U.clamp(min=0)] > ttl
+                slot_U = torch.where(stale, torch.full_like(slot_U, -1), slot_U)
+            return Remapped(slot_U[inverse_M], empty, empty)
+        self._buffer("step").add_(1)
+        return self._train_step(ids_U, inverse_M, counts_U, slot_U)
+
+    def _train_step(
+        self,
+        ids_U: torch.Tensor,
+        inverse_M: torch.Tensor,
+        counts_U: torch.Tensor,
+        slot_U: torch.Tensor,
+    ) -> Remapped:
+        step = self._buffer("step")
+        stats = RemapStats(step=int(step))
+        last_seen, occupied = self._buffer("last_seen"), self._buffer("occupied")
+        if self.config.ttl_steps is not None:
+            # Rows unseen past the ttl are free: an id found there starts over in a new row.
+            expired_N = occupied & (step - last_seen > self.config.ttl_steps)
+            stats.expired = int(expired_N.sum())
+            if stats.expired:
+                occupied &= ~expired_N
+                self._buffer("row_ids")[expired_N] = -1
+                slot_U = self._find("", ids_U)
+        known_U = slot_U >= 0
+        self._count_known(slot_U[known_U], counts_U[known_U])
+        new_ids, new_counts = ids_U[~known_U], counts_U[~known_U]
+        admitted = torch.ones_like(new_ids, dtype=torch.bool)
+        if self.admit_after > 1 and new_ids.numel():
+            admitted = self._admit(new_ids, new_counts)
+            stats.admissions = int(admitted.sum())
+        # Most frequent new ids first: when rows run short, they are the ones placed.
+        order = torch.sort(new_counts[admitted], descending=True, stable=True).indices
+        wanted_ids, wanted_counts = new_ids[admitted][order], new_counts[admitted][order]
+        rows, stats.evictions = self._allocate(wanted_ids.numel(), slot_U[known_U])
+        placed_ids = wanted_ids[: rows.numel()]
+        self._buffer("row_ids")[rows] = placed_ids
+        occupied[rows] = True
+        last_seen[rows] = step
+        self._buffer("frequency")[rows] = wanted_counts[: rows.numel()].to(torch.float64)
+        stats.new_ids = rows.numel()
+        slot_U = self._find("", ids_U) if rows.numel() else slot_U
+        stats.zero_row_ids = int((slot_U < 0).sum())
+        stats.occupancy = float(occupied.sum()) / self.num_rows
+        self.last_stats = stats
+        return Remapped(slot_U[inverse_M], rows, placed_ids, stats)
+
+    def _count_known(self, rows: torch.Tensor, counts: torch.Tensor) -> None:
+        """Known ids were seen: last_seen moves to now, frequency decays to now and adds."""
+        step, last_seen = self._buffer("step"), self._buffer("last_seen")
+        frequency = self._buffer("frequency")
+        decay = self.config.lfu_decay
+        kept = frequency[rows]
+        if decay != 1.0:
+            kept = kept * decay ** (step - last_seen[rows]).to(torch.float64)
+        frequency[rows] = kept + counts.to(torch.float64)
+        last_seen[rows] = step
+
+    def _allocate(self, count: int, protected: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``count`` rows for new ids (fewer if the batch uses every row) and the evictions.
+
+        Free rows first (lowest first); then live rows not used by this batch, in the
+        policy's order. Evicted ids leave the map (their rows are the caller's to reset).
+        """
+        occupied = self._buffer("occupied")
+        free = (~occupied).nonzero().squeeze(1)[:count]
+        need = count - free.numel()
+        if need <= 0:
+            return free, 0
+        evictable = occupied.clone()
+        evictable[protected] = False
+        rows = evictable.nonzero().squeeze(1)
+        victims = rows[self._eviction_order(rows)[:need]]
+        occupied[victims] = False
+        self._buffer("row_ids")[victims] = -1
+        return torch.cat([free, victims]), victims.numel()
+
+    def _eviction_order(self, rows: torch.Tensor) -> torch.Tensor:
+        """Positions of ``rows`` (ascending) in eviction order: the policy's, ties by row."""
+        last_seen = self._buffer("last_seen")[rows]
+        if self.config.policy == "lru":
+            return torch.sort(last_seen, stable=True).indices
+        age = (self._buffer("step") - last_seen).to(torch.float64)
+        frequency = self._buffer("frequency")[rows] * self.config.lfu_decay**age
+        # Ties in frequency go to the least recently seen: sort by recency, then stably by count.
+        by_recency = torch.sort(last_seen, stable=True).indices
+        return by_recency[torch.sort(frequency[by_recency], stable=True).indices]
+
+    def _admit(self, new_ids: torch.Tensor, new_counts: torch.Tensor) -> torch.Tensor:
+        """Count ``new_ids`` as candidates; True where an id reaches ``admit_after`` now."""
+        step = self._buffer("step")
+        slot = self._find("candidate_", new_ids)
+        count_C = self._buffer("candidate_count")
+        total = new_counts + torch.where(slot >= 0, count_C[slot.clamp(min=0)], 0)
+        admitted = total >= self.admit_after
+        used, cand_ids = self._buffer("candidate_used"), self._buffer("candidate_ids")
+        cand_seen = self._buffer("candidate_last_seen")
+        gone = slot[admitted & (slot >= 0)]
+        used[gone] = False  # admitted ids leave the candidates
+        waiting = ~admitted
+        known = waiting & (slot >= 0)
+        count_C[slot[known]] = total[known]
+        cand_seen[slot[known]] = step
+        fresh = waiting & (slot < 0)
+        seen_now = slot[known]
+        spare = (~used).nonzero().squeeze(1)
+        need = int(fresh.sum()) - spare.numel()
+        if need > 0:  # forget the least recently seen candidates not seen in this batch
+            old = used.clone()
+            old[seen_now] = False
+            rows = old.nonzero().squeeze(1)
+            forget = rows[torch.sort(cand_seen[rows], stable=True).indices[:need]]
+            used[forget] = False
+            spare = torch.cat([spare, forget])
+        spare = spare[: int(fresh.sum())]
+        placed = fresh.nonzero().squeeze(1)[: spare.numel()]
+        cand_ids[spare] = new_ids[placed]
+        count_C[spare] = total[placed]
+        cand_seen[spare] = step
+        used[spare] = True
+        return admitted

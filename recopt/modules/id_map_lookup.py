@@ -1,0 +1,294 @@
+"""The id maps of a collection: a batch's raw ids remapped to rows before the lookup.
+
+`IdMaps` holds one `IdMap` per id-mapped table (its buffers are in the collection's
+state_dict under ``id_maps.<table>.``). `IdMaps.remap` rewrites the mapped features' ids to
+rows and drops the ids that read the zero row (not admitted yet); a mean-pooled bag keeps its
+full id count as divisor (`mean_scale`). The rows given to new ids are re-initialised by
+`init_rows` (a hash of the raw id, the step and the column: the same draw whatever layout or
+rank holds the row) and their optimizer state zeroed by `reset_state_rows`.
+Legend: F features, B batch size, M ids, K fresh rows, D row width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from recopt.kernels.config import PoolingType
+from recopt.kernels.registry import StateShape, optimizer_spec
+from recopt.modules.config import BaseEmbeddingConfig
+from recopt.modules.id_map import IdMap, Remapped
+from recopt.modules.inputs import FeatureLayout, PendingCheck, pending_id_check
+from recopt.sparse import KeyedJaggedTensor
+
+
+@dataclass(slots=True)
+class MappedBatch:
+    """A batch after the remap: its features (rows), the fresh rows per table, the drops.
+
+    ``lengths_before`` is set when ids were dropped (zero row): the bag lengths before the
+    drop, for `mean_scale`.
+    """
+
+    features: KeyedJaggedTensor
+    fresh: dict[str, Remapped] = field(default_factory=dict)
+    lengths_before: torch.Tensor | None = None
+
+
+class IdMaps(nn.ModuleDict):
+    """The maps of a collection's id-mapped tables, by table name (``id_maps.<table>.``).
+
+    Args:
+        tables: the collection's tables (those without ``id_map`` are left alone).
+        device: where the maps live.
+    """
+
+    def __init__(
+        self, tables: Sequence[BaseEmbeddingConfig], device: torch.device | str | None
+    ) -> None:
+        super().__init__(
+            {
+                t.name: IdMap(t.id_map, t.num_embeddings, device)
+                for t in tables
+                if t.id_map is not None
+            }
+        )
+
+    @staticmethod
+    def of(
+        tables: Sequence[BaseEmbeddingConfig], device: torch.device | str | None
+    ) -> IdMaps | None:
+        """The maps of ``tables``, or None when no table is id-mapped."""
+        if all(t.id_map is None for t in tables):
+            return None
+        return IdMaps(tables, device)
+
+    def table_map(self, name: str) -> IdMap:
+        """The map of table ``name``."""
+        idmap = self[name]
+        assert isinstance(idmap, IdMap)
+        return idmap
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per table: the last training batch's occupancy, new ids, evictions, admissions."""
+        return {name: self.table_map(name).last_stats.as_dict() for name in self}
+
+    def remap(
+        self, features: KeyedJaggedTensor, layout: FeatureLayout, training: bool
+    ) -> MappedBatch:
+        """Rows for the id-mapped features of ``features`` (selected in ``layout``'s order).
+
+        Every feature of a table shares its map: their ids are remapped together, as one step
+        of the map. Ids that read the zero row are dropped from their bags.
+        """
+        ids = table_ids(features, layout, list(self))
+        results = {name: self.table_map(name).remap(ids[name], training) for name in ids}
+        return apply_rows(features, layout, results)
+
+
+def _spans(features: KeyedJaggedTensor, layout: FeatureLayout, name: str) -> list[tuple[int, int]]:
+    bounds = features.offset_per_key()
+    return [(bounds[f], bounds[f + 1]) for f, t in enumerate(layout.table_names) if t == name]
+
+
+def table_ids(
+    features: KeyedJaggedTensor, layout: FeatureLayout, names: Sequence[str]
+) -> dict[str, torch.Tensor]:
+    """Per table of ``names``: the raw ids of all its features, feature after feature."""
+    values = features.values()
+    return {
+        name: torch.cat([values[a:b] for a, b in _spans(features, layout, name)]) for name in names
+    }
+
+
+def apply_rows(
+    features: KeyedJaggedTensor, layout: FeatureLayout, results: Mapping[str, Remapped]
+) -> MappedBatch:
+    """``features`` with each mapped table's ids replaced by ``results[table].rows_M``
+    (aligned with `table_ids`); ids of the zero row (-1) are dropped from their bags."""
+    values = features.values()
+    rows = values.clone()
+    dropped = torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
+    batch = MappedBatch(features, dict(results))
+    for name, result in results.items():
+        start = 0
+        for a, b in _spans(features, layout, name):
+            rows[a:b] = result.rows_M[start : start + b - a]
+            dropped[a:b] = result.rows_M[start : start + b - a] < 0
+            start += b - a
+    if not bool(dropped.any()):
+        batch.features = _with_values(features, rows, features.lengths(), None)
+        return batch
+    lengths = features.lengths()
+    bag_M = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=values.device), lengths, output_size=rows.numel()
+    )
+    kept = torch.zeros_like(lengths).index_add_(0, bag_M, (~dropped).to(lengths.dtype))
+    weights = features.weights_or_none()
+    batch.features = _with_values(
+        features, rows[~dropped], kept, None if weights is None else weights[~dropped]
+    )
+    batch.lengths_before = lengths
+    return batch
+
+
+def _with_values(
+    features: KeyedJaggedTensor,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    weights: torch.Tensor | None,
+) -> KeyedJaggedTensor:
+    same = values.shape[0] == features.values().shape[0]
+    return KeyedJaggedTensor(
+        features.keys(),
+        values,
+        weights=features.weights_or_none() if same else weights,
+        lengths=lengths,
+        stride=features.stride(),
+    )
+
+
+def mean_scale(
+    pooled_B_D: torch.Tensor,
+    batch: MappedBatch,
+    layout: FeatureLayout,
+    poolings: Sequence[PoolingType],
+) -> torch.Tensor:
+    """``pooled_B_D`` with each mean-pooled bag that lost ids to the zero row rescaled.
+
+    The lookup divided the kept rows' sum by the kept count; the zero rows count too, so the
+    bag is multiplied by kept / before (``poolings``: per feature of ``layout``).
+    """
+    if batch.lengths_before is None or PoolingType.MEAN not in poolings:
+        return pooled_B_D
+    size = pooled_B_D.shape[0]
+    kept = batch.features.lengths().to(pooled_B_D.dtype)
+    before = batch.lengths_before.to(pooled_B_D.dtype)
+    ratio_F_B = (kept / before.clamp(min=1)).view(len(poolings), size)
+    columns = [
+        (ratio_F_B[f] if pooling is PoolingType.MEAN else torch.ones_like(ratio_F_B[f]))
+        .unsqueeze(1)
+        .expand(size, dim)
+        for f, (pooling, dim) in enumerate(zip(poolings, layout.dims, strict=True))
+    ]
+    return pooled_B_D * torch.cat(columns, dim=1)
+
+
+def init_rows(table: BaseEmbeddingConfig, weight: torch.Tensor, fresh: Remapped, step: int) -> None:
+    """Re-initialise ``weight``'s fresh rows (in place) with the table's initialisation.
+
+    Uniform tables draw from a hash of (raw id, step, column), so a row gets the same values
+    wherever it lives; an ``init_fn`` is called on a new ``[K, D]`` tensor (torch's RNG).
+    """
+    rows = fresh.fresh_rows
+    if rows.numel() == 0:
+        return
+    with torch.no_grad():
+        if table.init_fn is not None:
+            values = torch.empty(
+                rows.numel(), weight.shape[1], dtype=weight.dtype, device=weight.device
+            )
+            table.init_fn(values)
+        else:
+            lo, hi = table.init_bounds()
+            unit = hash_uniform(fresh.fresh_ids, step, weight.shape[1])
+            values = lo + (hi - lo) * unit
+        weight[rows] = values.to(weight.dtype)
+
+
+def reset_state_rows(
+    optimizer_name: str, states: Mapping[str, torch.Tensor], rows: torch.Tensor
+) -> None:
+    """Zero every per-row optimizer state of ``rows`` (per-column and scalar states stay)."""
+    if rows.numel() == 0:
+        return
+    shapes = dict(optimizer_spec(optimizer_name).states)
+    with torch.no_grad():
+        for key, shape in shapes.items():
+            if shape in (StateShape.PER_ROW, StateShape.PER_ELEMENT):
+                states[key][rows] = 0
+
+
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical (unsigned) right shift of int64 values."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (wrapping arithmetic)."""
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def hash_uniform(ids_K: torch.Tensor, step: int, dim: int) -> torch.Tensor:
+    """``[K, dim]`` float64 values in [0, 1), a fixed function of (id, step, column)."""
+    column = torch.arange(dim, dtype=torch.int64, device=ids_K.device)
+    key = _mix(ids_K.to(torch.int64) * _GOLDEN + step)
+    x = _mix(key.unsqueeze(1) + (column.unsqueeze(0) + 1) * _GOLDEN)
+    return _shift_right(x, 11).to(torch.float64) / float(1 << 53)
+
+
+def prepare_mapped(
+    id_maps: IdMaps,
+    layout: FeatureLayout,
+    features: KeyedJaggedTensor,
+    is_weighted: bool,
+    weight_dtype: torch.dtype,
+    training: bool,
+) -> MappedBatch:
+    """`FeatureLayout.prepare` for a collection with id-mapped tables, then the remap.
+
+    The unmapped features' ids and every weight are checked first, so a bad input raises
+    before any map changes; the mapped features' raw ids need no check (any int64 is valid).
+    The caller re-initialises ``fresh`` rows before its lookup.
+
+    Raises:
+        As `FeatureLayout.prepare`.
+    """
+    features = layout.select(features, is_weighted, weight_dtype)
+    unmapped_check(features, layout, list(id_maps)).raise_if_bad()
+    return id_maps.remap(features, layout, training)
+
+
+def unmapped_check(
+    features: KeyedJaggedTensor, layout: FeatureLayout, mapped: Sequence[str]
+) -> PendingCheck:
+    """The id check of the features of tables not in ``mapped`` and of every weight (the
+    mapped features' raw ids are all valid), its answer left on the device."""
+    values, bounds = features.values(), features.offset_per_key()
+    masked = values.clone()
+    for f, name in enumerate(layout.table_names):
+        if name in mapped:
+            masked[bounds[f] : bounds[f + 1]] = 0
+    return pending_id_check(
+        masked,
+        features.length_per_key(),
+        layout.feature_names,
+        layout.table_names,
+        layout.num_rows,
+        features.weights_or_none(),
+    )
+
+
+def refuse_id_maps(tables: Sequence[BaseEmbeddingConfig], module: str) -> None:
+    """Raise if a table has ``id_map``: ``module`` (a collection) does not support it yet.
+
+    Raises:
+        ValueError: naming the tables and what to do instead.
+    """
+    mapped = [t.name for t in tables if t.id_map is not None]
+    if mapped:
+        raise ValueError(
+            f"tables {mapped} have id_map, which {module} does not support yet "
+            "(docs/id_map.md says what does); use the unsharded EmbeddingBagCollection or "
+            "FusedEmbeddingBagCollection for them, or drop id_map"
+        )
