@@ -146,17 +146,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
         self._bucketizer = Bucketizer(
             features.num_rows, self._layout.dest_features, self._layout.dp_features, self.device
         )
-        # Kernels are kept out of the module tree: their weights are exposed (sharded) through
-        # state_dict and the fused optimizer, and must not reach DDP or a dense optimizer.
-        # Replicas must run the same backend on every rank: rank 0 resolves AUTO for all.
-        # The weights' draws do not depend on the backend (or on a cached AUTO choice).
-        groups = [*self._layout.mp_groups, *self._layout.dp_groups]
-        with rng_unchanged(self.device):
-            requests = [self._kernel_request(g) for g in groups]
-            share_backend_decisions(requests, self.device, self._pg)
-            self._mp_kernels = [self._make_kernel(g) for g in self._layout.mp_groups]
-            self._dp_kernels = [self._make_kernel(g) for g in self._layout.dp_groups]
-        self._init_weights(timeout)
+        self._build_kernels(timeout)
         self._dummy = torch.zeros(0, device=self.device, requires_grad=True)
         self._state = ShardedState(
             self._layout,
@@ -180,19 +170,33 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
         self._grad_guard = NonFiniteGradGuard(
             f"{type(self).__name__} (rank {self._rank})", " on this rank or another"
         )
-        self._id_maps: ShardedIdMaps | None = None
-        if any(t.id_map is not None for t in self.tables):
-            self._id_maps = ShardedIdMaps(
-                self.tables,
-                self._layout,
-                [*self._mp_kernels, *self._dp_kernels],
-                self._pg,
-                self.device,
-                timeout,
-            )
+        self._id_maps = self._make_id_maps(timeout)
         self._prefetched: PrefetchQueue[DistributedInput] = PrefetchQueue(
             f"{type(self).__name__} {module_path!r}"
         )
+
+    def _build_kernels(self, timeout: datetime.timedelta) -> None:
+        """This rank's kernels, and their initial weights.
+
+        Kernels are kept out of the module tree: their weights are exposed (sharded) through
+        state_dict and the fused optimizer, and must not reach DDP or a dense optimizer.
+        Replicas must run the same backend on every rank: rank 0 resolves AUTO for all. The
+        weights' draws do not depend on the backend (or on a cached AUTO choice).
+        """
+        groups = [*self._layout.mp_groups, *self._layout.dp_groups]
+        with rng_unchanged(self.device):
+            requests = [self._kernel_request(g) for g in groups]
+            share_backend_decisions(requests, self.device, self._pg)
+            self._mp_kernels = [self._make_kernel(g) for g in self._layout.mp_groups]
+            self._dp_kernels = [self._make_kernel(g) for g in self._layout.dp_groups]
+        self._init_weights(timeout)
+
+    def _make_id_maps(self, timeout: datetime.timedelta) -> ShardedIdMaps | None:
+        """The maps of the id-mapped tables (None: there are none)."""
+        if all(t.id_map is None for t in self.tables):
+            return None
+        kernels = [*self._mp_kernels, *self._dp_kernels]
+        return ShardedIdMaps(self.tables, self._layout, kernels, self._pg, self.device, timeout)
 
     def _kernel_request(self, group: GroupLayout) -> KernelRequest:
         specs = []
