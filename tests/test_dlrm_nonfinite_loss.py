@@ -52,8 +52,9 @@ def _state(trainer: dlrm_train.Trainer) -> dict[str, torch.Tensor]:
     }
 
 
-def _nan_step(rank: int, world_size: int, out: str) -> dict[str, Any]:
-    """Two good steps, then one whose sample 0 on rank 0 has a NaN dense value."""
+def _nan_step(rank: int, world_size: int, out: str, pipelined: bool) -> dict[str, Any]:
+    """Two good steps, then one whose sample 0 on rank 0 has a NaN dense value; through the
+    plain step or the pipeline (`training.pipeline`)."""
     config = dlrm_config.load_config(
         None,
         [
@@ -63,23 +64,37 @@ def _nan_step(rank: int, world_size: int, out: str) -> dict[str, Any]:
             "training.plot=false",
             "training.timeout_s=60",
             "warmup.stages=[]",
+            f"training.pipeline={str(pipelined).lower()}",
         ],
     )
     env = dlrm_train.RunEnv(rank=rank, world_size=world_size)
     model = dlrm_train.shard_model(dlrm_train.build_model(config, env.device), config, env)
     trainer = dlrm_train.Trainer(config, env, model)
-    try:
-        batches = iter(trainer.train_data)
-        for _ in range(2):
+
+    def poisoned() -> Any:  # the third batch has a NaN dense value on rank 0
+        for i, batch in enumerate(trainer.train_source if pipelined else trainer.train_data):
+            if i == 2 and rank == 0:
+                batch.dense[0, 0] = float("nan")
+            yield batch
+
+    batches = poisoned()
+
+    def step() -> None:
+        if not pipelined:
             trainer.train_step(next(batches))
+            return
+        assert trainer.pipeline is not None
+        loss, logits, labels = trainer.pipeline.progress(batches)
+        trainer.step_done(loss, logits, labels, True)  # as the script's loop does
+
+    try:
+        for _ in range(2):
+            step()
         before = _state(trainer)
-        batch = next(batches)
-        if rank == 0:
-            batch.dense[0, 0] = float("nan")
-        trainer.train_step(batch)
+        step()
         after = _state(trainer)
         skipped = trainer.nonfinite.total
-        trainer.train_step(next(batches))  # training goes on
+        step()  # training goes on
         moved = _state(trainer)
     finally:
         trainer.checkpoints.close()
@@ -97,11 +112,15 @@ def _check(result: dict[str, Any]) -> None:
     assert any(not torch.equal(moved[k], before[k]) for k in tables)  # the next step updates
 
 
-def test_a_nan_dense_input_changes_no_table_state_or_dense_weight(tmp_path: pathlib.Path) -> None:
-    _check(_nan_step(0, 1, str(tmp_path)))
+@pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
+def test_a_nan_dense_input_changes_no_table_state_or_dense_weight(
+    tmp_path: pathlib.Path, pipelined: bool
+) -> None:
+    _check(_nan_step(0, 1, str(tmp_path), pipelined))
 
 
 @pytest.mark.multiprocess
-def test_two_ranks_skip_the_step_together(tmp_path: pathlib.Path) -> None:
-    for result in run_on_ranks(_nan_step, 2, str(tmp_path), timeout_s=240):
+@pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
+def test_two_ranks_skip_the_step_together(tmp_path: pathlib.Path, pipelined: bool) -> None:
+    for result in run_on_ranks(_nan_step, 2, str(tmp_path), pipelined, timeout_s=240):
         _check(result)

@@ -8,6 +8,7 @@ rank (and replica group) sees the same answer, so all of them stop at the same s
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from recopt.ft.nonfinite import NonFiniteGradientError
@@ -77,3 +78,17 @@ class NonFiniteSteps:
                 "raise training.max_consecutive_nonfinite (0 never stops)"
             )
         return True
+
+
+def poison_if_nonfinite(loss: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """``loss``, or ``loss * nan`` when it or the dense input holds NaN/inf.
+
+    A NaN in one sample's dense input need not reach the loss or the embedding gradients
+    (a fused ReLU maps it to 0), yet it makes the first dense layer's gradient NaN: clipping
+    then skips the dense step while the fused tables, updated in backward, would step. Scaled
+    by NaN, every gradient of the step is NaN: the fused gate skips the tables on every rank
+    (it decides for all), clipping skips the dense step. No host read: the factor is chosen
+    on the device.
+    """
+    finite = torch.isfinite(loss.detach()) & torch.isfinite(dense).all()
+    return loss * torch.where(finite, 1.0, float("nan")).to(loss.dtype)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from dlrm_nonfinite import poison_if_nonfinite
 from torch import nn
 
 from recopt.data import Batch
@@ -29,7 +30,9 @@ class LossAndLogits(nn.Module):
     def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         logits = self.model(batch.dense, batch.sparse)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-        return loss, (loss.detach(), logits.detach(), batch.labels)
+        # NaN/inf in the loss or the dense input: every gradient NaN, so no table steps.
+        poisoned = poison_if_nonfinite(loss, batch.dense)
+        return poisoned, (loss.detach(), logits.detach(), batch.labels)
 
 
 def build_pipeline(

@@ -43,7 +43,7 @@ from dlrm_build import (  # noqa: E402
     shard_model,
 )
 from dlrm_config import TrainingConfig, fault_tolerant_config, load_config  # noqa: E402
-from dlrm_nonfinite import NonFiniteSteps  # noqa: E402
+from dlrm_nonfinite import NonFiniteSteps, poison_if_nonfinite  # noqa: E402
 from dlrm_pipeline import build_pipeline, phase_milliseconds  # noqa: E402
 from dlrm_report import MetricsLog, ProgressBar, plot_curves  # noqa: E402
 from dlrm_resume import check_writable_root, find_resume_point  # noqa: E402
@@ -67,20 +67,6 @@ def default_threads(env: RunEnv) -> int:
     """This machine's cores shared among the ranks on it (torchrun's LOCAL_WORLD_SIZE)."""
     local_ranks = env.local_world_size or env.world_size
     return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
-
-
-def poison_if_nonfinite(loss: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    """``loss``, or ``loss * nan`` when it or the dense input holds NaN/inf.
-
-    A NaN in one sample's dense input need not reach the loss or the embedding gradients
-    (a fused ReLU maps it to 0), yet it makes the first dense layer's gradient NaN: clipping
-    then skips the dense step while the fused tables, updated in backward, would step. Scaled
-    by NaN, every gradient of the step is NaN: the fused gate skips the tables on every rank
-    (it decides for all), clipping skips the dense step. No host read: the factor is chosen
-    on the device.
-    """
-    finite = torch.isfinite(loss.detach()) & torch.isfinite(dense).all()
-    return loss * torch.where(finite, 1.0, float("nan")).to(loss.dtype)
 
 
 def _env_from_environ() -> RunEnv:
