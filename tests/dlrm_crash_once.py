@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples", "dlrm"))
@@ -27,14 +28,15 @@ def main() -> int:
     if attempt > 0 and rank == 1:
         time.sleep(late_s)
     if attempt == 0 and rank == 1:
-        step_done = train.Trainer.train_step
+        step_done = train.Trainer.step_done  # after each step, in the plain and pipelined loops
 
-        def train_step(self: train.Trainer, batch: object) -> None:
-            step_done(self, batch)  # type: ignore[arg-type]
+        def killing_step_done(self: train.Trainer, *args: Any) -> bool:
+            committed = step_done(self, *args)
             if self.step + 1 >= KILL_AFTER_STEP:
                 os.kill(os.getpid(), signal.SIGKILL)
+            return committed
 
-        train.Trainer.train_step = train_step  # type: ignore[method-assign]
+        train.Trainer.step_done = killing_step_done  # type: ignore[method-assign]
     return train.main(sys.argv[1:])
 
 
