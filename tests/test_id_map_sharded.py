@@ -277,7 +277,7 @@ def _all_cases(rank: int, world: int, root: str) -> list[str]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_id_maps_equal_unsharded(world: int, tmp_path: Path) -> None:
-    results = run_on_ranks(_all_cases, world, str(tmp_path), timeout_s=900.0)
+    results = run_on_ranks(_all_cases, world, str(tmp_path), timeout_s=270.0)
     assert all(r == results[0] for r in results) and len(results[0]) == 2 * len(KINDS) + 4
 
 
@@ -310,9 +310,9 @@ def _load_at(rank: int, world: int, root: str, kind: str) -> dict[str, torch.Ten
 def test_reshard_two_to_three_ranks_keeps_every_ids_row_and_state(tmp_path: Path) -> None:
     from recopt.checkpoint.reshard import reshard
 
-    saved = run_on_ranks(_save_at, 2, str(tmp_path), "row_wise", timeout_s=600.0)[0]
+    saved = run_on_ranks(_save_at, 2, str(tmp_path), "row_wise", timeout_s=270.0)[0]
     reshard(tmp_path / "ck", tmp_path / "resharded", world_size=3)
-    loaded = run_on_ranks(_load_at, 3, str(tmp_path), "table_row_wise", timeout_s=600.0)
+    loaded = run_on_ranks(_load_at, 3, str(tmp_path), "table_row_wise", timeout_s=270.0)
     assert int(saved["sparse.id_maps.t1.occupied"].sum()) > 0
     for state in loaded:
         assert sorted(state) == sorted(saved)

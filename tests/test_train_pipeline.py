@@ -269,7 +269,7 @@ def _cases(world: int) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_pipelined_training_equals_the_plain_loop(world: int, tmp_path: Path) -> None:
     cases = _cases(world)
-    results = run_on_ranks(_all_cases, world, cases, str(tmp_path), timeout_s=900.0)
+    results = run_on_ranks(_all_cases, world, cases, str(tmp_path), timeout_s=270.0)
     failures = [
         (rank, case, name)
         for rank, per_rank in enumerate(results)
