@@ -21,25 +21,6 @@ Tensor = torch.Tensor
 ProcessGroup = dist.ProcessGroup
 
 
-def all_to_all_counts(send_W_C: Tensor, group: ProcessGroup | None) -> Tensor:
-    """Exchange one small int64 row with every rank: row ``d`` of the input goes to rank ``d``.
-
-    Args:
-        send_W_C: ``[world_size, C]`` int64; row ``d`` is what this rank tells rank ``d``.
-        group: the process group.
-
-    Returns:
-        ``[world_size, C]``: row ``s`` is what rank ``s`` told this rank.
-    """
-    send = send_W_C.contiguous()
-    recv = torch.empty_like(send)
-    if dist.get_world_size(group) == 1:
-        recv.copy_(send)
-        return recv
-    dist.all_to_all_single(recv, send, group=group)
-    return recv
-
-
 def all_to_all_flat(
     send: Tensor,
     send_splits: list[int],
@@ -75,8 +56,17 @@ def all_to_all_flat(
 
 
 def start_all_to_all_counts(send_W_C: Tensor, group: ProcessGroup | None) -> tuple[Tensor, Any]:
-    """`all_to_all_counts`, started without waiting: ``(recv, work)``, as
-    `start_all_to_all_flat`."""
+    """Exchange one small int64 row with every rank, started without waiting: row ``d`` of the
+    input goes to rank ``d``.
+
+    Args:
+        send_W_C: ``[world_size, C]`` int64; row ``d`` is what this rank tells rank ``d``.
+        group: the process group.
+
+    Returns:
+        ``(recv, work)``: ``recv`` ``[world_size, C]``, row ``s`` what rank ``s`` told this
+        rank, once `wait` on ``work`` has returned (as `start_all_to_all_flat`).
+    """
     send = send_W_C.contiguous()
     recv = torch.empty_like(send)
     if dist.get_world_size(group) == 1:
@@ -347,19 +337,11 @@ def all_gather_object(obj: Any, group: ProcessGroup | None) -> list[Any]:
 def all_gather_bytes(
     data: bytes, group: ProcessGroup | None, timeout: datetime.timedelta
 ) -> list[bytes]:
-    """Every rank's ``data``, rank order: the lengths, then the padded bytes (two all-gathers
-    of CPU tensors, each bounded by ``timeout``; the group must serve CPU tensors: gloo)."""
-    world = dist.get_world_size(group)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    work = dist.all_gather(lengths, torch.tensor([len(data)]), group=group, async_op=True)
-    _wait(work, timeout)
-    size = max(int(n.item()) for n in lengths)
-    mine = torch.zeros(size, dtype=torch.uint8)
-    if data:
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    parts = [torch.zeros(size, dtype=torch.uint8) for _ in range(world)]
-    _wait(dist.all_gather(parts, mine, group=group, async_op=True), timeout)
-    return [p[: int(n.item())].numpy().tobytes() for p, n in zip(parts, lengths, strict=True)]
+    """Every rank's ``data``, rank order (`all_gather_sized`: the lengths, then the padded
+    bytes; each all-gather bounded by ``timeout``)."""
+    values = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0)
+    _, parts = all_gather_sized(torch.tensor([len(data)]), values.to(torch.uint8), group, timeout)
+    return [p.cpu().numpy().tobytes() for p in parts]
 
 
 def broadcast_object(obj: Any, group: ProcessGroup | None) -> Any:

@@ -4,9 +4,9 @@ Counted as in test_host_syncs.py (recopt's own ``.item()``/``.tolist()``/... on 
 2 gloo ranks, for every sharding type and both kernel backends, with two optimizers so each
 rank runs two kernels (two kernel groups split the received ids). A step is:
 
-- forward: one read, the count exchange's (`distribute_input`: what this rank sends and what it
-  received, read together). The id bounds check's flag rides in it, and every later size (the
-  splits, the ids each kernel gets, each kernel's and the row statistics' feature bounds) is
+- forward: one read, the count exchange's (`CountExchange.start_ids`: what this rank sends and
+  what it received, read together). The id bounds check's flag rides in it, and every later size
+  (the splits, the ids each kernel gets, each kernel's and the row statistics' feature bounds) is
   derived from it on the host;
 - backward: the non-finite gradient gate's all-reduced flag; none with ``skip_nonfinite=False``.
 

@@ -358,21 +358,6 @@ class InputInFlight:
         return self.out
 
 
-def distribute_input(
-    features: KeyedJaggedTensor | None,
-    error: BaseException | None,
-    bucketizer: Bucketizer,
-    weighted: bool,
-    group: dist.ProcessGroup | None,
-    rank: int,
-    check: PendingCheck | None = None,
-    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-) -> ReceivedInput:
-    """`start_count_exchange`, then the id exchange, waiting for both."""
-    counts = start_count_exchange(features, error, bucketizer, weighted, group, rank, check)
-    return counts.start_ids(timeout).wait(timeout)
-
-
 def start_count_exchange(
     features: KeyedJaggedTensor | None,
     error: BaseException | None,
