@@ -247,12 +247,17 @@ class Trainer:
         committed = self.ft is None or self.ft.manager.current_step() > start
         return self.step_done(loss, logits, batch.labels, committed)
 
+    def _committed_past_step(self) -> bool:
+        """Whether the step just run moved the committed step past ``self.step`` (always
+        without fault tolerance; a heal may jump further)."""
+        return self.ft is None or self.ft.manager.current_step() > self.step
+
     def _pipeline_step_committed(self) -> bool:
         """The pipeline's hook after each step under fault tolerance: False keeps the batch
         at the head of the pipeline to be retried (a dropped step), True moves on (committed,
         or given up by the retrier: a NaN/inf step)."""
-        assert self.ft is not None and self.retrier is not None
-        if self.ft.manager.current_step() > self.step:
+        assert self.retrier is not None
+        if self._committed_past_step():
             self.retrier.after_step(True)
             return True
         return self.retrier.after_step(False)
@@ -336,7 +341,7 @@ class Trainer:
                     loss, logits, labels = self.pipeline.progress(self.train_source)
                 except StopIteration:
                     break
-                committed = self.ft is None or self.ft.manager.current_step() > self.step
+                committed = self._committed_past_step()
                 self.step_done(loss, logits, labels, committed)
                 yield labels.numel()
         if self.step < self.config.training.steps:
