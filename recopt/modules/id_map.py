@@ -9,6 +9,7 @@ Legend: N rows, U distinct ids of a batch, M ids of a batch, C candidate slots.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -118,6 +119,30 @@ class Remapped:
     fresh_rows: torch.Tensor
     fresh_ids: torch.Tensor
     stats: RemapStats = field(default_factory=RemapStats)
+    undo: MapUndo | None = None
+
+
+ROW_BUFFERS = ("row_ids", "occupied", "last_seen", "frequency")
+CANDIDATE_BUFFERS = ("candidate_ids", "candidate_used", "candidate_count", "candidate_last_seen")
+
+
+@dataclass(slots=True)
+class MapUndo:
+    """What one training remap changed, to put the map back (`IdMap.apply_undo`).
+
+    ``step`` and ``stats`` are the values before the remap; ``rows`` [K] the row slots whose
+    buffers it changed and ``row_values`` their old values, by buffer name (``row_ids``,
+    ``occupied``, ``last_seen``, ``frequency``); likewise ``candidate_slots`` and
+    ``candidate_values`` (``candidate_ids``, ``candidate_used``, ``candidate_count``,
+    ``candidate_last_seen``) when admission is on (else empty).
+    """
+
+    step: int
+    stats: RemapStats
+    rows: torch.Tensor
+    row_values: dict[str, torch.Tensor]
+    candidate_slots: torch.Tensor
+    candidate_values: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class IdMap(nn.Module):
@@ -127,7 +152,7 @@ class IdMap(nn.Module):
     free: check ``occupied``), ``occupied`` [N] bool, ``last_seen`` [N] (step), ``frequency``
     [N] float64 (count, decayed to ``last_seen`` under lfu), ``step`` (training batches
     seen); with admission also ``candidate_ids``/``candidate_used``/``candidate_count``/
-    ``candidate_seen`` [C].
+    ``candidate_last_seen`` [C].
 
     Args:
         config: the table's `IdMapConfig`.
@@ -202,7 +227,7 @@ class IdMap(nn.Module):
             live = live & (self._buffer("step") - self._buffer("last_seen") <= ttl)
         return live
 
-    def remap(self, ids_M: torch.Tensor, training: bool) -> Remapped:
+    def remap(self, ids_M: torch.Tensor, training: bool, record_undo: bool = False) -> Remapped:
         """Rows for a batch of raw ids; in training, new ids get rows and counters move.
 
         Outside training (``training=False``) nothing changes: unknown (or expired) ids read
@@ -211,10 +236,57 @@ class IdMap(nn.Module):
         Args:
             ids_M: raw int64 ids, any values.
             training: update the map (one step) or only read it.
+            record_undo: in training, also return in ``Remapped.undo`` a `MapUndo` that
+                `apply_undo` uses to put the map back as it was before this call.
 
         Returns:
             `Remapped`: a row per id (-1 for the zero row) and the rows given to new ids.
         """
+        if not (training and record_undo):
+            return self._remap(ids_M, training)
+        before = {name: self._buffer(name).clone() for name in self._undo_buffers()}
+        step, stats = int(self._buffer("step")), copy.copy(self.last_stats)
+        result = self._remap(ids_M, training)
+        result.undo = self._changes(before, step, stats)
+        return result
+
+    def _undo_buffers(self) -> tuple[str, ...]:
+        return ROW_BUFFERS + (CANDIDATE_BUFFERS if self.admit_after > 1 else ())
+
+    def _changes(self, before: dict[str, torch.Tensor], step: int, stats: RemapStats) -> MapUndo:
+        """The `MapUndo` of the slots whose buffers differ from ``before`` (bitwise)."""
+
+        def changed(names: tuple[str, ...]) -> torch.Tensor:
+            mask = torch.zeros_like(before[names[0]], dtype=torch.bool)
+            for name in names:
+                old, new = before[name], self._buffer(name)
+                if old.dtype == torch.float64:  # bitwise: -0.0 and 0.0 differ
+                    old, new = old.view(torch.int64), new.view(torch.int64)
+                mask |= old != new
+            return mask.nonzero().squeeze(1)
+
+        rows = changed(ROW_BUFFERS)
+        undo = MapUndo(step, stats, rows, {n: before[n][rows] for n in ROW_BUFFERS}, rows[:0])
+        if self.admit_after > 1:
+            slots = changed(CANDIDATE_BUFFERS)
+            undo.candidate_slots = slots
+            undo.candidate_values = {n: before[n][slots] for n in CANDIDATE_BUFFERS}
+        return undo
+
+    def apply_undo(self, undo: MapUndo) -> None:
+        """Put the map back as it was before the remap that recorded ``undo`` (bit-exact).
+
+        Undo the remaps in reverse order (the last one first) to go back several steps.
+        """
+        with torch.no_grad():
+            self._buffer("step").fill_(undo.step)
+            for name, old in undo.row_values.items():
+                self._buffer(name)[undo.rows] = old
+            for name, old in undo.candidate_values.items():
+                self._buffer(name)[undo.candidate_slots] = old
+        self.last_stats = copy.copy(undo.stats)
+
+    def _remap(self, ids_M: torch.Tensor, training: bool) -> Remapped:
         ids_M = ids_M.to(torch.int64)
         empty = ids_M.new_empty(0)
         if ids_M.numel() == 0 and not training:
