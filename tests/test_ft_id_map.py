@@ -409,3 +409,45 @@ def _all_sharded_cases(rank: int, world: int) -> list[str]:
 def test_sharded_dropped_step_restores_every_rank() -> None:
     results = run_on_ranks(_all_sharded_cases, 2, timeout_s=270.0)
     assert results[0] == results[1] and len(results[0]) == len(SHARDED_CASES) + 3
+
+
+# -- end to end on torchft's manager ------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_torchft_dropped_step_of_an_id_mapped_dlrm() -> None:
+    """Two DLRMs with id-mapped tables, each a replica group alone on its own torchft
+    lighthouse: the one that drops position 1 once (rolled back, retrained) commits, step for
+    step, the same state digest (maps included) as the one that never dropped it."""
+    pytest.importorskip("torchft", reason="the ft extra: pip install 'recopt[ft]'")
+    import concurrent.futures
+
+    from ft_torchft_groups import Scenario, replica_group
+    from torchft.coordination import LighthouseServer
+
+    servers = [
+        LighthouseServer(
+            bind="[::]:0", min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=1000
+        )
+        for _ in range(2)
+    ]
+    try:
+        addresses = [f"http://127.0.0.1:{s.address().rsplit(':', 1)[1]}" for s in servers]
+        specs = [
+            Scenario(replica_id="A", lighthouse=addresses[0], steps=4, seed=1, id_map=True),
+            Scenario(
+                replica_id="B", lighthouse=addresses[1], steps=4, seed=1, drop_at=1, id_map=True
+            ),
+        ]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            runs = pool.map(lambda s: run_on_ranks(replica_group, 1, s, timeout_s=150), specs)
+            reference, dropping = (result[0] for result in runs)
+    finally:
+        for server in servers:
+            server.shutdown()
+    dropped = [e for e in dropping if not e["committed"]]
+    assert [(e["position"], e["error"]) for e in dropped] == [(1, "RuntimeError")], dropping
+    assert dropped[0]["after"] == dropped[0]["before"]
+    assert all(e["committed"] for e in reference)
+    committed = [(e["position"], e["after"]) for e in dropping if e["committed"]]
+    assert committed == [(e["position"], e["after"]) for e in reference]
