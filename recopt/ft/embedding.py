@@ -221,13 +221,15 @@ class FusedEmbeddingGuard(StepParticipant):
         self._map_undos.clear()
 
     def snapshot_bytes(self) -> int:
-        """Memory held by the current step's snapshots."""
-        total = 0
+        """Memory held by the current step's snapshots and map undo records."""
+        tensors: list[torch.Tensor] = []
         for snap in self._snapshots:
-            tensors = [snap.ids, snap.weight_rows, *snap.state_rows.values()]
+            tensors += [snap.ids, snap.weight_rows, *snap.state_rows.values()]
             tensors += list(snap.state_whole.values())
-            total += sum(t.numel() * t.element_size() for t in tensors)
-        return total
+        for _, undo in self._map_undos:
+            tensors += [undo.rows, undo.candidate_slots, *undo.row_values.values()]
+            tensors += list(undo.candidate_values.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def _skipped_steps(self) -> int:
         module = self._module
