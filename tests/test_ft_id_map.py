@@ -285,6 +285,19 @@ def test_guard_stops_observing_when_removed() -> None:
     assert guard.snapshot_bytes() == 0
 
 
+def test_a_copy_of_a_guarded_module_is_not_observed() -> None:
+    """deepcopy / pickle drop the observers: a copy's map steps are not the guard's to undo."""
+    module = _bag_module("sgd", Backend.RECOPT, True)(POLICIES["lru"])
+    guard = FusedEmbeddingGuard(module)
+    clone = copy.deepcopy(module)
+    assert clone.id_maps.observers == []  # type: ignore[union-attr]
+    assert module.id_maps.observers == [guard]  # type: ignore[union-attr]
+    _train_bags(FEATURES)(clone, 0)
+    assert guard.snapshot_bytes() == 0
+    _train_bags(FEATURES)(module, 0)
+    assert guard.snapshot_bytes() > 0
+
+
 def test_replica_sync_refuses_id_mapped_tables() -> None:
     module = _bag_module("sgd", Backend.RECOPT, True)(POLICIES["lru"])
     with pytest.raises(ValueError, match=r"tables \['t0', 't1'\] have id_map: each replica"):

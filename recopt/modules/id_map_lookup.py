@@ -84,6 +84,13 @@ class IdMaps(nn.ModuleDict):
         )
         self.observers: list[RemapObserver] = []
 
+    def __getstate__(self) -> dict[str, object]:
+        """A copy or pickle (``copy.deepcopy``, ``torch.save`` of the module) is unobserved:
+        the observers (a guard with its manager) belong to this instance."""
+        state = dict(self.__dict__)
+        state["observers"] = []
+        return state
+
     @staticmethod
     def of(
         tables: Sequence[BaseEmbeddingConfig], device: torch.device | str | None
