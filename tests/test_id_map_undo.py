@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from recopt.kernels import cpu_id_map
 from recopt.modules import IdMapConfig
 from recopt.modules.id_map import IdMap, Remapped
 
@@ -16,6 +17,14 @@ CONFIGS = {
         policy="lfu", decay=0.9, ttl_steps=4, admit_after=3, candidate_slots=5
     ),
 }
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def remap_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test on both remap paths: native code (when it builds) and torch ops."""
+    if request.param == "native" and not cpu_id_map.available():
+        pytest.skip("no C compiler: the native remap is not built")
+    monkeypatch.setattr(IdMap, "native", request.param == "native")
 
 
 def _state(idmap: IdMap) -> dict[str, torch.Tensor]:

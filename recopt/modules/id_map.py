@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from recopt.modules.id_map_native import NativeIdMap
 
 POLICIES = ("lru", "lfu")
 DEFAULT_LFU_DECAY = 0.99
@@ -158,7 +162,13 @@ class IdMap(nn.Module):
         config: the table's `IdMapConfig`.
         num_rows: the table's ``num_embeddings``.
         device: where the map lives (the table's device).
+
+    On CPU the remap runs in native code (`recopt/modules/id_map_native.py`: the same
+    results, O(batch) work a step) when a C compiler is there; ``native = False`` (on the
+    class or an instance) keeps the torch ops, the reference (and the path on CUDA).
     """
+
+    native: bool = True
 
     def __init__(
         self, config: IdMapConfig, num_rows: int, device: torch.device | str | None = None
@@ -177,6 +187,7 @@ class IdMap(nn.Module):
                 "candidate_count", torch.zeros(slots, dtype=torch.int64, device=device)
             )
         self._index: dict[str, tuple[tuple[int, int], torch.Tensor, torch.Tensor]] = {}
+        self._native_map: NativeIdMap | None = None
         self.last_stats = RemapStats()
 
     def _register_slots(self, prefix: str, size: int, device: torch.device | str | None) -> None:
@@ -242,6 +253,10 @@ class IdMap(nn.Module):
         Returns:
             `Remapped`: a row per id (-1 for the zero row) and the rows given to new ids.
         """
+        ids_M = ids_M.to(torch.int64)
+        native = self._native() if ids_M.device.type == "cpu" else None
+        if native is not None:
+            return native.train(self, ids_M, record_undo) if training else native.read(self, ids_M)
         if not (training and record_undo):
             return self._remap(ids_M, training)
         before = {name: self._buffer(name).clone() for name in self._undo_buffers()}
@@ -249,6 +264,26 @@ class IdMap(nn.Module):
         result = self._remap(ids_M, training)
         result.undo = self._changes(before, step, stats)
         return result
+
+    def _native(self) -> NativeIdMap | None:
+        """The native remap's cache (created at first use), or None: torch ops then."""
+        if not self.native or self._buffer("occupied").device.type != "cpu":
+            return None
+        if self._native_map is None:
+            # Imported here: id_map_native builds on this file's dataclasses.
+            from recopt.kernels import cpu_id_map
+            from recopt.modules.id_map_native import NativeIdMap
+
+            if not cpu_id_map.available():
+                return None
+            slots = self._buffer("candidate_ids").numel() if self.admit_after > 1 else 0
+            self._native_map = NativeIdMap(self.num_rows, slots)
+        return self._native_map
+
+    def forget_index(self) -> None:
+        """Drop the torch path's sorted index of live ids (after writes that kept the
+        buffers' version counters: the native remap's)."""
+        self._index.clear()
 
     def _undo_buffers(self) -> tuple[str, ...]:
         return ROW_BUFFERS + (CANDIDATE_BUFFERS if self.admit_after > 1 else ())
@@ -370,12 +405,12 @@ class IdMap(nn.Module):
         evictable = occupied.clone()
         evictable[protected] = False
         rows = evictable.nonzero().squeeze(1)
-        victims = rows[self._eviction_order(rows)[:need]]
+        victims = rows[self.eviction_order(rows)[:need]]
         occupied[victims] = False
         self._buffer("row_ids")[victims] = -1
         return torch.cat([free, victims]), victims.numel()
 
-    def _eviction_order(self, rows: torch.Tensor) -> torch.Tensor:
+    def eviction_order(self, rows: torch.Tensor) -> torch.Tensor:
         """Positions of ``rows`` (ascending) in eviction order: the policy's, ties by row."""
         last_seen = self._buffer("last_seen")[rows]
         if self.config.policy == "lru":
