@@ -31,6 +31,7 @@ from recopt.modules import (
     FusedEmbeddingCollection,
     IdMapConfig,
 )
+from recopt.modules.id_map import IdMap
 from recopt.sparse import KeyedJaggedTensor
 from recopt.testing import run_on_ranks
 
@@ -223,6 +224,17 @@ def test_dropped_step_restores_map_rows_and_state(
         assert seen["admissions"] > 0, seen
 
 
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_dropped_step_on_the_torch_remap_path(policy: str, monkeypatch: Any) -> None:
+    """The same with the remap in torch ops (the CUDA path; CPU uses native code if it can)."""
+    monkeypatch.setattr(IdMap, "native", False)
+    build = _bag_module("adam", Backend.RECOPT, True)
+    seen = _run_dropped_step(
+        build(POLICIES[policy]), build(POLICIES[policy]), _train_bags(FEATURES)
+    )
+    assert seen["evictions"] + seen["expired"] > 0, seen
+
+
 @pytest.mark.parametrize("name", ["adafactor", "sgd"])
 def test_dropped_step_restores_other_optimizers(name: str) -> None:
     """Adafactor's state is not by rows (whole copies); sgd has no state at all."""
@@ -412,6 +424,12 @@ def _all_sharded_cases(rank: int, world: int) -> list[str]:
         done.append(f"{kind}/{name}/{policy}")
     _sharded_case("row_wise", "adam", "admit_after", rank, world, nan=True)
     done.append("row_wise non-finite")
+    IdMap.native = False  # the torch remap (this process only)
+    try:
+        _sharded_case("table_wise", "adam", "lfu", rank, world, nan=False)
+    finally:
+        IdMap.native = True
+    done.append("table_wise, torch remap")
     for kind in ("table_wise", "row_wise"):
         _sharded_ec_case(kind, rank, world)
         done.append(f"ec/{kind}")
@@ -421,7 +439,7 @@ def _all_sharded_cases(rank: int, world: int) -> list[str]:
 @pytest.mark.multiprocess
 def test_sharded_dropped_step_restores_every_rank() -> None:
     results = run_on_ranks(_all_sharded_cases, 2, timeout_s=270.0)
-    assert results[0] == results[1] and len(results[0]) == len(SHARDED_CASES) + 3
+    assert results[0] == results[1] and len(results[0]) == len(SHARDED_CASES) + 4
 
 
 # -- end to end on torchft's manager ------------------------------------------------------------
