@@ -1,0 +1,206 @@
+"""Id-mapped fused tables kept identical across replica groups (`EmbeddingReplicaSync`).
+
+Each spawned rank is one replica group: a `StepTransaction` over the gloo world (the vote is
+an all-reduce of the oks), a guard and the replica sync, each group training on its own
+batches. After every step, the maps, weights and optimizer states must be bit-identical across
+groups (torch.equal). The maps must equal, bit for bit, those of one plain collection fed the
+groups' batches concatenated (a map step depends only on the ids); its weights and states
+agree up to float rounding (it sums row gradients in another order). A dropped step (an
+injected error, or a NaN loss in one group) rolls every group back; a group that heals from a
+peer's state_dict (maps included) stays identical; an evaluation forward gathers nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_ft_id_map import POLICIES, OneReplica, _loss, _tables, assert_same, bags, state_of
+from torch import nn
+
+from recopt.ft.embedding import EmbeddingReplicaSync, FusedEmbeddingGuard
+from recopt.ft.steps import StepTransaction
+from recopt.kernels.config import Backend, FusedOptimizerConfig
+from recopt.modules import FusedEmbeddingBagCollection
+from recopt.sparse import KeyedJaggedTensor
+from recopt.testing import run_on_ranks
+
+FEATURES = ("f0", "f1", "f2", "g")
+CONFIG = FusedOptimizerConfig(name="adam", lr=0.05, eps=1e-3, backend=Backend.RECOPT)
+# (step, forwards, what): "drop" reports an error, "nan" gives group 1 a NaN loss.
+PLAN: list[tuple[int, int, str]] = [
+    (0, 1, ""),
+    (1, 1, ""),
+    (-1, 1, ""),  # new ids from every group: the maps fill and evict
+    (2, 2, ""),  # two forwards: the second reads rows the first's backward updated
+    (3, 2, "drop"),  # two forwards (two map steps to undo)
+    (4, 1, "nan"),
+    (5, 1, "heal"),  # the last group reloads its state from group 0's first
+    (6, 1, "eval"),  # group 0 also runs an evaluation forward
+    (7, 1, ""),
+]
+
+
+class WorldReplicas(StepTransaction):
+    """Every rank of the gloo world is a replica group; the vote: all oks, all-reduced."""
+
+    def __init__(self) -> None:
+        super().__init__("test", 1, datetime.timedelta(seconds=60))
+        self._pg = dist.distributed_c10d._get_default_group()
+
+    def start_quorum(self) -> None:
+        self._errored = None
+        self._rank, self._num_participants = dist.get_rank(), dist.get_world_size()
+        self._begin()
+
+    def _vote(self, ok: bool) -> bool:
+        flag = torch.tensor([int(ok)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+
+def _build(policy: str) -> FusedEmbeddingBagCollection:
+    torch.manual_seed(0)
+    return FusedEmbeddingBagCollection(_tables(POLICIES[policy], shared=True), optimizer=CONFIG)
+
+
+def _batch(step: int, forward: int, ranks: list[int]) -> KeyedJaggedTensor:
+    """The bags of ``ranks`` (one group, or all of them concatenated), forward ``forward``."""
+    seed = step + 50 * forward if step >= 0 else step - forward
+    per_rank = [bags(seed, FEATURES, r) for r in ranks]
+    return KeyedJaggedTensor.from_id_lists({f: sum((b[f] for b in per_rank), []) for f in FEATURES})
+
+
+def _attach(module: nn.Module, tx: StepTransaction) -> None:
+    EmbeddingReplicaSync(module, tx, FusedEmbeddingGuard(module, tx))
+
+
+def _heal(module: FusedEmbeddingBagCollection, policy: str) -> FusedEmbeddingBagCollection:
+    """The last group rebuilds its module and loads group 0's state (as healing does)."""
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    sent = [state_of(module) if rank == 0 else None]
+    dist.broadcast_object_list(sent, src=0)
+    if rank != last:
+        return module
+    fresh = _build(policy)
+    state = sent[0]
+    assert state is not None
+    fresh.load_state_dict(state["model"])
+    optim = fresh.fused_optimizer.state_dict()
+    optim["state"] = state["optim"]
+    fresh.fused_optimizer.load_state_dict(optim)
+    return fresh
+
+
+def _groups(rank: int, world: int, policy: str) -> list[dict[str, Any]]:
+    """Run PLAN in this group; every step's state (after its vote) and outcome."""
+    tx = WorldReplicas()
+    module = _build(policy)
+    _attach(module, tx)
+    states = []
+    for step, forwards, what in PLAN:
+        if what == "heal":
+            healed = _heal(module, policy)
+            if healed is not module:
+                module, tx = healed, WorldReplicas()
+                _attach(module, tx)
+        if what == "eval":
+            module.eval()
+            before = state_of(module)
+            if rank == 0:
+                with torch.no_grad():
+                    module(_batch(step, 9, [rank]))
+            assert_same(before, state_of(module), "evaluation")
+            module.train()
+        before = state_of(module)
+        tx.start_quorum()
+        for forward in range(forwards):
+            out = module(_batch(step, forward, [rank])).values()
+            nan = what == "nan" and rank == 1
+            (_loss(out, 10 * step + forward) * (float("nan") if nan else 1.0)).backward()
+        if what == "drop":
+            tx.report_error(RuntimeError("injected"))
+        committed = tx.should_commit()
+        assert committed == (what not in ("drop", "nan")), (step, what, tx.errored())
+        if not committed:
+            assert_same(before, state_of(module), f"rolled back at step {step}")
+        states.append({"committed": committed, "state": state_of(module), "stats": module.stats()})
+    return states
+
+
+def _reference(world: int, policy: str) -> list[dict[str, Any]]:
+    """One plain collection fed, per committed step, every group's batch concatenated."""
+    module = _build(policy)
+    states = []
+    for step, forwards, what in PLAN:
+        if what not in ("drop", "nan"):
+            for forward in range(forwards):
+                out = module(_batch(step, forward, list(range(world)))).values()
+                parts = out.chunk(world)
+                loss = sum(_loss(p, 10 * step + forward) for p in parts) / world
+                assert isinstance(loss, torch.Tensor)
+                loss.backward()
+        states.append(state_of(module))
+    return states
+
+
+def _assert_close(a: Any, b: Any, where: str) -> None:
+    if isinstance(a, dict):
+        for key in a:
+            _assert_close(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, torch.Tensor):
+        assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6), where
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world, policy", [(2, "lru"), (3, "admit_after")])
+def test_replica_groups_keep_id_maps_and_rows_identical(world: int, policy: str) -> None:
+    runs = run_on_ranks(_groups, world, policy, timeout_s=240.0)
+    reference = _reference(world, policy)
+    evicted = 0
+    for s, (step, _, what) in enumerate(PLAN):
+        for r in range(1, world):
+            assert_same(runs[0][s]["state"], runs[r][s]["state"], f"group {r}, step {step}")
+        model, expected = runs[0][s]["state"]["model"], reference[s]["model"]
+        maps = [k for k in expected if k.startswith("id_maps.")]
+        assert maps and all(torch.equal(model[k], expected[k]) for k in maps), (step, what)
+        _assert_close(runs[0][s]["state"], reference[s], f"step {step}")
+        evicted += sum(t["evictions"] + t["expired"] for t in runs[0][s]["stats"].values())
+    assert evicted > 0  # the maps did evict live ids along the way
+
+
+def test_one_group_with_sync_trains_as_without() -> None:
+    """Alone in its quorum, a synced group's gather returns its own ids: the same map steps
+    and rows as a twin whose maps step locally (the twin also has the row-gradient hooks,
+    whose rounding differs from the plain kernel's)."""
+    tx, twin_tx = OneReplica(), OneReplica()
+    module, twin = _build("lfu"), _build("lfu")
+    _attach(module, tx)
+    _attach(twin, twin_tx)
+    assert module.id_maps is not None and twin.id_maps is not None
+    assert module.id_maps.peers is not None
+    twin.id_maps.peers = None
+    for step, forwards, _ in PLAN:
+        tx.start_quorum()
+        twin_tx.start_quorum()
+        for forward in range(forwards):
+            for m in (module, twin):
+                _loss(m(_batch(step, forward, [0])).values(), step).backward()
+        assert tx.should_commit() and twin_tx.should_commit()
+        assert_same(state_of(twin), state_of(module), f"step {step}")
+
+
+def test_replica_sync_refuses_init_fn_on_id_mapped_tables() -> None:
+    tables = _tables(POLICIES["lru"], shared=True)
+    tables[1] = dataclasses.replace(tables[1], init_fn=torch.nn.init.zeros_)
+    torch.manual_seed(0)
+    module = FusedEmbeddingBagCollection(tables, optimizer=CONFIG)
+    tx = OneReplica()
+    with pytest.raises(ValueError, match=r"tables \['t1'\] have id_map and init_fn"):
+        _attach(module, tx)
+    assert module.id_maps is not None and module.id_maps.peers is None
+    assert all(k.grad_hook is None for k in module.kernels())  # refused before any hook
