@@ -31,7 +31,8 @@ from recopt.testing import run_on_ranks
 
 FEATURES = ("f0", "f1", "f2", "g")
 CONFIG = FusedOptimizerConfig(name="adam", lr=0.05, eps=1e-3, backend=Backend.RECOPT)
-# (step, forwards, what): "drop" reports an error, "nan" gives group 1 a NaN loss.
+# (step, forwards, what): "drop" reports an error, "nan" gives group 1 a NaN loss, "bad" an
+# out-of-range id of the unmapped table (its forward raises; the others' steps drop).
 PLAN: list[tuple[int, int, str]] = [
     (0, 1, ""),
     (1, 1, ""),
@@ -42,7 +43,10 @@ PLAN: list[tuple[int, int, str]] = [
     (5, 1, "heal"),  # the last group reloads its state from group 0's first
     (6, 1, "eval"),  # group 0 also runs an evaluation forward
     (7, 1, ""),
+    (8, 1, "bad"),
+    (9, 1, ""),
 ]
+DROPPED = ("drop", "nan", "bad")
 
 
 class WorldReplicas(StepTransaction):
@@ -96,6 +100,29 @@ def _heal(module: FusedEmbeddingBagCollection, policy: str) -> FusedEmbeddingBag
     return fresh
 
 
+def _step(
+    module: nn.Module, tx: StepTransaction, rank: int, step: int, forwards: int, what: str
+) -> bool:
+    """One step of PLAN in this group; whether it committed."""
+    tx.start_quorum()
+    for forward in range(forwards):
+        batch = _batch(step, forward, [rank])
+        if what == "bad" and rank == 1:  # an id out of table g's range: raises after the gather
+            values = batch.values().clone()
+            values[-1] = 99
+            batch = KeyedJaggedTensor(batch.keys(), values, lengths=batch.lengths())
+            with pytest.raises(ValueError, match="'g'"):
+                module(batch)
+            tx.report_error(RuntimeError("bad batch"))  # as a training loop would
+            continue
+        out = module(batch).values()
+        nan = what == "nan" and rank == 1
+        (_loss(out, 10 * step + forward) * (float("nan") if nan else 1.0)).backward()
+    if what == "drop":
+        tx.report_error(RuntimeError("injected"))
+    return tx.should_commit()
+
+
 def _groups(rank: int, world: int, policy: str) -> list[dict[str, Any]]:
     """Run PLAN in this group; every step's state (after its vote) and outcome."""
     tx = WorldReplicas()
@@ -117,15 +144,8 @@ def _groups(rank: int, world: int, policy: str) -> list[dict[str, Any]]:
             assert_same(before, state_of(module), "evaluation")
             module.train()
         before = state_of(module)
-        tx.start_quorum()
-        for forward in range(forwards):
-            out = module(_batch(step, forward, [rank])).values()
-            nan = what == "nan" and rank == 1
-            (_loss(out, 10 * step + forward) * (float("nan") if nan else 1.0)).backward()
-        if what == "drop":
-            tx.report_error(RuntimeError("injected"))
-        committed = tx.should_commit()
-        assert committed == (what not in ("drop", "nan")), (step, what, tx.errored())
+        committed = _step(module, tx, rank, step, forwards, what)
+        assert committed == (what not in DROPPED), (step, what, tx.errored())
         if not committed:
             assert_same(before, state_of(module), f"rolled back at step {step}")
         states.append({"committed": committed, "state": state_of(module), "stats": module.stats()})
@@ -137,7 +157,7 @@ def _reference(world: int, policy: str) -> list[dict[str, Any]]:
     module = _build(policy)
     states = []
     for step, forwards, what in PLAN:
-        if what not in ("drop", "nan"):
+        if what not in DROPPED:
             for forward in range(forwards):
                 out = module(_batch(step, forward, list(range(world)))).values()
                 parts = out.chunk(world)

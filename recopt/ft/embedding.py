@@ -190,6 +190,7 @@ class FusedEmbeddingGuard(StepParticipant):
         """Save ``ids``' rows of ``table`` (weight and state) as they are now."""
         rows = table.weight.shape[0]
         ids = ids.to(table.weight.device)
+        ids = ids[(ids >= 0) & (ids < rows)]  # a bad id: the forward raises, naming it
         state_rows, state_whole = {}, {}
         for key, value in table.states.items():
             if table.rows_only and value.dim() >= 1 and value.shape[0] == rows:
