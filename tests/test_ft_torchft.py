@@ -97,8 +97,12 @@ def _check_dropped_restored(log: list[dict[str, Any]]) -> int:
     return len(dropped)
 
 
-@pytest.mark.parametrize("ranks", [1, 2], ids=["plain", "sharded"])
-def test_dropped_and_nonfinite_steps_restore_state(ranks: int) -> None:
+GROUPS = [(1, False), (1, True), (2, False)]  # (ranks, id-mapped tables)
+GROUP_IDS = ["plain", "plain-id-map", "sharded"]
+
+
+@pytest.mark.parametrize("ranks, id_map", GROUPS, ids=GROUP_IDS)
+def test_dropped_and_nonfinite_steps_restore_state(ranks: int, id_map: bool) -> None:
     """Both groups drop position 1 (an injected error): both roll back and retrain it. Only A's
     input at position 3 holds a NaN: both groups see it in the exchanged gradients, drop the
     step and skip that batch (it would fail again)."""
@@ -106,8 +110,16 @@ def test_dropped_and_nonfinite_steps_restore_state(ranks: int) -> None:
     try:
         address = _address(server)
         specs = [
-            Scenario(replica_id="A", lighthouse=address, steps=5, seed=1, drop_at=1, nan_at=3),
-            Scenario(replica_id="B", lighthouse=address, steps=5, seed=2, drop_at=1),
+            Scenario(
+                replica_id="A",
+                lighthouse=address,
+                steps=5,
+                seed=1,
+                drop_at=1,
+                nan_at=3,
+                id_map=id_map,
+            ),
+            Scenario(replica_id="B", lighthouse=address, steps=5, seed=2, drop_at=1, id_map=id_map),
         ]
         results = _run_groups(specs, ranks)
     finally:
@@ -125,14 +137,19 @@ def test_dropped_and_nonfinite_steps_restore_state(ranks: int) -> None:
         assert digests[0] == digests[1], f"rank {rank}: replica groups differ"
 
 
-@pytest.mark.parametrize("ranks", [1, 2], ids=["plain", "sharded"])
-def test_killed_group_rejoins_and_heals(tmp_path: Any, ranks: int) -> None:
+@pytest.mark.parametrize("ranks, id_map", GROUPS, ids=GROUP_IDS)
+def test_killed_group_rejoins_and_heals(tmp_path: Any, ranks: int, id_map: bool) -> None:
     """B exits mid-step (after its fused update, before the vote); A drops that step, rolls
     back and trains on alone; B restarts, heals from A (each rank from the same rank) and
     both end with equal digests."""
     server = _lighthouse(min_replicas=1)
     first, back = str(tmp_path / "B-first"), str(tmp_path / "B-back")
-    common: dict[str, Any] = {"lighthouse": _address(server), "steps": 7, "step_sleep": 0.05}
+    common: dict[str, Any] = {
+        "lighthouse": _address(server),
+        "steps": 7,
+        "step_sleep": 0.05,
+        "id_map": id_map,
+    }
     a_spec = Scenario(replica_id="A", seed=1, waits=((0, first), (4, back)), **common)
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
