@@ -19,14 +19,25 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_ft_id_map import POLICIES, OneReplica, _loss, _tables, assert_same, bags, state_of
+from test_ft_id_map import (
+    POLICIES,
+    OneReplica,
+    _ec_tables,
+    _loss,
+    _tables,
+    assert_same,
+    bags,
+    state_of,
+)
 from torch import nn
 
 from recopt.ft.embedding import EmbeddingReplicaSync, FusedEmbeddingGuard
+from recopt.ft.embedding_tables import id_maps_of
 from recopt.ft.steps import StepTransaction
 from recopt.kernels.config import Backend, FusedOptimizerConfig
-from recopt.modules import FusedEmbeddingBagCollection
-from recopt.sparse import KeyedJaggedTensor
+from recopt.modules import FusedEmbeddingBagCollection, FusedEmbeddingCollection
+from recopt.modules.id_map import IdMap
+from recopt.sparse import KeyedJaggedTensor, KeyedTensor
 from recopt.testing import run_on_ranks
 
 FEATURES = ("f0", "f1", "f2", "g")
@@ -67,30 +78,51 @@ class WorldReplicas(StepTransaction):
         return bool(flag.item())
 
 
-def _build(policy: str) -> FusedEmbeddingBagCollection:
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """``policy`` of POLICIES; ``ec``: a FusedEmbeddingCollection (else bags); ``native``:
+    the native CPU remap (else the torch one)."""
+
+    policy: str
+    ec: bool = False
+    native: bool = True
+
+
+def _build(case: Case) -> nn.Module:
     torch.manual_seed(0)
-    return FusedEmbeddingBagCollection(_tables(POLICIES[policy], shared=True), optimizer=CONFIG)
+    if case.ec:
+        return FusedEmbeddingCollection(_ec_tables(POLICIES[case.policy]), optimizer=CONFIG)
+    tables = _tables(POLICIES[case.policy], shared=True)
+    return FusedEmbeddingBagCollection(tables, optimizer=CONFIG)
 
 
-def _batch(step: int, forward: int, ranks: list[int]) -> KeyedJaggedTensor:
+def _batch(case: Case, step: int, forward: int, ranks: list[int]) -> KeyedJaggedTensor:
     """The bags of ``ranks`` (one group, or all of them concatenated), forward ``forward``."""
     seed = step + 50 * forward if step >= 0 else step - forward
-    per_rank = [bags(seed, FEATURES, r) for r in ranks]
-    return KeyedJaggedTensor.from_id_lists({f: sum((b[f] for b in per_rank), []) for f in FEATURES})
+    features = ("f0", "f1", "g") if case.ec else FEATURES
+    per_rank = [bags(seed, features, r) for r in ranks]
+    return KeyedJaggedTensor.from_id_lists({f: sum((b[f] for b in per_rank), []) for f in features})
+
+
+def _forward(module: nn.Module, batch: KeyedJaggedTensor) -> torch.Tensor:
+    out = module(batch)
+    if isinstance(out, KeyedTensor):
+        return out.values()
+    return torch.cat([jt.values() for jt in out.values()])  # FusedEmbeddingCollection
 
 
 def _attach(module: nn.Module, tx: StepTransaction) -> None:
     EmbeddingReplicaSync(module, tx, FusedEmbeddingGuard(module, tx))
 
 
-def _heal(module: FusedEmbeddingBagCollection, policy: str) -> FusedEmbeddingBagCollection:
+def _heal(module: Any, case: Case) -> Any:
     """The last group rebuilds its module and loads group 0's state (as healing does)."""
     rank, last = dist.get_rank(), dist.get_world_size() - 1
     sent = [state_of(module) if rank == 0 else None]
     dist.broadcast_object_list(sent, src=0)
     if rank != last:
         return module
-    fresh = _build(policy)
+    fresh: Any = _build(case)
     state = sent[0]
     assert state is not None
     fresh.load_state_dict(state["model"])
@@ -100,13 +132,13 @@ def _heal(module: FusedEmbeddingBagCollection, policy: str) -> FusedEmbeddingBag
     return fresh
 
 
-def _step(
-    module: nn.Module, tx: StepTransaction, rank: int, step: int, forwards: int, what: str
-) -> bool:
+def _step(case: Case, module: nn.Module, tx: StepTransaction, plan: tuple[int, int, str]) -> bool:
     """One step of PLAN in this group; whether it committed."""
+    step, forwards, what = plan
+    rank = dist.get_rank()
     tx.start_quorum()
     for forward in range(forwards):
-        batch = _batch(step, forward, [rank])
+        batch = _batch(case, step, forward, [rank])
         if what == "bad" and rank == 1:  # an id out of table g's range: raises after the gather
             values = batch.values().clone()
             values[-1] = 99
@@ -115,7 +147,7 @@ def _step(
                 module(batch)
             tx.report_error(RuntimeError("bad batch"))  # as a training loop would
             continue
-        out = module(batch).values()
+        out = _forward(module, batch)
         nan = what == "nan" and rank == 1
         (_loss(out, 10 * step + forward) * (float("nan") if nan else 1.0)).backward()
     if what == "drop":
@@ -123,15 +155,16 @@ def _step(
     return tx.should_commit()
 
 
-def _groups(rank: int, world: int, policy: str) -> list[dict[str, Any]]:
+def _groups(rank: int, world: int, case: Case) -> list[dict[str, Any]]:
     """Run PLAN in this group; every step's state (after its vote) and outcome."""
+    IdMap.native = case.native  # this process only
     tx = WorldReplicas()
-    module = _build(policy)
+    module: Any = _build(case)
     _attach(module, tx)
     states = []
     for step, forwards, what in PLAN:
         if what == "heal":
-            healed = _heal(module, policy)
+            healed = _heal(module, case)
             if healed is not module:
                 module, tx = healed, WorldReplicas()
                 _attach(module, tx)
@@ -140,11 +173,11 @@ def _groups(rank: int, world: int, policy: str) -> list[dict[str, Any]]:
             before = state_of(module)
             if rank == 0:
                 with torch.no_grad():
-                    module(_batch(step, 9, [rank]))
+                    module(_batch(case, step, 9, [rank]))
             assert_same(before, state_of(module), "evaluation")
             module.train()
         before = state_of(module)
-        committed = _step(module, tx, rank, step, forwards, what)
+        committed = _step(case, module, tx, (step, forwards, what))
         assert committed == (what not in DROPPED), (step, what, tx.errored())
         if not committed:
             assert_same(before, state_of(module), f"rolled back at step {step}")
@@ -152,14 +185,17 @@ def _groups(rank: int, world: int, policy: str) -> list[dict[str, Any]]:
     return states
 
 
-def _reference(world: int, policy: str) -> list[dict[str, Any]]:
-    """One plain collection fed, per committed step, every group's batch concatenated."""
-    module = _build(policy)
+def _reference(world: int, case: Case) -> list[dict[str, Any]]:
+    """One plain collection fed, per committed step, every group's batch concatenated (a
+    FusedEmbeddingCollection only steps its maps: its rows are not split by group here)."""
+    module = _build(case)
     states = []
     for step, forwards, what in PLAN:
         if what not in DROPPED:
             for forward in range(forwards):
-                out = module(_batch(step, forward, list(range(world)))).values()
+                out = _forward(module, _batch(case, step, forward, list(range(world))))
+                if case.ec:
+                    continue
                 parts = out.chunk(world)
                 loss = sum(_loss(p, 10 * step + forward) for p in parts) / world
                 assert isinstance(loss, torch.Tensor)
@@ -177,10 +213,19 @@ def _assert_close(a: Any, b: Any, where: str) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world, policy", [(2, "lru"), (3, "admit_after")])
-def test_replica_groups_keep_id_maps_and_rows_identical(world: int, policy: str) -> None:
-    runs = run_on_ranks(_groups, world, policy, timeout_s=240.0)
-    reference = _reference(world, policy)
+@pytest.mark.parametrize(
+    "world, case",
+    [
+        (2, Case("lru")),
+        (3, Case("admit_after")),
+        (2, Case("ttl_steps", native=False)),
+        (2, Case("lfu", ec=True)),
+    ],
+    ids=["2-lru", "3-admit_after", "2-ttl-torch-remap", "2-lfu-embedding-collection"],
+)
+def test_replica_groups_keep_id_maps_and_rows_identical(world: int, case: Case) -> None:
+    runs = run_on_ranks(_groups, world, case, timeout_s=240.0)
+    reference = _reference(world, case)
     evicted = 0
     for s, (step, _, what) in enumerate(PLAN):
         for r in range(1, world):
@@ -188,7 +233,8 @@ def test_replica_groups_keep_id_maps_and_rows_identical(world: int, policy: str)
         model, expected = runs[0][s]["state"]["model"], reference[s]["model"]
         maps = [k for k in expected if k.startswith("id_maps.")]
         assert maps and all(torch.equal(model[k], expected[k]) for k in maps), (step, what)
-        _assert_close(runs[0][s]["state"], reference[s], f"step {step}")
+        if not case.ec:
+            _assert_close(runs[0][s]["state"], reference[s], f"step {step}")
         evicted += sum(t["evictions"] + t["expired"] for t in runs[0][s]["stats"].values())
     assert evicted > 0  # the maps did evict live ids along the way
 
@@ -198,18 +244,18 @@ def test_one_group_with_sync_trains_as_without() -> None:
     and rows as a twin whose maps step locally (the twin also has the row-gradient hooks,
     whose rounding differs from the plain kernel's)."""
     tx, twin_tx = OneReplica(), OneReplica()
-    module, twin = _build("lfu"), _build("lfu")
+    module, twin = _build(Case("lfu")), _build(Case("lfu"))
     _attach(module, tx)
     _attach(twin, twin_tx)
-    assert module.id_maps is not None and twin.id_maps is not None
-    assert module.id_maps.peers is not None
-    twin.id_maps.peers = None
+    maps, twin_maps = id_maps_of(module), id_maps_of(twin)
+    assert maps is not None and maps.peers is not None and twin_maps is not None
+    twin_maps.peers = None
     for step, forwards, _ in PLAN:
         tx.start_quorum()
         twin_tx.start_quorum()
         for forward in range(forwards):
             for m in (module, twin):
-                _loss(m(_batch(step, forward, [0])).values(), step).backward()
+                _loss(_forward(m, _batch(Case("lfu"), step, forward, [0])), step).backward()
         assert tx.should_commit() and twin_tx.should_commit()
         assert_same(state_of(twin), state_of(module), f"step {step}")
 
@@ -218,7 +264,7 @@ def test_replica_sync_refuses_init_fn_on_id_mapped_tables() -> None:
     tables = _tables(POLICIES["lru"], shared=True)
     tables[1] = dataclasses.replace(tables[1], init_fn=torch.nn.init.zeros_)
     torch.manual_seed(0)
-    module = FusedEmbeddingBagCollection(tables, optimizer=CONFIG)
+    module: Any = FusedEmbeddingBagCollection(tables, optimizer=CONFIG)
     tx = OneReplica()
     with pytest.raises(ValueError, match=r"tables \['t1'\] have id_map and init_fn"):
         _attach(module, tx)
