@@ -270,3 +270,33 @@ def test_replica_sync_refuses_init_fn_on_id_mapped_tables() -> None:
         _attach(module, tx)
     assert module.id_maps is not None and module.id_maps.peers is None
     assert all(k.grad_hook is None for k in module.kernels())  # refused before any hook
+
+
+def test_guard_lets_a_bad_id_raise_its_own_error() -> None:
+    """The guard's snapshot skips ids out of a table's range: the forward's check names them."""
+    module = _build(Case("lru"))
+    FusedEmbeddingGuard(module, OneReplica())
+    batch = _batch(Case("lru"), 0, 0, [0])
+    values = batch.values().clone()
+    values[-1] = 99  # feature g, table t2 (5 rows, not id-mapped)
+    with pytest.raises(ValueError, match="'g'"):
+        module(KeyedJaggedTensor(batch.keys(), values, lengths=batch.lengths()))
+
+
+def _sharded_refusal(rank: int, world: int) -> str:
+    from recopt.sharding import construct_module_sharding_plan, table_wise
+    from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
+
+    tables = _tables(POLICIES["lru"], shared=True)
+    plan = construct_module_sharding_plan(tables, {t.name: table_wise(0) for t in tables}, world)
+    module = ShardedEmbeddingBagCollection(tables, plan, optimizer=CONFIG)
+    tx = WorldReplicas()
+    with pytest.raises(ValueError, match="sharded collection") as error:
+        _attach(module, tx)
+    return str(error.value)
+
+
+@pytest.mark.multiprocess
+def test_replica_sync_refuses_a_sharded_collections_id_maps() -> None:
+    (message,) = run_on_ranks(_sharded_refusal, 1)
+    assert "sync_embeddings=False" in message
