@@ -15,6 +15,8 @@ import torch
 from recopt.kernels import cpu_id_map
 from recopt.modules import IdMapConfig
 from recopt.modules.id_map import IdMap, Remapped
+from recopt.modules.id_map_lookup import hash_uniform, hash_uniform_torch
+from recopt.modules.id_map_native import remap_tables
 
 pytestmark = pytest.mark.skipif(not cpu_id_map.available(), reason="no C compiler")
 
@@ -133,3 +135,33 @@ def test_without_compiler_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -
     idmap = IdMap(CONFIGS["lru"], 4)
     assert idmap.remap(torch.tensor([5, 6, 5]), True).rows_M.tolist() == [0, 1, 0]
     assert idmap._native_map is None  # the torch ops ran
+
+
+def test_one_call_for_all_tables_equals_each_torch_map() -> None:
+    """`remap_tables`: the native lru maps stepped in one call (threads), the others alone."""
+    names = ["lru", "lru_ttl", "lru_admit_overflow", "lfu_all", "lru_small"]
+    configs = {**CONFIGS, "lru_small": CONFIGS["lru"]}
+    sizes = {"lru": 300, "lru_ttl": 64, "lru_admit_overflow": 40, "lfu_all": 50, "lru_small": 1}
+    pairs = {name: _pair(configs[name], sizes[name]) for name in names}
+    gen = torch.Generator().manual_seed(11)
+    for step in range(80):
+        ids = {name: _batch(gen, step, sizes[name]) for name in names}
+        natives = remap_tables({n: pairs[n][0] for n in names}, ids, training=True)
+        assert list(natives) == names
+        for name in names:
+            native, reference = pairs[name]
+            expected = reference.remap(ids[name], True)
+            _assert_same(natives[name], expected, native, reference, f"{name} step {step}")
+
+
+@pytest.mark.parametrize("dim", [1, 5, 64])
+def test_native_hash_uniform_equals_torch(dim: int) -> None:
+    ids = torch.cat(
+        [
+            torch.randint(-(2**63), 2**63 - 1, (300,), generator=torch.Generator().manual_seed(2)),
+            torch.tensor([0, -1, 2**63 - 1, -(2**63)]),
+        ]
+    )
+    for step in (0, 7, 2**40):
+        assert torch.equal(hash_uniform(ids, step, dim), hash_uniform_torch(ids, step, dim))
+    assert hash_uniform(ids[:0], 3, dim).shape == (0, dim)

@@ -19,11 +19,13 @@ import tempfile
 import threading
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 _C_SOURCE_PATH = Path(__file__).with_name("cpu_id_map.c")
 # -ffp-contract=off: lfu's frequency update (f * factor + count) rounds twice, as torch does.
-_CFLAGS = ["-O2", "-fPIC", "-shared", "-ffp-contract=off"]
+_CFLAGS = ["-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fopenmp"]
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _load_failed = False
@@ -39,6 +41,8 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "rim_finish": (_INT, [_P, _P, _I64, _P, _I64, _P, _I64, _P, _P, _P]),
     "rim_undo_size": (_I64, [_P, _INT]),
     "rim_undo_copy": (None, [_P, _INT, _P, _P, _P, _P, _P, _P]),
+    "rim_hash_uniform": (None, [_P, _I64, _I64, _I64, _P]),
+    "rim_step_many": (None, [_I64, *[_P] * 12, _INT]),
 }
 
 
@@ -90,3 +94,16 @@ def library() -> ctypes.CDLL:
     if _library is None:
         raise RuntimeError("cpu_id_map: native library not loaded; call available() first")
     return _library
+
+
+def hash_uniform(ids_K: torch.Tensor, step: int, dim: int) -> torch.Tensor:
+    """`recopt.modules.id_map_lookup.hash_uniform` (the same bits) in native code.
+
+    Raises:
+        RuntimeError: the library is not available.
+    """
+    ids_K = ids_K.to(torch.int64).contiguous()
+    out = torch.empty(ids_K.numel(), dim, dtype=torch.float64)
+    if out.numel():
+        library().rim_hash_uniform(ids_K.data_ptr(), ids_K.numel(), step, dim, out.data_ptr())
+    return out
