@@ -165,3 +165,20 @@ def test_native_hash_uniform_equals_torch(dim: int) -> None:
     for step in (0, 7, 2**40):
         assert torch.equal(hash_uniform(ids, step, dim), hash_uniform_torch(ids, step, dim))
     assert hash_uniform(ids[:0], 3, dim).shape == (0, dim)
+
+
+def test_native_fill_uniform_equals_init_rows_torch_ops() -> None:
+    """`init_rows`'s native path writes the values the torch ops write, views included."""
+    gen = torch.Generator().manual_seed(8)
+    base = torch.zeros(40, 24)
+    weight = base[:, 4:20]  # a view: row stride 24, 16 columns
+    rows = torch.randperm(40, generator=gen)[:25]
+    ids = torch.randint(-(2**62), 2**62, (25,), generator=gen)
+    lo, hi = -0.37, 0.11
+    version = weight._version
+    assert cpu_id_map.fill_uniform(weight, rows, ids, 123, lo, hi)
+    assert weight._version > version
+    expected = torch.zeros(40, 24)
+    expected[rows, 4:20] = (lo + (hi - lo) * hash_uniform_torch(ids, 123, 16)).float()
+    assert torch.equal(base, expected)
+    assert not cpu_id_map.fill_uniform(weight.double(), rows, ids, 1, lo, hi)  # torch ops then

@@ -723,3 +723,21 @@ void rim_hash_uniform(const int64_t *ids, int64_t num_ids, int64_t step, int64_t
         }
     }
 }
+
+/* weight[rows[i], :] = (float)(lo + (hi - lo) * hash_uniform(ids[i], step, column)): the
+ * torch path's init_rows on float32 rows, the same rounding (two float64 ops, then float). */
+void rim_fill_uniform(const int64_t *ids, const int64_t *rows, int64_t num_rows, int64_t step,
+                      int64_t dim, double lo, double hi, float *weight, int64_t row_stride) {
+    const uint64_t golden = 0x9E3779B97F4A7C15ULL;
+    double span = hi - lo;
+    for (int64_t i = 0; i < num_rows; i++) {
+        uint64_t key = splitmix_finish((uint64_t)ids[i] * golden + (uint64_t)step);
+        float *row = weight + rows[i] * row_stride;
+        for (int64_t c = 0; c < dim; c++) {
+            uint64_t x = splitmix_finish(key + (uint64_t)(c + 1) * golden);
+            double unit = (double)(x >> 11) / 9007199254740992.0;
+            double scaled = span * unit;
+            row[c] = (float)(lo + scaled);
+        }
+    }
+}

@@ -42,6 +42,10 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "rim_undo_size": (_I64, [_P, _INT]),
     "rim_undo_copy": (None, [_P, _INT, _P, _P, _P, _P, _P, _P]),
     "rim_hash_uniform": (None, [_P, _I64, _I64, _I64, _P]),
+    "rim_fill_uniform": (
+        None,
+        [_P, _P, _I64, _I64, _I64, ctypes.c_double, ctypes.c_double, _P, _I64],
+    ),
     "rim_step_many": (None, [_I64, *[_P] * 12, _INT]),
 }
 
@@ -107,3 +111,34 @@ def hash_uniform(ids_K: torch.Tensor, step: int, dim: int) -> torch.Tensor:
     if out.numel():
         library().rim_hash_uniform(ids_K.data_ptr(), ids_K.numel(), step, dim, out.data_ptr())
     return out
+
+
+def fill_uniform(
+    weight: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, step: int, lo: float, hi: float
+) -> bool:
+    """``weight[rows] = lo + (hi - lo) * hash_uniform(ids, step, dim)`` in place, as the torch
+    ops round it; False (nothing done) unless ``weight`` is a CPU float32 matrix with unit
+    column stride and the library is available."""
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype != torch.float32
+        or weight.dim() != 2
+        or weight.stride(1) != 1
+        or not available()
+    ):
+        return False
+    rows, ids = rows.to(torch.int64).contiguous(), ids.to(torch.int64).contiguous()
+    if rows.numel():
+        library().rim_fill_uniform(
+            ids.data_ptr(),
+            rows.data_ptr(),
+            rows.numel(),
+            step,
+            weight.shape[1],
+            lo,
+            hi,
+            weight.data_ptr(),
+            weight.stride(0),
+        )
+        weight[rows[:0]] = 0.0  # writes nothing; moves the version counter as torch's would
+    return True

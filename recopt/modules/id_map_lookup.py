@@ -197,6 +197,8 @@ def init_rows(table: BaseEmbeddingConfig, weight: torch.Tensor, fresh: Remapped,
             table.init_fn(values)
         else:
             lo, hi = table.init_bounds()
+            if cpu_id_map.fill_uniform(weight, rows, fresh.fresh_ids, step, lo, hi):
+                return  # native: the same values, written in place
             unit = hash_uniform(fresh.fresh_ids, step, weight.shape[1])
             values = lo + (hi - lo) * unit
         weight[rows] = values.to(weight.dtype)
