@@ -719,7 +719,7 @@ void rim_hash_uniform(const int64_t *ids, int64_t num_ids, int64_t step, int64_t
         uint64_t key = splitmix_finish((uint64_t)ids[i] * golden + (uint64_t)step);
         for (int64_t c = 0; c < dim; c++) {
             uint64_t x = splitmix_finish(key + (uint64_t)(c + 1) * golden);
-            out[i * dim + c] = (double)(x >> 11) / 9007199254740992.0; /* 2^53 */
+            out[i * dim + c] = (double)(x >> 11) * 0x1p-53; /* exact, as torch's / 2^53 */
         }
     }
 }
@@ -735,7 +735,7 @@ void rim_fill_uniform(const int64_t *ids, const int64_t *rows, int64_t num_rows,
         float *row = weight + rows[i] * row_stride;
         for (int64_t c = 0; c < dim; c++) {
             uint64_t x = splitmix_finish(key + (uint64_t)(c + 1) * golden);
-            double unit = (double)(x >> 11) / 9007199254740992.0;
+            double unit = (double)(x >> 11) * 0x1p-53;
             double scaled = span * unit;
             row[c] = (float)(lo + scaled);
         }
