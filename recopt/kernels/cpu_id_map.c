@@ -119,10 +119,15 @@ static void hash_erase(Hash *h, int64_t key) {
 static void radix_sort(uint64_t *key, int64_t *val, uint64_t *key_tmp, int64_t *val_tmp,
                        int64_t n) {
     int64_t counts[256];
+    uint64_t any = 0, all = ~0ULL;
+    for (int64_t i = 0; i < n; i++) {
+        any |= key[i];
+        all &= key[i];
+    }
     for (int shift = 0; shift < 64; shift += 8) {
+        if ((((any ^ all) >> shift) & 255) == 0) continue; /* this byte is the same in all */
         memset(counts, 0, sizeof(counts));
         for (int64_t i = 0; i < n; i++) counts[(key[i] >> shift) & 255]++;
-        if (n == 0 || counts[(key[0] >> shift) & 255] == n) continue;
         int64_t total = 0;
         for (int b = 0; b < 256; b++) {
             int64_t c = counts[b];
