@@ -10,6 +10,7 @@ medians and the ratios to the modulo step.
 
     python benchmarks/bench_id_map.py                  # 26 x 100k rows
     python benchmarks/bench_id_map.py --rows 10000 --steps 5 --warmup 10
+    python benchmarks/bench_id_map.py --threads 1      # less sensitive to a loaded machine
 """
 
 from __future__ import annotations
@@ -69,7 +70,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--warmup", type=int, default=60)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     optimizer = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.01)
     modulo = FusedEmbeddingBagCollection(_tables(args.rows, None), optimizer=optimizer)
@@ -108,7 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     occupancy = statistics.mean(s["occupancy"] for s in stats.values())
     evictions = statistics.mean(s["evictions"] for s in stats.values())
     base = statistics.median(times["modulo step"])
-    print(f"{NUM_TABLES} tables x {args.rows} rows x {DIM}, batch {BATCH}, one id per bag")
+    print(
+        f"{NUM_TABLES} tables x {args.rows} rows x {DIM}, batch {BATCH}, one id per bag, "
+        f"{torch.get_num_threads()} threads"
+    )
     for key, values in times.items():
         median = statistics.median(values)
         print(f"{key:24s} {median * 1e3:8.2f} ms  {median / base:6.3f}x of the modulo step")
