@@ -85,10 +85,22 @@ def test_one_line_of_config_makes_every_table_id_mapped() -> None:
 
 
 def test_one_rank_learns_the_drifting_ids_and_logs_the_maps_stats(
-    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    built = dlrm_train.build_data
+    validation_logs: list[Any] = []
+
+    def build_and_keep(*args: Any, **kwargs: Any) -> Any:
+        data = built(*args, **kwargs)
+        if args[2] == "val":
+            validation_logs.append(data)
+        return data
+
+    monkeypatch.setattr(dlrm_train, "build_data", build_and_keep)
     # The pipeline (on one rank: no sharding, the remap in the step's own forward) is allowed.
     assert dlrm_train.main(argv(tmp_path, 60, "training.pipeline=true")) == 0
+    # Validation after 60 steps sees the popular ids of global batch 60, not of batch 0.
+    assert [log.drift_clock for log in validation_logs] == [60]
     config = dlrm_config.load_config(CONFIG, settings(tmp_path, 60))
     check_learned_with_stats(tmp_path, config, global_batches=20)
     err = capsys.readouterr().err
