@@ -4,6 +4,7 @@ data, Criteo raw ids, the maps' stats in the log and progress line, resume, and 
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import pathlib
 import sys
@@ -108,6 +109,14 @@ def test_one_rank_learns_the_drifting_ids_and_logs_the_maps_stats(
     assert progress and "| ids 4 tables occ " in progress[0] and "evict " in progress[0]
     assert "plain loop" not in err
     assert [r["step"] for r in records(tmp_path) if r["split"] == "val"] == [60]
+    if importlib.util.find_spec("tensorboard") is not None:  # the recopt[tensorboard] extra
+        from test_dlrm_usability import _scalars
+
+        scalars = _scalars(tmp_path / "tensorboard")
+        train = [r for r in records(tmp_path) if r["split"] == "train"]
+        for tag in ("id_map.t0.new_ids", "id_map.t1.occupancy", "id_map.t1.evictions"):
+            logged = [(r["step"], pytest.approx(r[tag], rel=1e-6)) for r in train]
+            assert scalars[f"train/{tag}"] == logged
 
 
 def test_one_rank_resume_with_id_maps_equals_an_uninterrupted_run(tmp_path: pathlib.Path) -> None:
