@@ -135,8 +135,11 @@ def test_killed_group_rejoins_and_heals(tmp_path: Any, ranks: int) -> None:
         assert digests[0] == digests[1], f"rank {rank}: replica groups differ"
 
 
-def test_lighthouse_restart_loses_no_sample(tmp_path: Any) -> None:
-    """torchft_lighthouse killed for 5 s mid-run: steps drop, retry their batch, none is lost."""
+def test_lighthouse_restart_and_a_hung_group_lose_no_sample(tmp_path: Any) -> None:
+    """torchft_lighthouse killed for 5 s mid-run: steps drop, retry their batch, none is lost.
+    Later B hangs mid-step (still heartbeating) for longer than the collective timeout: A's
+    all-reduce times out and A drops the step; torchft's next quorum waits for B (alone, A is
+    no majority of the two live groups), B's late step is dropped too, and both retrain it."""
     port = ft_lighthouse.free_port()
     lighthouse = ft_lighthouse.start_process(port, min_replicas=2)
     at3 = str(tmp_path / "at3")
@@ -149,6 +152,9 @@ def test_lighthouse_restart_loses_no_sample(tmp_path: Any) -> None:
             seed=seed,
             step_sleep=0.2,
             marks=((3, at3),),
+            timeout_s=8.0,
+            hang_at=6 if name == "B" else None,
+            hang_s=11.0,
         )
         for name, seed in (("A", 1), ("B", 2))
     ]
@@ -170,7 +176,9 @@ def test_lighthouse_restart_loses_no_sample(tmp_path: Any) -> None:
         assert not isinstance(result, Exception), result
     logs = [result[0] for result in results]
     for log in logs:
-        assert _check_dropped_restored(log) >= 1  # the quorum failed during the outage
+        assert _check_dropped_restored(log) >= 2  # the outage's failed quorum, the hang
         _check_every_sample_once(log, steps)
+        hung = next(e for e in log if e["position"] == 6)
+        assert not hung["committed"] and hung["error"] is not None, log
     digests = _final_digests(logs, steps - 1)
     assert digests[0] == digests[1]
