@@ -274,14 +274,14 @@ def test_dlrm_script_replicas_agree_and_a_restarted_one_heals(tmp_path: Path) ->
 
     try:
         a, b = start("a", 1), start("b", 2)
-        _wait_for(lambda: len(_train_steps(tmp_path / "b")) >= 2, 180, "b's second step")
+        _wait_for(lambda: len(_train_steps(tmp_path / "b")) >= 2, 120, "b's second step")
         b.send_signal(signal.SIGKILL)
         b.wait(timeout=10)
         before = _train_steps(tmp_path / "b")
         assert before == list(range(1, len(before) + 1)) and len(before) < steps
         b = start("b", 2)
         for proc in (a, b):
-            assert proc.wait(timeout=240) == 0, _logs(tmp_path)
+            assert proc.wait(timeout=150) == 0, _logs(tmp_path)
         after = _train_steps(tmp_path / "b")[len(before) :]
         assert after[0] > 1 and after[-1] == steps, after  # healed, not restarted at step 1
         digests = [json.loads((tmp_path / n / "state_digest.json").read_text()) for n in "ab"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
-import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,8 +24,6 @@ from recopt.ft.healing_state import into_local_shards, to_local_shards
 from recopt.ft.optim import FaultTolerantOptimizer
 from recopt.ft.torchft_manager import TorchftConfig, TorchftManager, torchft_config_from_env
 from recopt.modules.collection import FusedCollection
-
-logger = logging.getLogger(__name__)
 
 # recopt's retired lighthouse's variable: refused with what to set instead.
 RETIRED_LIGHTHOUSE = "RECOPT_FT_LIGHTHOUSE"
