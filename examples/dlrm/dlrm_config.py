@@ -270,27 +270,22 @@ class CheckpointSection:
 class FaultToleranceSection:
     """``[fault_tolerance]``, read only under ``--fault-tolerant`` (docs/fault_tolerance.md).
 
-    ``replicas``: wait until this many replica groups are live before the first step, so the
-    first quorum has them all. ``sync_embeddings``: keep the fused tables identical across
-    replica groups (row gradients averaged in the kernel's ``grad_hook``; the ``auto``
-    backend then becomes ``recopt``, whose kernels have the hook); false lets each group
-    train its own tables. ``timeout_s`` bounds every cross-replica collective, vote, quorum
-    and healing transfer. A dropped step retries its batch (the data position does not
-    advance), backing off; ``max_consecutive_failures`` dropped steps in a row stop the run
-    with the last cause.
+    The first quorum waits for the groups torchft's lighthouse was started for
+    (``torchft_lighthouse --min_replicas N``). ``sync_embeddings``: keep the fused tables
+    identical across replica groups (row gradients averaged in the kernel's ``grad_hook``;
+    the ``auto`` backend then becomes ``recopt``, whose kernels have the hook); false lets
+    each group train its own tables. ``timeout_s`` bounds every cross-replica collective,
+    vote, quorum and healing transfer. A dropped step retries its batch (the data position
+    does not advance), backing off; ``max_consecutive_failures`` dropped steps in a row stop
+    the run with the last cause. A step dropped for a NaN/inf loss or gradient skips its
+    batch instead (retrying it would fail again) and counts as a non-finite step.
     """
 
-    replicas: int = 1
     sync_embeddings: bool = True
     timeout_s: float = 60.0
     max_consecutive_failures: int = 50
 
     def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ValueError(
-                f"fault_tolerance.replicas must be >= 1 (replica groups to wait for), got "
-                f"{self.replicas}"
-            )
         if self.max_consecutive_failures < 1:
             raise ValueError(
                 "fault_tolerance.max_consecutive_failures must be >= 1 (dropped steps in a row "

@@ -58,7 +58,6 @@ from recopt.ft.launch import (  # noqa: E402
     make_fault_tolerant,
     state_digest,
 )
-from recopt.ft.manager import ManagerConfig  # noqa: E402
 from recopt.ft.retry import RetryPolicy, StepRetrier  # noqa: E402
 from recopt.ft.torchft_manager import TorchftConfig  # noqa: E402
 from recopt.metrics import click_metrics  # noqa: E402
@@ -92,7 +91,7 @@ class Trainer:
         config: TrainingConfig,
         env: RunEnv,
         model: nn.Module,
-        ft_config: ManagerConfig | TorchftConfig | None = None,
+        ft_config: TorchftConfig | None = None,
         *,
         resume: bool | str = False,
         overwrite_checkpoints: bool = False,
@@ -114,7 +113,6 @@ class Trainer:
                 model,
                 self.base_optimizer,
                 ft_config,
-                wait_for=ft.replicas,
                 sync_embeddings=ft.sync_embeddings,
             )
             self.optimizer = self.ft.optimizer
@@ -477,7 +475,7 @@ def train(
     config: TrainingConfig,
     env: RunEnv,
     resume: bool | str = False,
-    ft_config: ManagerConfig | TorchftConfig | None = None,
+    ft_config: TorchftConfig | None = None,
     overwrite_checkpoints: bool = False,
 ) -> dict[str, float]:
     """Builds everything and trains; returns the final validation metrics.
