@@ -269,7 +269,9 @@ class SyntheticClickLog:
         uniform = torch.rand(num_ids.shape[0], generator=gen, dtype=torch.float64)
         if cfg.id_space == "drifting":
             raw = self._drifting(uniform, length_per_key, global_index)
-            is_raw = torch.repeat_interleave(self._raw, torch.tensor(length_per_key))
+            is_raw = torch.repeat_interleave(
+                self._raw, torch.tensor(length_per_key), output_size=uniform.numel()
+            )
             values = torch.where(is_raw, raw, raw % num_ids.to(torch.int64))
         else:
             raw = values = _power_law(uniform, num_ids, cfg.zipf_exponent)
@@ -287,7 +289,7 @@ class SyntheticClickLog:
         space = torch.full_like(uniform, float(2**RAW_ID_BITS))
         ranks = _power_law(uniform, space, self.config.zipf_exponent)
         features = torch.repeat_interleave(
-            torch.arange(len(self.keys)), torch.tensor(length_per_key)
+            torch.arange(len(self.keys)), torch.tensor(length_per_key), output_size=uniform.numel()
         )
         clock = global_index if self.drift_clock is None else self.drift_clock
         cfg = self.config
