@@ -28,8 +28,8 @@ ALLOWED = {
     ("sparse/_checks.py", "nonzero"): 2,
     # docs/sharding.md "Host syncs": a mixed plan's replicated routing (sum of route counts)
     # and its unrouted filter; the column shards' row statistics (sizes the exchange anyway).
-    ("sharding/input_dist.py", "repeat_interleave"): 1,
-    ("sharding/input_dist.py", "nonzero"): 1,
+    ("sharding/bucketizer.py", "repeat_interleave"): 1,
+    ("sharding/bucketizer.py", "nonzero"): 1,
     ("sharding/row_stats.py", "unique_consecutive"): 1,
     # docs/kernels.md: recopt's torch path, a CUDA torch without Triton (Triton's path has
     # none); the native CPU kernel's runs; fault tolerance's snapshots of touched rows.
