@@ -24,6 +24,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _C_SOURCE_PATH = Path(__file__).with_name("cpu_id_map.c")
+_C_HEADER_PATH = Path(__file__).with_name("cpu_id_map_slots.h")  # included by the source
 # -ffp-contract=off: lfu's frequency update (f * factor + count) rounds twice, as torch does.
 _CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fopenmp"]
 _lock = threading.Lock()
@@ -55,9 +56,9 @@ def _build() -> ctypes.CDLL:
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    source = _C_SOURCE_PATH.read_text()
+    source, header = _C_SOURCE_PATH.read_text(), _C_HEADER_PATH.read_text()
     key = hashlib.sha256(
-        "\0".join([source, *_CFLAGS, platform.machine(), platform.node()]).encode()
+        "\0".join([source, header, *_CFLAGS, platform.machine(), platform.node()]).encode()
     ).hexdigest()[:16]
     directory = os.path.join(tempfile.gettempdir(), f"recopt-cpu-id-map-{os.getuid()}")
     os.makedirs(directory, exist_ok=True)

@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from recopt.kernels import cpu_id_map
-from recopt.modules.id_map import CANDIDATE_BUFFERS, ROW_BUFFERS, MapUndo, Remapped, RemapStats
+from recopt.modules.id_map_results import (
+    CANDIDATE_BUFFERS,
+    ROW_BUFFERS,
+    MapUndo,
+    Remapped,
+    RemapStats,
+)
 
 if TYPE_CHECKING:
     from recopt.modules.id_map import IdMap
