@@ -8,6 +8,7 @@ stats, and leave every buffer equal, after every step; reads (eval) must agree t
 from __future__ import annotations
 
 import copy
+import ctypes
 
 import pytest
 import torch
@@ -182,3 +183,28 @@ def test_native_fill_uniform_equals_init_rows_torch_ops() -> None:
     expected[rows, 4:20] = (lo + (hi - lo) * hash_uniform_torch(ids, 123, 16)).float()
     assert torch.equal(base, expected)
     assert not cpu_id_map.fill_uniform(weight.double(), rows, ids, 1, lo, hi)  # torch ops then
+
+
+def test_writes_unseen_by_version_counters_are_announced_by_buffers_changed() -> None:
+    """A raw write (as a collective's receive) keeps the version counters: after
+    `buffers_changed` both paths read the new state."""
+    config = CONFIGS["lru_ttl"]
+    native, reference = _pair(config, 30)
+    other = IdMap(config, 30)
+    gen = torch.Generator().manual_seed(12)
+    for step in range(40):
+        ids = _batch(gen, step, 30)
+        if step == 20:
+            other.load_state_dict(reference.state_dict())
+            for _ in range(4):
+                other.remap(_batch(gen, step, 30), True)
+            for idmap in (native, reference):
+                for name, value in other.state_dict().items():
+                    target = idmap.get_buffer(name)
+                    versions = target._version
+                    ctypes.memmove(target.data_ptr(), value.data_ptr(), value.nbytes)
+                    assert target._version == versions  # unseen by the counters
+                idmap.buffers_changed()
+        _assert_same(
+            native.remap(ids, True), reference.remap(ids, True), native, reference, str(step)
+        )

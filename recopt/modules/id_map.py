@@ -236,6 +236,15 @@ class IdMap(nn.Module):
         buffers' version counters: the native remap's)."""
         self._index.clear()
 
+    def buffers_changed(self) -> None:
+        """Say that the buffers were written where torch's version counters do not see it
+        (a raw pointer, a collective receiving into them): the caches derived from them (the
+        torch path's sorted index, the native hash table) are rebuilt at the next remap.
+        Writes through torch ops (``copy_``, ``load_state_dict``, indexing) need no call."""
+        self._index.clear()
+        if self._native_map is not None:
+            self._native_map.invalidate()
+
     def _undo_buffers(self) -> tuple[str, ...]:
         return ROW_BUFFERS + (CANDIDATE_BUFFERS if self.admit_after > 1 else ())
 

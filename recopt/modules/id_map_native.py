@@ -74,6 +74,10 @@ class NativeIdMap:
     def __reduce__(self) -> tuple[type, tuple[int, int]]:
         return NativeIdMap, (self.num_rows, self.num_candidates)
 
+    def invalidate(self) -> None:
+        """Rebuild the cache from the buffers at the next use (`IdMap.buffers_changed`)."""
+        self._stamp = None
+
     def _sync(self, idmap: IdMap) -> ctypes.Array[ctypes.c_void_p]:
         """The buffers' pointers, after rebuilding the cache if they changed elsewhere."""
         names = ROW_BUFFERS + (CANDIDATE_BUFFERS if self.num_candidates else ())
