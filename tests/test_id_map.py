@@ -6,9 +6,18 @@ import pytest
 import torch
 
 from recopt.config import from_dict
+from recopt.kernels import cpu_id_map
 from recopt.modules import EmbeddingBagConfig, IdMapConfig
 from recopt.modules.id_map import IdMap
 from recopt.modules.id_map_lookup import hash_uniform
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def remap_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test on both remap paths: native code (when it builds) and torch ops."""
+    if request.param == "native" and not cpu_id_map.available():
+        pytest.skip("no C compiler: the native remap is not built")
+    monkeypatch.setattr(IdMap, "native", request.param == "native")
 
 
 def _step(idmap: IdMap, ids: list[int], training: bool = True) -> list[int]:

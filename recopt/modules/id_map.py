@@ -9,10 +9,31 @@ Legend: N rows, U distinct ids of a batch, M ids of a batch, C candidate slots.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from recopt.kernels import cpu_id_map
+from recopt.modules.id_map_native import NativeIdMap
+from recopt.modules.id_map_results import (
+    CANDIDATE_BUFFERS,
+    ROW_BUFFERS,
+    MapUndo,
+    Remapped,
+    RemapStats,
+)
+
+__all__ = [
+    "CANDIDATE_BUFFERS",
+    "ROW_BUFFERS",
+    "IdMap",
+    "IdMapConfig",
+    "MapUndo",
+    "RemapStats",
+    "Remapped",
+]
 
 POLICIES = ("lru", "lfu")
 DEFAULT_LFU_DECAY = 0.99
@@ -83,43 +104,6 @@ class IdMapConfig:
         return DEFAULT_LFU_DECAY if self.decay is None else float(self.decay)
 
 
-@dataclass(slots=True)
-class RemapStats:
-    """What one training batch did to a table's map (`IdMap.last_stats`).
-
-    ``occupancy``: live rows / rows after the batch; ``new_ids``: ids given a row;
-    ``evictions``: live ids evicted by the policy; ``expired``: rows freed by ``ttl_steps``;
-    ``admissions``: candidates admitted (``admit_after``); ``zero_row_ids``: distinct ids that
-    read the zero row (not admitted yet, or more new ids than rows).
-    """
-
-    step: int = 0
-    occupancy: float = 0.0
-    new_ids: int = 0
-    evictions: int = 0
-    expired: int = 0
-    admissions: int = 0
-    zero_row_ids: int = 0
-
-    def as_dict(self) -> dict[str, float]:
-        """The counters by name."""
-        return {name: float(getattr(self, name)) for name in self.__slots__}
-
-
-@dataclass(slots=True)
-class Remapped:
-    """The rows of one batch: ``rows_M`` (-1: the zero row) and the rows to re-initialise.
-
-    ``fresh_rows`` got a new id this batch (their weights and optimizer state must be reset
-    before the lookup); ``fresh_ids`` are those ids, in the same order.
-    """
-
-    rows_M: torch.Tensor
-    fresh_rows: torch.Tensor
-    fresh_ids: torch.Tensor
-    stats: RemapStats = field(default_factory=RemapStats)
-
-
 class IdMap(nn.Module):
     """The map of one table: raw id -> row, with the policy's counters (all buffers).
 
@@ -127,13 +111,19 @@ class IdMap(nn.Module):
     free: check ``occupied``), ``occupied`` [N] bool, ``last_seen`` [N] (step), ``frequency``
     [N] float64 (count, decayed to ``last_seen`` under lfu), ``step`` (training batches
     seen); with admission also ``candidate_ids``/``candidate_used``/``candidate_count``/
-    ``candidate_seen`` [C].
+    ``candidate_last_seen`` [C].
 
     Args:
         config: the table's `IdMapConfig`.
         num_rows: the table's ``num_embeddings``.
         device: where the map lives (the table's device).
+
+    On CPU the remap runs in native code (`recopt/modules/id_map_native.py`: the same
+    results, O(batch) work a step) when a C compiler is there; ``native = False`` (on the
+    class or an instance) keeps the torch ops, the reference (and the path on CUDA).
     """
+
+    native: bool = True
 
     def __init__(
         self, config: IdMapConfig, num_rows: int, device: torch.device | str | None = None
@@ -152,6 +142,7 @@ class IdMap(nn.Module):
                 "candidate_count", torch.zeros(slots, dtype=torch.int64, device=device)
             )
         self._index: dict[str, tuple[tuple[int, int], torch.Tensor, torch.Tensor]] = {}
+        self._native_map: NativeIdMap | None = None
         self.last_stats = RemapStats()
 
     def _register_slots(self, prefix: str, size: int, device: torch.device | str | None) -> None:
@@ -202,7 +193,7 @@ class IdMap(nn.Module):
             live = live & (self._buffer("step") - self._buffer("last_seen") <= ttl)
         return live
 
-    def remap(self, ids_M: torch.Tensor, training: bool) -> Remapped:
+    def remap(self, ids_M: torch.Tensor, training: bool, record_undo: bool = False) -> Remapped:
         """Rows for a batch of raw ids; in training, new ids get rows and counters move.
 
         Outside training (``training=False``) nothing changes: unknown (or expired) ids read
@@ -211,10 +202,86 @@ class IdMap(nn.Module):
         Args:
             ids_M: raw int64 ids, any values.
             training: update the map (one step) or only read it.
+            record_undo: in training, also return in ``Remapped.undo`` a `MapUndo` that
+                `apply_undo` uses to put the map back as it was before this call.
 
         Returns:
             `Remapped`: a row per id (-1 for the zero row) and the rows given to new ids.
         """
+        ids_M = ids_M.to(torch.int64)
+        native = self._native() if ids_M.device.type == "cpu" else None
+        if native is not None:
+            return native.train(self, ids_M, record_undo) if training else native.read(self, ids_M)
+        if not (training and record_undo):
+            return self._remap(ids_M, training)
+        before = {name: self._buffer(name).clone() for name in self._undo_buffers()}
+        step, stats = int(self._buffer("step")), copy.copy(self.last_stats)
+        result = self._remap(ids_M, training)
+        result.undo = self._changes(before, step, stats)
+        return result
+
+    def _native(self) -> NativeIdMap | None:
+        """The native remap's cache (created at first use), or None: torch ops then."""
+        if not self.native or self._buffer("occupied").device.type != "cpu":
+            return None
+        if self._native_map is None:
+            if not cpu_id_map.available():
+                return None
+            slots = self._buffer("candidate_ids").numel() if self.admit_after > 1 else 0
+            self._native_map = NativeIdMap(self.num_rows, slots)
+        return self._native_map
+
+    def forget_index(self) -> None:
+        """Drop the torch path's sorted index of live ids (after writes that kept the
+        buffers' version counters: the native remap's)."""
+        self._index.clear()
+
+    def buffers_changed(self) -> None:
+        """Say that the buffers were written where torch's version counters do not see it
+        (a raw pointer, a collective receiving into them): the caches derived from them (the
+        torch path's sorted index, the native hash table) are rebuilt at the next remap.
+        Writes through torch ops (``copy_``, ``load_state_dict``, indexing) need no call."""
+        self._index.clear()
+        if self._native_map is not None:
+            self._native_map.invalidate()
+
+    def _undo_buffers(self) -> tuple[str, ...]:
+        return ROW_BUFFERS + (CANDIDATE_BUFFERS if self.admit_after > 1 else ())
+
+    def _changes(self, before: dict[str, torch.Tensor], step: int, stats: RemapStats) -> MapUndo:
+        """The `MapUndo` of the slots whose buffers differ from ``before`` (bitwise)."""
+
+        def changed(names: tuple[str, ...]) -> torch.Tensor:
+            mask = torch.zeros_like(before[names[0]], dtype=torch.bool)
+            for name in names:
+                old, new = before[name], self._buffer(name)
+                if old.dtype == torch.float64:  # bitwise: -0.0 and 0.0 differ
+                    old, new = old.view(torch.int64), new.view(torch.int64)
+                mask |= old != new
+            return mask.nonzero().squeeze(1)
+
+        rows = changed(ROW_BUFFERS)
+        undo = MapUndo(step, stats, rows, {n: before[n][rows] for n in ROW_BUFFERS}, rows[:0])
+        if self.admit_after > 1:
+            slots = changed(CANDIDATE_BUFFERS)
+            undo.candidate_slots = slots
+            undo.candidate_values = {n: before[n][slots] for n in CANDIDATE_BUFFERS}
+        return undo
+
+    def apply_undo(self, undo: MapUndo) -> None:
+        """Put the map back as it was before the remap that recorded ``undo`` (bit-exact).
+
+        Undo the remaps in reverse order (the last one first) to go back several steps.
+        """
+        with torch.no_grad():
+            self._buffer("step").fill_(undo.step)
+            for name, old in undo.row_values.items():
+                self._buffer(name)[undo.rows] = old
+            for name, old in undo.candidate_values.items():
+                self._buffer(name)[undo.candidate_slots] = old
+        self.last_stats = copy.copy(undo.stats)
+
+    def _remap(self, ids_M: torch.Tensor, training: bool) -> Remapped:
         ids_M = ids_M.to(torch.int64)
         empty = ids_M.new_empty(0)
         if ids_M.numel() == 0 and not training:
@@ -298,12 +365,12 @@ class IdMap(nn.Module):
         evictable = occupied.clone()
         evictable[protected] = False
         rows = evictable.nonzero().squeeze(1)
-        victims = rows[self._eviction_order(rows)[:need]]
+        victims = rows[self.eviction_order(rows)[:need]]
         occupied[victims] = False
         self._buffer("row_ids")[victims] = -1
         return torch.cat([free, victims]), victims.numel()
 
-    def _eviction_order(self, rows: torch.Tensor) -> torch.Tensor:
+    def eviction_order(self, rows: torch.Tensor) -> torch.Tensor:
         """Positions of ``rows`` (ascending) in eviction order: the policy's, ties by row."""
         last_seen = self._buffer("last_seen")[rows]
         if self.config.policy == "lru":

@@ -1,0 +1,510 @@
+/* Native remap of an id map (recopt/modules/id_map.py): O(batch) work per training batch.
+ *
+ * The map's state stays in its torch buffers (row_ids, occupied, last_seen, frequency and the
+ * candidate_* buffers), written here through raw pointers. Beside them this file keeps a cache
+ * derived from the buffers, rebuilt by rim_rebuild when they changed elsewhere:
+ *   - an open-addressing hash table raw id -> slot (linear probing, backward-shift erase);
+ *   - the used slots in a doubly linked list ordered by (last seen, slot): its head is the
+ *     least recently seen slot (lru victims, ttl expiry, forgotten candidates);
+ *   - the free slots in a min-heap (new ids take the lowest free row first).
+ * The same structure serves the rows and the admission candidates. One training batch is three
+ * calls (rim_begin, rim_middle, rim_finish) so that the caller can compute, in between and in
+ * torch, the float64 powers of lfu's decay and lfu's victims, exactly as the torch path does.
+ * Legend: M ids of the batch, U distinct ids, N slots.
+ */
+#include "cpu_id_map_slots.h"
+
+typedef struct {
+    Slots rows, cand;
+    int has_cand, recording;
+    int64_t gen, cap_m, num_u, num_known, num_wanted, expired, admissions, stats_known;
+    Hash batch_hash;
+    int64_t *ids_u, *count_u, *slot_u, *inverse, *known, *wanted, *touched;
+    uint64_t *sort_key, *sort_key_tmp;
+    int64_t *sort_val, *sort_val_tmp;
+    uint8_t *admitted;
+} Map;
+
+
+static inline void remember(Map *m, Slots *s, int64_t r) {
+    if (!m->recording || s->mark[r] == m->gen) return;
+    s->mark[r] = m->gen;
+    Log *log = &s->log;
+    if (log->size == log->cap && log_grow(log) != 0) {
+        m->recording = -1; /* out of memory: reported by rim_finish */
+        return;
+    }
+    int64_t k = log->size++;
+    log->slot[k] = r;
+    log->ids[k] = s->ids[r];
+    log->seen[k] = s->seen[r];
+    log->used[k] = s->used[r];
+    log->count[k] = s->count ? s->count[r] : 0;
+    log->freq[k] = s->freq ? s->freq[r] : 0.0;
+}
+
+/* ---- the map ---- */
+
+static void free_scratch(Map *m) {
+    free(m->batch_hash.entries);
+    free(m->ids_u);
+    free(m->count_u);
+    free(m->slot_u);
+    free(m->inverse);
+    free(m->known);
+    free(m->wanted);
+    free(m->touched);
+    free(m->sort_key);
+    free(m->sort_key_tmp);
+    free(m->sort_val);
+    free(m->sort_val_tmp);
+    free(m->admitted);
+}
+
+void rim_free(void *handle) {
+    Map *m = handle;
+    if (!m) return;
+    slots_free(&m->rows);
+    slots_free(&m->cand);
+    free_scratch(m);
+    free(m);
+}
+
+void *rim_new(int64_t num_rows, int64_t num_candidates) {
+    Map *m = calloc(1, sizeof(Map));
+    if (!m) return NULL;
+    m->has_cand = num_candidates > 0;
+    if (slots_init(&m->rows, num_rows) != 0 ||
+        (m->has_cand && slots_init(&m->cand, num_candidates) != 0)) {
+        rim_free(m);
+        return NULL;
+    }
+    return m;
+}
+
+/* Per-batch scratch for up to `need` ids (touched rows: up to 2 per id). */
+static int reserve(Map *m, int64_t need) {
+    if (need <= m->cap_m) return 0;
+    int64_t cap = need < 1024 ? 1024 : need;
+    free_scratch(m);
+    memset(&m->batch_hash, 0, sizeof(Hash));
+    m->ids_u = malloc(8 * cap);
+    m->count_u = malloc(8 * cap);
+    m->slot_u = malloc(8 * cap);
+    m->inverse = malloc(8 * cap);
+    m->known = malloc(8 * cap);
+    m->wanted = malloc(8 * cap);
+    m->touched = malloc(16 * cap);
+    m->sort_key = malloc(16 * cap);
+    m->sort_key_tmp = malloc(16 * cap);
+    m->sort_val = malloc(16 * cap);
+    m->sort_val_tmp = malloc(16 * cap);
+    m->admitted = malloc(cap);
+    m->cap_m = 0;
+    if (!m->ids_u || !m->count_u || !m->slot_u || !m->inverse || !m->known || !m->wanted ||
+        !m->touched || !m->sort_key || !m->sort_key_tmp || !m->sort_val || !m->sort_val_tmp ||
+        !m->admitted || hash_init(&m->batch_hash, cap) != 0)
+        return -1;
+    m->cap_m = cap;
+    return 0;
+}
+
+/* buffers: row_ids, occupied, last_seen, frequency, [candidate_ids, candidate_used,
+ * candidate_count, candidate_last_seen] (int64, bool, int64, float64 | int64, bool, int64,
+ * int64), contiguous. */
+static void bind(Map *m, void **buffers) {
+    Slots *r = &m->rows;
+    r->ids = buffers[0];
+    r->used = buffers[1];
+    r->seen = buffers[2];
+    r->freq = buffers[3];
+    r->count = NULL;
+    if (m->has_cand) {
+        Slots *c = &m->cand;
+        c->ids = buffers[4];
+        c->used = buffers[5];
+        c->count = buffers[6];
+        c->seen = buffers[7];
+        c->freq = NULL;
+    }
+}
+
+int rim_rebuild(void *handle, void **buffers) {
+    Map *m = handle;
+    bind(m, buffers);
+    if (slots_rebuild(&m->rows) != 0) return -1;
+    if (m->has_cand && slots_rebuild(&m->cand) != 0) return -1;
+    return 0;
+}
+
+/* Read only (eval): the row of each id, -1 if unknown or unseen for more than ttl steps. */
+int rim_lookup(void *handle, void **buffers, const int64_t *ids, int64_t num_ids, int64_t step,
+               int64_t ttl, int64_t *rows_out) {
+    Map *m = handle;
+    bind(m, buffers);
+    for (int64_t i = 0; i < num_ids; i++) {
+        int64_t r = hash_find(&m->rows.hash, ids[i]);
+        if (r >= 0 && ttl > 0 && step - m->rows.seen[r] > ttl) r = -1;
+        rows_out[i] = r;
+    }
+    return 0;
+}
+
+/* The batch's distinct ids in ascending order, their counts, and each id's distinct index. */
+static void unique_sorted(Map *m, const int64_t *ids, int64_t num_ids) {
+    Hash *h = &m->batch_hash;
+    int64_t u = 0;
+    for (int64_t i = 0; i < num_ids; i++) {
+        int64_t at = hash_put(h, ids[i], u);
+        if (at < 0) {
+            m->sort_key[u] = signed_key(ids[i]);
+            m->sort_val[u] = u;
+            m->count_u[u] = 0;
+            at = u++;
+        }
+        m->count_u[at]++;
+        m->inverse[i] = at;
+    }
+    for (int64_t i = 0; i < num_ids; i++) { /* clear only what the batch used */
+        int64_t j = (int64_t)(mix64((uint64_t)ids[i]) & (uint64_t)h->mask);
+        while (h->entries[j].slot >= 0) {
+            h->entries[j].slot = -1;
+            j = (j + 1) & h->mask;
+        }
+    }
+    radix_sort(m->sort_key, m->sort_val, m->sort_key_tmp, m->sort_val_tmp, u);
+    /* sort_val[k]: first-seen index of the k-th smallest id; renumber to sorted order */
+    for (int64_t k = 0; k < u; k++) {
+        m->ids_u[k] = (int64_t)(m->sort_key[k] ^ (1ULL << 63));
+        m->wanted[m->sort_val[k]] = k; /* wanted: scratch for first-seen -> sorted */
+        m->slot_u[k] = m->count_u[m->sort_val[k]];
+    }
+    for (int64_t k = 0; k < u; k++) m->count_u[k] = m->slot_u[k];
+    for (int64_t i = 0; i < num_ids; i++) m->inverse[i] = m->wanted[m->inverse[i]];
+    m->num_u = u;
+}
+
+/* Frees the rows unseen for more than ttl steps (the head of the recency list). */
+static void expire(Map *m, int64_t step, int64_t ttl) {
+    Slots *s = &m->rows;
+    while (s->head >= 0 && step - s->seen[s->head] > ttl) {
+        int64_t r = s->head;
+        remember(m, s, r);
+        list_unlink(s, r);
+        hash_erase(&s->hash, s->ids[r]);
+        s->used[r] = 0;
+        s->ids[r] = -1;
+        heap_push(s, r);
+        s->live--;
+        m->expired++;
+    }
+}
+
+/* Training batch, part 1: distinct ids, ttl expiry, lookup. Writes the known ids' rows (in
+ * ascending id order) to known_out [num_ids]; returns how many, or -1 (out of memory). */
+int64_t rim_begin(void *handle, void **buffers, const int64_t *ids, int64_t num_ids,
+                  int64_t step, int64_t ttl, int record, int64_t *known_out) {
+    Map *m = handle;
+    bind(m, buffers);
+    if (reserve(m, num_ids) != 0) return -1;
+    m->recording = record;
+    m->gen++;
+    if (record && !m->rows.mark) m->rows.mark = calloc(m->rows.n + 1, 8);
+    if (record && m->has_cand && !m->cand.mark) m->cand.mark = calloc(m->cand.n + 1, 8);
+    if (record && (!m->rows.mark || (m->has_cand && !m->cand.mark))) return -1;
+    m->rows.log.size = m->cand.log.size = 0;
+    m->expired = m->admissions = 0;
+    unique_sorted(m, ids, num_ids);
+    if (ttl > 0) expire(m, step, ttl);
+    int64_t k = 0;
+    for (int64_t u = 0; u < m->num_u; u++) {
+        if (u + AHEAD < m->num_u) prefetch_home(&m->rows.hash, m->ids_u[u + AHEAD]);
+        int64_t r = hash_find(&m->rows.hash, m->ids_u[u]);
+        m->slot_u[u] = r;
+        if (r >= 0) {
+            m->known[k] = u;
+            if (known_out) known_out[k] = r;
+            k++;
+        }
+    }
+    m->num_known = k;
+    return k;
+}
+
+/* Known ids were seen: frequency (times factor, when given) plus count; last seen = now. They
+ * leave the recency list until rim_finish (so the list holds only evictable rows). */
+static void count_known(Map *m, int64_t step, const double *factors) {
+    Slots *s = &m->rows;
+    for (int64_t k = 0; k < m->num_known; k++) {
+        int64_t u = m->known[k], r = m->slot_u[u];
+        if (k + AHEAD < m->num_known) {
+            int64_t ahead = m->slot_u[m->known[k + AHEAD]];
+            __builtin_prefetch(&s->freq[ahead], 1);
+            __builtin_prefetch(&s->seen[ahead], 1);
+            __builtin_prefetch(&s->link[2 * ahead], 1);
+        }
+        remember(m, s, r);
+        double kept = s->freq[r];
+        if (factors) kept = kept * factors[k];
+        s->freq[r] = kept + (double)m->count_u[u];
+        s->seen[r] = step;
+        list_unlink(s, r);
+        m->touched[k] = r;
+    }
+}
+
+/* Candidates: the new ids' counts (the torch path's IdMap._admit); sets admitted[u]. */
+static void admit(Map *m, int64_t step, int64_t admit_after) {
+    Slots *c = &m->cand;
+    int64_t num_touched = 0, num_fresh = 0;
+    int64_t *cslot = m->sort_val, *total = m->sort_val_tmp, *ctouched = m->wanted;
+    for (int64_t u = 0; u < m->num_u; u++) {
+        if (m->slot_u[u] >= 0) continue;
+        int64_t at = hash_find(&c->hash, m->ids_u[u]);
+        cslot[u] = at;
+        total[u] = m->count_u[u] + (at >= 0 ? c->count[at] : 0);
+        m->admitted[u] = total[u] >= admit_after;
+        if (m->admitted[u]) m->admissions++;
+        if (at >= 0 && m->admitted[u]) { /* admitted ids leave the candidates */
+            remember(m, c, at);
+            c->used[at] = 0;
+            hash_erase(&c->hash, m->ids_u[u]);
+            list_unlink(c, at);
+            heap_push(c, at);
+            c->live--;
+        }
+    }
+    for (int64_t u = 0; u < m->num_u; u++) {
+        if (m->slot_u[u] >= 0 || m->admitted[u]) continue;
+        int64_t at = cslot[u];
+        if (at >= 0) {
+            remember(m, c, at);
+            c->count[at] = total[u];
+            c->seen[at] = step;
+            list_unlink(c, at);
+            ctouched[num_touched++] = at;
+        } else {
+            num_fresh++;
+        }
+    }
+    int64_t spare_free = c->heap_size < num_fresh ? c->heap_size : num_fresh;
+    int64_t forget = num_fresh - spare_free, placed = 0;
+    for (int64_t u = 0; u < m->num_u && placed < num_fresh; u++) {
+        if (m->slot_u[u] >= 0 || m->admitted[u] || cslot[u] >= 0) continue;
+        int64_t at;
+        if (placed < spare_free) {
+            at = heap_pop(c);
+        } else { /* forget the least recently seen candidate not seen in this batch */
+            if (forget <= 0 || c->head < 0) break;
+            at = c->head;
+            remember(m, c, at);
+            list_unlink(c, at);
+            hash_erase(&c->hash, c->ids[at]);
+            c->used[at] = 0;
+            c->live--;
+        }
+        remember(m, c, at);
+        c->ids[at] = m->ids_u[u];
+        c->count[at] = total[u];
+        c->seen[at] = step;
+        c->used[at] = 1;
+        hash_put(&c->hash, m->ids_u[u], at);
+        c->live++;
+        ctouched[num_touched++] = at;
+        placed++;
+    }
+    for (int64_t i = 0; i < num_touched; i++) { /* now seen: the list's tail, by slot */
+        m->sort_key[i] = (uint64_t)ctouched[i];
+        total[i] = ctouched[i];
+    }
+    radix_sort(m->sort_key, total, m->sort_key_tmp, cslot, num_touched);
+    for (int64_t i = 0; i < num_touched; i++) list_append(c, total[i]);
+}
+
+/* Training batch, part 2: count the known ids (factors: lfu's decay^age per known row, or
+ * NULL), admission, and the new ids to place, most frequent first (ties: ascending id).
+ * info_out: [new ids wanted, free rows, evictable rows]. */
+int rim_middle(void *handle, void **buffers, int64_t step, const double *factors,
+               int64_t admit_after, int64_t *info_out) {
+    Map *m = handle;
+    bind(m, buffers);
+    count_known(m, step, factors);
+    for (int64_t u = 0; u < m->num_u; u++) m->admitted[u] = 1;
+    if (m->has_cand && m->num_u > m->num_known) admit(m, step, admit_after);
+    int64_t w = 0;
+    for (int64_t u = 0; u < m->num_u; u++) {
+        if (m->slot_u[u] >= 0 || !m->admitted[u]) continue;
+        m->sort_key[w] = ~(uint64_t)m->count_u[u]; /* descending count, stable */
+        m->sort_val[w++] = u;
+    }
+    radix_sort(m->sort_key, m->sort_val, m->sort_key_tmp, m->sort_val_tmp, w);
+    memcpy(m->wanted, m->sort_val, 8 * w);
+    m->num_wanted = w;
+    info_out[0] = w;
+    info_out[1] = m->rows.heap_size;
+    info_out[2] = m->rows.live - m->num_known;
+    return 0;
+}
+
+/* r, already out of the recency list, loses its id. */
+static void evict(Map *m, int64_t r) {
+    Slots *s = &m->rows;
+    remember(m, s, r);
+    hash_erase(&s->hash, s->ids[r]);
+    s->used[r] = 0;
+    s->ids[r] = -1;
+    s->live--;
+}
+
+/* Training batch, part 3: rows for the wanted ids (free rows lowest first, then victims: the
+ * given ones (lfu) or the recency list's head (lru)), the batch's rows, and the stats
+ * [new ids, evictions, expired, admissions, zero-row ids, live rows]. Returns 0, or -1 when
+ * an undo record could not be allocated. */
+int rim_finish(void *handle, void **buffers, int64_t step, const int64_t *victims,
+               int64_t num_victims, int64_t *rows_out, int64_t num_ids, int64_t *fresh_rows,
+               int64_t *fresh_ids, int64_t *stats_out) {
+    Map *m = handle;
+    bind(m, buffers);
+    Slots *s = &m->rows;
+    int64_t want = m->num_wanted, placed = 0, evicted = 0;
+    while (placed < want && s->heap_size > 0) fresh_rows[placed++] = heap_pop(s);
+    int64_t first_victim = placed;
+    if (victims) {
+        for (int64_t i = 0; i < num_victims && placed < want; i++) {
+            list_unlink(s, victims[i]);
+            fresh_rows[placed++] = victims[i];
+        }
+    } else if (placed < want && s->head >= 0) {
+        /* lru: the victims are the list's first nodes; cut them off at once */
+        int64_t r = s->head;
+        while (placed < want && r >= 0) {
+            fresh_rows[placed++] = r;
+            r = s->link[2 * r + 1];
+        }
+        s->head = r;
+        if (r >= 0) s->link[2 * r] = -1; else s->tail = -1;
+    }
+    for (int64_t j = first_victim; j < placed; j++, evicted++) {
+        if (j + 2 * AHEAD < placed) __builtin_prefetch(&s->ids[fresh_rows[j + 2 * AHEAD]], 1);
+        if (j + AHEAD < placed) prefetch_home(&s->hash, s->ids[fresh_rows[j + AHEAD]]);
+        evict(m, fresh_rows[j]);
+    }
+    int64_t num_touched = m->num_known;
+    for (int64_t j = 0; j < placed; j++) {
+        int64_t u = m->wanted[j], r = fresh_rows[j];
+        if (j + AHEAD < placed) {
+            int64_t ahead = fresh_rows[j + AHEAD];
+            prefetch_home(&s->hash, m->ids_u[m->wanted[j + AHEAD]]);
+            __builtin_prefetch(&s->seen[ahead], 1);
+            __builtin_prefetch(&s->freq[ahead], 1);
+            __builtin_prefetch(&s->used[ahead], 1);
+        }
+        remember(m, s, r);
+        s->ids[r] = m->ids_u[u];
+        s->used[r] = 1;
+        s->seen[r] = step;
+        s->freq[r] = (double)m->count_u[u];
+        hash_put(&s->hash, m->ids_u[u], r);
+        s->live++;
+        m->slot_u[u] = r;
+        fresh_ids[j] = m->ids_u[u];
+        m->touched[num_touched++] = r;
+    }
+    for (int64_t i = 0; i < num_touched; i++) { /* seen now: the list's tail, by row */
+        m->sort_key[i] = (uint64_t)m->touched[i];
+        m->sort_val[i] = m->touched[i];
+    }
+    radix_sort(m->sort_key, m->sort_val, m->sort_key_tmp, m->sort_val_tmp, num_touched);
+    for (int64_t i = 0; i < num_touched; i++) {
+        if (i + AHEAD < num_touched) __builtin_prefetch(&s->link[2 * m->sort_val[i + AHEAD]], 1);
+        list_append(s, m->sort_val[i]);
+    }
+    for (int64_t i = 0; i < num_ids; i++) rows_out[i] = m->slot_u[m->inverse[i]];
+    stats_out[0] = placed;
+    stats_out[1] = evicted;
+    stats_out[2] = m->expired;
+    stats_out[3] = m->admissions;
+    stats_out[4] = m->num_u - m->num_known - placed;
+    stats_out[5] = s->live;
+    return m->recording < 0 ? -1 : 0;
+}
+
+/* One training batch of each of num_maps lru maps (no undo record), over threads: the three
+ * parts back to back (lru needs nothing computed in torch between them). Per map i: handles[i],
+ * buffers[8i..8i+7], ids[i] (num_ids[i]), and outputs rows_out[i] [num_ids], fresh_rows[i] and
+ * fresh_ids[i] [num_ids], stats_out[6i..6i+5] (as rim_finish), status[i] (0, or -1: out of
+ * memory). */
+void rim_step_many(int64_t num_maps, void **handles, void **buffers, int64_t **ids,
+                   const int64_t *num_ids, const int64_t *steps, const int64_t *ttls,
+                   const int64_t *admit_after, int64_t **rows_out, int64_t **fresh_rows,
+                   int64_t **fresh_ids, int64_t *stats_out, int64_t *status, int threads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t i = 0; i < num_maps; i++) {
+        int64_t info[3];
+        void **own = buffers + 8 * i;
+        status[i] = -1;
+        if (rim_begin(handles[i], own, ids[i], num_ids[i], steps[i], ttls[i], 0, NULL) < 0)
+            continue;
+        rim_middle(handles[i], own, steps[i], NULL, admit_after[i], info);
+        status[i] = rim_finish(handles[i], own, steps[i], NULL, 0, rows_out[i], num_ids[i],
+                               fresh_rows[i], fresh_ids[i], stats_out + 6 * i);
+    }
+}
+
+/* The undo record of the last batch: which = 0 rows, 1 candidates. */
+int64_t rim_undo_size(void *handle, int which) {
+    Map *m = handle;
+    return which ? m->cand.log.size : m->rows.log.size;
+}
+
+void rim_undo_copy(void *handle, int which, int64_t *slot, int64_t *ids, uint8_t *used,
+                   int64_t *seen, double *freq, int64_t *count) {
+    Map *m = handle;
+    Log *log = which ? &m->cand.log : &m->rows.log;
+    int64_t n = log->size;
+    memcpy(slot, log->slot, 8 * n);
+    memcpy(ids, log->ids, 8 * n);
+    memcpy(used, log->used, n);
+    memcpy(seen, log->seen, 8 * n);
+    if (freq) memcpy(freq, log->freq, 8 * n);
+    if (count) memcpy(count, log->count, 8 * n);
+}
+
+/* ---- the hashed initial values of fresh rows (id_map_lookup.hash_uniform, bit for bit) ---- */
+
+static inline uint64_t splitmix_finish(uint64_t x) {
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+/* out [num_ids, dim]: float64 in [0, 1), a fixed function of (id, step, column). */
+void rim_hash_uniform(const int64_t *ids, int64_t num_ids, int64_t step, int64_t dim,
+                      double *out) {
+    const uint64_t golden = 0x9E3779B97F4A7C15ULL;
+    for (int64_t i = 0; i < num_ids; i++) {
+        uint64_t key = splitmix_finish((uint64_t)ids[i] * golden + (uint64_t)step);
+        for (int64_t c = 0; c < dim; c++) {
+            uint64_t x = splitmix_finish(key + (uint64_t)(c + 1) * golden);
+            out[i * dim + c] = (double)(x >> 11) * 0x1p-53; /* exact, as torch's / 2^53 */
+        }
+    }
+}
+
+/* weight[rows[i], :] = (float)(lo + (hi - lo) * hash_uniform(ids[i], step, column)): the
+ * torch path's init_rows on float32 rows, the same rounding (two float64 ops, then float). */
+void rim_fill_uniform(const int64_t *ids, const int64_t *rows, int64_t num_rows, int64_t step,
+                      int64_t dim, double lo, double hi, float *weight, int64_t row_stride) {
+    const uint64_t golden = 0x9E3779B97F4A7C15ULL;
+    double span = hi - lo;
+    for (int64_t i = 0; i < num_rows; i++) {
+        uint64_t key = splitmix_finish((uint64_t)ids[i] * golden + (uint64_t)step);
+        float *row = weight + rows[i] * row_stride;
+        for (int64_t c = 0; c < dim; c++) {
+            uint64_t x = splitmix_finish(key + (uint64_t)(c + 1) * golden);
+            double unit = (double)(x >> 11) * 0x1p-53;
+            double scaled = span * unit;
+            row[c] = (float)(lo + scaled);
+        }
+    }
+}

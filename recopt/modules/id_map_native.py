@@ -1,0 +1,288 @@
+"""The remap of an `IdMap` on CPU in native code (recopt/kernels/cpu_id_map.c): O(batch) a step.
+
+The map's state stays in the `IdMap`'s buffers (the native side writes them in place); the
+native side only adds a cache derived from them (hash table id -> row, recency list, free-row
+heap), rebuilt when the buffers changed elsewhere, which their torch version counters and
+data pointers tell (native writes leave the counters alone). It gives exactly the torch
+path's results: lfu's float64 decay powers (of the batch's known rows) and lfu's victims
+(only on steps that evict: an O(rows) selection) are computed by the torch path's own ops.
+Legend: M ids of a batch, K known rows, N rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+from recopt.kernels import cpu_id_map
+from recopt.modules.id_map_results import (
+    CANDIDATE_BUFFERS,
+    ROW_BUFFERS,
+    MapUndo,
+    Remapped,
+    RemapStats,
+)
+
+if TYPE_CHECKING:
+    from recopt.modules.id_map import IdMap
+
+_Stamp = tuple[tuple[int, int], ...]
+
+
+def _buffer(idmap: IdMap, name: str) -> torch.Tensor:
+    buffer = idmap._buffers[name]  # the dict itself: get_buffer's path walk costs per call
+    assert buffer is not None
+    return buffer
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None or tensor.numel() == 0 else tensor.data_ptr()
+
+
+class NativeIdMap:
+    """The native cache of one `IdMap` (owned by it; see `IdMap.remap`).
+
+    Args:
+        num_rows: the map's rows.
+        num_candidates: its candidate slots (0 without admission).
+
+    Raises:
+        MemoryError: the native side could not allocate its cache.
+    """
+
+    def __init__(self, num_rows: int, num_candidates: int) -> None:
+        self._lib = cpu_id_map.library()
+        self.num_rows, self.num_candidates = num_rows, num_candidates
+        handle = self._lib.rim_new(num_rows, num_candidates)
+        if not handle:
+            raise MemoryError(f"id map: no memory for the native cache of {num_rows} rows")
+        self._handle = ctypes.c_void_p(handle)
+        self._stamp: _Stamp | None = None
+        self._pointers: ctypes.Array[ctypes.c_void_p] | None = None
+
+    def __del__(self) -> None:
+        handle = getattr(self, "_handle", None)
+        if handle is not None:
+            self._lib.rim_free(handle)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> NativeIdMap:
+        return NativeIdMap(self.num_rows, self.num_candidates)  # a fresh cache, rebuilt at use
+
+    def __reduce__(self) -> tuple[type, tuple[int, int]]:
+        return NativeIdMap, (self.num_rows, self.num_candidates)
+
+    def invalidate(self) -> None:
+        """Rebuild the cache from the buffers at the next use (`IdMap.buffers_changed`)."""
+        self._stamp = None
+
+    def _sync(self, idmap: IdMap) -> ctypes.Array[ctypes.c_void_p]:
+        """The buffers' pointers, after rebuilding the cache if they changed elsewhere."""
+        names = ROW_BUFFERS + (CANDIDATE_BUFFERS if self.num_candidates else ())
+        buffers = [_buffer(idmap, name) for name in names]
+        stamp = tuple((b.data_ptr(), b._version) for b in buffers)
+        if stamp != self._stamp or self._pointers is None:
+            assert all(b.is_contiguous() for b in buffers)
+            self._pointers = (ctypes.c_void_p * len(buffers))(*[b.data_ptr() for b in buffers])
+            if self._lib.rim_rebuild(self._handle, self._pointers) != 0:
+                raise MemoryError("id map: no memory to rebuild the native cache")
+            self._stamp = stamp
+        return self._pointers
+
+    def read(self, idmap: IdMap, ids_M: torch.Tensor) -> Remapped:
+        """Outside training: the row of each id (-1: unknown or expired); nothing changes."""
+        pointers = self._sync(idmap)
+        ids_M = ids_M.contiguous()
+        rows_M = torch.empty_like(ids_M)
+        step = int(_buffer(idmap, "step"))
+        ttl = idmap.config.ttl_steps or 0
+        self._lib.rim_lookup(
+            self._handle, pointers, _ptr(ids_M), ids_M.numel(), step, ttl, _ptr(rows_M)
+        )
+        empty = ids_M.new_empty(0)
+        return Remapped(rows_M, empty, empty)
+
+    def train(self, idmap: IdMap, ids_M: torch.Tensor, record_undo: bool) -> Remapped:
+        """One training step of ``idmap`` on ``ids_M`` (as `IdMap.remap`)."""
+        pointers = self._sync(idmap)
+        ids_M = ids_M.contiguous()
+        num_ids = ids_M.numel()
+        step_t = _buffer(idmap, "step")
+        old_step, old_stats = int(step_t), idmap.last_stats  # replaced, never mutated
+        step_t.add_(1)
+        step = old_step + 1
+        known = torch.empty(max(num_ids, 1), dtype=torch.int64)
+        num_known = self._lib.rim_begin(
+            self._handle,
+            pointers,
+            _ptr(ids_M),
+            num_ids,
+            step,
+            idmap.config.ttl_steps or 0,
+            int(record_undo),
+            _ptr(known),
+        )
+        if num_known < 0:
+            raise MemoryError("id map: no memory for the native remap's scratch")
+        known = known[:num_known]
+        decay = idmap.config.lfu_decay
+        factors = None
+        if decay != 1.0 and num_known:  # the torch path's expression, on the same rows
+            age = (step_t - _buffer(idmap, "last_seen")[known]).to(torch.float64)
+            factors = decay**age
+        info = (ctypes.c_int64 * 3)()
+        self._lib.rim_middle(self._handle, pointers, step, _ptr(factors), idmap.admit_after, info)
+        wanted, free, evictable = info
+        victims = self._lfu_victims(idmap, known, wanted - free, evictable)
+        rows_M = torch.empty_like(ids_M)
+        fresh_rows = torch.empty(wanted, dtype=torch.int64)
+        fresh_ids = torch.empty(wanted, dtype=torch.int64)
+        out = (ctypes.c_int64 * 6)()
+        status = self._lib.rim_finish(
+            self._handle,
+            pointers,
+            step,
+            _ptr(victims),
+            0 if victims is None else victims.numel(),
+            _ptr(rows_M),
+            num_ids,
+            _ptr(fresh_rows),
+            _ptr(fresh_ids),
+            out,
+        )
+        placed, evictions, expired, admissions, zero_row_ids, live = out
+        stats = RemapStats(
+            step=step,
+            occupancy=float(live) / self.num_rows,
+            new_ids=placed,
+            evictions=evictions,
+            expired=expired,
+            admissions=admissions,
+            zero_row_ids=zero_row_ids,
+        )
+        idmap.last_stats = stats
+        idmap.forget_index()  # the torch path's sorted index does not see native writes
+        result = Remapped(rows_M, fresh_rows[:placed], fresh_ids[:placed], stats)
+        if record_undo:
+            if status != 0:
+                raise MemoryError("id map: no memory for the undo record")
+            result.undo = self._undo(old_step, old_stats)
+        return result
+
+    def _lfu_victims(
+        self, idmap: IdMap, known: torch.Tensor, need: int, evictable: int
+    ) -> torch.Tensor | None:
+        """lfu's victims by the torch path's order (None under lru: the native list's head)."""
+        if idmap.config.policy != "lfu" or need <= 0 or evictable <= 0:
+            return None
+        mask = _buffer(idmap, "occupied").clone()
+        mask[known] = False
+        rows = mask.nonzero().squeeze(1)
+        return rows[idmap.eviction_order(rows)[:need]].contiguous()
+
+    def _undo(self, step: int, stats: RemapStats) -> MapUndo:
+        """The last step's undo record, copied out of the native side."""
+
+        def copy_out(which: int, float_values: bool) -> list[torch.Tensor]:
+            size = int(self._lib.rim_undo_size(self._handle, which))
+            slots, ids, seen = (torch.empty(size, dtype=torch.int64) for _ in range(3))
+            used = torch.empty(size, dtype=torch.bool)
+            # rows: frequency (float64); candidates: count (int64)
+            value = torch.empty(size, dtype=torch.float64 if float_values else torch.int64)
+            freq, count = (value, None) if float_values else (None, value)
+            if size:
+                self._lib.rim_undo_copy(
+                    self._handle,
+                    which,
+                    *(_ptr(t) for t in (slots, ids, used, seen, freq, count)),
+                )
+            return [slots, ids, used, seen, value]
+
+        rows, row_ids, occupied, last_seen, frequency = copy_out(0, True)
+        undo = MapUndo(
+            step,
+            stats,
+            rows,
+            dict(zip(ROW_BUFFERS, (row_ids, occupied, last_seen, frequency), strict=True)),
+            rows[:0],
+        )
+        if self.num_candidates:
+            slots, ids, used, seen, count = copy_out(1, False)
+            undo.candidate_slots = slots
+            undo.candidate_values = dict(
+                zip(CANDIDATE_BUFFERS, (ids, used, count, seen), strict=True)
+            )
+        return undo
+
+
+def remap_tables(
+    maps: Mapping[str, IdMap], ids: Mapping[str, torch.Tensor], training: bool
+) -> dict[str, Remapped]:
+    """`IdMap.remap` of each map on its ids; the native lru maps in training in one call.
+
+    That call steps the maps in parallel over torch's threads and saves the per-map call
+    overhead; every other map (lfu, undo records, torch path, reads) is remapped on its own.
+    """
+    results: dict[str, Remapped] = {}
+    together: list[tuple[str, IdMap, NativeIdMap, torch.Tensor]] = []
+    for name, idmap in maps.items():
+        ids_M = ids[name].to(torch.int64)
+        native = None
+        if training and idmap.config.policy == "lru" and ids_M.device.type == "cpu":
+            native = idmap._native()
+        if native is None:
+            results[name] = idmap.remap(ids_M, training)
+        else:
+            together.append((name, idmap, native, ids_M.contiguous()))
+    if together:
+        results.update(_step_many(together))
+    return {name: results[name] for name in maps}
+
+
+def _step_many(
+    together: list[tuple[str, IdMap, NativeIdMap, torch.Tensor]],
+) -> dict[str, Remapped]:
+    count = len(together)
+    sizes = [ids_M.numel() for _, _, _, ids_M in together]
+    out = torch.empty(3 * sum(sizes), dtype=torch.int64)  # rows, fresh rows, fresh ids
+    views = out.split([size for size in sizes for _ in range(3)])
+    arrays = [(ctypes.c_void_p * count)() for _ in range(5)]  # handles, ids, 3 outputs
+    handles, ids_p, rows_p, fresh_rows_p, fresh_ids_p = arrays
+    buffers = (ctypes.c_void_p * (8 * count))()
+    num_ids, steps, ttls, admits, status = ((ctypes.c_int64 * count)() for _ in range(5))
+    stats_out = (ctypes.c_int64 * (6 * count))()
+    for i, (_, idmap, native, ids_M) in enumerate(together):
+        pointers = native._sync(idmap)
+        handles[i] = native._handle.value
+        for j, pointer in enumerate(pointers):
+            buffers[8 * i + j] = pointer
+        step_t = _buffer(idmap, "step")
+        step_t.add_(1)
+        steps[i], ttls[i] = int(step_t), idmap.config.ttl_steps or 0
+        num_ids[i], admits[i], ids_p[i] = sizes[i], idmap.admit_after, _ptr(ids_M)
+        rows_p[i], fresh_rows_p[i], fresh_ids_p[i] = (_ptr(v) for v in views[3 * i : 3 * i + 3])
+    cpu_id_map.library().rim_step_many(
+        count, handles, buffers, ids_p, num_ids, steps, ttls, admits, rows_p, fresh_rows_p,
+        fresh_ids_p, stats_out, status, torch.get_num_threads(),
+    )  # fmt: skip
+    results = {}
+    for i, (name, idmap, native, _) in enumerate(together):
+        if status[i] != 0:
+            raise MemoryError("id map: no memory for the native remap's scratch")
+        placed, evictions, expired, admissions, zero_row_ids, live = stats_out[6 * i : 6 * i + 6]
+        stats = RemapStats(
+            step=steps[i],
+            occupancy=float(live) / native.num_rows,
+            new_ids=placed,
+            evictions=evictions,
+            expired=expired,
+            admissions=admissions,
+            zero_row_ids=zero_row_ids,
+        )
+        idmap.last_stats = stats
+        idmap.forget_index()
+        rows_M, fresh_rows, fresh_ids = views[3 * i : 3 * i + 3]
+        results[name] = Remapped(rows_M, fresh_rows[:placed], fresh_ids[:placed], stats)
+    return results

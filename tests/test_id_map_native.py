@@ -1,0 +1,210 @@
+"""The native id-map remap (recopt/modules/id_map_native.py) against the torch path, step by step.
+
+Both paths see the same long random streams (power-law ids over a drifting space, batches of
+varying size, empty ones included) and must give the same rows, fresh rows, fresh ids and
+stats, and leave every buffer equal, after every step; reads (eval) must agree too.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+
+import pytest
+import torch
+
+from recopt.kernels import cpu_id_map
+from recopt.modules import IdMapConfig
+from recopt.modules.id_map import IdMap, Remapped
+from recopt.modules.id_map_lookup import hash_uniform, hash_uniform_torch
+from recopt.modules.id_map_native import remap_tables
+
+pytestmark = pytest.mark.skipif(not cpu_id_map.available(), reason="no C compiler")
+
+CONFIGS = {
+    "lru": IdMapConfig(policy="lru"),
+    "lfu": IdMapConfig(policy="lfu"),
+    "lfu_no_decay": IdMapConfig(policy="lfu", decay=1.0),
+    "lfu_decay_half": IdMapConfig(policy="lfu", decay=0.5),
+    "lru_ttl": IdMapConfig(policy="lru", ttl_steps=3),
+    "lfu_ttl": IdMapConfig(policy="lfu", decay=0.9, ttl_steps=5),
+    "lru_admit": IdMapConfig(policy="lru", admit_after=2),
+    "lru_admit_overflow": IdMapConfig(policy="lru", admit_after=3, candidate_slots=4),
+    "lfu_all": IdMapConfig(policy="lfu", decay=0.95, ttl_steps=6, admit_after=2, candidate_slots=9),
+}
+
+
+def _pair(config: IdMapConfig, rows: int) -> tuple[IdMap, IdMap]:
+    native, reference = IdMap(config, rows), IdMap(config, rows)
+    reference.native = False
+    return native, reference
+
+
+def _batch(gen: torch.Generator, step: int, rows: int) -> torch.Tensor:
+    """Power-law ids over 3x the rows, drifting by rows/20 a step, scattered over int64; every
+    40 steps, 10 steps of at most 2 ids (rows expire), and every 17th batch empty."""
+    most = 2 if step % 40 >= 30 else 3 * rows + 2
+    size = int(torch.randint(0, most + 1, (1,), generator=gen)) if step % 17 else 0
+    rank = (torch.rand(size, generator=gen) ** 3 * 3 * rows).long() + step * max(rows // 20, 1)
+    return rank * 0x9E3779B97F4A7C15 - 5  # wraps: any int64, negatives too
+
+
+def _assert_same(a: Remapped, b: Remapped, a_map: IdMap, b_map: IdMap, where: str) -> None:
+    assert torch.equal(a.rows_M, b.rows_M), where
+    assert torch.equal(a.fresh_rows, b.fresh_rows), where
+    assert torch.equal(a.fresh_ids, b.fresh_ids), where
+    assert a.stats == b.stats and a_map.last_stats == b_map.last_stats, where
+    b_state = b_map.state_dict()
+    for key, value in a_map.state_dict().items():
+        assert value.dtype == b_state[key].dtype, (where, key)
+        assert torch.equal(value, b_state[key]), (where, key)
+
+
+def _run(config: IdMapConfig, rows: int, steps: int, seed: int) -> dict[str, int]:
+    native, reference = _pair(config, rows)
+    gen = torch.Generator().manual_seed(seed)
+    totals = {"evictions": 0, "expired": 0, "admissions": 0, "zero_row_ids": 0}
+    for step in range(steps):
+        ids = _batch(gen, step, rows)
+        a, b = native.remap(ids, True), reference.remap(ids, True)
+        _assert_same(a, b, native, reference, f"step {step}")
+        for key in totals:
+            totals[key] += getattr(a.stats, key)
+        if step % 5 == 0:  # reads: the next batch's ids, known and unknown
+            probe = _batch(gen, step + 1, rows)
+            assert torch.equal(
+                native.remap(probe, False).rows_M, reference.remap(probe, False).rows_M
+            )
+    assert native._native_map is not None and reference._native_map is None
+    return totals
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("rows", [1, 7, 64, 2000])
+def test_native_equals_torch_after_every_step(name: str, rows: int) -> None:
+    steps = 60 if rows == 2000 else 150
+    totals = _run(CONFIGS[name], rows, steps, seed=rows)
+    assert totals["evictions"] > 0  # the streams overflow the table: eviction is exercised
+    config = CONFIGS[name]
+    if config.ttl_steps is not None and rows > 1:
+        assert totals["expired"] > 0
+    if config.admit_after is not None:
+        assert totals["admissions"] > 0 and totals["zero_row_ids"] > 0
+
+
+def test_native_cache_follows_state_loaded_and_undone() -> None:
+    """A state_dict load, an undo and a copy between steps: the native cache is rebuilt."""
+    config = CONFIGS["lfu_all"]
+    native, reference = _pair(config, 50)
+    other = IdMap(config, 50)
+    gen = torch.Generator().manual_seed(9)
+    for step in range(80):
+        ids = _batch(gen, step, 50)
+        if step == 30:  # both load another map's state
+            for _ in range(5):
+                other.remap(_batch(gen, step, 50), True)
+            native.load_state_dict(other.state_dict())
+            reference.load_state_dict(other.state_dict())
+        if step == 50:  # native takes an undone step
+            undo = native.remap(_batch(gen, step, 50), True, record_undo=True).undo
+            assert undo is not None and undo.rows.numel() > 0
+            native.apply_undo(undo)
+        if step == 60:  # a deep copy continues on its own cache
+            native = copy.deepcopy(native)
+        _assert_same(
+            native.remap(ids, True), reference.remap(ids, True), native, reference, str(step)
+        )
+
+
+def test_switching_paths_mid_stream_agrees() -> None:
+    """Native steps then torch steps on one map (the torch index must not go stale)."""
+    native, reference = _pair(CONFIGS["lru_admit_overflow"], 20)
+    gen = torch.Generator().manual_seed(4)
+    for step in range(60):
+        native.native = (step // 7) % 2 == 0
+        ids = _batch(gen, step, 20)
+        _assert_same(
+            native.remap(ids, True), reference.remap(ids, True), native, reference, str(step)
+        )
+
+
+def test_without_compiler_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_id_map, "_library", None)
+    monkeypatch.setattr(cpu_id_map, "_load_failed", False)
+    monkeypatch.setattr(cpu_id_map.shutil, "which", lambda name: None)
+    assert not cpu_id_map.available()
+    idmap = IdMap(CONFIGS["lru"], 4)
+    assert idmap.remap(torch.tensor([5, 6, 5]), True).rows_M.tolist() == [0, 1, 0]
+    assert idmap._native_map is None  # the torch ops ran
+
+
+def test_one_call_for_all_tables_equals_each_torch_map() -> None:
+    """`remap_tables`: the native lru maps stepped in one call (threads), the others alone."""
+    names = ["lru", "lru_ttl", "lru_admit_overflow", "lfu_all", "lru_small"]
+    configs = {**CONFIGS, "lru_small": CONFIGS["lru"]}
+    sizes = {"lru": 300, "lru_ttl": 64, "lru_admit_overflow": 40, "lfu_all": 50, "lru_small": 1}
+    pairs = {name: _pair(configs[name], sizes[name]) for name in names}
+    gen = torch.Generator().manual_seed(11)
+    for step in range(80):
+        ids = {name: _batch(gen, step, sizes[name]) for name in names}
+        natives = remap_tables({n: pairs[n][0] for n in names}, ids, training=True)
+        assert list(natives) == names
+        for name in names:
+            native, reference = pairs[name]
+            expected = reference.remap(ids[name], True)
+            _assert_same(natives[name], expected, native, reference, f"{name} step {step}")
+
+
+@pytest.mark.parametrize("dim", [1, 5, 64])
+def test_native_hash_uniform_equals_torch(dim: int) -> None:
+    ids = torch.cat(
+        [
+            torch.randint(-(2**63), 2**63 - 1, (300,), generator=torch.Generator().manual_seed(2)),
+            torch.tensor([0, -1, 2**63 - 1, -(2**63)]),
+        ]
+    )
+    for step in (0, 7, 2**40):
+        assert torch.equal(hash_uniform(ids, step, dim), hash_uniform_torch(ids, step, dim))
+    assert hash_uniform(ids[:0], 3, dim).shape == (0, dim)
+
+
+def test_native_fill_uniform_equals_init_rows_torch_ops() -> None:
+    """`init_rows`'s native path writes the values the torch ops write, views included."""
+    gen = torch.Generator().manual_seed(8)
+    base = torch.zeros(40, 24)
+    weight = base[:, 4:20]  # a view: row stride 24, 16 columns
+    rows = torch.randperm(40, generator=gen)[:25]
+    ids = torch.randint(-(2**62), 2**62, (25,), generator=gen)
+    lo, hi = -0.37, 0.11
+    version = weight._version
+    assert cpu_id_map.fill_uniform(weight, rows, ids, 123, lo, hi)
+    assert weight._version > version
+    expected = torch.zeros(40, 24)
+    expected[rows, 4:20] = (lo + (hi - lo) * hash_uniform_torch(ids, 123, 16)).float()
+    assert torch.equal(base, expected)
+    assert not cpu_id_map.fill_uniform(weight.double(), rows, ids, 1, lo, hi)  # torch ops then
+
+
+def test_writes_unseen_by_version_counters_are_announced_by_buffers_changed() -> None:
+    """A raw write (as a collective's receive) keeps the version counters: after
+    `buffers_changed` both paths read the new state."""
+    config = CONFIGS["lru_ttl"]
+    native, reference = _pair(config, 30)
+    other = IdMap(config, 30)
+    gen = torch.Generator().manual_seed(12)
+    for step in range(40):
+        ids = _batch(gen, step, 30)
+        if step == 20:
+            other.load_state_dict(reference.state_dict())
+            for _ in range(4):
+                other.remap(_batch(gen, step, 30), True)
+            for idmap in (native, reference):
+                for name, value in other.state_dict().items():
+                    target = idmap.get_buffer(name)
+                    versions = target._version
+                    ctypes.memmove(target.data_ptr(), value.data_ptr(), value.nbytes)
+                    assert target._version == versions  # unseen by the counters
+                idmap.buffers_changed()
+        _assert_same(
+            native.remap(ids, True), reference.remap(ids, True), native, reference, str(step)
+        )
