@@ -2,12 +2,14 @@
 
 Carriage-return redraws turn into one line per update in CI logs and files, so off a
 terminal only every ``plain_every``-th update (and the last) is printed, as a plain line.
-Used by the DLRM example's progress bar and ``recopt-reshard``.
+Used by the DLRM example's progress bar (with `format_id_map_stats` for id-mapped tables)
+and ``recopt-reshard``.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import TextIO
 
 
@@ -56,3 +58,30 @@ class ProgressLine:
             self.stream.write("\n")
             self.stream.flush()
             self._last_len = 0
+
+
+def format_id_map_stats(stats: Mapping[str, Mapping[str, float]]) -> str:
+    """A short form of id-mapped tables' stats for a status line, e.g.
+    ``ids 8 tables occ 62-100% new 41/step evict 30/step``.
+
+    Args:
+        stats: table -> ``occupancy`` (fraction of rows live) and per-step ``new_ids``,
+            ``evictions`` and, when any, ``admissions`` (e.g. a window's means of
+            ``collection.stats()``).
+
+    Returns:
+        The line's fragment; "" when there are no tables.
+    """
+    if not stats:
+        return ""
+    occupancy = [100.0 * s.get("occupancy", 0.0) for s in stats.values()]
+    low, high = min(occupancy), max(occupancy)
+    span = f"{low:.0f}%" if round(low) == round(high) else f"{low:.0f}-{high:.0f}%"
+    total = {k: sum(s.get(k, 0.0) for s in stats.values()) for k in ("new_ids", "evictions")}
+    count = len(stats)
+    text = (
+        f"ids {count} table{'s' if count > 1 else ''} occ {span} "
+        f"new {total['new_ids']:.0f}/step evict {total['evictions']:.0f}/step"
+    )
+    admissions = sum(s.get("admissions", 0.0) for s in stats.values())
+    return text + (f" admit {admissions:.0f}/step" if admissions else "")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -30,19 +29,6 @@ os.environ[ENV_BACKEND] = CALLER_PIN or "recopt"
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("RECOPT_CACHE_DIR", os.path.join(tempfile.gettempdir(), "recopt-test-cache"))
-
-
-@pytest.fixture
-def local_lighthouse() -> Iterator[Any]:
-    """A fault-tolerance lighthouse on loopback (any free port) admitting quorums of one."""
-    from recopt.ft.lighthouse import Lighthouse, LighthouseConfig
-
-    server = Lighthouse(LighthouseConfig(min_replicas=1), host="127.0.0.1", port=0)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
 
 
 @pytest.fixture(autouse=True)

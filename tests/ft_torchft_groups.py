@@ -3,8 +3,11 @@
 `replica_group` runs one replica group under `recopt.testing.run_on_ranks` (1 rank: a plain
 DLRM with fused tables; 2 ranks: the DLRM of ft_sharded_worker sharded row-, table-wise and
 data-parallel) on `TorchftManager`, and returns one entry per attempted step: the data position
-it trained, whether it committed, its error, and state digests before and after the step.
-`Scenario` says what the group injects: a dropped step, a NaN input, a crash mid-step, a wait.
+it trained, whether it committed, its error, and state digests of the rank's model and optimizer
+before the step (after the quorum, i.e. any healing), after backward (the fused update) and
+after the vote.
+`Scenario` says what the group injects: a dropped step, a NaN input, a crash or a hang mid-step,
+a wait.
 """
 
 from __future__ import annotations
@@ -42,10 +45,13 @@ class Scenario:
     drop_at: int | None = None  # data position whose first attempt reports an error
     nan_at: int | None = None  # data position whose first attempt has a NaN dense input
     crash_at: int | None = None  # attempt (0-based) at which the process exits after backward
+    hang_at: int | None = None  # data position whose first attempt sleeps hang_s after backward
     ready_file: str | None = None  # touched once the manager is built
     waits: tuple[tuple[int, str], ...] = ()  # (step, file): at that step, wait for the file
     marks: tuple[tuple[int, str], ...] = ()  # (step, file): at that step, create the file
     step_sleep: float = 0.0
+    hang_s: float = 0.0
+    timeout_s: float = TIMEOUT.total_seconds()  # every collective, vote and healing transfer
     min_replica_size: int = 1
     quorum_timeout_s: float = 30.0
     id_map: bool = False  # plain group: id-mapped tables (lru, a quarter of the rows)
@@ -109,7 +115,7 @@ def replica_group(rank: int, world_size: int, spec: Scenario) -> list[dict[str, 
         group_rank=rank,
         group_world_size=world_size,
         min_replica_size=spec.min_replica_size,
-        timeout=TIMEOUT,
+        timeout=datetime.timedelta(seconds=spec.timeout_s),
         quorum_timeout=datetime.timedelta(seconds=spec.quorum_timeout_s),
     )
     ft = make_fault_tolerant(model, optimizer, config)
@@ -134,11 +140,18 @@ def replica_group(rank: int, world_size: int, spec: Scenario) -> list[dict[str, 
             injected.add("nan")
         logits = model(dense, sparse)
         nn.functional.binary_cross_entropy_with_logits(logits, torch.ones(6)).backward()
-        if spec.crash_at == len(log):
-            os._exit(3)  # killed mid-step: after the fused update, before the vote
+        if spec.crash_at == len(log) and rank == world_size - 1:
+            # Killed mid-step, after the fused update, before the vote: the whole group when
+            # it has one rank; one rank of a sharded group (its other rank is then stuck and
+            # reaped by run_on_ranks, as torchrun would restart the group).
+            os._exit(3)
+        if spec.hang_at == position and "hang" not in injected:
+            time.sleep(spec.hang_s)  # hung mid-step, still heartbeating: peers time out
+            injected.add("hang")
         if spec.drop_at == position and "drop" not in injected:
             ft.manager.report_error(RuntimeError("dropped by the test"))
             injected.add("drop")
+        after_backward = state_digest(model.state_dict(), optimizer.state_dict())
         ft.optimizer.step()
         committed = ft.manager.current_step() > step
         error = ft.manager.errored()
@@ -150,6 +163,7 @@ def replica_group(rank: int, world_size: int, spec: Scenario) -> list[dict[str, 
                 "participants": ft.manager.num_participants(),
                 "error": None if error is None else type(error).__name__,
                 "before": before,
+                "after_backward": after_backward,
                 "after": state_digest(model.state_dict(), optimizer.state_dict()),
             }
         )

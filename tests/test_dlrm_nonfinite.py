@@ -12,12 +12,13 @@ import json
 import pathlib
 import subprocess
 import sys
+from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from recopt.checkpoint.manifest import read_manifest
-from recopt.ft.lighthouse import Lighthouse, LighthouseConfig
-from recopt.ft.manager import ManagerConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
@@ -93,27 +94,68 @@ def test_stopped_script_exits_non_zero(tmp_path: pathlib.Path) -> None:
     assert "skipped 1 (NaN/inf)" in done.stderr  # the progress line counts them
 
 
-def test_fault_tolerant_run_counts_dropped_nan_steps_and_stops(tmp_path: pathlib.Path) -> None:
-    # One replica group with a real Manager: the NaN steps are dropped by the vote (reported by
-    # the row-gradient hook and the dense all-reduce), counted as non-finite, and stop the run.
-    server = Lighthouse(LighthouseConfig(min_replicas=1), host="127.0.0.1", port=0)
-    server.start()
-    try:
-        timeout = datetime.timedelta(seconds=20)
-        ft = ManagerConfig(
-            replica_id="solo",
-            lighthouse=("127.0.0.1", server.port),
-            timeout=timeout,
-            quorum_timeout=timeout,
-            hostname="127.0.0.1",
-        )
-        out = tmp_path / "run"
-        argv = _argv(out, 20, 3) + ["--set", "checkpoint.every=0"]
-        config = dlrm_config.load_config(None, argv[1::2])
-        with pytest.raises(NonFiniteTrainingError, match="3 training steps in a row"):
-            dlrm_train.train(config, dlrm_train.RunEnv(), ft_config=ft)
-    finally:
-        server.shutdown()
+@pytest.fixture
+def solo_torchft(request: pytest.FixtureRequest) -> Any:
+    """Settings of one replica group on a torchft lighthouse started here (with its store)."""
+    pytest.importorskip("torchft", reason="the ft extra: pip install 'recopt[ft]'")
+    import ft_lighthouse
+
+    from recopt.ft.torchft_manager import TorchftConfig
+
+    server = ft_lighthouse.in_process(min_replicas=1)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    request.addfinalizer(server.shutdown)
+    yield TorchftConfig(
+        replica_id="solo",
+        lighthouse_addr=ft_lighthouse.address(server),
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        timeout=datetime.timedelta(seconds=20),
+    )
+
+
+def test_fault_tolerant_nan_step_is_dropped_skipped_and_counted(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, solo_torchft: Any
+) -> None:
+    """One NaN loss (the 3rd attempt) under torchft: the vote drops the step, its batch is
+    skipped, not retried (it would fail again), and the metrics log counts it."""
+    real_poison, calls = dlrm_train.poison_if_nonfinite, {"n": 0}
+    attempts: list[tuple[int, bool]] = []
+
+    def poison(loss: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        return real_poison(loss * float("nan") if calls["n"] == 3 else loss, dense)
+
+    real_step = dlrm_train.Trainer.train_step
+
+    def recorded_step(self: Any, batch: Any) -> bool:
+        committed = real_step(self, batch)
+        attempts.append((id(batch), committed))
+        return committed
+
+    monkeypatch.setattr(dlrm_train, "poison_if_nonfinite", poison)
+    monkeypatch.setattr(dlrm_train.Trainer, "train_step", recorded_step)
+    out = tmp_path / "run"
+    sets = [f"training.steps={5}", "training.pipeline=false", "dense_optimizer.lr=0.01"]
+    config = dlrm_config.load_config(None, _argv(out, 5, 3)[1::2] + sets)
+    dlrm_train.train(config, dlrm_train.RunEnv(), ft_config=solo_torchft)
+    assert [c for _, c in attempts] == [True, True, False, True, True, True]
+    assert len({b for b, _ in attempts}) == 6  # the NaN batch was not tried again
+    records = _train_records(out)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert [r["skipped_nonfinite"] for r in records] == [0, 0, 1, 1, 1]
+
+
+def test_fault_tolerant_run_counts_dropped_nan_steps_and_stops(
+    tmp_path: pathlib.Path, solo_torchft: Any
+) -> None:
+    # Every step after the first has a NaN loss (lr 1e38): dropped by the vote (reported by
+    # the row-gradient hook and the dense all-reduce), counted, and the run stops.
+    out = tmp_path / "run"
+    argv = _argv(out, 20, 3) + ["--set", "checkpoint.every=0"]
+    config = dlrm_config.load_config(None, argv[1::2])
+    with pytest.raises(NonFiniteTrainingError, match="3 training steps in a row"):
+        dlrm_train.train(config, dlrm_train.RunEnv(), ft_config=solo_torchft)
     records = _train_records(out)
     assert [r["step"] for r in records] == [1]  # dropped steps are not committed steps
     assert records[0]["skipped_nonfinite"] == 0

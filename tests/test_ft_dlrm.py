@@ -1,8 +1,10 @@
-"""make_fault_tolerant on the DLRM model: a late replica heals to the exact DLRM state.
+"""make_fault_tolerant on the DLRM model on torchft: a late replica heals to the exact state.
 
-Two replica groups run as threads of this process (each with its own Manager, checkpoint
-server and gloo group) around an in-process lighthouse: cheap, yet every byte of the healing
-path (serialise, HTTP, strict in-place KeyedOptimizer load) is the real one.
+Two replica groups run as threads of this process (each with its own `TorchftManager`, TCPStore,
+healing server and gloo group) around an in-process torchft lighthouse: cheap, yet every byte
+of the healing path (tensor-only transport over HTTP, strict in-place KeyedOptimizer load) is
+the real one. Then the DLRM script itself: two ``train.py --fault-tolerant`` processes, one
+killed and restarted.
 """
 
 from __future__ import annotations
@@ -10,24 +12,42 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from ft_cluster import Cluster, wait_for
+import torch.distributed as dist
 from torch import nn
 
-from recopt.ft.launch import FaultTolerantTraining, make_fault_tolerant, manager_config_from_env
-from recopt.ft.lighthouse import Lighthouse, LighthouseConfig
-from recopt.ft.manager import ManagerConfig
-from recopt.kernels.config import Backend
-from recopt.models.dlrm import DLRM, DLRMConfig
-from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, FusedOptimizerConfig
-from recopt.optim import CombinedOptimizer, KeyedOptimizerWrapper
-from recopt.sparse import KeyedJaggedTensor
+pytest.importorskip("torchft", reason="the ft extra: pip install 'recopt[ft]'")
+
+import ft_lighthouse  # noqa: E402
+
+from recopt.ft.launch import (  # noqa: E402
+    FaultTolerantTraining,
+    fault_tolerance_config_from_env,
+    make_fault_tolerant,
+)
+from recopt.ft.torchft_manager import TorchftConfig  # noqa: E402
+from recopt.kernels.config import Backend  # noqa: E402
+from recopt.models.dlrm import DLRM, DLRMConfig  # noqa: E402
+from recopt.modules import (  # noqa: E402
+    EmbeddingBagConfig,
+    FusedEmbeddingBagCollection,
+    FusedOptimizerConfig,
+)
+from recopt.optim import CombinedOptimizer, KeyedOptimizerWrapper  # noqa: E402
+from recopt.sparse import KeyedJaggedTensor  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -85,41 +105,54 @@ def _assert_equal(a: Any, b: Any) -> None:
 
 
 @pytest.fixture
-def lighthouse() -> Iterator[Lighthouse]:
-    # Long: under load, b may take a while to join, and a must wait for it.
-    config = LighthouseConfig(join_timeout=datetime.timedelta(seconds=30))
-    server = Lighthouse(config, host="127.0.0.1", port=0)
-    server.start()
+def lighthouse() -> Iterator[str]:
+    # A long join timeout: a quorum waits for a heartbeating group that has not joined yet.
+    server = ft_lighthouse.in_process(min_replicas=1, join_timeout_ms=30_000)
     try:
-        yield server
+        yield ft_lighthouse.address(server)
     finally:
         server.shutdown()
 
 
-def _config(name: str, port: int) -> ManagerConfig:
-    timeout = datetime.timedelta(seconds=20)
-    return ManagerConfig(
+@pytest.fixture
+def stores() -> Iterator[dict[str, Any]]:
+    """One TCPStore per replica group, as torchrun would provide (MASTER_ADDR/PORT)."""
+    made: dict[str, Any] = {}
+    yield made
+    made.clear()
+
+
+def _config(name: str, lighthouse: str, stores: dict[str, Any]) -> TorchftConfig:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    stores[name] = store
+    return TorchftConfig(
         replica_id=name,
-        lighthouse=("127.0.0.1", port),
-        timeout=timeout,
-        quorum_timeout=timeout,
-        hostname="127.0.0.1",
+        lighthouse_addr=lighthouse,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        timeout=datetime.timedelta(seconds=20),
     )
 
 
-def test_late_replica_heals_to_the_exact_dlrm_state(lighthouse: Lighthouse) -> None:
+def test_late_replica_heals_to_the_exact_dlrm_state(
+    lighthouse: str, stores: dict[str, Any]
+) -> None:
+    """fbgemm tables (row-wise Adagrad, trained per group: no grad_hook to sync them): b joins
+    at a's step 3 with another seed and heals to a's exact state before its first forward."""
     model_a, opt_a = _dlrm(seed=1)
     model_b, opt_b = _dlrm(seed=2)
     with pytest.raises(ValueError, match="backend='recopt'"):  # fbgemm tables have no hook
-        make_fault_tolerant(model_a, opt_a, _config("a", lighthouse.port))
-    ft_a = make_fault_tolerant(model_a, opt_a, _config("a", lighthouse.port), sync_embeddings=False)
+        make_fault_tolerant(model_a, opt_a, _config("a", lighthouse, stores))
+    ft_a = make_fault_tolerant(
+        model_a, opt_a, _config("a", lighthouse, stores), sync_embeddings=False
+    )
     ft_b = None
     try:
         for _ in range(3):
             _step(ft_a, model_a, seed=1)
         assert ft_a.manager.current_step() == 3
         ft_b = make_fault_tolerant(
-            model_b, opt_b, _config("b", lighthouse.port), sync_embeddings=False
+            model_b, opt_b, _config("b", lighthouse, stores), sync_embeddings=False
         )
         a_before = _state(model_a, opt_a)
         healed: dict[str, Any] = {}
@@ -128,13 +161,17 @@ def test_late_replica_heals_to_the_exact_dlrm_state(lighthouse: Lighthouse) -> N
             healed.update(_state(model_b, opt_b))  # right after b's quorum, i.e. its heal
 
         threads = [
-            threading.Thread(target=_step, args=(ft_a, model_a, 1)),
             threading.Thread(target=_step, args=(ft_b, model_b, 2, record)),
+            threading.Thread(target=_step, args=(ft_a, model_a, 1)),
         ]
+        # b asks first: alone it is no majority of the two live groups, so the lighthouse
+        # holds its request until a joins; a first would be let through alone (torchft's
+        # fast quorum: a's previous quorum is complete) and b would heal a step later.
+        threads[0].start()
+        time.sleep(3)
+        threads[1].start()
         for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+            t.join(timeout=120)
         assert healed, "b never ran its first step"
         _assert_equal(a_before, healed)  # weights, fused row-wise state, Adam moments
         assert ft_b.manager.current_step() == ft_a.manager.current_step() == 4
@@ -166,7 +203,6 @@ def _dlrm_args(out: Path, steps: int, seed: int) -> list[str]:
         "data.batch_size": 32,
         "data.val_batches": 0,
         "data.synthetic.seed": seed,  # each replica group reads its own data
-        "fault_tolerance.replicas": 2,
         "fault_tolerance.timeout_s": 30,
     }
     return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
@@ -178,32 +214,85 @@ def _train_steps(out: Path) -> list[int]:
     return [int(json.loads(line)["step"]) for line in lines if '"train"' in line]
 
 
+def _start_dlrm(
+    out: Path, name: str, store_port: int, lighthouse: str, args: list[str]
+) -> subprocess.Popen[bytes]:
+    """``train.py --fault-tolerant`` as replica group ``name`` (the environment torchrun and a
+    job would give it), its output in ``out/<name>.log``."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "TORCHFT_LIGHTHOUSE": lighthouse,
+        "REPLICA_GROUP_ID": name,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store_port),
+    }
+    script = str(ROOT / "examples" / "dlrm" / "train.py")
+    with open(out / f"{name}.log", "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, script, "--fault-tolerant", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _wait_for(cond: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _logs(out: Path) -> str:
+    return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in out.glob("*.log"))
+
+
 @pytest.mark.multiprocess
 def test_dlrm_script_replicas_agree_and_a_restarted_one_heals(tmp_path: Path) -> None:
-    """Lighthouse + 2 `train.py --fault-tolerant` replicas; b is SIGKILLed and restarted.
+    """torchft_lighthouse --min_replicas 2 + 2 `train.py --fault-tolerant` groups; b is
+    SIGKILLed and restarted.
 
     Both finish bit-identical (state digest of model and optimizer); the restarted b starts
-    at the step it healed to, not at step 1. ``--min-replicas 2`` makes a wait for b.
+    at the step it healed to, not at step 1.
     """
-    steps = 8
-    cluster = Cluster(tmp_path)
+    steps, port = 8, ft_lighthouse.free_port()
+    lighthouse = ft_lighthouse.start_process(port, min_replicas=2)
+    address = f"http://127.0.0.1:{port}"
+    stores = {
+        n: dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for n in "ab"
+    }
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(name: str, seed: int) -> subprocess.Popen[bytes]:
+        args = _dlrm_args(tmp_path / name, steps, seed)
+        procs.append(_start_dlrm(tmp_path, name, stores[name].port, address, args))
+        return procs[-1]
+
     try:
-        cluster.start_lighthouse(min_replicas=2, join_s=1.0, hb_s=1.0, cli=True)
-        cluster.start_dlrm("a", *_dlrm_args(tmp_path / "a", steps, seed=1))
-        cluster.start_dlrm("b", *_dlrm_args(tmp_path / "b", steps, seed=2))
-        wait_for(lambda: len(_train_steps(tmp_path / "b")) >= 2, 120, "b's second step")
-        cluster.kill("b")
+        a, b = start("a", 1), start("b", 2)
+        _wait_for(lambda: len(_train_steps(tmp_path / "b")) >= 2, 120, "b's second step")
+        b.send_signal(signal.SIGKILL)
+        b.wait(timeout=10)
         before = _train_steps(tmp_path / "b")
         assert before == list(range(1, len(before) + 1)) and len(before) < steps
-        cluster.start_dlrm("b", *_dlrm_args(tmp_path / "b", steps, seed=2))
-        for name in ("a", "b"):
-            assert cluster.replicas[name].wait(timeout=120) == 0, cluster.logs()
+        b = start("b", 2)
+        for proc in (a, b):
+            assert proc.wait(timeout=150) == 0, _logs(tmp_path)
         after = _train_steps(tmp_path / "b")[len(before) :]
         assert after[0] > 1 and after[-1] == steps, after  # healed, not restarted at step 1
         digests = [json.loads((tmp_path / n / "state_digest.json").read_text()) for n in "ab"]
-        assert digests[0] == digests[1] and digests[0]["step"] == steps, cluster.logs()
+        assert digests[0] == digests[1] and digests[0]["step"] == steps, _logs(tmp_path)
     finally:
-        cluster.close()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+        lighthouse.kill()
+        lighthouse.wait(10)
 
 
 def test_dlrm_script_fault_tolerant_settings() -> None:
@@ -218,9 +307,22 @@ def test_dlrm_script_fault_tolerant_settings() -> None:
     assert synced.embedding.optimizer.backend == Backend.RECOPT  # kernels with a grad_hook
     own = dlrm_config.load_config(None, ["fault_tolerance.sync_embeddings=false"])
     assert dlrm_config.fault_tolerant_config(own).embedding.optimizer.backend == Backend.AUTO
+    ft_config = TorchftConfig(
+        replica_id="a", lighthouse_addr="http://h:1", store_addr="h", store_port=1
+    )
     with pytest.raises(ValueError, match="drop --resume"):
-        dlrm_train.train(config, dlrm_train.RunEnv(), resume=True, ft_config=_config("a", 1))
-    with pytest.raises(ValueError, match="fault_tolerance.replicas must be >= 1"):
-        dlrm_config.load_config(None, ["fault_tolerance.replicas=0"])
-    env = {"RECOPT_FT_LIGHTHOUSE": "h:1", "RECOPT_FT_REPLICA_ID": "g", "RECOPT_FT_HOSTNAME": "n1"}
-    assert manager_config_from_env(env).hostname == "n1"
+        dlrm_train.train(config, dlrm_train.RunEnv(), resume=True, ft_config=ft_config)
+    # The first quorum waits for torchft_lighthouse --min_replicas: no setting of recopt's.
+    with pytest.raises(ValueError, match="fault_tolerance.replicas"):
+        dlrm_config.load_config(None, ["fault_tolerance.replicas=2"])
+    env = {
+        "TORCHFT_LIGHTHOUSE": "http://h:1",
+        "RECOPT_FT_REPLICA_ID": "g",
+        "RECOPT_FT_HOSTNAME": "n1",
+        "MASTER_PORT": "29500",
+    }
+    config_env = fault_tolerance_config_from_env(env)
+    assert (config_env.hostname, config_env.replica_id) == ("n1", "g")
+    # recopt's retired lighthouse: refused, naming what to run and set instead.
+    with pytest.raises(ValueError, match="RECOPT_FT_LIGHTHOUSE='h:1'.*torchft_lighthouse"):
+        fault_tolerance_config_from_env({**env, "RECOPT_FT_LIGHTHOUSE": "h:1"})

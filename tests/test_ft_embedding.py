@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import copy
-import datetime
 from typing import Any
 
 import pytest
 import torch
+from ft_solo import SoloTransaction
 from torch import nn
 
-from recopt.ft import Manager, ManagerConfig, OptimizerWrapper
+from recopt.ft import OptimizerWrapper
 from recopt.ft.embedding import (
     EmbeddingReplicaSync,
     FusedEmbeddingGuard,
     average_row_gradients,
     union_row_gradients,
 )
-from recopt.ft.lighthouse import Lighthouse
 from recopt.kernels import registry
 from recopt.kernels.config import Backend
 from recopt.modules import (
@@ -173,8 +172,9 @@ def test_row_gradient_averaging_is_consistent_across_replicas() -> None:
     assert average_row_gradients(ids[2], ids, grads).shape == (0, 3)
 
 
-def test_manager_rolls_back_fused_tables_with_dense_model(local_lighthouse: Lighthouse) -> None:
-    """With a real Manager: below min_replica_size nothing commits, dense or fused."""
+def test_step_below_min_replica_size_rolls_back_fused_tables_with_dense_model() -> None:
+    """Below min_replica_size nothing commits, dense or fused (the engine-independent half
+    of a step; the torchft contract test runs the same rollback across replica groups)."""
     torch.manual_seed(0)
     sparse = FusedEmbeddingBagCollection(
         _tables(), optimizer=FusedOptimizerConfig(name="adam", lr=0.1, backend=Backend.RECOPT)
@@ -185,28 +185,19 @@ def test_manager_rolls_back_fused_tables_with_dense_model(local_lighthouse: Ligh
     def state_dict() -> dict[str, Any]:
         return _full_state(sparse) | {"dense": dense.state_dict(), "dopt": inner.state_dict()}
 
-    timeout = datetime.timedelta(seconds=10)
-    config = ManagerConfig(
-        replica_id="solo",
-        lighthouse=("127.0.0.1", local_lighthouse.port),
-        min_replica_size=2,
-        timeout=timeout,
-        quorum_timeout=timeout,
-        hostname="127.0.0.1",
-    )
-    manager = Manager(config, state_dict=state_dict, load_state_dict=lambda s: None)
-    try:
-        FusedEmbeddingGuard(sparse, manager)
-        optim = OptimizerWrapper(manager, inner)
-        before = copy.deepcopy(state_dict())
-        for seed in range(3):
-            optim.zero_grad()
-            dense(sparse(_batch(seed)).values()).pow(2).sum().backward()
-            optim.step()
-        assert manager.current_step() == 0 and manager.num_participants() == 1
-        _assert_equal(before, state_dict())
-    finally:
-        manager.shutdown()
+    manager = SoloTransaction(min_replica_size=2)
+    FusedEmbeddingGuard(sparse, manager)
+    optim = OptimizerWrapper(manager, inner)
+    before = copy.deepcopy(state_dict())
+    for seed in range(3):
+        optim.zero_grad()
+        rows = copy.deepcopy(sparse.state_dict())
+        dense(sparse(_batch(seed)).values()).pow(2).sum().backward()
+        moved = [not torch.equal(rows[k], v) for k, v in sparse.state_dict().items()]
+        assert any(moved)  # backward updated the fused rows ...
+        optim.step()  # ... and the dropped step put them back
+    assert manager.current_step() == 0 and manager.num_participants() == 1
+    _assert_equal(before, state_dict())
 
 
 class _TwoReplicaStub:

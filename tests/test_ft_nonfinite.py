@@ -1,24 +1,21 @@
 """Fault tolerance and NaN/inf gradients: a step where any replica saw one is dropped everywhere.
 
-Unit tier: the row-gradient hooks and the embedding guard report `NonFiniteGradientError` to the
-manager (a stand-in). Multi-process tier: two replica groups (tests/ft_fused_worker.py), one of
-which has a NaN loss at one iteration: that step commits on neither replica, nobody is left
-waiting, and training ends bit-identical to a run that never saw the NaN.
+Unit tier: the row-gradient hooks, the embedding guard and the averaged dense gradients report
+`NonFiniteGradientError` to the manager (stand-ins). Across replica groups on torchft (a NaN on
+one group drops the step on every group, rolled back bit for bit) the contract test
+tests/test_ft_torchft.py covers it.
 """
 
 from __future__ import annotations
 
-import datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from ft_cluster import Cluster, assert_same_state
+from ft_solo import SoloTransaction
 
-from recopt.ft import Manager, ManagerConfig, NonFiniteGradientError
+from recopt.ft import NonFiniteGradientError
 from recopt.ft.embedding import EmbeddingReplicaSync, FusedEmbeddingGuard, make_grad_hook
-from recopt.ft.lighthouse import Lighthouse
 from recopt.kernels.config import Backend
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, FusedOptimizerConfig
 from recopt.sparse import KeyedJaggedTensor
@@ -106,52 +103,14 @@ def test_guard_drops_the_step_the_collection_skipped() -> None:
     guard.before_vote()  # the next finite step commits again
 
 
-def test_manager_drops_a_step_whose_averaged_dense_gradient_is_not_finite(
-    local_lighthouse: Lighthouse,
-) -> None:
-    timeout = datetime.timedelta(seconds=10)
-    config = ManagerConfig(
-        replica_id="solo",
-        lighthouse=("127.0.0.1", local_lighthouse.port),
-        timeout=timeout,
-        quorum_timeout=timeout,
-        hostname="127.0.0.1",
-    )
-    manager = Manager(config, state_dict=dict, load_state_dict=lambda s: None)
-    try:
-        param = torch.nn.Parameter(torch.ones(3))
-        for grad, commits in ((torch.tensor([1.0, float("inf"), 0.0]), False), (None, True)):
-            manager.start_quorum()
-            param.grad = grad if grad is not None else torch.ones(3)
-            manager.allreduce_gradients([param])
-            if not commits:
-                assert isinstance(manager.errored(), NonFiniteGradientError)
-            assert manager.should_commit() is commits
-    finally:
-        manager.shutdown()
-
-
-def _run(tmp_path: Path, *extra: str) -> Cluster:
-    tmp_path.mkdir()
-    cluster = Cluster(tmp_path)
-    try:
-        cluster.run_fused_replicas(*extra, steps=4)
-    finally:
-        cluster.close()
-    return cluster
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(200)
-def test_nan_on_one_replica_drops_the_step_on_both(tmp_path: Path) -> None:
-    clean = _run(tmp_path / "clean")
-    bad = _run(tmp_path / "bad", "--nan-at=2")
-    for name in ("a", "b"):
-        entries = {e["iteration"]: e for e in bad.entries(name)}
-        assert entries[2]["committed"] is False, (name, entries)
-        assert entries[1]["committed"] and entries[3]["committed"]
-        assert bad.steps_saved(name) == clean.steps_saved(name) == {1, 2, 3, 4}
-    # The dropped step left no trace: every committed state equals the clean run's.
-    for step in (1, 2, 3, 4):
-        assert_same_state(bad.state("a", step), bad.state("b", step))
-        assert_same_state(bad.state("a", step), clean.state("a", step))
+def test_manager_drops_a_step_whose_averaged_dense_gradient_is_not_finite() -> None:
+    manager = SoloTransaction()
+    param = torch.nn.Parameter(torch.ones(3))
+    for grad, commits in ((torch.tensor([1.0, float("inf"), 0.0]), False), (None, True)):
+        manager.start_quorum()
+        param.grad = grad if grad is not None else torch.ones(3)
+        manager.allreduce_gradients([param])
+        if not commits:
+            assert isinstance(manager.errored(), NonFiniteGradientError)
+        assert manager.should_commit() is commits
+    assert manager.current_step() == 1

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from recopt.ft.auth import AuthError
-from recopt.ft.healing import HealingRefused
+from recopt.ft.healing_state import HealingRefused
 from recopt.ft.nonfinite import NonFiniteGradientError
 from recopt.ft.retry import RetryPolicy, StepFailuresError, StepRetrier, is_permanent
 
@@ -62,8 +61,11 @@ def test_a_commit_resets_the_count() -> None:
 
 @pytest.mark.parametrize(
     "error",
-    [ValueError("min_replica_size=0 must be at least 1"), AuthError("wrong secret")],
-    ids=["configuration", "refused-join"],
+    [
+        ValueError("min_replica_size=0 must be at least 1"),
+        ImportError("fault tolerance runs on torchft, which is not installed"),
+    ],
+    ids=["configuration", "missing-extra"],
 )
 def test_errors_that_cannot_heal_stop_at_once(error: Exception) -> None:
     retrier, manager, waits = _retrier()

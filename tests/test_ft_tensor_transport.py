@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("torchft", reason="the ft extra: pip install 'recopt[ft]'")
 
-from recopt.ft.healing import HealingRefused  # noqa: E402
+from recopt.ft.healing_state import HealingRefused  # noqa: E402
 from recopt.ft.tensor_transport import TensorTransport, decode_state, encode_state  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=5)

@@ -1,71 +1,31 @@
-"""The fault-tolerance contract on torchft: its Rust lighthouse, started here, and 2 replica groups.
+"""The fault-tolerance contract on torchft: its Rust lighthouse, started here, and 2-3 groups.
 
 Each replica group runs under `run_on_ranks` (in a thread of this process, so groups run side
 by side) on `TorchftManager`; tests/ft_torchft_groups.py is what every group does. Every
 scenario ends with the groups' states compared by digest at the last step, and checks what the
 scenario is about: a dropped step restores fused tables and optimizer state bit for bit and
-retrains its batch; a NaN is dropped on every group; a killed group rejoins and heals; a
-lighthouse restart loses no sample; sharded groups (2 ranks each) do all of the above per rank.
+retrains its batch; a NaN is dropped on every group; a killed group (or one rank of it) rejoins
+and heals; a lighthouse restart loses no sample; sharded groups (2 ranks each) do all of the
+above per rank. Each spawn of a lighthouse and its groups covers several scenarios.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("torchft", reason="the ft extra: pip install 'recopt[ft]'")
 
+import ft_lighthouse  # noqa: E402
 from ft_torchft_groups import Scenario, replica_group  # noqa: E402
-from torchft.coordination import LighthouseServer  # noqa: E402
 
 from recopt.testing import RankFailure, run_on_ranks  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
-
-
-def _lighthouse(min_replicas: int, port: int = 0) -> Any:
-    return LighthouseServer(
-        bind=f"[::]:{port}",
-        min_replicas=min_replicas,
-        join_timeout_ms=200,
-        heartbeat_timeout_ms=1000,
-    )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _lighthouse_process(port: int) -> subprocess.Popen[bytes]:
-    """torchft's lighthouse binary (what a job runs), serving once its port accepts."""
-    binary = Path(sys.executable).parent / "torchft_lighthouse"
-    command = [str(binary), "--bind", f"127.0.0.1:{port}", "--min_replicas", "2"]
-    command += ["--join_timeout_ms", "200", "--heartbeat_timeout_ms", "1000"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return process
-        except OSError:
-            time.sleep(0.05)
-    process.kill()
-    raise TimeoutError(f"torchft_lighthouse did not listen on port {port} within 30 s")
-
-
-def _address(server: Any) -> str:
-    port = int(server.address().rsplit(":", 1)[1])
-    return f"http://127.0.0.1:{port}"
 
 
 def _run_groups(specs: list[Scenario], ranks: int) -> list[Any]:
@@ -97,29 +57,30 @@ def _check_dropped_restored(log: list[dict[str, Any]]) -> int:
     return len(dropped)
 
 
-GROUPS = [(1, False), (1, True), (2, False)]  # (ranks, id-mapped tables)
-GROUP_IDS = ["plain", "plain-id-map", "sharded"]
-
-
-@pytest.mark.parametrize("ranks, id_map", GROUPS, ids=GROUP_IDS)
-def test_dropped_and_nonfinite_steps_restore_state(ranks: int, id_map: bool) -> None:
-    """Both groups drop position 1 (an injected error): both roll back and retrain it. Only A's
-    input at position 3 holds a NaN: both groups see it in the exchanged gradients, drop the
-    step and skip that batch (it would fail again)."""
-    server = _lighthouse(min_replicas=2)
+@pytest.mark.parametrize(
+    "groups, ranks, id_map",
+    [(3, 1, False), (2, 1, True), (2, 2, False)],
+    ids=["3-groups-plain", "2-groups-plain-id-map", "2-groups-sharded"],
+)
+def test_dropped_and_nonfinite_steps_restore_state(groups: int, ranks: int, id_map: bool) -> None:
+    """Every group drops position 1 (an injected error after backward, whose fused update
+    moved the tables): all roll back bit for bit and retrain it. Only A's input at position 3
+    holds a NaN: every group sees it in the exchanged gradients, drops the step and skips that
+    batch (it would fail again)."""
+    server = ft_lighthouse.in_process(min_replicas=groups)
     try:
-        address = _address(server)
+        address = ft_lighthouse.address(server)
         specs = [
             Scenario(
-                replica_id="A",
+                replica_id=name,
                 lighthouse=address,
                 steps=5,
-                seed=1,
+                seed=seed,
                 drop_at=1,
-                nan_at=3,
+                nan_at=3 if name == "A" else None,
                 id_map=id_map,
-            ),
-            Scenario(replica_id="B", lighthouse=address, steps=5, seed=2, drop_at=1, id_map=id_map),
+            )
+            for name, seed in list(zip("ABC", (1, 2, 3), strict=True))[:groups]
         ]
         results = _run_groups(specs, ranks)
     finally:
@@ -132,20 +93,27 @@ def test_dropped_and_nonfinite_steps_restore_state(ranks: int, id_map: bool) -> 
             assert _check_dropped_restored(log) == 2
             dropped = [(e["position"], e["error"]) for e in log if not e["committed"]]
             assert dropped == [(1, "RuntimeError"), (3, "NonFiniteGradientError")], log
+            injected = next(e for e in log if e["error"] == "RuntimeError")
+            assert injected["after_backward"] != injected["before"]  # rows were updated ...
+            assert injected["after"] == injected["before"]  # ... and restored
             assert [e["position"] for e in log if e["committed"]] == [0, 1, 2, 4, 5]
+            assert all(e["participants"] == groups for e in log), log
         digests = _final_digests(logs, 4)
-        assert digests[0] == digests[1], f"rank {rank}: replica groups differ"
+        assert len(set(digests)) == 1, f"rank {rank}: replica groups differ: {digests}"
 
 
-@pytest.mark.parametrize("ranks, id_map", GROUPS, ids=GROUP_IDS)
+@pytest.mark.parametrize(
+    "ranks, id_map", [(1, False), (1, True), (2, False)], ids=["plain", "plain-id-map", "sharded"]
+)
 def test_killed_group_rejoins_and_heals(tmp_path: Any, ranks: int, id_map: bool) -> None:
-    """B exits mid-step (after its fused update, before the vote); A drops that step, rolls
-    back and trains on alone; B restarts, heals from A (each rank from the same rank) and
-    both end with equal digests."""
-    server = _lighthouse(min_replicas=1)
+    """B dies mid-step (after its fused update, before the vote: the whole group, or one rank
+    of a sharded group); A drops that step, rolls back and trains on alone; B restarts, heals
+    from A (each rank from the same rank) and both end with equal digests."""
+    server = ft_lighthouse.in_process(min_replicas=1)
     first, back = str(tmp_path / "B-first"), str(tmp_path / "B-back")
+    address = ft_lighthouse.address(server)
     common: dict[str, Any] = {
-        "lighthouse": _address(server),
+        "lighthouse": address,
         "steps": 7,
         "step_sleep": 0.05,
         "id_map": id_map,
@@ -170,14 +138,20 @@ def test_killed_group_rejoins_and_heals(tmp_path: Any, ranks: int, id_map: bool)
         _check_dropped_restored(a_log)
         # B's restart healed to A's step (at least 4: A waited for it there), not step 0.
         assert b_log[0]["step"] >= 4, b_log[0]
+        # ... to A's exact state there: weights, fused tables and their Adam state, dense Adam.
+        a_at = {e["step"]: e["before"] for e in a_log if e["participants"] == 2}
+        assert b_log[0]["before"] == a_at[b_log[0]["step"]], (a_log, b_log)
         digests = _final_digests([a_log, b_log], 6)
         assert digests[0] == digests[1], f"rank {rank}: replica groups differ"
 
 
-def test_lighthouse_restart_loses_no_sample(tmp_path: Any) -> None:
-    """torchft_lighthouse killed for 5 s mid-run: steps drop, retry their batch, none is lost."""
-    port = _free_port()
-    lighthouse = _lighthouse_process(port)
+def test_lighthouse_restart_and_a_hung_group_lose_no_sample(tmp_path: Any) -> None:
+    """torchft_lighthouse killed for 5 s mid-run: steps drop, retry their batch, none is lost.
+    Later B hangs mid-step (still heartbeating) for longer than the collective timeout: A's
+    all-reduce times out and A drops the step; torchft's next quorum waits for B (alone, A is
+    no majority of the two live groups), B's late step is dropped too, and both retrain it."""
+    port = ft_lighthouse.free_port()
+    lighthouse = ft_lighthouse.start_process(port, min_replicas=2)
     at3 = str(tmp_path / "at3")
     steps = 8
     specs = [
@@ -188,6 +162,9 @@ def test_lighthouse_restart_loses_no_sample(tmp_path: Any) -> None:
             seed=seed,
             step_sleep=0.2,
             marks=((3, at3),),
+            timeout_s=8.0,
+            hang_at=6 if name == "B" else None,
+            hang_s=11.0,
         )
         for name, seed in (("A", 1), ("B", 2))
     ]
@@ -200,7 +177,7 @@ def test_lighthouse_restart_loses_no_sample(tmp_path: Any) -> None:
             lighthouse.kill()  # an outage of 5 s in the middle of the run
             lighthouse.wait(10)
             time.sleep(5)
-            lighthouse = _lighthouse_process(port)
+            lighthouse = ft_lighthouse.start_process(port, min_replicas=2)
             results = running.result()
     finally:
         lighthouse.kill()
@@ -209,7 +186,9 @@ def test_lighthouse_restart_loses_no_sample(tmp_path: Any) -> None:
         assert not isinstance(result, Exception), result
     logs = [result[0] for result in results]
     for log in logs:
-        assert _check_dropped_restored(log) >= 1  # the quorum failed during the outage
+        assert _check_dropped_restored(log) >= 2  # the outage's failed quorum, the hang
         _check_every_sample_once(log, steps)
+        hung = next(e for e in log if e["position"] == 6)
+        assert not hung["committed"] and hung["error"] is not None, log
     digests = _final_digests(logs, steps - 1)
     assert digests[0] == digests[1]

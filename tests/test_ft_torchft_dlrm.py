@@ -18,7 +18,6 @@ import pytest
 import torch.distributed as dist
 
 from recopt.ft.launch import fault_tolerance_config_from_env
-from recopt.ft.manager import ManagerConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
@@ -48,9 +47,10 @@ def test_settings_from_the_environment() -> None:
         fault_tolerance_config_from_env({"REPLICA_GROUP_ID": "g0"})
     with pytest.raises(ValueError, match="MASTER_PORT=''.*torchrun"):
         fault_tolerance_config_from_env(TORCHFT_ENV)
-    # recopt's own lighthouse, while it remains, is chosen by its variable.
+    # recopt's retired lighthouse is refused, naming what to set instead.
     old = {"RECOPT_FT_LIGHTHOUSE": "127.0.0.1:1", "RECOPT_FT_REPLICA_ID": "g0"}
-    assert isinstance(fault_tolerance_config_from_env(old), ManagerConfig)
+    with pytest.raises(ValueError, match="RECOPT_FT_LIGHTHOUSE.*retired.*TORCHFT_LIGHTHOUSE"):
+        fault_tolerance_config_from_env(old)
     with pytest.raises(ValueError, match="max_consecutive_failures must be >= 1"):
         dlrm_config.load_config(None, ["fault_tolerance.max_consecutive_failures=0"])
 

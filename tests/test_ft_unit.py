@@ -1,9 +1,10 @@
-"""Fault tolerance, cheapest tier: quorum rules, recovery plans, the optimizer wrapper."""
+"""Fault tolerance, cheapest tier: the optimizer wrapper, settings, and the torchft seam."""
 
 from __future__ import annotations
 
 import copy
 import datetime
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -11,147 +12,49 @@ import pytest
 import torch
 from torch import nn
 
-from recopt.ft import ManagerConfig, OptimizerWrapper
-from recopt.ft.healing import plan_recovery
-from recopt.ft.lighthouse import LighthouseConfig, QuorumState
-
-
-def _member(name: str, step: int = 0, first: bool = False, errored: bool = False) -> dict:
-    return {"replica_id": name, "step": step, "first": first, "errored": errored}
-
-
-def _state(min_replicas: int = 1) -> QuorumState:
-    return QuorumState(
-        LighthouseConfig(
-            min_replicas=min_replicas,
-            join_timeout=datetime.timedelta(seconds=5),
-            heartbeat_timeout=datetime.timedelta(seconds=2),
-        )
-    )
-
-
-def test_quorum_waits_for_live_replicas_until_join_timeout() -> None:
-    qs = _state()
-    qs.heartbeat("b", now=0.0)
-    r = qs.join(_member("a"), now=0.0)
-    assert not qs.try_form(now=1.0)  # b is alive: wait for it
-    assert qs.try_form(now=5.5)  # ... but not longer than the join timeout
-    quorum = qs.quorum(r)
-    assert quorum is not None and [m["replica_id"] for m in quorum["members"]] == ["a"]
-
-
-def test_quorum_forms_without_dead_replicas_and_respects_min_replicas() -> None:
-    qs = _state(min_replicas=2)
-    qs.heartbeat("b", now=0.0)
-    qs.join(_member("a"), now=3.0)  # b's heartbeat expired at 2.0
-    assert not qs.try_form(now=100.0)  # one live replica < min_replicas: never forms
-    r = qs.join(_member("c"), now=100.0)
-    assert qs.try_form(now=100.0)
-    quorum = qs.quorum(r)
-    assert quorum is not None and [m["replica_id"] for m in quorum["members"]] == ["a", "c"]
-
-
-def test_quorum_id_changes_with_membership_or_errors_only() -> None:
-    qs = _state()
-    ids = []
-    for members in (["a", "b"], ["a", "b"], ["a"], ["a"], ["a", "b"]):
-        for name in members:
-            r = qs.join(_member(name), now=0.0)
-        assert qs.try_form(now=10.0)
-        ids.append(qs.quorum(r)["members"] and qs.quorum(r)["quorum_id"])  # type: ignore[index]
-    assert ids == [1, 1, 2, 2, 3]
-    r = qs.join(_member("a", errored=True), now=0.0)
-    qs.join(_member("b"), now=0.0)
-    assert qs.try_form(now=10.0)
-    assert qs.quorum(r)["quorum_id"] == 4  # type: ignore[index]
-
-
-def test_vote_is_refused_by_one_no_or_one_dead_member() -> None:
-    qs = _state()
-    qs.join(_member("a"), now=0.0)
-    r = qs.join(_member("b"), now=0.0)
-    assert qs.try_form(now=0.0)
-    qs.vote(r, "a", 0, True, now=0.5)
-    assert qs.decision(r, now=0.5) is None  # b has not voted and is alive
-    assert qs.decision(r, now=2.6) is False  # b's heartbeat expired before it voted
-    qs.vote(r, "b", 0, True, now=2.7)  # a late yes cannot change a decision
-    assert qs.decision(r, now=2.7) is False
-
-    r2 = qs.join(_member("a"), now=3.0)
-    qs.join(_member("b"), now=3.0)
-    assert qs.try_form(now=3.0)
-    qs.vote(r2, "b", 0, False, now=3.1)
-    assert qs.decision(r2, now=3.1) is False  # no need to wait for a
-    r3 = qs.join(_member("a"), now=4.0)
-    qs.join(_member("b"), now=4.0)
-    assert qs.try_form(now=4.0)
-    qs.vote(r3, "a", 0, True, now=4.0)
-    qs.vote(r3, "b", 0, True, now=4.0)
-    assert qs.decision(r3, now=4.0) is True
-    assert qs.decision(12345, now=4.0) is False  # unknown round: refused, never committed
-
-
-def test_sharded_groups_join_and_vote_with_every_rank() -> None:
-    qs = _state()
-
-    def rank(name: str, r: int, size: int = 2) -> dict:
-        return {**_member(name), "group_rank": r, "group_world_size": size, "address": f"{name}{r}"}
-
-    qs.heartbeat("b", now=0.0)
-    qs.join(rank("a", 1), now=0.0)
-    qs.join(rank("b", 0), now=0.0)
-    assert not qs.try_form(now=0.5)  # neither group has all its ranks yet
-    r = qs.join(rank("a", 0), now=0.6)
-    assert not qs.try_form(now=0.7)  # b is live: wait for its rank 1
-    assert qs.try_form(now=5.5)  # ... until the join timeout: b is left out
-    quorum = qs.quorum(r)
-    assert quorum is not None and len(quorum["members"]) == 1
-    assert quorum["members"][0]["addresses"] == ["a0", "a1"]
-    qs.heartbeat("a", now=5.5, group_rank=1)
-    qs.vote(r, "a", 0, True, now=5.6)
-    assert qs.decision(r, now=5.6) is None  # rank 1 of a has not voted, and is alive
-    qs.vote(r, "a", 1, True, now=5.7)
-    assert qs.decision(r, now=5.7) is True
-    # One silent rank makes its whole group dead: its pending vote is a no at once.
-    r2 = qs.join(rank("a", 0), now=6.0)
-    qs.join(rank("a", 1), now=6.0)
-    assert qs.try_form(now=6.0)
-    qs.vote(r2, "a", 0, True, now=6.1)
-    assert "a" in qs.live(now=7.9) and qs.decision(r2, now=7.9) is None
-    qs.heartbeat("a", now=8.5, group_rank=0)
-    assert "a" not in qs.live(now=8.5)  # rank 1 silent since 6.0
-    assert qs.decision(r2, now=8.5) is False
-
-
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        ({"min_replicas": 0}, "min_replicas=0"),
-        ({"join_timeout": datetime.timedelta(seconds=-1)}, "join_timeout"),
-        ({"heartbeat_timeout": datetime.timedelta(0)}, "heartbeat_timeout"),
-    ],
-)
-def test_lighthouse_config_errors_name_the_field(kwargs: dict, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        LighthouseConfig(**kwargs)
-
-
-def test_plan_recovery() -> None:
-    members = [_member("a", 5), _member("b", 3), _member("c", 5), _member("d", 0, first=True)]
-    assert plan_recovery(members, init_sync=True) == {"b": "a", "d": "c"}
-    fresh = [_member("a", 0, first=True), _member("b", 0, first=True), _member("c", 0)]
-    assert plan_recovery(fresh, init_sync=True) == {"b": "a"}
-    assert plan_recovery(fresh, init_sync=False) == {}
+from recopt.ft import OptimizerWrapper
+from recopt.ft.torchft_manager import QUORUM_FUTURE, TorchftConfig, forget_failed_quorum
 
 
 @pytest.mark.parametrize(
     "field, value, match",
-    [("replica_id", "", "replica_id"), ("min_replica_size", 0, "min_replica_size")],
+    [
+        ("replica_id", "", "replica_id is empty"),
+        ("min_replica_size", 0, "min_replica_size=0"),
+        ("lighthouse_addr", "node0:29510", "lighthouse_addr='node0:29510' is not a URL"),
+        ("group_rank", 2, r"group_rank=2 is not in \[0, group_world_size=2\)"),
+        ("timeout", datetime.timedelta(0), "timeout=0:00:00 must be positive"),
+    ],
 )
-def test_manager_config_errors_name_the_field(field: str, value: Any, match: str) -> None:
-    kwargs: dict[str, Any] = {"replica_id": "a", "lighthouse": ("localhost", 1), field: value}
+def test_torchft_config_errors_name_the_field(field: str, value: Any, match: str) -> None:
+    kwargs: dict[str, Any] = {
+        "replica_id": "a",
+        "lighthouse_addr": "http://node0:29510",
+        "store_addr": "node0",
+        "store_port": 29500,
+        "group_world_size": 2,
+        field: value,
+    }
     with pytest.raises(ValueError, match=match):
-        ManagerConfig(**kwargs)
+        TorchftConfig(**kwargs)
+
+
+def test_torchft_still_keeps_the_quorum_future_recopt_clears() -> None:
+    """A failed quorum is forgotten through torchft's private ``_quorum_future`` (its public
+    API re-raises it at every later step): this fails if a torchft upgrade drops it."""
+    torchft_manager = pytest.importorskip("torchft.manager")
+    engine = torchft_manager.Manager
+    assert f"self.{QUORUM_FUTURE}: Optional" in inspect.getsource(engine.__init__)
+    assert f"self.{QUORUM_FUTURE}.result()" in inspect.getsource(engine.start_quorum)
+
+    class Engine:
+        _quorum_future: object = "failed"
+
+    stand_in = Engine()
+    forget_failed_quorum(stand_in)
+    assert stand_in._quorum_future is None
+    with pytest.raises(AttributeError, match="_quorum_future.*torchft==0.2.0"):
+        forget_failed_quorum(object())
 
 
 class _StubManager:
@@ -305,70 +208,3 @@ def test_wrapper_delegates_torch_hooks_to_the_inner_optimizer() -> None:
         handle.remove()
     optim.load_state_dict(optim.state_dict())
     assert len(calls) == 6
-
-
-def test_manager_survives_a_lighthouse_restart() -> None:
-    """Steps error while the lighthouse is down, nothing is applied; then training resumes."""
-    from recopt.ft import Manager
-    from recopt.ft.lighthouse import Lighthouse
-
-    first = Lighthouse(LighthouseConfig(), host="127.0.0.1", port=0)
-    first.start()
-    port = first.port
-    model = nn.Linear(2, 1)
-    inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    short = datetime.timedelta(seconds=1)
-    config = ManagerConfig(
-        replica_id="solo",
-        lighthouse=("127.0.0.1", port),
-        timeout=short,
-        quorum_timeout=short,
-        hostname="127.0.0.1",
-    )
-    manager = Manager(config, state_dict=model.state_dict, load_state_dict=model.load_state_dict)
-    optim = OptimizerWrapper(manager, inner)
-
-    def step() -> None:
-        optim.zero_grad()
-        model(torch.ones(4, 2)).sum().backward()
-        optim.step()
-
-    second = None
-    try:
-        step()
-        assert manager.current_step() == 1
-        first.shutdown()
-        weight = model.weight.detach().clone()
-        step()
-        assert manager.errored() is not None and manager.current_step() == 1
-        assert torch.equal(weight, model.weight)
-        second = Lighthouse(LighthouseConfig(), host="127.0.0.1", port=port)
-        second.start()
-        step()
-        assert manager.errored() is None and manager.current_step() == 2
-    finally:
-        manager.shutdown()
-        if second is not None:
-            second.shutdown()
-
-
-def test_manager_config_from_env() -> None:
-    from recopt.ft.launch import manager_config_from_env, parse_address
-
-    env = {
-        "RECOPT_FT_LIGHTHOUSE": "node0:29510",
-        "RECOPT_FT_REPLICA_ID": "group1",
-        "RANK": "1",
-        "WORLD_SIZE": "2",
-    }
-    config = manager_config_from_env(env)
-    assert config.lighthouse == ("node0", 29510) and config.replica_id == "group1"
-    assert (config.group_rank, config.group_world_size, config.min_replica_size) == (1, 2, 1)
-    with pytest.raises(ValueError, match="RECOPT_FT_REPLICA_ID is not set"):
-        manager_config_from_env({"RECOPT_FT_LIGHTHOUSE": "node0:1"})
-    with pytest.raises(ValueError, match="RECOPT_FT_MIN_REPLICAS='two'"):
-        manager_config_from_env({**env, "RECOPT_FT_MIN_REPLICAS": "two"})
-    with pytest.raises(ValueError, match="group_rank=2"):
-        manager_config_from_env({**env, "RANK": "2"})
-    with pytest.raises(ValueError, match="not host:port"):
-        parse_address("node0")

@@ -8,6 +8,7 @@ stats, and leave every buffer equal, after every step; reads (eval) must agree t
 from __future__ import annotations
 
 import copy
+import ctypes
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ import torch
 from recopt.kernels import cpu_id_map
 from recopt.modules import IdMapConfig
 from recopt.modules.id_map import IdMap, Remapped
+from recopt.modules.id_map_lookup import hash_uniform, hash_uniform_torch
+from recopt.modules.id_map_native import remap_tables
 
 pytestmark = pytest.mark.skipif(not cpu_id_map.available(), reason="no C compiler")
 
@@ -133,3 +136,75 @@ def test_without_compiler_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -
     idmap = IdMap(CONFIGS["lru"], 4)
     assert idmap.remap(torch.tensor([5, 6, 5]), True).rows_M.tolist() == [0, 1, 0]
     assert idmap._native_map is None  # the torch ops ran
+
+
+def test_one_call_for_all_tables_equals_each_torch_map() -> None:
+    """`remap_tables`: the native lru maps stepped in one call (threads), the others alone."""
+    names = ["lru", "lru_ttl", "lru_admit_overflow", "lfu_all", "lru_small"]
+    configs = {**CONFIGS, "lru_small": CONFIGS["lru"]}
+    sizes = {"lru": 300, "lru_ttl": 64, "lru_admit_overflow": 40, "lfu_all": 50, "lru_small": 1}
+    pairs = {name: _pair(configs[name], sizes[name]) for name in names}
+    gen = torch.Generator().manual_seed(11)
+    for step in range(80):
+        ids = {name: _batch(gen, step, sizes[name]) for name in names}
+        natives = remap_tables({n: pairs[n][0] for n in names}, ids, training=True)
+        assert list(natives) == names
+        for name in names:
+            native, reference = pairs[name]
+            expected = reference.remap(ids[name], True)
+            _assert_same(natives[name], expected, native, reference, f"{name} step {step}")
+
+
+@pytest.mark.parametrize("dim", [1, 5, 64])
+def test_native_hash_uniform_equals_torch(dim: int) -> None:
+    ids = torch.cat(
+        [
+            torch.randint(-(2**63), 2**63 - 1, (300,), generator=torch.Generator().manual_seed(2)),
+            torch.tensor([0, -1, 2**63 - 1, -(2**63)]),
+        ]
+    )
+    for step in (0, 7, 2**40):
+        assert torch.equal(hash_uniform(ids, step, dim), hash_uniform_torch(ids, step, dim))
+    assert hash_uniform(ids[:0], 3, dim).shape == (0, dim)
+
+
+def test_native_fill_uniform_equals_init_rows_torch_ops() -> None:
+    """`init_rows`'s native path writes the values the torch ops write, views included."""
+    gen = torch.Generator().manual_seed(8)
+    base = torch.zeros(40, 24)
+    weight = base[:, 4:20]  # a view: row stride 24, 16 columns
+    rows = torch.randperm(40, generator=gen)[:25]
+    ids = torch.randint(-(2**62), 2**62, (25,), generator=gen)
+    lo, hi = -0.37, 0.11
+    version = weight._version
+    assert cpu_id_map.fill_uniform(weight, rows, ids, 123, lo, hi)
+    assert weight._version > version
+    expected = torch.zeros(40, 24)
+    expected[rows, 4:20] = (lo + (hi - lo) * hash_uniform_torch(ids, 123, 16)).float()
+    assert torch.equal(base, expected)
+    assert not cpu_id_map.fill_uniform(weight.double(), rows, ids, 1, lo, hi)  # torch ops then
+
+
+def test_writes_unseen_by_version_counters_are_announced_by_buffers_changed() -> None:
+    """A raw write (as a collective's receive) keeps the version counters: after
+    `buffers_changed` both paths read the new state."""
+    config = CONFIGS["lru_ttl"]
+    native, reference = _pair(config, 30)
+    other = IdMap(config, 30)
+    gen = torch.Generator().manual_seed(12)
+    for step in range(40):
+        ids = _batch(gen, step, 30)
+        if step == 20:
+            other.load_state_dict(reference.state_dict())
+            for _ in range(4):
+                other.remap(_batch(gen, step, 30), True)
+            for idmap in (native, reference):
+                for name, value in other.state_dict().items():
+                    target = idmap.get_buffer(name)
+                    versions = target._version
+                    ctypes.memmove(target.data_ptr(), value.data_ptr(), value.nbytes)
+                    assert target._version == versions  # unseen by the counters
+                idmap.buffers_changed()
+        _assert_same(
+            native.remap(ids, True), reference.remap(ids, True), native, reference, str(step)
+        )

@@ -135,8 +135,27 @@ def _planned_saved_and_loaded(rank: int, world: int, root: str) -> dict[str, Any
     }
 
 
-def test_planned_checkpointed_and_bad_input_refused_on_every_rank(tmp_path: Path) -> None:
-    results = run_on_ranks(_planned_saved_and_loaded, 2, str(tmp_path), timeout_s=240)
+def _both(rank: int, world: int, root: str) -> dict[str, dict[str, Any]]:
+    """This file's two spawned checks on one group (spawning is most of their cost)."""
+    return {
+        "meta": _meta_then_shard(rank, world),
+        "planned": _planned_saved_and_loaded(rank, world, root),
+    }
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """The checkpoint root `_planned_saved_and_loaded` saved under, and per rank `_both`."""
+    root = tmp_path_factory.mktemp("shared_features")
+    results: list[dict[str, Any]] = run_on_ranks(_both, 2, str(root), timeout_s=300)
+    return root, results
+
+
+def test_planned_checkpointed_and_bad_input_refused_on_every_rank(
+    spawned: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    root, both = spawned
+    results = [rank_results["planned"] for rank_results in both]
     for result in results:
         assert result["unchanged"] and result["same_keys"] and result["loaded_diff"] == []
     # 2 ranks -> 1 process: the unsharded model loads the same weights and optimizer state.
@@ -148,7 +167,7 @@ def test_planned_checkpointed_and_bad_input_refused_on_every_rank(tmp_path: Path
     opt = CombinedOptimizer(
         [("bags", model.bags.fused_optimizer), ("rows", model.rows.fused_optimizer), dense]
     )
-    load(tmp_path / "ck", model, opt)
+    load(root / "ck", model, opt)
     mine = full_state(model, opt)
     saved = results[0]["saved"]
     assert sorted(mine) == sorted(saved)
@@ -194,8 +213,10 @@ def _meta_then_shard(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def test_built_on_meta_then_sharded_keeps_the_output_keys() -> None:
-    for result in run_on_ranks(_meta_then_shard, 2, timeout_s=120):
+def test_built_on_meta_then_sharded_keeps_the_output_keys(
+    spawned: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    for result in [rank_results["meta"] for rank_results in spawned[1]]:
         keys = [["f@t0", "g", "f@t1"], ["f@e0", "f@e1", "g"]]
         assert result["meta"] == result["keys"] == keys
         assert result["shapes"] == [(2, 20), [(3, 4), (3, 4), (1, 4)]]

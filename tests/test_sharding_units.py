@@ -16,12 +16,9 @@ from recopt.sharding import (
     row_wise,
     table_wise,
 )
-from recopt.sharding.input_dist import (
-    Bucketizer,
-    pack_weights,
-    segment_transpose,
-    unpack_weights,
-)
+from recopt.sharding.bucketizer import Bucketizer
+from recopt.sharding.input_dist import pack_weights, unpack_weights
+from recopt.sharding.kernel_inputs import segment_transpose
 from recopt.sharding.layout import ShardedLayout, resolve_optimizer
 from recopt.sparse import KeyedJaggedTensor
 

@@ -187,7 +187,10 @@ def _dense_factory(config: TrainingConfig) -> Any:
     return factory
 
 
-def build_data(config: TrainingConfig, env: RunEnv, split: str) -> BatchIterator | None:
+def build_data(
+    config: TrainingConfig, env: RunEnv, split: str, clock: int = 0
+) -> BatchIterator | None:
     """This rank's share of the training (endless) or validation (``val_batches``) stream of
-    ``[data] source`` (dlrm_data.py), or None when the source has no data for ``split``."""
-    return data_source(config.data.source)(config, env.rank, env.world_size, split)
+    ``[data] source`` (dlrm_data.py), or None when the source has no data for ``split``.
+    ``clock``: global batches trained so far (a drifting synthetic validation follows it)."""
+    return data_source(config.data.source)(config, env.rank, env.world_size, split, clock=clock)

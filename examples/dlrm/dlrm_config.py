@@ -23,7 +23,7 @@ from recopt.ft import replica_sync_optimizer
 from recopt.kernels import FusedOptimizerConfig, Placement
 from recopt.kernels.precision import Precision, parse_precision
 from recopt.models import DLRMConfig
-from recopt.modules import EmbeddingBagConfig
+from recopt.modules import EmbeddingBagConfig, IdMapConfig
 from recopt.optim.clipping import GradientClipping
 from recopt.optim.warmup import WarmupPolicy, WarmupStage
 from recopt.sharding.planner.constraints import placement_from_value
@@ -55,6 +55,8 @@ class EmbeddingSection:
 
     ``weight_dtype`` (``fp32``, ``fp16``, ``bf16``) is every table's weight dtype unless the
     table sets its own ``weight_dtype``; the optimizer's ``state_dtype`` sets its state's.
+    ``id_map`` (e.g. ``{ policy = "lru" }``) makes every table without its own ``id_map``
+    an id-mapped table (raw ids, each its own row, with eviction: docs/id_map.md).
     """
 
     tables: tuple[EmbeddingBagConfig, ...] = field(default_factory=default_tables)
@@ -63,6 +65,7 @@ class EmbeddingSection:
     )
     placements: dict[str, Any] = field(default_factory=dict)
     weight_dtype: Precision = Precision.FP32
+    id_map: IdMapConfig | None = None
 
     def __post_init__(self) -> None:
         dtype = parse_precision(self.weight_dtype, "embedding.weight_dtype")
@@ -267,27 +270,22 @@ class CheckpointSection:
 class FaultToleranceSection:
     """``[fault_tolerance]``, read only under ``--fault-tolerant`` (docs/fault_tolerance.md).
 
-    ``replicas``: wait until this many replica groups are live before the first step, so the
-    first quorum has them all. ``sync_embeddings``: keep the fused tables identical across
-    replica groups (row gradients averaged in the kernel's ``grad_hook``; the ``auto``
-    backend then becomes ``recopt``, whose kernels have the hook); false lets each group
-    train its own tables. ``timeout_s`` bounds every cross-replica collective, vote, quorum
-    and healing transfer. A dropped step retries its batch (the data position does not
-    advance), backing off; ``max_consecutive_failures`` dropped steps in a row stop the run
-    with the last cause.
+    The first quorum waits for the groups torchft's lighthouse was started for
+    (``torchft_lighthouse --min_replicas N``). ``sync_embeddings``: keep the fused tables
+    identical across replica groups (row gradients averaged in the kernel's ``grad_hook``;
+    the ``auto`` backend then becomes ``recopt``, whose kernels have the hook); false lets
+    each group train its own tables. ``timeout_s`` bounds every cross-replica collective,
+    vote, quorum and healing transfer. A dropped step retries its batch (the data position
+    does not advance), backing off; ``max_consecutive_failures`` dropped steps in a row stop
+    the run with the last cause. A step dropped for a NaN/inf loss or gradient skips its
+    batch instead (retrying it would fail again) and counts as a non-finite step.
     """
 
-    replicas: int = 1
     sync_embeddings: bool = True
     timeout_s: float = 60.0
     max_consecutive_failures: int = 50
 
     def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ValueError(
-                f"fault_tolerance.replicas must be >= 1 (replica groups to wait for), got "
-                f"{self.replicas}"
-            )
         if self.max_consecutive_failures < 1:
             raise ValueError(
                 "fault_tolerance.max_consecutive_failures must be >= 1 (dropped steps in a row "
@@ -338,6 +336,7 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> TrainingConf
     data = apply_overrides(merge(data, from_file), overrides)
     _registry_defaults_for_another_optimizer(data, from_file, overrides)
     _section_weight_dtype(data, from_file, overrides)
+    _section_id_map(data)
     where = path or "defaults"
     try:
         config = from_dict(TrainingConfig, data, "")
@@ -376,6 +375,17 @@ def _section_weight_dtype(
         overridden = any(o.startswith(f"embedding.tables.{i}.weight_dtype=") for o in overrides)
         if isinstance(table, dict) and not (in_file or overridden):
             table["weight_dtype"] = dtype
+
+
+def _section_id_map(data: dict[str, Any]) -> None:
+    """``embedding.id_map`` reaches every table that has no ``id_map`` of its own."""
+    section = data["embedding"]
+    chosen = section.get("id_map")
+    if chosen is None:
+        return
+    for table in section.get("tables", []):
+        if isinstance(table, dict) and table.get("id_map") is None:
+            table["id_map"] = dict(chosen) if isinstance(chosen, dict) else chosen
 
 
 def _check_planner(values: dict[str, Any], where: str) -> None:

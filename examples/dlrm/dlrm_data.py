@@ -6,8 +6,7 @@ config section in dlrm_config.py). An unknown name is an error that lists the kn
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from recopt.data import CriteoClickLog, SyntheticClickLog
 from recopt.data.batch import BatchIterator
@@ -16,15 +15,27 @@ from recopt.data.criteo import NUM_SPARSE
 if TYPE_CHECKING:
     from dlrm_config import TrainingConfig
 
-# (config, rank, world size, split "train" / "val") -> this rank's share of the split's stream:
-# endless for "train" where the source allows it, ``data.val_batches`` batches for "val"; or
-# None when the source has no data for the split (Criteo without validation files).
-DataBuilder = Callable[["TrainingConfig", int, int, str], BatchIterator | None]
+
+class DataBuilder(Protocol):
+    """(config, rank, world size, split "train" / "val") -> this rank's share of the split's
+    stream: endless for "train" where the source allows it, ``data.val_batches`` batches for
+    "val"; or None when the source has no data for the split (Criteo without validation
+    files). ``clock``: the global batches trained so far (a drifting source's validation
+    follows it; others ignore it)."""
+
+    def __call__(
+        self, config: TrainingConfig, rank: int, world_size: int, split: str, *, clock: int = 0
+    ) -> BatchIterator | None: ...
 
 
 def feature_sizes(config: TrainingConfig) -> list[tuple[str, int]]:
     """(feature, rows of its table) in table order: the KJT keys the data must produce."""
     return [(f, t.num_embeddings) for t in config.embedding.tables for f in t.feature_names]
+
+
+def raw_id_features(config: TrainingConfig) -> list[str]:
+    """The features of id-mapped tables: they get raw ids, not ids folded into their table."""
+    return [f for t in config.embedding.tables if t.id_map is not None for f in t.feature_names]
 
 
 def check_criteo_features(features: list[tuple[str, int]]) -> None:
@@ -44,9 +55,10 @@ def check_criteo_features(features: list[tuple[str, int]]) -> None:
 
 
 def synthetic_source(
-    config: TrainingConfig, rank: int, world_size: int, split: str
+    config: TrainingConfig, rank: int, world_size: int, split: str, *, clock: int = 0
 ) -> BatchIterator:
-    """Generated click logs (`SyntheticClickLog`, ``[data.synthetic]``)."""
+    """Generated click logs (`SyntheticClickLog`, ``[data.synthetic]``). Under a drifting id
+    space, the validation batches see the popular ids of training's ``clock``."""
     data = config.data
     return SyntheticClickLog(
         feature_sizes(config),
@@ -56,13 +68,16 @@ def synthetic_source(
         world_size=world_size,
         split=split,
         num_batches=None if split == "train" else data.val_batches,
+        raw_features=raw_id_features(config),
+        drift_clock=None if split == "train" else clock,
     )
 
 
 def criteo_source(
-    config: TrainingConfig, rank: int, world_size: int, split: str
+    config: TrainingConfig, rank: int, world_size: int, split: str, *, clock: int = 0
 ) -> BatchIterator | None:
-    """Criteo TSV files (`CriteoClickLog`, ``[data.criteo]``); None for a split without files."""
+    """Criteo TSV files (`CriteoClickLog`, ``[data.criteo]``); None for a split without files.
+    Id-mapped tables get the raw 32-bit values (salted per column), the others hashed ids."""
     data = config.data
     features = feature_sizes(config)
     check_criteo_features(features)
@@ -77,6 +92,7 @@ def criteo_source(
         rank=rank,
         world_size=world_size,
         epochs=config.training.epochs if split == "train" else 1,
+        raw_ids=[name in raw_id_features(config) for name, _ in features],
     )
 
 

@@ -36,10 +36,16 @@ class ProgressBar:
         self.interactive = self._line.interactive
 
     def update(
-        self, step: int, samples_per_s: float, metrics: dict[str, float], skipped: int = 0
+        self,
+        step: int,
+        samples_per_s: float,
+        metrics: dict[str, float],
+        skipped: int = 0,
+        extra: str = "",
     ) -> None:
-        """Redraws the bar at ``step`` with the throughput, the latest metrics and, if any, the
-        number of steps skipped for a NaN/inf loss or gradient."""
+        """Redraws the bar at ``step`` with the throughput, the latest metrics, if any the
+        number of steps skipped for a NaN/inf loss or gradient, and ``extra`` (the id maps'
+        short form)."""
         done = min(step / self.total, 1.0)
         filled = int(done * self.width)
         bar = "=" * filled + (">" if filled < self.width else "") + " " * (self.width - filled - 1)
@@ -50,6 +56,8 @@ class ProgressBar:
         )
         if skipped:
             line += f" | skipped {skipped} (NaN/inf)"
+        if extra:
+            line += f" | {extra}"
         self._line.show(line, final=step >= self.total)
 
     def message(self, text: str) -> None:

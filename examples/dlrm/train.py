@@ -43,6 +43,7 @@ from dlrm_build import (  # noqa: E402
     shard_model,
 )
 from dlrm_config import TrainingConfig, fault_tolerant_config, load_config  # noqa: E402
+from dlrm_id_map import IdMapWindow, plain_loop_notice  # noqa: E402
 from dlrm_nonfinite import NonFiniteSteps, poison_if_nonfinite  # noqa: E402
 from dlrm_pipeline import build_pipeline, phase_milliseconds  # noqa: E402
 from dlrm_report import MetricsLog, ProgressBar, plot_curves  # noqa: E402
@@ -57,7 +58,6 @@ from recopt.ft.launch import (  # noqa: E402
     make_fault_tolerant,
     state_digest,
 )
-from recopt.ft.manager import ManagerConfig  # noqa: E402
 from recopt.ft.retry import RetryPolicy, StepRetrier  # noqa: E402
 from recopt.ft.torchft_manager import TorchftConfig  # noqa: E402
 from recopt.metrics import click_metrics  # noqa: E402
@@ -91,7 +91,7 @@ class Trainer:
         config: TrainingConfig,
         env: RunEnv,
         model: nn.Module,
-        ft_config: ManagerConfig | TorchftConfig | None = None,
+        ft_config: TorchftConfig | None = None,
         *,
         resume: bool | str = False,
         overwrite_checkpoints: bool = False,
@@ -113,31 +113,12 @@ class Trainer:
                 model,
                 self.base_optimizer,
                 ft_config,
-                wait_for=ft.replicas,
                 sync_embeddings=ft.sync_embeddings,
             )
             self.optimizer = self.ft.optimizer
             policy = RetryPolicy(max_consecutive_failures=ft.max_consecutive_failures)
             self.retrier = StepRetrier(self.ft.manager, policy)
-        train_source = build_data(config, env, "train")
-        if train_source is None:
-            raise ValueError(f"data.source {config.data.source!r} has no training data configured")
-        # Pipelined (default): batch i+1's ids are distributed and batch i+2 copied while
-        # batch i trains; `train_data` is then the position after the last batch trained.
-        # Plain loop: on a GPU the next batch is pinned and copied on a side stream.
-        self.pipeline = None
-        if config.training.pipeline:
-            self.train_source = train_source
-            self.pipeline, self.train_data = build_pipeline(
-                model,
-                self.optimizer,
-                self.train_source,
-                env.device,
-                config.training.timeout_s,
-                step_committed=None if self.retrier is None else self._pipeline_step_committed,
-            )
-        else:
-            self.train_data = DevicePrefetcher(train_source, env.device)
+        loop_notice = self._set_up_loop()
         self.metrics = click_metrics().to(env.device)
         self.loss_mean = torchmetrics.MeanMetric().to(env.device)
         self.window_finite_steps = 0  # steps in the metrics window that were not skipped
@@ -156,6 +137,9 @@ class Trainer:
         out = config.training.output_dir
         self.log = MetricsLog(os.path.join(out, "metrics.jsonl")) if env.is_main else None
         self.bar = ProgressBar(config.training.steps) if env.is_main else None
+        self.id_maps = IdMapWindow(model)
+        if loop_notice is not None:
+            self._say(loop_notice)
         data = config.data
         if data.source == "criteo" and not data.criteo.val_paths and data.val_batches:
             self._say(
@@ -174,6 +158,34 @@ class Trainer:
             resume=bool(resume),
             overwrite=overwrite_checkpoints,
         )
+
+    def _set_up_loop(self) -> str | None:
+        """The training stream and the loop over it; returns why the plain loop replaces the
+        configured pipeline (sharded id-mapped tables), or None.
+
+        Pipelined (default): batch i+1's ids are distributed and batch i+2 copied while
+        batch i trains; ``train_data`` is then the position after the last batch trained.
+        Plain loop: on a GPU the next batch is pinned and copied on a side stream.
+        """
+        config, env = self.config, self.env
+        train_source = build_data(config, env, "train")
+        if train_source is None:
+            raise ValueError(f"data.source {config.data.source!r} has no training data configured")
+        self.pipeline = None
+        loop_notice = plain_loop_notice(config, env.world_size)
+        if config.training.pipeline and loop_notice is None:
+            self.train_source = train_source
+            self.pipeline, self.train_data = build_pipeline(
+                self.model,
+                self.optimizer,
+                self.train_source,
+                env.device,
+                config.training.timeout_s,
+                step_committed=None if self.retrier is None else self._pipeline_step_committed,
+            )
+        else:
+            self.train_data = DevicePrefetcher(train_source, env.device)
+        return loop_notice
 
     def resume(self) -> None:
         """Loads the newest finite checkpoint of the run's directory, or of ``--resume PATH``
@@ -278,6 +290,7 @@ class Trainer:
         if not committed:
             return False  # dropped: the retried batch is counted when it commits
         self.window_finite_steps += 1
+        self.id_maps.after_step()
         with torch.no_grad():
             self.metrics.update(torch.sigmoid(logits), labels.long())
             self.loss_mean.update(loss.detach(), weight=labels.numel())
@@ -360,21 +373,26 @@ class Trainer:
         self.metrics.reset()
         self.loss_mean.reset()
         self.window_finite_steps = 0
+        id_map_values, id_map_line = self.id_maps.take()
         if self.log is not None and self.bar is not None:
             record = {**values, "samples_per_s": samples_per_s, "samples": self.samples}
+            record.update(id_map_values)
             record["skipped_nonfinite"] = self.nonfinite.total
             if self.pipeline is not None:  # per step, this window
                 record.update(phase_milliseconds(self.pipeline))
             self.log.write(self.step, "train", record)
             shown = {k: values[k] for k in ("loss", "auc", "ne") if k in values}
-            self.bar.update(self.step, samples_per_s, shown, skipped=self.nonfinite.total)
+            self.bar.update(
+                self.step, samples_per_s, shown, skipped=self.nonfinite.total, extra=id_map_line
+            )
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Metrics over ``data.val_batches`` held-out batches (the same ones every time)."""
         if self.config.data.val_batches == 0:
             return {}
-        data = build_data(self.config, self.env, "val")
+        global_batches = self.samples // self.config.data.batch_size  # a drifting source's clock
+        data = build_data(self.config, self.env, "val", clock=global_batches)
         if data is None:  # a source without validation data
             return {}
         self.model.eval()
@@ -457,7 +475,7 @@ def train(
     config: TrainingConfig,
     env: RunEnv,
     resume: bool | str = False,
-    ft_config: ManagerConfig | TorchftConfig | None = None,
+    ft_config: TorchftConfig | None = None,
     overwrite_checkpoints: bool = False,
 ) -> dict[str, float]:
     """Builds everything and trains; returns the final validation metrics.

@@ -1,7 +1,7 @@
 """Data sources for recommendation training: a synthetic click log and the Criteo TSV reader."""
 
 from recopt.data.batch import Batch, BatchIterator
-from recopt.data.criteo import CriteoClickLog, hash_categorical
+from recopt.data.criteo import CriteoClickLog, hash_categorical, raw_categorical
 from recopt.data.synthetic import SyntheticClickLog, SyntheticConfig
 
 __all__ = [
@@ -11,4 +11,5 @@ __all__ = [
     "SyntheticClickLog",
     "SyntheticConfig",
     "hash_categorical",
+    "raw_categorical",
 ]

@@ -1,7 +1,9 @@
 """Streaming reader of Criteo click logs (TSV: label, 13 integer and 26 hex categorical columns).
 
 Dense columns become log(1 + max(x, 0)) (missing: 0); categoricals are hashed into their
-table (missing: id 0, present values: 1..N-1, so "missing" never collides with a value).
+table (missing: id 0, present values: 1..N-1, so "missing" never collides with a value), or,
+for id-mapped tables (``raw_ids``), kept whole: ``(column + 1) * 2**32 + value`` (missing: 0),
+so no two values collide before the table's id map.
 Ranks split by line: each step reads a window of N*B lines and rank r of N takes lines
 r, r+N, r+2N, ... of it, so all ranks yield the same number of batches (a final partial
 window is dropped by default). Every rank scans the whole stream (cheap next to training);
@@ -55,6 +57,23 @@ def hash_categorical(values: np.ndarray, column: int, num_embeddings: int) -> np
     return (mixed % np.uint64(num_embeddings - 1)).astype(np.int64) + 1
 
 
+def raw_categorical(values: np.ndarray, column: int) -> np.ndarray:
+    """Parsed 32-bit categorical values as raw ids for an id-mapped table, without hashing.
+
+    The column is kept in the high bits (``(column + 1) * 2**32 + value``), so the same value
+    in two columns stays two ids when columns share one table, every id is above 0 (the id
+    of a missing value) and below 2**37, and each value can be read back from its id.
+
+    Args:
+        values: uint64 array of the categorical values (the hex tokens as integers).
+        column: categorical column index (0..25).
+
+    Returns:
+        int64 ids.
+    """
+    return (values.astype(np.int64) & 0xFFFFFFFF) + ((column + 1) << 32)
+
+
 class CriteoClickLog:
     """Iterator of batches from Criteo TSV files, this rank's lines only.
 
@@ -68,6 +87,9 @@ class CriteoClickLog:
         drop_last: drop this rank's final partial batch (keeps ranks in lockstep).
         epochs: passes over the files; each pass starts again at the first line (a partial
             final window is dropped at the end of each pass when ``drop_last``).
+        raw_ids: per column, True to pass its values whole (`raw_categorical`, for an
+            id-mapped table; its ``num_embeddings`` is then not used) instead of hashed into
+            ``num_embeddings`` rows; None: every column hashed.
 
     Raises:
         ValueError: on a bad argument; while iterating, on a malformed line (naming the
@@ -85,6 +107,7 @@ class CriteoClickLog:
         world_size: int = 1,
         drop_last: bool = True,
         epochs: int = 1,
+        raw_ids: Sequence[bool] | None = None,
     ) -> None:
         if not paths:
             raise ValueError("CriteoClickLog needs at least one file in paths")
@@ -95,8 +118,13 @@ class CriteoClickLog:
                 f"and one table size per column, {NUM_SPARSE} of each (the DLRM example's "
                 "configs/dlrm_criteo_shape.toml has such 26 tables)"
             )
-        for name, rows in zip(feature_names, num_embeddings, strict=True):
-            if rows < 2:
+        raw = [False] * NUM_SPARSE if raw_ids is None else [bool(r) for r in raw_ids]
+        if len(raw) != NUM_SPARSE:
+            raise ValueError(
+                f"raw_ids has {len(raw)} entries; give one per categorical column ({NUM_SPARSE})"
+            )
+        for name, rows, is_raw in zip(feature_names, num_embeddings, raw, strict=True):
+            if rows < 2 and not is_raw:
                 raise ValueError(
                     f"feature {name!r}: num_embeddings {rows} is too small for Criteo hashing "
                     "(row 0 holds missing values); use at least 2"
@@ -111,6 +139,7 @@ class CriteoClickLog:
         self.paths = [os.fspath(p) for p in paths]
         self.keys = list(feature_names)
         self.num_embeddings = list(num_embeddings)
+        self.raw_ids = raw
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
@@ -240,7 +269,10 @@ class CriteoClickLog:
         batch = len(rows)
         ids = np.full((NUM_SPARSE, batch), MISSING_ID, dtype=np.int64)
         for col, rows_n in enumerate(self.num_embeddings):
-            hashed = hash_categorical(cats[:, col], col, rows_n)
+            if self.raw_ids[col]:
+                hashed = raw_categorical(cats[:, col], col)
+            else:
+                hashed = hash_categorical(cats[:, col], col, rows_n)
             ids[col] = np.where(present[:, col], hashed, MISSING_ID)
         sparse = KeyedJaggedTensor.from_lengths_sync(
             self.keys,

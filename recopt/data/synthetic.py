@@ -5,12 +5,16 @@ with vectorised torch ops, so ranks split the stream without talking (each step,
 takes global batch G + r, where G counts the global batches all ranks consumed before it) and a
 resumed run, with the same or another number of ranks, continues at global batch G: nothing
 repeated or skipped.
+
+``id_space = "drifting"`` draws ids from an unbounded space instead: a power law over 2**40
+raw ids whose popular set moves with the global batch index (the drift clock), for id-mapped
+tables (docs/id_map.md); tables without an id map get those raw ids modulo their rows.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +26,11 @@ from recopt.sparse import KeyedJaggedTensor
 # Per-split salts keep the train and validation streams disjoint for one seed.
 _SPLIT_SALT = {"train": 0x5EED, "val": 0xE7A1}
 _GOLDEN = 2654435761  # Knuth's multiplicative hash constant (< 2**32, so int64 never overflows)
+ID_SPACES = ("fixed", "drifting")
+RAW_ID_BITS = 40  # the drifting id space: raw ids in [0, 2**40)
+_MASK40 = (1 << RAW_ID_BITS) - 1
+# Odd multipliers below 2**23: x * m stays below 2**63 for x < 2**40, and is a bijection mod 2**40.
+_SCRAMBLE = (0x5BD1E9, 0x6F4F2B)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,6 +50,14 @@ class SyntheticConfig:
         model_seed: seeds the hidden model (the planted weights and id effects the labels
             follow); keep it equal across runs (or fault-tolerant replica groups) that
             should learn the same thing.
+        id_space: ``"fixed"``: feature f's ids are ranks of the power law in ``[0, rows_f)``,
+            rank 0 the most popular, forever. ``"drifting"``: the power law runs over 2**40
+            ranks, and rank k at drift clock t is item ``floor(drift_rate * t) - k``, whose
+            raw id is a fixed scramble of (item, feature) in ``[0, 2**40)``: every
+            ``1 / drift_rate`` global batches a new item becomes the most popular and the
+            others move one rank down, towards the tail. Labels follow each raw id's own
+            planted effect; features without raw ids get ``raw % rows_f`` (collisions).
+        drift_rate: ``"drifting"`` only: new items per global batch (> 0).
     """
 
     num_dense: int = 13
@@ -52,8 +69,20 @@ class SyntheticConfig:
     ctr_bias: float = -1.0
     seed: int = 0
     model_seed: int = 0
+    id_space: str = "fixed"
+    drift_rate: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.id_space not in ID_SPACES:
+            raise ValueError(
+                f"data.synthetic.id_space {self.id_space!r} is unknown; use one of "
+                f"{list(ID_SPACES)}"
+            )
+        if not (self.drift_rate > 0 and math.isfinite(self.drift_rate)):
+            raise ValueError(
+                f"data.synthetic.drift_rate must be finite and > 0 (new popular ids per "
+                f"global batch), got {self.drift_rate}; e.g. 1.0"
+            )
         if self.num_dense < 1:
             raise ValueError(f"data.num_dense must be >= 1, got {self.num_dense}")
         if not 0 <= self.min_ids_per_bag <= self.max_ids_per_bag or self.max_ids_per_bag < 1:
@@ -88,6 +117,24 @@ def _power_law(uniform: torch.Tensor, num_ids: torch.Tensor, exponent: float) ->
     return torch.minimum(ids.clamp_(min=0), num_ids.to(torch.int64) - 1)
 
 
+def drifting_raw_ids(
+    ranks: torch.Tensor, features: torch.Tensor, clock: int, drift_rate: float, model_seed: int
+) -> torch.Tensor:
+    """Raw ids in ``[0, 2**40)`` of power-law ``ranks`` at drift clock ``clock``.
+
+    Rank k is item ``floor(drift_rate * clock) - k``; the raw id is a bijective scramble of
+    the item (mod 2**40) salted by feature and ``model_seed``, so an item keeps its raw id
+    while it moves down the ranks, and distinct items of a feature never share one.
+    """
+    newest = math.floor(drift_rate * clock)
+    salt = (features * 0x9E3779B1 + model_seed * 0x85EBCA77 + 0x2545F491) & _MASK40
+    x = (newest - ranks + salt) & _MASK40
+    for multiplier, shift in zip(_SCRAMBLE, (20, 17), strict=True):
+        x = (x * multiplier) & _MASK40
+        x = x ^ (x >> shift)
+    return x
+
+
 class SyntheticClickLog:
     """Iterator of synthetic batches for one rank.
 
@@ -103,6 +150,11 @@ class SyntheticClickLog:
         world_size: number of ranks sharing the stream.
         split: ``train`` or ``val`` (disjoint streams).
         num_batches: batches this rank yields, or None for an endless stream.
+        raw_features: under ``id_space = "drifting"``, the features that get raw ids
+            (those of id-mapped tables); the others get ``raw % rows``.
+        drift_clock: under ``"drifting"``, the drift clock of every batch (validation at a
+            training position: the global batches trained so far); None: each batch's own
+            global index.
 
     Raises:
         ValueError: on an empty feature list, a non-positive size, or a bad rank or split.
@@ -117,6 +169,8 @@ class SyntheticClickLog:
         world_size: int = 1,
         split: str = "train",
         num_batches: int | None = None,
+        raw_features: Collection[str] = (),
+        drift_clock: int | None = None,
     ) -> None:
         if not features:
             raise ValueError("SyntheticClickLog needs at least one sparse feature")
@@ -137,6 +191,11 @@ class SyntheticClickLog:
         self.num_batches = num_batches
         self._split_salt = _SPLIT_SALT[split]
         self._num_ids = torch.tensor([n for _, n in features], dtype=torch.float64)
+        unknown = sorted(set(raw_features) - set(self.keys))
+        if unknown:
+            raise ValueError(f"raw_features {unknown} are not features of this log: {self.keys}")
+        self._raw = torch.tensor([name in raw_features for name in self.keys])
+        self.drift_clock = drift_clock
         self._position = 0
         self._global_batches = 0  # consumed by all ranks together: independent of world_size
         self._init_hidden_model()
@@ -208,14 +267,33 @@ class SyntheticClickLog:
         lengths, length_per_key = self._lengths(gen, num_features * batch)
         num_ids = torch.repeat_interleave(self._num_ids, torch.tensor(length_per_key))
         uniform = torch.rand(num_ids.shape[0], generator=gen, dtype=torch.float64)
-        values = _power_law(uniform, num_ids, cfg.zipf_exponent)
-        bag_effect_F_B = self._bag_effects(values, lengths, length_per_key).view(
-            num_features, batch
-        )
+        if cfg.id_space == "drifting":
+            raw = self._drifting(uniform, length_per_key, global_index)
+            is_raw = torch.repeat_interleave(
+                self._raw, torch.tensor(length_per_key), output_size=uniform.numel()
+            )
+            values = torch.where(is_raw, raw, raw % num_ids.to(torch.int64))
+        else:
+            raw = values = _power_law(uniform, num_ids, cfg.zipf_exponent)
+        # The hidden model reads the raw ids: folding them modulo a table loses information.
+        bag_effect_F_B = self._bag_effects(raw, lengths, length_per_key).view(num_features, batch)
         logit = cfg.ctr_bias + cfg.signal * self._hidden_logit(latent, bag_effect_F_B)
         labels = torch.bernoulli(torch.sigmoid(logit), generator=gen)
         sparse = KeyedJaggedTensor.from_lengths_sync(self.keys, values, lengths)
         return dense, sparse, labels
+
+    def _drifting(
+        self, uniform: torch.Tensor, length_per_key: list[int], global_index: int
+    ) -> torch.Tensor:
+        """Raw ids of the drifting space for uniforms in key order (`drifting_raw_ids`)."""
+        space = torch.full_like(uniform, float(2**RAW_ID_BITS))
+        ranks = _power_law(uniform, space, self.config.zipf_exponent)
+        features = torch.repeat_interleave(
+            torch.arange(len(self.keys)), torch.tensor(length_per_key), output_size=uniform.numel()
+        )
+        clock = global_index if self.drift_clock is None else self.drift_clock
+        cfg = self.config
+        return drifting_raw_ids(ranks, features, clock, cfg.drift_rate, cfg.model_seed)
 
     def _lengths(self, gen: torch.Generator, num_bags: int) -> tuple[torch.Tensor, list[int]]:
         cfg = self.config

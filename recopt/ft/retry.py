@@ -16,8 +16,7 @@ import math
 import time
 from collections.abc import Callable
 
-from recopt.ft.auth import AuthError
-from recopt.ft.healing import HealingRefused
+from recopt.ft.healing_state import HealingRefused
 from recopt.ft.nonfinite import NonFiniteGradientError
 from recopt.ft.steps import StepTransaction
 
@@ -61,7 +60,7 @@ def is_permanent(error: BaseException | None) -> bool:
     """
     if error is None or isinstance(error, HealingRefused):
         return False
-    return isinstance(error, ValueError | TypeError | ImportError | AuthError)
+    return isinstance(error, ValueError | TypeError | ImportError)
 
 
 class StepRetrier:

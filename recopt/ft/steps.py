@@ -3,9 +3,9 @@
 `StepTransaction` holds what every engine shares: the step's first error, the averaged
 gradients (with the NaN/inf check every replica computes on the same sum), the row
 all-gathers of the fused-embedding layer, and telling each `StepParticipant` whether the
-step committed. An engine (`recopt.ft.torchft_manager.TorchftManager` on torchft,
-`recopt.ft.manager.Manager` on recopt's own lighthouse) supplies the quorum, the process
-group and the vote itself (`_vote`).
+step committed. The engine (`recopt.ft.torchft_manager.TorchftManager`, on torchft's Manager
+and lighthouse; unit tests use stand-ins) supplies the quorum, the process group and the vote
+itself (`_vote`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torchft.checkpointing.transport import CheckpointTransport
 
-from recopt.ft.healing import HealingRefused, nonfinite_paths
+from recopt.ft.healing_state import HealingRefused, nonfinite_paths
 
 _MAGIC = b"RCFT1"
 _DIGEST_HEADER = "X-Recopt-Sha256"

@@ -149,6 +149,32 @@ def torchft_config_from_env(
     )
 
 
+# torchft 0.2.0's Manager keeps the future of the last quorum in this private attribute.
+QUORUM_FUTURE = "_quorum_future"
+
+
+def forget_failed_quorum(engine: Any) -> None:
+    """Make the next ``start_quorum`` ask the lighthouse afresh after a failed quorum.
+
+    torchft 0.2.0's ``Manager.start_quorum`` first waits on the previous quorum's future, so
+    a quorum that failed (the lighthouse down longer than ``quorum_timeout``) would raise
+    again at every later step and the replica group could never recover. Its public API has
+    no reset (``start_quorum``, ``wait_quorum`` and ``should_commit`` all re-raise it), so
+    the private attribute is cleared; tests/test_ft_torchft_api.py fails if a torchft
+    upgrade renames it.
+
+    Raises:
+        AttributeError: ``engine`` has no such attribute (torchft changed: see above).
+    """
+    if not hasattr(engine, QUORUM_FUTURE):
+        raise AttributeError(
+            f"torchft's Manager has no {QUORUM_FUTURE!r}; recopt clears it after a failed "
+            "quorum (torchft 0.2.0 re-raises it at every later step): check the installed "
+            "torchft against recopt[ft]'s pin, torchft==0.2.0"
+        )
+    setattr(engine, QUORUM_FUTURE, None)
+
+
 class TorchftManager(StepTransaction):
     """One replica group's process on a torchft job; the step is that of `StepTransaction`.
 
@@ -226,9 +252,7 @@ class TorchftManager(StepTransaction):
             self._rank = int(self._ft.participating_rank() or 0)
         except Exception as exc:  # noqa: BLE001 - an unreachable quorum only drops the step
             self._quorum_failed = True
-            # torchft keeps the failed quorum future and would raise it again at the next
-            # start_quorum; the next step must ask the lighthouse afresh.
-            self._ft._quorum_future = None
+            forget_failed_quorum(self._ft)
             self.report_error(exc)
         failure = self._ft.errored()
         if failure is not None:

@@ -12,37 +12,7 @@
  * torch, the float64 powers of lfu's decay and lfu's victims, exactly as the torch path does.
  * Legend: M ids of the batch, U distinct ids, N slots.
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-typedef struct {
-    int64_t key;
-    int64_t slot; /* -1: empty */
-} Entry;
-
-typedef struct {
-    Entry *entries;
-    int64_t mask;
-} Hash;
-
-typedef struct { /* old values of the slots one batch wrote (an undo record) */
-    int64_t *slot, *ids, *seen, *count;
-    double *freq;
-    uint8_t *used;
-    int64_t size, cap;
-} Log;
-
-typedef struct {
-    int64_t n, live, head, tail, heap_size;
-    Hash hash;
-    int64_t *prev, *next, *heap, *mark;
-    /* the buffers: ids, used (bool), last seen; freq (rows) or count (candidates) */
-    int64_t *ids, *seen, *count;
-    uint8_t *used;
-    double *freq;
-    Log log;
-} Slots;
+#include "cpu_id_map_slots.h"
 
 typedef struct {
     Slots rows, cand;
@@ -55,149 +25,6 @@ typedef struct {
     uint8_t *admitted;
 } Map;
 
-static inline uint64_t mix64(uint64_t x) {
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ULL;
-    x ^= x >> 33;
-    return x;
-}
-
-static int hash_init(Hash *h, int64_t n) {
-    int64_t cap = 16;
-    while (cap < 2 * n) cap <<= 1;
-    free(h->entries);
-    h->entries = malloc(sizeof(Entry) * cap);
-    if (!h->entries) return -1;
-    h->mask = cap - 1;
-    for (int64_t i = 0; i < cap; i++) h->entries[i].slot = -1;
-    return 0;
-}
-
-static inline int64_t hash_find(const Hash *h, int64_t key) {
-    int64_t i = (int64_t)(mix64((uint64_t)key) & (uint64_t)h->mask);
-    while (h->entries[i].slot >= 0) {
-        if (h->entries[i].key == key) return h->entries[i].slot;
-        i = (i + 1) & h->mask;
-    }
-    return -1;
-}
-
-/* Sets key's slot; returns the slot the key had (-1: it was absent). */
-static inline int64_t hash_put(Hash *h, int64_t key, int64_t slot) {
-    int64_t i = (int64_t)(mix64((uint64_t)key) & (uint64_t)h->mask);
-    while (h->entries[i].slot >= 0) {
-        if (h->entries[i].key == key) return h->entries[i].slot;
-        i = (i + 1) & h->mask;
-    }
-    h->entries[i].key = key;
-    h->entries[i].slot = slot;
-    return -1;
-}
-
-static void hash_erase(Hash *h, int64_t key) {
-    int64_t i = (int64_t)(mix64((uint64_t)key) & (uint64_t)h->mask);
-    while (h->entries[i].slot >= 0 && h->entries[i].key != key) i = (i + 1) & h->mask;
-    if (h->entries[i].slot < 0) return;
-    /* backward shift: move later entries of the probe run into the hole (no tombstones) */
-    int64_t j = i;
-    for (;;) {
-        j = (j + 1) & h->mask;
-        if (h->entries[j].slot < 0) break;
-        int64_t home = (int64_t)(mix64((uint64_t)h->entries[j].key) & (uint64_t)h->mask);
-        int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
-        if (stays) continue;
-        h->entries[i] = h->entries[j];
-        i = j;
-    }
-    h->entries[i].slot = -1;
-}
-
-/* Stable LSD radix sort of (key, val) pairs by unsigned key; bytes equal everywhere skipped. */
-static void radix_sort(uint64_t *key, int64_t *val, uint64_t *key_tmp, int64_t *val_tmp,
-                       int64_t n) {
-    int64_t counts[256];
-    for (int shift = 0; shift < 64; shift += 8) {
-        memset(counts, 0, sizeof(counts));
-        for (int64_t i = 0; i < n; i++) counts[(key[i] >> shift) & 255]++;
-        if (n == 0 || counts[(key[0] >> shift) & 255] == n) continue;
-        int64_t total = 0;
-        for (int b = 0; b < 256; b++) {
-            int64_t c = counts[b];
-            counts[b] = total;
-            total += c;
-        }
-        for (int64_t i = 0; i < n; i++) {
-            int64_t at = counts[(key[i] >> shift) & 255]++;
-            key_tmp[at] = key[i];
-            val_tmp[at] = val[i];
-        }
-        memcpy(key, key_tmp, sizeof(uint64_t) * n);
-        memcpy(val, val_tmp, sizeof(int64_t) * n);
-    }
-}
-
-static inline uint64_t signed_key(int64_t x) { return (uint64_t)x ^ (1ULL << 63); }
-
-/* ---- the recency list (used slots by (last seen, slot)) and the free-slot heap ---- */
-
-static inline void list_unlink(Slots *s, int64_t r) {
-    int64_t p = s->prev[r], q = s->next[r];
-    if (p >= 0) s->next[p] = q; else s->head = q;
-    if (q >= 0) s->prev[q] = p; else s->tail = p;
-    s->prev[r] = s->next[r] = -1;
-}
-
-static inline void list_append(Slots *s, int64_t r) {
-    s->prev[r] = s->tail;
-    s->next[r] = -1;
-    if (s->tail >= 0) s->next[s->tail] = r; else s->head = r;
-    s->tail = r;
-}
-
-static void heap_push(Slots *s, int64_t r) {
-    int64_t i = s->heap_size++;
-    while (i > 0) {
-        int64_t parent = (i - 1) / 2;
-        if (s->heap[parent] <= r) break;
-        s->heap[i] = s->heap[parent];
-        i = parent;
-    }
-    s->heap[i] = r;
-}
-
-static int64_t heap_pop(Slots *s) {
-    int64_t top = s->heap[0], last = s->heap[--s->heap_size], i = 0;
-    for (;;) {
-        int64_t child = 2 * i + 1;
-        if (child >= s->heap_size) break;
-        if (child + 1 < s->heap_size && s->heap[child + 1] < s->heap[child]) child++;
-        if (s->heap[child] >= last) break;
-        s->heap[i] = s->heap[child];
-        i = child;
-    }
-    if (s->heap_size > 0) s->heap[i] = last;
-    return top;
-}
-
-/* ---- undo records: a slot's old values, the first time a batch writes it ---- */
-
-static int log_grow(Log *log) {
-    int64_t cap = log->cap ? 2 * log->cap : 1024;
-    void *p[6] = {realloc(log->slot, 8 * cap), realloc(log->ids, 8 * cap),
-                  realloc(log->seen, 8 * cap), realloc(log->count, 8 * cap),
-                  realloc(log->freq, 8 * cap), realloc(log->used, cap)};
-    if (p[0]) log->slot = p[0];
-    if (p[1]) log->ids = p[1];
-    if (p[2]) log->seen = p[2];
-    if (p[3]) log->count = p[3];
-    if (p[4]) log->freq = p[4];
-    if (p[5]) log->used = p[5];
-    for (int i = 0; i < 6; i++) if (!p[i]) return -1;
-    log->cap = cap;
-    return 0;
-}
 
 static inline void remember(Map *m, Slots *s, int64_t r) {
     if (!m->recording || s->mark[r] == m->gen) return;
@@ -217,30 +44,6 @@ static inline void remember(Map *m, Slots *s, int64_t r) {
 }
 
 /* ---- the map ---- */
-
-static void slots_free(Slots *s) {
-    free(s->hash.entries);
-    free(s->prev);
-    free(s->next);
-    free(s->heap);
-    free(s->mark);
-    free(s->log.slot);
-    free(s->log.ids);
-    free(s->log.seen);
-    free(s->log.count);
-    free(s->log.freq);
-    free(s->log.used);
-}
-
-static int slots_init(Slots *s, int64_t n) {
-    memset(s, 0, sizeof(*s));
-    s->n = n;
-    s->prev = malloc(8 * (n + 1));
-    s->next = malloc(8 * (n + 1));
-    s->heap = malloc(8 * (n + 1));
-    if (!s->prev || !s->next || !s->heap) return -1;
-    return hash_init(&s->hash, n);
-}
 
 static void free_scratch(Map *m) {
     free(m->batch_hash.entries);
@@ -324,36 +127,6 @@ static void bind(Map *m, void **buffers) {
         c->seen = buffers[7];
         c->freq = NULL;
     }
-}
-
-static int slots_rebuild(Slots *s) {
-    int64_t n = s->n, live = 0;
-    uint64_t *key = malloc(8 * (n + 1)), *key_tmp = malloc(8 * (n + 1));
-    int64_t *val = malloc(8 * (n + 1)), *val_tmp = malloc(8 * (n + 1));
-    int ok = key && key_tmp && val && val_tmp;
-    if (ok) {
-        for (int64_t i = 0; i <= s->hash.mask; i++) s->hash.entries[i].slot = -1;
-        s->heap_size = 0;
-        for (int64_t r = 0; r < n; r++) {
-            s->prev[r] = s->next[r] = -1;
-            if (s->used[r]) {
-                hash_put(&s->hash, s->ids[r], r);
-                key[live] = signed_key(s->seen[r]);
-                val[live++] = r;
-            } else {
-                s->heap[s->heap_size++] = r; /* ascending: already a min-heap */
-            }
-        }
-        radix_sort(key, val, key_tmp, val_tmp, live); /* stable: by (last seen, slot) */
-        s->head = s->tail = -1;
-        for (int64_t i = 0; i < live; i++) list_append(s, val[i]);
-        s->live = live;
-    }
-    free(key);
-    free(key_tmp);
-    free(val);
-    free(val_tmp);
-    return ok ? 0 : -1;
 }
 
 int rim_rebuild(void *handle, void **buffers) {
@@ -445,11 +218,13 @@ int64_t rim_begin(void *handle, void **buffers, const int64_t *ids, int64_t num_
     if (ttl > 0) expire(m, step, ttl);
     int64_t k = 0;
     for (int64_t u = 0; u < m->num_u; u++) {
+        if (u + AHEAD < m->num_u) prefetch_home(&m->rows.hash, m->ids_u[u + AHEAD]);
         int64_t r = hash_find(&m->rows.hash, m->ids_u[u]);
         m->slot_u[u] = r;
         if (r >= 0) {
             m->known[k] = u;
-            known_out[k++] = r;
+            if (known_out) known_out[k] = r;
+            k++;
         }
     }
     m->num_known = k;
@@ -462,6 +237,12 @@ static void count_known(Map *m, int64_t step, const double *factors) {
     Slots *s = &m->rows;
     for (int64_t k = 0; k < m->num_known; k++) {
         int64_t u = m->known[k], r = m->slot_u[u];
+        if (k + AHEAD < m->num_known) {
+            int64_t ahead = m->slot_u[m->known[k + AHEAD]];
+            __builtin_prefetch(&s->freq[ahead], 1);
+            __builtin_prefetch(&s->seen[ahead], 1);
+            __builtin_prefetch(&s->link[2 * ahead], 1);
+        }
         remember(m, s, r);
         double kept = s->freq[r];
         if (factors) kept = kept * factors[k];
@@ -565,10 +346,10 @@ int rim_middle(void *handle, void **buffers, int64_t step, const double *factors
     return 0;
 }
 
+/* r, already out of the recency list, loses its id. */
 static void evict(Map *m, int64_t r) {
     Slots *s = &m->rows;
     remember(m, s, r);
-    list_unlink(s, r);
     hash_erase(&s->hash, s->ids[r]);
     s->used[r] = 0;
     s->ids[r] = -1;
@@ -587,22 +368,37 @@ int rim_finish(void *handle, void **buffers, int64_t step, const int64_t *victim
     Slots *s = &m->rows;
     int64_t want = m->num_wanted, placed = 0, evicted = 0;
     while (placed < want && s->heap_size > 0) fresh_rows[placed++] = heap_pop(s);
+    int64_t first_victim = placed;
     if (victims) {
-        for (int64_t i = 0; i < num_victims && placed < want; i++, evicted++) {
-            evict(m, victims[i]);
+        for (int64_t i = 0; i < num_victims && placed < want; i++) {
+            list_unlink(s, victims[i]);
             fresh_rows[placed++] = victims[i];
         }
-    } else {
-        while (placed < want && s->head >= 0) {
-            int64_t r = s->head;
-            evict(m, r);
+    } else if (placed < want && s->head >= 0) {
+        /* lru: the victims are the list's first nodes; cut them off at once */
+        int64_t r = s->head;
+        while (placed < want && r >= 0) {
             fresh_rows[placed++] = r;
-            evicted++;
+            r = s->link[2 * r + 1];
         }
+        s->head = r;
+        if (r >= 0) s->link[2 * r] = -1; else s->tail = -1;
+    }
+    for (int64_t j = first_victim; j < placed; j++, evicted++) {
+        if (j + 2 * AHEAD < placed) __builtin_prefetch(&s->ids[fresh_rows[j + 2 * AHEAD]], 1);
+        if (j + AHEAD < placed) prefetch_home(&s->hash, s->ids[fresh_rows[j + AHEAD]]);
+        evict(m, fresh_rows[j]);
     }
     int64_t num_touched = m->num_known;
     for (int64_t j = 0; j < placed; j++) {
         int64_t u = m->wanted[j], r = fresh_rows[j];
+        if (j + AHEAD < placed) {
+            int64_t ahead = fresh_rows[j + AHEAD];
+            prefetch_home(&s->hash, m->ids_u[m->wanted[j + AHEAD]]);
+            __builtin_prefetch(&s->seen[ahead], 1);
+            __builtin_prefetch(&s->freq[ahead], 1);
+            __builtin_prefetch(&s->used[ahead], 1);
+        }
         remember(m, s, r);
         s->ids[r] = m->ids_u[u];
         s->used[r] = 1;
@@ -619,7 +415,10 @@ int rim_finish(void *handle, void **buffers, int64_t step, const int64_t *victim
         m->sort_val[i] = m->touched[i];
     }
     radix_sort(m->sort_key, m->sort_val, m->sort_key_tmp, m->sort_val_tmp, num_touched);
-    for (int64_t i = 0; i < num_touched; i++) list_append(s, m->sort_val[i]);
+    for (int64_t i = 0; i < num_touched; i++) {
+        if (i + AHEAD < num_touched) __builtin_prefetch(&s->link[2 * m->sort_val[i + AHEAD]], 1);
+        list_append(s, m->sort_val[i]);
+    }
     for (int64_t i = 0; i < num_ids; i++) rows_out[i] = m->slot_u[m->inverse[i]];
     stats_out[0] = placed;
     stats_out[1] = evicted;
@@ -628,6 +427,28 @@ int rim_finish(void *handle, void **buffers, int64_t step, const int64_t *victim
     stats_out[4] = m->num_u - m->num_known - placed;
     stats_out[5] = s->live;
     return m->recording < 0 ? -1 : 0;
+}
+
+/* One training batch of each of num_maps lru maps (no undo record), over threads: the three
+ * parts back to back (lru needs nothing computed in torch between them). Per map i: handles[i],
+ * buffers[8i..8i+7], ids[i] (num_ids[i]), and outputs rows_out[i] [num_ids], fresh_rows[i] and
+ * fresh_ids[i] [num_ids], stats_out[6i..6i+5] (as rim_finish), status[i] (0, or -1: out of
+ * memory). */
+void rim_step_many(int64_t num_maps, void **handles, void **buffers, int64_t **ids,
+                   const int64_t *num_ids, const int64_t *steps, const int64_t *ttls,
+                   const int64_t *admit_after, int64_t **rows_out, int64_t **fresh_rows,
+                   int64_t **fresh_ids, int64_t *stats_out, int64_t *status, int threads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t i = 0; i < num_maps; i++) {
+        int64_t info[3];
+        void **own = buffers + 8 * i;
+        status[i] = -1;
+        if (rim_begin(handles[i], own, ids[i], num_ids[i], steps[i], ttls[i], 0, NULL) < 0)
+            continue;
+        rim_middle(handles[i], own, steps[i], NULL, admit_after[i], info);
+        status[i] = rim_finish(handles[i], own, steps[i], NULL, 0, rows_out[i], num_ids[i],
+                               fresh_rows[i], fresh_ids[i], stats_out + 6 * i);
+    }
 }
 
 /* The undo record of the last batch: which = 0 rows, 1 candidates. */
@@ -647,4 +468,43 @@ void rim_undo_copy(void *handle, int which, int64_t *slot, int64_t *ids, uint8_t
     memcpy(seen, log->seen, 8 * n);
     if (freq) memcpy(freq, log->freq, 8 * n);
     if (count) memcpy(count, log->count, 8 * n);
+}
+
+/* ---- the hashed initial values of fresh rows (id_map_lookup.hash_uniform, bit for bit) ---- */
+
+static inline uint64_t splitmix_finish(uint64_t x) {
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+/* out [num_ids, dim]: float64 in [0, 1), a fixed function of (id, step, column). */
+void rim_hash_uniform(const int64_t *ids, int64_t num_ids, int64_t step, int64_t dim,
+                      double *out) {
+    const uint64_t golden = 0x9E3779B97F4A7C15ULL;
+    for (int64_t i = 0; i < num_ids; i++) {
+        uint64_t key = splitmix_finish((uint64_t)ids[i] * golden + (uint64_t)step);
+        for (int64_t c = 0; c < dim; c++) {
+            uint64_t x = splitmix_finish(key + (uint64_t)(c + 1) * golden);
+            out[i * dim + c] = (double)(x >> 11) * 0x1p-53; /* exact, as torch's / 2^53 */
+        }
+    }
+}
+
+/* weight[rows[i], :] = (float)(lo + (hi - lo) * hash_uniform(ids[i], step, column)): the
+ * torch path's init_rows on float32 rows, the same rounding (two float64 ops, then float). */
+void rim_fill_uniform(const int64_t *ids, const int64_t *rows, int64_t num_rows, int64_t step,
+                      int64_t dim, double lo, double hi, float *weight, int64_t row_stride) {
+    const uint64_t golden = 0x9E3779B97F4A7C15ULL;
+    double span = hi - lo;
+    for (int64_t i = 0; i < num_rows; i++) {
+        uint64_t key = splitmix_finish((uint64_t)ids[i] * golden + (uint64_t)step);
+        float *row = weight + rows[i] * row_stride;
+        for (int64_t c = 0; c < dim; c++) {
+            uint64_t x = splitmix_finish(key + (uint64_t)(c + 1) * golden);
+            double unit = (double)(x >> 11) * 0x1p-53;
+            double scaled = span * unit;
+            row[c] = (float)(lo + scaled);
+        }
+    }
 }

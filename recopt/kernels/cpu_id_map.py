@@ -19,11 +19,14 @@ import tempfile
 import threading
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 _C_SOURCE_PATH = Path(__file__).with_name("cpu_id_map.c")
+_C_HEADER_PATH = Path(__file__).with_name("cpu_id_map_slots.h")  # included by the source
 # -ffp-contract=off: lfu's frequency update (f * factor + count) rounds twice, as torch does.
-_CFLAGS = ["-O2", "-fPIC", "-shared", "-ffp-contract=off"]
+_CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fopenmp"]
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _load_failed = False
@@ -39,6 +42,12 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "rim_finish": (_INT, [_P, _P, _I64, _P, _I64, _P, _I64, _P, _P, _P]),
     "rim_undo_size": (_I64, [_P, _INT]),
     "rim_undo_copy": (None, [_P, _INT, _P, _P, _P, _P, _P, _P]),
+    "rim_hash_uniform": (None, [_P, _I64, _I64, _I64, _P]),
+    "rim_fill_uniform": (
+        None,
+        [_P, _P, _I64, _I64, _I64, ctypes.c_double, ctypes.c_double, _P, _I64],
+    ),
+    "rim_step_many": (None, [_I64, *[_P] * 12, _INT]),
 }
 
 
@@ -47,9 +56,9 @@ def _build() -> ctypes.CDLL:
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    source = _C_SOURCE_PATH.read_text()
+    source, header = _C_SOURCE_PATH.read_text(), _C_HEADER_PATH.read_text()
     key = hashlib.sha256(
-        "\0".join([source, *_CFLAGS, platform.machine(), platform.node()]).encode()
+        "\0".join([source, header, *_CFLAGS, platform.machine(), platform.node()]).encode()
     ).hexdigest()[:16]
     directory = os.path.join(tempfile.gettempdir(), f"recopt-cpu-id-map-{os.getuid()}")
     os.makedirs(directory, exist_ok=True)
@@ -90,3 +99,47 @@ def library() -> ctypes.CDLL:
     if _library is None:
         raise RuntimeError("cpu_id_map: native library not loaded; call available() first")
     return _library
+
+
+def hash_uniform(ids_K: torch.Tensor, step: int, dim: int) -> torch.Tensor:
+    """`recopt.modules.id_map_lookup.hash_uniform` (the same bits) in native code.
+
+    Raises:
+        RuntimeError: the library is not available.
+    """
+    ids_K = ids_K.to(torch.int64).contiguous()
+    out = torch.empty(ids_K.numel(), dim, dtype=torch.float64)
+    if out.numel():
+        library().rim_hash_uniform(ids_K.data_ptr(), ids_K.numel(), step, dim, out.data_ptr())
+    return out
+
+
+def fill_uniform(
+    weight: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, step: int, lo: float, hi: float
+) -> bool:
+    """``weight[rows] = lo + (hi - lo) * hash_uniform(ids, step, dim)`` in place, as the torch
+    ops round it; False (nothing done) unless ``weight`` is a CPU float32 matrix with unit
+    column stride and the library is available."""
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype != torch.float32
+        or weight.dim() != 2
+        or weight.stride(1) != 1
+        or not available()
+    ):
+        return False
+    rows, ids = rows.to(torch.int64).contiguous(), ids.to(torch.int64).contiguous()
+    if rows.numel():
+        library().rim_fill_uniform(
+            ids.data_ptr(),
+            rows.data_ptr(),
+            rows.numel(),
+            step,
+            weight.shape[1],
+            lo,
+            hi,
+            weight.data_ptr(),
+            weight.stride(0),
+        )
+        weight[rows[:0]] = 0.0  # writes nothing; moves the version counter as torch's would
+    return True

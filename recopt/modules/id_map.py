@@ -10,14 +10,30 @@ Legend: N rows, U distinct ids of a batch, M ids of a batch, C candidate slots.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from recopt.modules.id_map_native import NativeIdMap
+from recopt.kernels import cpu_id_map
+from recopt.modules.id_map_native import NativeIdMap
+from recopt.modules.id_map_results import (
+    CANDIDATE_BUFFERS,
+    ROW_BUFFERS,
+    MapUndo,
+    Remapped,
+    RemapStats,
+)
+
+__all__ = [
+    "CANDIDATE_BUFFERS",
+    "ROW_BUFFERS",
+    "IdMap",
+    "IdMapConfig",
+    "MapUndo",
+    "RemapStats",
+    "Remapped",
+]
 
 POLICIES = ("lru", "lfu")
 DEFAULT_LFU_DECAY = 0.99
@@ -86,67 +102,6 @@ class IdMapConfig:
         if self.policy != "lfu":
             return 1.0
         return DEFAULT_LFU_DECAY if self.decay is None else float(self.decay)
-
-
-@dataclass(slots=True)
-class RemapStats:
-    """What one training batch did to a table's map (`IdMap.last_stats`).
-
-    ``occupancy``: live rows / rows after the batch; ``new_ids``: ids given a row;
-    ``evictions``: live ids evicted by the policy; ``expired``: rows freed by ``ttl_steps``;
-    ``admissions``: candidates admitted (``admit_after``); ``zero_row_ids``: distinct ids that
-    read the zero row (not admitted yet, or more new ids than rows).
-    """
-
-    step: int = 0
-    occupancy: float = 0.0
-    new_ids: int = 0
-    evictions: int = 0
-    expired: int = 0
-    admissions: int = 0
-    zero_row_ids: int = 0
-
-    def as_dict(self) -> dict[str, float]:
-        """The counters by name."""
-        return {name: float(getattr(self, name)) for name in self.__slots__}
-
-
-@dataclass(slots=True)
-class Remapped:
-    """The rows of one batch: ``rows_M`` (-1: the zero row) and the rows to re-initialise.
-
-    ``fresh_rows`` got a new id this batch (their weights and optimizer state must be reset
-    before the lookup); ``fresh_ids`` are those ids, in the same order.
-    """
-
-    rows_M: torch.Tensor
-    fresh_rows: torch.Tensor
-    fresh_ids: torch.Tensor
-    stats: RemapStats = field(default_factory=RemapStats)
-    undo: MapUndo | None = None
-
-
-ROW_BUFFERS = ("row_ids", "occupied", "last_seen", "frequency")
-CANDIDATE_BUFFERS = ("candidate_ids", "candidate_used", "candidate_count", "candidate_last_seen")
-
-
-@dataclass(slots=True)
-class MapUndo:
-    """What one training remap changed, to put the map back (`IdMap.apply_undo`).
-
-    ``step`` and ``stats`` are the values before the remap; ``rows`` [K] the row slots whose
-    buffers it changed and ``row_values`` their old values, by buffer name (``row_ids``,
-    ``occupied``, ``last_seen``, ``frequency``); likewise ``candidate_slots`` and
-    ``candidate_values`` (``candidate_ids``, ``candidate_used``, ``candidate_count``,
-    ``candidate_last_seen``) when admission is on (else empty).
-    """
-
-    step: int
-    stats: RemapStats
-    rows: torch.Tensor
-    row_values: dict[str, torch.Tensor]
-    candidate_slots: torch.Tensor
-    candidate_values: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class IdMap(nn.Module):
@@ -270,10 +225,6 @@ class IdMap(nn.Module):
         if not self.native or self._buffer("occupied").device.type != "cpu":
             return None
         if self._native_map is None:
-            # Imported here: id_map_native builds on this file's dataclasses.
-            from recopt.kernels import cpu_id_map
-            from recopt.modules.id_map_native import NativeIdMap
-
             if not cpu_id_map.available():
                 return None
             slots = self._buffer("candidate_ids").numel() if self.admit_after > 1 else 0
@@ -284,6 +235,15 @@ class IdMap(nn.Module):
         """Drop the torch path's sorted index of live ids (after writes that kept the
         buffers' version counters: the native remap's)."""
         self._index.clear()
+
+    def buffers_changed(self) -> None:
+        """Say that the buffers were written where torch's version counters do not see it
+        (a raw pointer, a collective receiving into them): the caches derived from them (the
+        torch path's sorted index, the native hash table) are rebuilt at the next remap.
+        Writes through torch ops (``copy_``, ``load_state_dict``, indexing) need no call."""
+        self._index.clear()
+        if self._native_map is not None:
+            self._native_map.invalidate()
 
     def _undo_buffers(self) -> tuple[str, ...]:
         return ROW_BUFFERS + (CANDIDATE_BUFFERS if self.admit_after > 1 else ())

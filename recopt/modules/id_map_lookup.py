@@ -22,10 +22,12 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from recopt.kernels import cpu_id_map
 from recopt.kernels.config import PoolingType
 from recopt.kernels.registry import StateShape, optimizer_spec
 from recopt.modules.config import BaseEmbeddingConfig
 from recopt.modules.id_map import IdMap, Remapped
+from recopt.modules.id_map_native import remap_tables
 from recopt.modules.inputs import FeatureLayout, PendingCheck, pending_id_check
 from recopt.sparse import KeyedJaggedTensor
 
@@ -142,7 +144,11 @@ class IdMaps(nn.ModuleDict):
             gathered = self.peers.gather(ids, False)
             if gathered is not None:
                 return apply_rows(features, layout, step_with_peers(self, *gathered))
-        results = {name: self.step(name, ids[name], training) for name in ids}
+        if training and self.observers:  # one step per map, its undo record shown to them
+            results = {name: self.step(name, ids[name], True) for name in ids}
+        else:
+            maps = {name: self.table_map(name) for name in ids}
+            results = remap_tables(maps, ids, training)  # native lru maps: one call for all
         return apply_rows(features, layout, results)
 
     def step(self, name: str, ids_M: torch.Tensor, training: bool) -> Remapped:
@@ -293,6 +299,8 @@ def init_rows(table: BaseEmbeddingConfig, weight: torch.Tensor, fresh: Remapped,
             table.init_fn(values)
         else:
             lo, hi = table.init_bounds()
+            if cpu_id_map.fill_uniform(weight, rows, fresh.fresh_ids, step, lo, hi):
+                return  # native: the same values, written in place
             unit = hash_uniform(fresh.fresh_ids, step, weight.shape[1])
             values = lo + (hi - lo) * unit
         weight[rows] = values.to(weight.dtype)
@@ -346,6 +354,13 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 def hash_uniform(ids_K: torch.Tensor, step: int, dim: int) -> torch.Tensor:
     """``[K, dim]`` float64 values in [0, 1), a fixed function of (id, step, column)."""
+    if ids_K.device.type == "cpu" and cpu_id_map.available():
+        return cpu_id_map.hash_uniform(ids_K, step, dim)  # the same bits, without temporaries
+    return hash_uniform_torch(ids_K, step, dim)
+
+
+def hash_uniform_torch(ids_K: torch.Tensor, step: int, dim: int) -> torch.Tensor:
+    """`hash_uniform` in torch ops (any device; the reference of the native one)."""
     column = torch.arange(dim, dtype=torch.int64, device=ids_K.device)
     key = _mix(ids_K.to(torch.int64) * _GOLDEN + step)
     x = _mix(key.unsqueeze(1) + (column.unsqueeze(0) + 1) * _GOLDEN)

@@ -11,19 +11,31 @@ Legend: M ids of a batch, K known rows, N rows.
 
 from __future__ import annotations
 
-import copy
 import ctypes
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
 from recopt.kernels import cpu_id_map
-from recopt.modules.id_map import CANDIDATE_BUFFERS, ROW_BUFFERS, MapUndo, Remapped, RemapStats
+from recopt.modules.id_map_results import (
+    CANDIDATE_BUFFERS,
+    ROW_BUFFERS,
+    MapUndo,
+    Remapped,
+    RemapStats,
+)
 
 if TYPE_CHECKING:
     from recopt.modules.id_map import IdMap
 
 _Stamp = tuple[tuple[int, int], ...]
+
+
+def _buffer(idmap: IdMap, name: str) -> torch.Tensor:
+    buffer = idmap._buffers[name]  # the dict itself: get_buffer's path walk costs per call
+    assert buffer is not None
+    return buffer
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -62,10 +74,14 @@ class NativeIdMap:
     def __reduce__(self) -> tuple[type, tuple[int, int]]:
         return NativeIdMap, (self.num_rows, self.num_candidates)
 
+    def invalidate(self) -> None:
+        """Rebuild the cache from the buffers at the next use (`IdMap.buffers_changed`)."""
+        self._stamp = None
+
     def _sync(self, idmap: IdMap) -> ctypes.Array[ctypes.c_void_p]:
         """The buffers' pointers, after rebuilding the cache if they changed elsewhere."""
         names = ROW_BUFFERS + (CANDIDATE_BUFFERS if self.num_candidates else ())
-        buffers = [idmap.get_buffer(name) for name in names]
+        buffers = [_buffer(idmap, name) for name in names]
         stamp = tuple((b.data_ptr(), b._version) for b in buffers)
         if stamp != self._stamp or self._pointers is None:
             assert all(b.is_contiguous() for b in buffers)
@@ -80,7 +96,7 @@ class NativeIdMap:
         pointers = self._sync(idmap)
         ids_M = ids_M.contiguous()
         rows_M = torch.empty_like(ids_M)
-        step = int(idmap.get_buffer("step"))
+        step = int(_buffer(idmap, "step"))
         ttl = idmap.config.ttl_steps or 0
         self._lib.rim_lookup(
             self._handle, pointers, _ptr(ids_M), ids_M.numel(), step, ttl, _ptr(rows_M)
@@ -93,8 +109,8 @@ class NativeIdMap:
         pointers = self._sync(idmap)
         ids_M = ids_M.contiguous()
         num_ids = ids_M.numel()
-        step_t = idmap.get_buffer("step")
-        old_step, old_stats = int(step_t), copy.copy(idmap.last_stats)
+        step_t = _buffer(idmap, "step")
+        old_step, old_stats = int(step_t), idmap.last_stats  # replaced, never mutated
         step_t.add_(1)
         step = old_step + 1
         known = torch.empty(max(num_ids, 1), dtype=torch.int64)
@@ -114,7 +130,7 @@ class NativeIdMap:
         decay = idmap.config.lfu_decay
         factors = None
         if decay != 1.0 and num_known:  # the torch path's expression, on the same rows
-            age = (step_t - idmap.get_buffer("last_seen")[known]).to(torch.float64)
+            age = (step_t - _buffer(idmap, "last_seen")[known]).to(torch.float64)
             factors = decay**age
         info = (ctypes.c_int64 * 3)()
         self._lib.rim_middle(self._handle, pointers, step, _ptr(factors), idmap.admit_after, info)
@@ -161,7 +177,7 @@ class NativeIdMap:
         """lfu's victims by the torch path's order (None under lru: the native list's head)."""
         if idmap.config.policy != "lfu" or need <= 0 or evictable <= 0:
             return None
-        mask = idmap.get_buffer("occupied").clone()
+        mask = _buffer(idmap, "occupied").clone()
         mask[known] = False
         rows = mask.nonzero().squeeze(1)
         return rows[idmap.eviction_order(rows)[:need]].contiguous()
@@ -199,3 +215,74 @@ class NativeIdMap:
                 zip(CANDIDATE_BUFFERS, (ids, used, count, seen), strict=True)
             )
         return undo
+
+
+def remap_tables(
+    maps: Mapping[str, IdMap], ids: Mapping[str, torch.Tensor], training: bool
+) -> dict[str, Remapped]:
+    """`IdMap.remap` of each map on its ids; the native lru maps in training in one call.
+
+    That call steps the maps in parallel over torch's threads and saves the per-map call
+    overhead; every other map (lfu, undo records, torch path, reads) is remapped on its own.
+    """
+    results: dict[str, Remapped] = {}
+    together: list[tuple[str, IdMap, NativeIdMap, torch.Tensor]] = []
+    for name, idmap in maps.items():
+        ids_M = ids[name].to(torch.int64)
+        native = None
+        if training and idmap.config.policy == "lru" and ids_M.device.type == "cpu":
+            native = idmap._native()
+        if native is None:
+            results[name] = idmap.remap(ids_M, training)
+        else:
+            together.append((name, idmap, native, ids_M.contiguous()))
+    if together:
+        results.update(_step_many(together))
+    return {name: results[name] for name in maps}
+
+
+def _step_many(
+    together: list[tuple[str, IdMap, NativeIdMap, torch.Tensor]],
+) -> dict[str, Remapped]:
+    count = len(together)
+    sizes = [ids_M.numel() for _, _, _, ids_M in together]
+    out = torch.empty(3 * sum(sizes), dtype=torch.int64)  # rows, fresh rows, fresh ids
+    views = out.split([size for size in sizes for _ in range(3)])
+    arrays = [(ctypes.c_void_p * count)() for _ in range(5)]  # handles, ids, 3 outputs
+    handles, ids_p, rows_p, fresh_rows_p, fresh_ids_p = arrays
+    buffers = (ctypes.c_void_p * (8 * count))()
+    num_ids, steps, ttls, admits, status = ((ctypes.c_int64 * count)() for _ in range(5))
+    stats_out = (ctypes.c_int64 * (6 * count))()
+    for i, (_, idmap, native, ids_M) in enumerate(together):
+        pointers = native._sync(idmap)
+        handles[i] = native._handle.value
+        for j, pointer in enumerate(pointers):
+            buffers[8 * i + j] = pointer
+        step_t = _buffer(idmap, "step")
+        step_t.add_(1)
+        steps[i], ttls[i] = int(step_t), idmap.config.ttl_steps or 0
+        num_ids[i], admits[i], ids_p[i] = sizes[i], idmap.admit_after, _ptr(ids_M)
+        rows_p[i], fresh_rows_p[i], fresh_ids_p[i] = (_ptr(v) for v in views[3 * i : 3 * i + 3])
+    cpu_id_map.library().rim_step_many(
+        count, handles, buffers, ids_p, num_ids, steps, ttls, admits, rows_p, fresh_rows_p,
+        fresh_ids_p, stats_out, status, torch.get_num_threads(),
+    )  # fmt: skip
+    results = {}
+    for i, (name, idmap, native, _) in enumerate(together):
+        if status[i] != 0:
+            raise MemoryError("id map: no memory for the native remap's scratch")
+        placed, evictions, expired, admissions, zero_row_ids, live = stats_out[6 * i : 6 * i + 6]
+        stats = RemapStats(
+            step=steps[i],
+            occupancy=float(live) / native.num_rows,
+            new_ids=placed,
+            evictions=evictions,
+            expired=expired,
+            admissions=admissions,
+            zero_row_ids=zero_row_ids,
+        )
+        idmap.last_stats = stats
+        idmap.forget_index()
+        rows_M, fresh_rows, fresh_ids = views[3 * i : 3 * i + 3]
+        results[name] = Remapped(rows_M, fresh_rows[:placed], fresh_ids[:placed], stats)
+    return results

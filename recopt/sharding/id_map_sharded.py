@@ -35,7 +35,8 @@ from recopt.modules.id_map_lookup import (
 )
 from recopt.modules.inputs import FeatureLayout, PendingCheck
 from recopt.modules.variable_batch import regular_batch
-from recopt.sharding.input_dist import Bucketizer, start_count_exchange
+from recopt.sharding.bucketizer import Bucketizer
+from recopt.sharding.input_dist import start_count_exchange
 from recopt.sharding.input_stage import DistributedInput
 from recopt.sharding.layout import GroupLayout, ShardedLayout
 from recopt.sparse import KeyedJaggedTensor

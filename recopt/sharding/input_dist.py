@@ -1,9 +1,8 @@
-"""Input distribution: route every id to the shards that hold its row, in two all-to-alls.
+"""Input distribution: send every id to the shards that hold its row, in two all-to-alls.
 
-A shard of feature f's table is a rectangle (rows [r0, r1), columns [c0, c1)) on a rank. Each
-rank sees the same list of *virtual features* (f, shard) per destination; an id of f goes to
-every virtual feature whose row range holds it, as the local id ``id - r0``, keeping its bag.
-Bucketization is vectorised (one searchsorted when a table is row-split, one stable sort).
+`bucketizer.Bucketizer` routes this rank's ids to every destination's virtual features; this
+module exchanges them: a count exchange (one row of the count table per destination, read on
+the host once), then one all-to-all of lengths, ids and weights, split per source on arrival.
 Legend: F features, B this rank's batch, Bm the largest batch of any rank, N ids, G virtual
 features of every destination together, W world size.
 """
@@ -11,42 +10,24 @@ features of every destination together, W world size.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from recopt.comm import start_all_to_all_counts, start_all_to_all_flat, wait
 from recopt.modules.inputs import PendingCheck
+from recopt.sharding.bucketizer import BATCH_COLUMN, FLAG_COLUMN, IDS_COLUMN, Bucketizer
 from recopt.sparse import KeyedJaggedTensor
 
 Tensor = torch.Tensor
 
-# Columns of the count exchange: this rank's batch size, whether its input was rejected, then
-# the ids it sends to each of the destination's virtual features (padded to the most any rank
-# has), then the ids of each data-parallel feature. Every size of the step after it (splits,
-# each kernel's ids, each kernel's feature bounds) follows from this table on the host.
-_BATCH, _FLAG, _IDS = range(3)
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
 
 
 class RemoteInputError(ValueError):
     """Another rank's input was rejected, so this step was abandoned on every rank."""
-
-
-@dataclass(frozen=True, slots=True)
-class VirtualFeature:
-    """One feature looked up on one shard: what a destination rank's kernel sees as a feature."""
-
-    feature: int  # index in the collection's feature layout
-    table: int
-    shard: int  # index in the table's ParameterSharding.shards
-    row_offset: int
-    num_rows: int
-    col_offset: int
-    num_cols: int
 
 
 @dataclass(slots=True)
@@ -67,237 +48,6 @@ class ReceivedInput:
     dp_weights: list[Tensor | None]
     mp_id_counts: list[list[int]]
     dp_id_counts: list[list[int]]
-
-
-class KernelInput(NamedTuple):
-    """One kernel's input: ids, bag offsets, per-id weights, and each feature's first id
-    (``offsets[f * B]`` for f in 0..F, host ints: the kernel's ``offset_per_key``)."""
-
-    ids: Tensor
-    offsets: Tensor
-    weights: Tensor | None
-    bounds: list[int]
-
-
-class Bucketizer:
-    """Static routing of every feature's ids to the virtual features of every rank.
-
-    Args:
-        num_rows: the row count of each feature's table (layout order).
-        dest_features: per destination rank, its virtual features in its kernels' order.
-        dp_features: the layout indices of the data-parallel features, in kernel order.
-        device: where the routing tensors live.
-    """
-
-    def __init__(
-        self,
-        num_rows: Sequence[int],
-        dest_features: Sequence[Sequence[VirtualFeature]],
-        dp_features: Sequence[int],
-        device: torch.device,
-    ) -> None:
-        self.world_size = len(dest_features)
-        self.device = device
-        self.num_features = len(num_rows)
-        self.dest_counts = [len(v) for v in dest_features]
-        self.dp_features = list(dp_features)
-        flat = [vf for vfs in dest_features for vf in vfs]
-        # Row blocks of each feature: the distinct row ranges of its table's shards.
-        blocks: list[list[int]] = [[0] for _ in num_rows]
-        for vf in flat:
-            if vf.row_offset not in blocks[vf.feature]:
-                blocks[vf.feature].append(vf.row_offset)
-        for b in blocks:
-            b.sort()
-        block_base = [0]
-        for b in blocks:
-            block_base.append(block_base[-1] + len(b))
-        routes: list[list[int]] = [[] for _ in range(block_base[-1])]
-        for gv, vf in enumerate(flat):
-            routes[block_base[vf.feature] + blocks[vf.feature].index(vf.row_offset)].append(gv)
-        feat_base = [0]
-        for n in num_rows:
-            feat_base.append(feat_base[-1] + n)
-        self.single_block = all(len(b) == 1 for b in blocks)
-        self.replicated = any(len(r) > 1 for r in routes)
-        self.has_unrouted = any(not r for r in routes)
-        self.num_virtual = len(flat)
-        # No table is row-split: every virtual feature takes a whole feature's segment (column
-        # shards repeat it), so routing copies segments and needs no per-id work.
-        self.whole_features = self.single_block
-        self.gv_feature_list = [vf.feature for vf in flat]
-        self.row_split = self._pure_row_split(blocks, routes, block_base)
-        self.split_bounds = [
-            torch.tensor([*b, num_rows[f]], dtype=torch.int64, device=device)
-            for f, b in enumerate(blocks)
-        ]
-        self.split_sizes = torch.tensor(
-            [-(-n // self.world_size) for n in num_rows], dtype=torch.int64, device=device
-        )
-
-        def t(x: list[int]) -> Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=device)
-
-        self.feat_base = t(feat_base[:-1])
-        self.block_bounds = t([feat_base[f] + r for f, b in enumerate(blocks) for r in b])
-        self.block_row_offset = t([r for b in blocks for r in b])
-        self.route_count = t([len(r) for r in routes])
-        self.route_start = t([sum(len(r) for r in routes[:i]) for i in range(len(routes))])
-        self.route_gv = t([gv for r in routes for gv in r])
-        self.gv_feature = t(self.gv_feature_list)
-        # The count exchange's table: where each virtual feature's id count goes in it.
-        self.dp_column = _IDS + max(self.dest_counts, default=0)
-        self.num_columns = self.dp_column + len(self.dp_features)
-        slots = [
-            d * self.num_columns + _IDS + j
-            for d, n in enumerate(self.dest_counts)
-            for j in range(n)
-        ]
-        self.count_slot = t(slots)
-
-    def _pure_row_split(
-        self, blocks: list[list[int]], routes: list[list[int]], block_base: list[int]
-    ) -> bool:
-        """Whether every feature is split into one row range per rank, rank order, and every
-        rank's virtual features are all the features in order: fbgemm's block bucketization
-        then produces exactly our layout in one native pass."""
-        world, num_features = self.world_size, self.num_features
-        if self.replicated or self.has_unrouted or self.dest_counts != [num_features] * world:
-            return False
-        for f, b in enumerate(blocks):
-            if len(b) != world:
-                return False
-            for d in range(world):
-                if routes[block_base[f] + d] != [d * num_features + f]:
-                    return False
-        return _block_bucketize_op() is not None
-
-    def bucketize(self, features: KeyedJaggedTensor) -> tuple[Tensor, Tensor | None, Tensor]:
-        """Sort this rank's model-parallel ids into destination / virtual-feature order.
-
-        Reads nothing back: how many ids go where stays on the device (``lengths_G_B``'s row
-        sums) until the count exchange reads it together with what the other ranks send.
-
-        Args:
-            features: the prepared input (layout order, ids in range).
-
-        Returns:
-            ``(ids_N, weights_N, lengths_G_B)``: the routed local ids (and weights) grouped by
-            virtual feature, bags in order, and every virtual feature's bag lengths over this
-            rank's batch.
-        """
-        if self.whole_features:
-            return self._bucketize_whole(features)
-        if self.row_split and features.stride() > 0:
-            return self._bucketize_rows(features)
-        values, lengths = features.values(), features.lengths()
-        weights = features.weights_or_none()
-        batch = features.stride()
-        n = values.numel()
-        if n == 0 or self.num_virtual == 0:
-            no_w = None if weights is None else weights[:0]
-            lengths_G_B = values.new_zeros(self.num_virtual, batch)
-            return values[:0], no_w, lengths_G_B
-        bag_N = torch.repeat_interleave(
-            torch.arange(lengths.numel(), device=values.device), lengths, output_size=n
-        )
-        feature_N = bag_N // batch
-        bag_N = bag_N - feature_N * batch
-        if self.single_block:
-            block_N = feature_N
-        else:
-            key_N = values + self.feat_base[feature_N]
-            block_N = torch.searchsorted(self.block_bounds, key_N, right=True) - 1
-        source_N: Tensor | None = None
-        if self.replicated:
-            count_N = self.route_count[block_N]
-            source_N = torch.repeat_interleave(torch.arange(n, device=values.device), count_N)
-            first_N = torch.cumsum(count_N, 0) - count_N
-            pos = torch.arange(source_N.numel(), device=values.device) - first_N[source_N]
-            block_N = block_N[source_N]
-            gv_N = self.route_gv[self.route_start[block_N] + pos]
-        else:
-            if self.has_unrouted:
-                source_N = torch.nonzero(self.route_count[block_N] > 0).squeeze(1)
-                block_N = block_N[source_N]
-            gv_N = self.route_gv[self.route_start[block_N]]
-        ids_N = values if source_N is None else values[source_N]
-        ids_N = ids_N - self.block_row_offset[block_N]
-        if source_N is not None:
-            bag_N = bag_N[source_N]
-            weights = None if weights is None else weights[source_N]
-        size = self.num_virtual * batch
-        # index_add_, not bincount: CUDA's bincount reads the largest key back to size its output.
-        lengths_G_B = gv_N.new_zeros(size).index_add_(
-            0, gv_N * batch + bag_N, torch.ones_like(gv_N)
-        )
-        lengths_G_B = lengths_G_B.view(self.num_virtual, batch)  # batch may be 0
-        gv_N, order = torch.sort(gv_N, stable=True)
-        return ids_N[order], None if weights is None else weights[order], lengths_G_B
-
-    def _bucketize_rows(self, features: KeyedJaggedTensor) -> tuple[Tensor, Tensor | None, Tensor]:
-        """Row-wise layouts: fbgemm's block bucketization, one native pass over the ids."""
-        op = _block_bucketize_op()
-        assert op is not None
-        lengths, ids, weights, _, _ = op(
-            features.lengths(),
-            features.values(),
-            False,
-            False,
-            self.split_sizes,
-            self.world_size,
-            features.weights_or_none(),
-            None,
-            -1,
-            self.split_bounds,
-        )
-        lengths_G_B = lengths.view(self.num_virtual, features.stride())
-        return ids, weights, lengths_G_B
-
-    def _bucketize_whole(self, features: KeyedJaggedTensor) -> tuple[Tensor, Tensor | None, Tensor]:
-        """No row split (table-wise, column-wise, data-parallel): each virtual feature gets its
-        feature's whole segment, so routing copies segments and does no per-id work."""
-        values, weights = features.values(), features.weights_or_none()
-        opk = features.offset_per_key()
-        order = self.gv_feature_list
-        ids = torch.cat([values[opk[f] : opk[f + 1]] for f in order]) if order else values[:0]
-        w = None
-        if weights is not None:
-            w = torch.cat([weights[opk[f] : opk[f + 1]] for f in order]) if order else weights[:0]
-        batch = features.stride()
-        lengths_G_B = features.lengths().view(len(features.keys()), batch)[self.gv_feature]
-        return ids, w, lengths_G_B
-
-
-def _block_bucketize_op() -> Any:
-    """fbgemm's ``block_bucketize_sparse_features`` if fbgemm is installed, else ``None``."""
-    try:
-        import fbgemm_gpu  # noqa: F401  (registers the torch.ops.fbgemm operators)
-
-        return torch.ops.fbgemm.block_bucketize_sparse_features
-    except (ImportError, AttributeError, RuntimeError):
-        return None
-
-
-def segment_transpose(values: Tensor, seg_W_V: Tensor) -> Tensor:
-    """Reorder segments laid out (w, v)-major into (v, w)-major order, vectorised, no sync.
-
-    Args:
-        values: the concatenated segments, ``seg_W_V[0, 0]`` entries first, then ``[0, 1]``...
-        seg_W_V: ``[W, V]`` segment sizes (int64).
-
-    Returns:
-        The same entries with segment ``(w, v)`` moved to position ``(v, w)``.
-    """
-    n = values.numel()
-    if n == 0 or seg_W_V.shape[0] == 1 or seg_W_V.shape[1] == 1:
-        return values
-    flat = seg_W_V.reshape(-1)
-    starts_W_V = (torch.cumsum(flat, 0) - flat).view(seg_W_V.shape)
-    seg_V_W = seg_W_V.t().reshape(-1)
-    new_starts = torch.cumsum(seg_V_W, 0) - seg_V_W
-    shift = torch.repeat_interleave(starts_W_V.t().reshape(-1) - new_starts, seg_V_W, output_size=n)
-    return values[shift + torch.arange(n, device=values.device)]
 
 
 def pack_weights(weights: Tensor) -> Tensor:
@@ -397,7 +147,7 @@ def start_count_exchange(
     counts = torch.zeros(world, bucketizer.num_columns, dtype=torch.int64, device=bucketizer.device)
     routed: tuple[Tensor, Tensor | None, Tensor] | None = None
     if features is None or error is not None:
-        counts[:, _FLAG] = 1
+        counts[:, FLAG_COLUMN] = 1
     else:
         routed = bucketizer.bucketize(features)
         _fill_counts(counts, bucketizer, features, routed[2], check)
@@ -440,10 +190,10 @@ def _start_ids(
     features, error, check = exchange.features, exchange.error, exchange.check
     bucketizer, routed, weighted = exchange.bucketizer, exchange.routed, exchange.weighted
     group, rank = exchange.group, exchange.rank
-    bad = [s for s, row in enumerate(received) if row[_FLAG]]
+    bad = [s for s, row in enumerate(received) if row[FLAG_COLUMN]]
     if error is not None:
         raise error
-    if sent and sent[0][_FLAG]:
+    if sent and sent[0][FLAG_COLUMN]:
         assert check is not None
         check.raise_error()
     if bad:
@@ -453,7 +203,7 @@ def _start_ids(
         )
     assert features is not None and routed is not None
     ids_N, w_N, lengths_G_B = routed
-    batch_sizes = [row[_BATCH] for row in received]
+    batch_sizes = [row[BATCH_COLUMN] for row in received]
     max_batch = max(batch_sizes)
     if lengths_G_B.shape[1] == max_batch:
         lengths = lengths_G_B.reshape(-1)
@@ -482,7 +232,7 @@ def _start_ids(
 
 def _mp_counts(bucketizer: Bucketizer, row: list[int], dest: int) -> list[int]:
     """The ids of each of ``dest``'s virtual features in one row of the count table."""
-    return row[_IDS : _IDS + bucketizer.dest_counts[dest]]
+    return row[IDS_COLUMN : IDS_COLUMN + bucketizer.dest_counts[dest]]
 
 
 def _fill_counts(
@@ -493,9 +243,9 @@ def _fill_counts(
     check: PendingCheck | None,
 ) -> None:
     """Write this rank's row of the count table for every destination, on the device."""
-    counts[:, _BATCH] = features.stride()
+    counts[:, BATCH_COLUMN] = features.stride()
     if check is not None and check.bad is not None:
-        counts[:, _FLAG] = check.bad
+        counts[:, FLAG_COLUMN] = check.bad
     if bucketizer.num_virtual:
         counts.view(-1)[bucketizer.count_slot] = lengths_G_B.sum(1).to(torch.int64)
     if bucketizer.dp_features:

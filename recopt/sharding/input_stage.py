@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.variable_batch import regular_batch
+from recopt.sharding.bucketizer import Bucketizer
 from recopt.sharding.input_dist import (
-    Bucketizer,
     CountExchange,
     InputInFlight,
     ReceivedInput,

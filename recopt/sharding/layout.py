@@ -20,7 +20,7 @@ from recopt.kernels.precision import Precision
 from recopt.kernels.registry import optimizer_spec
 from recopt.modules.config import EmbeddingBagConfig
 from recopt.modules.inputs import FeatureLayout
-from recopt.sharding.input_dist import VirtualFeature
+from recopt.sharding.bucketizer import VirtualFeature
 from recopt.sharding.plan import ParameterSharding, PlanError, ShardingType
 
 

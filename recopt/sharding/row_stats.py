@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from recopt.comm import all_to_all_flat
 from recopt.kernels.contract import Kernel, KernelHook
 from recopt.kernels.registry import optimizer_spec
-from recopt.sharding.input_dist import KernelInput
+from recopt.sharding.kernel_inputs import KernelInput
 from recopt.sharding.layout import ShardedLayout
 
 Tensor = torch.Tensor

@@ -11,7 +11,6 @@ Legend: B this rank's batch, Bm the largest batch, W world size, D output width.
 from __future__ import annotations
 
 import datetime
-import itertools
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,14 +30,11 @@ from recopt.modules.id_map_lookup import IdMaps, MappedBatch, mean_scale
 from recopt.modules.nonfinite import NonFiniteGradGuard, backward_if_given, finite_flag
 from recopt.modules.variable_batch import expand_rows
 from recopt.sharding.backend_decisions import share_backend_decisions
+from recopt.sharding.bucketizer import Bucketizer
 from recopt.sharding.id_map_sharded import ShardedIdMaps
-from recopt.sharding.input_dist import (
-    Bucketizer,
-    KernelInput,
-    ReceivedInput,
-    segment_transpose,
-)
+from recopt.sharding.input_dist import ReceivedInput
 from recopt.sharding.input_stage import DistributedInput, PrefetchQueue, start_distribution
+from recopt.sharding.kernel_inputs import kernel_inputs, run_kernel, send_buffer
 from recopt.sharding.layout import GroupLayout, ShardedLayout
 from recopt.sharding.output_assembly import OutputAssembly
 from recopt.sharding.output_exchange import ExchangeMeta, OutputExchange, ScratchBuffer
@@ -408,7 +404,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
                 # exchange, as on the other ranks).
                 return self._row_stats.attach([self._dummy.clone()], [])[0]
             return torch.zeros(0, device=self.device)
-        inputs = self._kernel_inputs(
+        inputs = kernel_inputs(
             len(self._layout.dest_features[self._rank]),
             [len(g.features) for g in groups],
             received.max_batch,
@@ -417,67 +413,15 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
             received.mp_weights,
             received.mp_id_counts,
         )
-        outs = [_run(kernel, x) for kernel, x in zip(self._mp_kernels, inputs, strict=True)]
+        outs = [run_kernel(kernel, x) for kernel, x in zip(self._mp_kernels, inputs, strict=True)]
         outs = self._row_stats.attach(outs, inputs)
-        return self._send_buffer(outs, received.batch_sizes, received.max_batch)
-
-    def _kernel_inputs(
-        self,
-        num_features: int,
-        group_sizes: list[int],
-        max_batch: int,
-        lengths: list[Tensor],
-        ids: list[Tensor],
-        weights: list[Tensor | None],
-        id_counts: list[list[int]],
-    ) -> list[KernelInput]:
-        """Kernel inputs over the global (padded) batch: feature-major, each feature's bags of
-        rank 0, then rank 1, ... (received source-major; kernels need a table's features
-        contiguous, which fbgemm's exact optimizers rely on). Every id count comes from the
-        count exchange's host copy (``id_counts[source][feature]``): nothing is read back."""
-        lengths_W_V_B = torch.stack([x.view(num_features, max_batch) for x in lengths])
-        seg_W_V = lengths_W_V_B.sum(2)
-        all_ids = segment_transpose(torch.cat(ids), seg_W_V)
-        all_w = None
-        if weights[0] is not None:
-            all_w = segment_transpose(torch.cat(weights), seg_W_V)  # type: ignore[arg-type]
-        lengths_V_W_B = lengths_W_V_B.transpose(0, 1)
-        per_feature = [sum(col) for col in zip(*id_counts, strict=True)]
-        if len(group_sizes) == 1:
-            offsets = _offsets(lengths_V_W_B.reshape(-1))
-            return [KernelInput(all_ids, offsets, all_w, _bounds(per_feature))]
-        bounds = _bounds(group_sizes)
-        id_sizes = [sum(per_feature[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
-        id_parts = all_ids.split(id_sizes)
-        w_parts = None if all_w is None else all_w.split(id_sizes)
-        result = []
-        for i in range(len(group_sizes)):
-            lens = lengths_V_W_B[bounds[i] : bounds[i + 1]].reshape(-1)
-            result.append(
-                KernelInput(
-                    id_parts[i],
-                    _offsets(lens),
-                    None if w_parts is None else w_parts[i],
-                    _bounds(per_feature[bounds[i] : bounds[i + 1]]),
-                )
-            )
-        return result
-
-    def _send_buffer(self, outs: list[Tensor], batch_sizes: list[int], max_batch: int) -> Tensor:
-        if len(outs) == 1 and min(batch_sizes) == max_batch:
-            return outs[0].reshape(-1)  # rows already in source order, no padding to drop
-        pieces = []
-        for s, b in enumerate(batch_sizes):
-            rows = [out[s * max_batch : s * max_batch + b] for out in outs]
-            block = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
-            pieces.append(block.reshape(-1))
-        return torch.cat(pieces)
+        return send_buffer(outs, received.batch_sizes, received.max_batch)
 
     def _lookup_data_parallel(self, received: ReceivedInput) -> Tensor:
         rows = received.max_batch * len(received.batch_sizes)
         if not self._dp_kernels:
             return torch.zeros(rows, 0, device=self.device)
-        inputs = self._kernel_inputs(
+        inputs = kernel_inputs(
             len(self._layout.dp_features),
             [len(g.features) for g in self._layout.dp_groups],
             received.max_batch,
@@ -486,7 +430,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
             received.dp_weights,
             received.dp_id_counts,
         )
-        outs = [_run(kernel, x) for kernel, x in zip(self._dp_kernels, inputs, strict=True)]
+        outs = [run_kernel(kernel, x) for kernel, x in zip(self._dp_kernels, inputs, strict=True)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     # ------------------------------------------------------------------------------ state
@@ -525,21 +469,3 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
                 self._state.load_weight(name, state_dict[prefix + name])
             except ValueError as e:
                 error_msgs.append(str(e))
-
-
-def _run(kernel: Kernel, x: KernelInput) -> Tensor:
-    """One kernel's lookup, given its feature bounds from the host (the kernel reads nothing)."""
-    out: Tensor = kernel(x.ids, x.offsets, x.weights, offset_per_key=x.bounds)
-    return out
-
-
-def _bounds(sizes: list[int]) -> list[int]:
-    """Where each part starts, then the total (host ints): a feature's first id, a group's
-    first feature."""
-    return list(itertools.accumulate(sizes, initial=0))
-
-
-def _offsets(lengths: Tensor) -> Tensor:
-    offsets = lengths.new_zeros(lengths.numel() + 1)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    return offsets

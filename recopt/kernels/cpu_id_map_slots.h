@@ -1,0 +1,249 @@
+/* The slot structures of the native id map (cpu_id_map.c): the hash table raw id -> slot,
+ * the recency list, the free-slot heap, undo logs, and a stable radix sort. Header-only
+ * (static functions): included once, by cpu_id_map.c.
+ */
+#ifndef RECOPT_CPU_ID_MAP_SLOTS_H
+#define RECOPT_CPU_ID_MAP_SLOTS_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    int64_t key;
+    int64_t slot; /* -1: empty */
+} Entry;
+
+typedef struct {
+    Entry *entries;
+    int64_t mask;
+} Hash;
+
+typedef struct { /* old values of the slots one batch wrote (an undo record) */
+    int64_t *slot, *ids, *seen, *count;
+    double *freq;
+    uint8_t *used;
+    int64_t size, cap;
+} Log;
+
+typedef struct {
+    int64_t n, live, head, tail, heap_size;
+    Hash hash;
+    int64_t *link; /* link[2r]: previous slot, link[2r+1]: next slot (-1: none) */
+    int64_t *heap, *mark;
+    /* the buffers: ids, used (bool), last seen; freq (rows) or count (candidates) */
+    int64_t *ids, *seen, *count;
+    uint8_t *used;
+    double *freq;
+    Log log;
+} Slots;
+
+static inline uint64_t mix64(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+static int hash_init(Hash *h, int64_t n) {
+    int64_t cap = 16;
+    while (cap < 2 * n) cap <<= 1;
+    free(h->entries);
+    h->entries = malloc(sizeof(Entry) * cap);
+    if (!h->entries) return -1;
+    h->mask = cap - 1;
+    for (int64_t i = 0; i < cap; i++) h->entries[i].slot = -1;
+    return 0;
+}
+
+static inline int64_t hash_find(const Hash *h, int64_t key) {
+    int64_t i = (int64_t)(mix64((uint64_t)key) & (uint64_t)h->mask);
+    while (h->entries[i].slot >= 0) {
+        if (h->entries[i].key == key) return h->entries[i].slot;
+        i = (i + 1) & h->mask;
+    }
+    return -1;
+}
+
+/* Sets key's slot; returns the slot the key had (-1: it was absent). */
+static inline int64_t hash_put(Hash *h, int64_t key, int64_t slot) {
+    int64_t i = (int64_t)(mix64((uint64_t)key) & (uint64_t)h->mask);
+    while (h->entries[i].slot >= 0) {
+        if (h->entries[i].key == key) return h->entries[i].slot;
+        i = (i + 1) & h->mask;
+    }
+    h->entries[i].key = key;
+    h->entries[i].slot = slot;
+    return -1;
+}
+
+static void hash_erase(Hash *h, int64_t key) {
+    int64_t i = (int64_t)(mix64((uint64_t)key) & (uint64_t)h->mask);
+    while (h->entries[i].slot >= 0 && h->entries[i].key != key) i = (i + 1) & h->mask;
+    if (h->entries[i].slot < 0) return;
+    /* backward shift: move later entries of the probe run into the hole (no tombstones) */
+    int64_t j = i;
+    for (;;) {
+        j = (j + 1) & h->mask;
+        if (h->entries[j].slot < 0) break;
+        int64_t home = (int64_t)(mix64((uint64_t)h->entries[j].key) & (uint64_t)h->mask);
+        int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
+        if (stays) continue;
+        h->entries[i] = h->entries[j];
+        i = j;
+    }
+    h->entries[i].slot = -1;
+}
+
+/* Stable LSD radix sort of (key, val) pairs by unsigned key; bytes equal everywhere skipped. */
+static void radix_sort(uint64_t *key, int64_t *val, uint64_t *key_tmp, int64_t *val_tmp,
+                       int64_t n) {
+    int64_t counts[256];
+    uint64_t any = 0, all = ~0ULL;
+    for (int64_t i = 0; i < n; i++) {
+        any |= key[i];
+        all &= key[i];
+    }
+    for (int shift = 0; shift < 64; shift += 8) {
+        if ((((any ^ all) >> shift) & 255) == 0) continue; /* this byte is the same in all */
+        memset(counts, 0, sizeof(counts));
+        for (int64_t i = 0; i < n; i++) counts[(key[i] >> shift) & 255]++;
+        int64_t total = 0;
+        for (int b = 0; b < 256; b++) {
+            int64_t c = counts[b];
+            counts[b] = total;
+            total += c;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            int64_t at = counts[(key[i] >> shift) & 255]++;
+            key_tmp[at] = key[i];
+            val_tmp[at] = val[i];
+        }
+        memcpy(key, key_tmp, sizeof(uint64_t) * n);
+        memcpy(val, val_tmp, sizeof(int64_t) * n);
+    }
+}
+
+/* How far ahead the loops over random slots prefetch (their cache misses overlap). */
+#define AHEAD 12
+
+static inline void prefetch_home(const Hash *h, int64_t key) {
+    __builtin_prefetch(&h->entries[mix64((uint64_t)key) & (uint64_t)h->mask]);
+}
+
+static inline uint64_t signed_key(int64_t x) { return (uint64_t)x ^ (1ULL << 63); }
+
+/* ---- the recency list (used slots by (last seen, slot)) and the free-slot heap ---- */
+
+static inline void list_unlink(Slots *s, int64_t r) {
+    int64_t p = s->link[2 * r], q = s->link[2 * r + 1];
+    if (p >= 0) s->link[2 * p + 1] = q; else s->head = q;
+    if (q >= 0) s->link[2 * q] = p; else s->tail = p;
+    s->link[2 * r] = s->link[2 * r + 1] = -1;
+}
+
+static inline void list_append(Slots *s, int64_t r) {
+    s->link[2 * r] = s->tail;
+    s->link[2 * r + 1] = -1;
+    if (s->tail >= 0) s->link[2 * s->tail + 1] = r; else s->head = r;
+    s->tail = r;
+}
+
+static void heap_push(Slots *s, int64_t r) {
+    int64_t i = s->heap_size++;
+    while (i > 0) {
+        int64_t parent = (i - 1) / 2;
+        if (s->heap[parent] <= r) break;
+        s->heap[i] = s->heap[parent];
+        i = parent;
+    }
+    s->heap[i] = r;
+}
+
+static int64_t heap_pop(Slots *s) {
+    int64_t top = s->heap[0], last = s->heap[--s->heap_size], i = 0;
+    for (;;) {
+        int64_t child = 2 * i + 1;
+        if (child >= s->heap_size) break;
+        if (child + 1 < s->heap_size && s->heap[child + 1] < s->heap[child]) child++;
+        if (s->heap[child] >= last) break;
+        s->heap[i] = s->heap[child];
+        i = child;
+    }
+    if (s->heap_size > 0) s->heap[i] = last;
+    return top;
+}
+
+/* ---- undo records: a slot's old values, the first time a batch writes it ---- */
+
+static int log_grow(Log *log) {
+    int64_t cap = log->cap ? 2 * log->cap : 1024;
+    void *p[6] = {realloc(log->slot, 8 * cap), realloc(log->ids, 8 * cap),
+                  realloc(log->seen, 8 * cap), realloc(log->count, 8 * cap),
+                  realloc(log->freq, 8 * cap), realloc(log->used, cap)};
+    if (p[0]) log->slot = p[0];
+    if (p[1]) log->ids = p[1];
+    if (p[2]) log->seen = p[2];
+    if (p[3]) log->count = p[3];
+    if (p[4]) log->freq = p[4];
+    if (p[5]) log->used = p[5];
+    for (int i = 0; i < 6; i++) if (!p[i]) return -1;
+    log->cap = cap;
+    return 0;
+}
+
+static void slots_free(Slots *s) {
+    free(s->hash.entries);
+    free(s->link);
+    free(s->heap);
+    free(s->mark);
+    free(s->log.slot);
+    free(s->log.ids);
+    free(s->log.seen);
+    free(s->log.count);
+    free(s->log.freq);
+    free(s->log.used);
+}
+
+static int slots_init(Slots *s, int64_t n) {
+    memset(s, 0, sizeof(*s));
+    s->n = n;
+    s->link = malloc(16 * (n + 1));
+    s->heap = malloc(8 * (n + 1));
+    if (!s->link || !s->heap) return -1;
+    return hash_init(&s->hash, n);
+}
+
+static int slots_rebuild(Slots *s) {
+    int64_t n = s->n, live = 0;
+    uint64_t *key = malloc(8 * (n + 1)), *key_tmp = malloc(8 * (n + 1));
+    int64_t *val = malloc(8 * (n + 1)), *val_tmp = malloc(8 * (n + 1));
+    int ok = key && key_tmp && val && val_tmp;
+    if (ok) {
+        for (int64_t i = 0; i <= s->hash.mask; i++) s->hash.entries[i].slot = -1;
+        s->heap_size = 0;
+        for (int64_t r = 0; r < n; r++) {
+            s->link[2 * r] = s->link[2 * r + 1] = -1;
+            if (s->used[r]) {
+                hash_put(&s->hash, s->ids[r], r);
+                key[live] = signed_key(s->seen[r]);
+                val[live++] = r;
+            } else {
+                s->heap[s->heap_size++] = r; /* ascending: already a min-heap */
+            }
+        }
+        radix_sort(key, val, key_tmp, val_tmp, live); /* stable: by (last seen, slot) */
+        s->head = s->tail = -1;
+        for (int64_t i = 0; i < live; i++) list_append(s, val[i]);
+        s->live = live;
+    }
+    free(key);
+    free(key_tmp);
+    free(val);
+    free(val_tmp);
+    return ok ? 0 : -1;
+}
+
+#endif

@@ -1,0 +1,72 @@
+"""What an id map's remap returns: the rows, its stats, and its undo record.
+
+Kept apart from `recopt.modules.id_map` (which re-exports them) so that the native remap
+(`id_map_native`) builds them without importing the map itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class RemapStats:
+    """What one training batch did to a table's map (`IdMap.last_stats`).
+
+    ``occupancy``: live rows / rows after the batch; ``new_ids``: ids given a row;
+    ``evictions``: live ids evicted by the policy; ``expired``: rows freed by ``ttl_steps``;
+    ``admissions``: candidates admitted (``admit_after``); ``zero_row_ids``: distinct ids that
+    read the zero row (not admitted yet, or more new ids than rows).
+    """
+
+    step: int = 0
+    occupancy: float = 0.0
+    new_ids: int = 0
+    evictions: int = 0
+    expired: int = 0
+    admissions: int = 0
+    zero_row_ids: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        """The counters by name."""
+        return {name: float(getattr(self, name)) for name in self.__slots__}
+
+
+@dataclass(slots=True)
+class Remapped:
+    """The rows of one batch: ``rows_M`` (-1: the zero row) and the rows to re-initialise.
+
+    ``fresh_rows`` got a new id this batch (their weights and optimizer state must be reset
+    before the lookup); ``fresh_ids`` are those ids, in the same order.
+    """
+
+    rows_M: torch.Tensor
+    fresh_rows: torch.Tensor
+    fresh_ids: torch.Tensor
+    stats: RemapStats = field(default_factory=RemapStats)
+    undo: MapUndo | None = None
+
+
+ROW_BUFFERS = ("row_ids", "occupied", "last_seen", "frequency")
+CANDIDATE_BUFFERS = ("candidate_ids", "candidate_used", "candidate_count", "candidate_last_seen")
+
+
+@dataclass(slots=True)
+class MapUndo:
+    """What one training remap changed, to put the map back (`IdMap.apply_undo`).
+
+    ``step`` and ``stats`` are the values before the remap; ``rows`` [K] the row slots whose
+    buffers it changed and ``row_values`` their old values, by buffer name (``row_ids``,
+    ``occupied``, ``last_seen``, ``frequency``); likewise ``candidate_slots`` and
+    ``candidate_values`` (``candidate_ids``, ``candidate_used``, ``candidate_count``,
+    ``candidate_last_seen``) when admission is on (else empty).
+    """
+
+    step: int
+    stats: RemapStats
+    rows: torch.Tensor
+    row_values: dict[str, torch.Tensor]
+    candidate_slots: torch.Tensor
+    candidate_values: dict[str, torch.Tensor] = field(default_factory=dict)
