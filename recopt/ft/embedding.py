@@ -377,7 +377,8 @@ class EmbeddingReplicaSync(StepParticipant):
     returns their average over the replicas, so every replica that touched a row applies the
     same update to the same state. Rows that only some replicas touched are then sent,
     before the vote, from the lowest-ranked replica that updated them to the others (weight
-    and per-row state; the guard snapshots them first, so a dropped step still restores).
+    and per-row state; the guard snapshots them first, so a dropped step still restores), and
+    also before each further training forward of the step, which reads those rows.
 
     Args:
         module: a `FusedEmbeddingBagCollection` whose kernels have a ``grad_hook`` attribute
