@@ -30,7 +30,7 @@ from recopt.ft.retry import RetryPolicy, StepRetrier
 from recopt.ft.torchft_manager import TorchftConfig
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.models.dlrm import DLRM, DLRMConfig
-from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection
+from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, IdMapConfig
 from recopt.optim import CombinedOptimizer, KeyedOptimizerWrapper
 
 TIMEOUT = datetime.timedelta(seconds=20)
@@ -54,13 +54,21 @@ class Scenario:
     timeout_s: float = TIMEOUT.total_seconds()  # every collective, vote and healing transfer
     min_replica_size: int = 1
     quorum_timeout_s: float = 30.0
+    id_map: bool = False  # plain group: id-mapped tables (lru, a quarter of the rows; no sync)
 
 
-def build_plain(seed: int) -> tuple[nn.Module, CombinedOptimizer]:
-    """The DLRM of ft_sharded_worker on one process (fused Adam tables, dense Adam)."""
+def build_plain(seed: int, id_map: bool = False) -> tuple[nn.Module, CombinedOptimizer]:
+    """The DLRM of ft_sharded_worker on one process (fused Adam tables, dense Adam); with
+    ``id_map``, its tables are id-mapped with a quarter of the rows (the maps evict)."""
     torch.manual_seed(seed)
     tables = [
-        EmbeddingBagConfig(name=t, num_embeddings=n, embedding_dim=8, feature_names=(f"f{t}",))
+        EmbeddingBagConfig(
+            name=t,
+            num_embeddings=n // 4 if id_map else n,
+            embedding_dim=8,
+            feature_names=(f"f{t}",),
+            id_map=IdMapConfig(policy="lru") if id_map else None,
+        )
         for t, n in ROWS.items()
     ]
     optimizer = FusedOptimizerConfig(name="adam", lr=0.05, backend=Backend.RECOPT)
@@ -96,7 +104,7 @@ def replica_group(rank: int, world_size: int, spec: Scenario) -> list[dict[str, 
     """Train until ``spec.steps`` commits; one entry per attempt (see the module docstring)."""
     store, port = _group_store(rank)
     if world_size == 1:
-        model, optimizer = build_plain(spec.seed)
+        model, optimizer = build_plain(spec.seed, spec.id_map)
     else:
         model, optimizer = build_sharded(spec.seed, TIMEOUT)
     config = TorchftConfig(
@@ -110,7 +118,7 @@ def replica_group(rank: int, world_size: int, spec: Scenario) -> list[dict[str, 
         timeout=datetime.timedelta(seconds=spec.timeout_s),
         quorum_timeout=datetime.timedelta(seconds=spec.quorum_timeout_s),
     )
-    ft = make_fault_tolerant(model, optimizer, config)
+    ft = make_fault_tolerant(model, optimizer, config, sync_embeddings=not spec.id_map)
     if spec.ready_file and rank == 0:
         Path(spec.ready_file).touch()
     retrier = StepRetrier(ft.manager, RetryPolicy(backoff_s=0.01, max_backoff_s=0.2))

@@ -224,15 +224,6 @@ def test_plain_embedding_collection_refuses_id_map() -> None:
         EmbeddingCollection([unpooled])
 
 
-def test_fault_tolerance_refuses_id_mapped_tables() -> None:
-    from recopt.ft.embedding import FusedEmbeddingGuard
-
-    fused = FusedEmbeddingBagCollection([_table(4, IdMapConfig(policy="lru"))])
-    with pytest.raises(ValueError, match=r"tables \['t'\] have id_map, whose map fault"):
-        FusedEmbeddingGuard(fused)
-    FusedEmbeddingGuard(FusedEmbeddingBagCollection([_table(4, None)]))  # without: accepted
-
-
 def test_sharded_id_maps_refuse_an_init_fn() -> None:
     from recopt.sharding.id_map_sharded import refuse_init_fn
 

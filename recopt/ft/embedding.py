@@ -6,7 +6,9 @@ optimizer state) and writes them back if the vote is no; on a sharded collection
 per local kernel, from the ids each kernel receives after the input all-to-all.
 `average_row_gradients` and `union_row_gradients` are the cross-replica halves of the
 kernel's ``grad_hook``. A NaN/inf gradient on any replica drops the step on every replica: the
-hooks see every replica's row gradients, and the guard reports a local gated skip.
+hooks see every replica's row gradients, and the guard reports a local gated skip. Id-mapped
+tables: the guard watches their maps (`RemapObserver`), keeps each map step's undo record and
+saves the rows a step uses, or re-initialises for new ids, before they change.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,7 @@ from torch import nn
 from recopt.ft.embedding_tables import (
     FusedTable,
     collect_tables,
+    id_maps_of,
     is_sharded,
     kernel_tables,
     kernels_of,
@@ -33,6 +36,7 @@ from recopt.ft.nonfinite import NonFiniteGradientError, report_nonfinite
 from recopt.ft.steps import StepParticipant, StepTransaction
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.modules.collection import FusedCollection
+from recopt.modules.id_map import IdMap, MapUndo, Remapped
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +66,12 @@ class FusedEmbeddingGuard(StepParticipant):
     snapshots those rows of its local shards. The step counters the collection keeps for
     tables held on other ranks (advanced at every backward) are copied whole.
 
+    Id-mapped tables (``IdMapConfig``): the guard observes the collection's maps. Each
+    training step of a map hands it the step's undo record (restored on a dropped step, so
+    the map is bit for bit as before); the rows a step uses are saved once known (after the
+    remap, before any reset) and the rows re-initialised for new ids are saved before their
+    reset, so an evicted id's old weight and optimizer state come back too.
+
     Args:
         module: a `FusedEmbeddingBagCollection` (``tables``, ``fused_optimizer``) or a
             sharded one (``kernels()``, ``fused_optimizer``).
@@ -70,24 +80,18 @@ class FusedEmbeddingGuard(StepParticipant):
 
     Raises:
         ValueError: the module does not expose a table's weight under
-            ``embedding_bags.<table>.weight`` in its ``fused_optimizer``, or it has id-mapped
-            tables (their map is not rolled back yet: docs/id_map.md).
+            ``embedding_bags.<table>.weight`` in its ``fused_optimizer``.
     """
 
     def __init__(self, module: nn.Module, manager: StepTransaction | None = None) -> None:
-        mapped = [t.name for t in getattr(module, "tables", []) if getattr(t, "id_map", None)]
-        if mapped:
-            raise ValueError(
-                f"tables {mapped} have id_map, whose map fault tolerance does not roll back "
-                "on a dropped step yet (docs/id_map.md); train them without fault tolerance "
-                "or drop id_map"
-            )
         self._module = module
         self._skips_at_start = self._skipped_steps()
         self._snapshots: list[_Snapshot] = []
         self._scalars: list[torch.Tensor] = []  # sharded: step counters of remote tables
         self._saved_scalars: list[list[torch.Tensor]] = []
-        if is_sharded(module):
+        self._map_undos: list[tuple[IdMap, MapUndo]] = []
+        self._sharded = is_sharded(module)
+        if self._sharded:
             self._tables = []
             self._handles = []
             for kernel in kernels_of(module):
@@ -100,6 +104,9 @@ class FusedEmbeddingGuard(StepParticipant):
         else:
             self._tables = collect_tables(module)
             self._handles = [module.register_forward_pre_hook(self._before_forward)]
+        self._maps = id_maps_of(module)
+        if self._maps is not None:
+            self._maps.observers.append(self)
         if manager is not None:
             manager.register_participant(self)
 
@@ -138,14 +145,43 @@ class FusedEmbeddingGuard(StepParticipant):
         keys = list(features.keys())
         bounds = features.offset_per_key()
         values = features.values()
+        mapped = set() if self._maps is None else set(self._maps)
         for table in self._tables:
             parts = [
                 values[bounds[keys.index(f)] : bounds[keys.index(f) + 1]]
                 for f in table.features
                 if f in keys
             ]
-            if parts:
+            if parts and table.name in mapped:  # raw ids: the rows come with the map step
+                self.snapshot(table, values.new_zeros(0))
+            elif parts:
                 self.snapshot(table, torch.unique(torch.cat(parts)))
+
+    def map_stepped(self, table: str, idmap: IdMap, result: Remapped) -> None:
+        """Keep the map step's undo record; unsharded, save the rows the batch uses now.
+
+        On a sharded collection the local kernels' pre-hooks save the used rows, and
+        `before_reset` the re-initialised ones.
+        """
+        if result.undo is None:
+            raise RuntimeError(f"id map of table {table!r} stepped without an undo record")
+        self._map_undos.append((idmap, result.undo))
+        if self._sharded:
+            return
+        (fused,) = [t for t in self._tables if t.name == table]
+        # Every row the batch reads (its fresh rows among them), before any is reset.
+        self.snapshot(fused, torch.unique(result.rows_M[result.rows_M >= 0]))
+
+    def before_reset(
+        self,
+        table: str,
+        weight: torch.Tensor,
+        states: Mapping[str, torch.Tensor],
+        rows: torch.Tensor,
+    ) -> None:
+        """Save ``rows`` of a shard (weight and state) before they are re-initialised."""
+        if self._sharded:  # unsharded, `map_stepped` saved them already
+            self.snapshot(FusedTable(table, (), weight, dict(states), True), rows)
 
     @torch.no_grad()
     def snapshot(self, table: FusedTable, ids: torch.Tensor) -> None:
@@ -163,7 +199,8 @@ class FusedEmbeddingGuard(StepParticipant):
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Write every snapshot back, newest first (so a row seen twice gets its oldest value)."""
+        """Write every snapshot back, newest first (so a row seen twice gets its oldest value);
+        undo every map step, newest first."""
         for snap in reversed(self._snapshots):
             snap.table.weight.index_copy_(0, snap.ids, snap.weight_rows)
             for key, saved in snap.state_rows.items():
@@ -173,21 +210,26 @@ class FusedEmbeddingGuard(StepParticipant):
         for saved_scalars in reversed(self._saved_scalars):
             for tensor, saved in zip(self._scalars, saved_scalars, strict=True):
                 tensor.copy_(saved)
+        for idmap, undo in reversed(self._map_undos):
+            idmap.apply_undo(undo)
         self.clear()
 
     def clear(self) -> None:
-        """Forget the current step's snapshots."""
+        """Forget the current step's snapshots and map undo records."""
         self._snapshots.clear()
         self._saved_scalars.clear()
+        self._map_undos.clear()
 
     def snapshot_bytes(self) -> int:
-        """Memory held by the current step's snapshots."""
-        total = 0
+        """Memory held by the current step's snapshots and map undo records."""
+        tensors: list[torch.Tensor] = []
         for snap in self._snapshots:
-            tensors = [snap.ids, snap.weight_rows, *snap.state_rows.values()]
+            tensors += [snap.ids, snap.weight_rows, *snap.state_rows.values()]
             tensors += list(snap.state_whole.values())
-            total += sum(t.numel() * t.element_size() for t in tensors)
-        return total
+        for _, undo in self._map_undos:
+            tensors += [undo.rows, undo.candidate_slots, *undo.row_values.values()]
+            tensors += list(undo.candidate_values.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def _skipped_steps(self) -> int:
         module = self._module
@@ -221,9 +263,11 @@ class FusedEmbeddingGuard(StepParticipant):
         self.restore()
 
     def remove(self) -> None:
-        """Detach the forward pre-hooks."""
+        """Detach the forward pre-hooks and stop observing the id maps."""
         for handle in self._handles:
             handle.remove()
+        if self._maps is not None and self in self._maps.observers:
+            self._maps.observers.remove(self)
 
 
 def replica_sync_optimizer(
@@ -339,13 +383,23 @@ class EmbeddingReplicaSync(StepParticipant):
         guard: the collection's `FusedEmbeddingGuard` (restores the rows written here).
 
     Raises:
-        ValueError: a kernel without ``grad_hook`` (fbgemm), or Adafactor (its per-column
-            statistics depend on rows this replica never sees).
+        ValueError: a kernel without ``grad_hook`` (fbgemm), Adafactor (its per-column
+            statistics depend on rows this replica never sees), or id-mapped tables (each
+            replica's map follows its own batches: a row holds different ids on different
+            replicas).
     """
 
     def __init__(
         self, module: nn.Module, manager: StepTransaction, guard: FusedEmbeddingGuard
     ) -> None:
+        maps = id_maps_of(module)
+        if maps is not None:
+            raise ValueError(
+                f"tables {sorted(maps)} have id_map: each replica group steps its map with its "
+                "own batches, so a row holds different ids on different replicas and their "
+                "rows cannot be averaged; use sync_embeddings=False (each replica group trains "
+                "its own tables) or drop id_map"
+            )
         self._manager = manager
         self._guard = guard
         self._kernels = kernels_of(module)

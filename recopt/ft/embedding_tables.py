@@ -16,6 +16,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from recopt.kernels.contract import Kernel
 from recopt.kernels.registry import OPTIMIZERS
 from recopt.modules.collection import FusedCollection
+from recopt.modules.id_map_lookup import IdMaps
 
 
 def rows_only_update(optimizer_name: str) -> bool:
@@ -63,6 +64,12 @@ def kernel_tables(kernel: Kernel) -> list[FusedTable]:
         FusedTable(spec.name, (), weight, dict(state), rows_only)
         for spec, weight, state in zip(specs, weights, states, strict=True)
     ]
+
+
+def id_maps_of(module: nn.Module) -> IdMaps | None:
+    """The collection's id maps (this rank's replica on a sharded one), None without any."""
+    maps = getattr(module, "id_maps", None)
+    return maps if isinstance(maps, IdMaps) else None
 
 
 def scalar_states(module: nn.Module) -> list[torch.Tensor]:

@@ -33,10 +33,9 @@ from recopt.modules.fused_groups import (
 from recopt.modules.id_map_lookup import (
     IdMaps,
     MappedBatch,
-    init_rows,
     mean_scale,
     prepare_mapped,
-    reset_state_rows,
+    reset_fresh_rows,
 )
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.nonfinite import NonFiniteGradGuard, guarded_lookup
@@ -348,9 +347,10 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
                 strict=True,
             ):
                 fresh = mapped.fresh.get(self.tables[t].name)
-                if fresh is not None and fresh.fresh_rows.numel():
-                    init_rows(self.tables[t], weight, fresh, fresh.stats.step)
-                    reset_state_rows(group.optimizer.name, states, fresh.fresh_rows)
+                if fresh is not None:
+                    reset_fresh_rows(
+                        self.id_maps, self.tables[t], group.optimizer.name, weight, states, fresh
+                    )
         return mapped.features, mapped
 
     def _lookup_all(

@@ -5,7 +5,9 @@ state_dict under ``id_maps.<table>.``). `IdMaps.remap` rewrites the mapped featu
 rows and drops the ids that read the zero row (not admitted yet); a mean-pooled bag keeps its
 full id count as divisor (`mean_scale`). The rows given to new ids are re-initialised by
 `init_rows` (a hash of the raw id, the step and the column: the same draw whatever layout or
-rank holds the row) and their optimizer state zeroed by `reset_state_rows`.
+rank holds the row) and their optimizer state zeroed by `reset_state_rows`. A `RemapObserver`
+(fault tolerance's guard) is told of every map step, with its undo record, and of every fresh
+row before it is reset, so that a dropped step can put the map and the rows back.
 Legend: F features, B batch size, M ids, K fresh rows, D row width.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -40,8 +43,31 @@ class MappedBatch:
     lengths_before: torch.Tensor | None = None
 
 
+class RemapObserver(Protocol):
+    """Told what a training step does to the maps and rows (`FusedEmbeddingGuard`)."""
+
+    def map_stepped(self, table: str, idmap: IdMap, result: Remapped) -> None:
+        """``idmap`` (table ``table``) took a training step; ``result.undo`` reverts it.
+
+        Called before any of the step's fresh rows is reset.
+        """
+
+    def before_reset(
+        self,
+        table: str,
+        weight: torch.Tensor,
+        states: Mapping[str, torch.Tensor],
+        rows: torch.Tensor,
+    ) -> None:
+        """``rows`` of ``weight`` (a table or a shard of it; ``states`` its optimizer state)
+        are about to be re-initialised for new ids."""
+
+
 class IdMaps(nn.ModuleDict):
     """The maps of a collection's id-mapped tables, by table name (``id_maps.<table>.``).
+
+    ``observers`` (`RemapObserver`) are told of every training step of a map, which then
+    records its undo record, and of every fresh row before `reset_fresh_rows` resets it.
 
     Args:
         tables: the collection's tables (those without ``id_map`` are left alone).
@@ -58,6 +84,14 @@ class IdMaps(nn.ModuleDict):
                 if t.id_map is not None
             }
         )
+        self.observers: list[RemapObserver] = []
+
+    def __getstate__(self) -> dict[str, object]:
+        """A copy or pickle (``copy.deepcopy``, ``torch.save`` of the module) is unobserved:
+        the observers (a guard with its manager) belong to this instance."""
+        state = dict(self.__dict__)
+        state["observers"] = []
+        return state
 
     @staticmethod
     def of(
@@ -87,9 +121,34 @@ class IdMaps(nn.ModuleDict):
         of the map. Ids that read the zero row are dropped from their bags.
         """
         ids = table_ids(features, layout, list(self))
-        maps = {name: self.table_map(name) for name in ids}
-        results = remap_tables(maps, ids, training)  # native lru maps: one call for all
+        if training and self.observers:  # a guarded step: per table, with undo records
+            results = {name: self.step(name, ids[name], training) for name in ids}
+        else:  # native lru maps: one call for all
+            maps = {name: self.table_map(name) for name in ids}
+            results = remap_tables(maps, ids, training)
         return apply_rows(features, layout, results)
+
+    def step(self, name: str, ids_M: torch.Tensor, training: bool) -> Remapped:
+        """`IdMap.remap` of table ``name``; a training step is shown to the observers (with
+        its undo record)."""
+        idmap = self.table_map(name)
+        if not training or not self.observers:
+            return idmap.remap(ids_M, training)
+        result = idmap.remap(ids_M, True, record_undo=True)
+        for observer in self.observers:
+            observer.map_stepped(name, idmap, result)
+        return result
+
+    def before_reset(
+        self,
+        name: str,
+        weight: torch.Tensor,
+        states: Mapping[str, torch.Tensor],
+        rows: torch.Tensor,
+    ) -> None:
+        """Tell the observers that ``rows`` of table ``name``'s ``weight`` will be reset."""
+        for observer in self.observers:
+            observer.before_reset(name, weight, states, rows)
 
 
 def _spans(features: KeyedJaggedTensor, layout: FeatureLayout, name: str) -> list[tuple[int, int]]:
@@ -202,6 +261,22 @@ def init_rows(table: BaseEmbeddingConfig, weight: torch.Tensor, fresh: Remapped,
             unit = hash_uniform(fresh.fresh_ids, step, weight.shape[1])
             values = lo + (hi - lo) * unit
         weight[rows] = values.to(weight.dtype)
+
+
+def reset_fresh_rows(
+    maps: IdMaps,
+    table: BaseEmbeddingConfig,
+    optimizer_name: str,
+    weight: torch.Tensor,
+    states: Mapping[str, torch.Tensor],
+    fresh: Remapped,
+) -> None:
+    """`init_rows` and `reset_state_rows` of ``fresh``'s rows, the observers told first."""
+    if fresh.fresh_rows.numel() == 0:
+        return
+    maps.before_reset(table.name, weight, states, fresh.fresh_rows)
+    init_rows(table, weight, fresh, fresh.stats.step)
+    reset_state_rows(optimizer_name, states, fresh.fresh_rows)
 
 
 def reset_state_rows(

@@ -6,7 +6,8 @@ maps stay equal on every rank, and equal to an unsharded collection's map fed th
 batches concatenated (a map step depends only on the ids and their counts). Each rank then
 rewrites its own ids to rows, and the ordinary sharded path routes them as row numbers; each
 rank re-initialises the fresh rows its shards hold (the hashed init: the same values in every
-layout) and zeroes their per-row optimizer state. Outside training the local copy is read.
+layout) and zeroes their per-row optimizer state (the maps' observers told first: fault
+tolerance's guard). Outside training the local copy is read.
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ class ShardedIdMaps:
         per_rank = [g.split(h[2:].tolist()) for h, g in zip(headers, gathered, strict=True)]
         results = {}
         for i, name in enumerate(names):
-            result = self.maps.table_map(name).remap(torch.cat([p[i] for p in per_rank]), True)
+            result = self.maps.step(name, torch.cat([p[i] for p in per_rank]), True)
             start = sum(int(h[2 + i]) for h in headers[: self._rank])
             rows = result.rows_M[start : start + counts[i]]
             results[name] = Remapped(rows, result.fresh_rows, result.fresh_ids, result.stats)
@@ -215,6 +216,8 @@ class ShardedIdMaps:
                     row0, num_rows, col0 = shard.row_offset, shard.num_rows, shard.col_offset
                 held = (fresh.fresh_rows >= row0) & (fresh.fresh_rows < row0 + num_rows)
                 rows = fresh.fresh_rows[held] - row0
+                if rows.numel():  # the guard saves their old values first
+                    self.maps.before_reset(table.name, weight, state, rows)
                 lo, hi = table.init_bounds()
                 unit = hash_uniform(fresh.fresh_ids[held], fresh.stats.step, table.embedding_dim)
                 values = (lo + (hi - lo) * unit)[:, col0 : col0 + weight.shape[1]]

@@ -26,7 +26,7 @@ from recopt.kernels.factory import KernelRequest, create_kernel, rng_unchanged
 from recopt.modules.collection import FusedCollection
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
-from recopt.modules.id_map_lookup import MappedBatch, mean_scale
+from recopt.modules.id_map_lookup import IdMaps, MappedBatch, mean_scale
 from recopt.modules.nonfinite import NonFiniteGradGuard, backward_if_given, finite_flag
 from recopt.modules.variable_batch import expand_rows
 from recopt.sharding.backend_decisions import share_backend_decisions
@@ -347,6 +347,12 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
             length_per_key=self._layout.features.dims,
             values=pooled,
         )
+
+    @property
+    def id_maps(self) -> IdMaps | None:
+        """This rank's replica of the id maps (None: no id-mapped table); fault tolerance
+        registers its observer there."""
+        return None if self._id_maps is None else self._id_maps.maps
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Per id-mapped table: occupancy, new ids, evictions, admissions of the last step

@@ -21,6 +21,7 @@ from recopt.kernels.contract import Kernel
 from recopt.modules.collection import FusedCollection
 from recopt.modules.config import EmbeddingConfig, validate_tables
 from recopt.modules.embedding import TableAccessors
+from recopt.modules.id_map_lookup import IdMaps
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.unpooled import (
     lookup_bag_configs,
@@ -151,6 +152,11 @@ class ShardedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
     @phase_seconds.setter
     def phase_seconds(self, value: dict[str, float] | None) -> None:
         self._bags.phase_seconds = value
+
+    @property
+    def id_maps(self) -> IdMaps | None:
+        """This rank's replica of the id maps (None: no id-mapped table)."""
+        return self._bags.id_maps
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Per id-mapped table: occupancy, new ids, evictions, admissions of the last step."""
