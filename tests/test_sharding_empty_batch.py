@@ -91,7 +91,7 @@ def _every_step(rank: int, world: int) -> dict[tuple[str, str], dict[str, Any]]:
 def steps() -> list[dict[tuple[str, str], dict[str, Any]]]:
     """Per rank, `_every_step`'s results."""
     results: list[dict[tuple[str, str], dict[str, Any]]] = run_on_ranks(
-        _every_step, 2, timeout_s=300
+        _every_step, 2, timeout_s=240
     )
     return results
 

@@ -147,7 +147,7 @@ def _both(rank: int, world: int, root: str) -> dict[str, dict[str, Any]]:
 def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     """The checkpoint root `_planned_saved_and_loaded` saved under, and per rank `_both`."""
     root = tmp_path_factory.mktemp("shared_features")
-    results: list[dict[str, Any]] = run_on_ranks(_both, 2, str(root), timeout_s=300)
+    results: list[dict[str, Any]] = run_on_ranks(_both, 2, str(root), timeout_s=240)
     return root, results
 
 

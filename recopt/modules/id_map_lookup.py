@@ -144,11 +144,11 @@ class IdMaps(nn.ModuleDict):
             gathered = self.peers.gather(ids, False)
             if gathered is not None:
                 return apply_rows(features, layout, step_with_peers(self, *gathered))
-        if training and self.observers:  # one step per map, its undo record shown to them
-            results = {name: self.step(name, ids[name], True) for name in ids}
-        else:
+        if training and self.observers:  # a guarded step: per table, with undo records
+            results = {name: self.step(name, ids[name], training) for name in ids}
+        else:  # native lru maps: one call for all
             maps = {name: self.table_map(name) for name in ids}
-            results = remap_tables(maps, ids, training)  # native lru maps: one call for all
+            results = remap_tables(maps, ids, training)
         return apply_rows(features, layout, results)
 
     def step(self, name: str, ids_M: torch.Tensor, training: bool) -> Remapped:
