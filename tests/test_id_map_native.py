@@ -13,7 +13,7 @@ import ctypes
 import pytest
 import torch
 
-from recopt.kernels import cpu_id_map
+from recopt.kernels import cpu_id_map, native_build
 from recopt.modules import IdMapConfig
 from recopt.modules.id_map import IdMap, Remapped
 from recopt.modules.id_map_lookup import hash_uniform, hash_uniform_torch
@@ -131,7 +131,7 @@ def test_switching_paths_mid_stream_agrees() -> None:
 def test_without_compiler_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_id_map, "_library", None)
     monkeypatch.setattr(cpu_id_map, "_load_failed", False)
-    monkeypatch.setattr(cpu_id_map.shutil, "which", lambda name: None)
+    monkeypatch.setattr(native_build.shutil, "which", lambda name: None)
     assert not cpu_id_map.available()
     idmap = IdMap(CONFIGS["lru"], 4)
     assert idmap.remap(torch.tensor([5, 6, 5]), True).rows_M.tolist() == [0, 1, 0]

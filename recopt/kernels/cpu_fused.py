@@ -13,17 +13,14 @@ Legend: N occurrences (ids) of all the kernel's tables, D a table's dim, T table
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from recopt.kernels.native_build import build_library
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +34,6 @@ _library: ctypes.CDLL | None = None
 _load_failed = False
 
 
-def _cache_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), f"recopt-cpu-fused-{os.getuid()}")
-
-
 def _build(march: str = "native") -> ctypes.CDLL:
     """Compile the C source (once per source, flags and machine) and load it.
 
@@ -48,46 +41,17 @@ def _build(march: str = "native") -> ctypes.CDLL:
         march: the compiler's ``-march``: ``native`` uses what this CPU has (AVX-512, AVX2 +
             F16C); the tests also build ``x86-64`` (no vector extensions) and ``x86-64-v3``.
     """
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    c_source, c_header = _C_SOURCE_PATH.read_text(), _C_HEADER_PATH.read_text()
-    flags = [*_CFLAGS, f"-march={march}"]
-    key = hashlib.sha256(
-        "\0".join([c_source, c_header, *flags, platform.machine(), platform.node()]).encode()
-    ).hexdigest()[:16]
-    directory = _cache_dir()
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"recopt_cpu_fused_{key}.so")
-    if not os.path.exists(path):
-        build_dir = tempfile.mkdtemp(dir=directory)  # the source beside its header
-        for name, text in ((_C_SOURCE_PATH.name, c_source), (_C_HEADER_PATH.name, c_header)):
-            with open(os.path.join(build_dir, name), "w") as f:
-                f.write(text)
-        source = os.path.join(build_dir, _C_SOURCE_PATH.name)
-        tmp = path + f".{os.getpid()}.tmp"
-        try:
-            subprocess.run(
-                [compiler, *flags, source, "-o", tmp, "-lm"], check=True, capture_output=True
-            )
-            os.replace(tmp, path)  # atomic: concurrent builders never see a partial library
-        finally:
-            shutil.rmtree(build_dir, ignore_errors=True)
-    library = ctypes.CDLL(path)
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    signatures: dict[str, list[type]] = {
-        "recopt_prepare": [i64, i64, ptr, ptr, ptr, i32, ptr, ptr, i64, ptr, ptr, i32],
-        "recopt_sort": [i64, ptr, ptr, ptr, ptr, i32, i32],
-        "recopt_pool": [i64, i64, ptr, ptr, ptr, i32, ptr, ptr, i64, ptr, i32],
-        "recopt_aggregate": [i64, ptr, ptr, ptr, ptr, i64, ptr, i32],
-        "recopt_fused_update": [i32, i32, i64, ptr, ptr, ptr, i32, ptr, ptr, i32],
-        "recopt_round": [i64, ptr, ptr, i32, i32, ctypes.c_uint64, i32],
+    ptr, i64, i32, ok = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int
+    signatures: dict[str, tuple[type | None, list[type]]] = {
+        "recopt_prepare": (ok, [i64, i64, ptr, ptr, ptr, i32, ptr, ptr, i64, ptr, ptr, i32]),
+        "recopt_sort": (ok, [i64, ptr, ptr, ptr, ptr, i32, i32]),
+        "recopt_pool": (ok, [i64, i64, ptr, ptr, ptr, i32, ptr, ptr, i64, ptr, i32]),
+        "recopt_aggregate": (ok, [i64, ptr, ptr, ptr, ptr, i64, ptr, i32]),
+        "recopt_fused_update": (ok, [i32, i32, i64, ptr, ptr, ptr, i32, ptr, ptr, i32]),
+        "recopt_round": (ok, [i64, ptr, ptr, i32, i32, ctypes.c_uint64, i32]),
     }
-    for name, argtypes in signatures.items():
-        fn = getattr(library, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = argtypes
-    return library
+    flags = [*_CFLAGS, f"-march={march}"]
+    return build_library(_C_SOURCE_PATH, [_C_HEADER_PATH], flags, signatures)
 
 
 def available() -> bool:

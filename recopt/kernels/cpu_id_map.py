@@ -9,17 +9,14 @@ functions; `recopt/modules/id_map_native.py` drives it.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from recopt.kernels.native_build import build_library
 
 logger = logging.getLogger(__name__)
 
@@ -53,28 +50,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 
 def _build() -> ctypes.CDLL:
     """Compile the C source (once per source, flags and machine) and load it."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    source, header = _C_SOURCE_PATH.read_text(), _C_HEADER_PATH.read_text()
-    key = hashlib.sha256(
-        "\0".join([source, header, *_CFLAGS, platform.machine(), platform.node()]).encode()
-    ).hexdigest()[:16]
-    directory = os.path.join(tempfile.gettempdir(), f"recopt-cpu-id-map-{os.getuid()}")
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"recopt_cpu_id_map_{key}.so")
-    if not os.path.exists(path):
-        tmp = path + f".{os.getpid()}.tmp"
-        subprocess.run(
-            [compiler, *_CFLAGS, str(_C_SOURCE_PATH), "-o", tmp], check=True, capture_output=True
-        )
-        os.replace(tmp, path)  # atomic: concurrent builders never see a partial library
-    library = ctypes.CDLL(path)
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(library, name)
-        fn.restype = restype
-        fn.argtypes = argtypes
-    return library
+    return build_library(_C_SOURCE_PATH, [_C_HEADER_PATH], _CFLAGS, _SIGNATURES)
 
 
 def available() -> bool:

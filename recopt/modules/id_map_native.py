@@ -12,7 +12,7 @@ Legend: M ids of a batch, K known rows, N rows.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -152,18 +152,8 @@ class NativeIdMap:
             _ptr(fresh_ids),
             out,
         )
-        placed, evictions, expired, admissions, zero_row_ids, live = out
-        stats = RemapStats(
-            step=step,
-            occupancy=float(live) / self.num_rows,
-            new_ids=placed,
-            evictions=evictions,
-            expired=expired,
-            admissions=admissions,
-            zero_row_ids=zero_row_ids,
-        )
-        idmap.last_stats = stats
-        idmap.forget_index()  # the torch path's sorted index does not see native writes
+        stats = _stepped(idmap, step, self.num_rows, list(out))
+        placed = stats.new_ids
         result = Remapped(rows_M, fresh_rows[:placed], fresh_ids[:placed], stats)
         if record_undo:
             if status != 0:
@@ -271,18 +261,25 @@ def _step_many(
     for i, (name, idmap, native, _) in enumerate(together):
         if status[i] != 0:
             raise MemoryError("id map: no memory for the native remap's scratch")
-        placed, evictions, expired, admissions, zero_row_ids, live = stats_out[6 * i : 6 * i + 6]
-        stats = RemapStats(
-            step=steps[i],
-            occupancy=float(live) / native.num_rows,
-            new_ids=placed,
-            evictions=evictions,
-            expired=expired,
-            admissions=admissions,
-            zero_row_ids=zero_row_ids,
-        )
-        idmap.last_stats = stats
-        idmap.forget_index()
+        stats = _stepped(idmap, steps[i], native.num_rows, stats_out[6 * i : 6 * i + 6])
+        placed = stats.new_ids
         rows_M, fresh_rows, fresh_ids = views[3 * i : 3 * i + 3]
         results[name] = Remapped(rows_M, fresh_rows[:placed], fresh_ids[:placed], stats)
     return results
+
+
+def _stepped(idmap: IdMap, step: int, num_rows: int, out: Sequence[int]) -> RemapStats:
+    """The stats of a native step from its six counters, recorded on ``idmap``."""
+    placed, evictions, expired, admissions, zero_row_ids, live = out
+    stats = RemapStats(
+        step=step,
+        occupancy=float(live) / num_rows,
+        new_ids=placed,
+        evictions=evictions,
+        expired=expired,
+        admissions=admissions,
+        zero_row_ids=zero_row_ids,
+    )
+    idmap.last_stats = stats
+    idmap.forget_index()  # the torch path's sorted index does not see native writes
+    return stats
