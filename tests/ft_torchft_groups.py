@@ -54,7 +54,7 @@ class Scenario:
     timeout_s: float = TIMEOUT.total_seconds()  # every collective, vote and healing transfer
     min_replica_size: int = 1
     quorum_timeout_s: float = 30.0
-    id_map: bool = False  # plain group: id-mapped tables (lru, a quarter of the rows; no sync)
+    id_map: bool = False  # plain group: id-mapped tables (lru, a quarter of the rows)
 
 
 def build_plain(seed: int, id_map: bool = False) -> tuple[nn.Module, CombinedOptimizer]:
@@ -118,7 +118,7 @@ def replica_group(rank: int, world_size: int, spec: Scenario) -> list[dict[str, 
         timeout=datetime.timedelta(seconds=spec.timeout_s),
         quorum_timeout=datetime.timedelta(seconds=spec.quorum_timeout_s),
     )
-    ft = make_fault_tolerant(model, optimizer, config, sync_embeddings=not spec.id_map)
+    ft = make_fault_tolerant(model, optimizer, config)
     if spec.ready_file and rank == 0:
         Path(spec.ready_file).touch()
     retrier = StepRetrier(ft.manager, RetryPolicy(backoff_s=0.01, max_backoff_s=0.2))

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from recopt.ft.embedding import EmbeddingReplicaSync, FusedEmbeddingGuard
+from recopt.ft.embedding import FusedEmbeddingGuard
 from recopt.ft.nonfinite import NonFiniteGradientError
 from recopt.ft.steps import StepTransaction
 from recopt.kernels.config import Backend, FusedOptimizerConfig
@@ -312,12 +312,6 @@ def test_a_copy_of_a_guarded_module_is_not_observed() -> None:
     assert guard.snapshot_bytes() == 0
     _train_bags(FEATURES)(module, 0)
     assert guard.snapshot_bytes() > 0
-
-
-def test_replica_sync_refuses_id_mapped_tables() -> None:
-    module = _bag_module("sgd", Backend.RECOPT, True)(POLICIES["lru"])
-    with pytest.raises(ValueError, match=r"tables \['t0', 't1'\] have id_map: each replica"):
-        EmbeddingReplicaSync(module, OneReplica(), FusedEmbeddingGuard(module))
 
 
 # -- sharded: 2 ranks, one spawned group -------------------------------------------------------

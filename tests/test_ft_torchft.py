@@ -58,9 +58,11 @@ def _check_dropped_restored(log: list[dict[str, Any]]) -> int:
 
 
 @pytest.mark.parametrize(
-    "groups, ranks", [(3, 1), (2, 2)], ids=["3-groups-plain", "2-groups-sharded"]
+    "groups, ranks, id_map",
+    [(3, 1, False), (2, 1, True), (2, 2, False)],
+    ids=["3-groups-plain", "2-groups-plain-id-map", "2-groups-sharded"],
 )
-def test_dropped_and_nonfinite_steps_restore_state(groups: int, ranks: int) -> None:
+def test_dropped_and_nonfinite_steps_restore_state(groups: int, ranks: int, id_map: bool) -> None:
     """Every group drops position 1 (an injected error after backward, whose fused update
     moved the tables): all roll back bit for bit and retrain it. Only A's input at position 3
     holds a NaN: every group sees it in the exchanged gradients, drops the step and skips that
@@ -76,6 +78,7 @@ def test_dropped_and_nonfinite_steps_restore_state(groups: int, ranks: int) -> N
                 seed=seed,
                 drop_at=1,
                 nan_at=3 if name == "A" else None,
+                id_map=id_map,
             )
             for name, seed in list(zip("ABC", (1, 2, 3), strict=True))[:groups]
         ]
@@ -99,15 +102,22 @@ def test_dropped_and_nonfinite_steps_restore_state(groups: int, ranks: int) -> N
         assert len(set(digests)) == 1, f"rank {rank}: replica groups differ: {digests}"
 
 
-@pytest.mark.parametrize("ranks", [1, 2], ids=["plain", "sharded"])
-def test_killed_group_rejoins_and_heals(tmp_path: Any, ranks: int) -> None:
+@pytest.mark.parametrize(
+    "ranks, id_map", [(1, False), (1, True), (2, False)], ids=["plain", "plain-id-map", "sharded"]
+)
+def test_killed_group_rejoins_and_heals(tmp_path: Any, ranks: int, id_map: bool) -> None:
     """B dies mid-step (after its fused update, before the vote: the whole group, or one rank
     of a sharded group); A drops that step, rolls back and trains on alone; B restarts, heals
     from A (each rank from the same rank) and both end with equal digests."""
     server = ft_lighthouse.in_process(min_replicas=1)
     first, back = str(tmp_path / "B-first"), str(tmp_path / "B-back")
     address = ft_lighthouse.address(server)
-    common: dict[str, Any] = {"lighthouse": address, "steps": 7, "step_sleep": 0.05}
+    common: dict[str, Any] = {
+        "lighthouse": address,
+        "steps": 7,
+        "step_sleep": 0.05,
+        "id_map": id_map,
+    }
     a_spec = Scenario(replica_id="A", seed=1, waits=((0, first), (4, back)), **common)
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:

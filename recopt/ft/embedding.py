@@ -8,7 +8,8 @@ per local kernel, from the ids each kernel receives after the input all-to-all.
 kernel's ``grad_hook``. A NaN/inf gradient on any replica drops the step on every replica: the
 hooks see every replica's row gradients, and the guard reports a local gated skip. Id-mapped
 tables: the guard watches their maps (`RemapObserver`), keeps each map step's undo record and
-saves the rows a step uses, or re-initialises for new ids, before they change.
+saves the rows a step uses, or re-initialises for new ids, before they change; under
+`EmbeddingReplicaSync` their maps step with every replica group's ids (`ReplicaIdExchange`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from recopt.ft.embedding_tables import (
     kernels_of,
     scalar_states,
 )
+from recopt.ft.id_map_replicas import exchange_replica_ids, refuse_unsynced_id_maps
 from recopt.ft.nonfinite import NonFiniteGradientError, report_nonfinite
 from recopt.ft.steps import StepParticipant, StepTransaction
 from recopt.kernels.config import Backend, FusedOptimizerConfig
@@ -188,6 +190,7 @@ class FusedEmbeddingGuard(StepParticipant):
         """Save ``ids``' rows of ``table`` (weight and state) as they are now."""
         rows = table.weight.shape[0]
         ids = ids.to(table.weight.device)
+        ids = ids[(ids >= 0) & (ids < rows)]  # a bad id: the forward raises, naming it
         state_rows, state_whole = {}, {}
         for key, value in table.states.items():
             if table.rows_only and value.dim() >= 1 and value.shape[0] == rows:
@@ -374,7 +377,8 @@ class EmbeddingReplicaSync(StepParticipant):
     returns their average over the replicas, so every replica that touched a row applies the
     same update to the same state. Rows that only some replicas touched are then sent,
     before the vote, from the lowest-ranked replica that updated them to the others (weight
-    and per-row state; the guard snapshots them first, so a dropped step still restores).
+    and per-row state; the guard snapshots them first, so a dropped step still restores), and
+    also before each further training forward of the step, which reads those rows.
 
     Args:
         module: a `FusedEmbeddingBagCollection` whose kernels have a ``grad_hook`` attribute
@@ -384,22 +388,18 @@ class EmbeddingReplicaSync(StepParticipant):
 
     Raises:
         ValueError: a kernel without ``grad_hook`` (fbgemm), Adafactor (its per-column
-            statistics depend on rows this replica never sees), or id-mapped tables (each
-            replica's map follows its own batches: a row holds different ids on different
-            replicas).
+            statistics depend on rows this replica never sees), id-mapped tables with
+            ``init_fn``, or id-mapped tables of a sharded collection.
+
+    Id-mapped tables: the maps gather every group's raw ids before each training step
+    (`ReplicaIdExchange`) and step with the global batch, so a row holds the same id in
+    every group; fresh rows get the hashed init, the same values in every group.
     """
 
     def __init__(
         self, module: nn.Module, manager: StepTransaction, guard: FusedEmbeddingGuard
     ) -> None:
-        maps = id_maps_of(module)
-        if maps is not None:
-            raise ValueError(
-                f"tables {sorted(maps)} have id_map: each replica group steps its map with its "
-                "own batches, so a row holds different ids on different replicas and their "
-                "rows cannot be averaged; use sync_embeddings=False (each replica group trains "
-                "its own tables) or drop id_map"
-            )
+        refuse_unsynced_id_maps(module)  # before any kernel gets a hook
         self._manager = manager
         self._guard = guard
         self._kernels = kernels_of(module)
@@ -424,6 +424,8 @@ class EmbeddingReplicaSync(StepParticipant):
                 )
             kernel.grad_hook = self._hook_for(k)
         self._touched: list[_Touched] = []
+        exchange_replica_ids(module, manager)
+        module.register_forward_pre_hook(self._before_forward)
         manager.register_participant(self)
 
     def _hook_for(self, kernel: int) -> Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -462,9 +464,17 @@ class EmbeddingReplicaSync(StepParticipant):
     def on_abort(self) -> None:
         self._touched.clear()
 
-    @torch.no_grad()
+    def _before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        # A further training forward in the step reads the rows earlier backwards updated.
+        if self._touched and module.training and torch.is_grad_enabled():
+            self._exchange_rows()
+
     def before_vote(self) -> None:
         """Send the rows this replica owns to the replicas that did not update them."""
+        self._exchange_rows()
+
+    @torch.no_grad()
+    def _exchange_rows(self) -> None:
         rank = self._manager.participant_rank()
         for touched in self._touched:
             table = self._tables[touched.kernel][touched.table]
@@ -473,6 +483,7 @@ class EmbeddingReplicaSync(StepParticipant):
             gathered_ids = self._manager.allgather(owned)
             gathered = [self._manager.allgather(t.index_select(0, owned)) for t in tensors]
             if gathered_ids is None or any(g is None for g in gathered):
+                self._touched.clear()  # errored: the step is dropped and rolled back
                 return
             mine = touched.all_ids[rank]
             for r, ids_r in enumerate(gathered_ids):

@@ -122,7 +122,8 @@ def make_fault_tolerant(
         The manager, the optimizer to use in the loop, and the guards.
 
     Raises:
-        ValueError: ``sync_embeddings`` with a kernel that cannot take part (no hook).
+        ValueError: ``sync_embeddings`` with a kernel that cannot take part (no hook), or
+            with id-mapped tables it cannot keep equal (``init_fn``; a sharded collection).
         ImportError: torchft is not installed (names the extra).
     """
     extras = dict(extra_state or {})

@@ -7,7 +7,9 @@ full id count as divisor (`mean_scale`). The rows given to new ids are re-initia
 `init_rows` (a hash of the raw id, the step and the column: the same draw whatever layout or
 rank holds the row) and their optimizer state zeroed by `reset_state_rows`. A `RemapObserver`
 (fault tolerance's guard) is told of every map step, with its undo record, and of every fresh
-row before it is reset, so that a dropped step can put the map and the rows back.
+row before it is reset, so that a dropped step can put the map and the rows back. With
+``IdMaps.peers`` set (fault tolerance's replica sync), a training step gathers the peers' raw
+ids and steps the maps with all of them (`step_with_peers`), so every peer's maps stay equal.
 Legend: F features, B batch size, M ids, K fresh rows, D row width.
 """
 
@@ -63,6 +65,20 @@ class RemapObserver(Protocol):
         are about to be re-initialised for new ids."""
 
 
+class PeerIds(Protocol):
+    """Gathers a training batch's raw ids from the peers whose maps must stay equal to these."""
+
+    def gather(
+        self, ids: Mapping[str, torch.Tensor], bad: bool
+    ) -> tuple[list[dict[str, torch.Tensor]], int] | None:
+        """Every peer's ids by table (``ids`` here), in peer order, and this peer's index.
+
+        ``bad``: this peer's input failed its check (it raises after the exchange). Returns
+        None when the step will be dropped (a peer's input was bad, or the exchange failed):
+        the maps are then stepped with the local ids, and the step's rollback undoes that.
+        """
+
+
 class IdMaps(nn.ModuleDict):
     """The maps of a collection's id-mapped tables, by table name (``id_maps.<table>.``).
 
@@ -85,12 +101,14 @@ class IdMaps(nn.ModuleDict):
             }
         )
         self.observers: list[RemapObserver] = []
+        self.peers: PeerIds | None = None
 
     def __getstate__(self) -> dict[str, object]:
-        """A copy or pickle (``copy.deepcopy``, ``torch.save`` of the module) is unobserved:
-        the observers (a guard with its manager) belong to this instance."""
+        """A copy or pickle (``copy.deepcopy``, ``torch.save`` of the module) is unobserved
+        and unsynced: the observers and peers (a guard, a manager) belong to this instance."""
         state = dict(self.__dict__)
         state["observers"] = []
+        state["peers"] = None
         return state
 
     @staticmethod
@@ -118,9 +136,14 @@ class IdMaps(nn.ModuleDict):
         """Rows for the id-mapped features of ``features`` (selected in ``layout``'s order).
 
         Every feature of a table shares its map: their ids are remapped together, as one step
-        of the map. Ids that read the zero row are dropped from their bags.
+        of the map. Ids that read the zero row are dropped from their bags. With ``peers``, a
+        training step steps the maps with every peer's ids (`step_with_peers`).
         """
         ids = table_ids(features, layout, list(self))
+        if training and self.peers is not None:
+            gathered = self.peers.gather(ids, False)
+            if gathered is not None:
+                return apply_rows(features, layout, step_with_peers(self, *gathered))
         if training and self.observers:  # a guarded step: per table, with undo records
             results = {name: self.step(name, ids[name], training) for name in ids}
         else:  # native lru maps: one call for all
@@ -149,6 +172,26 @@ class IdMaps(nn.ModuleDict):
         """Tell the observers that ``rows`` of table ``name``'s ``weight`` will be reset."""
         for observer in self.observers:
             observer.before_reset(name, weight, states, rows)
+
+
+def step_with_peers(
+    maps: IdMaps, per_peer: Sequence[Mapping[str, torch.Tensor]], index: int
+) -> dict[str, Remapped]:
+    """Step every map once with all peers' ids (concatenated in peer order); keep peer
+    ``index``'s rows.
+
+    A map step depends only on the ids and their order, so every peer stepping with the same
+    global batch keeps the same map. The fresh rows are the global step's (every peer resets
+    them, with the hashed init the same values everywhere).
+    """
+    results = {}
+    for name in maps:
+        parts = [p[name] for p in per_peer]
+        result = maps.step(name, torch.cat(parts), True)
+        start = sum(p.numel() for p in parts[:index])
+        rows = result.rows_M[start : start + parts[index].numel()]
+        results[name] = Remapped(rows, result.fresh_rows, result.fresh_ids, result.stats)
+    return results
 
 
 def _spans(features: KeyedJaggedTensor, layout: FeatureLayout, name: str) -> list[tuple[int, int]]:
@@ -341,8 +384,17 @@ def prepare_mapped(
     Raises:
         As `FeatureLayout.prepare`.
     """
-    features = layout.select(features, is_weighted, weight_dtype)
-    unmapped_check(features, layout, list(id_maps)).raise_if_bad()
+    peers = id_maps.peers if training else None
+    try:
+        features = layout.select(features, is_weighted, weight_dtype)
+    except ValueError:
+        if peers is not None:
+            peers.gather({}, True)  # the peers' exchange waits for this one
+        raise
+    check = unmapped_check(features, layout, list(id_maps))
+    if peers is not None and check.bad is not None and bool(check.bad):
+        peers.gather({}, True)
+    check.raise_if_bad()
     return id_maps.remap(features, layout, training)
 
 

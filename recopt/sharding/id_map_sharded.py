@@ -29,6 +29,7 @@ from recopt.modules.id_map_lookup import (
     apply_rows,
     hash_uniform,
     reset_state_rows,
+    step_with_peers,
     table_ids,
     unmapped_check,
 )
@@ -178,26 +179,13 @@ class ShardedIdMaps:
             }
             return apply_rows(features, layout, zeros)
         assert features is not None
-        results = self._step_maps(names, headers, gathered, counts)
+        per_rank = [
+            dict(zip(names, g.split(h[2:].tolist()), strict=True))
+            for h, g in zip(headers, gathered, strict=True)
+        ]
+        results = step_with_peers(self.maps, per_rank, self._rank)
         self._reset_fresh(results)
         return apply_rows(features, layout, results)
-
-    def _step_maps(
-        self,
-        names: list[str],
-        headers: list[torch.Tensor],
-        gathered: list[torch.Tensor],
-        counts: list[int],
-    ) -> dict[str, Remapped]:
-        """Step every map with the global batch; keep this rank's slice of the rows."""
-        per_rank = [g.split(h[2:].tolist()) for h, g in zip(headers, gathered, strict=True)]
-        results = {}
-        for i, name in enumerate(names):
-            result = self.maps.step(name, torch.cat([p[i] for p in per_rank]), True)
-            start = sum(int(h[2 + i]) for h in headers[: self._rank])
-            rows = result.rows_M[start : start + counts[i]]
-            results[name] = Remapped(rows, result.fresh_rows, result.fresh_ids, result.stats)
-        return results
 
     def _reset_fresh(self, results: Mapping[str, Remapped]) -> None:
         """Re-initialise the fresh rows this rank's shards hold; zero their optimizer state."""

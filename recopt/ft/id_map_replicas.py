@@ -1,0 +1,118 @@
+"""Id-mapped tables across replica groups: every group steps its maps with the global batch.
+
+`EmbeddingReplicaSync` averages row gradients across replica groups, which needs a row to hold
+the same id in every group. `ReplicaIdExchange` (the maps' ``peers``) all-gathers the raw ids
+of the id-mapped features before each training map step, in participant rank order, so every
+group steps its maps with the same concatenated batch (as the ranks of a sharded collection do,
+`recopt.sharding.id_map_sharded`) and rewrites only its own ids to rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from recopt.ft.embedding_tables import id_maps_of, is_sharded
+from recopt.ft.steps import StepTransaction
+from recopt.modules.config import BaseEmbeddingConfig
+from recopt.modules.id_map_lookup import IdMaps
+
+
+class ReplicaIdExchange:
+    """`PeerIds` over a replica group's manager: one all-gather per training map step.
+
+    Each group sends ``[bad, count per table, ids of every table]`` (int64). A failed gather
+    (the manager is told) or a group whose input failed its check (reported here) returns
+    None: the maps step with the local ids and the dropped step's rollback undoes it.
+
+    Every replica group must run the same number of training forwards per step (each is a
+    collective), as the row-gradient exchange already requires.
+
+    Args:
+        manager: the replica group's manager.
+        maps: the collection's id maps (their table order is the wire order).
+    """
+
+    def __init__(self, manager: StepTransaction, maps: IdMaps) -> None:
+        self._manager = manager
+        self._names = list(maps)
+        step = maps.table_map(self._names[0]).step
+        assert isinstance(step, torch.Tensor)
+        self._device = step.device
+
+    def gather(
+        self, ids: Mapping[str, torch.Tensor], bad: bool
+    ) -> tuple[list[dict[str, torch.Tensor]], int] | None:
+        """Every group's ids by table, in participant rank order, and this group's rank."""
+        empty = torch.zeros(0, dtype=torch.int64, device=self._device)
+        parts = [ids.get(n, empty).to(self._device, torch.int64) for n in self._names]
+        header = torch.tensor(
+            [int(bad), *(p.numel() for p in parts)], dtype=torch.int64, device=self._device
+        )
+        gathered = self._manager.allgather(torch.cat([header, *parts]))
+        if gathered is None:
+            return None  # errored: the step is dropped and rolled back
+        num = len(self._names)
+        bad_groups = [r for r, g in enumerate(gathered) if int(g[0])]
+        if bad_groups:
+            self._manager.report_error(
+                ValueError(
+                    f"replica groups at ranks {bad_groups} had a bad input batch (their error "
+                    "names it); the step is dropped on every replica group"
+                )
+            )
+            return None
+        per_group = [
+            dict(zip(self._names, g[1 + num :].split(g[1 : 1 + num].tolist()), strict=True))
+            for g in gathered
+        ]
+        return per_group, self._manager.participant_rank()
+
+
+def exchange_replica_ids(module: nn.Module, manager: StepTransaction) -> None:
+    """Have ``module``'s id maps (if any) step with every replica group's ids.
+
+    Raises:
+        ValueError: as `refuse_unsynced_id_maps`.
+    """
+    refuse_unsynced_id_maps(module)
+    maps = id_maps_of(module)
+    if maps is not None:
+        maps.peers = ReplicaIdExchange(manager, maps)
+
+
+def refuse_unsynced_id_maps(module: nn.Module) -> None:
+    """Raise if ``module``'s id-mapped tables cannot be kept identical across replica groups.
+
+    Raises:
+        ValueError: the module is sharded (its maps step in `ShardedIdMaps`, not exchanged
+            across replica groups yet), or an id-mapped table has ``init_fn``.
+    """
+    maps = id_maps_of(module)
+    if maps is None:
+        return
+    if is_sharded(module):
+        raise ValueError(
+            f"tables {sorted(maps)} have id_map in a sharded collection, whose maps are not "
+            "exchanged across replica groups yet; use sync_embeddings=False (each replica "
+            "group trains its own tables) or an unsharded fused collection"
+        )
+    refuse_unsynced_init(getattr(module, "tables", []))
+
+
+def refuse_unsynced_init(tables: Sequence[BaseEmbeddingConfig]) -> None:
+    """Id-mapped tables with ``init_fn`` cannot be kept identical across replica groups.
+
+    Raises:
+        ValueError: naming the tables and the fix.
+    """
+    names = [t.name for t in tables if t.id_map is not None and t.init_fn is not None]
+    if names:
+        raise ValueError(
+            f"tables {names} have id_map and init_fn; across replica groups fresh rows are "
+            "re-initialised from a hash of the id (the same in every group), which an init_fn "
+            "cannot give: drop init_fn (use weight_init_min / weight_init_max) or use "
+            "sync_embeddings=False"
+        )
