@@ -11,9 +11,9 @@ from ft_solo import SoloTransaction
 from torch import nn
 
 from recopt.ft import OptimizerWrapper
-from recopt.ft.embedding import (
+from recopt.ft.embedding import FusedEmbeddingGuard
+from recopt.ft.replica_sync import (
     EmbeddingReplicaSync,
-    FusedEmbeddingGuard,
     average_row_gradients,
     union_row_gradients,
 )

@@ -31,8 +31,9 @@ from test_ft_id_map import (
 )
 from torch import nn
 
-from recopt.ft.embedding import EmbeddingReplicaSync, FusedEmbeddingGuard
+from recopt.ft.embedding import FusedEmbeddingGuard
 from recopt.ft.embedding_tables import id_maps_of
+from recopt.ft.replica_sync import EmbeddingReplicaSync
 from recopt.ft.steps import StepTransaction
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.modules import FusedEmbeddingBagCollection, FusedEmbeddingCollection

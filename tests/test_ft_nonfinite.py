@@ -15,7 +15,8 @@ import torch
 from ft_solo import SoloTransaction
 
 from recopt.ft import NonFiniteGradientError
-from recopt.ft.embedding import EmbeddingReplicaSync, FusedEmbeddingGuard, make_grad_hook
+from recopt.ft.embedding import FusedEmbeddingGuard
+from recopt.ft.replica_sync import EmbeddingReplicaSync, make_grad_hook
 from recopt.kernels.config import Backend
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, FusedOptimizerConfig
 from recopt.sparse import KeyedJaggedTensor

@@ -8,10 +8,10 @@ the torchft-backed `TorchftManager` / `TorchftConfig`.
 docs/fault_tolerance.md describes the step protocol, healing and the fused-embedding rules.
 """
 
-from recopt.ft.embedding import replica_sync_optimizer
 from recopt.ft.launch import make_fault_tolerant
 from recopt.ft.nonfinite import NonFiniteGradientError
 from recopt.ft.optim import FaultTolerantOptimizer
+from recopt.ft.replica_sync import replica_sync_optimizer
 from recopt.ft.steps import StepParticipant, StepTransaction
 from recopt.ft.torchft_manager import TorchftConfig, TorchftManager
 

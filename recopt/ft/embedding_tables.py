@@ -1,8 +1,9 @@
 """Find a fused embedding module's tables, with views of their weights and optimizer state.
 
-What `FusedEmbeddingGuard` and `EmbeddingReplicaSync` (recopt/ft/embedding.py) snapshot,
-restore and keep identical: the tables of a `FusedEmbeddingBagCollection`, or the local
-kernels' shards and replicas of a sharded collection.
+What `FusedEmbeddingGuard` (recopt/ft/embedding.py) and `EmbeddingReplicaSync`
+(recopt/ft/replica_sync.py) snapshot, restore and keep identical: the tables of a
+`FusedEmbeddingBagCollection`, or the local kernels' shards and replicas of a sharded
+collection.
 """
 
 from __future__ import annotations

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from recopt.ft.embedding import EmbeddingReplicaSync, FusedEmbeddingGuard
+from recopt.ft.embedding import FusedEmbeddingGuard
 from recopt.ft.healing_state import into_local_shards, to_local_shards
 from recopt.ft.optim import FaultTolerantOptimizer
+from recopt.ft.replica_sync import EmbeddingReplicaSync
 from recopt.ft.torchft_manager import TorchftConfig, TorchftManager, torchft_config_from_env
 from recopt.modules.collection import FusedCollection
 
