@@ -225,7 +225,7 @@ def test_plain_embedding_collection_refuses_id_map() -> None:
 
 
 def test_sharded_id_maps_refuse_an_init_fn() -> None:
-    from recopt.sharding.id_map_sharded import refuse_init_fn
+    from recopt.modules.id_map_lookup import refuse_init_fn
 
     table = EmbeddingBagConfig(
         name="t",
@@ -236,5 +236,6 @@ def test_sharded_id_maps_refuse_an_init_fn() -> None:
         id_map=IdMapConfig(),
     )
     with pytest.raises(ValueError, match=r"tables \['t'\] have id_map and init_fn"):
-        refuse_init_fn([table])
-    refuse_init_fn([_table(4, IdMapConfig())])  # the default uniform init: accepted
+        refuse_init_fn([table], "on every rank", "do not shard")
+    # The default uniform init is accepted.
+    refuse_init_fn([_table(4, IdMapConfig())], "on every rank", "do not shard")

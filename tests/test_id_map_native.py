@@ -129,8 +129,8 @@ def test_switching_paths_mid_stream_agrees() -> None:
 
 
 def test_without_compiler_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_id_map, "_library", None)
-    monkeypatch.setattr(cpu_id_map, "_load_failed", False)
+    fresh = native_build.LazyLibrary("native id map", cpu_id_map._build)
+    monkeypatch.setattr(cpu_id_map, "_native", fresh)
     monkeypatch.setattr(native_build.shutil, "which", lambda name: None)
     assert not cpu_id_map.available()
     idmap = IdMap(CONFIGS["lru"], 4)

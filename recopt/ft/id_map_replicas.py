@@ -9,15 +9,14 @@ group steps its maps with the same concatenated batch (as the ranks of a sharded
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from recopt.ft.embedding_tables import id_maps_of, is_sharded
 from recopt.ft.steps import StepTransaction
-from recopt.modules.config import BaseEmbeddingConfig
-from recopt.modules.id_map_lookup import IdMaps
+from recopt.modules.id_map_lookup import IdMaps, refuse_init_fn
 
 
 class ReplicaIdExchange:
@@ -99,20 +98,5 @@ def refuse_unsynced_id_maps(module: nn.Module) -> None:
             "exchanged across replica groups yet; use sync_embeddings=False (each replica "
             "group trains its own tables) or an unsharded fused collection"
         )
-    refuse_unsynced_init(getattr(module, "tables", []))
-
-
-def refuse_unsynced_init(tables: Sequence[BaseEmbeddingConfig]) -> None:
-    """Id-mapped tables with ``init_fn`` cannot be kept identical across replica groups.
-
-    Raises:
-        ValueError: naming the tables and the fix.
-    """
-    names = [t.name for t in tables if t.id_map is not None and t.init_fn is not None]
-    if names:
-        raise ValueError(
-            f"tables {names} have id_map and init_fn; across replica groups fresh rows are "
-            "re-initialised from a hash of the id (the same in every group), which an init_fn "
-            "cannot give: drop init_fn (use weight_init_min / weight_init_max) or use "
-            "sync_embeddings=False"
-        )
+    tables = getattr(module, "tables", [])
+    refuse_init_fn(tables, "in every replica group", "use sync_embeddings=False")

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
-import threading
 from pathlib import Path
 
 import torch
 
-from recopt.kernels.native_build import build_library
+from recopt.kernels.native_build import LazyLibrary, build_library
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +27,6 @@ _C_SOURCE_PATH = Path(__file__).with_name("cpu_fused.c")
 _C_HEADER_PATH = Path(__file__).with_name("cpu_round.h")
 
 _CFLAGS = ["-O3", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp"]
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_load_failed = False
 
 
 def _build(march: str = "native") -> ctypes.CDLL:
@@ -54,17 +49,12 @@ def _build(march: str = "native") -> ctypes.CDLL:
     return build_library(_C_SOURCE_PATH, [_C_HEADER_PATH], flags, signatures)
 
 
+_native = LazyLibrary("native CPU kernel", _build)
+
+
 def available() -> bool:
     """Whether the native library is built and loaded (builds it on first call)."""
-    global _library, _load_failed
-    with _lock:
-        if _library is None and not _load_failed:
-            try:
-                _library = _build()
-            except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
-                _load_failed = True
-                logger.warning("recopt native CPU kernel unavailable (%s); using torch ops", err)
-    return _library is not None
+    return _native.available()
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -100,13 +90,12 @@ def pool(
     Raises:
         RuntimeError: the native library is not available.
     """
-    if _library is None:
-        raise RuntimeError("pool: native library not loaded; call available() first")
+    library = _native.get("pool")
     out = torch.empty(batch, out_dim, dtype=torch.float32)
     meta = [_ptr(w) or 0 for w in feature_tables] + [w.shape[1] for w in feature_tables]
     meta += [weight_kind(w.dtype) for w in feature_tables]
     meta_t = torch.tensor(meta, dtype=torch.int64)
-    _library.recopt_pool(
+    library.recopt_pool(
         offsets.numel() - 1,
         batch,
         _ptr(offsets),
@@ -153,13 +142,12 @@ def prepare_sorted(
     Raises:
         RuntimeError: the native library is not available.
     """
-    if _library is None:
-        raise RuntimeError("prepare_sorted: native library not loaded; call available() first")
+    library = _native.get("prepare_sorted")
     n = indices.numel()
     words = torch.empty(n, dtype=torch.int64)
     scale = torch.empty(n, dtype=torch.float32) if weights is not None or mean else None
     threads = torch.get_num_threads()
-    _library.recopt_prepare(
+    library.recopt_prepare(
         offsets.numel() - 1,
         batch,
         _ptr(offsets),
@@ -176,7 +164,7 @@ def prepare_sorted(
     tmp_words = torch.empty_like(words)
     tmp_scale = None if scale is None else torch.empty_like(scale)
     key_bits = max(1, (num_keys - 1).bit_length())
-    in_tmp = _library.recopt_sort(
+    in_tmp = library.recopt_sort(
         n, _ptr(words), _ptr(scale), _ptr(tmp_words), _ptr(tmp_scale), key_bits, threads
     )
     return (tmp_words, tmp_scale) if in_tmp else (words, scale)
@@ -204,11 +192,10 @@ def aggregate(
     Raises:
         RuntimeError: the native library is not available.
     """
-    if _library is None:
-        raise RuntimeError("aggregate: native library not loaded; call available() first")
+    library = _native.get("aggregate")
     num_runs = starts_U.numel() - 1
     out = torch.empty(num_runs, dim, dtype=torch.float32)
-    _library.recopt_aggregate(
+    library.recopt_aggregate(
         num_runs,
         _ptr(starts_U),
         _ptr(words_N),
@@ -298,8 +285,7 @@ def fused_update(
             optimizer without the state its code needs, or state of another width than its
             code updates (which would be written past its rows).
     """
-    if _library is None:
-        raise RuntimeError("fused_update: native library not loaded; call available() first")
+    library = _native.get("fused_update")
     meta = list(bases)
     for slot in range(3):  # per slot: addresses [T], values a row [T], storage kinds [T]
         columns = zip(*(_slot_meta(tensors[0], tensors[slot]) for tensors in tables), strict=True)
@@ -308,7 +294,7 @@ def fused_update(
     meta.append(seed)
     meta_t = torch.tensor(meta, dtype=torch.int64)
     hyper_t = torch.tensor(hyper + step_sizes, dtype=torch.float32)
-    status = _library.recopt_fused_update(
+    status = library.recopt_fused_update(
         code,
         int(stochastic),
         words_N.numel(),
@@ -353,14 +339,13 @@ def round_to(x: torch.Tensor, dtype: torch.dtype, seed: int | None) -> torch.Ten
         RuntimeError: the native library is not available.
         ValueError: ``dtype`` is neither fp16 nor bf16.
     """
-    if _library is None:
-        raise RuntimeError("round_to: native library not loaded; call available() first")
+    library = _native.get("round_to")
     kind = weight_kind(dtype)
     if kind == 0:
         raise ValueError(f"round_to: dtype {dtype} is not rounded to; use float16 or bfloat16")
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=dtype)
-    _library.recopt_round(
+    library.recopt_round(
         x.numel(),
         _ptr(x),
         _ptr(out),

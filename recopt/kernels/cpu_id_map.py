@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
-import threading
 from pathlib import Path
 
 import torch
 
-from recopt.kernels.native_build import build_library
+from recopt.kernels.native_build import LazyLibrary, build_library
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +22,6 @@ _C_SOURCE_PATH = Path(__file__).with_name("cpu_id_map.c")
 _C_HEADER_PATH = Path(__file__).with_name("cpu_id_map_slots.h")  # included by the source
 # -ffp-contract=off: lfu's frequency update (f * factor + count) rounds twice, as torch does.
 _CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fopenmp"]
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_load_failed = False
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
@@ -53,17 +48,12 @@ def _build() -> ctypes.CDLL:
     return build_library(_C_SOURCE_PATH, [_C_HEADER_PATH], _CFLAGS, _SIGNATURES)
 
 
+_native = LazyLibrary("native id map", _build)
+
+
 def available() -> bool:
     """Whether the native library is built and loaded (builds it on first call)."""
-    global _library, _load_failed
-    with _lock:
-        if _library is None and not _load_failed:
-            try:
-                _library = _build()
-            except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
-                _load_failed = True
-                logger.warning("recopt native id map unavailable (%s); using torch ops", err)
-    return _library is not None
+    return _native.available()
 
 
 def library() -> ctypes.CDLL:
@@ -72,9 +62,7 @@ def library() -> ctypes.CDLL:
     Raises:
         RuntimeError: it is not available (call `available()` first).
     """
-    if _library is None:
-        raise RuntimeError("cpu_id_map: native library not loaded; call available() first")
-    return _library
+    return _native.get("cpu_id_map")
 
 
 def hash_uniform(ids_K: torch.Tensor, step: int, dim: int) -> torch.Tensor:

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 # A function's ctypes result type (None: void) and argument types.
 Signatures = Mapping[str, tuple[type | None, list[type]]]
@@ -75,3 +79,40 @@ def build_library(
         fn.restype = restype
         fn.argtypes = argtypes
     return library
+
+
+class LazyLibrary:
+    """One native library, built at the first `available()` call (thread-safe), or never.
+
+    Args:
+        what: its name in the warning logged when it cannot be built.
+        build: compiles and loads it (`build_library`).
+    """
+
+    def __init__(self, what: str, build: Callable[[], ctypes.CDLL]) -> None:
+        self._what = what
+        self._build = build
+        self._lock = threading.Lock()
+        self._library: ctypes.CDLL | None = None
+        self._failed = False
+
+    def available(self) -> bool:
+        """Whether the library is built and loaded (builds it on the first call)."""
+        with self._lock:
+            if self._library is None and not self._failed:
+                try:
+                    self._library = self._build()
+                except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
+                    self._failed = True
+                    logger.warning("recopt %s unavailable (%s); using torch ops", self._what, err)
+        return self._library is not None
+
+    def get(self, caller: str) -> ctypes.CDLL:
+        """The loaded library.
+
+        Raises:
+            RuntimeError: it is not loaded (``caller`` should have asked `available()`).
+        """
+        if self._library is None:
+            raise RuntimeError(f"{caller}: {self._what} not loaded; call available() first")
+        return self._library

@@ -431,3 +431,21 @@ def refuse_id_maps(tables: Sequence[BaseEmbeddingConfig], module: str) -> None:
             "(docs/id_map.md says what does); use the unsharded EmbeddingBagCollection or "
             "FusedEmbeddingBagCollection for them, or drop id_map"
         )
+
+
+def refuse_init_fn(tables: Sequence[BaseEmbeddingConfig], copies: str, fix: str) -> None:
+    """Id-mapped tables with ``init_fn`` cannot have copies that must stay equal.
+
+    Fresh rows of such copies (``copies``: "on every rank", "in every replica group") are
+    re-initialised from a hash of the id, which an ``init_fn`` cannot give.
+
+    Raises:
+        ValueError: naming the tables and, with ``fix``, what to do instead.
+    """
+    names = [t.name for t in tables if t.id_map is not None and t.init_fn is not None]
+    if names:
+        raise ValueError(
+            f"tables {names} have id_map and init_fn; their fresh rows are re-initialised "
+            f"from a hash of the id (the same {copies}), which an init_fn cannot give: drop "
+            f"init_fn (use weight_init_min / weight_init_max) or {fix}"
+        )

@@ -28,6 +28,7 @@ from recopt.modules.id_map_lookup import (
     MappedBatch,
     apply_rows,
     hash_uniform,
+    refuse_init_fn,
     reset_state_rows,
     step_with_peers,
     table_ids,
@@ -42,21 +43,6 @@ from recopt.sharding.layout import GroupLayout, ShardedLayout
 from recopt.sparse import KeyedJaggedTensor
 
 _STATE_PREFIX = "id_maps."
-
-
-def refuse_init_fn(tables: Sequence[EmbeddingBagConfig]) -> None:
-    """Id-mapped tables with ``init_fn`` cannot be sharded: replicas would draw differently.
-
-    Raises:
-        ValueError: naming the tables.
-    """
-    names = [t.name for t in tables if t.id_map is not None and t.init_fn is not None]
-    if names:
-        raise ValueError(
-            f"tables {names} have id_map and init_fn; a sharded id-mapped table re-initialises "
-            "fresh rows from a hash of the id (the same on every rank), which an init_fn "
-            "cannot give: drop init_fn (use weight_init_min / weight_init_max) or do not shard"
-        )
 
 
 class ShardedIdMaps:
@@ -80,7 +66,7 @@ class ShardedIdMaps:
         device: torch.device,
         timeout: datetime.timedelta,
     ) -> None:
-        refuse_init_fn(tables)
+        refuse_init_fn(tables, "on every rank", "do not shard")
         self.maps = IdMaps(tables, device)
         self.tables = list(tables)
         self._groups: list[GroupLayout] = [*layout.mp_groups, *layout.dp_groups]
