@@ -15,7 +15,6 @@ import sys
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 
 from recopt.ft.launch import fault_tolerance_config_from_env
 
@@ -45,8 +44,11 @@ def test_settings_from_the_environment() -> None:
     assert (config.store_addr, config.store_port, config.group_rank) == ("node3", 29500, 1)  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="TORCHFT_LIGHTHOUSE is not set"):
         fault_tolerance_config_from_env({"REPLICA_GROUP_ID": "g0"})
+    # Without torchrun a one-process group starts its own store (port 0); a larger group
+    # needs torchrun's.
+    assert fault_tolerance_config_from_env(TORCHFT_ENV).store_port == 0  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="MASTER_PORT=''.*torchrun"):
-        fault_tolerance_config_from_env(TORCHFT_ENV)
+        fault_tolerance_config_from_env({**TORCHFT_ENV, "WORLD_SIZE": "2"})
     # recopt's retired lighthouse is refused, naming what to set instead.
     old = {"RECOPT_FT_LIGHTHOUSE": "127.0.0.1:1", "RECOPT_FT_REPLICA_ID": "g0"}
     with pytest.raises(ValueError, match="RECOPT_FT_LIGHTHOUSE.*retired.*TORCHFT_LIGHTHOUSE"):
@@ -115,14 +117,13 @@ def test_a_dropped_step_retrains_the_same_batch(
 
         monkeypatch.setattr(dlrm_train.Trainer, "train_step", recorded_step)
     server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
         port = int(server.address().rsplit(":", 1)[1])
-        ft = TorchftConfig(
+        ft = TorchftConfig(  # store_port 0: the manager starts the group's store, no torchrun
             replica_id="solo",
             lighthouse_addr=f"http://127.0.0.1:{port}",
             store_addr="127.0.0.1",
-            store_port=store.port,
+            store_port=0,
             timeout=datetime.timedelta(seconds=20),
         )
         out = tmp_path / "run"

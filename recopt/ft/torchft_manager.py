@@ -16,6 +16,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch.distributed as dist
+
 from recopt.ft.steps import StepTransaction
 
 logger = logging.getLogger(__name__)
@@ -45,7 +47,8 @@ class TorchftConfig:
         lighthouse_addr: the torchft lighthouse, e.g. ``http://node0:29510``.
         store_addr: host of this replica group's TCPStore (torchrun's ``MASTER_ADDR``);
             peers rendezvous on the quorum leader's store, so it must be reachable.
-        store_port: its port (torchrun's ``MASTER_PORT``).
+        store_port: its port (torchrun's ``MASTER_PORT``); 0 for a one-process group run
+            without torchrun: the manager starts the group's store itself, on a free port.
         group_rank: this process's rank in its replica group; rank r averages with rank r
             of the other groups.
         group_world_size: ranks in the replica group.
@@ -125,7 +128,9 @@ def torchft_config_from_env(
             )
     numbers = {}
     defaults = (("RECOPT_FT_MIN_REPLICAS", "1"), ("RANK", "0"), ("WORLD_SIZE", "1"))
-    for name, default in (*defaults, ("MASTER_PORT", "")):
+    # Without torchrun (no MASTER_PORT) a one-process group starts its own store (port 0).
+    lone = environ.get("WORLD_SIZE", "1") == "1" and "MASTER_PORT" not in environ
+    for name, default in (*defaults, ("MASTER_PORT", "0" if lone else "")):
         value = environ.get(name, default)
         if not value.isdigit():
             raise ValueError(
@@ -204,6 +209,8 @@ class TorchftManager(StepTransaction):
         self.config = config
         self._quorum_failed = False
         self._pg = ProcessGroupGloo(timeout=config.timeout)
+        self._store = _own_store(config)
+        store_port = self._store.port if self._store is not None else config.store_port
         self._transport = TensorTransport(config.timeout, config.bind_host, config.hostname)
         try:
             self._ft = TorchftEngine(
@@ -218,7 +225,7 @@ class TorchftManager(StepTransaction):
                 rank=config.group_rank,
                 world_size=config.group_world_size,
                 store_addr=config.store_addr,
-                store_port=config.store_port,
+                store_port=store_port,
                 lighthouse_addr=config.lighthouse_addr,
                 replica_id=config.replica_id,
                 hostname=config.hostname,
@@ -279,3 +286,22 @@ class TorchftManager(StepTransaction):
     def shutdown(self) -> None:
         """Leave the job: stop the manager server and the healing server."""
         self._ft.shutdown(wait=False)
+
+
+def _own_store(config: TorchftConfig) -> dist.TCPStore | None:
+    """The group's TCPStore, started here when ``store_port`` is 0 (a one-process group run
+    without torchrun); None when torchrun's store is used.
+
+    Raises:
+        ValueError: port 0 for a group of more than one process (they need torchrun's store).
+    """
+    if config.store_port != 0:
+        return None
+    if config.group_world_size != 1:
+        raise ValueError(
+            f"store_port 0 (start the store here) needs a one-process replica group, got "
+            f"group_world_size {config.group_world_size}; run the group under torchrun"
+        )
+    return dist.TCPStore(
+        config.store_addr, 0, is_master=True, wait_for_workers=False, timeout=config.timeout
+    )
