@@ -282,7 +282,6 @@ class IdMap(nn.Module):
         self.last_stats = copy.copy(undo.stats)
 
     def _remap(self, ids_M: torch.Tensor, training: bool) -> Remapped:
-        ids_M = ids_M.to(torch.int64)
         empty = ids_M.new_empty(0)
         if ids_M.numel() == 0 and not training:
             return Remapped(torch.full_like(ids_M, -1), empty, empty)

@@ -145,18 +145,18 @@ class IdMaps(nn.ModuleDict):
             if gathered is not None:
                 return apply_rows(features, layout, step_with_peers(self, *gathered))
         if training and self.observers:  # a guarded step: per table, with undo records
-            results = {name: self.step(name, ids[name], training) for name in ids}
+            results = {name: self.step(name, ids[name]) for name in ids}
         else:  # native lru maps: one call for all
             maps = {name: self.table_map(name) for name in ids}
             results = remap_tables(maps, ids, training)
         return apply_rows(features, layout, results)
 
-    def step(self, name: str, ids_M: torch.Tensor, training: bool) -> Remapped:
-        """`IdMap.remap` of table ``name``; a training step is shown to the observers (with
-        its undo record)."""
+    def step(self, name: str, ids_M: torch.Tensor) -> Remapped:
+        """A training `IdMap.remap` of table ``name``, shown to the observers (with its undo
+        record) when there are any."""
         idmap = self.table_map(name)
-        if not training or not self.observers:
-            return idmap.remap(ids_M, training)
+        if not self.observers:
+            return idmap.remap(ids_M, True)
         result = idmap.remap(ids_M, True, record_undo=True)
         for observer in self.observers:
             observer.map_stepped(name, idmap, result)
@@ -187,7 +187,7 @@ def step_with_peers(
     results = {}
     for name in maps:
         parts = [p[name] for p in per_peer]
-        result = maps.step(name, torch.cat(parts), True)
+        result = maps.step(name, torch.cat(parts))
         start = sum(p.numel() for p in parts[:index])
         rows = result.rows_M[start : start + parts[index].numel()]
         results[name] = Remapped(rows, result.fresh_rows, result.fresh_ids, result.stats)
