@@ -16,9 +16,8 @@ built from lengths alone costs one more read to validate them, as in the unshard
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
+from sharding_requests import requests_for
 from test_host_syncs import count_read_backs
 
 from recopt.kernels import cpu_fused
@@ -62,33 +61,6 @@ def _input(rank: int) -> KeyedJaggedTensor:
     )
 
 
-def _requests(kind: str, world: int) -> dict[str, Any]:
-    from recopt.sharding import (
-        column_wise,
-        data_parallel,
-        row_wise,
-        table_column_wise,
-        table_row_wise,
-        table_wise,
-    )
-
-    names = [f"t{i}" for i in range(NUM_TABLES)]
-    if kind == "table_wise":
-        return {n: table_wise(i % world) for i, n in enumerate(names)}
-    if kind == "row_wise":
-        return {n: row_wise() for n in names}
-    if kind == "column_wise":
-        return {n: column_wise(list(range(world))) for n in names}
-    if kind == "table_row_wise":
-        return {n: table_row_wise(0) for n in names}
-    if kind == "table_column_wise":
-        return {n: table_column_wise(0) for n in names}
-    if kind == "data_parallel":
-        return {n: data_parallel() for n in names}
-    mixed = [table_wise(1), row_wise(), column_wise([1, 0]), data_parallel()]
-    return {n: mixed[i % len(mixed)] for i, n in enumerate(names)}
-
-
 def _step_reads(
     rank: int, world: int, kind: str, backend: str, num_kernels: int, guarded: bool
 ) -> tuple[list[str], list[str]]:
@@ -99,7 +71,7 @@ def _step_reads(
         FusedOptimizerConfig(name=name, lr=0.01, backend=Backend(backend))
         for name in BACKENDS[backend]
     )
-    shardings = construct_module_sharding_plan(tables, _requests(kind, world), world)
+    shardings = construct_module_sharding_plan(tables, requests_for(kind, world, NUM_TABLES), world)
     ebc = ShardedEmbeddingBagCollection(
         tables,
         shardings,
@@ -154,7 +126,9 @@ def _negative_id_on_a_row_split(rank: int, world: int) -> None:
     from recopt.sharding.input_dist import RemoteInputError
 
     tables = _tables()
-    shardings = construct_module_sharding_plan(tables, _requests("row_wise", world), world)
+    shardings = construct_module_sharding_plan(
+        tables, requests_for("row_wise", world, NUM_TABLES), world
+    )
     sgd = FusedOptimizerConfig(name="sgd", lr=0.1, backend=Backend.FBGEMM)
     ebc = ShardedEmbeddingBagCollection(tables, shardings, sgd)
     # fbgemm's block bucketization routes the ids before the check's answer is read: they must

@@ -25,6 +25,7 @@ from pipeline_helpers import (
     same,
     tables,
 )
+from sharding_requests import requests_for
 
 from recopt.sharding.plan import ShardingType
 from recopt.testing import run_on_ranks
@@ -37,37 +38,13 @@ MIXED_OPTIMIZERS = ["adagrad", "sgd", "row_wise_adagrad", "adam"]
 
 def _requests(kind: str, world: int, optimizers: list[str] | None) -> dict[str, Any]:
     from recopt.kernels import FusedOptimizerConfig
-    from recopt.sharding import (
-        column_wise,
-        data_parallel,
-        row_wise,
-        table_column_wise,
-        table_row_wise,
-        table_wise,
-    )
 
     def opt(i: int) -> Any:
         if optimizers is None:
             return None
         return FusedOptimizerConfig(name=optimizers[i % len(optimizers)], lr=0.05)
 
-    makers = {
-        "table_wise": lambda i: table_wise(i % world, optimizer=opt(i)),
-        "row_wise": lambda i: row_wise(optimizer=opt(i)),
-        "column_wise": lambda i: column_wise(list(range(world)), optimizer=opt(i)),
-        "table_row_wise": lambda i: table_row_wise(0, optimizer=opt(i)),
-        "table_column_wise": lambda i: table_column_wise(0, optimizer=opt(i)),
-        "data_parallel": lambda i: data_parallel(optimizer=opt(i)),
-    }
-    mixed = [
-        lambda i: table_wise(1, optimizer=opt(i)),
-        makers["row_wise"],
-        lambda i: column_wise([1, 0], optimizer=opt(i)),
-        makers["data_parallel"],
-    ]
-    if kind == "mixed":
-        return {f"t{i}": mixed[i % len(mixed)](i) for i in range(NUM_TABLES)}
-    return {f"t{i}": makers[kind](i) for i in range(NUM_TABLES)}
+    return requests_for(kind, world, NUM_TABLES, opt)
 
 
 def _build(world: int, case: dict[str, Any]) -> tuple[Any, Any]:
