@@ -338,7 +338,10 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
         mapped = prepare_mapped(
             self.id_maps, self._layout, features, self.is_weighted, torch.float32, self.training
         )
+        fresh_tables = {n for n, r in mapped.fresh.items() if r.fresh_rows.numel()}
         for group in self._groups:
+            if not any(self.tables[t].name in fresh_tables for t in group.table_indices):
+                continue  # nothing to reset: no need to split the kernel's weights and states
             kernel = group.kernel
             for t, weight, states in zip(
                 group.table_indices,

@@ -175,7 +175,10 @@ class ShardedIdMaps:
 
     def _reset_fresh(self, results: Mapping[str, Remapped]) -> None:
         """Re-initialise the fresh rows this rank's shards hold; zero their optimizer state."""
+        fresh_tables = {n for n, r in results.items() if r.fresh_rows.numel()}
         for group, kernel in zip(self._groups, self._kernels, strict=True):
+            if not any(self.tables[t].name in fresh_tables for t, _ in group.tables):
+                continue  # nothing to reset: no need to split the kernel's weights and states
             weights = kernel.split_embedding_weights()
             states = kernel.split_optimizer_states()
             for (t, k), weight, state in zip(group.tables, weights, states, strict=True):
