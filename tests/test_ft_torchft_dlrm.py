@@ -41,12 +41,12 @@ def test_settings_from_the_environment() -> None:
     pytest.importorskip("torchft")
     env = {**TORCHFT_ENV, "MASTER_ADDR": "node3", "MASTER_PORT": "29500", "RANK": "1"}
     config = fault_tolerance_config_from_env({**env, "WORLD_SIZE": "2"})
-    assert (config.store_addr, config.store_port, config.group_rank) == ("node3", 29500, 1)  # type: ignore[union-attr]
+    assert (config.store_addr, config.store_port, config.group_rank) == ("node3", 29500, 1)
     with pytest.raises(ValueError, match="TORCHFT_LIGHTHOUSE is not set"):
         fault_tolerance_config_from_env({"REPLICA_GROUP_ID": "g0"})
     # Without torchrun a one-process group starts its own store (port 0); a larger group
     # needs torchrun's.
-    assert fault_tolerance_config_from_env(TORCHFT_ENV).store_port == 0  # type: ignore[union-attr]
+    assert fault_tolerance_config_from_env(TORCHFT_ENV).store_port == 0
     with pytest.raises(ValueError, match="MASTER_PORT=''.*torchrun"):
         fault_tolerance_config_from_env({**TORCHFT_ENV, "WORLD_SIZE": "2"})
     # recopt's retired lighthouse is refused, naming what to set instead.
