@@ -106,11 +106,6 @@ def wait(work: Any, timeout: datetime.timedelta) -> None:
         _wait(work, timeout)
 
 
-def all_reduce_sum(tensor: Tensor, group: ProcessGroup | None) -> Tensor:
-    """Sum ``tensor`` over the ranks of ``group`` in place (no-op on one rank) and return it."""
-    return all_reduce(tensor, group)
-
-
 # ------------------------------------------------------------------ groups and their devices
 
 
