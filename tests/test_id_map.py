@@ -205,3 +205,19 @@ def test_table_config_takes_id_map_from_toml_tables() -> None:
             feature_names=("f",),
             id_map="lru",  # type: ignore[arg-type]
         )
+
+
+def test_route_shard_is_a_fixed_spread_function_of_the_id() -> None:
+    from recopt.modules.id_map_lookup import route_shard
+
+    ids = torch.tensor([0, 1, -1, 2**40 + 3, -(2**63), 2**63 - 1, 12345])
+    assert route_shard(ids, 1).tolist() == [0] * ids.numel()
+    for shards in (2, 3, 7):
+        routed = route_shard(ids, shards)
+        assert routed.dtype == torch.int64
+        assert bool(((routed >= 0) & (routed < shards)).all())
+        assert torch.equal(routed, route_shard(ids.clone(), shards))  # deterministic
+    # pinned: a checkpoint's ids must route the same in every version
+    assert route_shard(ids, 3).tolist() == [2, 2, 1, 0, 0, 0, 2]
+    spread = torch.bincount(route_shard(torch.arange(30_000) * 2**33, 3), minlength=3)
+    assert int(spread.min()) > 9_500, spread  # an even spread of structured ids

@@ -338,6 +338,7 @@ def reset_state_rows(
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX2 = 0x94D049BB133111EB - (1 << 64)
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_ROUTE_SALT = 0x5851F42D4C957F2D
 
 
 def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -350,6 +351,19 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     x = (x ^ _shift_right(x, 30)) * _MIX1
     x = (x ^ _shift_right(x, 27)) * _MIX2
     return x ^ _shift_right(x, 31)
+
+
+def route_shard(ids_M: torch.Tensor, num_shards: int) -> torch.Tensor:
+    """The row shard (``0 .. num_shards - 1``) that owns each raw id of an id-mapped table.
+
+    A fixed function of the raw id alone (splitmix64 of the id, unrelated to `hash_uniform`'s
+    draws), the same on every device, rank and version: a sharded table's ids go to the shard
+    that keeps their map, and a checkpoint loaded under another plan re-routes them by it.
+    """
+    if num_shards == 1:
+        return torch.zeros_like(ids_M, dtype=torch.int64)
+    key = _shift_right(_mix(ids_M.to(torch.int64) + _ROUTE_SALT), 1)  # 63 bits: >= 0
+    return key % num_shards
 
 
 def hash_uniform(ids_K: torch.Tensor, step: int, dim: int) -> torch.Tensor:
