@@ -12,6 +12,7 @@
  * torch, the float64 powers of lfu's decay and lfu's victims, exactly as the torch path does.
  * Legend: M ids of the batch, U distinct ids, N slots.
  */
+#include "cpu_id_map_fill.h"
 #include "cpu_id_map_slots.h"
 
 typedef struct {
@@ -470,41 +471,36 @@ void rim_undo_copy(void *handle, int which, int64_t *slot, int64_t *ids, uint8_t
     if (count) memcpy(count, log->count, 8 * n);
 }
 
-/* ---- the hashed initial values of fresh rows (id_map_lookup.hash_uniform, bit for bit) ---- */
-
-static inline uint64_t splitmix_finish(uint64_t x) {
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-    return x ^ (x >> 31);
-}
+/* ---- fresh rows (cpu_id_map_fill.h): hashed initial values, zeroed optimizer state ---- */
 
 /* out [num_ids, dim]: float64 in [0, 1), a fixed function of (id, step, column). */
 void rim_hash_uniform(const int64_t *ids, int64_t num_ids, int64_t step, int64_t dim,
                       double *out) {
-    const uint64_t golden = 0x9E3779B97F4A7C15ULL;
-    for (int64_t i = 0; i < num_ids; i++) {
-        uint64_t key = splitmix_finish((uint64_t)ids[i] * golden + (uint64_t)step);
-        for (int64_t c = 0; c < dim; c++) {
-            uint64_t x = splitmix_finish(key + (uint64_t)(c + 1) * golden);
-            out[i * dim + c] = (double)(x >> 11) * 0x1p-53; /* exact, as torch's / 2^53 */
-        }
-    }
+    for (int64_t i = 0; i < num_ids; i++) hash_row(ids[i], step, dim, out + i * dim);
 }
 
 /* weight[rows[i], :] = (float)(lo + (hi - lo) * hash_uniform(ids[i], step, column)): the
  * torch path's init_rows on float32 rows, the same rounding (two float64 ops, then float). */
 void rim_fill_uniform(const int64_t *ids, const int64_t *rows, int64_t num_rows, int64_t step,
                       int64_t dim, double lo, double hi, float *weight, int64_t row_stride) {
-    const uint64_t golden = 0x9E3779B97F4A7C15ULL;
-    double span = hi - lo;
-    for (int64_t i = 0; i < num_rows; i++) {
-        uint64_t key = splitmix_finish((uint64_t)ids[i] * golden + (uint64_t)step);
-        float *row = weight + rows[i] * row_stride;
-        for (int64_t c = 0; c < dim; c++) {
-            uint64_t x = splitmix_finish(key + (uint64_t)(c + 1) * golden);
-            double unit = (double)(x >> 11) * 0x1p-53;
-            double scaled = span * unit;
-            row[c] = (float)(lo + scaled);
-        }
+    fill_rows(ids, rows, num_rows, step, dim, lo, hi, weight, row_stride);
+}
+
+/* The fresh rows of num_tables tables in one call, the tables over threads. Table t: rows[t]
+ * and ids[t] (num_rows[t] each) are written as rim_fill_uniform writes them (steps[t],
+ * dims[t], lo_hi[2t], lo_hi[2t + 1], weights[t], weight_strides[t] floats a row); then the
+ * rows' bytes of states first_state[t] .. first_state[t + 1] - 1 are zeroed: state s starts
+ * at states[s], row r at r * state_strides[s] bytes, state_widths[s] bytes of it. */
+void rim_reset_many(int64_t num_tables, int64_t **rows, int64_t **ids, const int64_t *num_rows,
+                    const int64_t *steps, const int64_t *dims, const double *lo_hi,
+                    float **weights, const int64_t *weight_strides, const int64_t *first_state,
+                    uint8_t **states, const int64_t *state_strides,
+                    const int64_t *state_widths, int threads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t t = 0; t < num_tables; t++) {
+        fill_rows(ids[t], rows[t], num_rows[t], steps[t], dims[t], lo_hi[2 * t],
+                  lo_hi[2 * t + 1], weights[t], weight_strides[t]);
+        for (int64_t s = first_state[t]; s < first_state[t + 1]; s++)
+            zero_rows(rows[t], num_rows[t], states[s], state_strides[s], state_widths[s]);
     }
 }

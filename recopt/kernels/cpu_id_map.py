@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -19,7 +21,8 @@ from recopt.kernels.native_build import LazyLibrary, build_library
 logger = logging.getLogger(__name__)
 
 _C_SOURCE_PATH = Path(__file__).with_name("cpu_id_map.c")
-_C_HEADER_PATH = Path(__file__).with_name("cpu_id_map_slots.h")  # included by the source
+# included by the source
+_C_HEADERS = [Path(__file__).with_name(f"cpu_id_map_{name}.h") for name in ("slots", "fill")]
 # -ffp-contract=off: lfu's frequency update (f * factor + count) rounds twice, as torch does.
 _CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fopenmp"]
 
@@ -40,12 +43,13 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         [_P, _P, _I64, _I64, _I64, ctypes.c_double, ctypes.c_double, _P, _I64],
     ),
     "rim_step_many": (None, [_I64, *[_P] * 12, _INT]),
+    "rim_reset_many": (None, [_I64, *[_P] * 12, _INT]),
 }
 
 
 def _build() -> ctypes.CDLL:
     """Compile the C source (once per source, flags and machine) and load it."""
-    return build_library(_C_SOURCE_PATH, [_C_HEADER_PATH], _CFLAGS, _SIGNATURES)
+    return build_library(_C_SOURCE_PATH, _C_HEADERS, _CFLAGS, _SIGNATURES)
 
 
 _native = LazyLibrary("native id map", _build)
@@ -107,3 +111,80 @@ def fill_uniform(
         )
         weight[rows[:0]] = 0.0  # writes nothing; moves the version counter as torch's would
     return True
+
+
+class RowReset(NamedTuple):
+    """One table's fresh rows for `reset_many`: ``weight[rows]`` gets ``lo + (hi - lo) *
+    hash_uniform(ids, step, dim)`` and each of ``states`` (per-row ``[N]`` or per-element
+    ``[N, D]``) is zeroed on ``rows``."""
+
+    weight: torch.Tensor
+    rows: torch.Tensor
+    ids: torch.Tensor
+    step: int
+    lo: float
+    hi: float
+    states: Sequence[torch.Tensor]
+
+
+def can_reset(weight: torch.Tensor, states: Sequence[torch.Tensor]) -> bool:
+    """Whether `reset_many` takes a table with ``weight`` and ``states``: a CPU float32 matrix
+    with unit column stride, states on CPU with contiguous rows, and the library there."""
+
+    def rows_contiguous(state: torch.Tensor) -> bool:
+        return state.dim() == 1 or (state.dim() == 2 and state.stride(1) == 1)
+
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.stride(1) == 1
+        and all(s.device.type == "cpu" and rows_contiguous(s) for s in states)
+        and available()
+    )
+
+
+def _int64s(values: Sequence[int]) -> ctypes.Array[ctypes.c_int64]:
+    return (ctypes.c_int64 * max(len(values), 1))(*values)
+
+
+def _pointers(tensors: Sequence[torch.Tensor]) -> ctypes.Array[ctypes.c_void_p]:
+    return (ctypes.c_void_p * max(len(tensors), 1))(*[t.data_ptr() for t in tensors])
+
+
+def reset_many(resets: Sequence[RowReset], threads: int) -> None:
+    """Every `RowReset` of ``resets`` in one native call, the tables over ``threads``
+    threads: the same bits as `fill_uniform` and ``state[rows] = 0`` (all-zero bytes).
+
+    Every table must pass `can_reset`; the version counters of the weights and states move
+    as in-place torch writes would move them.
+    """
+    resets = [r for r in resets if r.rows.numel()]
+    if not resets:
+        return
+    rows = [r.rows.to(torch.int64).contiguous() for r in resets]
+    ids = [r.ids.to(torch.int64).contiguous() for r in resets]
+    states = [state for r in resets for state in r.states]
+    first_state = [0]
+    for r in resets:
+        first_state.append(first_state[-1] + len(r.states))
+    lo_hi = [bound for r in resets for bound in (r.lo, r.hi)]
+    library().rim_reset_many(
+        len(resets),
+        _pointers(rows),
+        _pointers(ids),
+        _int64s([t.numel() for t in rows]),
+        _int64s([r.step for r in resets]),
+        _int64s([r.weight.shape[1] for r in resets]),
+        (ctypes.c_double * len(lo_hi))(*lo_hi),
+        _pointers([r.weight for r in resets]),
+        _int64s([r.weight.stride(0) for r in resets]),
+        _int64s(first_state),
+        _pointers(states),
+        _int64s([s.stride(0) * s.element_size() for s in states]),
+        _int64s([s[:1].numel() * s.element_size() for s in states]),  # one row's bytes
+        threads,
+    )
+    for reset in resets:  # as torch's in-place writes would
+        for tensor in (reset.weight, *reset.states):
+            torch.autograd.graph.increment_version(tensor)

@@ -31,11 +31,12 @@ from recopt.modules.fused_groups import (
     resolve_table_optimizers,
 )
 from recopt.modules.id_map_lookup import (
+    FreshTable,
     IdMaps,
     MappedBatch,
     mean_scale,
     prepare_mapped,
-    reset_fresh_rows,
+    reset_fresh_tables,
 )
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.nonfinite import NonFiniteGradGuard, guarded_lookup
@@ -339,6 +340,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
             self.id_maps, self._layout, features, self.is_weighted, torch.float32, self.training
         )
         fresh_tables = {n for n, r in mapped.fresh.items() if r.fresh_rows.numel()}
+        resets = []
         for group in self._groups:
             if not any(self.tables[t].name in fresh_tables for t in group.table_indices):
                 continue  # nothing to reset: no need to split the kernel's weights and states
@@ -351,9 +353,10 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
             ):
                 fresh = mapped.fresh.get(self.tables[t].name)
                 if fresh is not None:
-                    reset_fresh_rows(
-                        self.id_maps, self.tables[t], group.optimizer.name, weight, states, fresh
+                    resets.append(
+                        FreshTable(self.tables[t], group.optimizer.name, weight, states, fresh)
                     )
+        reset_fresh_tables(self.id_maps, resets)
         return mapped.features, mapped
 
     def _lookup_all(

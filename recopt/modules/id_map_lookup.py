@@ -215,18 +215,16 @@ def apply_rows(
     """``features`` with each mapped table's ids replaced by ``results[table].rows_M``
     (aligned with `table_ids`); ids of the zero row (-1) are dropped from their bags."""
     values = features.values()
-    rows = values.clone()
-    dropped = torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
+    pieces, mapped = _row_pieces(features, layout, results)
+    rows = torch.cat(pieces)
     batch = MappedBatch(features, dict(results))
-    for name, result in results.items():
-        start = 0
-        for a, b in _spans(features, layout, name):
-            rows[a:b] = result.rows_M[start : start + b - a]
-            dropped[a:b] = result.rows_M[start : start + b - a] < 0
-            start += b - a
-    if not bool(dropped.any()):
+    if not any(bool((r.rows_M < 0).any()) for r in _nonempty(results)):
         batch.features = _with_values(features, rows, features.lengths(), None)
         return batch
+    dropped = torch.cat(
+        [piece < 0 if is_mapped else torch.zeros_like(piece, dtype=torch.bool)
+         for piece, is_mapped in zip(pieces, mapped, strict=True)]
+    )  # fmt: skip
     lengths = features.lengths()
     bag_M = torch.repeat_interleave(
         torch.arange(lengths.numel(), device=values.device), lengths, output_size=rows.numel()
@@ -238,6 +236,33 @@ def apply_rows(
     )
     batch.lengths_before = lengths
     return batch
+
+
+def _nonempty(results: Mapping[str, Remapped]) -> list[Remapped]:
+    return [r for r in results.values() if r.rows_M.numel()]
+
+
+def _row_pieces(
+    features: KeyedJaggedTensor, layout: FeatureLayout, results: Mapping[str, Remapped]
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """``features``' values cut at the feature bounds, each mapped feature's piece replaced by
+    its rows (its table's ``rows_M``, features in order), and which pieces are rows."""
+    values, bounds = features.values(), features.offset_per_key()
+    used = dict.fromkeys(results, 0)
+    pieces, mapped = [], []
+    for f, name in enumerate(layout.table_names):
+        a, b = bounds[f], bounds[f + 1]
+        result = results.get(name)
+        if result is None:
+            pieces.append(values[a:b])
+        else:
+            start = used[name]
+            pieces.append(result.rows_M[start : start + b - a].to(values.dtype))
+            used[name] = start + b - a
+        mapped.append(result is not None)
+    pieces.append(values[bounds[len(layout.table_names)] :])  # past the layout's features
+    mapped.append(False)
+    return pieces, mapped
 
 
 def _with_values(
@@ -328,11 +353,52 @@ def reset_state_rows(
     """Zero every per-row optimizer state of ``rows`` (per-column and scalar states stay)."""
     if rows.numel() == 0:
         return
-    shapes = dict(optimizer_spec(optimizer_name).states)
     with torch.no_grad():
-        for key, shape in shapes.items():
-            if shape in (StateShape.PER_ROW, StateShape.PER_ELEMENT):
-                states[key][rows] = 0
+        for state in _row_states(optimizer_name, states):
+            state[rows] = 0
+
+
+def _row_states(optimizer_name: str, states: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The per-row and per-element states of ``states`` (those a fresh row zeroes)."""
+    shapes = dict(optimizer_spec(optimizer_name).states)
+    row_shapes = (StateShape.PER_ROW, StateShape.PER_ELEMENT)
+    return [states[key] for key, shape in shapes.items() if shape in row_shapes]
+
+
+@dataclass(frozen=True, slots=True)
+class FreshTable:
+    """One table's fresh rows to reset (`reset_fresh_tables`): its config, optimizer,
+    ``weight`` (the table or a shard of it), optimizer ``states`` and the remap's result."""
+
+    table: BaseEmbeddingConfig
+    optimizer_name: str
+    weight: torch.Tensor
+    states: Mapping[str, torch.Tensor]
+    fresh: Remapped
+
+
+def reset_fresh_tables(maps: IdMaps, tables: Sequence[FreshTable]) -> None:
+    """`reset_fresh_rows` of every table of ``tables`` (the same values): the observers are
+    told of every table first; then the uniform-initialised float32 CPU tables are reset in
+    one native call, the tables over torch's threads, and the others one by one."""
+    tables = [t for t in tables if t.fresh.fresh_rows.numel()]
+    for t in tables:
+        maps.before_reset(t.table.name, t.weight, t.states, t.fresh.fresh_rows)
+    native = []
+    for t in tables:
+        row_states = _row_states(t.optimizer_name, t.states)
+        if t.table.init_fn is None and cpu_id_map.can_reset(t.weight, row_states):
+            lo, hi = t.table.init_bounds()
+            step = t.fresh.stats.step
+            native.append(
+                cpu_id_map.RowReset(
+                    t.weight, t.fresh.fresh_rows, t.fresh.fresh_ids, step, lo, hi, row_states
+                )
+            )
+        else:
+            init_rows(t.table, t.weight, t.fresh, t.fresh.stats.step)
+            reset_state_rows(t.optimizer_name, t.states, t.fresh.fresh_rows)
+    cpu_id_map.reset_many(native, torch.get_num_threads())
 
 
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)

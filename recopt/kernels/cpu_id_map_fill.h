@@ -1,0 +1,69 @@
+/* The fresh rows of the native id map (cpu_id_map.c): their hashed initial values
+ * (id_map_lookup.hash_uniform, bit for bit) and their zeroed optimizer state. Header-only
+ * (static functions): included once, by cpu_id_map.c.
+ */
+#ifndef RECOPT_CPU_ID_MAP_FILL_H
+#define RECOPT_CPU_ID_MAP_FILL_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* How many rows ahead the row loops prefetch (the rows are random: their misses overlap). */
+#define ROWS_AHEAD 8
+
+static inline uint64_t splitmix_finish(uint64_t x) {
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+static inline uint64_t row_key(int64_t id, int64_t step) {
+    return splitmix_finish((uint64_t)id * 0x9E3779B97F4A7C15ULL + (uint64_t)step);
+}
+
+/* out [dim]: float64 in [0, 1), a fixed function of (id, step, column). */
+static inline void hash_row(int64_t id, int64_t step, int64_t dim, double *out) {
+    const uint64_t golden = 0x9E3779B97F4A7C15ULL;
+    uint64_t key = row_key(id, step);
+    for (int64_t c = 0; c < dim; c++) {
+        uint64_t x = splitmix_finish(key + (uint64_t)(c + 1) * golden);
+        out[c] = (double)(x >> 11) * 0x1p-53; /* exact, as torch's / 2^53 */
+    }
+}
+
+/* The write-prefetch of the bytes [at, at + bytes). */
+static inline void prefetch_bytes(const void *at, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)at + b, 1);
+}
+
+/* weight[rows[i], :dim] = (float)(lo + (hi - lo) * hash_uniform(ids[i], step, column)): the
+ * torch path's init_rows on float32 rows, the same rounding (two float64 ops, then float). */
+static void fill_rows(const int64_t *ids, const int64_t *rows, int64_t num_rows, int64_t step,
+                      int64_t dim, double lo, double hi, float *weight, int64_t row_stride) {
+    const uint64_t golden = 0x9E3779B97F4A7C15ULL;
+    double span = hi - lo;
+    for (int64_t i = 0; i < num_rows; i++) {
+        if (i + ROWS_AHEAD < num_rows)
+            prefetch_bytes(weight + rows[i + ROWS_AHEAD] * row_stride, 4 * dim);
+        uint64_t key = row_key(ids[i], step);
+        float *row = weight + rows[i] * row_stride;
+        for (int64_t c = 0; c < dim; c++) {
+            uint64_t x = splitmix_finish(key + (uint64_t)(c + 1) * golden);
+            double unit = (double)(x >> 11) * 0x1p-53;
+            double scaled = span * unit;
+            row[c] = (float)(lo + scaled);
+        }
+    }
+}
+
+/* The first `width` bytes of each of `rows` (row r at base + r * stride bytes) set to 0. */
+static void zero_rows(const int64_t *rows, int64_t num_rows, uint8_t *base, int64_t stride,
+                      int64_t width) {
+    for (int64_t i = 0; i < num_rows; i++) {
+        if (i + ROWS_AHEAD < num_rows)
+            __builtin_prefetch(base + rows[i + ROWS_AHEAD] * stride, 1);
+        memset(base + rows[i] * stride, 0, (size_t)width);
+    }
+}
+
+#endif

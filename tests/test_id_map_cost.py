@@ -1,0 +1,178 @@
+"""The id map's cheaper paths (issue 26's cost) against their references: the fresh rows of
+all tables reset in one native call, lfu's eviction head without a full sort, and the
+vectorised `apply_rows`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pytest
+import torch
+
+from recopt.kernels import cpu_id_map
+from recopt.kernels.config import FusedOptimizerConfig
+from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, IdMapConfig
+from recopt.modules.id_map import Remapped
+from recopt.modules.id_map_lookup import apply_rows, hash_uniform_torch
+from recopt.modules.inputs import FeatureLayout
+from recopt.sparse import KeyedJaggedTensor
+
+native_only = pytest.mark.skipif(not cpu_id_map.available(), reason="no C compiler")
+
+
+def _views(storage: torch.Tensor) -> list[torch.Tensor]:
+    """Two tables in one flat storage (row strides wider than the rows) and a third."""
+    return [storage[:1000].view(50, 20)[:, 2:18], storage[1000:2200].view(40, 30)[:, :8],
+            storage[2200:2320].view(30, 4)]  # fmt: skip
+
+
+@native_only
+def test_reset_many_equals_torch_init_and_zeroed_states() -> None:
+    gen = torch.Generator().manual_seed(0)
+    storage = torch.rand(2400, generator=gen)
+    expected_storage = storage.clone()
+    weights, expected = _views(storage), _views(expected_storage)
+    per_row = [torch.rand(len(w), generator=gen) + 1 for w in weights]
+    per_element = [torch.rand(*w.shape, generator=gen).to(torch.bfloat16) + 1 for w in weights]
+    expected_row = [s.clone() for s in per_row]
+    expected_element = [s.clone() for s in per_element]
+    resets = []
+    for t, weight in enumerate(weights):
+        rows = torch.randperm(len(weight), generator=gen)[: 7 + t]
+        ids = torch.randint(-(2**62), 2**62, (rows.numel(),), generator=gen)
+        lo, hi, step = -0.1 * (t + 1), 0.2, 5 + t
+        states = [per_row[t], per_element[t]] if t != 1 else [per_row[t]]
+        resets.append(cpu_id_map.RowReset(weight, rows, ids, step, lo, hi, states))
+        unit = hash_uniform_torch(ids, step, weight.shape[1])  # the torch path's init_rows
+        expected[t][rows] = (lo + (hi - lo) * unit).float()
+        expected_row[t][rows] = 0
+        if t != 1:
+            expected_element[t][rows] = 0
+    resets.append(cpu_id_map.RowReset(weights[0], rows[:0], ids[:0], 1, 0.0, 1.0, []))  # empty
+    assert all(cpu_id_map.can_reset(r.weight, r.states) for r in resets)
+    versions = [w._version for w in weights] + [s._version for s in per_row]
+    cpu_id_map.reset_many(resets, threads=2)
+    assert torch.equal(storage, expected_storage)  # the rows, and nothing beside them
+    for t in range(3):
+        assert torch.equal(per_row[t], expected_row[t]), t
+        assert torch.equal(per_element[t], expected_element[t]), t
+    assert all(new > old for new, old in zip(
+        [w._version for w in weights] + [s._version for s in per_row], versions, strict=True
+    ))  # fmt: skip
+
+
+@native_only
+def test_reset_many_refuses_what_it_cannot_write() -> None:
+    weight = torch.zeros(6, 4)
+    assert cpu_id_map.can_reset(weight, [torch.zeros(6), torch.zeros(6, 4)])
+    assert not cpu_id_map.can_reset(weight.double(), [])
+    assert not cpu_id_map.can_reset(weight.t(), [])  # columns not contiguous
+    assert not cpu_id_map.can_reset(weight, [torch.zeros(4, 6).t()])
+
+
+def _collection(optimizer: str, tables: int) -> FusedEmbeddingBagCollection:
+    configs = [
+        EmbeddingBagConfig(
+            name=f"t{i}",
+            num_embeddings=16 + 4 * i,
+            embedding_dim=4 * (i + 1),
+            feature_names=(f"f{i}",),
+            id_map=IdMapConfig(policy="lru"),
+        )
+        for i in range(tables)
+    ]
+    torch.manual_seed(0)
+    return FusedEmbeddingBagCollection(
+        configs, optimizer=FusedOptimizerConfig(name=optimizer, lr=0.1)
+    )
+
+
+def _state(module: FusedEmbeddingBagCollection) -> dict[str, torch.Tensor]:
+    out = dict(module.state_dict())
+    for k, kernel in enumerate(module.kernels()):
+        for t, states in enumerate(kernel.split_optimizer_states()):
+            out.update({f"{k}.{t}.{name}": s.clone() for name, s in states.items()})
+    return out
+
+
+@pytest.mark.parametrize("optimizer", ["row_wise_adagrad", "adam"])
+def test_fused_collection_resets_as_the_per_table_torch_path(
+    optimizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many steps that evict: the one-call native reset leaves every weight and state bit
+    equal to the per-table torch ops (the reference, forced by refusing every table)."""
+    native, reference = _collection(optimizer, 3), _collection(optimizer, 3)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(12):
+        ids = {f"f{i}": torch.randint(0, 60, (24,), generator=gen) * 7919 + step for i in range(3)}
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            list(ids), torch.cat(list(ids.values())), torch.ones(72, dtype=torch.int64)
+        )
+        native(kjt).values().sum().backward()
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu_id_map, "can_reset", lambda *_: False)
+            reference(kjt).values().sum().backward()
+    assert sum(native.stats()[t]["evictions"] for t in native.stats()) > 0
+    got, expected = _state(native), _state(reference)
+    assert got.keys() == expected.keys()
+    for key, value in got.items():
+        assert torch.equal(value, expected[key]), key
+
+
+def _kjt(bags: Mapping[str, list[list[int]]], weighted: bool) -> KeyedJaggedTensor:
+    kjt = KeyedJaggedTensor.from_id_lists(dict(bags))
+    if not weighted:
+        return kjt
+    weights = torch.arange(kjt.values().numel(), dtype=torch.float32) + 1
+    return KeyedJaggedTensor(kjt.keys(), kjt.values(), weights=weights, lengths=kjt.lengths())
+
+
+def _apply_rows_reference(
+    kjt: KeyedJaggedTensor, layout: FeatureLayout, results: Mapping[str, Remapped]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The rows, the kept bag lengths and weights, span by span (what `apply_rows` must give)."""
+    values, bounds = kjt.values(), kjt.offset_per_key()
+    rows, dropped = values.clone(), torch.zeros(values.numel(), dtype=torch.bool)
+    for name, result in results.items():
+        start = 0
+        for f, table in enumerate(layout.table_names):
+            if table == name:
+                a, b = bounds[f], bounds[f + 1]
+                rows[a:b] = result.rows_M[start : start + b - a]
+                dropped[a:b] = result.rows_M[start : start + b - a] < 0
+                start += b - a
+    bags = torch.repeat_interleave(torch.arange(kjt.lengths().numel()), kjt.lengths())
+    kept = torch.zeros_like(kjt.lengths()).index_add_(0, bags, (~dropped).long())
+    weights = kjt.weights_or_none()
+    return rows[~dropped], kept, None if weights is None else weights[~dropped]
+
+
+@pytest.mark.parametrize("drop", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_apply_rows_equals_the_span_by_span_reference(drop: bool, weighted: bool) -> None:
+    tables = [
+        EmbeddingBagConfig(name="a", num_embeddings=9, embedding_dim=4, feature_names=("a1", "a2")),
+        EmbeddingBagConfig(name="u", num_embeddings=9, embedding_dim=4, feature_names=("u1",)),
+        EmbeddingBagConfig(name="b", num_embeddings=9, embedding_dim=4, feature_names=("b1",)),
+    ]
+    layout = FeatureLayout(tables)
+    bags = {"a1": [[1, 2], [3]], "a2": [[], [4, 5, 6]], "u1": [[7], [8]], "b1": [[9], []]}
+    kjt = _kjt({name: bags[name] for name in layout.feature_names}, weighted)
+    rows_a = torch.tensor([10, 11, 12, 13, 14, 15])
+    if drop:
+        rows_a[[1, 4]] = -1
+    results = {
+        "a": Remapped(rows_a, rows_a[:0], rows_a[:0]),
+        "b": Remapped(torch.tensor([20]), rows_a[:0], rows_a[:0]),
+    }
+    batch = apply_rows(kjt, layout, results)
+    rows, kept, weights = _apply_rows_reference(kjt, layout, results)
+    assert torch.equal(batch.features.values(), rows)
+    assert torch.equal(batch.features.lengths(), kept)
+    assert (batch.lengths_before is not None) == drop
+    if drop:
+        assert torch.equal(batch.lengths_before, kjt.lengths())
+    got_weights = batch.features.weights_or_none()
+    assert (got_weights is None) == (weights is None)
+    if weights is not None and got_weights is not None:
+        assert torch.equal(got_weights, weights)
