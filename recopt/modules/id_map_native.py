@@ -170,7 +170,7 @@ class NativeIdMap:
         mask = _buffer(idmap, "occupied").clone()
         mask[known] = False
         rows = mask.nonzero().squeeze(1)
-        return rows[idmap.eviction_order(rows)[:need]].contiguous()
+        return rows[idmap.eviction_head(rows, need)].contiguous()
 
     def _undo(self, step: int, stats: RemapStats) -> MapUndo:
         """The last step's undo record, copied out of the native side."""
