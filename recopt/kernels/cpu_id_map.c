@@ -238,11 +238,15 @@ static void count_known(Map *m, int64_t step, const double *factors) {
     Slots *s = &m->rows;
     for (int64_t k = 0; k < m->num_known; k++) {
         int64_t u = m->known[k], r = m->slot_u[u];
-        if (k + AHEAD < m->num_known) {
+        if (k + 2 * AHEAD < m->num_known)
+            __builtin_prefetch(&s->link[2 * m->slot_u[m->known[k + 2 * AHEAD]]], 1);
+        if (k + AHEAD < m->num_known) { /* and the list neighbours list_unlink will write */
             int64_t ahead = m->slot_u[m->known[k + AHEAD]];
+            int64_t p = s->link[2 * ahead], q = s->link[2 * ahead + 1];
             __builtin_prefetch(&s->freq[ahead], 1);
             __builtin_prefetch(&s->seen[ahead], 1);
-            __builtin_prefetch(&s->link[2 * ahead], 1);
+            if (p >= 0) __builtin_prefetch(&s->link[2 * p + 1], 1);
+            if (q >= 0) __builtin_prefetch(&s->link[2 * q], 1);
         }
         remember(m, s, r);
         double kept = s->freq[r];
@@ -357,6 +361,36 @@ static void evict(Map *m, int64_t r) {
     s->live--;
 }
 
+/* Evicts rows[from .. to) in order, prefetching ahead (their ids, then their hash homes). */
+static void evict_range(Map *m, const int64_t *rows, int64_t from, int64_t to) {
+    Slots *s = &m->rows;
+    for (int64_t j = from; j < to; j++) {
+        if (j + 2 * AHEAD < to) __builtin_prefetch(&s->ids[rows[j + 2 * AHEAD]], 1);
+        if (j + AHEAD < to) prefetch_home(&s->hash, s->ids[rows[j + AHEAD]]);
+        evict(m, rows[j]);
+    }
+}
+
+/* lru: the victims are the recency list's first nodes (fresh_rows[placed ..], up to want),
+ * cut off at once and evicted. The walk down the list is a chain of dependent loads (a cache
+ * miss each); each victim is evicted 2 * AHEAD nodes behind the walk, so that the CPU
+ * overlaps the two. Returns the new placed. */
+static int64_t lru_victims(Map *m, int64_t *fresh_rows, int64_t placed, int64_t want) {
+    Slots *s = &m->rows;
+    int64_t first = placed, done = placed, r = s->head;
+    while (placed < want && r >= 0) {
+        __builtin_prefetch(&s->ids[r], 1);
+        fresh_rows[placed++] = r;
+        r = s->link[2 * r + 1];
+        if (placed - first > AHEAD) prefetch_home(&s->hash, s->ids[fresh_rows[placed - 1 - AHEAD]]);
+        if (placed - first > 2 * AHEAD) evict(m, fresh_rows[done++]);
+    }
+    s->head = r;
+    if (r >= 0) s->link[2 * r] = -1; else s->tail = -1;
+    evict_range(m, fresh_rows, done, placed);
+    return placed;
+}
+
 /* Training batch, part 3: rows for the wanted ids (free rows lowest first, then victims: the
  * given ones (lfu) or the recency list's head (lru)), the batch's rows, and the stats
  * [new ids, evictions, expired, admissions, zero-row ids, live rows]. Returns 0, or -1 when
@@ -375,21 +409,11 @@ int rim_finish(void *handle, void **buffers, int64_t step, const int64_t *victim
             list_unlink(s, victims[i]);
             fresh_rows[placed++] = victims[i];
         }
+        evict_range(m, fresh_rows, first_victim, placed);
     } else if (placed < want && s->head >= 0) {
-        /* lru: the victims are the list's first nodes; cut them off at once */
-        int64_t r = s->head;
-        while (placed < want && r >= 0) {
-            fresh_rows[placed++] = r;
-            r = s->link[2 * r + 1];
-        }
-        s->head = r;
-        if (r >= 0) s->link[2 * r] = -1; else s->tail = -1;
+        placed = lru_victims(m, fresh_rows, placed, want);
     }
-    for (int64_t j = first_victim; j < placed; j++, evicted++) {
-        if (j + 2 * AHEAD < placed) __builtin_prefetch(&s->ids[fresh_rows[j + 2 * AHEAD]], 1);
-        if (j + AHEAD < placed) prefetch_home(&s->hash, s->ids[fresh_rows[j + AHEAD]]);
-        evict(m, fresh_rows[j]);
-    }
+    evicted = placed - first_victim;
     int64_t num_touched = m->num_known;
     for (int64_t j = 0; j < placed; j++) {
         int64_t u = m->wanted[j], r = fresh_rows[j];
