@@ -1,26 +1,38 @@
-"""Id maps (issue 26): the remap's cost next to the fused embedding step, and its ids/s.
+"""Id maps (issue 26): the remap's cost next to the fused embedding step, per id stream.
 
-Criteo-shaped tables (26 x rows x 64, batch 2048, one id per bag, row-wise Adagrad) fed raw
-ids from a drifting power law over 2^40 ids. Three candidates measured interleaved, in one
-process, after a warm-up that fills the maps (so evictions happen): the fused step (forward +
-backward) with ids taken modulo the rows, the same step with `id_map` (lru), and the remap
-alone (every table's map stepped on the same batch), native and torch ops (the torch maps
-take the native maps' state after the warm-up: the two paths' states are equal). Prints
-medians and the ratios to the modulo step.
+Criteo-shaped tables (26 x rows x 64, batch 2048, one id per bag, row-wise Adagrad). Per
+stream, in one process and interleaved step by step, after a warm-up that fills the maps (so
+evictions happen): the fused step (forward + backward) with the raw ids modulo the rows, the
+same step with `id_map`, and the remap alone (a second set of maps stepped on the same ids).
+Optionally (``--torch-remap``) the remap in torch ops too, on maps that take the native maps'
+state after the warm-up. Prints medians, the ratios to the modulo step and the churn (new ids
+and evictions per table per step).
 
-    python benchmarks/bench_id_map.py                  # 26 x 100k rows
-    python benchmarks/bench_id_map.py --rows 10000 --steps 5 --warmup 10
-    python benchmarks/bench_id_map.py --threads 1      # less sensitive to a loaded machine
+Streams (``--stream``, several run one after the other in one run):
+  worst            a power law over 4x the rows whose popular set moves by rows/50 ids a step,
+                   scattered over 2^40 by a hash: ~75% of each batch's ids are new (lru)
+  drifting         the DLRM synthetic log's drifting id space (`recopt.data.synthetic`,
+                   ``id_space = "drifting"``, every other setting its default), lru
+  drifting-admit2  the same with ``admit_after = 2``
+  drifting-lfu     the same with ``policy = "lfu"`` (default decay)
+
+    python benchmarks/bench_id_map.py                       # every stream, 26 x 100k rows
+    python benchmarks/bench_id_map.py --stream worst --threads 1
+    python benchmarks/bench_id_map.py --rows 10000 --steps 5 --warmup 5
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
+from recopt.data.synthetic import SyntheticClickLog, SyntheticConfig
+from recopt.kernels import cpu_id_map
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, IdMapConfig
 from recopt.modules.id_map_lookup import IdMaps, hash_uniform
@@ -29,6 +41,13 @@ from recopt.sparse import KeyedJaggedTensor
 
 NUM_TABLES, DIM, BATCH = 26, 64, 2048
 CANDIDATES = ("modulo step", "id_map step", "remap native", "remap torch")
+STREAMS = ("worst", "drifting", "drifting-admit2", "drifting-lfu")
+_ID_MAPS = {
+    "worst": IdMapConfig(policy="lru"),
+    "drifting": IdMapConfig(policy="lru"),
+    "drifting-admit2": IdMapConfig(policy="lru", admit_after=2),
+    "drifting-lfu": IdMapConfig(policy="lfu"),
+}
 
 
 def _tables(rows: int, id_map: IdMapConfig | None) -> list[EmbeddingBagConfig]:
@@ -45,8 +64,8 @@ def _tables(rows: int, id_map: IdMapConfig | None) -> list[EmbeddingBagConfig]:
 
 
 def _raw_ids(rows: int, step: int, gen: torch.Generator) -> torch.Tensor:
-    """[tables * batch] raw ids: a power law over 4x the rows whose popular set moves by
-    rows/50 ids per step, scattered over 2^40 by a hash."""
+    """[tables * batch] raw ids of the worst stream: a power law over 4x the rows whose
+    popular set moves by rows/50 ids per step, scattered over 2^40 by a hash."""
     rank = (torch.rand(NUM_TABLES * BATCH, generator=gen) ** 3 * 4 * rows).long()
     drifted = rank + step * (rows // 50)
     unit = hash_uniform(drifted, 0, 1).squeeze(1)
@@ -59,70 +78,216 @@ def _kjt(values: torch.Tensor) -> KeyedJaggedTensor:
     return KeyedJaggedTensor(keys, values, lengths=lengths, stride=BATCH)
 
 
-def _timed(fn: object) -> float:
+def stream_batches(name: str, rows: int) -> Callable[[int], torch.Tensor]:
+    """Batch ``step``'s raw ids ([tables * batch], feature after feature) of stream ``name``
+    (call with steps 0, 1, 2, ... in order)."""
+    if name == "worst":
+        gen = torch.Generator().manual_seed(0)
+        return lambda step: _raw_ids(rows, step, gen)
+    keys = [f"f{i}" for i in range(NUM_TABLES)]
+    log = SyntheticClickLog(
+        [(key, rows) for key in keys],
+        SyntheticConfig(id_space="drifting"),
+        BATCH,
+        raw_features=keys,
+    )
+    return lambda step: log.generate(step)[1].values()
+
+
+def _timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
-    fn()  # type: ignore[operator]
+    fn()
     return time.perf_counter() - start
+
+
+@dataclasses.dataclass
+class StreamResult:
+    """One stream's medians (seconds) by candidate and its churn per table per step."""
+
+    stream: str
+    times: dict[str, list[float]]
+    new_ids: float
+    evictions: float
+    admissions: float
+    occupancy: float
+    warmup: int
+
+    def median(self, key: str) -> float:
+        return statistics.median(self.times[key])
+
+
+class _Setup:
+    """The modules and maps of one stream."""
+
+    def __init__(self, rows: int, id_map: IdMapConfig, torch_remap: bool) -> None:
+        torch.manual_seed(0)
+        optimizer = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.01)
+        self.rows = rows
+        self.modulo = FusedEmbeddingBagCollection(_tables(rows, None), optimizer=optimizer)
+        tables = _tables(rows, id_map)
+        self.mapped = FusedEmbeddingBagCollection(tables, optimizer=optimizer)
+        self.alone = IdMaps(tables, "cpu")
+        self.alone_torch = IdMaps(tables, "cpu") if torch_remap else None
+        if self.alone_torch is not None:
+            for name in self.alone_torch:
+                self.alone_torch.table_map(name).native = False  # the torch ops (reference)
+        self.names = [t.name for t in tables]
+
+    @staticmethod
+    def step(module: FusedEmbeddingBagCollection, ids: torch.Tensor) -> Callable[[], object]:
+        """Forward and backward (the fused update) of ``module`` on one batch."""
+        kjt = _kjt(ids)
+        return lambda: module(kjt).values().sum().backward()
+
+    def remap_alone(self, maps: IdMaps, raw: torch.Tensor) -> Callable[[], object]:
+        """As `IdMaps.remap` steps the maps (the native lru maps in one call)."""
+        parts = dict(zip(self.names, raw.split(BATCH), strict=True))
+        tables = {name: maps.table_map(name) for name in self.names}
+        return lambda: remap_tables(tables, parts, True)
+
+    def full(self) -> bool:
+        return all(s["occupancy"] >= 1.0 for s in self.mapped.stats().values())
+
+
+def measure(stream: str, rows: int, warmup: int, steps: int, torch_remap: bool) -> StreamResult:
+    """Warm up until the maps are full (at most 20x ``warmup`` steps), then ``warmup`` more
+    steps, then ``steps`` measured steps, the candidates interleaved."""
+    setup = _Setup(rows, _ID_MAPS[stream], torch_remap)
+    batch = stream_batches(stream, rows)
+    step, measured = 0, -warmup
+    churn: list[dict[str, float]] = []
+    times: dict[str, list[float]] = {
+        key: [] for key in CANDIDATES if torch_remap or "torch" not in key
+    }
+    while measured < steps:
+        raw = batch(step)
+        timings = {
+            "modulo step": _timed(setup.step(setup.modulo, raw % rows)),
+            "id_map step": _timed(setup.step(setup.mapped, raw)),
+            "remap native": _timed(setup.remap_alone(setup.alone, raw)),
+        }
+        if measured == 0 and setup.alone_torch is not None:
+            setup.alone_torch.load_state_dict(setup.alone.state_dict())
+        if measured >= 0 and setup.alone_torch is not None:
+            timings["remap torch"] = _timed(setup.remap_alone(setup.alone_torch, raw))
+        step += 1
+        if measured < 0 and not setup.full() and step < 20 * max(warmup, 1):
+            continue  # filling the maps
+        if measured >= 0:
+            for key, value in timings.items():
+                times[key].append(value)
+            churn.append({k: float(v) for k, v in _mean_stats(setup).items()})
+        measured += 1
+    mean = {k: statistics.mean(c[k] for c in churn) for k in churn[0]}
+    return StreamResult(
+        stream, times, mean["new_ids"], mean["evictions"], mean["admissions"],
+        mean["occupancy"], step - steps,
+    )  # fmt: skip
+
+
+def _mean_stats(setup: _Setup) -> dict[str, float]:
+    stats = setup.mapped.stats()
+    keys = ("new_ids", "evictions", "admissions", "occupancy")
+    return {k: statistics.mean(s[k] for s in stats.values()) for k in keys}
+
+
+def report(results: list[StreamResult], rows: int) -> None:
+    """Per stream: the candidates' medians and ratios, the churn; then one markdown table."""
+    for r in results:
+        base = r.median("modulo step")
+        print(
+            f"\n[{r.stream}] {NUM_TABLES} tables x {rows} rows x {DIM}, batch {BATCH}, "
+            f"{torch.get_num_threads()} threads, {r.warmup} warm-up steps, "
+            f"{len(r.times['modulo step'])} measured"
+        )
+        for key in r.times:
+            median = r.median(key)
+            print(f"  {key:14s} {median * 1e3:8.2f} ms  {median / base:6.3f}x of the modulo step")
+        print(
+            f"  per table per step: new ids {r.new_ids:.0f}, evictions {r.evictions:.0f}, "
+            f"admissions {r.admissions:.0f}, occupancy {r.occupancy:.3f}"
+        )
+    print(
+        "\n| stream | new ids / evictions per table per step | modulo ms | id_map ms | "
+        "id_map extra | remap ms | remap / modulo | remap M ids/s |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in results:
+        base, mapped, remap = (r.median(k) for k in ("modulo step", "id_map step", "remap native"))
+        print(
+            f"| {r.stream} | {r.new_ids:.0f} / {r.evictions:.0f} | {base * 1e3:.1f} | "
+            f"{mapped * 1e3:.1f} | {(mapped - base) / base:+.0%} | {remap * 1e3:.2f} | "
+            f"{remap / base:.0%} | {NUM_TABLES * BATCH / remap / 1e6:.1f} |"
+        )
+
+
+def per_id_costs(rows: int, rounds: int) -> dict[str, float]:
+    """Seconds per id of the native remap on batches of only known ids and of only new ids
+    (full maps: each new id evicts one), and of resetting one fresh row (its 64 floats and
+    a per-row state), medians over ``rounds`` interleaved rounds of all 26 maps."""
+    tables = _tables(rows, IdMapConfig(policy="lru"))
+    maps = IdMaps(tables, "cpu")
+    by_name = {t.name: maps.table_map(t.name) for t in tables}
+    weights = [torch.zeros(rows, DIM) for _ in tables]
+    states = [torch.zeros(rows) for _ in tables]
+    issued = [0]
+
+    def new_ids() -> dict[str, torch.Tensor]:  # never seen before, scattered
+        out = {}
+        for t in tables:
+            out[t.name] = (torch.arange(issued[0], issued[0] + BATCH) + 1) * 0x5BD1E995
+            issued[0] += BATCH
+        return out
+
+    for _ in range(rows // BATCH + 2):  # fill every map
+        remap_tables(by_name, new_ids(), True)
+    times: dict[str, list[float]] = {"known id": [], "new id": [], "fresh row reset": []}
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(rounds):
+        known = {
+            name: m.row_ids[torch.randperm(rows, generator=gen)[:BATCH]]
+            for name, m in by_name.items()
+        }
+        times["known id"].append(_timed(lambda known=known: remap_tables(by_name, known, True)))
+        fresh = new_ids()
+        start = time.perf_counter()
+        results = remap_tables(by_name, fresh, True)
+        times["new id"].append(time.perf_counter() - start)
+        resets = [
+            cpu_id_map.RowReset(w, r.fresh_rows, r.fresh_ids, r.stats.step, -0.01, 0.01, [s])
+            for w, s, r in zip(weights, states, results.values(), strict=True)
+        ]
+        times["fresh row reset"].append(
+            _timed(lambda resets=resets: cpu_id_map.reset_many(resets, torch.get_num_threads()))
+        )
+    return {k: statistics.median(v) / (NUM_TABLES * BATCH) for k, v in times.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stream", nargs="+", choices=STREAMS, default=list(STREAMS))
     parser.add_argument("--rows", type=int, default=100_000)
-    parser.add_argument("--warmup", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=20, help="steps after the maps are full")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--torch-remap", action="store_true", help="also the torch-ops remap")
+    parser.add_argument(
+        "--per-id", type=int, default=0, metavar="ROUNDS", help="only the per-id costs"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    optimizer = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.01)
-    modulo = FusedEmbeddingBagCollection(_tables(args.rows, None), optimizer=optimizer)
-    mapped_tables = _tables(args.rows, IdMapConfig(policy="lru"))
-    mapped = FusedEmbeddingBagCollection(mapped_tables, optimizer=optimizer)
-    alone, alone_torch = IdMaps(mapped_tables, "cpu"), IdMaps(mapped_tables, "cpu")
-    names = [t.name for t in mapped_tables]
-    for name in names:
-        alone_torch.table_map(name).native = False  # the torch ops (the reference)
-    gen = torch.Generator().manual_seed(0)
-    times: dict[str, list[float]] = {key: [] for key in CANDIDATES}
-    for step in range(args.warmup + args.steps):
-        raw = _raw_ids(args.rows, step, gen)
-        parts = raw.split(BATCH)
-
-        def remap_all(maps: IdMaps, parts: tuple[torch.Tensor, ...] = parts) -> None:
-            # as IdMaps.remap does: the native lru maps in one call
-            tables = {name: maps.table_map(name) for name in names}
-            remap_tables(tables, dict(zip(names, parts, strict=True)), True)
-
-        if step == args.warmup:
-            alone_torch.load_state_dict(alone.state_dict())
-        measured = {
-            "modulo step": _timed(
-                lambda raw=raw: modulo(_kjt(raw % args.rows)).values().sum().backward()
-            ),
-            "id_map step": _timed(lambda raw=raw: mapped(_kjt(raw)).values().sum().backward()),
-            "remap native": _timed(lambda: remap_all(alone)),
-        }
-        if step >= args.warmup:
-            measured["remap torch"] = _timed(lambda: remap_all(alone_torch))
-        if step >= args.warmup:
-            for key, value in measured.items():
-                times[key].append(value)
-    stats = mapped.stats()
-    occupancy = statistics.mean(s["occupancy"] for s in stats.values())
-    evictions = statistics.mean(s["evictions"] for s in stats.values())
-    base = statistics.median(times["modulo step"])
-    print(
-        f"{NUM_TABLES} tables x {args.rows} rows x {DIM}, batch {BATCH}, one id per bag, "
-        f"{torch.get_num_threads()} threads"
-    )
-    for key, values in times.items():
-        median = statistics.median(values)
-        print(f"{key:24s} {median * 1e3:8.2f} ms  {median / base:6.3f}x of the modulo step")
-    for key in ("remap native", "remap torch"):
-        remap = statistics.median(times[key])
-        print(f"{key}: {NUM_TABLES * BATCH / remap / 1e6:.2f} M ids/s")
-    print(f"last step: occupancy {occupancy:.3f}, evictions per table {evictions:.0f}")
+    if args.per_id:
+        costs = per_id_costs(args.rows, args.per_id)
+        print(f"{torch.get_num_threads()} threads, {NUM_TABLES} maps x {args.rows} rows, full:")
+        for key, seconds in costs.items():
+            print(f"  {key:16s} {seconds * 1e9:7.1f} ns")
+        return
+    results = [
+        measure(stream, args.rows, args.warmup, args.steps, args.torch_remap)
+        for stream in args.stream
+    ]
+    report(results, args.rows)
 
 
 if __name__ == "__main__":
