@@ -359,3 +359,24 @@ def test_dlrm_id_map_config_plans_allowed_types_on_two_ranks() -> None:
     assert plans[0] == plans[1]
     assert sorted(plans[0]) == ["t0", "t1", "t2", "t3"]
     assert {ShardingType(k) for k in plans[0].values()} <= ALLOWED, plans[0]
+
+
+def test_unpooled_tables_take_the_same_path() -> None:
+    """`EmbeddingConfig` tables (embedding collections): validation, hand-written plans and
+    the planner refuse the same types."""
+    table = EmbeddingConfig(
+        name="u", num_embeddings=40, embedding_dim=8, feature_names=("u_f",), id_map=IdMapConfig()
+    )
+    ps = data_parallel().resolve(table, 2)
+    with pytest.raises(PlanError) as error:
+        validate_plan(ShardingPlan({"ec": {"u": ps}}), {"ec": [table]}, 2)
+    check_refusal(str(error.value), ShardingType.DATA_PARALLEL, "u", "ec")
+    with pytest.raises(PlanError) as error:
+        construct_module_sharding_plan([table], {"u": column_wise([0, 1])}, 2, module_path="ec")
+    check_refusal(str(error.value), ShardingType.COLUMN_WISE, "u", "ec")
+    c = {"u": ParameterConstraints(sharding_types=(ShardingType.COLUMN_WISE,))}
+    with pytest.raises(PlannerError, match=r"table 'u' \(module 'ec'\): an id-mapped table"):
+        EmbeddingShardingPlanner(Topology(world_size=2), constraints=c).plan({"ec": [table]})
+    plain = dataclasses.replace(table, id_map=None)
+    plan = EmbeddingShardingPlanner(Topology(world_size=2), constraints=c).plan({"ec": [plain]})
+    assert plan["ec"]["u"].sharding_type is ShardingType.COLUMN_WISE
