@@ -380,3 +380,36 @@ def test_unpooled_tables_take_the_same_path() -> None:
     plain = dataclasses.replace(table, id_map=None)
     plan = EmbeddingShardingPlanner(Topology(world_size=2), constraints=c).plan({"ec": [plain]})
     assert plan["ec"]["u"].sharding_type is ShardingType.COLUMN_WISE
+
+
+def test_recopt_plan_reads_id_maps_from_the_config(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`[embedding] id_map` reaches every table without its own (as in the DLRM script), a
+    table's `id_map = {...}` is an IdMapConfig, and the planner then refuses CW for them."""
+    from recopt.sharding.planner.cli import main, read_config
+
+    tables = read_config(str(ROOT / "configs" / "dlrm_id_map.toml")).tables
+    assert [t.id_map for t in tables] == [IdMapConfig(policy="lru")] * 4
+    text = (
+        "[embedding]\nid_map = { policy = 'lfu' }\n"
+        "[[embedding.tables]]\nname = 'a'\nnum_embeddings = 100\nembedding_dim = 16\n"
+        "feature_names = ['fa']\n"
+        "[[embedding.tables]]\nname = 'b'\nnum_embeddings = 100\nembedding_dim = 16\n"
+        "feature_names = ['fb']\nid_map = { policy = 'lru', admit_after = 2 }\n"
+        "[planner.constraints.b]\nsharding_types = ['column_wise']\n"
+    )
+    path = tmp_path / "model.toml"
+    path.write_text(text)
+    a, b = read_config(str(path)).tables
+    assert a.id_map == IdMapConfig(policy="lfu")
+    assert b.id_map == IdMapConfig(policy="lru", admit_after=2)
+    assert main([str(path), "--world-size", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "table 'b' (module (root)): an id-mapped table needs one owner per row" in err, err
+    path.write_text(text.replace("id_map = { policy = 'lru', admit_after = 2 }\n", ""))
+    assert read_config(str(path)).tables[1].id_map == IdMapConfig(policy="lfu")
+    path.write_text(text.replace("'lfu'", "'lfu', bogus = 1"))
+    assert main([str(path), "--world-size", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "entry 0 ('a')" in err and "bogus" in err, err
