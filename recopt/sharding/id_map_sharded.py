@@ -101,10 +101,14 @@ class ShardedIdMaps:
             for i, tk in enumerate(group_layout.tables):
                 self._where[tk] = (kernel, i, group_layout.optimizer.name)
         self._stats = {name: RemapStats() for name in self.names}
+        self._unread_stats: torch.Tensor | None = None  # the last step's, read when asked for
         self.relocate_pending = False
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Per id-mapped table, the last training step's statistics over all its shards."""
+        if self._unread_stats is not None:
+            self._record_stats(self._unread_stats)
+            self._unread_stats = None
         return {name: self._stats[name].as_dict() for name in self.names}
 
     def prepare(
@@ -190,8 +194,8 @@ class ShardedIdMaps:
         assert features is not None
         rows_R, stats = self._step_shards(received, training)
         rows_M, every = self._exchange.send_rows(received, rows_R, stats)
-        if every is not None:
-            self._record_stats(every)
+        if every is not None:  # read on the host only when stats() is called
+            self._unread_stats = every
         sizes = [ids[n].numel() for n in self.names]
         rows = rows_M.to(features.values().device).split(sizes)
         empty = rows_M[:0]
