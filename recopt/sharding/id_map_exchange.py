@@ -106,7 +106,8 @@ class IdExchange:
         ids_M = torch.cat(parts)
         column_M = torch.cat(columns)
         order_M = torch.sort(column_M, stable=True).indices
-        counts_C = torch.bincount(column_M, minlength=len(self.columns))
+        counts_C = torch.zeros(len(self.columns), dtype=torch.int64, device=self._device)
+        counts_C.index_add_(0, column_M, torch.ones_like(column_M))  # no size from the data
         return RoutedIds(ids_M[order_M], order_M, counts_C)
 
     def send_ids(self, routed: RoutedIds | None, bad: bool) -> ReceivedIds | None:
