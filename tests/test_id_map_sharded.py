@@ -306,6 +306,13 @@ def _bad_input_case(rank: int, world: int) -> None:
     sharded(_kjt(_bags(rank, 0)))  # the next good batch runs on every rank
     assert int(sharded.state_dict()["id_maps.t1.step"]) == 1
     assert bool(_full(sharded.state_dict()["id_maps.t1.occupied"]).any())
+    sharded.eval()  # evaluation exchanges ids too: the same protocol
+    with pytest.raises(InvalidIdError if rank == 0 else ValueError):
+        sharded(_kjt(bags))
+    before = _full(sharded.state_dict()["id_maps.t1.row_ids"])
+    sharded(_kjt(_bags(rank, 1)))
+    assert int(sharded.state_dict()["id_maps.t1.step"]) == 1
+    assert torch.equal(_full(sharded.state_dict()["id_maps.t1.row_ids"]), before)
 
 
 def _relocation_case(rank: int, world: int) -> None:
