@@ -100,23 +100,13 @@ class _Rebuilds(TinyModel):
 
 def _sharded(cls: type[TinyModel], id_map: bool = False) -> tuple[Any, torch.optim.Optimizer]:
     from recopt.modules import EmbeddingBagCollection, IdMapConfig
-    from recopt.sharding import (
-        DistributedModelParallel,
-        ShardingPlan,
-        construct_module_sharding_plan,
-        table_wise,
-    )
+    from recopt.sharding import DistributedModelParallel
 
     torch.manual_seed(0)
     configs = tables()
-    plan = None
-    if id_map:  # id-mapped tables are sharded table-, row- or table-row-wise, never replicated
+    if id_map:
         configs = [dataclasses.replace(t, id_map=IdMapConfig(policy="lru")) for t in configs]
-        requests = {t.name: table_wise(0) for t in configs}
-        plan = ShardingPlan(
-            {"embedding_bags": construct_module_sharding_plan(configs, requests, 1)}
-        )
-    dmp = DistributedModelParallel(cls(EmbeddingBagCollection(configs)), plan=plan)
+    dmp = DistributedModelParallel(cls(EmbeddingBagCollection(configs)))
     return dmp, torch.optim.SGD(dmp.parameters(), lr=0.1)
 
 
