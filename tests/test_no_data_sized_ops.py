@@ -41,8 +41,9 @@ ALLOWED = {
     # changed slots of its undo record; a sync-free CUDA remap is the open part of issue 26.
     ("modules/id_map.py", "nonzero"): 7,
     ("modules/id_map.py", "unique"): 1,
-    # CPU-only data: the native remap's lfu victims (the torch path's order on CPU buffers).
-    ("modules/id_map_native.py", "nonzero"): 1,
+    # CPU-only data: the native remap's lfu victims (the torch path's order on CPU buffers:
+    # the evictable rows, then those at or below the need-th smallest count).
+    ("modules/id_map_native.py", "nonzero"): 2,
 }
 
 

@@ -380,20 +380,6 @@ class IdMap(nn.Module):
         by_recency = torch.sort(last_seen, stable=True).indices
         return by_recency[torch.sort(frequency[by_recency], stable=True).indices]
 
-    def eviction_head(self, rows: torch.Tensor, count: int) -> torch.Tensor:
-        """``eviction_order(rows)[:count]``, without sorting every row under lfu: only the rows
-        whose decayed count is at most the ``count``-th smallest are sorted (the same values,
-        computed by the same expression on the same rows, so the same order)."""
-        if self.config.policy == "lru" or count <= 0 or count >= rows.numel():
-            return self.eviction_order(rows)[:count]
-        last_seen = self._buffer("last_seen")[rows]
-        age = (self._buffer("step") - last_seen).to(torch.float64)
-        frequency = self._buffer("frequency")[rows] * self.config.lfu_decay**age
-        threshold = torch.kthvalue(frequency, count).values
-        near = (frequency <= threshold).nonzero().squeeze(1)  # ascending: rows in order
-        by_recency = near[torch.sort(last_seen[near], stable=True).indices]
-        return by_recency[torch.sort(frequency[by_recency], stable=True).indices][:count]
-
     def _admit(self, new_ids: torch.Tensor, new_counts: torch.Tensor) -> torch.Tensor:
         """Count ``new_ids`` as candidates; True where an id reaches ``admit_after`` now."""
         step = self._buffer("step")

@@ -170,7 +170,7 @@ class NativeIdMap:
         mask = _buffer(idmap, "occupied").clone()
         mask[known] = False
         rows = mask.nonzero().squeeze(1)
-        return rows[idmap.eviction_head(rows, need)].contiguous()
+        return rows[eviction_head(idmap, rows, need)].contiguous()
 
     def _undo(self, step: int, stats: RemapStats) -> MapUndo:
         """The last step's undo record, copied out of the native side."""
@@ -205,6 +205,24 @@ class NativeIdMap:
                 zip(CANDIDATE_BUFFERS, (ids, used, count, seen), strict=True)
             )
         return undo
+
+
+def eviction_head(idmap: IdMap, rows: torch.Tensor, count: int) -> torch.Tensor:
+    """``idmap.eviction_order(rows)[:count]`` without sorting every row under lfu.
+
+    Only the rows whose decayed count is at most the ``count``-th smallest are sorted, by
+    recency then by count as the full order sorts them; their counts are computed by the
+    same expression on the same rows, so the order is the same, ties included.
+    """
+    if idmap.config.policy == "lru" or count <= 0 or count >= rows.numel():
+        return idmap.eviction_order(rows)[:count]
+    last_seen = _buffer(idmap, "last_seen")[rows]
+    age = (_buffer(idmap, "step") - last_seen).to(torch.float64)
+    frequency = _buffer(idmap, "frequency")[rows] * idmap.config.lfu_decay**age
+    threshold = torch.kthvalue(frequency, count).values
+    near = (frequency <= threshold).nonzero().squeeze(1)  # ascending: rows in order
+    by_recency = near[torch.sort(last_seen[near], stable=True).indices]
+    return by_recency[torch.sort(frequency[by_recency], stable=True).indices][:count]
 
 
 def remap_tables(
