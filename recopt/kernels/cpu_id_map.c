@@ -4,8 +4,9 @@
  * candidate_* buffers), written here through raw pointers. Beside them this file keeps a cache
  * derived from the buffers, rebuilt by rim_rebuild when they changed elsewhere:
  *   - an open-addressing hash table raw id -> slot (linear probing, backward-shift erase);
- *   - the used slots in a doubly linked list ordered by (last seen, slot): its head is the
- *     least recently seen slot (lru victims, ttl expiry, forgotten candidates);
+ *   - the used slots in a queue ordered by (last seen, slot) (stale entries skipped, see
+ *     cpu_id_map_slots.h): its head is the least recently seen slot (lru victims, ttl
+ *     expiry, forgotten candidates);
  *   - the free slots in a min-heap (new ids take the lowest free row first).
  * The same structure serves the rows and the admission candidates. One training batch is three
  * calls (rim_begin, rim_middle, rim_finish) so that the caller can compute, in between and in
@@ -185,13 +186,11 @@ static void unique_sorted(Map *m, const int64_t *ids, int64_t num_ids) {
     m->num_u = u;
 }
 
-/* Frees the rows unseen for more than ttl steps (the head of the recency list). */
+/* Frees the rows unseen for more than ttl steps (the head of the recency queue). */
 static void expire(Map *m, int64_t step, int64_t ttl) {
     Slots *s = &m->rows;
-    while (s->head >= 0 && step - s->seen[s->head] > ttl) {
-        int64_t r = s->head;
+    for (int64_t r; (r = queue_head(s)) >= 0 && step - s->seen[r] > ttl;) {
         remember(m, s, r);
-        list_unlink(s, r);
         hash_erase(&s->hash, s->ids[r]);
         s->used[r] = 0;
         s->ids[r] = -1;
@@ -232,28 +231,23 @@ int64_t rim_begin(void *handle, void **buffers, const int64_t *ids, int64_t num_
     return k;
 }
 
-/* Known ids were seen: frequency (times factor, when given) plus count; last seen = now. They
- * leave the recency list until rim_finish (so the list holds only evictable rows). */
+/* Known ids were seen: frequency (times factor, when given) plus count; last seen = now (so
+ * their queue entries are stale: the queue's live entries are the evictable rows until
+ * rim_finish queues them again). */
 static void count_known(Map *m, int64_t step, const double *factors) {
     Slots *s = &m->rows;
     for (int64_t k = 0; k < m->num_known; k++) {
         int64_t u = m->known[k], r = m->slot_u[u];
-        if (k + 2 * AHEAD < m->num_known)
-            __builtin_prefetch(&s->link[2 * m->slot_u[m->known[k + 2 * AHEAD]]], 1);
-        if (k + AHEAD < m->num_known) { /* and the list neighbours list_unlink will write */
+        if (k + AHEAD < m->num_known) {
             int64_t ahead = m->slot_u[m->known[k + AHEAD]];
-            int64_t p = s->link[2 * ahead], q = s->link[2 * ahead + 1];
             __builtin_prefetch(&s->freq[ahead], 1);
             __builtin_prefetch(&s->seen[ahead], 1);
-            if (p >= 0) __builtin_prefetch(&s->link[2 * p + 1], 1);
-            if (q >= 0) __builtin_prefetch(&s->link[2 * q], 1);
         }
         remember(m, s, r);
         double kept = s->freq[r];
         if (factors) kept = kept * factors[k];
         s->freq[r] = kept + (double)m->count_u[u];
-        s->seen[r] = step;
-        list_unlink(s, r);
+        s->seen[r] = step; /* its queue entry is stale now: not a victim of this batch */
         m->touched[k] = r;
     }
 }
@@ -274,7 +268,6 @@ static void admit(Map *m, int64_t step, int64_t admit_after) {
             remember(m, c, at);
             c->used[at] = 0;
             hash_erase(&c->hash, m->ids_u[u]);
-            list_unlink(c, at);
             heap_push(c, at);
             c->live--;
         }
@@ -285,8 +278,7 @@ static void admit(Map *m, int64_t step, int64_t admit_after) {
         if (at >= 0) {
             remember(m, c, at);
             c->count[at] = total[u];
-            c->seen[at] = step;
-            list_unlink(c, at);
+            c->seen[at] = step; /* stale queue entry: not forgotten by this batch */
             ctouched[num_touched++] = at;
         } else {
             num_fresh++;
@@ -300,10 +292,8 @@ static void admit(Map *m, int64_t step, int64_t admit_after) {
         if (placed < spare_free) {
             at = heap_pop(c);
         } else { /* forget the least recently seen candidate not seen in this batch */
-            if (forget <= 0 || c->head < 0) break;
-            at = c->head;
+            if (forget <= 0 || (at = queue_head(c)) < 0) break;
             remember(m, c, at);
-            list_unlink(c, at);
             hash_erase(&c->hash, c->ids[at]);
             c->used[at] = 0;
             c->live--;
@@ -318,12 +308,13 @@ static void admit(Map *m, int64_t step, int64_t admit_after) {
         ctouched[num_touched++] = at;
         placed++;
     }
-    for (int64_t i = 0; i < num_touched; i++) { /* now seen: the list's tail, by slot */
+    for (int64_t i = 0; i < num_touched; i++) { /* now seen: the queue's tail, by slot */
         m->sort_key[i] = (uint64_t)ctouched[i];
         total[i] = ctouched[i];
     }
     radix_sort(m->sort_key, total, m->sort_key_tmp, cslot, num_touched);
-    for (int64_t i = 0; i < num_touched; i++) list_append(c, total[i]);
+    queue_reserve(c, num_touched);
+    for (int64_t i = 0; i < num_touched; i++) queue_push(c, total[i], step);
 }
 
 /* Training batch, part 2: count the known ids (factors: lfu's decay^age per known row, or
@@ -351,7 +342,7 @@ int rim_middle(void *handle, void **buffers, int64_t step, const double *factors
     return 0;
 }
 
-/* r, already out of the recency list, loses its id. */
+/* r, taken as a victim, loses its id (its queue entry goes stale). */
 static void evict(Map *m, int64_t r) {
     Slots *s = &m->rows;
     remember(m, s, r);
@@ -371,28 +362,33 @@ static void evict_range(Map *m, const int64_t *rows, int64_t from, int64_t to) {
     }
 }
 
-/* lru: the victims are the recency list's first nodes (fresh_rows[placed ..], up to want),
- * cut off at once and evicted. The walk down the list is a chain of dependent loads (a cache
- * miss each); each victim is evicted 2 * AHEAD nodes behind the walk, so that the CPU
- * overlaps the two. Returns the new placed. */
+/* lru: the victims are the recency queue's first live entries (fresh_rows[placed ..], up to
+ * want), taken off and evicted. The queue is read in order, so the rows it names are
+ * prefetched ahead; each victim is evicted 2 * AHEAD victims behind the read. Returns the new
+ * placed. */
 static int64_t lru_victims(Map *m, int64_t *fresh_rows, int64_t placed, int64_t want) {
     Slots *s = &m->rows;
-    int64_t first = placed, done = placed, r = s->head;
-    while (placed < want && r >= 0) {
-        __builtin_prefetch(&s->ids[r], 1);
-        fresh_rows[placed++] = r;
-        r = s->link[2 * r + 1];
+    int64_t first = placed, done = placed, e = s->qhead;
+    while (placed < want && e < s->qtail) {
+        if (e + AHEAD < s->qtail) {
+            int64_t ahead = s->queue[e + AHEAD].slot;
+            __builtin_prefetch(&s->used[ahead]);
+            __builtin_prefetch(&s->seen[ahead]);
+            __builtin_prefetch(&s->ids[ahead], 1);
+        }
+        QEntry entry = s->queue[e++];
+        if (!queued_live(s, entry)) continue;
+        fresh_rows[placed++] = entry.slot;
         if (placed - first > AHEAD) prefetch_home(&s->hash, s->ids[fresh_rows[placed - 1 - AHEAD]]);
         if (placed - first > 2 * AHEAD) evict(m, fresh_rows[done++]);
     }
-    s->head = r;
-    if (r >= 0) s->link[2 * r] = -1; else s->tail = -1;
+    s->qhead = e;
     evict_range(m, fresh_rows, done, placed);
     return placed;
 }
 
 /* Training batch, part 3: rows for the wanted ids (free rows lowest first, then victims: the
- * given ones (lfu) or the recency list's head (lru)), the batch's rows, and the stats
+ * given ones (lfu) or the recency queue's head (lru)), the batch's rows, and the stats
  * [new ids, evictions, expired, admissions, zero-row ids, live rows]. Returns 0, or -1 when
  * an undo record could not be allocated. */
 int rim_finish(void *handle, void **buffers, int64_t step, const int64_t *victims,
@@ -405,12 +401,10 @@ int rim_finish(void *handle, void **buffers, int64_t step, const int64_t *victim
     while (placed < want && s->heap_size > 0) fresh_rows[placed++] = heap_pop(s);
     int64_t first_victim = placed;
     if (victims) {
-        for (int64_t i = 0; i < num_victims && placed < want; i++) {
-            list_unlink(s, victims[i]);
-            fresh_rows[placed++] = victims[i];
-        }
+        for (int64_t i = 0; i < num_victims && placed < want; i++)
+            fresh_rows[placed++] = victims[i]; /* their queue entries go stale as they go */
         evict_range(m, fresh_rows, first_victim, placed);
-    } else if (placed < want && s->head >= 0) {
+    } else if (placed < want) {
         placed = lru_victims(m, fresh_rows, placed, want);
     }
     evicted = placed - first_victim;
@@ -435,15 +429,13 @@ int rim_finish(void *handle, void **buffers, int64_t step, const int64_t *victim
         fresh_ids[j] = m->ids_u[u];
         m->touched[num_touched++] = r;
     }
-    for (int64_t i = 0; i < num_touched; i++) { /* seen now: the list's tail, by row */
+    for (int64_t i = 0; i < num_touched; i++) { /* seen now: the queue's tail, by row */
         m->sort_key[i] = (uint64_t)m->touched[i];
         m->sort_val[i] = m->touched[i];
     }
     radix_sort(m->sort_key, m->sort_val, m->sort_key_tmp, m->sort_val_tmp, num_touched);
-    for (int64_t i = 0; i < num_touched; i++) {
-        if (i + AHEAD < num_touched) __builtin_prefetch(&s->link[2 * m->sort_val[i + AHEAD]], 1);
-        list_append(s, m->sort_val[i]);
-    }
+    queue_reserve(s, num_touched);
+    for (int64_t i = 0; i < num_touched; i++) queue_push(s, m->sort_val[i], step);
     for (int64_t i = 0; i < num_ids; i++) rows_out[i] = m->slot_u[m->inverse[i]];
     stats_out[0] = placed;
     stats_out[1] = evicted;

@@ -1,5 +1,5 @@
 /* The slot structures of the native id map (cpu_id_map.c): the hash table raw id -> slot,
- * the recency list, the free-slot heap, undo logs, and a stable radix sort. Header-only
+ * the recency queue, the free-slot heap, undo logs, and a stable radix sort. Header-only
  * (static functions): included once, by cpu_id_map.c.
  */
 #ifndef RECOPT_CPU_ID_MAP_SLOTS_H
@@ -26,10 +26,15 @@ typedef struct { /* old values of the slots one batch wrote (an undo record) */
     int64_t size, cap;
 } Log;
 
+typedef struct { /* a slot of the recency queue and its last seen when it was queued */
+    int64_t slot, seen;
+} QEntry;
+
 typedef struct {
-    int64_t n, live, head, tail, heap_size;
+    int64_t n, live, heap_size;
     Hash hash;
-    int64_t *link; /* link[2r]: previous slot, link[2r+1]: next slot (-1: none) */
+    QEntry *queue; /* [2n + 2]: entries queue[qhead .. qtail) */
+    int64_t qhead, qtail;
     int64_t *heap, *mark;
     /* the buffers: ids, used (bool), last seen; freq (rows) or count (candidates) */
     int64_t *ids, *seen, *count;
@@ -135,20 +140,36 @@ static inline void prefetch_home(const Hash *h, int64_t key) {
 
 static inline uint64_t signed_key(int64_t x) { return (uint64_t)x ^ (1ULL << 63); }
 
-/* ---- the recency list (used slots by (last seen, slot)) and the free-slot heap ---- */
+/* ---- the recency queue (used slots by (last seen, slot)) and the free-slot heap ----
+ * Each batch queues the slots it saw (after its own, by slot), with their last seen then.
+ * An entry is stale once its slot is seen again (a later entry) or freed: skipped, never
+ * unlinked, so a slot seen again costs no write beside its own entry. The live entries, in
+ * queue order, are the used slots by (last seen, slot); the stale ones are dropped when the
+ * queue is full (there are at most n live ones: 2n + 2 entries always make room). */
 
-static inline void list_unlink(Slots *s, int64_t r) {
-    int64_t p = s->link[2 * r], q = s->link[2 * r + 1];
-    if (p >= 0) s->link[2 * p + 1] = q; else s->head = q;
-    if (q >= 0) s->link[2 * q] = p; else s->tail = p;
-    s->link[2 * r] = s->link[2 * r + 1] = -1;
+static inline int queued_live(const Slots *s, QEntry e) {
+    return s->used[e.slot] && s->seen[e.slot] == e.seen;
 }
 
-static inline void list_append(Slots *s, int64_t r) {
-    s->link[2 * r] = s->tail;
-    s->link[2 * r + 1] = -1;
-    if (s->tail >= 0) s->link[2 * s->tail + 1] = r; else s->head = r;
-    s->tail = r;
+/* The least recently seen used slot (it stays queued), or -1. */
+static inline int64_t queue_head(Slots *s) {
+    while (s->qhead < s->qtail && !queued_live(s, s->queue[s->qhead])) s->qhead++;
+    return s->qhead < s->qtail ? s->queue[s->qhead].slot : -1;
+}
+
+/* Room for `more` entries (more + live <= 2n + 2): the stale entries are dropped. */
+static void queue_reserve(Slots *s, int64_t more) {
+    if (s->qtail + more <= 2 * s->n + 2) return;
+    int64_t k = 0;
+    for (int64_t e = s->qhead; e < s->qtail; e++)
+        if (queued_live(s, s->queue[e])) s->queue[k++] = s->queue[e];
+    s->qhead = 0;
+    s->qtail = k;
+}
+
+static inline void queue_push(Slots *s, int64_t r, int64_t seen) {
+    s->queue[s->qtail].slot = r;
+    s->queue[s->qtail++].seen = seen;
 }
 
 static void heap_push(Slots *s, int64_t r) {
@@ -196,7 +217,7 @@ static int log_grow(Log *log) {
 
 static void slots_free(Slots *s) {
     free(s->hash.entries);
-    free(s->link);
+    free(s->queue);
     free(s->heap);
     free(s->mark);
     free(s->log.slot);
@@ -210,9 +231,9 @@ static void slots_free(Slots *s) {
 static int slots_init(Slots *s, int64_t n) {
     memset(s, 0, sizeof(*s));
     s->n = n;
-    s->link = malloc(16 * (n + 1));
+    s->queue = malloc(sizeof(QEntry) * (2 * n + 2));
     s->heap = malloc(8 * (n + 1));
-    if (!s->link || !s->heap) return -1;
+    if (!s->queue || !s->heap) return -1;
     return hash_init(&s->hash, n);
 }
 
@@ -225,7 +246,6 @@ static int slots_rebuild(Slots *s) {
         for (int64_t i = 0; i <= s->hash.mask; i++) s->hash.entries[i].slot = -1;
         s->heap_size = 0;
         for (int64_t r = 0; r < n; r++) {
-            s->link[2 * r] = s->link[2 * r + 1] = -1;
             if (s->used[r]) {
                 hash_put(&s->hash, s->ids[r], r);
                 key[live] = signed_key(s->seen[r]);
@@ -235,8 +255,8 @@ static int slots_rebuild(Slots *s) {
             }
         }
         radix_sort(key, val, key_tmp, val_tmp, live); /* stable: by (last seen, slot) */
-        s->head = s->tail = -1;
-        for (int64_t i = 0; i < live; i++) list_append(s, val[i]);
+        s->qhead = s->qtail = 0;
+        for (int64_t i = 0; i < live; i++) queue_push(s, val[i], s->seen[val[i]]);
         s->live = live;
     }
     free(key);
