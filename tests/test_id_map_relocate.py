@@ -48,14 +48,26 @@ class Table:
     weight_dtype: torch.dtype = torch.float32
     misplaced: bool = True  # False: every id starts on its owner
     crowd: bool = False  # half the ids of every shard are shard 0's: it overflows
+    ttl: int | None = None  # rows unseen for longer hold no live id
     seed: int = 0
 
     def config(self) -> IdMapConfig:
         admit = 5 if self.candidates else None
         slots = self.candidate_slots if self.candidates else None
         return IdMapConfig(
-            policy=self.policy, decay=self.decay, admit_after=admit, candidate_slots=slots
+            policy=self.policy,
+            decay=self.decay,
+            admit_after=admit,
+            candidate_slots=slots,
+            ttl_steps=self.ttl,
         )
+
+    def live_rows(self, snap: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The rows of a shard's snapshot that hold a live id."""
+        live = snap["occupied"].clone()
+        if self.ttl is not None:
+            live &= STEP - snap["last_seen"] <= self.ttl
+        return live
 
 
 @dataclass(frozen=True)
@@ -122,6 +134,10 @@ def _cases(world: int) -> list[Case]:
                 ),
             ),
             overflow=True,
+        ),
+        Case(
+            "expired_rows_stay_and_take_arrivals",
+            (Table("t", every, (6,) * world, (6,) * world, ttl=400, seed=16),),
         ),
         Case(
             "candidates",
@@ -300,11 +316,12 @@ def outcome(request: pytest.FixtureRequest) -> tuple[int, list[list[dict[str, An
 # ------------------------------------------------------------------ checks in the parent
 
 
-def _by_id(snap: dict[str, torch.Tensor], optimizer: str) -> dict[int, dict[str, torch.Tensor]]:
+def _by_id(snap: dict[str, torch.Tensor], table: Table) -> dict[int, dict[str, torch.Tensor]]:
     """Each live id of one shard's snapshot -> its row's values."""
     out: dict[int, dict[str, torch.Tensor]] = {}
-    moved = [k for k, s in optimizer_spec(optimizer).states if s is not StateShape.PER_COLUMN]
-    for row in snap["occupied"].nonzero().squeeze(1).tolist():
+    spec = optimizer_spec(table.optimizer)
+    moved = [k for k, s in spec.states if s is not StateShape.PER_COLUMN]
+    for row in table.live_rows(snap).nonzero().squeeze(1).tolist():
         values = {n: snap[n][row] for n in ("last_seen", "frequency", "weight")}
         values.update({k: snap[f"state.{k}"][row] for k in moved})
         out[int(snap["row_ids"][row])] = values
@@ -369,14 +386,14 @@ def _check_table(table: Table, results: list[dict[str, Any]], overflow: bool) ->
             assert result["report"].tables[table.name].rows_sent == 0
     before: dict[int, dict[str, torch.Tensor]] = {}
     for snap in before_snaps:
-        before.update(_by_id(snap, table.optimizer))
-    assert len(before) == sum(table.live)
+        before.update(_by_id(snap, table))
+    assert len(before) == sum(table.live) or table.ttl is not None
     after: dict[int, dict[str, torch.Tensor]] = {}
     for k, snap in enumerate(after_snaps):
         ids = snap["row_ids"][snap["occupied"]]
         assert ids.unique().numel() == ids.numel()  # no two rows with one id
         assert bool((snap["row_ids"][~snap["occupied"]] == -1).all())
-        found = _by_id(snap, table.optimizer)
+        found = _by_id(snap, table)
         assert bool((route_shard(torch.tensor(list(found), dtype=torch.int64), shards) == k).all())
         assert not set(found) & set(after), "an id is live on two shards"
         after.update(found)
@@ -389,7 +406,7 @@ def _check_table(table: Table, results: list[dict[str, Any]], overflow: bool) ->
             assert torch.equal(value, before[i][name]), (table.name, i, name)
     reports = [results[r]["report"].tables[table.name] for r in table.ranks]
     misplaced = sum(
-        int((route_shard(snap["row_ids"][snap["occupied"]], shards) != k).sum())
+        int((route_shard(snap["row_ids"][table.live_rows(snap)], shards) != k).sum())
         for k, snap in enumerate(before_snaps)
     )
     assert sum(t.rows_sent for t in reports) == misplaced
@@ -397,6 +414,11 @@ def _check_table(table: Table, results: list[dict[str, Any]], overflow: bool) ->
     assert sum(t.rows_dropped for t in reports) == len(before) - len(after)
     if table.candidates:
         _check_candidates(table, before_snaps, after_snaps, reports, overflow)
+    if table.ttl is not None:  # expired rows were there, and arrivals took some of them
+        expired = [b["occupied"] & ~table.live_rows(b) for b in before_snaps]
+        assert sum(int(e.sum()) for e in expired) > 0
+        taken = [e & table.live_rows(a) for e, a in zip(expired, after_snaps, strict=True)]
+        assert sum(int(t.sum()) for t in taken) > 0
 
 
 def _check_candidates(
@@ -440,6 +462,7 @@ def _case_results(
         "rank_without_shard",
         "overflow_lru",
         "overflow_lfu",
+        "expired_rows_stay_and_take_arrivals",
         "candidates",
         "candidates_overflow",
     ],

@@ -105,6 +105,16 @@ def _buf(idmap: IdMap, name: str) -> torch.Tensor:
     return value
 
 
+def _live(idmap: IdMap) -> torch.Tensor:
+    """The rows holding a live id: occupied and, with ``ttl_steps``, not expired (an expired
+    row is free: it stays where it is and arrivals may take it)."""
+    live = _buf(idmap, "occupied").clone()
+    ttl = idmap.config.ttl_steps
+    if ttl is not None:
+        live &= _buf(idmap, "step") - _buf(idmap, "last_seen") <= ttl
+    return live
+
+
 def _row_fields(shard: ShardRows) -> list[torch.Tensor]:
     """The tensors indexed by row that travel with an id, in record order (ids first)."""
     idmap = shard.idmap
@@ -182,7 +192,7 @@ def _outgoing(shard: ShardRows, shard_ranks: Sequence[int], world: int) -> _Outg
     idmap = shard.idmap
     row_ids = _buf(idmap, "row_ids")
     dest_rank = torch.tensor(list(shard_ranks), dtype=torch.int64, device=row_ids.device)
-    slots = _buf(idmap, "occupied").nonzero().squeeze(1)
+    slots = _live(idmap).nonzero().squeeze(1)
     rows, row_counts = _leaving(row_ids, slots, dest_rank, shard.index, world)
     out = _Outgoing(rows, _encode(_row_fields(shard), rows), row_counts)
     out.candidates = row_ids.new_zeros((0, 24), dtype=torch.uint8)
@@ -232,7 +242,8 @@ def relocate(
     freed here; the owner puts arrivals in its free rows, lowest first, in source-rank order.
     When more ids belong to a shard than it has rows, it keeps the ones its policy ranks
     highest (residents and arrivals together: the inverse of `IdMap.eviction_order`) and
-    frees the rest; candidates likewise, the most recently seen kept. Ids are taken to be
+    frees the rest; candidates likewise, the most recently seen kept. A row past the map's
+    ``ttl_steps`` holds no live id: it stays, and arrivals may take it. Ids are taken to be
     unique over the shards of a table (as a saved map's are). Nothing to move changes nothing.
 
     Args:
@@ -372,12 +383,13 @@ def _place_table(
     if arrivals:
         fields = _row_fields(shard)
         incoming = _decode(torch.cat(arrivals).to(row_ids.device), fields)
-        residents = _buf(idmap, "occupied").nonzero().squeeze(1)
+        live = _live(idmap)
+        residents = live.nonzero().squeeze(1)
         last_seen = torch.cat([_buf(idmap, "last_seen")[residents], incoming[1]])
         frequency = torch.cat([_buf(idmap, "frequency")[residents], incoming[2]])
         order = policy_eviction_order(idmap.config, _buf(idmap, "step"), last_seen, frequency)
         done.rows_received = incoming[0].shape[0]
-        done.rows_dropped = _place(_buf(idmap, "occupied"), fields, incoming, order)
+        done.rows_dropped = _place(_buf(idmap, "occupied"), live, fields, incoming, order)
     if candidates and idmap.admit_after > 1:
         fields = _candidate_fields(idmap)
         incoming = _decode(torch.cat(candidates).to(row_ids.device), fields)
@@ -385,31 +397,33 @@ def _place_table(
         last_seen = torch.cat([_buf(idmap, "candidate_last_seen")[residents], incoming[2]])
         order = torch.sort(last_seen, stable=True).indices
         done.candidates_received = incoming[0].shape[0]
-        done.candidates_dropped = _place(_buf(idmap, "candidate_used"), fields, incoming, order)
+        used = _buf(idmap, "candidate_used")
+        done.candidates_dropped = _place(used, used.clone(), fields, incoming, order)
 
 
 def _place(
     used: torch.Tensor,
+    live: torch.Tensor,
     fields: list[torch.Tensor],
     incoming: list[torch.Tensor],
     order: torch.Tensor,
 ) -> int:
-    """Write arrivals (``incoming``: values of ``fields``, ids first) into the free slots of
-    ``used``, lowest first. Over capacity, the first of ``order`` (positions over the
-    residents, ascending, then the arrivals) go: residents' slots are freed (id -1),
-    arrivals are not placed. Returns how many ids went."""
+    """Write arrivals (``incoming``: values of ``fields``, ids first) into the slots that are
+    not ``live``, lowest first, and mark them ``used``. Over capacity, the first of ``order``
+    (positions over the live residents, ascending, then the arrivals) go: residents' slots
+    are freed (id -1), arrivals are not placed. Returns how many ids went."""
     count = incoming[0].shape[0]
     keep = torch.ones(count, dtype=torch.bool, device=used.device)
-    residents = used.nonzero().squeeze(1)
-    need = residents.numel() + count - used.numel()
+    residents = live.nonzero().squeeze(1)
+    need = residents.numel() + count - live.numel()
     with torch.no_grad():
         if need > 0:
             gone = order[:need]
             evicted = residents[gone[gone < residents.numel()]]
-            used[evicted] = False
+            used[evicted], live[evicted] = False, False
             fields[0][evicted] = -1
             keep[gone[gone >= residents.numel()] - residents.numel()] = False
-        slots = (~used).nonzero().squeeze(1)[: int(keep.sum())]
+        slots = (~live).nonzero().squeeze(1)[: int(keep.sum())]
         for target, values in zip(fields, incoming, strict=True):
             target[slots] = values[keep]
         used[slots] = True
