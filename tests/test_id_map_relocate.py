@@ -536,3 +536,25 @@ def test_a_wrong_shard_index_is_refused_on_every_rank_before_any_exchange(
     _, results = _case_results(outcome, "bad_index")
     for r in results:
         assert "table 't'" in r["error"] and "pass the shard index of this rank" in r["error"]
+
+
+def test_row_records_round_trip_bit_exact() -> None:
+    """The byte records carry any value as it is: -0.0, NaN payloads, bf16, int64 extremes."""
+    from recopt.sharding.id_map_relocate import _decode, _encode
+
+    fields = [
+        torch.tensor([-(2**63), 2**63 - 1, -1], dtype=torch.int64),
+        torch.tensor([-0.0, float("nan"), 1e-310], dtype=torch.float64),
+        torch.randn(3, 5).to(torch.bfloat16),
+        torch.tensor([[1.5, -0.0], [float("inf"), 3.0], [7.0, 8.0]], dtype=torch.float16),
+    ]
+    index = torch.tensor([2, 0])
+    records = _encode(fields, index)
+    assert records.dtype == torch.uint8 and records.shape == (2, 8 + 8 + 10 + 4)
+    for got, field in zip(_decode(records, fields), fields, strict=True):
+        want = field[index]
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    empty = _encode(fields, index[:0])
+    assert empty.shape == (0, 30)
+    assert [t.shape[0] for t in _decode(empty, fields)] == [0, 0, 0, 0]
