@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 # Per table in the count exchange: rows sent, candidates sent, bytes of one row's record.
 _HEADER = 3
+_CANDIDATE_BYTES = 24  # a candidate's record: id, count, last_seen (int64 each)
 _MOVED_STATES = (StateShape.PER_ROW, StateShape.PER_ELEMENT)
 
 
@@ -94,7 +95,9 @@ class _Outgoing:
     row_slots: torch.Tensor  # the rows they leave
     rows: torch.Tensor  # uint8 [n, R]
     row_counts: list[int]  # per destination rank
-    candidates: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 24, dtype=torch.uint8))
+    candidates: torch.Tensor = field(
+        default_factory=lambda: torch.zeros(0, _CANDIDATE_BYTES, dtype=torch.uint8)
+    )
     candidate_counts: list[int] = field(default_factory=list)
     candidate_slots: torch.Tensor | None = None
 
@@ -126,7 +129,7 @@ def _row_fields(shard: ShardRows) -> list[torch.Tensor]:
 
 
 def _candidate_fields(idmap: IdMap) -> list[torch.Tensor]:
-    """The candidate table's tensors, in record order (ids first): 24 bytes a candidate."""
+    """The candidate table's tensors, in record order (ids first)."""
     return [_buf(idmap, n) for n in ("candidate_ids", "candidate_count", "candidate_last_seen")]
 
 
@@ -139,7 +142,7 @@ def _encode(fields: Sequence[torch.Tensor], index: torch.Tensor) -> torch.Tensor
     """Rows ``index`` of ``fields`` as one uint8 record per row, ``[len(index), R]``
     (bit-exact: the bytes of each value)."""
     n = index.numel()
-    parts = [f[index].reshape(n, math.prod(f.shape[1:])).view(torch.uint8) for f in fields]
+    parts = [f.detach()[index].reshape(n, math.prod(f.shape[1:])).view(torch.uint8) for f in fields]
     return torch.cat(parts, dim=1)
 
 
@@ -195,7 +198,7 @@ def _outgoing(shard: ShardRows, shard_ranks: Sequence[int], world: int) -> _Outg
     slots = _live(idmap).nonzero().squeeze(1)
     rows, row_counts = _leaving(row_ids, slots, dest_rank, shard.index, world)
     out = _Outgoing(rows, _encode(_row_fields(shard), rows), row_counts)
-    out.candidates = row_ids.new_zeros((0, 24), dtype=torch.uint8)
+    out.candidates = row_ids.new_zeros((0, _CANDIDATE_BYTES), dtype=torch.uint8)
     out.candidate_counts = [0] * world
     if idmap.admit_after > 1:
         ids, used = _buf(idmap, "candidate_ids"), _buf(idmap, "candidate_used")
@@ -322,7 +325,7 @@ def _recv_splits(
                     f"shard's rows take {mine}; every shard of a table must have the same "
                     "width, weight dtype and optimizer"
                 )
-            total += n * width + c * 24
+            total += n * width + c * _CANDIDATE_BYTES
         splits.append(total)
     return splits
 
@@ -344,8 +347,9 @@ def _unpack(
                 continue
             arrivals[t].append(payload[start : start + n * width].view(n, width))
             start += n * width
-            candidates[t].append(payload[start : start + c * 24].view(c, 24))
-            start += c * 24
+            size = c * _CANDIDATE_BYTES
+            candidates[t].append(payload[start : start + size].view(c, _CANDIDATE_BYTES))
+            start += size
     report = RelocationReport()
     for t, (name, _, shard) in enumerate(tables):
         done = report.tables.setdefault(name, TableRelocation())
