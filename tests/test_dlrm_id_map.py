@@ -88,7 +88,8 @@ def test_one_line_of_config_makes_every_table_id_mapped() -> None:
 def test_one_rank_learns_the_drifting_ids_and_logs_the_maps_stats(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    built = dlrm_train.build_data
+    validation = sys.modules["dlrm_validate"]  # imported by the training script
+    built = validation.build_data
     validation_logs: list[Any] = []
 
     def build_and_keep(*args: Any, **kwargs: Any) -> Any:
@@ -97,7 +98,7 @@ def test_one_rank_learns_the_drifting_ids_and_logs_the_maps_stats(
             validation_logs.append(data)
         return data
 
-    monkeypatch.setattr(dlrm_train, "build_data", build_and_keep)
+    monkeypatch.setattr(validation, "build_data", build_and_keep)
     # The pipeline (on one rank: no sharding, the remap in the step's own forward) is allowed.
     assert dlrm_train.main(argv(tmp_path, 60, "training.pipeline=true")) == 0
     # Validation after 60 steps sees the popular ids of global batch 60, not of batch 0.

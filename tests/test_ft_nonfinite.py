@@ -16,7 +16,7 @@ from ft_solo import SoloTransaction
 
 from recopt.ft import NonFiniteGradientError
 from recopt.ft.embedding import FusedEmbeddingGuard
-from recopt.ft.replica_sync import EmbeddingReplicaSync, make_grad_hook
+from recopt.ft.replica_sync import EmbeddingReplicaSync
 from recopt.kernels.config import Backend
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, FusedOptimizerConfig
 from recopt.sparse import KeyedJaggedTensor
@@ -72,17 +72,6 @@ def test_replica_sync_hook_averages_finite_rows_without_error() -> None:
     EmbeddingReplicaSync(module, replicas, FusedEmbeddingGuard(module))  # type: ignore[arg-type]
     out = module.kernels()[0].grad_hook(0, torch.tensor([1, 4]), torch.ones(2, 8))
     assert torch.equal(out, torch.full((2, 8), 2.0)) and not replicas.errors
-
-
-@pytest.mark.parametrize("union", [False, True])
-def test_plain_grad_hook_reports_non_finite_rows(union: bool) -> None:
-    replicas = _Replicas(float("nan"))
-    hook = make_grad_hook(replicas, union=union)  # type: ignore[arg-type]
-    ids = torch.tensor([1, 4])
-    out = hook(0, ids, torch.ones(2, 8))
-    grads = out[1] if union else out
-    assert torch.equal(grads, torch.zeros(2, 8))
-    assert [type(e) for e in replicas.errors] == [NonFiniteGradientError]
 
 
 def test_guard_drops_the_step_the_collection_skipped() -> None:

@@ -1,14 +1,18 @@
-"""Id-mapped tables sharded: every sharding type equals the unsharded collection, step for step.
+"""Id-mapped tables sharded with owner-local maps, against the unsharded collection.
 
-At 2 and 3 ranks (one spawned gloo group each, every case in a loop): forward outputs,
-then after training steps every weight, optimizer state and map buffer equals an unsharded
-FusedEmbeddingBagCollection fed the ranks' batches concatenated (the maps evict, expire and
-admit on the way); a bad id of an unmapped table raises on every rank and moves no map; a
-DistributedModelParallel checkpoint saved under one plan resumes under another.
+At 2 and 3 ranks (one spawned gloo group each, every case in a loop): table-wise (one shard:
+the unsharded map) equals an unsharded FusedEmbeddingBagCollection fed the ranks' batches
+concatenated bit for bit while the maps evict, expire and admit; row-wise, table-row-wise and a
+mixed plan equal it under capacity (outputs, stats, and by id every weight, optimizer state
+and map row); with evictions, each shard's map equals a standalone `IdMap` of the shard's
+capacity fed the ids routed to it, fresh rows hold the hashed init and zero state, and every
+live id sits once, on its owner shard. A bad id of an unmapped table raises on every rank and
+moves no map; a checkpoint resumed under the same plan equals an uninterrupted run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +26,11 @@ from recopt.modules import (
     IdMapConfig,
     InvalidIdError,
 )
+from recopt.modules.id_map import IdMap
+from recopt.modules.id_map_lookup import hash_uniform, route_shard
 from recopt.sharding import (
     column_wise,
     construct_module_sharding_plan,
-    data_parallel,
     row_wise,
     table_row_wise,
     table_wise,
@@ -35,14 +40,14 @@ from recopt.testing import run_on_ranks
 
 STEPS = 6
 FEATURES = ("f0", "f1", "f2", "g")
-TABLES = [
+TABLES = [  # small: the maps evict, expire and admit
     EmbeddingBagConfig(
         name="t0",
         num_embeddings=7,
         embedding_dim=6,
         feature_names=("f0",),
         pooling=PoolingType.MEAN,
-        id_map=IdMapConfig(policy="lfu", decay=0.8, ttl_steps=3, admit_after=2),
+        id_map=IdMapConfig(policy="lfu", decay=0.8, ttl_steps=2, admit_after=2),
     ),
     EmbeddingBagConfig(
         name="t1",
@@ -53,8 +58,11 @@ TABLES = [
     ),
     EmbeddingBagConfig(name="t2", num_embeddings=5, embedding_dim=6, feature_names=("g",)),
 ]
-KINDS = ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel", "mixed"]
-OPTIMIZERS = ["adagrad", "row_wise_adagrad", "adam", "sgd"]
+# Under capacity: every shard has room for every id it is sent (at most 18 per table).
+BIG = [dataclasses.replace(t, num_embeddings=60) if t.id_map else t for t in TABLES]
+MAPPED = ("t0", "t1")
+STATE_NAMES = {"adagrad": ["momentum1"], "row_wise_adagrad": ["momentum1"], "sgd": []}
+STATE_NAMES["adam"] = ["exp_avg", "exp_avg_sq"]
 
 
 def _requests(kind: str, world: int) -> dict[str, Any]:
@@ -63,13 +71,9 @@ def _requests(kind: str, world: int) -> dict[str, Any]:
         return {"t0": table_wise(last), "t1": table_wise(0), "t2": table_wise(min(1, last))}
     if kind == "row_wise":
         return {t.name: row_wise() for t in TABLES}
-    if kind == "column_wise":
-        return {"t0": column_wise([last, 0]), "t1": column_wise([0, last]), "t2": table_wise(0)}
     if kind == "table_row_wise":
         return {t.name: table_row_wise(0) for t in TABLES}
-    if kind == "data_parallel":
-        return {t.name: data_parallel() for t in TABLES}
-    return {"t0": row_wise(), "t1": data_parallel(), "t2": column_wise([last])}
+    return {"t0": table_wise(last), "t1": row_wise(), "t2": column_wise([last, 0])}  # mixed
 
 
 def _bags(rank: int, step: int) -> dict[str, list[list[int]]]:
@@ -95,51 +99,195 @@ def _everyone(world: int, step: int) -> dict[str, list[list[int]]]:
     return {f: [b for bags in per_rank for b in bags[f]] for f in FEATURES}
 
 
-def _run_case(kind: str, optimizer: str, rank: int, world: int) -> None:
+def _table_ids(rank: int, step: int, table: EmbeddingBagConfig) -> torch.Tensor:
+    """A rank's raw ids of ``table``, feature after feature (the order the exchange sends)."""
+    bags = _bags(rank, step)
+    return torch.tensor(
+        [i for f in table.feature_names for bag in bags[f] for i in bag], dtype=torch.int64
+    )
+
+
+def _full(value: Any) -> torch.Tensor:
+    """The whole tensor on every rank (bool ShardedTensors summed as int64)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    from recopt.comm import all_reduce
+
+    if not isinstance(value, ShardedTensor):
+        return value.detach().clone()
+    full = torch.zeros(
+        value.size(), dtype=torch.float64 if value.dtype.is_floating_point else torch.int64
+    )
+    for shard in value.local_shards():
+        offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+        full[index] = shard.tensor.to(full.dtype)
+    full = all_reduce(full, None)
+    return full.to(value.dtype)
+
+
+def _modules(kind: str, optimizer: str, world: int, tables: list[EmbeddingBagConfig]) -> Any:
     from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
-    from recopt.sharding.state import full_tensor
 
     config = FusedOptimizerConfig(name=optimizer, lr=0.05, eps=1e-3)
     torch.manual_seed(0)
-    ref = FusedEmbeddingBagCollection(TABLES, optimizer=config)
-    plan = construct_module_sharding_plan(TABLES, _requests(kind, world), world)
-    sharded = ShardedEmbeddingBagCollection(TABLES, plan, optimizer=config)
+    ref = FusedEmbeddingBagCollection(tables, optimizer=config)
+    plan = construct_module_sharding_plan(tables, _requests(kind, world), world)
+    sharded = ShardedEmbeddingBagCollection(tables, plan, optimizer=config)
     sharded.load_state_dict(ref.state_dict())
+    return ref, sharded, plan
+
+
+def _train_both(ref: Any, sharded: Any, rank: int, world: int, step: int, name: str) -> None:
     first = sum(2 + r for r in range(rank))
     mine = slice(first, first + 2 + rank)
-    churn = {"evictions": 0.0, "zero_row_ids": 0.0}
+    out = sharded(_kjt(_bags(rank, step))).values()
+    ref_out = ref(_kjt(_everyone(world, step))).values()
+    torch.testing.assert_close(out, ref_out[mine], msg=lambda m: f"{name} step {step}: {m}")
+    if not sharded.training:
+        return
+    weight = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(step))
+    (out * weight[mine]).sum().backward()
+    (ref_out * weight).sum().backward()
+    assert sharded.stats() == ref.stats(), name
+
+
+def _table_wise_case(optimizer: str, rank: int, world: int) -> None:
+    """One shard per table: the unsharded map; bit for bit, with evictions and expiry."""
+    ref, sharded, _ = _modules("table_wise", optimizer, world, TABLES)
+    churn = {"evictions": 0.0, "zero_row_ids": 0.0, "expired": 0.0, "admissions": 0.0}
     for step in range(STEPS):
-        out = sharded(_kjt(_bags(rank, step))).values()
-        ref_out = ref(_kjt(_everyone(world, step))).values()
-        name = f"{kind}/{optimizer} step {step}"
-        torch.testing.assert_close(out, ref_out[mine], msg=lambda m, n=name: f"{n}: {m}")
-        weight = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(step))
-        (out * weight[mine]).sum().backward()
-        (ref_out * weight).sum().backward()
-        assert sharded.stats() == ref.stats(), name
+        _train_both(ref, sharded, rank, world, step, f"table_wise/{optimizer}")
         for key in churn:
             churn[key] += sum(s[key] for s in ref.stats().values())
-    assert churn["evictions"] > 0 and churn["zero_row_ids"] > 0, churn  # the maps were full
+    assert all(v > 0 for v in churn.values()), churn  # the maps were full
     state, ref_state = sharded.state_dict(), ref.state_dict()
-    assert sorted(state) == sorted(ref_state), kind
+    assert sorted(state) == sorted(ref_state)
     for key, value in ref_state.items():
-        torch.testing.assert_close(
-            full_tensor(state[key]), value, atol=1e-5, rtol=1e-5, msg=f"{kind}/{optimizer} {key}"
-        )
-    again = ShardedEmbeddingBagCollection(TABLES, plan, optimizer=config)
-    again.load_state_dict(ref_state)  # an unsharded state, maps included, into the shards
-    for key, value in ref_state.items():
-        assert torch.equal(full_tensor(again.state_dict()[key]).to(value.dtype), value), key
+        got = _full(state[key])
+        if key.startswith("id_maps."):  # the one shard's map is the unsharded map
+            assert torch.equal(got, value), key
+        torch.testing.assert_close(got, value, atol=1e-5, rtol=1e-5, msg=key)
     got_opt = sharded.fused_optimizer.state_dict()["state"]
     for param, states in ref.fused_optimizer.state_dict()["state"].items():
         for name, value in states.items():
+            got = _full(got_opt[param][name]).to(value.dtype)
+            torch.testing.assert_close(got, value, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def _by_id(state: dict[str, Any], table: str) -> dict[int, int]:
+    """Live id -> row of a (full) state dict's map."""
+    ids, used = state[f"id_maps.{table}.row_ids"], state[f"id_maps.{table}.occupied"]
+    rows = used.nonzero().squeeze(1)
+    return dict(zip(ids[rows].tolist(), rows.tolist(), strict=True))
+
+
+def _compare_by_id(ref: Any, sharded: Any, optimizer: str, name: str) -> None:
+    """Each live id's weight, optimizer state and map counters equal the unsharded row's."""
+    ref_state = ref.state_dict()
+    state = {k: _full(v) for k, v in sharded.state_dict().items()}
+    ref_opt = ref.fused_optimizer.state_dict()["state"]
+    opt = sharded.fused_optimizer.state_dict()["state"]
+    for t in MAPPED:
+        want, got = _by_id(ref_state, t), _by_id(state, t)
+        assert sorted(want) == sorted(got) and want, (name, t)
+        r, s = list(want.values()), [got[i] for i in want]
+        pairs = [(ref_state[f"embedding_bags.{t}.weight"], state[f"embedding_bags.{t}.weight"])]
+        pairs += [
+            (ref_state[f"id_maps.{t}.{b}"], state[f"id_maps.{t}.{b}"])
+            for b in ("last_seen", "frequency")
+        ]
+        param = f"embedding_bags.{t}.weight"
+        for key in STATE_NAMES[optimizer]:
+            pairs.append((ref_opt[param][f"{t}.{key}"], _full(opt[param][f"{t}.{key}"])))
+        for want_value, got_value in pairs:
             torch.testing.assert_close(
-                full_tensor(got_opt[param][name]).to(value.dtype),
-                value,
+                got_value[s].to(want_value.dtype),
+                want_value[r],
                 atol=1e-5,
                 rtol=1e-5,
-                msg=f"{kind}/{optimizer} {name}",
+                msg=lambda m, t=t: f"{name} {t}: {m}",
             )
+        assert int(state[f"id_maps.{t}.step"]) == int(ref_state[f"id_maps.{t}.step"])
+    _check_owners(sharded, name)
+
+
+def _check_owners(sharded: Any, name: str) -> None:
+    """Every live id once in its table, and in the row shard `route_shard` names."""
+    state = sharded.state_dict()
+    for t in MAPPED:
+        ids = state[f"id_maps.{t}.row_ids"]
+        used = state[f"id_maps.{t}.occupied"]
+        full_ids, full_used = _full(ids), _full(used)
+        live = full_ids[full_used]
+        assert live.unique().numel() == live.numel(), (name, t)  # no id in two rows
+        shards = ids.metadata().shards_metadata
+        for local in ids.local_shards():
+            k = [m.shard_offsets for m in shards].index(local.metadata.shard_offsets)
+            start, size = local.metadata.shard_offsets[0], local.metadata.shard_sizes[0]
+            mine = local.tensor[full_used[start : start + size]]
+            assert bool((route_shard(mine, len(shards)) == k).all()), (name, t, k)
+
+
+def _under_capacity_case(kind: str, optimizer: str, rank: int, world: int) -> None:
+    ref, sharded, _ = _modules(kind, optimizer, world, BIG)
+    name = f"{kind}/{optimizer} under capacity"
+    for step in range(STEPS):
+        _train_both(ref, sharded, rank, world, step, name)
+        assert all(s["evictions"] == 0 for s in ref.stats().values()), name
+    _compare_by_id(ref, sharded, optimizer, name)
+    ref.eval()
+    sharded.eval()  # evaluation reads the owners' maps: the same rows, nothing moves
+    _train_both(ref, sharded, rank, world, STEPS, f"{name} eval")
+    assert int(sharded.state_dict()["id_maps.t1.step"]) == STEPS
+
+
+def _evicting_case(kind: str, optimizer: str, rank: int, world: int) -> None:
+    """Each own shard's map equals a standalone map of its capacity fed the ids routed to it;
+    fresh rows hold the hashed init and zero optimizer state."""
+    ref, sharded, plan = _modules(kind, optimizer, world, TABLES)
+    name = f"{kind}/{optimizer} evicting"
+    own = {}
+    for t in TABLES[:2]:
+        shards = plan[t.name].shards
+        for k, s in enumerate(shards):
+            if s.rank == rank:
+                standalone = IdMap(t.id_map, s.num_rows)  # type: ignore[arg-type]
+                own[t.name] = (k, len(shards), standalone, t)
+    evictions = 0.0
+    for step in range(STEPS):
+        fed = {}
+        for t_name, (k, count, standalone, table) in own.items():
+            parts = [_table_ids(r, step, table) for r in range(world)]
+            routed = torch.cat([p[route_shard(p, count) == k] for p in parts])
+            fed[t_name] = standalone.remap(routed, True)
+        out = sharded(_kjt(_bags(rank, step))).values()
+        maps = sharded.id_maps
+        for t_name, (_, _, standalone, table) in own.items():
+            for key, value in standalone.state_dict().items():
+                got = maps.table_map(t_name).state_dict()[key]
+                assert torch.equal(got, value), (name, step, t_name, key)
+            _check_fresh(sharded, table, fed[t_name], optimizer, name)
+        out.square().sum().backward()
+        evictions += sum(s["evictions"] for s in sharded.stats().values())
+    assert evictions > 0, name
+    _check_owners(sharded, name)
+
+
+def _check_fresh(sharded: Any, table: Any, fresh: Any, optimizer: str, name: str) -> None:
+    """The fresh rows of this rank's shard hold the hashed init and zero optimizer state."""
+    rows, ids = fresh.fresh_rows, fresh.fresh_ids
+    param = f"embedding_bags.{table.name}.weight"
+    (weight,) = sharded.state_dict()[param].local_shards()
+    lo, hi = table.init_bounds()
+    want = (lo + (hi - lo) * hash_uniform(ids, fresh.stats.step, table.embedding_dim)).to(
+        torch.float32
+    )
+    assert torch.equal(weight.tensor[rows], want), (name, table.name)
+    states = sharded.fused_optimizer.state_dict()["state"][param]
+    for key in STATE_NAMES[optimizer]:
+        (local,) = states[f"{table.name}.{key}"].local_shards()
+        assert not bool(local.tensor[rows].any()), (name, table.name, key)
 
 
 def _bad_input_case(rank: int, world: int) -> None:
@@ -153,9 +301,55 @@ def _bad_input_case(rank: int, world: int) -> None:
     with pytest.raises(InvalidIdError if rank == 0 else ValueError):
         sharded(_kjt(bags))
     maps = sharded.state_dict()
-    assert int(maps["id_maps.t1.step"]) == 0 and not bool(maps["id_maps.t1.occupied"].any())
+    assert int(maps["id_maps.t1.step"]) == 0
+    assert not bool(_full(maps["id_maps.t1.occupied"]).any())
     sharded(_kjt(_bags(rank, 0)))  # the next good batch runs on every rank
     assert int(sharded.state_dict()["id_maps.t1.step"]) == 1
+    assert bool(_full(sharded.state_dict()["id_maps.t1.occupied"]).any())
+    sharded.eval()  # evaluation exchanges ids too: the same protocol
+    with pytest.raises(InvalidIdError if rank == 0 else ValueError):
+        sharded(_kjt(bags))
+    before = _full(sharded.state_dict()["id_maps.t1.row_ids"])
+    sharded(_kjt(_bags(rank, 1)))
+    assert int(sharded.state_dict()["id_maps.t1.step"]) == 1
+    assert torch.equal(_full(sharded.state_dict()["id_maps.t1.row_ids"]), before)
+
+
+def _relocation_case(rank: int, world: int) -> None:
+    """A trained unsharded state loaded into row shards leaves ids on shards that do not own
+    them: the pending relocation raises where this rank's shard holds one; a load of the
+    module's own (same-plan) state does not."""
+    ref, sharded, plan = _modules("row_wise", "sgd", world, BIG)
+    for step in range(2):
+        _train_both(ref, sharded, rank, world, step, "relocation")
+    maps = sharded._id_maps
+    twin = _modules("row_wise", "sgd", world, BIG)[1]
+    twin.load_state_dict(sharded.state_dict())
+    twin._id_maps._relocate_if_pending()  # same plan: every id is on its owner
+    assert not twin._id_maps.relocate_pending
+    sharded.load_state_dict(ref.state_dict())
+    assert maps.relocate_pending
+    misplaced = False
+    for t in MAPPED:
+        ids, used = (
+            ref.state_dict()[f"id_maps.{t}.row_ids"],
+            ref.state_dict()[f"id_maps.{t}.occupied"],
+        )
+        shards = plan[t].shards
+        (k,) = [k for k, s in enumerate(shards) if s.rank == rank]
+        start, size = shards[k].row_offset, shards[k].num_rows
+        mine = ids[start : start + size][used[start : start + size]]
+        misplaced |= bool((route_shard(mine, len(shards)) != k).any())
+    if misplaced:
+        with pytest.raises(NotImplementedError, match="relocating them is not implemented"):
+            maps._relocate_if_pending()
+    else:
+        maps._relocate_if_pending()
+    assert maps.relocate_pending == misplaced
+    from recopt.comm import all_reduce
+
+    anywhere = all_reduce(torch.tensor([float(misplaced)]), None)
+    assert float(anywhere) > 0  # the case does test a misplaced id somewhere
 
 
 class _Model(torch.nn.Module):
@@ -192,29 +386,30 @@ def _train(dmp: Any, dense: torch.optim.Optimizer, rank: int, steps: range) -> l
     return losses
 
 
-def _checkpoint_case(rank: int, world: int, root: str) -> None:
-    """DMP: save under one plan, load under another; the run goes on as without the stop."""
+def _checkpoint_case(kind: str, rank: int, world: int, root: str) -> None:
+    """DMP: save, load into a fresh model under the same plan; the run goes on as without
+    the stop (the maps evict and expire on the way)."""
     from recopt.checkpoint import load, save
-    from recopt.sharding.state import full_tensor
 
-    dmp, dense = _dmp("row_wise", world)
+    dmp, dense = _dmp(kind, world)
     _train(dmp, dense, rank, range(3))
-    save(Path(root) / "ck", dmp, {"fused": dmp.fused_optimizer, "dense": dense}, step=3)
+    path = Path(root) / f"ck-{kind}"
+    save(path, dmp, {"fused": dmp.fused_optimizer, "dense": dense}, step=3)
     straight = _train(dmp, dense, rank, range(3, STEPS))
-    other, other_dense = _dmp("table_wise", world)
-    load(Path(root) / "ck", other, {"fused": other.fused_optimizer, "dense": other_dense})
+    other, other_dense = _dmp(kind, world)
+    load(path, other, {"fused": other.fused_optimizer, "dense": other_dense})
     resumed = _train(other, other_dense, rank, range(3, STEPS))
-    torch.testing.assert_close(resumed, straight, rtol=1e-5, atol=1e-6)
-    mine = {k: full_tensor(v) for k, v in dmp.state_dict().items()}
-    theirs = {k: full_tensor(v) for k, v in other.state_dict().items()}
+    assert resumed == straight, kind
+    mine = {k: _full(v) for k, v in dmp.state_dict().items()}
+    theirs = {k: _full(v) for k, v in other.state_dict().items()}
     assert sorted(mine) == sorted(theirs) and "sparse.id_maps.t1.row_ids" in mine
     for key, value in mine.items():
-        torch.testing.assert_close(theirs[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        assert torch.equal(theirs[key], value), key
 
 
-def _unpooled_case(kind: str, rank: int, world: int) -> None:
-    """ShardedEmbeddingCollection: each rank's rows equal the unsharded module's rows of its
-    ids (the global batch is the ranks' ids concatenated, feature by feature)."""
+def _unpooled_case(rank: int, world: int) -> None:
+    """ShardedEmbeddingCollection, table-wise: each rank's rows equal the unsharded module's
+    rows of its ids (the global batch is the ranks' ids concatenated, feature by feature)."""
     from recopt.modules import EmbeddingConfig, FusedEmbeddingCollection
     from recopt.sharding.sharded_embedding_collection import ShardedEmbeddingCollection
 
@@ -231,7 +426,7 @@ def _unpooled_case(kind: str, rank: int, world: int) -> None:
     config = FusedOptimizerConfig(name="adagrad", lr=0.05)
     torch.manual_seed(0)
     ref = FusedEmbeddingCollection(tables, config)
-    plan = construct_module_sharding_plan(tables, _requests(kind, world), world)
+    plan = construct_module_sharding_plan(tables, _requests("table_wise", world), world)
     sharded = ShardedEmbeddingCollection(tables, plan, optimizer=config)
     sharded.load_state_dict(ref.state_dict())
     for step in range(STEPS):
@@ -242,79 +437,44 @@ def _unpooled_case(kind: str, rank: int, world: int) -> None:
             counts = [sum(len(b) for b in _bags(r, step)[f]) for r in range(world)]
             start = sum(counts[:rank])
             mine = ref_out[f].values()[start : start + counts[rank]]
-            torch.testing.assert_close(out[f].values(), mine, msg=f"ec/{kind} {f} step {step}")
+            torch.testing.assert_close(out[f].values(), mine, msg=f"ec {f} step {step}")
             loss = loss + out[f].values().square().sum()
             ref_loss = ref_loss + ref_out[f].values().square().sum()
         loss.backward()
         ref_loss.backward()
         assert sharded.stats() == ref.stats()
     for key, value in ref.state_dict().items():
-        got = full_tensor_of(sharded.state_dict()[key])
-        torch.testing.assert_close(got, value, atol=1e-5, rtol=1e-5, msg=f"ec/{kind} {key}")
-
-
-def full_tensor_of(value: Any) -> torch.Tensor:
-    from recopt.sharding.state import full_tensor
-
-    return full_tensor(value)
+        got = _full(sharded.state_dict()[key])
+        torch.testing.assert_close(got, value, atol=1e-5, rtol=1e-5, msg=f"ec {key}")
 
 
 def _all_cases(rank: int, world: int, root: str) -> list[str]:
     done = []
-    for i, kind in enumerate(KINDS):
-        for optimizer in (OPTIMIZERS[i % len(OPTIMIZERS)], OPTIMIZERS[(i + 1) % len(OPTIMIZERS)]):
-            _run_case(kind, optimizer, rank, world)
-            done.append(f"{kind}/{optimizer}")
+    for optimizer in ("adam", "row_wise_adagrad"):
+        _table_wise_case(optimizer, rank, world)
+        done.append(f"table_wise/{optimizer}")
+    for kind, optimizer in (
+        ("row_wise", "adam"),
+        ("table_row_wise", "adagrad"),
+        ("mixed", "row_wise_adagrad"),
+    ):
+        _under_capacity_case(kind, optimizer, rank, world)
+        done.append(f"{kind}/{optimizer} under capacity")
+    for kind, optimizer in (("row_wise", "adagrad"), ("table_row_wise", "sgd")):
+        _evicting_case(kind, optimizer, rank, world)
+        done.append(f"{kind}/{optimizer} evicting")
     _bad_input_case(rank, world)
     done.append("bad input")
-    _checkpoint_case(rank, world, root)
+    _relocation_case(rank, world)
+    done.append("relocation pending")
+    _checkpoint_case("row_wise", rank, world, root)
     done.append("checkpoint")
-    for kind in ("row_wise", "table_wise"):
-        _unpooled_case(kind, rank, world)
-        done.append(f"ec/{kind}")
+    _unpooled_case(rank, world)
+    done.append("ec/table_wise")
     return done
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_id_maps_equal_unsharded(world: int, tmp_path: Path) -> None:
     results = run_on_ranks(_all_cases, world, str(tmp_path), timeout_s=270.0)
-    assert all(r == results[0] for r in results) and len(results[0]) == 2 * len(KINDS) + 4
-
-
-def _full_states(dmp: Any) -> dict[str, torch.Tensor]:
-    """Every model tensor and fused optimizer state as a full tensor."""
-    out = {k: full_tensor_of(v) for k, v in dmp.state_dict().items()}
-    for param, states in dmp.fused_optimizer.state_dict()["state"].items():
-        for name, value in states.items():
-            out[f"{param}/{name}"] = full_tensor_of(value)
-    return out
-
-
-def _save_at(rank: int, world: int, root: str, kind: str) -> dict[str, torch.Tensor]:
-    from recopt.checkpoint import save
-
-    dmp, dense = _dmp(kind, world)
-    _train(dmp, dense, rank, range(STEPS))
-    save(Path(root) / "ck", dmp, {"fused": dmp.fused_optimizer}, step=STEPS)
-    return _full_states(dmp)
-
-
-def _load_at(rank: int, world: int, root: str, kind: str) -> dict[str, torch.Tensor]:
-    from recopt.checkpoint import load
-
-    dmp, _ = _dmp(kind, world)
-    load(Path(root) / "resharded", dmp, {"fused": dmp.fused_optimizer})
-    return _full_states(dmp)
-
-
-def test_reshard_two_to_three_ranks_keeps_every_ids_row_and_state(tmp_path: Path) -> None:
-    from recopt.checkpoint.reshard import reshard
-
-    saved = run_on_ranks(_save_at, 2, str(tmp_path), "row_wise", timeout_s=270.0)[0]
-    reshard(tmp_path / "ck", tmp_path / "resharded", world_size=3)
-    loaded = run_on_ranks(_load_at, 3, str(tmp_path), "table_row_wise", timeout_s=270.0)
-    assert int(saved["sparse.id_maps.t1.occupied"].sum()) > 0
-    for state in loaded:
-        assert sorted(state) == sorted(saved)
-        for key, value in saved.items():
-            assert torch.equal(state[key].to(value.dtype), value), key
+    assert all(r == results[0] for r in results) and len(results[0]) == 11

@@ -37,7 +37,6 @@ ALLOWED = {
     ("kernels/recopt_backward.py", "unique"): 1,
     ("kernels/recopt_backward.py", "unique_consecutive"): 1,
     ("ft/embedding.py", "unique"): 3,
-    ("ft/replica_sync.py", "unique"): 1,
     # docs/id_map.md: the id map's remap (new ids, free rows, evictions) in torch ops, and the
     # changed slots of its undo record; a sync-free CUDA remap is the open part of issue 26.
     ("modules/id_map.py", "nonzero"): 7,

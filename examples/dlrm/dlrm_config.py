@@ -8,6 +8,7 @@ reads a TOML file, applies ``--set key=value`` overrides and rejects any unknown
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
@@ -410,3 +411,41 @@ def fault_tolerant_config(config: TrainingConfig) -> TrainingConfig:
         return config
     embedding = dataclasses.replace(config.embedding, optimizer=optimizer)
     return dataclasses.replace(config, embedding=embedding)
+
+
+def parse_args(argv: list[str] | None, description: str | None) -> argparse.Namespace:
+    """The training script's command line (``description``: its help text)."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--config", help="TOML config (default: the built-in small config)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set training.steps=100 (repeatable)",
+    )
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="PATH",
+        help="continue from the newest finite checkpoint of the run's checkpoint directory, or "
+        "of PATH: a step folder (e.g. recopt-reshard's output) or a checkpoints folder",
+    )
+    parser.add_argument(
+        "--overwrite-checkpoints",
+        action="store_true",
+        help="start afresh in a checkpoint directory holding another run's checkpoints "
+        "(deleted after this run's first checkpoint)",
+    )
+    parser.add_argument(
+        "--fault-tolerant",
+        action="store_true",
+        help="run as one replica group of a fault-tolerant job on torchft (needs the extra "
+        "recopt[ft], TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID and torchrun; see "
+        "docs/fault_tolerance.md)",
+    )
+    return parser.parse_args(argv)

@@ -17,7 +17,6 @@ group agrees, and a restarted group heals from a peer.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -42,12 +41,18 @@ from dlrm_build import (  # noqa: E402
     build_optimizer,
     shard_model,
 )
-from dlrm_config import TrainingConfig, fault_tolerant_config, load_config  # noqa: E402
+from dlrm_config import (  # noqa: E402
+    TrainingConfig,
+    fault_tolerant_config,
+    load_config,
+    parse_args,
+)
 from dlrm_id_map import IdMapWindow, plain_loop_notice  # noqa: E402
 from dlrm_nonfinite import NonFiniteSteps, poison_if_nonfinite  # noqa: E402
 from dlrm_pipeline import build_pipeline, phase_milliseconds  # noqa: E402
 from dlrm_report import MetricsLog, ProgressBar, plot_curves  # noqa: E402
 from dlrm_resume import check_writable_root, find_resume_point  # noqa: E402
+from dlrm_validate import evaluate  # noqa: E402
 
 from recopt import comm  # noqa: E402
 from recopt.checkpoint import CheckpointManager, load, read_manifest  # noqa: E402
@@ -386,28 +391,12 @@ class Trainer:
                 self.step, samples_per_s, shown, skipped=self.nonfinite.total, extra=id_map_line
             )
 
-    @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Metrics over ``data.val_batches`` held-out batches (the same ones every time)."""
-        if self.config.data.val_batches == 0:
-            return {}
-        global_batches = self.samples // self.config.data.batch_size  # a drifting source's clock
-        data = build_data(self.config, self.env, "val", clock=global_batches)
-        if data is None:  # a source without validation data
-            return {}
-        self.model.eval()
-        metrics = click_metrics().to(self.env.device)
-        loss_mean = torchmetrics.MeanMetric().to(self.env.device)
-        for i, batch in enumerate(data):
-            if i >= self.config.data.val_batches:
-                break
-            batch = batch.to(self.env.device)
-            logits = self.model(batch.dense, batch.sparse)
-            loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-            metrics.update(torch.sigmoid(logits), batch.labels.long())
-            loss_mean.update(loss, weight=batch.labels.numel())
-        values = {k: float(v) for k, v in metrics.compute().items()}
-        values["loss"] = float(loss_mean.compute())
+        clock = self.samples // self.config.data.batch_size  # a drifting source's clock
+        values = evaluate(self.model, self.config, self.env, clock)
+        if not values:
+            return values
         if self.log is not None:
             self.log.write(self.step, "val", values)
         self._say(
@@ -432,43 +421,6 @@ class Trainer:
 # ---------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--config", help="TOML config (default: the built-in small config)")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set training.steps=100 (repeatable)",
-    )
-    parser.add_argument(
-        "--resume",
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="PATH",
-        help="continue from the newest finite checkpoint of the run's checkpoint directory, or "
-        "of PATH: a step folder (e.g. recopt-reshard's output) or a checkpoints folder",
-    )
-    parser.add_argument(
-        "--overwrite-checkpoints",
-        action="store_true",
-        help="start afresh in a checkpoint directory holding another run's checkpoints "
-        "(deleted after this run's first checkpoint)",
-    )
-    parser.add_argument(
-        "--fault-tolerant",
-        action="store_true",
-        help="run as one replica group of a fault-tolerant job on torchft (needs the extra "
-        "recopt[ft], TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID and torchrun; see "
-        "docs/fault_tolerance.md)",
-    )
-    return parser.parse_args(argv)
 
 
 def train(
@@ -532,7 +484,7 @@ def train(
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the script; returns 0. A failure on any rank is reported with its rank and raised."""
-    args = parse_args(argv)
+    args = parse_args(argv, __doc__)
     config = load_config(args.config, args.set)
     env = _env_from_environ()
     ft_config = None

@@ -3,8 +3,7 @@
 `EmbeddingReplicaSync` averages row gradients across replica groups, which needs a row to hold
 the same id in every group. `ReplicaIdExchange` (the maps' ``peers``) all-gathers the raw ids
 of the id-mapped features before each training map step, in participant rank order, so every
-group steps its maps with the same concatenated batch (as the ranks of a sharded collection do,
-`recopt.sharding.id_map_sharded`) and rewrites only its own ids to rows.
+group steps its maps with the same concatenated batch and rewrites only its own ids to rows.
 """
 
 from __future__ import annotations

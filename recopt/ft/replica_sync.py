@@ -1,8 +1,8 @@
 """Fused embedding tables kept identical across replica groups (`EmbeddingReplicaSync`).
 
-`average_row_gradients` and `union_row_gradients` are the cross-replica halves of the
-kernel's ``grad_hook``: every replica that touched a row applies the same averaged update, and
-rows only some replicas touched are sent to the others before the vote. A NaN/inf gradient on
+`average_row_gradients` is the cross-replica half of the kernel's ``grad_hook``: every
+replica that touched a row applies the same averaged update, and rows only some replicas
+touched are sent to the others before the vote. A NaN/inf gradient on
 any replica drops the step on every replica (the hooks see every replica's row gradients).
 Id-mapped tables step their maps with every replica group's ids (`ReplicaIdExchange`,
 recopt/ft/id_map_replicas.py). Rolling back a dropped step is `FusedEmbeddingGuard`'s
@@ -71,50 +71,6 @@ def average_row_gradients(
         hit = ids_U[pos] == ids_r
         out.index_add_(0, pos[hit], grads_r[hit])
     return out.div_(len(all_ids))
-
-
-def union_row_gradients(
-    all_ids: list[torch.Tensor], all_grads: list[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The union of every replica's rows with their averaged gradients (same on all replicas).
-
-    Returns:
-        ``(ids [V] ascending, grads [V, D])``.
-    """
-    union = torch.unique(torch.cat(all_ids), sorted=True)
-    return union, average_row_gradients(union, all_ids, all_grads)
-
-
-def make_grad_hook(
-    manager: StepTransaction, *, union: bool = False
-) -> Callable[[int, torch.Tensor, torch.Tensor], Any]:
-    """A kernel ``grad_hook`` that averages touched rows' gradients across replica groups.
-
-    Args:
-        manager: the replica group's manager (its quorum and gloo group).
-        union: return ``(ids, grads)`` over the union of all replicas' rows, for a kernel
-            whose hook may widen the row set (what keeps replicas identical); otherwise
-            return grads for this replica's own rows (rows only peers touched are then not
-            updated here, see docs/fault_tolerance.md).
-
-    Returns:
-        ``hook(table_index, ids_U, grads_U_D)``. On a failed collective it returns the
-        local gradients and the step is marked errored (it will be dropped and rolled back).
-    """
-
-    def hook(table: int, ids_U: torch.Tensor, grads_U_D: torch.Tensor) -> Any:
-        gathered_ids = manager.allgather(ids_U)
-        gathered_grads = manager.allgather(grads_U_D) if gathered_ids is not None else None
-        if gathered_ids is None or gathered_grads is None:
-            return (ids_U, grads_U_D) if union else grads_U_D
-        if report_nonfinite(manager, gathered_grads, f"table {table}"):
-            zeros = torch.zeros_like(grads_U_D)  # the step is dropped and rolled back
-            return (ids_U, zeros) if union else zeros
-        if union:
-            return union_row_gradients(gathered_ids, gathered_grads)
-        return average_row_gradients(ids_U, gathered_ids, gathered_grads)
-
-    return hook
 
 
 @dataclass(slots=True)

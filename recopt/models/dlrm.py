@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,12 +18,6 @@ from recopt.models.mlp import FusedLinear, mlp
 from recopt.sparse import KeyedJaggedTensor, KeyedTensor
 
 INTERACTIONS = ("dot", "dcn")
-
-
-class PooledEmbeddings(Protocol):
-    """What the model needs from an embedding-bag collection: KJT in, KeyedTensor out."""
-
-    def __call__(self, features: KeyedJaggedTensor) -> KeyedTensor: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

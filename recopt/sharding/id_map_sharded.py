@@ -1,13 +1,13 @@
-"""Id-mapped tables in ShardedEmbeddingBagCollection: one replica of each table's map per rank.
+"""Id-mapped tables in ShardedEmbeddingBagCollection: each row shard keeps the map of its rows.
 
-Every rank gathers the raw ids of all ranks' id-mapped features (one header and one id
-all-gather per training step) and steps its copy of the map with that global batch, so the
-maps stay equal on every rank, and equal to an unsharded collection's map fed the ranks'
-batches concatenated (a map step depends only on the ids and their counts). Each rank then
-rewrites its own ids to rows, and the ordinary sharded path routes them as row numbers; each
-rank re-initialises the fresh rows its shards hold (the hashed init: the same values in every
-layout) and zeroes their per-row optimizer state (the maps' observers told first: fault
-tolerance's guard). Outside training the local copy is read.
+Every id of an id-mapped table belongs to one row shard (`route_shard`, a hash of the raw id);
+the rank holding that shard keeps the shard's map (`id_map_shards`). A forward sends each
+rank's raw ids to their owners and gets global rows back (`id_map_exchange`: a count
+exchange, then ids there and rows back); each owner steps its shard map once with the ids of
+every source (source order), re-initialises the fresh rows of its shard (the hashed init) and
+zeroes their optimizer state, the maps' observers told first (fault tolerance's guard). The
+ordinary sharded path then routes the rows by range, to the same owner. Statistics come back
+with the rows, so `stats()` is global and equal on every rank.
 """
 
 from __future__ import annotations
@@ -19,34 +19,39 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recopt.comm import all_gather_sized
 from recopt.kernels.contract import Kernel
 from recopt.modules.config import EmbeddingBagConfig
-from recopt.modules.id_map import Remapped
+from recopt.modules.id_map import Remapped, RemapStats
 from recopt.modules.id_map_lookup import (
     IdMaps,
     MappedBatch,
     apply_rows,
-    hash_uniform,
     refuse_init_fn,
-    reset_state_rows,
-    step_with_peers,
+    reset_fresh_rows,
+    route_shard,
     table_ids,
     unmapped_check,
 )
 from recopt.modules.inputs import FeatureLayout, PendingCheck
 from recopt.modules.variable_batch import regular_batch
 from recopt.sharding.bucketizer import Bucketizer
+from recopt.sharding.id_map_exchange import STAT_FIELDS, IdExchange, ReceivedIds
+from recopt.sharding.id_map_shards import MapShard, map_shards, map_state, shard_map, step_counter
 from recopt.sharding.input_dist import start_count_exchange
 from recopt.sharding.input_stage import DistributedInput
-from recopt.sharding.layout import GroupLayout, ShardedLayout
+from recopt.sharding.layout import ShardedLayout
+from recopt.sharding.state import _copy_overlaps, quiet_sharded_tensor
 from recopt.sparse import KeyedJaggedTensor
 
 _STATE_PREFIX = "id_maps."
 
 
 class ShardedIdMaps:
-    """The id maps of a sharded collection (a replica on every rank) and its fresh-row reset.
+    """The owner-local id maps of a sharded collection and their exchange.
+
+    ``maps`` holds, per id-mapped table, this rank's shard map, or a one-row map stepped with
+    no ids where the rank holds no shard of the table (its ``step``: the table's step counter
+    is kept on every rank).
 
     Args:
         tables: the collection's tables.
@@ -54,7 +59,11 @@ class ShardedIdMaps:
         kernels: this rank's kernels, model-parallel groups first, then data-parallel.
         group: the collection's process group.
         device: where the maps live.
-        timeout: limit of the id all-gather.
+        timeout: limit of each collective of the exchange.
+
+    Raises:
+        ValueError: an id-mapped table with ``init_fn``, sharded column-wise or
+            data-parallel (see `map_shards`).
     """
 
     def __init__(
@@ -67,14 +76,40 @@ class ShardedIdMaps:
         timeout: datetime.timedelta,
     ) -> None:
         refuse_init_fn(tables, "on every rank", "do not shard")
-        self.maps = IdMaps(tables, device)
         self.tables = list(tables)
-        self._groups: list[GroupLayout] = [*layout.mp_groups, *layout.dp_groups]
-        self._layout = layout
-        self._kernels = list(kernels)
-        self._pg = group
         self._rank = dist.get_rank(group)
+        self._pg = group
+        self._device = device
         self._timeout = timeout
+        self._shards = map_shards(tables, layout)
+        self.names = [t.name for t in tables if t.id_map is not None]
+        self._exchange = IdExchange(
+            self._shards, self.names, dist.get_world_size(group), self._rank, group, timeout, device
+        )
+        own = {s.name: s for s in self._exchange.mine}
+        self.maps = IdMaps([], device)
+        for table in self.tables:
+            if table.id_map is not None:
+                shard = own.get(table.name)
+                self.maps[table.name] = (
+                    step_counter(device) if shard is None else shard_map(table, shard, device)
+                )
+        # Where each own shard's weight and state are: (kernel, its table index, optimizer).
+        groups = [*layout.mp_groups, *layout.dp_groups]
+        self._where: dict[tuple[int, int], tuple[Kernel, int, str]] = {}
+        for group_layout, kernel in zip(groups, kernels, strict=True):
+            for i, tk in enumerate(group_layout.tables):
+                self._where[tk] = (kernel, i, group_layout.optimizer.name)
+        self._stats = {name: RemapStats() for name in self.names}
+        self._unread_stats: torch.Tensor | None = None  # the last step's, read when asked for
+        self.relocate_pending = False
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per id-mapped table, the last training step's statistics over all its shards."""
+        if self._unread_stats is not None:
+            self._record_stats(self._unread_stats)
+            self._unread_stats = None
+        return {name: self._stats[name].as_dict() for name in self.names}
 
     def prepare(
         self,
@@ -85,8 +120,8 @@ class ShardedIdMaps:
     ) -> tuple[MappedBatch | None, KeyedJaggedTensor | None, PendingCheck | None]:
         """`FeatureLayout.prepare_deferred` with the mapped ids rewritten to rows first.
 
-        Every rank calls it once per forward (in training the id gather is a collective); a
-        rank whose input already failed passes ``features=None`` and gets Nones back.
+        Every rank calls it once per forward (the id exchange is a collective); a rank whose
+        input already failed passes ``features=None`` and gets Nones back.
 
         Raises:
             ValueError: as `FeatureLayout.select`.
@@ -106,7 +141,12 @@ class ShardedIdMaps:
         bucketizer: Bucketizer,
         training: bool,
     ) -> DistributedInput:
-        """`input_stage.start_distribution` with the mapped ids rewritten to rows first."""
+        """`input_stage.start_distribution` with the mapped ids rewritten to rows first.
+
+        Raises:
+            NotImplementedError: see `_relocate_if_pending`.
+        """
+        self._relocate_if_pending()
         prepared: KeyedJaggedTensor | None = None
         check: PendingCheck | None = None
         index_F_B: torch.Tensor | None = None
@@ -117,7 +157,7 @@ class ShardedIdMaps:
             mapped, prepared, check = self.prepare(regular, layout, is_weighted, training)
         except ValueError as e:
             error = e
-            if mapped is None and prepared is None:  # the other ranks' id gather needs us
+            if mapped is None and prepared is None:  # the other ranks' id exchange needs us
                 self.prepare(None, layout, is_weighted, training)
         counts = start_count_exchange(
             prepared, error, bucketizer, is_weighted, self._pg, self._rank, check
@@ -130,99 +170,194 @@ class ShardedIdMaps:
         self, features: KeyedJaggedTensor | None, layout: FeatureLayout, training: bool
     ) -> MappedBatch | None:
         """This rank's selected ``features`` with mapped ids as rows (None: this rank's input
-        already failed; it still joins the gather).
+        already failed; it still joins the exchange). A collective, in training and eval.
 
         When any rank's input is bad (None, a bad id of an unmapped table, a NaN weight), no
         map moves and the mapped ids become row 0, so the input check that follows names the
         real culprit on every rank.
         """
-        names = list(self.maps)
-        if not training:
-            if features is None:
-                return None
-            ids = table_ids(features, layout, names)
-            results = {n: self.maps.table_map(n).remap(ids[n], False) for n in names}
-            return apply_rows(features, layout, results)
-        local: dict[str, torch.Tensor] = {}
+        ids: dict[str, torch.Tensor] = {}
         bad = features is None
         if features is not None:
-            check = unmapped_check(features, layout, names).bad
+            check = unmapped_check(features, layout, self.names).bad
             bad = check is not None and bool(check)
-            local = table_ids(features, layout, names)
-        counts = [local[n].numel() if local else 0 for n in names]
-        header = torch.tensor([sum(counts), int(bad), *counts], dtype=torch.int64)
-        device = self.maps.table_map(names[0]).step.device
-        assert isinstance(device, torch.device)
-        values = torch.cat(list(local.values())) if local else torch.zeros(0, dtype=torch.int64)
-        headers, gathered = all_gather_sized(
-            header.to(device), values.to(device, torch.int64), self._pg, self._timeout
-        )
-        if any(int(h[1]) for h in headers):
+            ids = table_ids(features, layout, self.names)
+        routed = None if bad else self._exchange.route(ids)
+        received = self._exchange.send_ids(routed, bad)
+        if received is None:  # some rank's input is bad
             if features is None:
                 return None
             zeros = {
-                n: Remapped(torch.zeros_like(local[n]), local[n][:0], local[n][:0]) for n in names
+                n: Remapped(torch.zeros_like(ids[n]), ids[n][:0], ids[n][:0]) for n in self.names
             }
             return apply_rows(features, layout, zeros)
         assert features is not None
-        per_rank = [
-            dict(zip(names, g.split(h[2:].tolist()), strict=True))
-            for h, g in zip(headers, gathered, strict=True)
-        ]
-        results = step_with_peers(self.maps, per_rank, self._rank)
-        self._reset_fresh(results)
+        rows_R, stats = self._step_shards(received, training)
+        rows_M, every = self._exchange.send_rows(received, rows_R, stats)
+        if every is not None:  # read on the host only when stats() is called
+            self._unread_stats = every
+        sizes = [ids[n].numel() for n in self.names]
+        rows = rows_M.to(features.values().device).split(sizes)
+        empty = rows_M[:0]
+        results = {n: Remapped(r, empty, empty) for n, r in zip(self.names, rows, strict=True)}
         return apply_rows(features, layout, results)
 
-    def _reset_fresh(self, results: Mapping[str, Remapped]) -> None:
-        """Re-initialise the fresh rows this rank's shards hold; zero their optimizer state."""
-        fresh_tables = {n for n, r in results.items() if r.fresh_rows.numel()}
-        for group, kernel in zip(self._groups, self._kernels, strict=True):
-            if not any(self.tables[t].name in fresh_tables for t, _ in group.tables):
-                continue  # nothing to reset: no need to split the kernel's weights and states
-            weights = kernel.split_embedding_weights()
-            states = kernel.split_optimizer_states()
-            for (t, k), weight, state in zip(group.tables, weights, states, strict=True):
-                table = self.tables[t]
-                fresh = results.get(table.name)
-                if fresh is None or fresh.fresh_rows.numel() == 0:
-                    continue
-                if k < 0:  # a data-parallel replica: the whole table
-                    row0, num_rows, col0 = 0, table.num_embeddings, 0
-                else:
-                    shard = self._layout.shardings[t].shards[k]
-                    row0, num_rows, col0 = shard.row_offset, shard.num_rows, shard.col_offset
-                held = (fresh.fresh_rows >= row0) & (fresh.fresh_rows < row0 + num_rows)
-                rows = fresh.fresh_rows[held] - row0
-                if rows.numel():  # the guard saves their old values first
-                    self.maps.before_reset(table.name, weight, state, rows)
-                lo, hi = table.init_bounds()
-                unit = hash_uniform(fresh.fresh_ids[held], fresh.stats.step, table.embedding_dim)
-                values = (lo + (hi - lo) * unit)[:, col0 : col0 + weight.shape[1]]
-                with torch.no_grad():
-                    weight[rows] = values.to(weight.dtype)
-                reset_state_rows(group.optimizer.name, state, rows)
+    def _step_shards(
+        self, received: ReceivedIds, training: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Remap the received ids with this rank's shard maps (training: one step of every
+        map, counters included, and the fresh rows reset); their global rows, and in training
+        the shards' statistics ``[own shards, len(STAT_FIELDS)]``."""
+        parts = received.ids_R.split(received.column_sizes)
+        rows, stats = [], []
+        for shard, ids in zip(self._exchange.mine, parts, strict=True):
+            if training:
+                result = self.maps.step(shard.name, ids)
+                self._reset_fresh(shard, result)
+                stats.append(_shard_stats(shard, result.stats))
+            else:
+                result = self.maps.table_map(shard.name).remap(ids, False)
+            local = result.rows_M
+            rows.append(torch.where(local >= 0, local + shard.row_offset, local))
+        if not training:
+            return _cat(rows, received.ids_R), None
+        owned = {shard.name for shard in self._exchange.mine}
+        for name in self.names:
+            if name not in owned:  # the step counter of a table held elsewhere
+                self.maps.step(name, received.ids_R[:0])
+        shape = (len(stats), len(STAT_FIELDS))
+        table = torch.tensor(stats, dtype=torch.int64).reshape(shape)
+        return _cat(rows, received.ids_R), table.to(self._device)
+
+    def _reset_fresh(self, shard: MapShard, result: Remapped) -> None:
+        """Re-initialise the shard's fresh rows (hashed init) and zero their optimizer state;
+        the observers are told first (the guard saves the old values)."""
+        if result.fresh_rows.numel() == 0:
+            return  # nothing to reset: no need to split the kernel's weights and states
+        kernel, i, optimizer = self._where[(shard.table, shard.shard)]
+        weight = kernel.split_embedding_weights()[i]
+        states = kernel.split_optimizer_states()[i]
+        table = self.tables[shard.table]
+        reset_fresh_rows(self.maps, table, optimizer, weight, states, result)
+
+    def _record_stats(self, every: torch.Tensor) -> None:
+        """Sum every shard's statistics (``[C, len(STAT_FIELDS)]``) into each table's."""
+        totals = {name: RemapStats() for name in self.names}
+        live = dict.fromkeys(self.names, 0)
+        for shard, values in zip(self._exchange.columns, every.tolist(), strict=True):
+            got = dict(zip(STAT_FIELDS, values, strict=True))
+            total = totals[shard.name]
+            total.step = got["step"]
+            live[shard.name] += got["occupied"]
+            for field in STAT_FIELDS[2:]:
+                setattr(total, field, getattr(total, field) + got[field])
+        for name, total in totals.items():
+            total.occupancy = live[name] / self.tables[self._index(name)].num_embeddings
+        self._stats = totals
+
+    def _index(self, name: str) -> int:
+        return next(t for t, table in enumerate(self.tables) if table.name == name)
+
+    def _relocate_if_pending(self) -> None:
+        """After a load, check that every live id sits on the shard that owns it.
+
+        A checkpoint of another plan or world size leaves ids on shards that do not own them
+        (rows are global row numbers); moving them is `id_map_relocate`'s (not wired yet).
+
+        Raises:
+            NotImplementedError: a live id of this rank's shards belongs to another shard.
+        """
+        if not self.relocate_pending:
+            return
+        for shard in self._exchange.mine:
+            idmap = self.maps.table_map(shard.name)
+            buffers = dict(idmap.named_buffers())
+            live = buffers["occupied"].clone()
+            ttl = idmap.config.ttl_steps
+            if ttl is not None:
+                live &= buffers["step"] - buffers["last_seen"] <= ttl
+            owner = route_shard(buffers["row_ids"][live], shard.num_shards)
+            if bool((owner != shard.shard).any()):
+                raise NotImplementedError(
+                    f"table {shard.name!r}: the loaded id map holds ids on row shard "
+                    f"{shard.shard} that belong to other shards (a checkpoint of another plan "
+                    "or world size); relocating them is not implemented yet: load it under "
+                    "the plan it was saved with"
+                )
+        self.relocate_pending = False
+
+    def _states(self, name: str) -> dict[str, Any]:
+        t = self._index(name)
+        shards = [s for s in self._shards if s.name == name]
+        own = any(s.rank == self._rank for s in shards)
+        local = self.maps.table_map(name) if own else None
+        states: dict[str, Any] = dict(
+            map_state(self.tables[t], shards, local, self._rank, self._pg, self._device)
+        )
+        states["step"] = self.maps.table_map(name).step
+        return states
 
     def save(self, destination: dict[str, Any], prefix: str) -> None:
-        """Write the maps' buffers (replicated tensors) under ``<prefix>id_maps.``."""
-        for key, value in self.maps.state_dict().items():
-            destination[f"{prefix}{_STATE_PREFIX}{key}"] = value
+        """Write the maps' buffers under ``<prefix>id_maps.<table>.``: row-sharded
+        ShardedTensors of the table's global shape, ``step`` a plain (replicated) tensor."""
+        for name in self.names:
+            for key, value in self._states(name).items():
+                destination[f"{prefix}{_STATE_PREFIX}{name}.{key}"] = value
 
+    @quiet_sharded_tensor()
     def load(
         self,
         state_dict: Mapping[str, Any],
         prefix: str,
         missing_keys: list[str],
     ) -> None:
-        """Copy the maps' buffers from ``state_dict`` (missing ones are reported)."""
-        for key, value in self.maps.state_dict().items():
-            full = f"{prefix}{_STATE_PREFIX}{key}"
-            if full not in state_dict:
-                missing_keys.append(full)
-                continue
-            with torch.no_grad():
-                value.copy_(state_dict[full])
+        """Copy each shard's rows of the maps' buffers from ``state_dict`` (full tensors or
+        ShardedTensors of any plan); missing ones are reported.
+
+        Raises:
+            ValueError: a buffer's global shape differs from the table's, naming the key.
+        """
+        for name in self.names:
+            for key, current in self._states(name).items():
+                full = f"{prefix}{_STATE_PREFIX}{name}.{key}"
+                if full not in state_dict:
+                    missing_keys.append(full)
+                    continue
+                value = state_dict[full]
+                shape = tuple(value.size() if hasattr(value, "local_shards") else value.shape)
+                if shape != tuple(current.size()):
+                    raise ValueError(
+                        f"{full}: shape {shape} in the state_dict does not match the map's "
+                        f"{tuple(current.size())} (table {name!r}); load a state of the same tables"
+                    )
+                with torch.no_grad():
+                    if key == "step":
+                        current.copy_(value)
+                    else:
+                        for shard in current.local_shards():
+                            _copy_overlaps(shard, value)
+            self.maps.table_map(name).buffers_changed()
+        self.relocate_pending = True
 
     @staticmethod
     def owns(key: str) -> bool:
         """Whether a state key (without the module prefix) is one of the maps'."""
         return key.startswith(_STATE_PREFIX)
+
+
+def _shard_stats(shard: MapShard, stats: RemapStats) -> list[int]:
+    """One shard's `STAT_FIELDS` after a training step (its live rows, not a ratio)."""
+    occupied = round(stats.occupancy * shard.num_rows)
+    return [
+        stats.step,
+        occupied,
+        stats.new_ids,
+        stats.evictions,
+        stats.expired,
+        stats.admissions,
+        stats.zero_row_ids,
+    ]
+
+
+def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    return torch.cat(parts) if parts else like[:0]

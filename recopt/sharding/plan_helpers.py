@@ -21,7 +21,7 @@ from recopt.sharding.plan import (
     check_world,
     table_names,
 )
-from recopt.sharding.plan_validation import validate_plan
+from recopt.sharding.plan_validation import check_id_map_type, validate_plan
 from recopt.sharding.sharding_types import ShardSpec, sharding_spec
 
 
@@ -235,7 +235,8 @@ def construct_module_sharding_plan(
         Table name -> `ParameterSharding`, ready for ``ShardingPlan({module_path: ...})``.
 
     Raises:
-        PlanError: a table without a request, a request for an unknown table, or an invalid layout.
+        PlanError: a table without a request, a request for an unknown table, an invalid
+            layout, or a type an id-mapped table cannot have (column-wise, data-parallel).
     """
     names = table_names(tables, module_path)
     unknown = sorted(set(per_table) - set(names))
@@ -249,6 +250,9 @@ def construct_module_sharding_plan(
         if t.name not in per_table:
             raise PlanError(f"table {t.name!r} (module {module_path!r}): no sharding requested")
         request = per_table[t.name]
+        # Before the layout is cut: a column split the table's width does not allow would
+        # otherwise hide that the type is refused for an id-mapped table anyway.
+        check_id_map_type(request.sharding_type, t, f"table {t.name!r} (module {module_path!r})")
         result[t.name] = request.resolve(t, world_size, ranks_per_host, module_path=module_path)
     validate_plan(
         ShardingPlan({module_path: result}), {module_path: tables}, world_size, ranks_per_host

@@ -18,7 +18,7 @@ from recopt.sharding.plan import (
     check_world,
     table_names,
 )
-from recopt.sharding.sharding_types import sharding_spec
+from recopt.sharding.sharding_types import ShardingType, sharding_spec
 
 
 def validate_plan(
@@ -36,7 +36,9 @@ def validate_plan(
         ranks_per_host: ranks per host (default: ``world_size``); host of rank r is r // it.
 
     Raises:
-        PlanError: the first problem found, naming the module, the table and the fix.
+        PlanError: the first problem found, naming the module, the table and the fix; among
+            them an id-mapped table sharded so that a row has more than one owner (column
+            shards, replicas: `id_map_refusal`).
     """
     rph = check_world(world_size, ranks_per_host)
     unknown_modules = sorted(set(plan.plan) - set(tables_by_module))
@@ -73,6 +75,7 @@ def _validate_table(
     bad = [r for r in (*ps.ranks, *(s.rank for s in ps.shards)) if not 0 <= r < world_size]
     if bad:
         raise PlanError(f"{where}: rank {bad[0]} does not exist; ranks are 0..{world_size - 1}")
+    check_id_map_sharding(ps, table, where)
     if ps.sharding_type.replicated:
         if ps.shards or ps.ranks != tuple(range(world_size)):
             raise PlanError(
@@ -109,6 +112,70 @@ def _validate_table(
     else:
         _check_tiling([(s.row_offset, s.num_rows) for s in ps.shards], rows, "rows", where)
     _check_kernel_width(ps, [s.num_cols for s in ps.shards], where)
+
+
+def id_map_types() -> list[ShardingType]:
+    """The sharding types an id-mapped table may have: those that give each row one owner."""
+    return [k for k in ShardingType if k.one_owner_per_row]
+
+
+def _id_map_types_text() -> str:
+    names = [k.value for k in id_map_types()]
+    return f"{', '.join(names[:-1])} or {names[-1]}" if names[1:] else names[0]
+
+
+def id_map_refusal(kind: ShardingType) -> str:
+    """Why an id-mapped table cannot be sharded ``kind``; ``""`` when it can.
+
+    A table's id map sends each raw id to one row, and the rank that owns the row keeps the
+    map of its rows. A type that cuts a row across ranks (column shards) or copies it to every
+    rank (replicas) would need the whole map on each of those ranks, kept equal: refused.
+    """
+    if kind.one_owner_per_row:
+        return ""
+    what = (
+        "puts a replica of every row on every rank"
+        if kind.replicated
+        else "splits each row's columns over ranks"
+    )
+    return (
+        f"sharding type {kind.value} cannot hold an id-mapped table: one map per table needs "
+        f"one owner per row, but {kind.value} {what}, and each of those ranks would need the "
+        f"whole map; shard it {_id_map_types_text()}, or drop its id_map"
+    )
+
+
+def check_id_map_type(kind: ShardingType, table: TableLike, where: str) -> None:
+    """Refuse sharding type ``kind`` for ``table`` if the table is id-mapped and the type is one
+    `id_map_refusal` refuses (before any layout is cut for it).
+
+    Raises:
+        PlanError: naming ``where`` (the table and module), the type, why and the fix.
+    """
+    refusal = id_map_refusal(kind) if getattr(table, "id_map", None) is not None else ""
+    if refusal:
+        raise PlanError(f"{where}: {refusal}")
+
+
+def check_id_map_sharding(ps: ParameterSharding, table: TableLike, where: str) -> None:
+    """Refuse a sharding of an id-mapped table that does not give each row one owner: a type
+    that `id_map_refusal` refuses, or shards that do not span every column.
+
+    Raises:
+        PlanError: naming ``where`` (the table and module), the type, why and the fix.
+    """
+    if getattr(table, "id_map", None) is None:
+        return
+    check_id_map_type(ps.sharding_type, table, where)
+    dim = table.embedding_dim
+    for s in ps.shards:
+        if s.col_offset != 0 or s.num_cols != dim:
+            raise PlanError(
+                f"{where}: an id-mapped table needs one owner per row, but its "
+                f"{ps.sharding_type.value} shard {_rect(s)} on rank {s.rank} splits the "
+                f"columns (0..{dim}); shard it {_id_map_types_text()} with every shard "
+                "spanning all columns, or drop its id_map"
+            )
 
 
 def _check_type_layout(ps: ParameterSharding, rows: int, dim: int, where: str, rph: int) -> None:

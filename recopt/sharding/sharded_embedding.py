@@ -350,14 +350,15 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
 
     @property
     def id_maps(self) -> IdMaps | None:
-        """This rank's replica of the id maps (None: no id-mapped table); fault tolerance
+        """This rank's id maps (None: no id-mapped table): per id-mapped table the map of its
+        row shard here, or a step counter where this rank holds none; fault tolerance
         registers its observer there."""
         return None if self._id_maps is None else self._id_maps.maps
 
     def stats(self) -> dict[str, dict[str, float]]:
-        """Per id-mapped table: occupancy, new ids, evictions, admissions of the last step
-        (the same on every rank: each steps a replica of the map with the global batch)."""
-        return {} if self._id_maps is None else self._id_maps.maps.stats()
+        """Per id-mapped table: occupancy, new ids, evictions, admissions of the last step,
+        summed over its shards (the same on every rank)."""
+        return {} if self._id_maps is None else self._id_maps.stats()
 
     def start_input_dist(self, features: KeyedJaggedTensor) -> DistributedInput:
         """Start distributing ``features`` (a collective: every rank calls it together).

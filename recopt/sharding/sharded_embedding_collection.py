@@ -155,7 +155,7 @@ class ShardedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
 
     @property
     def id_maps(self) -> IdMaps | None:
-        """This rank's replica of the id maps (None: no id-mapped table)."""
+        """This rank's id maps: its shard maps and step counters (None: no id-mapped table)."""
         return self._bags.id_maps
 
     def stats(self) -> dict[str, dict[str, float]]:

@@ -59,6 +59,11 @@ class ShardingType(enum.StrEnum):
         """Each rank that holds the table sees all its rows and columns (table-wise, DP)."""
         return self.spec.whole_table
 
+    @property
+    def one_owner_per_row(self) -> bool:
+        """Each row lives whole on exactly one rank (table-wise, row-wise, table-row-wise)."""
+        return self.spec.one_owner_per_row
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ShardSpec:
@@ -119,6 +124,13 @@ class ShardingSpec:
     def one_shard(self) -> bool:
         """The table is one shard on one rank (table-wise)."""
         return self.whole_table and not self.replicated
+
+    @property
+    def one_owner_per_row(self) -> bool:
+        """Each row lives whole on exactly one rank (table-wise, row-wise, table-row-wise):
+        neither cut across its columns nor replicated. An id-mapped table needs it
+        (`plan_validation.id_map_refusal`)."""
+        return not (self.splits_columns or self.replicated)
 
     def place(self, sizes: Sequence[tuple[int, int]], ranks: Sequence[int]) -> list[ShardSpec]:
         """Shard ``i`` of ``sizes`` (from `cut`) on ``ranks[i]``, offsets along the split axis.

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recopt.kernels.config import FusedOptimizerConfig
-from recopt.modules import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
+from recopt.modules import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig, IdMapConfig
 from recopt.sharding.planner.constraints import (
     ParameterConstraints,
     constraints_from_dict,
@@ -68,10 +68,13 @@ def read_config(path: str) -> PlannerInput:
     embedding = doc.get("embedding")
     if not isinstance(embedding, dict) or not embedding.get("tables"):
         raise ConfigError(f"{path}: no [[embedding.tables]]; the planner needs at least one table")
-    # `[embedding] weight_dtype`: every table's dtype unless it sets its own (as the DLRM script).
-    dtype = embedding.get("weight_dtype", "fp32")
+    # `[embedding] weight_dtype` and `id_map`: every table's unless it sets its own (as the
+    # DLRM script); the planner gives id-mapped tables only the types they may have.
+    defaults = {"weight_dtype": embedding.get("weight_dtype", "fp32")}
+    if embedding.get("id_map") is not None:
+        defaults["id_map"] = embedding["id_map"]
     tables = [
-        _table(path, i, {"weight_dtype": dtype, **t} if isinstance(t, dict) else t)
+        _table(path, i, {**defaults, **t} if isinstance(t, dict) else t)
         for i, t in enumerate(embedding["tables"])
     ]
     optimizer = None
@@ -120,6 +123,8 @@ def _table(path: str, index: int, values: Any) -> BaseEmbeddingConfig:
         raise ConfigError(f"{where}: unknown keys {unknown}; valid: {sorted(valid)}")
     fields = {k: v for k, v in values.items() if k != "unpooled"}
     try:
+        if isinstance(fields.get("id_map"), dict):  # `id_map = { policy = "lru" }`
+            fields["id_map"] = IdMapConfig(**fields["id_map"])
         if unpooled:
             return EmbeddingConfig(**fields)
         return EmbeddingBagConfig(**fields)

@@ -26,6 +26,7 @@ from recopt.kernels.registry import fbgemm_spec_names
 from recopt.modules.config import EmbeddingConfig
 from recopt.sharding.layout import needs_row_stat_hook, sharding_refusal
 from recopt.sharding.plan import ParameterSharding, PlanError, ShardingType
+from recopt.sharding.plan_validation import id_map_refusal
 from recopt.sharding.planner.constraints import (
     ParameterConstraints,
     TableWorkload,
@@ -173,6 +174,8 @@ def enumerate_options(
     """
     where = f"table {table.name!r} (module {module_label(module)})"
     kinds = _allowed_types(constraints, workload.optimizer, topology, where)
+    if getattr(table, "id_map", None) is not None:
+        kinds = _id_map_types(kinds, constraints, workload.optimizer, where)
     kernels = constraints.backends or (workload.optimizer.backend,)
     placements = _allowed_placements(constraints, topology, where)
     layouts = [(k, layout) for k in kinds for layout in _layouts(k, table, constraints, topology)]
@@ -248,6 +251,31 @@ def _allowed_types(
             f"{[k.value for k in kinds]}; allow one of those or pick another optimizer"
         )
     return allowed
+
+
+def _id_map_types(
+    kinds: tuple[ShardingType, ...],
+    c: ParameterConstraints,
+    optimizer: FusedOptimizerConfig,
+    where: str,
+) -> tuple[ShardingType, ...]:
+    """``kinds`` less the types an id-mapped table cannot have (`id_map_refusal`: column
+    shards and replicas); none left is an error naming the types it may have."""
+    allowed = tuple(k for k in kinds if not id_map_refusal(k))
+    if allowed:
+        return allowed
+    ok = [
+        k.value
+        for k in ShardingType
+        if not id_map_refusal(k) and not sharding_refusal(k, optimizer.name)
+    ]
+    asked = [k.value for k in c.sharding_types or kinds]
+    raise EnumerationError(
+        f"{where}: an id-mapped table needs one owner per row (column shards or replicas "
+        f"would each need the whole map), so it can be sharded {ok} only (with "
+        f"{optimizer.name}), but the constraints allow {asked}; allow one of {ok} or drop "
+        "its id_map"
+    )
 
 
 def _default_types(topology: Topology) -> tuple[ShardingType, ...]:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from recopt import comm
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.kernels.registry import optimizer_spec
-from recopt.sharding.plan import ParameterSharding, ShardingPlan, table_names
+from recopt.sharding.plan import ParameterSharding, PlanError, ShardingPlan, table_names
 from recopt.sharding.plan_validation import validate_plan
 from recopt.sharding.planner.constraints import (
     ParameterConstraints,
@@ -44,8 +44,11 @@ from recopt.sharding.planner.storage import rank_output_bytes
 from recopt.sharding.planner.topology import Topology, local_topology
 
 
-class PlannerError(ValueError):
-    """No valid plan exists: names the table that did not fit, where, by how much, and the fix."""
+class PlannerError(PlanError):
+    """No valid plan exists: names the table that did not fit, where, by how much, and the fix.
+
+    A `PlanError` (a ValueError): the planner's refusals, e.g. constraints that allow an
+    id-mapped table only types it cannot have, are caught as any other plan error."""
 
 
 class EmbeddingShardingPlanner:

@@ -1,0 +1,102 @@
+"""Owner-local id maps (issue 26): the sharded step with `id_map` next to the same step on
+ids taken modulo the rows, on gloo ranks, and where the difference goes.
+
+Row-wise tables (8 x rows x 32, row-wise Adagrad, one id per bag, ``--batch`` bags per rank
+and table) fed raw ids from a drifting power law over 2^40 ids. The two candidates run
+interleaved in one run, after a warm-up that fills the maps (so they evict): a training step
+(forward + backward) of a `ShardedEmbeddingBagCollection` without `id_map` on ``raw % rows``,
+and of one with `id_map` (lru) on the raw ids. Prints rank 0's medians, the ratio, and the
+input-distribution phase of each (with `id_map` it holds the id exchange and the remap).
+
+    python benchmarks/bench_id_map_sharded.py                    # 2 ranks, 8 x 50k rows
+    python benchmarks/bench_id_map_sharded.py --ranks 3 --rows 20000 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from recopt.kernels.config import FusedOptimizerConfig
+from recopt.modules import EmbeddingBagConfig, IdMapConfig
+from recopt.modules.id_map_lookup import hash_uniform
+from recopt.sparse import KeyedJaggedTensor
+from recopt.testing import run_on_ranks
+
+NUM_TABLES, DIM = 8, 32
+CANDIDATES = ("modulo step", "id_map step")
+
+
+def _tables(rows: int, id_map: IdMapConfig | None) -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name=f"t{i}",
+            num_embeddings=rows,
+            embedding_dim=DIM,
+            feature_names=(f"f{i}",),
+            id_map=id_map,
+        )
+        for i in range(NUM_TABLES)
+    ]
+
+
+def _raw_ids(rows: int, batch: int, step: int, gen: torch.Generator) -> torch.Tensor:
+    """[tables * batch] raw ids: a power law over 4x the rows whose popular set moves by
+    rows/50 ids per step, scattered over 2^40 by a hash."""
+    rank = (torch.rand(NUM_TABLES * batch, generator=gen) ** 3 * 4 * rows).long()
+    unit = hash_uniform(rank + step * (rows // 50), 0, 1).squeeze(1)
+    return (unit * 2**40).long()
+
+
+def _kjt(values: torch.Tensor, batch: int) -> KeyedJaggedTensor:
+    lengths = torch.ones(NUM_TABLES * batch, dtype=torch.int64)
+    keys = [f"f{i}" for i in range(NUM_TABLES)]
+    return KeyedJaggedTensor(keys, values, lengths=lengths, stride=batch)
+
+
+def _bench(rank: int, world: int, args: argparse.Namespace) -> dict[str, list[float]]:
+    from recopt.sharding import construct_module_sharding_plan, row_wise
+    from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
+
+    torch.set_num_threads(1)
+    config = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.01)
+    modules = {}
+    for name, id_map in zip(CANDIDATES, (None, IdMapConfig(policy="lru")), strict=True):
+        tables = _tables(args.rows, id_map)
+        plan = construct_module_sharding_plan(tables, {t.name: row_wise() for t in tables}, world)
+        modules[name] = ShardedEmbeddingBagCollection(tables, plan, optimizer=config)
+    gen = torch.Generator().manual_seed(rank)
+    times: dict[str, list[float]] = {f"{n}{k}": [] for n in CANDIDATES for k in ("", " input")}
+    for step in range(args.warmup + args.steps):
+        raw = _raw_ids(args.rows, args.batch, step, gen)
+        for name, module in modules.items():
+            ids = raw % args.rows if name == "modulo step" else raw
+            module.phase_seconds = {}
+            start = time.perf_counter()
+            module(_kjt(ids, args.batch)).values().sum().backward()
+            if step >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+                times[f"{name} input"].append(module.phase_seconds["input_dist"])
+    return times
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=50_000)
+    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=20)
+    args = parser.parse_args(argv)
+    times = run_on_ranks(_bench, args.ranks, args, timeout_s=1800.0)[0]
+    median = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    base = median["modulo step"]
+    for key, value in median.items():
+        print(f"{key:>20}: {value:8.2f} ms  ({value / base:.2f}x the modulo step)")
+
+
+if __name__ == "__main__":
+    main()
