@@ -79,31 +79,27 @@ class Case:
 
 
 def _cases(world: int) -> list[Case]:
-    every = tuple(range(world))
-    last = world - 1
+    every, last = tuple(range(world)), world - 1
+
+    def on_every_rank(name: str, rows: int, live: int, seed: int, **kw: Any) -> Table:
+        return Table(name, every, (rows,) * world, (live,) * world, seed=seed, **kw)
+
+    small_first = (4,) + (5,) * (world - 1)
+    lfu = dict(optimizer="row_wise_adagrad", policy="lfu", decay=0.995, crowd=True)
+    fp16 = dict(optimizer="row_wise_adagrad", weight_dtype=torch.float16)
     return [
-        Case("adam", (Table("t", every, (12,) * world, (7,) * world, seed=1),)),
+        Case("adam", (on_every_rank("t", 12, 7, 1),)),
         Case(
             "row_wise_adagrad_fp16_reversed_ranks",
-            (
-                Table(
-                    "t",
-                    tuple(reversed(every)),
-                    tuple(10 + k for k in range(world)),
-                    (6,) * world,
-                    optimizer="row_wise_adagrad",
-                    weight_dtype=torch.float16,
-                    seed=2,
-                ),
-            ),
+            (Table("t", every[::-1], tuple(10 + k for k in every), (6,) * world, seed=2, **fp16),),
         ),
         Case(
             "several_tables_one_call",
             (
-                Table("a", every, (9,) * world, (5,) * world, optimizer="adagrad", seed=3),
-                Table("empty", every, (4,) * world, (0,) * world, seed=4),
-                Table("row_var", every, (8,) * world, (4,) * world, optimizer="adafactor", seed=5),
-                Table("sgd", every, (6,) * world, (3,) * world, optimizer="sgd", seed=6),
+                on_every_rank("a", 9, 5, 3, optimizer="adagrad"),
+                on_every_rank("empty", 4, 0, 4),
+                on_every_rank("row_var", 8, 4, 5, optimizer="adafactor"),
+                on_every_rank("sgd", 6, 3, 6, optimizer="sgd"),
             ),
         ),
         Case(
@@ -113,64 +109,27 @@ def _cases(world: int) -> list[Case]:
                 Table("one", (last,), (10,), (8,), optimizer="row_wise_adagrad", seed=8),
             ),
         ),
-        Case(
-            "overflow_lru",
-            (Table("t", every, (5,) * world, (5,) * world, crowd=True, seed=9),),
-            overflow=True,
-        ),
+        Case("overflow_lru", (on_every_rank("t", 5, 5, 9, crowd=True),), overflow=True),
         Case(
             "overflow_lfu",
-            (
-                Table(
-                    "t",
-                    every,
-                    (4,) + (5,) * (world - 1),
-                    (4,) + (5,) * (world - 1),
-                    optimizer="row_wise_adagrad",
-                    policy="lfu",
-                    decay=0.995,
-                    crowd=True,
-                    seed=10,
-                ),
-            ),
+            (Table("t", every, small_first, small_first, seed=10, **lfu),),
             overflow=True,
         ),
-        Case(
-            "expired_rows_stay_and_take_arrivals",
-            (Table("t", every, (6,) * world, (6,) * world, ttl=400, seed=16),),
-        ),
-        Case(
-            "candidates",
-            (Table("t", every, (8,) * world, (3,) * world, candidates=(4,) * world, seed=11),),
-        ),
+        Case("expired_rows_stay_and_take_arrivals", (on_every_rank("t", 6, 6, 16, ttl=400),)),
+        Case("candidates", (on_every_rank("t", 8, 3, 11, candidates=(4,) * world),)),
         Case(
             "candidates_overflow",
-            (
-                Table(
-                    "t",
-                    every,
-                    (8,) * world,
-                    (2,) * world,
-                    candidates=(3,) * world,
-                    candidate_slots=3,
-                    crowd=True,
-                    seed=12,
-                ),
-            ),
+            (on_every_rank("t", 8, 2, 12, candidates=(3,) * world, candidate_slots=3, crowd=True),),
             overflow=True,
         ),
         Case(
             "already_placed",
             (
-                Table("t", every, (9,) * world, (5,) * world, misplaced=False, seed=13),
-                Table("c", every, (6,) * world, (2,) * world, candidates=(3,) * world, seed=14),
+                on_every_rank("t", 9, 5, 13, misplaced=False),
+                on_every_rank("c", 6, 2, 14, candidates=(3,) * world),
             ),
         ),
-        Case(
-            "bad_index",
-            (Table("t", every, (4,) * world, (1,) * world, seed=15),),
-            bad_index=True,
-        ),
+        Case("bad_index", (on_every_rank("t", 4, 1, 15),), bad_index=True),
     ]
 
 
