@@ -139,10 +139,13 @@ def _width(tensor: torch.Tensor) -> int:
 
 
 def _encode(fields: Sequence[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
-    """Rows ``index`` of ``fields`` as one uint8 record per row, ``[len(index), R]``
-    (bit-exact: the bytes of each value)."""
+    """Rows ``index`` of ``fields`` as one uint8 record per row, ``[len(index), R]``, on the
+    host (bit-exact: the bytes of each value; the fields may live on different devices)."""
     n = index.numel()
-    parts = [f.detach()[index].reshape(n, math.prod(f.shape[1:])).view(torch.uint8) for f in fields]
+    parts = [
+        f.detach()[index.to(f.device)].cpu().reshape(n, math.prod(f.shape[1:])).view(torch.uint8)
+        for f in fields
+    ]
     return torch.cat(parts, dim=1)
 
 
@@ -198,7 +201,7 @@ def _outgoing(shard: ShardRows, shard_ranks: Sequence[int], world: int) -> _Outg
     slots = _live(idmap).nonzero().squeeze(1)
     rows, row_counts = _leaving(row_ids, slots, dest_rank, shard.index, world)
     out = _Outgoing(rows, _encode(_row_fields(shard), rows), row_counts)
-    out.candidates = row_ids.new_zeros((0, _CANDIDATE_BYTES), dtype=torch.uint8)
+    out.candidates = torch.zeros((0, _CANDIDATE_BYTES), dtype=torch.uint8)
     out.candidate_counts = [0] * world
     if idmap.admit_after > 1:
         ids, used = _buf(idmap, "candidate_ids"), _buf(idmap, "candidate_used")
@@ -295,8 +298,8 @@ def _pack(outgoing: Sequence[_Outgoing | None], world: int) -> tuple[torch.Tenso
             if out is None:
                 continue
             n, c = out.row_counts[d], out.candidate_counts[d]
-            rows = out.rows[cursor[0] : cursor[0] + n].reshape(-1).cpu()
-            cands = out.candidates[cursor[1] : cursor[1] + c].reshape(-1).cpu()
+            rows = out.rows[cursor[0] : cursor[0] + n].reshape(-1)
+            cands = out.candidates[cursor[1] : cursor[1] + c].reshape(-1)
             cursor[0], cursor[1] = cursor[0] + n, cursor[1] + c
             parts += [rows, cands]
             splits[d] += rows.numel() + cands.numel()
@@ -358,7 +361,7 @@ def _unpack(
             continue
         done.rows_sent, done.candidates_sent = out.rows.shape[0], out.candidates.shape[0]
         _free_sent(shard.idmap, out)
-        _place_table(shard, out, arrivals[t], candidates[t], done)
+        _place_table(shard, arrivals[t], candidates[t], done)
         if any(vars(done).values()):
             shard.idmap.buffers_changed()
         if done.rows_dropped or done.candidates_dropped:
@@ -376,7 +379,6 @@ def _unpack(
 
 def _place_table(
     shard: ShardRows,
-    out: _Outgoing,
     arrivals: list[torch.Tensor],
     candidates: list[torch.Tensor],
     done: TableRelocation,
@@ -428,7 +430,7 @@ def _place(
             fields[0][evicted] = -1
             keep[gone[gone >= residents.numel()] - residents.numel()] = False
         slots = (~live).nonzero().squeeze(1)[: int(keep.sum())]
-        for target, values in zip(fields, incoming, strict=True):
-            target[slots] = values[keep]
+        for target, values in zip(fields, incoming, strict=True):  # a weight may live elsewhere
+            target[slots.to(target.device)] = values[keep].to(target.device)
         used[slots] = True
     return max(need, 0)
