@@ -7,7 +7,8 @@ mixed plan equal it under capacity (outputs, stats, and by id every weight, opti
 and map row); with evictions, each shard's map equals a standalone `IdMap` of the shard's
 capacity fed the ids routed to it, fresh rows hold the hashed init and zero state, and every
 live id sits once, on its owner shard. A bad id of an unmapped table raises on every rank and
-moves no map; a checkpoint resumed under the same plan equals an uninterrupted run.
+moves no map; an unsharded state loaded row-wise is relocated to the owners (by id equal to
+it); a checkpoint resumed under the same plan equals an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -317,16 +318,19 @@ def _bad_input_case(rank: int, world: int) -> None:
 
 def _relocation_case(rank: int, world: int) -> None:
     """A trained unsharded state loaded into row shards leaves ids on shards that do not own
-    them: the pending relocation raises where this rank's shard holds one; a load of the
-    module's own (same-plan) state does not."""
+    them: the pending relocation moves each to its owner with its row (equal by id to the
+    unsharded module); a load of the module's own (same-plan) state moves nothing."""
     ref, sharded, plan = _modules("row_wise", "sgd", world, BIG)
     for step in range(2):
         _train_both(ref, sharded, rank, world, step, "relocation")
     maps = sharded._id_maps
     twin = _modules("row_wise", "sgd", world, BIG)[1]
+    own_state = {k: _full(v) for k, v in sharded.state_dict().items()}
     twin.load_state_dict(sharded.state_dict())
     twin._id_maps._relocate_if_pending()  # same plan: every id is on its owner
     assert not twin._id_maps.relocate_pending
+    for key, value in twin.state_dict().items():
+        assert torch.equal(_full(value), own_state[key]), key
     sharded.load_state_dict(ref.state_dict())
     assert maps.relocate_pending
     misplaced = False
@@ -340,12 +344,9 @@ def _relocation_case(rank: int, world: int) -> None:
         start, size = shards[k].row_offset, shards[k].num_rows
         mine = ids[start : start + size][used[start : start + size]]
         misplaced |= bool((route_shard(mine, len(shards)) != k).any())
-    if misplaced:
-        with pytest.raises(NotImplementedError, match="relocating them is not implemented"):
-            maps._relocate_if_pending()
-    else:
-        maps._relocate_if_pending()
-    assert maps.relocate_pending == misplaced
+    maps._relocate_if_pending()
+    assert not maps.relocate_pending
+    _compare_by_id(ref, sharded, "sgd", "relocation")  # every id on its owner, its row kept
     from recopt.comm import all_reduce
 
     anywhere = all_reduce(torch.tensor([float(misplaced)]), None)
@@ -466,7 +467,7 @@ def _all_cases(rank: int, world: int, root: str) -> list[str]:
     _bad_input_case(rank, world)
     done.append("bad input")
     _relocation_case(rank, world)
-    done.append("relocation pending")
+    done.append("relocation")
     _checkpoint_case("row_wise", rank, world, root)
     done.append("checkpoint")
     _unpooled_case(rank, world)

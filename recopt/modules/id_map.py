@@ -33,6 +33,7 @@ __all__ = [
     "MapUndo",
     "RemapStats",
     "Remapped",
+    "policy_eviction_order",
 ]
 
 POLICIES = ("lru", "lfu")
@@ -102,6 +103,24 @@ class IdMapConfig:
         if self.policy != "lfu":
             return 1.0
         return DEFAULT_LFU_DECAY if self.decay is None else float(self.decay)
+
+
+def policy_eviction_order(
+    config: IdMapConfig, step: torch.Tensor, last_seen: torch.Tensor, frequency: torch.Tensor
+) -> torch.Tensor:
+    """Positions of the entries (``last_seen``, ``frequency``: one per id, at map step
+    ``step``) in ``config.policy``'s eviction order, the first to go first; ties by position.
+
+    `IdMap.eviction_order` over a map's rows; also over ids that are not in one map yet (ids
+    arriving at a row shard: `recopt.sharding.id_map_relocate`).
+    """
+    if config.policy == "lru":
+        return torch.sort(last_seen, stable=True).indices
+    age = (step - last_seen).to(torch.float64)
+    decayed = frequency * config.lfu_decay**age
+    # Ties in frequency go to the least recently seen: sort by recency, then stably by count.
+    by_recency = torch.sort(last_seen, stable=True).indices
+    return by_recency[torch.sort(decayed[by_recency], stable=True).indices]
 
 
 class IdMap(nn.Module):
@@ -371,14 +390,12 @@ class IdMap(nn.Module):
 
     def eviction_order(self, rows: torch.Tensor) -> torch.Tensor:
         """Positions of ``rows`` (ascending) in eviction order: the policy's, ties by row."""
-        last_seen = self._buffer("last_seen")[rows]
-        if self.config.policy == "lru":
-            return torch.sort(last_seen, stable=True).indices
-        age = (self._buffer("step") - last_seen).to(torch.float64)
-        frequency = self._buffer("frequency")[rows] * self.config.lfu_decay**age
-        # Ties in frequency go to the least recently seen: sort by recency, then stably by count.
-        by_recency = torch.sort(last_seen, stable=True).indices
-        return by_recency[torch.sort(frequency[by_recency], stable=True).indices]
+        return policy_eviction_order(
+            self.config,
+            self._buffer("step"),
+            self._buffer("last_seen")[rows],
+            self._buffer("frequency")[rows],
+        )
 
     def _admit(self, new_ids: torch.Tensor, new_counts: torch.Tensor) -> torch.Tensor:
         """Count ``new_ids`` as candidates; True where an id reaches ``admit_after`` now."""

@@ -28,7 +28,6 @@ from recopt.modules.id_map_lookup import (
     apply_rows,
     refuse_init_fn,
     reset_fresh_rows,
-    route_shard,
     table_ids,
     unmapped_check,
 )
@@ -36,6 +35,7 @@ from recopt.modules.inputs import FeatureLayout, PendingCheck
 from recopt.modules.variable_batch import regular_batch
 from recopt.sharding.bucketizer import Bucketizer
 from recopt.sharding.id_map_exchange import STAT_FIELDS, IdExchange, ReceivedIds
+from recopt.sharding.id_map_relocate import ShardRows, relocate
 from recopt.sharding.id_map_shards import MapShard, map_shards, map_state, shard_map, step_counter
 from recopt.sharding.input_dist import start_count_exchange
 from recopt.sharding.input_stage import DistributedInput
@@ -143,8 +143,8 @@ class ShardedIdMaps:
     ) -> DistributedInput:
         """`input_stage.start_distribution` with the mapped ids rewritten to rows first.
 
-        Raises:
-            NotImplementedError: see `_relocate_if_pending`.
+        After a load, the first call moves the loaded ids to their owner shards first
+        (`_relocate_if_pending`).
         """
         self._relocate_if_pending()
         prepared: KeyedJaggedTensor | None = None
@@ -259,31 +259,33 @@ class ShardedIdMaps:
         return next(t for t, table in enumerate(self.tables) if table.name == name)
 
     def _relocate_if_pending(self) -> None:
-        """After a load, check that every live id sits on the shard that owns it.
+        """After a load, move every live id to the row shard that owns it (a collective).
 
-        A checkpoint of another plan or world size leaves ids on shards that do not own them
-        (rows are global row numbers); moving them is `id_map_relocate`'s (not wired yet).
-
-        Raises:
-            NotImplementedError: a live id of this rank's shards belongs to another shard.
+        A checkpoint of another plan or world size, or an unsharded state, leaves ids on
+        shards that do not own them (rows are global row numbers); `relocate` moves each with
+        its counters, weight row and per-row / per-element optimizer state, which by now are
+        all loaded (the first forward after `load`). Ids an owner has no room for are
+        dropped, counted and warned about there.
         """
         if not self.relocate_pending:
             return
-        for shard in self._exchange.mine:
-            idmap = self.maps.table_map(shard.name)
-            buffers = dict(idmap.named_buffers())
-            live = buffers["occupied"].clone()
-            ttl = idmap.config.ttl_steps
-            if ttl is not None:
-                live &= buffers["step"] - buffers["last_seen"] <= ttl
-            owner = route_shard(buffers["row_ids"][live], shard.num_shards)
-            if bool((owner != shard.shard).any()):
-                raise NotImplementedError(
-                    f"table {shard.name!r}: the loaded id map holds ids on row shard "
-                    f"{shard.shard} that belong to other shards (a checkpoint of another plan "
-                    "or world size); relocating them is not implemented yet: load it under "
-                    "the plan it was saved with"
+        own = {s.name: s for s in self._exchange.mine}
+        entries: list[tuple[str, list[int], ShardRows | None]] = []
+        for name in self.names:
+            ranks = [s.rank for s in self._shards if s.name == name]
+            shard = own.get(name)
+            rows = None
+            if shard is not None:
+                kernel, i, optimizer = self._where[(shard.table, shard.shard)]
+                rows = ShardRows(
+                    index=shard.shard,
+                    idmap=self.maps.table_map(name),
+                    weight=kernel.split_embedding_weights()[i],
+                    states=kernel.split_optimizer_states()[i],
+                    optimizer=optimizer,
                 )
+            entries.append((name, ranks, rows))
+        relocate(entries, self._pg, self._timeout)
         self.relocate_pending = False
 
     def _states(self, name: str) -> dict[str, Any]:
