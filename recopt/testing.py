@@ -61,6 +61,10 @@ def _rank_main(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        # Every rank's connections are up before any runs ``fn``: a rank whose ``fn`` needs no
+        # collective could otherwise finish and close its end of the mesh while a slower
+        # peer is still connecting ("Gloo connectFullMesh failed ... closed by peer").
+        comm.barrier(None, datetime.timedelta(seconds=timeout_s))
         value = fn(rank, world_size, *args)
         # Pickled by value here (plain pickle, not the shared-memory reducer), so the result
         # survives this process exiting before the parent reads it.

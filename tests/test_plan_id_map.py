@@ -355,7 +355,7 @@ def _dlrm_plan(rank: int, world_size: int) -> dict[str, str]:
 
 @pytest.mark.multiprocess
 def test_dlrm_id_map_config_plans_allowed_types_on_two_ranks() -> None:
-    plans = run_on_ranks(_dlrm_plan, 2, timeout_s=300.0)
+    plans = run_on_ranks(_dlrm_plan, 2, timeout_s=240.0)
     assert plans[0] == plans[1]
     assert sorted(plans[0]) == ["t0", "t1", "t2", "t3"]
     assert {ShardingType(k) for k in plans[0].values()} <= ALLOWED, plans[0]
