@@ -161,8 +161,13 @@ static inline int64_t queue_head(Slots *s) {
 static void queue_reserve(Slots *s, int64_t more) {
     if (s->qtail + more <= 2 * s->n + 2) return;
     int64_t k = 0;
-    for (int64_t e = s->qhead; e < s->qtail; e++)
+    for (int64_t e = s->qhead; e < s->qtail; e++) {
+        if (e + 16 < s->qtail) { /* the rows' counters, far apart: their misses overlap */
+            __builtin_prefetch(&s->used[s->queue[e + 16].slot]);
+            __builtin_prefetch(&s->seen[s->queue[e + 16].slot]);
+        }
         if (queued_live(s, s->queue[e])) s->queue[k++] = s->queue[e];
+    }
     s->qhead = 0;
     s->qtail = k;
 }
