@@ -5,13 +5,15 @@ native side only adds a cache derived from them (hash table id -> row, recency l
 heap), rebuilt when the buffers changed elsewhere, which their torch version counters and
 data pointers tell (native writes leave the counters alone). It gives exactly the torch
 path's results: lfu's float64 decay powers (of the batch's known rows) and lfu's victims
-(only on steps that evict: an O(rows) selection) are computed by the torch path's own ops.
+(only on steps that evict) are computed by the torch path's own ops, over a cached set of
+low-count rows (`LowSet`) where it proves the answer, else over every row.
 Legend: M ids of a batch, K known rows, N rows.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -62,6 +64,7 @@ class NativeIdMap:
         self._handle = ctypes.c_void_p(handle)
         self._stamp: _Stamp | None = None
         self._pointers: ctypes.Array[ctypes.c_void_p] | None = None
+        self.low_set = LowSet()  # lfu's victims without a scan of every row (usually)
 
     def __del__(self) -> None:
         handle = getattr(self, "_handle", None)
@@ -89,6 +92,7 @@ class NativeIdMap:
             if self._lib.rim_rebuild(self._handle, self._pointers) != 0:
                 raise MemoryError("id map: no memory to rebuild the native cache")
             self._stamp = stamp
+            self.low_set.drop()  # the buffers changed elsewhere: the keys may have too
         return self._pointers
 
     def read(self, idmap: IdMap, ids_M: torch.Tensor) -> Remapped:
@@ -154,6 +158,8 @@ class NativeIdMap:
         )
         stats = _stepped(idmap, step, self.num_rows, list(out))
         placed = stats.new_ids
+        if idmap.config.policy == "lfu":
+            self.low_set.touched(known, fresh_rows[:placed])
         result = Remapped(rows_M, fresh_rows[:placed], fresh_ids[:placed], stats)
         if record_undo:
             if status != 0:
@@ -167,10 +173,15 @@ class NativeIdMap:
         """lfu's victims by the torch path's order (None under lru: the native list's head)."""
         if idmap.config.policy != "lfu" or need <= 0 or evictable <= 0:
             return None
+        victims = self.low_set.victims(idmap, known, need)
+        if victims is not None:
+            return victims
         mask = _buffer(idmap, "occupied").clone()
         mask[known] = False
         rows = mask.nonzero().squeeze(1)
-        return rows[eviction_head(idmap, rows, need)].contiguous()
+        victims = rows[eviction_head(idmap, rows, need)].contiguous()
+        self.low_set.rebuild(idmap, rows, need)
+        return victims
 
     def _undo(self, step: int, stats: RemapStats) -> MapUndo:
         """The last step's undo record, copied out of the native side."""
@@ -223,6 +234,130 @@ def eviction_head(idmap: IdMap, rows: torch.Tensor, count: int) -> torch.Tensor:
     near = (frequency <= threshold).nonzero().squeeze(1)  # ascending: rows in order
     by_recency = near[torch.sort(last_seen[near], stable=True).indices]
     return by_recency[torch.sort(frequency[by_recency], stable=True).indices][:count]
+
+
+def _keys(idmap: IdMap, rows: torch.Tensor) -> torch.Tensor:
+    """lfu's step-invariant keys ``log(frequency) - last_seen * log(decay)`` of ``rows``:
+    the decayed counts (at any one step) and the keys are in the same order."""
+    last_seen = _buffer(idmap, "last_seen")[rows].to(torch.float64)
+    return _buffer(idmap, "frequency")[rows].log() - last_seen * math.log(idmap.config.lfu_decay)
+
+
+class LowSet:
+    """lfu's rows of lowest key (the set L of docs/id_map.md), kept between evicting steps.
+
+    At a full scan the key T of the ``8 x need``-th lowest evictable row is kept, and L is
+    the rows whose key is at most ``T + margin``; keys change only on rows touched or given
+    a new id (`touched`), which are re-sorted in or out at the next evicting step. Victims
+    are then L's first rows in the full order's exact expression, accepted only where that
+    provably equals `eviction_head` over every row (see `_proven`); else None: a full scan.
+    """
+
+    def __init__(self) -> None:
+        self.low_N: torch.Tensor | None = None  # bool: in L
+        self.limit = 0.0  # T + margin
+        self.threshold = 0.0  # T
+        self.pending: list[torch.Tensor] = []
+        self.full_scans = 0
+        self.served = 0
+
+    def drop(self) -> None:
+        """Forget L (the buffers were written elsewhere): the next evicting step scans."""
+        self.low_N, self.pending = None, []
+
+    def touched(self, known: torch.Tensor, fresh_rows: torch.Tensor) -> None:
+        """Rows whose key changed this step (counted, or given a new id)."""
+        if self.low_N is not None:
+            self.pending += [known, fresh_rows]
+
+    def rebuild(self, idmap: IdMap, rows: torch.Tensor, need: int) -> None:
+        """After a full scan of the evictable ``rows``: L for the next steps, if useful."""
+        self.full_scans += 1
+        self.drop()
+        size = 8 * need
+        if size >= rows.numel():
+            return
+        keys = _keys(idmap, rows)
+        if not bool(torch.isfinite(keys).all()):
+            return  # a count of 0 (a state written elsewhere): no keys
+        self.threshold = float(torch.kthvalue(keys, size).values)
+        self.limit = self.threshold + _MARGIN * (1.0 + abs(self.threshold))
+        self.low_N = torch.zeros_like(_buffer(idmap, "occupied"))
+        self.low_N[rows[keys <= self.limit]] = True
+
+    def victims(self, idmap: IdMap, known: torch.Tensor, need: int) -> torch.Tensor | None:
+        """``need`` victims from L, exactly `eviction_head`'s; None where not proven."""
+        if self.low_N is None or not self._refresh(idmap):
+            return None
+        mask = self.low_N & _buffer(idmap, "occupied")
+        mask[known] = False
+        rows = mask.nonzero().squeeze(1)
+        if rows.numel() < need:
+            return None
+        order = _proven(idmap, rows, need)
+        if order is None:
+            return None
+        victims = rows[order].contiguous()
+        if bool((_keys(idmap, victims) > self.threshold).any()):
+            return None  # a row outside L could come between: its key may be that close
+        self.served += 1
+        return victims
+
+    def _refresh(self, idmap: IdMap) -> bool:
+        """Re-sort the touched rows in or out of L (False: a key is not finite)."""
+        assert self.low_N is not None
+        if self.pending:
+            dirty = torch.cat(self.pending)
+            self.pending = []
+            keys = _keys(idmap, dirty)
+            if not bool(torch.isfinite(keys).all()):
+                return False
+            self.low_N[dirty] = keys <= self.limit
+        return True
+
+
+_MARGIN = 1e-9  # relative, in key space: far above float64 rounding of keys and counts
+_SMALLEST = 1e-290  # decayed counts (and decay powers) below: rounding is no longer relative
+
+
+def _proven(idmap: IdMap, rows: torch.Tensor, need: int) -> torch.Tensor | None:
+    """Positions of the first ``need`` of ``rows`` in the full order, or None if not proven.
+
+    The full order computes ``decay ** age`` with the vectorized kernel on most rows and the
+    scalar one (a chunk's tail) on a few, which may differ by an ulp: where they differ for a
+    row, the row's decayed count must not tie or interleave with any other row's.
+    """
+    last_seen = _buffer(idmap, "last_seen")[rows]
+    age = (_buffer(idmap, "step") - last_seen).to(torch.float64)
+    frequency = _buffer(idmap, "frequency")[rows]
+    decay = idmap.config.lfu_decay
+    ages, inverse = torch.unique(age, return_inverse=True)
+    if ages.numel() > _ONE_CHUNK:
+        return None  # threads would split the powers into chunks, each with its tail
+    padded = torch.cat([ages, ages.new_zeros(_PAD)])  # every age in the vectorized part
+    vector = (decay**padded)[: ages.numel()][inverse]
+    scalar = (decay ** ages.unsqueeze(1).expand(-1, 2).contiguous()[:, 0])[inverse]  # strided
+    decayed = frequency * vector
+    by_recency = torch.sort(last_seen, stable=True).indices
+    order = by_recency[torch.sort(decayed[by_recency], stable=True).indices][:need]
+    if float(decayed[order].min()) < _SMALLEST or float(vector[order].min()) < _SMALLEST:
+        return None
+    differ = vector != scalar
+    if bool(differ.any()):
+        # Each such row that could come before the last victim must meet no other row's
+        # interval of counts (rows wholly above every victim's do not change the head).
+        other = frequency * scalar
+        low, high = torch.minimum(decayed, other), torch.maximum(decayed, other)
+        differ &= low <= high[order].max()
+        meets = torch.searchsorted(torch.sort(low).values, high[differ], right=True)
+        meets -= torch.searchsorted(torch.sort(high).values, low[differ])
+        if bool((meets != 1).any()):
+            return None
+    return order
+
+
+_PAD = 64  # more than two vectors of float64 on any CPU: pads the vectorized loop's tail
+_ONE_CHUNK = 32768 - _PAD  # torch's grain: elementwise ops on fewer run on one thread
 
 
 def remap_tables(
