@@ -274,7 +274,7 @@ class LowSet:
         """After a full scan of the evictable ``rows``: L for the next steps, if useful."""
         self.full_scans += 1
         self.drop()
-        size = 8 * need
+        size = _LOW_FACTOR * need
         if size >= rows.numel():
             return
         keys = _keys(idmap, rows)
@@ -316,6 +316,7 @@ class LowSet:
         return True
 
 
+_LOW_FACTOR = 8  # L holds this many times the victims a scan needed: a few steps of them
 _MARGIN = 1e-9  # relative, in key space: far above float64 rounding of keys and counts
 _SMALLEST = 1e-290  # decayed counts (and decay powers) below: rounding is no longer relative
 
