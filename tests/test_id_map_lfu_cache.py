@@ -168,3 +168,24 @@ def test_underflowed_counts_tie_by_recency_not_by_key() -> None:
     assert native.low_set.low_N is not None and not bool(native.low_set.low_N[100:].any())
     victims = native.low_set.victims(idmap, every[:0], need)
     assert victims is None or torch.equal(victims, expected)
+
+
+def test_rows_touched_without_evicting_are_not_kept_without_bound() -> None:
+    config = IdMapConfig(policy="lfu", decay=0.99)
+    native, reference = _pair(config, 400)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(60):  # fills the map and evicts: the low set is built
+        ids = _drifting(gen, step, 400, False)
+        _assert_same(native.remap(ids, True), reference.remap(ids, True), native, reference, "")
+    assert native._native_map is not None
+    low_set = native._native_map.low_set
+    assert low_set.low_N is not None
+    known = native.row_ids[native.occupied][:30]
+    for step in range(200):  # known ids only: nothing evicts
+        a, b = native.remap(known, True), reference.remap(known, True)
+        _assert_same(a, b, native, reference, f"known step {step}")
+        assert a.stats.evictions == 0
+        assert low_set.pending_rows <= 400 and len(low_set.pending) <= 2 * 400 // 30
+    for step in range(60, 120):  # evicting again: still exact
+        ids = _drifting(gen, step, 400, False)
+        _assert_same(native.remap(ids, True), reference.remap(ids, True), native, reference, "")

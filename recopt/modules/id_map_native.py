@@ -257,18 +257,22 @@ class LowSet:
         self.low_N: torch.Tensor | None = None  # bool: in L
         self.limit = 0.0  # T + margin
         self.threshold = 0.0  # T
-        self.pending: list[torch.Tensor] = []
+        self.pending: list[torch.Tensor] = []  # rows touched since the last evicting step
+        self.pending_rows = 0
         self.full_scans = 0
         self.served = 0
 
     def drop(self) -> None:
         """Forget L (the buffers were written elsewhere): the next evicting step scans."""
-        self.low_N, self.pending = None, []
+        self.low_N, self.pending, self.pending_rows = None, [], 0
 
     def touched(self, known: torch.Tensor, fresh_rows: torch.Tensor) -> None:
         """Rows whose key changed this step (counted, or given a new id)."""
         if self.low_N is not None:
             self.pending += [known, fresh_rows]
+            self.pending_rows += known.numel() + fresh_rows.numel()
+            if self.pending_rows > self.low_N.numel():  # long without evicting: a scan is
+                self.drop()  # cheaper than re-sorting them, and the list stays bounded
 
     def rebuild(self, idmap: IdMap, rows: torch.Tensor, need: int) -> None:
         """After a full scan of the evictable ``rows``: L for the next steps, if useful."""
@@ -308,7 +312,7 @@ class LowSet:
         assert self.low_N is not None
         if self.pending:
             dirty = torch.cat(self.pending)
-            self.pending = []
+            self.pending, self.pending_rows = [], 0
             keys = _keys(idmap, dirty)
             if not bool(torch.isfinite(keys).all()):
                 return False
