@@ -50,32 +50,40 @@ _ID_MAPS = {
 }
 
 
-def _tables(rows: int, id_map: IdMapConfig | None) -> list[EmbeddingBagConfig]:
+def bench_tables(
+    rows: int, id_map: IdMapConfig | None, count: int = NUM_TABLES, dim: int = DIM
+) -> list[EmbeddingBagConfig]:
+    """``count`` tables ``t<i>`` of ``rows`` x ``dim``, one feature ``f<i>`` each."""
     return [
         EmbeddingBagConfig(
             name=f"t{i}",
             num_embeddings=rows,
-            embedding_dim=DIM,
+            embedding_dim=dim,
             feature_names=(f"f{i}",),
             id_map=id_map,
         )
-        for i in range(NUM_TABLES)
+        for i in range(count)
     ]
 
 
-def _raw_ids(rows: int, step: int, gen: torch.Generator) -> torch.Tensor:
-    """[tables * batch] raw ids of the worst stream: a power law over 4x the rows whose
+def worst_ids(
+    rows: int, step: int, gen: torch.Generator, count: int = NUM_TABLES, batch: int = BATCH
+) -> torch.Tensor:
+    """[count * batch] raw ids of the worst stream: a power law over 4x the rows whose
     popular set moves by rows/50 ids per step, scattered over 2^40 by a hash."""
-    rank = (torch.rand(NUM_TABLES * BATCH, generator=gen) ** 3 * 4 * rows).long()
+    rank = (torch.rand(count * batch, generator=gen) ** 3 * 4 * rows).long()
     drifted = rank + step * (rows // 50)
     unit = hash_uniform(drifted, 0, 1).squeeze(1)
     return (unit * 2**40).long()
 
 
-def _kjt(values: torch.Tensor) -> KeyedJaggedTensor:
-    lengths = torch.ones(NUM_TABLES * BATCH, dtype=torch.int64)
-    keys = [f"f{i}" for i in range(NUM_TABLES)]
-    return KeyedJaggedTensor(keys, values, lengths=lengths, stride=BATCH)
+def one_id_bags(
+    values: torch.Tensor, count: int = NUM_TABLES, batch: int = BATCH
+) -> KeyedJaggedTensor:
+    """``values`` as ``count`` features ``f<i>`` of ``batch`` bags of one id each."""
+    lengths = torch.ones(count * batch, dtype=torch.int64)
+    keys = [f"f{i}" for i in range(count)]
+    return KeyedJaggedTensor(keys, values, lengths=lengths, stride=batch)
 
 
 def stream_batches(name: str, rows: int) -> Callable[[int], torch.Tensor]:
@@ -83,7 +91,7 @@ def stream_batches(name: str, rows: int) -> Callable[[int], torch.Tensor]:
     (call with steps 0, 1, 2, ... in order)."""
     if name == "worst":
         gen = torch.Generator().manual_seed(0)
-        return lambda step: _raw_ids(rows, step, gen)
+        return lambda step: worst_ids(rows, step, gen)
     keys = [f"f{i}" for i in range(NUM_TABLES)]
     log = SyntheticClickLog(
         [(key, rows) for key in keys],
@@ -123,8 +131,8 @@ class _Setup:
         torch.manual_seed(0)
         optimizer = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.01)
         self.rows = rows
-        self.modulo = FusedEmbeddingBagCollection(_tables(rows, None), optimizer=optimizer)
-        tables = _tables(rows, id_map)
+        self.modulo = FusedEmbeddingBagCollection(bench_tables(rows, None), optimizer=optimizer)
+        tables = bench_tables(rows, id_map)
         self.mapped = FusedEmbeddingBagCollection(tables, optimizer=optimizer)
         self.alone = IdMaps(tables, "cpu")
         self.alone_torch = IdMaps(tables, "cpu") if torch_remap else None
@@ -136,7 +144,7 @@ class _Setup:
     @staticmethod
     def step(module: FusedEmbeddingBagCollection, ids: torch.Tensor) -> Callable[[], object]:
         """Forward and backward (the fused update) of ``module`` on one batch."""
-        kjt = _kjt(ids)
+        kjt = one_id_bags(ids)
         return lambda: module(kjt).values().sum().backward()
 
     def remap_alone(self, maps: IdMaps, raw: torch.Tensor) -> Callable[[], object]:
@@ -225,7 +233,7 @@ def per_id_costs(rows: int, rounds: int) -> dict[str, float]:
     """Seconds per id of the native remap on batches of only known ids and of only new ids
     (full maps: each new id evicts one), and of resetting one fresh row (its 64 floats and
     a per-row state), medians over ``rounds`` interleaved rounds of all 26 maps."""
-    tables = _tables(rows, IdMapConfig(policy="lru"))
+    tables = bench_tables(rows, IdMapConfig(policy="lru"))
     maps = IdMaps(tables, "cpu")
     by_name = {t.name: maps.table_map(t.name) for t in tables}
     weights = [torch.zeros(rows, DIM) for _ in tables]

@@ -19,42 +19,14 @@ import statistics
 import time
 
 import torch
+from bench_id_map import bench_tables, one_id_bags, worst_ids
 
 from recopt.kernels.config import FusedOptimizerConfig
-from recopt.modules import EmbeddingBagConfig, IdMapConfig
-from recopt.modules.id_map_lookup import hash_uniform
-from recopt.sparse import KeyedJaggedTensor
+from recopt.modules import IdMapConfig
 from recopt.testing import run_on_ranks
 
 NUM_TABLES, DIM = 8, 32
 CANDIDATES = ("modulo step", "id_map step")
-
-
-def _tables(rows: int, id_map: IdMapConfig | None) -> list[EmbeddingBagConfig]:
-    return [
-        EmbeddingBagConfig(
-            name=f"t{i}",
-            num_embeddings=rows,
-            embedding_dim=DIM,
-            feature_names=(f"f{i}",),
-            id_map=id_map,
-        )
-        for i in range(NUM_TABLES)
-    ]
-
-
-def _raw_ids(rows: int, batch: int, step: int, gen: torch.Generator) -> torch.Tensor:
-    """[tables * batch] raw ids: a power law over 4x the rows whose popular set moves by
-    rows/50 ids per step, scattered over 2^40 by a hash."""
-    rank = (torch.rand(NUM_TABLES * batch, generator=gen) ** 3 * 4 * rows).long()
-    unit = hash_uniform(rank + step * (rows // 50), 0, 1).squeeze(1)
-    return (unit * 2**40).long()
-
-
-def _kjt(values: torch.Tensor, batch: int) -> KeyedJaggedTensor:
-    lengths = torch.ones(NUM_TABLES * batch, dtype=torch.int64)
-    keys = [f"f{i}" for i in range(NUM_TABLES)]
-    return KeyedJaggedTensor(keys, values, lengths=lengths, stride=batch)
 
 
 def _bench(rank: int, world: int, args: argparse.Namespace) -> dict[str, list[float]]:
@@ -65,18 +37,18 @@ def _bench(rank: int, world: int, args: argparse.Namespace) -> dict[str, list[fl
     config = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.01)
     modules = {}
     for name, id_map in zip(CANDIDATES, (None, IdMapConfig(policy="lru")), strict=True):
-        tables = _tables(args.rows, id_map)
+        tables = bench_tables(args.rows, id_map, NUM_TABLES, DIM)
         plan = construct_module_sharding_plan(tables, {t.name: row_wise() for t in tables}, world)
         modules[name] = ShardedEmbeddingBagCollection(tables, plan, optimizer=config)
     gen = torch.Generator().manual_seed(rank)
     times: dict[str, list[float]] = {f"{n}{k}": [] for n in CANDIDATES for k in ("", " input")}
     for step in range(args.warmup + args.steps):
-        raw = _raw_ids(args.rows, args.batch, step, gen)
+        raw = worst_ids(args.rows, step, gen, NUM_TABLES, args.batch)
         for name, module in modules.items():
             ids = raw % args.rows if name == "modulo step" else raw
             module.phase_seconds = {}
             start = time.perf_counter()
-            module(_kjt(ids, args.batch)).values().sum().backward()
+            module(one_id_bags(ids, NUM_TABLES, args.batch)).values().sum().backward()
             if step >= args.warmup:
                 times[name].append(time.perf_counter() - start)
                 times[f"{name} input"].append(module.phase_seconds["input_dist"])

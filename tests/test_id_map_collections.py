@@ -216,12 +216,71 @@ def test_fused_embedding_collection_maps_raw_ids_to_rows() -> None:
     assert list(_rows_of(fec)) == [BIG]  # eval reaches the engine: no new id placed
 
 
-def test_plain_embedding_collection_refuses_id_map() -> None:
-    unpooled = EmbeddingConfig(
-        name="t", num_embeddings=4, embedding_dim=4, feature_names=("f",), id_map=IdMapConfig()
+def _unpooled(
+    name: str, rows: int, features: tuple[str, ...], id_map: IdMapConfig | None
+) -> EmbeddingConfig:
+    return EmbeddingConfig(
+        name=name, num_embeddings=rows, embedding_dim=4, feature_names=features, id_map=id_map
     )
-    with pytest.raises(ValueError, match="EmbeddingCollection \\(use FusedEmbeddingCollection"):
-        EmbeddingCollection([unpooled])
+
+
+def test_plain_embedding_collection_with_torch_sgd_equals_fused_sgd() -> None:
+    """Raw ids, a table shared by two features, admission (zero rows), ttl, evictions, an
+    unmapped table beside: the plain module trained by torch's SGD equals the fused one."""
+    tables = [
+        _unpooled(
+            "t", 6, ("f", "g"), IdMapConfig(policy="lfu", decay=0.9, ttl_steps=4, admit_after=2)
+        ),
+        _unpooled("u", 5, ("h",), None),
+    ]
+    torch.manual_seed(0)
+    plain = EmbeddingCollection(tables)
+    fused = FusedEmbeddingCollection(tables, optimizer=FusedOptimizerConfig(name="sgd", lr=0.1))
+    fused.load_state_dict(plain.state_dict())
+    sgd = torch.optim.SGD(plain.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(3)
+    zero_rows = evictions = 0.0
+    for _ in range(15):
+        ids = (torch.randint(0, 12, (9,), generator=gen) * BIG - 1).tolist()
+        kjt = KeyedJaggedTensor.from_id_lists(
+            {"f": [ids[0:3], ids[3:4], []], "g": [ids[4:6], [], ids[6:9]], "h": [[1, 4], [0], []]}
+        )
+        a, b = plain(kjt), fused(kjt)
+        assert sorted(a) == sorted(b) == ["f", "g", "h"]
+        for key in a:
+            torch.testing.assert_close(a[key].values(), b[key].values(), msg=key)
+            assert torch.equal(a[key].lengths(), b[key].lengths())
+        assert plain.stats() == fused.stats()
+        zero_rows += plain.stats()["t"]["zero_row_ids"]
+        evictions += plain.stats()["t"]["evictions"]
+        target = torch.randn(9, 4, generator=gen)
+        loss_a = ((torch.cat([a["f"].values(), a["g"].values()]) - target) ** 2).sum()
+        loss_b = ((torch.cat([b["f"].values(), b["g"].values()]) - target) ** 2).sum()
+        sgd.zero_grad()
+        (loss_a + a["h"].values().sum()).backward()
+        sgd.step()
+        (loss_b + b["h"].values().sum()).backward()
+        for key, value in fused.state_dict().items():
+            torch.testing.assert_close(plain.state_dict()[key], value, msg=key)
+    assert zero_rows > 0 and evictions > 0  # admission and eviction both happened
+    plain.eval()
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    out = plain(KeyedJaggedTensor.from_id_lists({"f": [[99 * BIG]], "g": [[]], "h": [[2]]}))
+    assert torch.equal(out["f"].values(), torch.zeros(1, 4))  # unknown in eval: zeros
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_plain_embedding_collection_checks_unmapped_ids_before_the_map_moves() -> None:
+    tables = [_unpooled("t", 4, ("f",), IdMapConfig()), _unpooled("u", 3, ("h",), None)]
+    plain = EmbeddingCollection(tables)
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    bad = KeyedJaggedTensor.from_id_lists({"f": [[BIG]], "h": [[3]]})
+    with pytest.raises(InvalidIdError, match="table 'u'"):
+        plain(bad)
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert "id_maps.t.row_ids" in plain.state_dict()
 
 
 def test_sharded_id_maps_refuse_an_init_fn() -> None:

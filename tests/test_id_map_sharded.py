@@ -14,6 +14,7 @@ it); a checkpoint resumed under the same plan equals an uninterrupted run.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,10 +79,15 @@ def _requests(kind: str, world: int) -> dict[str, Any]:
 
 
 def _bags(rank: int, step: int) -> dict[str, list[list[int]]]:
-    """This rank's bags: raw ids of a space drifting with the step; 2 + rank bags."""
+    return drifting_bags(FEATURES, rank, step)
+
+
+def drifting_bags(features: Sequence[str], rank: int, step: int) -> dict[str, list[list[int]]]:
+    """This rank's bags: raw ids of a space drifting with the step; 2 + rank bags (feature
+    "g": small ids, for an unmapped table)."""
     gen = torch.Generator().manual_seed(100 * step + rank)
     out = {}
-    for f in FEATURES:
+    for f in features:
         bags = []
         for _ in range(2 + rank):
             size = int(torch.randint(0, 4, (1,), generator=gen))

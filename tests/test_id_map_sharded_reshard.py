@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_id_map_sharded import drifting_bags
 
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, IdMapConfig
@@ -49,17 +50,7 @@ MAPPED = ("t0", "t1")
 
 
 def _bags(rank: int, step: int) -> dict[str, list[list[int]]]:
-    """This rank's bags: raw ids of a space drifting with the step; 2 + rank bags."""
-    gen = torch.Generator().manual_seed(100 * step + rank)
-    out = {}
-    for f in FEATURES:
-        bags = []
-        for _ in range(2 + rank):
-            size = int(torch.randint(0, 4, (1,), generator=gen))
-            raw = torch.randint(0, 8, (size,), generator=gen) + 2 * step
-            bags.append((raw % 5 if f == "g" else raw * 2**33 - 7).tolist())
-        out[f] = bags
-    return out
+    return drifting_bags(FEATURES, rank, step)
 
 
 def _kjt(bags: dict[str, list[list[int]]]) -> KeyedJaggedTensor:

@@ -21,6 +21,7 @@ from recopt.sharding import (
 )
 from recopt.sharding.id_map_shards import map_shards
 from recopt.sharding.layout import ShardedLayout
+from recopt.sharding.plan import PlanError
 
 ADAGRAD = FusedOptimizerConfig(name="adagrad")
 
@@ -48,7 +49,9 @@ def _layout(table: EmbeddingBagConfig, request: Any, world: int) -> ShardedLayou
 )
 def test_column_split_and_data_parallel_id_maps_are_refused(request_: Any, kind: str) -> None:
     table = _table(10, IdMapConfig())
-    with pytest.raises(ValueError, match=rf"table 't' has id_map and sharding type '{kind}'"):
+    with pytest.raises(
+        PlanError, match=rf"table 't': sharding type {kind} cannot hold an id-mapped"
+    ):
         map_shards([table], _layout(table, request_, 2))
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from recopt.modules.config import EmbeddingConfig, validate_tables
-from recopt.modules.id_map_lookup import refuse_id_maps
+from recopt.modules.id_map_lookup import IdMaps, init_rows
 from recopt.modules.inputs import FeatureLayout, check_ids_in_range, require_features
 from recopt.modules.unpooled import meta_rows_per_feature
 from recopt.sparse import JaggedTensor, KeyedJaggedTensor
@@ -70,6 +70,11 @@ class EmbeddingCollection(nn.Module, TableAccessors):
         need_indices: put each feature's ids in its output's ``weights`` (as TorchRec).
         sparse_grad: produce sparse gradients (for ``torch.optim.SparseAdam``).
 
+    Tables with ``id_map`` take any int64 id (docs/id_map.md): the rows given to new ids are
+    re-initialised (the table's init); the optimizer is the caller's, so its state of such a
+    row is not reset (`FusedEmbeddingCollection` resets it). An id not admitted yet gets a
+    zero row that trains nothing.
+
     Example::
 
         ec = EmbeddingCollection([
@@ -88,7 +93,6 @@ class EmbeddingCollection(nn.Module, TableAccessors):
     ) -> None:
         super().__init__()
         validate_tables(tables, allow_shared_features=True, config_type=EmbeddingConfig)
-        refuse_id_maps(tables, "EmbeddingCollection (use FusedEmbeddingCollection)")
         self.tables = list(tables)
         self._need_indices = need_indices
         self._layout = FeatureLayout(self.tables)
@@ -109,6 +113,11 @@ class EmbeddingCollection(nn.Module, TableAccessors):
             )
             table.init_weight(embedding.weight)
             self.embeddings[table.name] = embedding
+        self.id_maps = IdMaps.of(self.tables, device)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per id-mapped table: occupancy, new ids, evictions, admissions of the last step."""
+        return {} if self.id_maps is None else self.id_maps.stats()
 
     @property
     def device(self) -> torch.device:
@@ -139,17 +148,64 @@ class EmbeddingCollection(nn.Module, TableAccessors):
         if self.device.type == "meta":
             named = dict(zip(layout.output_keys, inputs, strict=True))
             return meta_rows_per_feature(named, layout.dims, self._need_indices)
-        counts = [jt.values().shape[0] for jt in inputs]
-        ids = inputs[0].values() if len(inputs) == 1 else torch.cat([jt.values() for jt in inputs])
-        check_ids_in_range(ids, counts, layout.feature_names, layout.table_names, layout.num_rows)
+        rows = self._rows([jt.values() for jt in inputs])
         result: dict[str, JaggedTensor] = {}
-        for key, table, jt in zip(layout.output_keys, layout.table_names, inputs, strict=True):
-            embedding = self.embeddings[table]
-            assert isinstance(embedding, nn.Embedding)
-            rows = embedding(jt.values())
+        for key, table, jt, rows_N in zip(
+            layout.output_keys, layout.table_names, inputs, rows, strict=True
+        ):
             result[key] = JaggedTensor(
-                values=rows.float(),  # fp16/bf16 tables: float32 rows, as the fused collection
+                values=self._lookup(table, rows_N).float(),  # fp16/bf16 tables: float32 rows
                 lengths=jt.lengths(),
                 weights=jt.values() if self._need_indices else None,
             )
         return result
+
+    def _rows(self, ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each feature's ids as rows: ids of unmapped tables checked and kept; the raw ids of
+        id-mapped tables remapped (every feature of a table together, one step of its map in
+        training; -1: the zero row) and the rows given to new ids re-initialised.
+
+        Raises:
+            InvalidIdError: an id of an unmapped table outside it (before any map moves).
+        """
+        layout = self._layout
+        mapped = [] if self.id_maps is None else list(self.id_maps)
+        checked = [
+            torch.zeros_like(v) if t in mapped else v
+            for v, t in zip(ids, layout.table_names, strict=True)
+        ]
+        counts = [v.shape[0] for v in ids]
+        check_ids_in_range(
+            torch.cat(checked), counts, layout.feature_names, layout.table_names, layout.num_rows
+        )
+        if self.id_maps is None:
+            return ids
+        per_table = {
+            name: torch.cat([v for v, t in zip(ids, layout.table_names, strict=True) if t == name])
+            for name in mapped
+        }
+        results = self.id_maps.remap_ids(per_table, self.training)
+        for table in self.tables:
+            fresh = results.get(table.name)
+            if fresh is not None:
+                init_rows(table, self._weight(table.name), fresh, fresh.stats.step)
+        rows = list(ids)
+        for name, result in results.items():
+            features = [f for f, t in enumerate(layout.table_names) if t == name]
+            parts = result.rows_M.split([counts[f] for f in features])
+            for f, part in zip(features, parts, strict=True):
+                rows[f] = part
+        return rows
+
+    def _lookup(self, table: str, rows_N: torch.Tensor) -> torch.Tensor:
+        """``[N, D]`` rows of ``table``; a row -1 (an id not admitted yet) reads zeros and
+        trains nothing."""
+        embedding = self.embeddings[table]
+        assert isinstance(embedding, nn.Embedding)
+        kept = rows_N >= 0
+        if self.id_maps is None or table not in self.id_maps or bool(kept.all()):
+            return embedding(rows_N)
+        out = rows_N.new_zeros(
+            rows_N.shape[0], embedding.embedding_dim, dtype=embedding.weight.dtype
+        )
+        return out.index_put((kept,), embedding(rows_N[kept]))

@@ -139,17 +139,24 @@ class IdMaps(nn.ModuleDict):
         of the map. Ids that read the zero row are dropped from their bags. With ``peers``, a
         training step steps the maps with every peer's ids (`step_with_peers`).
         """
-        ids = table_ids(features, layout, list(self))
+        return apply_rows(
+            features, layout, self.remap_ids(table_ids(features, layout, list(self)), training)
+        )
+
+    def remap_ids(self, ids: Mapping[str, torch.Tensor], training: bool) -> dict[str, Remapped]:
+        """Rows for each table's raw ids (``ids``: table -> its features' ids, concatenated).
+
+        In training each map takes one step (with ``peers``: with every peer's ids; with
+        observers: through `step`, undo records included); otherwise the maps are only read.
+        """
         if training and self.peers is not None:
             gathered = self.peers.gather(ids, False)
             if gathered is not None:
-                return apply_rows(features, layout, step_with_peers(self, *gathered))
+                return step_with_peers(self, *gathered)
         if training and self.observers:  # a guarded step: per table, with undo records
-            results = {name: self.step(name, ids[name]) for name in ids}
-        else:  # native lru maps: one call for all
-            maps = {name: self.table_map(name) for name in ids}
-            results = remap_tables(maps, ids, training)
-        return apply_rows(features, layout, results)
+            return {name: self.step(name, ids[name]) for name in ids}
+        # native lru maps: one call for all
+        return remap_tables({name: self.table_map(name) for name in ids}, ids, training)
 
     def step(self, name: str, ids_M: torch.Tensor) -> Remapped:
         """A training `IdMap.remap` of table ``name``, shown to the observers (with its undo
@@ -496,21 +503,6 @@ def unmapped_check(
         layout.num_rows,
         features.weights_or_none(),
     )
-
-
-def refuse_id_maps(tables: Sequence[BaseEmbeddingConfig], module: str) -> None:
-    """Raise if a table has ``id_map``: ``module`` (a collection) does not support it yet.
-
-    Raises:
-        ValueError: naming the tables and what to do instead.
-    """
-    mapped = [t.name for t in tables if t.id_map is not None]
-    if mapped:
-        raise ValueError(
-            f"tables {mapped} have id_map, which {module} does not support yet "
-            "(docs/id_map.md says what does); use the unsharded EmbeddingBagCollection or "
-            "FusedEmbeddingBagCollection for them, or drop id_map"
-        )
 
 
 def refuse_init_fn(tables: Sequence[BaseEmbeddingConfig], copies: str, fix: str) -> None:

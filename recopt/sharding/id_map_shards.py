@@ -21,6 +21,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from recopt.modules.config import EmbeddingBagConfig
 from recopt.modules.id_map import CANDIDATE_BUFFERS, IdMap, IdMapConfig
 from recopt.sharding.layout import ShardedLayout
+from recopt.sharding.plan_validation import check_id_map_sharding
 from recopt.sharding.state import Piece, make_sharded_tensor
 
 
@@ -40,16 +41,6 @@ class MapShard:
     num_rows: int
     candidate_offset: int
     candidate_slots: int
-
-
-def _refuse_unsplittable(table: EmbeddingBagConfig, layout: ShardedLayout, t: int) -> None:
-    kind = layout.shardings[t].sharding_type
-    if kind.splits_columns or kind.replicated:
-        raise ValueError(
-            f"table {table.name!r} has id_map and sharding type {kind.value!r}, which cannot "
-            "keep one consistent map (column shards and replicas would each step a map of the "
-            "same rows); shard it table_wise, row_wise or table_row_wise, or drop id_map"
-        )
 
 
 def _candidate_split(table: EmbeddingBagConfig, rows: Sequence[int]) -> list[int]:
@@ -76,15 +67,15 @@ def map_shards(tables: Sequence[EmbeddingBagConfig], layout: ShardedLayout) -> l
     """Every row shard of every id-mapped table, in table then shard order.
 
     Raises:
-        ValueError: an id-mapped table sharded column-wise or data-parallel (the planner and
-            the plan validation refuse those; this is the module's own check), or a
-            ``candidate_slots`` too small to give every shard a slot.
+        PlanError: an id-mapped table sharded column-wise or data-parallel (plan validation's
+            rule, `check_id_map_sharding`, checked again on the layout the maps are built on).
+        ValueError: a ``candidate_slots`` too small to give every shard a slot.
     """
     out: list[MapShard] = []
     for t, table in enumerate(tables):
         if table.id_map is None:
             continue
-        _refuse_unsplittable(table, layout, t)
+        check_id_map_sharding(layout.shardings[t], table, f"table {table.name!r}")
         shards = layout.shardings[t].shards
         assert len({s.rank for s in shards}) == len(shards), "a row split holds 1 shard a rank"
         candidates = _candidate_split(table, [s.num_rows for s in shards])
