@@ -83,7 +83,7 @@ class IdMaps(nn.ModuleDict):
     """The maps of a collection's id-mapped tables, by table name (``id_maps.<table>.``).
 
     ``observers`` (`RemapObserver`) are told of every training step of a map, which then
-    records its undo record, and of every fresh row before `reset_fresh_rows` resets it.
+    records its undo record, and of every fresh row before `reset_fresh_tables` resets it.
 
     Args:
         tables: the collection's tables (those without ``id_map`` are left alone).
@@ -338,22 +338,6 @@ def init_rows(table: BaseEmbeddingConfig, weight: torch.Tensor, fresh: Remapped,
         weight[rows] = values.to(weight.dtype)
 
 
-def reset_fresh_rows(
-    maps: IdMaps,
-    table: BaseEmbeddingConfig,
-    optimizer_name: str,
-    weight: torch.Tensor,
-    states: Mapping[str, torch.Tensor],
-    fresh: Remapped,
-) -> None:
-    """`init_rows` and `reset_state_rows` of ``fresh``'s rows, the observers told first."""
-    if fresh.fresh_rows.numel() == 0:
-        return
-    maps.before_reset(table.name, weight, states, fresh.fresh_rows)
-    init_rows(table, weight, fresh, fresh.stats.step)
-    reset_state_rows(optimizer_name, states, fresh.fresh_rows)
-
-
 def reset_state_rows(
     optimizer_name: str, states: Mapping[str, torch.Tensor], rows: torch.Tensor
 ) -> None:
@@ -385,9 +369,10 @@ class FreshTable:
 
 
 def reset_fresh_tables(maps: IdMaps, tables: Sequence[FreshTable]) -> None:
-    """`reset_fresh_rows` of every table of ``tables`` (the same values): the observers are
-    told of every table first; then the uniform-initialised float32 CPU tables are reset in
-    one native call, the tables over torch's threads, and the others one by one."""
+    """Re-initialise every table's fresh rows (`init_rows`) and zero their per-row optimizer
+    state (`reset_state_rows`). The observers are told of every table first; then the
+    uniform-initialised float32 CPU tables are reset in one native call (the tables over
+    torch's threads), the others one by one."""
     tables = [t for t in tables if t.fresh.fresh_rows.numel()]
     for t in tables:
         maps.before_reset(t.table.name, t.weight, t.states, t.fresh.fresh_rows)

@@ -23,11 +23,12 @@ from recopt.kernels.contract import Kernel
 from recopt.modules.config import EmbeddingBagConfig
 from recopt.modules.id_map import Remapped, RemapStats
 from recopt.modules.id_map_lookup import (
+    FreshTable,
     IdMaps,
     MappedBatch,
     apply_rows,
     refuse_init_fn,
-    reset_fresh_rows,
+    reset_fresh_tables,
     table_ids,
     unmapped_check,
 )
@@ -209,11 +210,12 @@ class ShardedIdMaps:
         map, counters included, and the fresh rows reset); their global rows, and in training
         the shards' statistics ``[own shards, len(STAT_FIELDS)]``."""
         parts = received.ids_R.split(received.column_sizes)
-        rows, stats = [], []
+        rows, stats, resets = [], [], []
         for shard, ids in zip(self._exchange.mine, parts, strict=True):
             if training:
                 result = self.maps.step(shard.name, ids)
-                self._reset_fresh(shard, result)
+                if result.fresh_rows.numel():  # else: no need to split weights and states
+                    resets.append(self._fresh_table(shard, result))
                 stats.append(_shard_stats(shard, result.stats))
             else:
                 result = self.maps.table_map(shard.name).remap(ids, False)
@@ -221,6 +223,7 @@ class ShardedIdMaps:
             rows.append(torch.where(local >= 0, local + shard.row_offset, local))
         if not training:
             return _cat(rows, received.ids_R), None
+        reset_fresh_tables(self.maps, resets)  # the observers told first (the guard saves)
         owned = {shard.name for shard in self._exchange.mine}
         for name in self.names:
             if name not in owned:  # the step counter of a table held elsewhere
@@ -229,16 +232,13 @@ class ShardedIdMaps:
         table = torch.tensor(stats, dtype=torch.int64).reshape(shape)
         return _cat(rows, received.ids_R), table.to(self._device)
 
-    def _reset_fresh(self, shard: MapShard, result: Remapped) -> None:
-        """Re-initialise the shard's fresh rows (hashed init) and zero their optimizer state;
-        the observers are told first (the guard saves the old values)."""
-        if result.fresh_rows.numel() == 0:
-            return  # nothing to reset: no need to split the kernel's weights and states
+    def _fresh_table(self, shard: MapShard, result: Remapped) -> FreshTable:
+        """The shard's fresh rows to re-initialise (hashed init), with its weight and optimizer
+        state (their zeroing)."""
         kernel, i, optimizer = self._where[(shard.table, shard.shard)]
         weight = kernel.split_embedding_weights()[i]
         states = kernel.split_optimizer_states()[i]
-        table = self.tables[shard.table]
-        reset_fresh_rows(self.maps, table, optimizer, weight, states, result)
+        return FreshTable(self.tables[shard.table], optimizer, weight, states, result)
 
     def _record_stats(self, every: torch.Tensor) -> None:
         """Sum every shard's statistics (``[C, len(STAT_FIELDS)]``) into each table's."""
