@@ -345,12 +345,13 @@ def reset_state_rows(
     if rows.numel() == 0:
         return
     with torch.no_grad():
-        for state in _row_states(optimizer_name, states):
+        for state in row_states(optimizer_name, states):
             state[rows] = 0
 
 
-def _row_states(optimizer_name: str, states: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-    """The per-row and per-element states of ``states`` (those a fresh row zeroes)."""
+def row_states(optimizer_name: str, states: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The per-row and per-element states of ``states`` (those a fresh row zeroes and a
+    relocated row carries), in the optimizer's state order."""
     shapes = dict(optimizer_spec(optimizer_name).states)
     row_shapes = (StateShape.PER_ROW, StateShape.PER_ELEMENT)
     return [states[key] for key, shape in shapes.items() if shape in row_shapes]
@@ -378,13 +379,13 @@ def reset_fresh_tables(maps: IdMaps, tables: Sequence[FreshTable]) -> None:
         maps.before_reset(t.table.name, t.weight, t.states, t.fresh.fresh_rows)
     native = []
     for t in tables:
-        row_states = _row_states(t.optimizer_name, t.states)
-        if t.table.init_fn is None and cpu_id_map.can_reset(t.weight, row_states):
+        zeroed = row_states(t.optimizer_name, t.states)
+        if t.table.init_fn is None and cpu_id_map.can_reset(t.weight, zeroed):
             lo, hi = t.table.init_bounds()
             step = t.fresh.stats.step
             native.append(
                 cpu_id_map.RowReset(
-                    t.weight, t.fresh.fresh_rows, t.fresh.fresh_ids, step, lo, hi, row_states
+                    t.weight, t.fresh.fresh_rows, t.fresh.fresh_ids, step, lo, hi, zeroed
                 )
             )
         else:

@@ -20,9 +20,8 @@ import torch
 import torch.distributed as dist
 
 from recopt import comm
-from recopt.kernels.registry import StateShape, optimizer_spec
 from recopt.modules.id_map import IdMap, policy_eviction_order
-from recopt.modules.id_map_lookup import route_shard
+from recopt.modules.id_map_lookup import route_shard, row_states
 
 __all__ = ["RelocationReport", "ShardRows", "TableRelocation", "relocate"]
 
@@ -31,7 +30,6 @@ logger = logging.getLogger(__name__)
 # Per table in the count exchange: rows sent, candidates sent, bytes of one row's record.
 _HEADER = 3
 _CANDIDATE_BYTES = 24  # a candidate's record: id, count, last_seen (int64 each)
-_MOVED_STATES = (StateShape.PER_ROW, StateShape.PER_ELEMENT)
 
 
 @dataclass
@@ -122,10 +120,7 @@ def _row_fields(shard: ShardRows) -> list[torch.Tensor]:
     """The tensors indexed by row that travel with an id, in record order (ids first)."""
     idmap = shard.idmap
     fields = [_buf(idmap, n) for n in ("row_ids", "last_seen", "frequency")] + [shard.weight]
-    for key, shape in optimizer_spec(shard.optimizer).states:
-        if shape in _MOVED_STATES:
-            fields.append(shard.states[key])
-    return fields
+    return fields + row_states(shard.optimizer, shard.states)
 
 
 def _candidate_fields(idmap: IdMap) -> list[torch.Tensor]:
