@@ -203,13 +203,15 @@ class IdMap(nn.Module):
 
     def occupancy(self) -> float:
         """Live rows / rows (rows past ``ttl_steps`` count as free)."""
-        return float(self._live().sum()) / self.num_rows
+        return float(self.live().sum()) / self.num_rows
 
-    def _live(self) -> torch.Tensor:
-        live = self._buffer("occupied")
+    def live(self) -> torch.Tensor:
+        """``[N]`` bool, a new tensor: the rows holding a live id (occupied and, with
+        ``ttl_steps``, not expired: an expired row is free)."""
+        live = self._buffer("occupied").clone()
         ttl = self.config.ttl_steps
         if ttl is not None:
-            live = live & (self._buffer("step") - self._buffer("last_seen") <= ttl)
+            live &= self._buffer("step") - self._buffer("last_seen") <= ttl
         return live
 
     def remap(self, ids_M: torch.Tensor, training: bool, record_undo: bool = False) -> Remapped:

@@ -106,16 +106,6 @@ def _buf(idmap: IdMap, name: str) -> torch.Tensor:
     return value
 
 
-def _live(idmap: IdMap) -> torch.Tensor:
-    """The rows holding a live id: occupied and, with ``ttl_steps``, not expired (an expired
-    row is free: it stays where it is and arrivals may take it)."""
-    live = _buf(idmap, "occupied").clone()
-    ttl = idmap.config.ttl_steps
-    if ttl is not None:
-        live &= _buf(idmap, "step") - _buf(idmap, "last_seen") <= ttl
-    return live
-
-
 def _row_fields(shard: ShardRows) -> list[torch.Tensor]:
     """The tensors indexed by row that travel with an id, in record order (ids first)."""
     idmap = shard.idmap
@@ -193,7 +183,7 @@ def _outgoing(shard: ShardRows, shard_ranks: Sequence[int], world: int) -> _Outg
     idmap = shard.idmap
     row_ids = _buf(idmap, "row_ids")
     dest_rank = torch.tensor(list(shard_ranks), dtype=torch.int64, device=row_ids.device)
-    slots = _live(idmap).nonzero().squeeze(1)
+    slots = idmap.live().nonzero().squeeze(1)
     rows, row_counts = _leaving(row_ids, slots, dest_rank, shard.index, world)
     out = _Outgoing(rows, _encode(_row_fields(shard), rows), row_counts)
     out.candidates = torch.zeros((0, _CANDIDATE_BYTES), dtype=torch.uint8)
@@ -384,7 +374,7 @@ def _place_table(
     if arrivals:
         fields = _row_fields(shard)
         incoming = _decode(torch.cat(arrivals).to(row_ids.device), fields)
-        live = _live(idmap)
+        live = idmap.live()
         residents = live.nonzero().squeeze(1)
         last_seen = torch.cat([_buf(idmap, "last_seen")[residents], incoming[1]])
         frequency = torch.cat([_buf(idmap, "frequency")[residents], incoming[2]])
