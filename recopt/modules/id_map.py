@@ -174,7 +174,8 @@ class IdMap(nn.Module):
             torch.full((size,), -1, dtype=torch.int64, device=device),
         )
 
-    def _buffer(self, name: str) -> torch.Tensor:
+    def buffer(self, name: str) -> torch.Tensor:
+        """The buffer ``name`` (``row_ids``, ``last_seen``, ...), typed."""
         value = getattr(self, name)
         assert isinstance(value, torch.Tensor)
         return value
@@ -186,8 +187,8 @@ class IdMap(nn.Module):
         the occupancy changed in place (a remap, a state_dict load, a checkpoint's copy),
         which torch's version counters of those buffers tell.
         """
-        ids = self._buffer("row_ids" if not which else "candidate_ids")
-        used = self._buffer("occupied" if not which else "candidate_used")
+        ids = self.buffer("row_ids" if not which else "candidate_ids")
+        used = self.buffer("occupied" if not which else "candidate_used")
         stamp = (ids._version, used._version)
         cached = self._index.get(which)
         if cached is None or cached[0] != stamp:
@@ -208,10 +209,10 @@ class IdMap(nn.Module):
     def live(self) -> torch.Tensor:
         """``[N]`` bool, a new tensor: the rows holding a live id (occupied and, with
         ``ttl_steps``, not expired: an expired row is free)."""
-        live = self._buffer("occupied").clone()
+        live = self.buffer("occupied").clone()
         ttl = self.config.ttl_steps
         if ttl is not None:
-            live &= self._buffer("step") - self._buffer("last_seen") <= ttl
+            live &= self.buffer("step") - self.buffer("last_seen") <= ttl
         return live
 
     def remap(self, ids_M: torch.Tensor, training: bool, record_undo: bool = False) -> Remapped:
@@ -235,20 +236,20 @@ class IdMap(nn.Module):
             return native.train(self, ids_M, record_undo) if training else native.read(self, ids_M)
         if not (training and record_undo):
             return self._remap(ids_M, training)
-        before = {name: self._buffer(name).clone() for name in self._undo_buffers()}
-        step, stats = int(self._buffer("step")), copy.copy(self.last_stats)
+        before = {name: self.buffer(name).clone() for name in self._undo_buffers()}
+        step, stats = int(self.buffer("step")), copy.copy(self.last_stats)
         result = self._remap(ids_M, training)
         result.undo = self._changes(before, step, stats)
         return result
 
     def _native(self) -> NativeIdMap | None:
         """The native remap's cache (created at first use), or None: torch ops then."""
-        if not self.native or self._buffer("occupied").device.type != "cpu":
+        if not self.native or self.buffer("occupied").device.type != "cpu":
             return None
         if self._native_map is None:
             if not cpu_id_map.available():
                 return None
-            slots = self._buffer("candidate_ids").numel() if self.admit_after > 1 else 0
+            slots = self.buffer("candidate_ids").numel() if self.admit_after > 1 else 0
             self._native_map = NativeIdMap(self.num_rows, slots)
         return self._native_map
 
@@ -275,7 +276,7 @@ class IdMap(nn.Module):
         def changed(names: tuple[str, ...]) -> torch.Tensor:
             mask = torch.zeros_like(before[names[0]], dtype=torch.bool)
             for name in names:
-                old, new = before[name], self._buffer(name)
+                old, new = before[name], self.buffer(name)
                 if old.dtype == torch.float64:  # bitwise: -0.0 and 0.0 differ
                     old, new = old.view(torch.int64), new.view(torch.int64)
                 mask |= old != new
@@ -295,11 +296,11 @@ class IdMap(nn.Module):
         Undo the remaps in reverse order (the last one first) to go back several steps.
         """
         with torch.no_grad():
-            self._buffer("step").fill_(undo.step)
+            self.buffer("step").fill_(undo.step)
             for name, old in undo.row_values.items():
-                self._buffer(name)[undo.rows] = old
+                self.buffer(name)[undo.rows] = old
             for name, old in undo.candidate_values.items():
-                self._buffer(name)[undo.candidate_slots] = old
+                self.buffer(name)[undo.candidate_slots] = old
         self.last_stats = copy.copy(undo.stats)
 
     def _remap(self, ids_M: torch.Tensor, training: bool) -> Remapped:
@@ -313,10 +314,10 @@ class IdMap(nn.Module):
         ttl = self.config.ttl_steps
         if not training:
             if ttl is not None:
-                stale = self._buffer("step") - self._buffer("last_seen")[slot_U.clamp(min=0)] > ttl
+                stale = self.buffer("step") - self.buffer("last_seen")[slot_U.clamp(min=0)] > ttl
                 slot_U = torch.where(stale, torch.full_like(slot_U, -1), slot_U)
             return Remapped(slot_U[inverse_M], empty, empty)
-        self._buffer("step").add_(1)
+        self.buffer("step").add_(1)
         return self._train_step(ids_U, inverse_M, counts_U, slot_U)
 
     def _train_step(
@@ -326,16 +327,16 @@ class IdMap(nn.Module):
         counts_U: torch.Tensor,
         slot_U: torch.Tensor,
     ) -> Remapped:
-        step = self._buffer("step")
+        step = self.buffer("step")
         stats = RemapStats(step=int(step))
-        last_seen, occupied = self._buffer("last_seen"), self._buffer("occupied")
+        last_seen, occupied = self.buffer("last_seen"), self.buffer("occupied")
         if self.config.ttl_steps is not None:
             # Rows unseen past the ttl are free: an id found there starts over in a new row.
             expired_N = occupied & (step - last_seen > self.config.ttl_steps)
             stats.expired = int(expired_N.sum())
             if stats.expired:
                 occupied &= ~expired_N
-                self._buffer("row_ids")[expired_N] = -1
+                self.buffer("row_ids")[expired_N] = -1
                 slot_U = self._find("", ids_U)
         known_U = slot_U >= 0
         self._count_known(slot_U[known_U], counts_U[known_U])
@@ -349,10 +350,10 @@ class IdMap(nn.Module):
         wanted_ids, wanted_counts = new_ids[admitted][order], new_counts[admitted][order]
         rows, stats.evictions = self._allocate(wanted_ids.numel(), slot_U[known_U])
         placed_ids = wanted_ids[: rows.numel()]
-        self._buffer("row_ids")[rows] = placed_ids
+        self.buffer("row_ids")[rows] = placed_ids
         occupied[rows] = True
         last_seen[rows] = step
-        self._buffer("frequency")[rows] = wanted_counts[: rows.numel()].to(torch.float64)
+        self.buffer("frequency")[rows] = wanted_counts[: rows.numel()].to(torch.float64)
         stats.new_ids = rows.numel()
         slot_U = self._find("", ids_U) if rows.numel() else slot_U
         stats.zero_row_ids = int((slot_U < 0).sum())
@@ -362,8 +363,8 @@ class IdMap(nn.Module):
 
     def _count_known(self, rows: torch.Tensor, counts: torch.Tensor) -> None:
         """Known ids were seen: last_seen moves to now, frequency decays to now and adds."""
-        step, last_seen = self._buffer("step"), self._buffer("last_seen")
-        frequency = self._buffer("frequency")
+        step, last_seen = self.buffer("step"), self.buffer("last_seen")
+        frequency = self.buffer("frequency")
         decay = self.config.lfu_decay
         kept = frequency[rows]
         if decay != 1.0:
@@ -377,7 +378,7 @@ class IdMap(nn.Module):
         Free rows first (lowest first); then live rows not used by this batch, in the
         policy's order. Evicted ids leave the map (their rows are the caller's to reset).
         """
-        occupied = self._buffer("occupied")
+        occupied = self.buffer("occupied")
         free = (~occupied).nonzero().squeeze(1)[:count]
         need = count - free.numel()
         if need <= 0:
@@ -387,27 +388,27 @@ class IdMap(nn.Module):
         rows = evictable.nonzero().squeeze(1)
         victims = rows[self.eviction_order(rows)[:need]]
         occupied[victims] = False
-        self._buffer("row_ids")[victims] = -1
+        self.buffer("row_ids")[victims] = -1
         return torch.cat([free, victims]), victims.numel()
 
     def eviction_order(self, rows: torch.Tensor) -> torch.Tensor:
         """Positions of ``rows`` (ascending) in eviction order: the policy's, ties by row."""
         return policy_eviction_order(
             self.config,
-            self._buffer("step"),
-            self._buffer("last_seen")[rows],
-            self._buffer("frequency")[rows],
+            self.buffer("step"),
+            self.buffer("last_seen")[rows],
+            self.buffer("frequency")[rows],
         )
 
     def _admit(self, new_ids: torch.Tensor, new_counts: torch.Tensor) -> torch.Tensor:
         """Count ``new_ids`` as candidates; True where an id reaches ``admit_after`` now."""
-        step = self._buffer("step")
+        step = self.buffer("step")
         slot = self._find("candidate_", new_ids)
-        count_C = self._buffer("candidate_count")
+        count_C = self.buffer("candidate_count")
         total = new_counts + torch.where(slot >= 0, count_C[slot.clamp(min=0)], 0)
         admitted = total >= self.admit_after
-        used, cand_ids = self._buffer("candidate_used"), self._buffer("candidate_ids")
-        cand_seen = self._buffer("candidate_last_seen")
+        used, cand_ids = self.buffer("candidate_used"), self.buffer("candidate_ids")
+        cand_seen = self.buffer("candidate_last_seen")
         gone = slot[admitted & (slot >= 0)]
         used[gone] = False  # admitted ids leave the candidates
         waiting = ~admitted

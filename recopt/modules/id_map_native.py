@@ -34,12 +34,6 @@ if TYPE_CHECKING:
 _Stamp = tuple[tuple[int, int], ...]
 
 
-def _buffer(idmap: IdMap, name: str) -> torch.Tensor:
-    buffer = idmap._buffers[name]  # the dict itself: get_buffer's path walk costs per call
-    assert buffer is not None
-    return buffer
-
-
 def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None or tensor.numel() == 0 else tensor.data_ptr()
 
@@ -84,7 +78,7 @@ class NativeIdMap:
     def _sync(self, idmap: IdMap) -> ctypes.Array[ctypes.c_void_p]:
         """The buffers' pointers, after rebuilding the cache if they changed elsewhere."""
         names = ROW_BUFFERS + (CANDIDATE_BUFFERS if self.num_candidates else ())
-        buffers = [_buffer(idmap, name) for name in names]
+        buffers = [idmap.buffer(name) for name in names]
         stamp = tuple((b.data_ptr(), b._version) for b in buffers)
         if stamp != self._stamp or self._pointers is None:
             assert all(b.is_contiguous() for b in buffers)
@@ -100,7 +94,7 @@ class NativeIdMap:
         pointers = self._sync(idmap)
         ids_M = ids_M.contiguous()
         rows_M = torch.empty_like(ids_M)
-        step = int(_buffer(idmap, "step"))
+        step = int(idmap.buffer("step"))
         ttl = idmap.config.ttl_steps or 0
         self._lib.rim_lookup(
             self._handle, pointers, _ptr(ids_M), ids_M.numel(), step, ttl, _ptr(rows_M)
@@ -113,7 +107,7 @@ class NativeIdMap:
         pointers = self._sync(idmap)
         ids_M = ids_M.contiguous()
         num_ids = ids_M.numel()
-        step_t = _buffer(idmap, "step")
+        step_t = idmap.buffer("step")
         old_step, old_stats = int(step_t), idmap.last_stats  # replaced, never mutated
         step_t.add_(1)
         step = old_step + 1
@@ -134,7 +128,7 @@ class NativeIdMap:
         decay = idmap.config.lfu_decay
         factors = None
         if decay != 1.0 and num_known:  # the torch path's expression, on the same rows
-            age = (step_t - _buffer(idmap, "last_seen")[known]).to(torch.float64)
+            age = (step_t - idmap.buffer("last_seen")[known]).to(torch.float64)
             factors = decay**age
         info = (ctypes.c_int64 * 3)()
         self._lib.rim_middle(self._handle, pointers, step, _ptr(factors), idmap.admit_after, info)
@@ -176,7 +170,7 @@ class NativeIdMap:
         victims = self.low_set.victims(idmap, known, need)
         if victims is not None:
             return victims
-        mask = _buffer(idmap, "occupied").clone()
+        mask = idmap.buffer("occupied").clone()
         mask[known] = False
         rows = mask.nonzero().squeeze(1)
         victims = rows[eviction_head(idmap, rows, need)].contiguous()
@@ -227,9 +221,9 @@ def eviction_head(idmap: IdMap, rows: torch.Tensor, count: int) -> torch.Tensor:
     """
     if idmap.config.policy == "lru" or count <= 0 or count >= rows.numel():
         return idmap.eviction_order(rows)[:count]
-    last_seen = _buffer(idmap, "last_seen")[rows]
-    age = (_buffer(idmap, "step") - last_seen).to(torch.float64)
-    frequency = _buffer(idmap, "frequency")[rows] * idmap.config.lfu_decay**age
+    last_seen = idmap.buffer("last_seen")[rows]
+    age = (idmap.buffer("step") - last_seen).to(torch.float64)
+    frequency = idmap.buffer("frequency")[rows] * idmap.config.lfu_decay**age
     threshold = torch.kthvalue(frequency, count).values
     near = (frequency <= threshold).nonzero().squeeze(1)  # ascending: rows in order
     by_recency = near[torch.sort(last_seen[near], stable=True).indices]
@@ -239,8 +233,8 @@ def eviction_head(idmap: IdMap, rows: torch.Tensor, count: int) -> torch.Tensor:
 def _keys(idmap: IdMap, rows: torch.Tensor) -> torch.Tensor:
     """lfu's step-invariant keys ``log(frequency) - last_seen * log(decay)`` of ``rows``:
     the decayed counts (at any one step) and the keys are in the same order."""
-    last_seen = _buffer(idmap, "last_seen")[rows].to(torch.float64)
-    return _buffer(idmap, "frequency")[rows].log() - last_seen * math.log(idmap.config.lfu_decay)
+    last_seen = idmap.buffer("last_seen")[rows].to(torch.float64)
+    return idmap.buffer("frequency")[rows].log() - last_seen * math.log(idmap.config.lfu_decay)
 
 
 class LowSet:
@@ -286,14 +280,14 @@ class LowSet:
             return  # a count of 0 (a state written elsewhere): no keys
         self.threshold = float(torch.kthvalue(keys, size).values)
         self.limit = self.threshold + _MARGIN * (1.0 + abs(self.threshold))
-        self.low_N = torch.zeros_like(_buffer(idmap, "occupied"))
+        self.low_N = torch.zeros_like(idmap.buffer("occupied"))
         self.low_N[rows[keys <= self.limit]] = True
 
     def victims(self, idmap: IdMap, known: torch.Tensor, need: int) -> torch.Tensor | None:
         """``need`` victims from L, exactly `eviction_head`'s; None where not proven."""
         if self.low_N is None or not self._refresh(idmap):
             return None
-        mask = self.low_N & _buffer(idmap, "occupied")
+        mask = self.low_N & idmap.buffer("occupied")
         mask[known] = False
         rows = mask.nonzero().squeeze(1)
         if rows.numel() < need:
@@ -332,9 +326,9 @@ def _proven(idmap: IdMap, rows: torch.Tensor, need: int) -> torch.Tensor | None:
     scalar one (a chunk's tail) on a few, which may differ by an ulp: where they differ for a
     row, the row's decayed count must not tie or interleave with any other row's.
     """
-    last_seen = _buffer(idmap, "last_seen")[rows]
-    age = (_buffer(idmap, "step") - last_seen).to(torch.float64)
-    frequency = _buffer(idmap, "frequency")[rows]
+    last_seen = idmap.buffer("last_seen")[rows]
+    age = (idmap.buffer("step") - last_seen).to(torch.float64)
+    frequency = idmap.buffer("frequency")[rows]
     decay = idmap.config.lfu_decay
     ages, inverse = torch.unique(age, return_inverse=True)
     if ages.numel() > _ONE_CHUNK:
@@ -406,7 +400,7 @@ def _step_many(
         handles[i] = native._handle.value
         for j, pointer in enumerate(pointers):
             buffers[8 * i + j] = pointer
-        step_t = _buffer(idmap, "step")
+        step_t = idmap.buffer("step")
         step_t.add_(1)
         steps[i], ttls[i] = int(step_t), idmap.config.ttl_steps or 0
         num_ids[i], admits[i], ids_p[i] = sizes[i], idmap.admit_after, _ptr(ids_M)

@@ -100,22 +100,16 @@ class _Outgoing:
     candidate_slots: torch.Tensor | None = None
 
 
-def _buf(idmap: IdMap, name: str) -> torch.Tensor:
-    value = getattr(idmap, name)
-    assert isinstance(value, torch.Tensor)
-    return value
-
-
 def _row_fields(shard: ShardRows) -> list[torch.Tensor]:
     """The tensors indexed by row that travel with an id, in record order (ids first)."""
     idmap = shard.idmap
-    fields = [_buf(idmap, n) for n in ("row_ids", "last_seen", "frequency")] + [shard.weight]
+    fields = [idmap.buffer(n) for n in ("row_ids", "last_seen", "frequency")] + [shard.weight]
     return fields + row_states(shard.optimizer, shard.states)
 
 
 def _candidate_fields(idmap: IdMap) -> list[torch.Tensor]:
     """The candidate table's tensors, in record order (ids first)."""
-    return [_buf(idmap, n) for n in ("candidate_ids", "candidate_count", "candidate_last_seen")]
+    return [idmap.buffer(n) for n in ("candidate_ids", "candidate_count", "candidate_last_seen")]
 
 
 def _width(tensor: torch.Tensor) -> int:
@@ -181,7 +175,7 @@ def _outgoing(shard: ShardRows, shard_ranks: Sequence[int], world: int) -> _Outg
     """Encode the live rows and candidates routed to another shard (freed once sent: a
     failed exchange loses nothing here)."""
     idmap = shard.idmap
-    row_ids = _buf(idmap, "row_ids")
+    row_ids = idmap.buffer("row_ids")
     dest_rank = torch.tensor(list(shard_ranks), dtype=torch.int64, device=row_ids.device)
     slots = idmap.live().nonzero().squeeze(1)
     rows, row_counts = _leaving(row_ids, slots, dest_rank, shard.index, world)
@@ -189,7 +183,7 @@ def _outgoing(shard: ShardRows, shard_ranks: Sequence[int], world: int) -> _Outg
     out.candidates = torch.zeros((0, _CANDIDATE_BYTES), dtype=torch.uint8)
     out.candidate_counts = [0] * world
     if idmap.admit_after > 1:
-        ids, used = _buf(idmap, "candidate_ids"), _buf(idmap, "candidate_used")
+        ids, used = idmap.buffer("candidate_ids"), idmap.buffer("candidate_used")
         live = used.nonzero().squeeze(1)
         gone, out.candidate_counts = _leaving(ids, live, dest_rank, shard.index, world)
         out.candidate_slots = gone
@@ -200,11 +194,11 @@ def _outgoing(shard: ShardRows, shard_ranks: Sequence[int], world: int) -> _Outg
 def _free_sent(idmap: IdMap, out: _Outgoing) -> None:
     """Free the rows and candidate slots whose ids were sent away (id -1)."""
     with torch.no_grad():
-        _buf(idmap, "occupied")[out.row_slots] = False
-        _buf(idmap, "row_ids")[out.row_slots] = -1
+        idmap.buffer("occupied")[out.row_slots] = False
+        idmap.buffer("row_ids")[out.row_slots] = -1
         if out.candidate_slots is not None:
-            _buf(idmap, "candidate_used")[out.candidate_slots] = False
-            _buf(idmap, "candidate_ids")[out.candidate_slots] = -1
+            idmap.buffer("candidate_used")[out.candidate_slots] = False
+            idmap.buffer("candidate_ids")[out.candidate_slots] = -1
 
 
 def _leaving(
@@ -370,25 +364,25 @@ def _place_table(
 ) -> None:
     """Put one table's arriving rows and candidates into this shard."""
     idmap = shard.idmap
-    row_ids = _buf(idmap, "row_ids")
+    row_ids = idmap.buffer("row_ids")
     if arrivals:
         fields = _row_fields(shard)
         incoming = _decode(torch.cat(arrivals).to(row_ids.device), fields)
         live = idmap.live()
         residents = live.nonzero().squeeze(1)
-        last_seen = torch.cat([_buf(idmap, "last_seen")[residents], incoming[1]])
-        frequency = torch.cat([_buf(idmap, "frequency")[residents], incoming[2]])
-        order = policy_eviction_order(idmap.config, _buf(idmap, "step"), last_seen, frequency)
+        last_seen = torch.cat([idmap.buffer("last_seen")[residents], incoming[1]])
+        frequency = torch.cat([idmap.buffer("frequency")[residents], incoming[2]])
+        order = policy_eviction_order(idmap.config, idmap.buffer("step"), last_seen, frequency)
         done.rows_received = incoming[0].shape[0]
-        done.rows_dropped = _place(_buf(idmap, "occupied"), live, fields, incoming, order)
+        done.rows_dropped = _place(idmap.buffer("occupied"), live, fields, incoming, order)
     if candidates and idmap.admit_after > 1:
         fields = _candidate_fields(idmap)
         incoming = _decode(torch.cat(candidates).to(row_ids.device), fields)
-        residents = _buf(idmap, "candidate_used").nonzero().squeeze(1)
-        last_seen = torch.cat([_buf(idmap, "candidate_last_seen")[residents], incoming[2]])
+        residents = idmap.buffer("candidate_used").nonzero().squeeze(1)
+        last_seen = torch.cat([idmap.buffer("candidate_last_seen")[residents], incoming[2]])
         order = torch.sort(last_seen, stable=True).indices
         done.candidates_received = incoming[0].shape[0]
-        used = _buf(idmap, "candidate_used")
+        used = idmap.buffer("candidate_used")
         done.candidates_dropped = _place(used, used.clone(), fields, incoming, order)
 
 
