@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from recopt.kernels import cpu_id_map
-from recopt.modules.id_map_native import NativeIdMap
+from recopt.modules.id_map_native import NativeIdMap, lfu_order
 from recopt.modules.id_map_results import (
     CANDIDATE_BUFFERS,
     ROW_BUFFERS,
@@ -117,10 +117,7 @@ def policy_eviction_order(
     if config.policy == "lru":
         return torch.sort(last_seen, stable=True).indices
     age = (step - last_seen).to(torch.float64)
-    decayed = frequency * config.lfu_decay**age
-    # Ties in frequency go to the least recently seen: sort by recency, then stably by count.
-    by_recency = torch.sort(last_seen, stable=True).indices
-    return by_recency[torch.sort(decayed[by_recency], stable=True).indices]
+    return lfu_order(last_seen, frequency * config.lfu_decay**age)
 
 
 class IdMap(nn.Module):

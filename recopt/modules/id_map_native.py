@@ -212,6 +212,13 @@ class NativeIdMap:
         return undo
 
 
+def lfu_order(last_seen: torch.Tensor, decayed: torch.Tensor) -> torch.Tensor:
+    """Positions of entries in lfu's eviction order: the lowest decayed count first, ties to
+    the least recently seen, then by position (sorted by recency, then stably by count)."""
+    by_recency = torch.sort(last_seen, stable=True).indices
+    return by_recency[torch.sort(decayed[by_recency], stable=True).indices]
+
+
 def eviction_head(idmap: IdMap, rows: torch.Tensor, count: int) -> torch.Tensor:
     """``idmap.eviction_order(rows)[:count]`` without sorting every row under lfu.
 
@@ -226,8 +233,7 @@ def eviction_head(idmap: IdMap, rows: torch.Tensor, count: int) -> torch.Tensor:
     frequency = idmap.buffer("frequency")[rows] * idmap.config.lfu_decay**age
     threshold = torch.kthvalue(frequency, count).values
     near = (frequency <= threshold).nonzero().squeeze(1)  # ascending: rows in order
-    by_recency = near[torch.sort(last_seen[near], stable=True).indices]
-    return by_recency[torch.sort(frequency[by_recency], stable=True).indices][:count]
+    return near[lfu_order(last_seen[near], frequency[near])][:count]
 
 
 def _keys(idmap: IdMap, rows: torch.Tensor) -> torch.Tensor:
@@ -337,8 +343,7 @@ def _proven(idmap: IdMap, rows: torch.Tensor, need: int) -> torch.Tensor | None:
     vector = (decay**padded)[: ages.numel()][inverse]
     scalar = (decay ** ages.unsqueeze(1).expand(-1, 2).contiguous()[:, 0])[inverse]  # strided
     decayed = frequency * vector
-    by_recency = torch.sort(last_seen, stable=True).indices
-    order = by_recency[torch.sort(decayed[by_recency], stable=True).indices][:need]
+    order = lfu_order(last_seen, decayed)[:need]
     if float(decayed[order].min()) < _SMALLEST or float(vector[order].min()) < _SMALLEST:
         return None
     differ = vector != scalar
