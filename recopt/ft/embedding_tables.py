@@ -68,7 +68,7 @@ def kernel_tables(kernel: Kernel) -> list[FusedTable]:
 
 
 def id_maps_of(module: nn.Module) -> IdMaps | None:
-    """The collection's id maps (this rank's replica on a sharded one), None without any."""
+    """The collection's id maps (on a sharded one this rank's shard maps), None without any."""
     maps = getattr(module, "id_maps", None)
     return maps if isinstance(maps, IdMaps) else None
 

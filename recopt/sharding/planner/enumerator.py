@@ -26,7 +26,7 @@ from recopt.kernels.registry import fbgemm_spec_names
 from recopt.modules.config import EmbeddingConfig
 from recopt.sharding.layout import needs_row_stat_hook, sharding_refusal
 from recopt.sharding.plan import ParameterSharding, PlanError, ShardingType
-from recopt.sharding.plan_validation import id_map_refusal
+from recopt.sharding.plan_validation import id_map_refusal, id_map_types
 from recopt.sharding.planner.constraints import (
     ParameterConstraints,
     TableWorkload,
@@ -264,11 +264,7 @@ def _id_map_types(
     allowed = tuple(k for k in kinds if not id_map_refusal(k))
     if allowed:
         return allowed
-    ok = [
-        k.value
-        for k in ShardingType
-        if not id_map_refusal(k) and not sharding_refusal(k, optimizer.name)
-    ]
+    ok = [k.value for k in id_map_types() if not sharding_refusal(k, optimizer.name)]
     asked = [k.value for k in c.sharding_types or kinds]
     raise EnumerationError(
         f"{where}: an id-mapped table needs one owner per row (column shards or replicas "
