@@ -23,7 +23,7 @@ from recopt import comm
 from recopt.modules.id_map import IdMap, policy_eviction_order
 from recopt.modules.id_map_lookup import route_shard, row_states
 
-__all__ = ["RelocationReport", "ShardRows", "TableRelocation", "relocate"]
+__all__ = ["RelocationReport", "ShardRows", "TableRelocation", "relocate", "relocate_in_process"]
 
 logger = logging.getLogger(__name__)
 
@@ -249,12 +249,7 @@ def relocate(
     for name, shard_ranks, shard in tables:
         _check(name, shard_ranks, shard, rank, world)
     outgoing = [None if s is None else _outgoing(s, r, world) for _, r, s in tables]
-    header_W = torch.zeros((world, _HEADER * len(tables)), dtype=torch.int64)
-    for t, out in enumerate(outgoing):
-        if out is not None:
-            header_W[:, _HEADER * t] = torch.tensor(out.row_counts)
-            header_W[:, _HEADER * t + 1] = torch.tensor(out.candidate_counts)
-            header_W[:, _HEADER * t + 2] = out.rows.shape[1]
+    header_W = _header(outgoing, world)
     # Packed on the host, exchanged on a device the group serves (a CUDA-only group: the GPU).
     device = comm.collective_device(group, torch.device("cpu"))
     received_W, work = comm.start_all_to_all_counts(header_W.to(device), group)
@@ -265,6 +260,55 @@ def relocate(
     payload, work = comm.start_all_to_all_flat(send.to(device), send_splits, recv_splits, group)
     comm.wait(work, timeout)
     return _unpack(tables, outgoing, received_W, payload.cpu())
+
+
+def relocate_in_process(
+    ranks_tables: Sequence[Sequence[tuple[str, list[int], ShardRows | None]]],
+) -> list[RelocationReport]:
+    """`relocate` with every rank's shards in this process, no process group: what each rank
+    would send is sliced out and handed to its destination instead of exchanged, so the
+    records, the placement, the reports and their warnings are `relocate`'s own (offline,
+    `recopt-reshard` places a checkpoint's ids for its target plan with it).
+
+    Args:
+        ranks_tables: per rank of the target world, its ``tables`` argument of `relocate`.
+
+    Returns:
+        Each rank's report.
+
+    Raises:
+        ValueError, RuntimeError: as `relocate`.
+    """
+    world = len(ranks_tables)
+    for rank, tables in enumerate(ranks_tables):
+        for name, shard_ranks, shard in tables:
+            _check(name, shard_ranks, shard, rank, world)
+    outgoing = [
+        [None if s is None else _outgoing(s, r, world) for _, r, s in tables]
+        for tables in ranks_tables
+    ]
+    headers = [_header(out, world) for out in outgoing]
+    packed = [_pack(out, world) for out in outgoing]
+    reports = []
+    for d, tables in enumerate(ranks_tables):
+        received_W = torch.stack([header_W[d] for header_W in headers])
+        _recv_splits(received_W, outgoing[d], tables)  # the width check `relocate` makes
+        payload = torch.cat(
+            [send[sum(splits[:d]) : sum(splits[: d + 1])] for send, splits in packed]
+        )
+        reports.append(_unpack(tables, outgoing[d], received_W, payload))
+    return reports
+
+
+def _header(outgoing: Sequence[_Outgoing | None], world: int) -> torch.Tensor:
+    """``[W, 3T]``: what this rank tells each rank of each table (rows, candidates, width)."""
+    header_W = torch.zeros((world, _HEADER * len(outgoing)), dtype=torch.int64)
+    for t, out in enumerate(outgoing):
+        if out is not None:
+            header_W[:, _HEADER * t] = torch.tensor(out.row_counts)
+            header_W[:, _HEADER * t + 1] = torch.tensor(out.candidate_counts)
+            header_W[:, _HEADER * t + 2] = out.rows.shape[1]
+    return header_W
 
 
 def _pack(outgoing: Sequence[_Outgoing | None], world: int) -> tuple[torch.Tensor, list[int]]:
