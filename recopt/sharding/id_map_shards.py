@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from recopt.modules.config import EmbeddingBagConfig
+from recopt.modules.config import BaseEmbeddingConfig, EmbeddingBagConfig
 from recopt.modules.id_map import CANDIDATE_BUFFERS, IdMap, IdMapConfig
 from recopt.sharding.layout import ShardedLayout
+from recopt.sharding.plan import ParameterSharding
 from recopt.sharding.plan_validation import check_id_map_sharding
 from recopt.sharding.state import Piece, make_sharded_tensor
 
@@ -43,7 +44,7 @@ class MapShard:
     candidate_slots: int
 
 
-def _candidate_split(table: EmbeddingBagConfig, rows: Sequence[int]) -> list[int]:
+def _candidate_split(table: BaseEmbeddingConfig, rows: Sequence[int]) -> list[int]:
     """The table's candidate slots split over its shards in proportion to their rows."""
     assert table.id_map is not None
     if (table.id_map.admit_after or 1) <= 1:
@@ -73,25 +74,36 @@ def map_shards(tables: Sequence[EmbeddingBagConfig], layout: ShardedLayout) -> l
     """
     out: list[MapShard] = []
     for t, table in enumerate(tables):
-        if table.id_map is None:
-            continue
-        check_id_map_sharding(layout.shardings[t], table, f"table {table.name!r}")
-        shards = layout.shardings[t].shards
-        assert len({s.rank for s in shards}) == len(shards), "a row split holds 1 shard a rank"
-        candidates = _candidate_split(table, [s.num_rows for s in shards])
-        offset = 0
-        for k, (s, slots) in enumerate(zip(shards, candidates, strict=True)):
-            assert s.col_offset == 0 and s.num_cols == table.embedding_dim
-            out.append(
-                MapShard(
-                    t, table.name, k, len(shards), s.rank, s.row_offset, s.num_rows, offset, slots
-                )
-            )
-            offset += slots
+        if table.id_map is not None:
+            out += table_map_shards(t, table, layout.shardings[t])
     return out
 
 
-def shard_map(table: EmbeddingBagConfig, shard: MapShard, device: torch.device) -> IdMap:
+def table_map_shards(
+    t: int, table: BaseEmbeddingConfig, sharding: ParameterSharding
+) -> list[MapShard]:
+    """The row shards of id-mapped ``table`` (index ``t``) under ``sharding``, in the plan's
+    shard order (the order `route_shard` numbers them in); `map_shards` of one table, also
+    for a plan no module is built for (`recopt-reshard`).
+
+    Raises:
+        PlanError, ValueError: as `map_shards`.
+    """
+    check_id_map_sharding(sharding, table, f"table {table.name!r}")
+    shards = sharding.shards
+    assert len({s.rank for s in shards}) == len(shards), "a row split holds 1 shard a rank"
+    candidates = _candidate_split(table, [s.num_rows for s in shards])
+    out, offset = [], 0
+    for k, (s, slots) in enumerate(zip(shards, candidates, strict=True)):
+        assert s.col_offset == 0 and s.num_cols == table.embedding_dim
+        out.append(
+            MapShard(t, table.name, k, len(shards), s.rank, s.row_offset, s.num_rows, offset, slots)
+        )
+        offset += slots
+    return out
+
+
+def shard_map(table: BaseEmbeddingConfig, shard: MapShard, device: torch.device) -> IdMap:
     """The map of ``shard``: the table's `IdMapConfig` over the shard's rows and slots."""
     assert table.id_map is not None
     config = table.id_map
