@@ -14,12 +14,11 @@ import io
 import json
 import os
 import pickle
-import re
 import shutil
 import struct
 import time
 import warnings
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from recopt.checkpoint.keys import TABLE_FQN, model_tables, table_of
 from recopt.checkpoint.manifest import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
@@ -46,14 +46,12 @@ from recopt.checkpoint.manifest import (
     verify_files,
 )
 from recopt.checkpoint.reader import SafeFileSystemReader
+from recopt.checkpoint.reshard_id_maps import IdMapTable, id_map_tables, map_chunks, place_ids
 from recopt.checkpoint.state import CheckpointError, archive_crc_off
+from recopt.modules.config import BaseEmbeddingConfig
+from recopt.sharding.id_map_relocate import TableRelocation
 from recopt.sharding.plan import ShardingPlan
 
-# A table's keys: ``model/<module>.embedding_bags.<table>.weight`` (``embeddings.`` in an
-# embedding collection) and optimizer state under ``.../state/<same fqn>/<table>.<state>``.
-_TABLE_FQN = re.compile(
-    r"(?:^|/)(?P<fqn>(?:[^/]*\.)?(?P<kind>embedding_bags|embeddings)\.(?P<table>[^./]+)\.weight)"
-)
 Rect = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of one chunk
 
 
@@ -79,6 +77,19 @@ class ReshardReport:
     seconds: float
     source_world_size: int
     target_world_size: int | None
+    id_map_tables: int = 0
+    id_rows_moved: int = 0
+    id_rows_dropped: int = 0
+    id_candidates_moved: int = 0
+    id_candidates_dropped: int = 0
+
+    def add_placement(self, counts: TableRelocation) -> None:
+        """Counts one id-mapped table's ids placed for the target plan (`place_ids`)."""
+        self.id_map_tables += 1
+        self.id_rows_moved += counts.rows_sent
+        self.id_rows_dropped += counts.rows_dropped
+        self.id_candidates_moved += counts.candidates_sent
+        self.id_candidates_dropped += counts.candidates_dropped
 
 
 ProgressFn = Callable[[Progress], None]
@@ -109,7 +120,7 @@ class _Tally:
         owners = model_tables(tensors)
         return ReshardReport(
             tensors=len(tensors),
-            tables=len({t for k in tensors if (t := _table_of(k, owners))}),
+            tables=len({t for k in tensors if (t := table_of(k, owners))}),
             bytes=self.total,
             seconds=time.perf_counter() - self.start,
             source_world_size=self.manifest.world_size,
@@ -123,13 +134,18 @@ def _nbytes(shape: list[int], dtype: str) -> int:
 
 def _open_source(src: Path, dst: Path) -> tuple[Manifest, Metadata, SafeFileSystemReader, Path]:
     """Verifies ``src`` in full, then creates ``dst``'s partial directory to write into."""
+    manifest, metadata, reader = _verified(src)
+    return manifest, metadata, reader, _fresh_partial(dst)
+
+
+def _verified(src: Path) -> tuple[Manifest, Metadata, SafeFileSystemReader]:
+    """``src``'s manifest and DCP metadata, once every file is verified, and its reader."""
     manifest = read_manifest(src)
     problems = verify_files(src, manifest, sorted(manifest.files))
     if problems:
         raise CheckpointError(f"checkpoint {src} failed verification:\n  " + "\n  ".join(problems))
     metadata = SafeFileSystemReader(src).read_metadata()
-    partial = _fresh_partial(dst)
-    return manifest, metadata, SafeFileSystemReader(src, metadata), partial
+    return manifest, metadata, SafeFileSystemReader(src, metadata)
 
 
 def _read_tensor(
@@ -147,35 +163,6 @@ def _read_tensor(
         # DCP's CheckpointException is a BaseException: never let it (or an assert) escape.
         raise CheckpointError(f"cannot read {key!r}: {type(e).__name__}: {e}") from e
     return full
-
-
-def _table_of(
-    key: str, tables: Collection[tuple[str, str]] | None = None
-) -> tuple[str, str] | None:
-    """(module path, table) of a table's weight or optimizer-state key, else ``None``.
-
-    Optimizer state of a named `CombinedOptimizer` child carries the child's name in front of
-    the weight's path (``optim/state/fused.sparse.ebc.embedding_bags.t0.weight/...``): with
-    ``tables`` (the model's, from `model_tables`) such a key resolves to the model's table
-    whose module path ends its own (the longest such), not to a table of its own.
-    """
-    match = _TABLE_FQN.search(key)
-    if match is None:
-        return None
-    table = match.group("table")
-    suffix = f"{match.group('kind')}.{table}.weight"
-    module = match.group("fqn")[: -len(suffix)].rstrip(".")
-    if tables is None or (module, table) in tables:
-        return module, table
-    owners = [
-        m for m, t in tables if t == table and (not m or module == m or module.endswith(f".{m}"))
-    ]
-    return (max(owners, key=len), table) if owners else (module, table)
-
-
-def model_tables(keys: Iterable[str]) -> set[tuple[str, str]]:
-    """(module path, table) of every embedding table whose weight is among ``keys``."""
-    return {t for k in keys if k.startswith("model/") and (t := _table_of(k)) is not None}
 
 
 def _even_rows(shape: list[int], world_size: int) -> list[Rect]:
@@ -202,7 +189,7 @@ def target_chunks(
     whole: list[Rect] = [((0,) * len(shape), tuple(shape))]
     if not shape:
         return whole
-    table = _table_of(key, tables)
+    table = table_of(key, tables)
     sharding = None
     if plan is not None and table is not None:
         sharding = (plan.get(table[0]) or {}).get(table[1])
@@ -232,19 +219,28 @@ def _chunk(full: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...])
     return view.clone(memory_format=torch.contiguous_format)
 
 
-def _batches(manifest: Manifest, budget: int) -> Iterator[list[str]]:
-    """Keys grouped so that small tensors share a read; a big tensor is read alone."""
+def _units(
+    manifest: Manifest, budget: int, mapped: list[IdMapTable]
+) -> Iterator[tuple[list[str], IdMapTable | None]]:
+    """What is read and written together: each id-mapped table placed for the plan (all its
+    tensors, one table in memory at a time), then the other keys grouped so that small
+    tensors share a read (a big tensor is read alone)."""
+    for table in mapped:
+        yield table.keys, table
+    taken = {k for table in mapped for k in table.keys}
     batch: list[str] = []
     size = 0
     for key, entry in sorted(manifest.tensors.items()):
+        if key in taken:
+            continue
         nbytes = _nbytes(entry.shape, entry.dtype)
         if batch and size + nbytes > budget:
-            yield batch
+            yield batch, None
             batch, size = [], 0
         batch.append(key)
         size += nbytes
     if batch:
-        yield batch
+        yield batch, None
 
 
 def reshard(
@@ -253,10 +249,18 @@ def reshard(
     *,
     world_size: int,
     plan: ShardingPlan | None = None,
+    tables: Sequence[BaseEmbeddingConfig] | None = None,
     progress: ProgressFn | None = None,
     batch_bytes: int = 64 << 20,
 ) -> ReshardReport:
     """Rewrite checkpoint ``src`` as ``dst`` laid out for ``world_size`` ranks (and ``plan``).
+
+    An id-mapped table that ``plan`` places has each live id (and admission candidate)
+    written on the row shard that owns it under the plan, with its weight row, optimizer
+    state and counters, as the first forward after a load would move it (`place_ids`: the
+    same rule, the same rows; ids a shard has no room for are dropped by its policy, counted
+    in the report and warned about). Without ``plan``, or for a table it does not place,
+    rows stay at their global rows and that first forward moves the ids.
 
     Args:
         src: a complete recopt checkpoint (verified in full first).
@@ -264,6 +268,8 @@ def reshard(
         world_size: the target world size (recorded in the manifest; sets the row split of
             sharded tensors that ``plan`` does not place).
         plan: the target plan; tables it places are chunked by its shards.
+        tables: the model's table configs (by name); needed for each id-mapped table
+            ``plan`` places (its ``id_map`` policy and ttl decide which ids are live and kept).
         progress: called after every tensor.
         batch_bytes: small tensors are read together up to this many bytes.
 
@@ -272,34 +278,46 @@ def reshard(
 
     Raises:
         CheckpointError: ``src`` is damaged or ``dst`` exists.
+        ValueError: a bad ``world_size``; a plan rank outside it; an id-mapped table placed by
+            ``plan`` without a config in ``tables``, or with one the checkpoint does not match.
+        PlanError: ``plan`` splits an id-mapped table's columns or replicates it.
     """
     src, dst = Path(src), Path(dst)
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     if plan is not None:
         _check_plan_ranks(plan, world_size)
-    manifest, metadata, reader, partial = _open_source(src, dst)
+    manifest, metadata, reader = _verified(src)
+    owners = model_tables(manifest.tensors)
+    shapes = {k: e.shape for k, e in manifest.tensors.items()}
+    mapped = id_map_tables(shapes, plan, tables, owners)
+    partial = _fresh_partial(dst)
     tally = _Tally(manifest, progress)
+    placed: list[TableRelocation] = []
     new_chunks: dict[str, list[ChunkStorageMetadata]] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
-    tables = model_tables(manifest.tensors)
-    for file_index, keys in enumerate(_batches(manifest, batch_bytes)):
+    for file_index, (keys, table) in enumerate(_units(manifest, batch_bytes, mapped)):
         name = f"__{file_index}_0.distcp"
+        read = {k: _read_tensor(reader, k, shapes[k], manifest.tensors[k].dtype) for k in keys}
+        if table is not None:
+            placed.append(place_ids(table, read, world_size))
         with open(partial / name, "wb") as out:
             for key in keys:
-                entry = manifest.tensors[key]
-                full = _read_tensor(reader, key, entry.shape, entry.dtype)
+                rects = map_chunks(table, key) if table is not None else None
                 sharded = len(getattr(metadata.state_dict_metadata[key], "chunks", [])) > 1
-                rects = target_chunks(key, entry.shape, plan, world_size, sharded, tables)
-                new_chunks[key] = _append_chunks(out, name, key, full, rects, storage)
-                del full
-                tally.add(key, _nbytes(entry.shape, entry.dtype))
+                if rects is None:
+                    rects = target_chunks(key, shapes[key], plan, world_size, sharded, owners)
+                new_chunks[key] = _append_chunks(out, name, key, read.pop(key), rects, storage)
+                tally.add(key, _nbytes(shapes[key], manifest.tensors[key].dtype))
             out.flush()
             os.fsync(out.fileno())
     _write_metadata(partial, metadata, new_chunks, storage)
     plan_json = plan.to_json() if plan is not None else manifest.plan
     _finish_copy(src, dst, partial, manifest, world_size, plan_json)
-    return tally.report(world_size)
+    report = tally.report(world_size)
+    for counts in placed:
+        report.add_placement(counts)
+    return report
 
 
 def _append_chunks(
@@ -443,8 +461,8 @@ def model_export_names(keys: Iterable[str]) -> dict[str, str]:
     names = {k: k.removeprefix("model/") for k in keys}
     short: dict[str, str] = {}
     for key in names:
-        table = _table_of(key)
-        if table is not None and _TABLE_FQN.fullmatch(key.removeprefix("model/")):
+        table = table_of(key)
+        if table is not None and TABLE_FQN.fullmatch(key.removeprefix("model/")):
             module, name = table
             short[key] = f"{module}.{name}.weight" if module else f"{name}.weight"
     taken = set(names.values())
