@@ -1,7 +1,10 @@
 """``recopt-reshard``: rewrite a checkpoint for another world size or plan, or export it whole.
 
-recopt-reshard SRC DST --world-size M [--plan plan.json]
+recopt-reshard SRC DST --world-size M [--plan plan.json [--config model.toml]]
 recopt-reshard SRC DST --to-full
+
+With a plan, id-mapped tables need the model config (the one ``recopt-plan`` reads, for each
+table's ``id_map``): each live id is then written on the row shard that owns it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from recopt.checkpoint.reshard import Progress, ReshardReport, export_full, resh
 from recopt.checkpoint.state import CheckpointError
 from recopt.progress import ProgressLine
 from recopt.sharding.plan import PlanError, ShardingPlan
+from recopt.sharding.planner.cli import read_config
 
 _BAR = 30
 
@@ -33,6 +37,11 @@ def _parser() -> argparse.ArgumentParser:
         help="write model.safetensors and state.safetensors with unsharded tensors",
     )
     parser.add_argument("--plan", help="the target plan (JSON from ShardingPlan.to_json)")
+    parser.add_argument(
+        "--config",
+        help="the model config (TOML with [[embedding.tables]], as recopt-plan reads): with "
+        "--plan, id-mapped tables' ids are written on their owner shards",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -68,13 +77,23 @@ def main(argv: list[str] | None = None) -> int:
     progress = None if args.quiet else _Bar()
     try:
         if args.to_full:
-            if args.plan:
-                raise PlanError("--plan has no meaning with --to-full (the output is unsharded)")
+            if args.plan or args.config:
+                raise PlanError(
+                    "--plan and --config have no meaning with --to-full (the output is unsharded)"
+                )
             report = export_full(args.src, args.dst, progress=progress)
         else:
             plan = ShardingPlan.load(args.plan) if args.plan else None
+            if args.config and plan is None:
+                raise PlanError("--config is read with --plan only (it places id-mapped ids)")
+            tables = read_config(args.config).tables if args.config else None
             report = reshard(
-                args.src, args.dst, world_size=args.world_size, plan=plan, progress=progress
+                args.src,
+                args.dst,
+                world_size=args.world_size,
+                plan=plan,
+                tables=tables,
+                progress=progress,
             )
     except (CheckpointError, PlanError, ValueError, OSError) as e:
         if progress is not None:
@@ -94,11 +113,19 @@ def _summary(src: str, dst: str, report: ReshardReport) -> str:
         else f"{report.target_world_size} ranks"
     )
     rate = report.bytes / max(report.seconds, 1e-9) / (1 << 20)
-    return (
+    text = (
         f"{src} ({report.source_world_size} ranks) -> {dst} ({target}): {report.tensors} "
         f"tensors ({report.tables} embedding tables), {_mib(report.bytes)} in "
         f"{report.seconds:.2f}s ({rate:,.0f} MiB/s)"
     )
+    if report.id_map_tables:
+        text += (
+            f"\nid maps: {report.id_map_tables} tables placed for the plan, "
+            f"{report.id_rows_moved} ids moved to their owner shard "
+            f"({report.id_rows_dropped} dropped: no room), {report.id_candidates_moved} "
+            f"candidates moved ({report.id_candidates_dropped} dropped)"
+        )
+    return text
 
 
 if __name__ == "__main__":
