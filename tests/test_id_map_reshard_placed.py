@@ -150,13 +150,20 @@ def _continue_at(rank: int, world: int, root: str, cases: list[tuple[str, str]])
         dmp = DistributedModelParallel(_Model(), _plan(plan_name, world))
         load(Path(root) / directory, dmp, {"fused": dmp.fused_optimizer})
         misplaced = _misplaced(dmp, "sparse.")
+        loaded = _full_states(dmp, "sparse.")
+        reports: list[Any] = []
+        with _relocation_reports(reports), torch.no_grad():
+            dmp.eval()
+            dmp(_kjt(_bags(rank, STEPS)))  # relocates (the maps are only read)
+            dmp.train()
+        relocated = _full_states(dmp, "sparse.")
         sparse = next(m for n, m in dmp.named_modules() if n.endswith("sparse"))
         pooled: list[torch.Tensor] = []
         hook = sparse.register_forward_hook(
             lambda m, i, o, into=pooled: into.append(o.values().detach())
         )
         dense = torch.optim.SGD([p for _, p in dmp.named_parameters()], lr=0.01)
-        losses, reports = [], []
+        losses = []
         with _relocation_reports(reports):
             for step in range(STEPS, STEPS + TRAIN_STEPS):
                 loss = dmp(_kjt(_bags(rank, step)))
@@ -166,7 +173,8 @@ def _continue_at(rank: int, world: int, root: str, cases: list[tuple[str, str]])
                 losses.append(loss.detach())
         hook.remove()
         moved = [vars(t) for r in reports for t in r.tables.values()]
-        out.append((misplaced, moved, losses, pooled, _full_states(dmp, "sparse.")))
+        states = (loaded, relocated, _full_states(dmp, "sparse."))
+        out.append((misplaced, moved, losses, pooled, states))
     return out
 
 
@@ -234,16 +242,23 @@ def test_placed_checkpoint_trains_on_as_the_runtime_relocation(resharded: dict[s
         assert dropped == report.id_rows_dropped, name
         candidates = sum(m["candidates_dropped"] for _, moved, *_ in runtime for m in moved)
         assert candidates == report.id_candidates_dropped, name
-        # Training on: the same losses, pooled outputs and state (every tensor, by row).
-        for (_, _, losses_a, pooled_a, state_a), (_, _, losses_b, pooled_b, state_b) in zip(
+        # Relocated, the runtime path holds what was written (every tensor, row for row), and
+        # training on gives the same losses, pooled outputs and state.
+        for (_, _, losses_a, pooled_a, states_a), (_, _, losses_b, pooled_b, states_b) in zip(
             runtime, placed, strict=True
         ):
+            _assert_equal_states(states_b[0], states_b[1], name)  # nothing moved
+            _assert_equal_states(states_a[1], states_b[1], name)
             assert len(losses_a) == TRAIN_STEPS and len(pooled_a) == TRAIN_STEPS
             assert all(torch.equal(a, b) for a, b in zip(losses_a, losses_b, strict=True))
             assert all(torch.equal(a, b) for a, b in zip(pooled_a, pooled_b, strict=True))
-            assert sorted(state_a) == sorted(state_b)
-            for key, value in state_a.items():
-                assert torch.equal(value, state_b[key]), (name, key)
+            _assert_equal_states(states_a[2], states_b[2], name)
+
+
+def _assert_equal_states(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], name: str) -> None:
+    assert sorted(a) == sorted(b), name
+    for key, value in a.items():
+        assert torch.equal(value, b[key]), (name, key)
 
 
 def _no_output(dst: Path) -> bool:
@@ -341,3 +356,37 @@ def test_cli_places_ids_with_the_model_config(
         [*args[:1], str(tmp_path / "out2"), *args[2:], "--config", str(tmp_path / "model.toml")]
     )
     assert status == 2 and "--config is read with --plan only" in capsys.readouterr().err
+
+
+def test_unsharded_source_is_placed_the_same_way(tmp_path: Path) -> None:
+    """The source's layout does not matter (tensors are read whole): an unsharded fused
+    collection's checkpoint gets every id on its owner shard, with its saved values."""
+    from recopt.checkpoint import save
+    from recopt.kernels.config import FusedOptimizerConfig
+    from recopt.modules import FusedEmbeddingBagCollection
+
+    torch.manual_seed(0)
+    config = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.05)
+    ebc = FusedEmbeddingBagCollection(TABLES, optimizer=config)
+    for step in range(STEPS):
+        everyone = [_bags(r, step) for r in range(2)]
+        bags = {f: [b for per in everyone for b in per[f]] for f in ("f0", "f1", "g")}
+        ebc(_kjt(bags)).values().square().sum().backward()
+    save(tmp_path / "ck", ebc, {"fused": ebc.fused_optimizer})
+    saved = _by_id(_full_states(ebc, ""), "")
+    for name in ("row_wise", "uneven"):
+        plan = ShardingPlan({"": _plan(name, WORLD)["sparse"]})
+        dst = tmp_path / name
+        report = reshard(tmp_path / "ck", dst, world_size=WORLD, plan=plan, tables=TABLES)
+        assert report.id_rows_moved > 0 and report.id_candidates_moved > 0, name
+        written = {f"sparse.{k}": v for k, v in _read_back(dst).items()}
+        assert _owners_wrong(written, ShardingPlan({"sparse": plan[""]})) == {"t0": 0, "t1": 0}
+        by_id = _by_id(written, "sparse.")
+        if name == "row_wise":
+            _assert_same_by_id(by_id, saved, name)
+        assert report.id_rows_dropped == (
+            sum(len(saved[t]) for t in MAPPED) - sum(len(by_id[t]) for t in MAPPED)
+        )
+        for key, ids in by_id.items():
+            for i, values in ids.items():
+                assert all(torch.equal(a, b) for a, b in zip(values, saved[key][i], strict=True))
