@@ -121,11 +121,14 @@ def _encode(fields: Sequence[torch.Tensor], index: torch.Tensor) -> torch.Tensor
     """Rows ``index`` of ``fields`` as one uint8 record per row, ``[len(index), R]``, on the
     host (bit-exact: the bytes of each value; the fields may live on different devices)."""
     n = index.numel()
-    parts = [
-        f.detach()[index.to(f.device)].cpu().reshape(n, math.prod(f.shape[1:])).view(torch.uint8)
-        for f in fields
-    ]
-    return torch.cat(parts, dim=1)
+    widths = [_width(f) for f in fields]
+    records = torch.empty((n, sum(widths)), dtype=torch.uint8)
+    start = 0
+    for f, width in zip(fields, widths, strict=True):  # one field's copy at a time
+        part = f.detach()[index.to(f.device)].cpu().reshape(n, math.prod(f.shape[1:]))
+        records[:, start : start + width] = part.view(torch.uint8)
+        start += width
+    return records
 
 
 def _decode(records: torch.Tensor, fields: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -288,14 +291,13 @@ def relocate_in_process(
         for tables in ranks_tables
     ]
     headers = [_header(out, world) for out in outgoing]
-    packed = [_pack(out, world) for out in outgoing]
     reports = []
     for d, tables in enumerate(ranks_tables):
         received_W = torch.stack([header_W[d] for header_W in headers])
         _recv_splits(received_W, outgoing[d], tables)  # the width check `relocate` makes
-        payload = torch.cat(
-            [send[sum(splits[:d]) : sum(splits[: d + 1])] for send, splits in packed]
-        )
+        # Rank d's receive buffer: what each source sends it, in source-rank order.
+        pieces = [p for out in outgoing for p in _pieces_for(out, d)]
+        payload = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8)
         reports.append(_unpack(tables, outgoing[d], received_W, payload))
     return reports
 
@@ -313,21 +315,23 @@ def _header(outgoing: Sequence[_Outgoing | None], world: int) -> torch.Tensor:
 
 def _pack(outgoing: Sequence[_Outgoing | None], world: int) -> tuple[torch.Tensor, list[int]]:
     """The send buffer: for each destination rank, each table's rows then candidates."""
-    parts: list[torch.Tensor] = []
-    splits = [0] * world
-    cursors = [[0, 0] for _ in outgoing]
-    for d in range(world):
-        for out, cursor in zip(outgoing, cursors, strict=True):
-            if out is None:
-                continue
-            n, c = out.row_counts[d], out.candidate_counts[d]
-            rows = out.rows[cursor[0] : cursor[0] + n].reshape(-1)
-            cands = out.candidates[cursor[1] : cursor[1] + c].reshape(-1)
-            cursor[0], cursor[1] = cursor[0] + n, cursor[1] + c
-            parts += [rows, cands]
-            splits[d] += rows.numel() + cands.numel()
+    pieces = [_pieces_for(outgoing, d) for d in range(world)]
+    splits = [sum(p.numel() for p in per_rank) for per_rank in pieces]
+    parts = [p for per_rank in pieces for p in per_rank]
     send = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
     return send, splits
+
+
+def _pieces_for(outgoing: Sequence[_Outgoing | None], d: int) -> list[torch.Tensor]:
+    """What this rank sends rank ``d``, as views: each table's rows then its candidates."""
+    pieces = []
+    for out in outgoing:
+        if out is None:
+            continue
+        r0, c0 = sum(out.row_counts[:d]), sum(out.candidate_counts[:d])
+        pieces.append(out.rows[r0 : r0 + out.row_counts[d]].reshape(-1))
+        pieces.append(out.candidates[c0 : c0 + out.candidate_counts[d]].reshape(-1))
+    return pieces
 
 
 def _recv_splits(
