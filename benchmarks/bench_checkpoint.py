@@ -187,6 +187,80 @@ def reshard_memory(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     }
 
 
+def _id_tables(tables: int, rows: int, dim: int) -> list[Any]:
+    from recopt.modules import EmbeddingBagConfig, IdMapConfig
+
+    return [
+        EmbeddingBagConfig(
+            name=f"t{t}",
+            num_embeddings=rows,
+            embedding_dim=dim,
+            feature_names=(f"f{t}",),
+            id_map=IdMapConfig(policy="lru"),
+        )
+        for t in range(tables)
+    ]
+
+
+def _save_id_mapped(rank: int, world: int, root: str, tables: int, rows: int, dim: int) -> None:
+    """Saves id-mapped tables row-wise with Adam state, every row holding a distinct id."""
+    from recopt.kernels.config import FusedOptimizerConfig
+    from recopt.sharding import construct_module_sharding_plan, row_wise
+    from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
+
+    configs = _id_tables(tables, rows, dim)
+    plan = construct_module_sharding_plan(configs, {t.name: row_wise() for t in configs}, world)
+    optimizer = FusedOptimizerConfig(name="adam", lr=0.01, backend="recopt")
+    ebc = ShardedEmbeddingBagCollection(configs, plan, optimizer=optimizer)
+    maps = ebc.id_maps
+    assert maps is not None
+    g = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        for t in configs:
+            idmap = maps.table_map(t.name)
+            n = idmap.num_rows
+            idmap.buffer("row_ids").copy_(torch.randperm(n, generator=g) * world + rank)
+            idmap.buffer("occupied").fill_(True)
+            idmap.buffer("last_seen").copy_(torch.randint(0, 100, (n,), generator=g))
+            idmap.buffer("frequency").copy_(torch.rand(n, generator=g, dtype=torch.float64))
+            idmap.buffer("step").fill_(100)
+        for states in ebc.fused_optimizer.state_dict()["state"].values():
+            for value in states.values():
+                for shard in getattr(value, "local_shards", list)():
+                    shard.tensor.uniform_(generator=g)
+    save(Path(root) / "src", ebc, {"fused": ebc.fused_optimizer})
+
+
+def reshard_id_map_memory(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """Peak RSS of recopt-reshard 2 -> 3 ranks of id-mapped tables, without a plan (rows
+    stay) and with the plan and config (every id placed on its owner shard), side by side."""
+    from recopt.sharding import ShardingPlan, construct_module_sharding_plan, row_wise
+
+    size = (args.tables, args.rows, args.dim)
+    run_on_ranks(_save_id_mapped, 2, str(root), *size, timeout_s=600)
+    configs = _id_tables(*size)
+    plan = construct_module_sharding_plan(configs, {t.name: row_wise() for t in configs}, 3)
+    (root / "plan.json").write_text(ShardingPlan({"": plan}).to_json())
+    toml = "".join(
+        f'[[embedding.tables]]\nname = "{t.name}"\nnum_embeddings = {args.rows}\n'
+        f'embedding_dim = {args.dim}\nfeature_names = ["{t.feature_names[0]}"]\n'
+        'id_map = { policy = "lru" }\n\n'
+        for t in configs
+    )
+    (root / "model.toml").write_text(toml)
+    table_mib = (3 * args.rows * args.dim * 4 + args.rows * 25) / (1 << 20)
+    baseline, _ = _peak_rss_mib([])
+    out: dict[str, Any] = {"bench": "reshard_id_map_memory", "largest_table_mib": table_mib}
+    placing = ["--plan", str(root / "plan.json"), "--config", str(root / "model.toml")]
+    for name, extra in (("rows_stay", []), ("ids_placed", placing)):
+        peak, seconds = _peak_rss_mib(
+            [str(root / "src"), str(root / name), "--world-size", "3", "--quiet", *extra]
+        )
+        out[f"{name}_ratio_to_largest_table"] = round((peak - baseline) / table_mib, 3)
+        out[f"{name}_seconds"] = round(seconds, 2)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tables", type=int, default=6)
@@ -194,9 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument(
+        "--id-map", action="store_true", help="only recopt-reshard's memory on id-mapped tables"
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="recopt-bench-ckpt-", dir=args.dir) as tmp:
         benches = [throughput, lambda a, r: throughput(a, r, cold=True), reshard_memory]
+        if args.id_map:
+            benches = [reshard_id_map_memory]
         for bench in benches:
             print(json.dumps(bench(args, Path(tmp))), flush=True)
             for child in Path(tmp).iterdir():
