@@ -5,7 +5,8 @@ See docs/checkpoint.md for the layout, the trust model and the ``recopt-reshard`
 
 from recopt.checkpoint.manager import CheckpointManager
 from recopt.checkpoint.manifest import Manifest, read_manifest
-from recopt.checkpoint.reshard import ReshardReport, export_full, reshard
+from recopt.checkpoint.reshard import export_full, reshard
+from recopt.checkpoint.reshard_report import ReshardReport
 from recopt.checkpoint.save_load import load, save
 from recopt.checkpoint.state import CheckpointError, Stateful
 

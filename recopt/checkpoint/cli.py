@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from recopt.checkpoint.reshard import Progress, ReshardReport, export_full, reshard
+from recopt.checkpoint.reshard import export_full, reshard
+from recopt.checkpoint.reshard_report import Progress, ReshardReport
 from recopt.checkpoint.state import CheckpointError
 from recopt.progress import ProgressLine
 from recopt.sharding.plan import PlanError, ShardingPlan

@@ -16,10 +16,9 @@ import os
 import pickle
 import shutil
 import struct
-import time
 import warnings
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -47,89 +46,13 @@ from recopt.checkpoint.manifest import (
 )
 from recopt.checkpoint.reader import SafeFileSystemReader
 from recopt.checkpoint.reshard_id_maps import IdMapTable, id_map_tables, map_chunks, place_ids
+from recopt.checkpoint.reshard_report import ProgressFn, ReshardReport, Tally, nbytes
 from recopt.checkpoint.state import CheckpointError, archive_crc_off
 from recopt.modules.config import BaseEmbeddingConfig
 from recopt.sharding.id_map_relocate import TableRelocation
 from recopt.sharding.plan import ShardingPlan
 
 Rect = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of one chunk
-
-
-@dataclass(slots=True)
-class Progress:
-    """Where a reshard or export stands, passed to the progress callback after each tensor."""
-
-    done_tensors: int
-    total_tensors: int
-    done_bytes: int
-    total_bytes: int
-    seconds: float
-    key: str
-
-
-@dataclass(slots=True)
-class ReshardReport:
-    """What a reshard or export did."""
-
-    tensors: int
-    tables: int
-    bytes: int
-    seconds: float
-    source_world_size: int
-    target_world_size: int | None
-    id_map_tables: int = 0
-    id_rows_moved: int = 0
-    id_rows_dropped: int = 0
-    id_candidates_moved: int = 0
-    id_candidates_dropped: int = 0
-
-    def add_placement(self, counts: TableRelocation) -> None:
-        """Counts one id-mapped table's ids placed for the target plan (`place_ids`)."""
-        self.id_map_tables += 1
-        self.id_rows_moved += counts.rows_sent
-        self.id_rows_dropped += counts.rows_dropped
-        self.id_candidates_moved += counts.candidates_sent
-        self.id_candidates_dropped += counts.candidates_dropped
-
-
-ProgressFn = Callable[[Progress], None]
-
-
-class _Tally:
-    """What a rewrite or an export has written since it began, told to ``progress`` per tensor."""
-
-    def __init__(self, manifest: Manifest, progress: ProgressFn | None) -> None:
-        self.manifest = manifest
-        self.progress = progress
-        self.start = time.perf_counter()
-        self.total = sum(_nbytes(e.shape, e.dtype) for e in manifest.tensors.values())
-        self.done = self.done_bytes = 0
-
-    def add(self, key: str, nbytes: int) -> None:
-        """Counts tensor ``key`` (``nbytes`` bytes) as written and reports the progress."""
-        self.done += 1
-        self.done_bytes += nbytes
-        if self.progress is not None:
-            elapsed = time.perf_counter() - self.start
-            total_n = len(self.manifest.tensors)
-            self.progress(Progress(self.done, total_n, self.done_bytes, self.total, elapsed, key))
-
-    def report(self, target_world_size: int | None) -> ReshardReport:
-        """What was done: tensors, tables, bytes, seconds since the start."""
-        tensors = self.manifest.tensors
-        owners = model_tables(tensors)
-        return ReshardReport(
-            tensors=len(tensors),
-            tables=len({t for k in tensors if (t := table_of(k, owners))}),
-            bytes=self.total,
-            seconds=time.perf_counter() - self.start,
-            source_world_size=self.manifest.world_size,
-            target_world_size=target_world_size,
-        )
-
-
-def _nbytes(shape: list[int], dtype: str) -> int:
-    return torch.Size(shape).numel() * getattr(torch, dtype).itemsize
 
 
 def _open_source(src: Path, dst: Path) -> tuple[Manifest, Metadata, SafeFileSystemReader, Path]:
@@ -233,12 +156,12 @@ def _units(
     for key, entry in sorted(manifest.tensors.items()):
         if key in taken:
             continue
-        nbytes = _nbytes(entry.shape, entry.dtype)
-        if batch and size + nbytes > budget:
+        tensor_bytes = nbytes(entry.shape, entry.dtype)
+        if batch and size + tensor_bytes > budget:
             yield batch, None
             batch, size = [], 0
         batch.append(key)
-        size += nbytes
+        size += tensor_bytes
     if batch:
         yield batch, None
 
@@ -292,32 +215,65 @@ def reshard(
     shapes = {k: e.shape for k, e in manifest.tensors.items()}
     mapped = id_map_tables(shapes, plan, tables, owners)
     partial = _fresh_partial(dst)
-    tally = _Tally(manifest, progress)
+    writer = _Writer(_Target(plan, world_size, owners, metadata), Tally(manifest, progress))
     placed: list[TableRelocation] = []
-    new_chunks: dict[str, list[ChunkStorageMetadata]] = {}
-    storage: dict[MetadataIndex, _StorageInfo] = {}
     for file_index, (keys, table) in enumerate(_units(manifest, batch_bytes, mapped)):
-        name = f"__{file_index}_0.distcp"
         read = {k: _read_tensor(reader, k, shapes[k], manifest.tensors[k].dtype) for k in keys}
         if table is not None:
             placed.append(place_ids(table, read, world_size))
-        with open(partial / name, "wb") as out:
-            for key in keys:
-                rects = map_chunks(table, key) if table is not None else None
-                sharded = len(getattr(metadata.state_dict_metadata[key], "chunks", [])) > 1
-                if rects is None:
-                    rects = target_chunks(key, shapes[key], plan, world_size, sharded, owners)
-                new_chunks[key] = _append_chunks(out, name, key, read.pop(key), rects, storage)
-                tally.add(key, _nbytes(shapes[key], manifest.tensors[key].dtype))
-            out.flush()
-            os.fsync(out.fileno())
-    _write_metadata(partial, metadata, new_chunks, storage)
+        writer.write_file(partial / f"__{file_index}_0.distcp", keys, read, table)
+    _write_metadata(partial, metadata, writer.chunks, writer.storage)
     plan_json = plan.to_json() if plan is not None else manifest.plan
     _finish_copy(src, dst, partial, manifest, world_size, plan_json)
-    report = tally.report(world_size)
+    report = writer.tally.report(world_size)
     for counts in placed:
         report.add_placement(counts)
     return report
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """The layout a rewrite writes for: the target plan and world size."""
+
+    plan: ShardingPlan | None
+    world_size: int
+    owners: Collection[tuple[str, str]]  # the model's tables (`model_tables`)
+    source: Metadata
+
+    def chunks(self, key: str, shape: list[int], table: IdMapTable | None) -> list[Rect]:
+        """The chunks ``key`` is written in (a placed table's map: its row shards')."""
+        rects = map_chunks(table, key) if table is not None else None
+        if rects is None:
+            sharded = len(getattr(self.source.state_dict_metadata[key], "chunks", [])) > 1
+            rects = target_chunks(key, shape, self.plan, self.world_size, sharded, self.owners)
+        return rects
+
+
+@dataclass(slots=True)
+class _Writer:
+    """Appends tensors to the output's files as DCP chunks, and keeps their metadata."""
+
+    target: _Target
+    tally: Tally
+    chunks: dict[str, list[ChunkStorageMetadata]] = field(default_factory=dict)
+    storage: dict[MetadataIndex, _StorageInfo] = field(default_factory=dict)
+
+    def write_file(
+        self,
+        path: Path,
+        keys: list[str],
+        tensors: dict[str, torch.Tensor],
+        table: IdMapTable | None,
+    ) -> None:
+        """Writes ``keys`` (popped from ``tensors``: each freed once written) to ``path``."""
+        with open(path, "wb") as out:
+            for key in keys:
+                full = tensors.pop(key)
+                rects = self.target.chunks(key, list(full.shape), table)
+                self.chunks[key] = _append_chunks(out, path.name, key, full, rects, self.storage)
+                self.tally.add(key, full.nbytes)
+            out.flush()
+            os.fsync(out.fileno())
 
 
 def _append_chunks(
@@ -429,7 +385,7 @@ def export_full(
     """
     src, dst = Path(src), Path(dst)
     manifest, _, reader, partial = _open_source(src, dst)
-    tally = _Tally(manifest, progress)
+    tally = Tally(manifest, progress)
     groups = {
         "model.safetensors": [k for k in sorted(manifest.tensors) if k.startswith("model/")],
         "state.safetensors": [k for k in sorted(manifest.tensors) if not k.startswith("model/")],
@@ -500,7 +456,7 @@ def _safetensors_header(
         entry = manifest.tensors[key]
         if entry.dtype not in _SAFETENSORS_DTYPES:
             raise CheckpointError(f"{key}: dtype {entry.dtype} has no safetensors equivalent")
-        size = _nbytes(entry.shape, entry.dtype)
+        size = nbytes(entry.shape, entry.dtype)
         header[names[key]] = {
             "dtype": _SAFETENSORS_DTYPES[entry.dtype],
             "shape": entry.shape,
