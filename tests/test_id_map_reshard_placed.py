@@ -265,12 +265,13 @@ def _no_output(dst: Path) -> bool:
     return not dst.exists() and not (dst.parent / f".{dst.name}.partial").exists()
 
 
-def test_damaged_or_mismatched_input_is_refused(resharded: dict[str, Any], tmp_path: Path) -> None:
+def test_damaged_or_mismatched_input_is_refused(
+    resharded: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     ck, plan, dst = resharded["root"] / "ck", _plan("row_wise", WORLD), tmp_path / "out"
     mapped = {t.name: t for t in TABLES}
     replace = dataclasses.replace
     wrong_tables: list[tuple[list[EmbeddingBagConfig] | None, str]] = [
-        (None, r"table 't0' \(module 'sparse'\) is id-mapped .* --config"),
         ([t for t in TABLES if t.name != "t1"], r"table 't1' .* no table of that name"),
         ([*TABLES[:1], replace(mapped["t1"], id_map=None), TABLES[2]], "t1.*without id_map"),
         (
@@ -286,6 +287,11 @@ def test_damaged_or_mismatched_input_is_refused(resharded: dict[str, Any], tmp_p
         with pytest.raises(ValueError, match=message):
             reshard(ck, dst, world_size=WORLD, plan=plan, tables=tables)
         assert _no_output(dst)
+    with caplog.at_level(logging.WARNING):  # no configs at all: rows stay, a warning says so
+        report = reshard(ck, dst, world_size=WORLD, plan=plan, tables=None)
+    assert "sparse.t0" in caplog.text and "--config" in caplog.text
+    assert report.id_map_tables == 0 and report.id_rows_moved == 0
+    shutil.rmtree(dst)
     column = construct_module_sharding_plan(TABLES, _requests("row_wise"), WORLD)
     halves = [
         ShardSpec(rank=r, row_offset=0, num_rows=60, col_offset=4 * r, num_cols=4) for r in (0, 1)

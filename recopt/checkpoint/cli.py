@@ -3,8 +3,10 @@
 recopt-reshard SRC DST --world-size M [--plan plan.json [--config model.toml]]
 recopt-reshard SRC DST --to-full
 
-With a plan, id-mapped tables need the model config (the one ``recopt-plan`` reads, for each
-table's ``id_map``): each live id is then written on the row shard that owns it.
+With a plan and the model config (the one ``recopt-plan`` reads, for each table's ``id_map``),
+each live id of an id-mapped table is written on the row shard that owns it; without the
+config its rows stay at their global rows (a warning says so) and the first forward after the
+load moves the ids.
 """
 
 from __future__ import annotations

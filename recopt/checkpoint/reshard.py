@@ -191,8 +191,10 @@ def reshard(
         world_size: the target world size (recorded in the manifest; sets the row split of
             sharded tensors that ``plan`` does not place).
         plan: the target plan; tables it places are chunked by its shards.
-        tables: the model's table configs (by name); needed for each id-mapped table
-            ``plan`` places (its ``id_map`` policy and ttl decide which ids are live and kept).
+        tables: the model's table configs (by name): with them, each id-mapped table ``plan``
+            places has its ids written on their owner shards (its ``id_map`` policy and ttl
+            decide which ids are live and kept); without (None), such tables keep their rows
+            at their global rows, with a warning, and the first forward moves the ids.
         progress: called after every tensor.
         batch_bytes: small tensors are read together up to this many bytes.
 

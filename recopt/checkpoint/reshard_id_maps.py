@@ -11,6 +11,7 @@ forward after loading the output then finds nothing to move.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from recopt.sharding.plan import ParameterSharding, ShardingPlan
 __all__ = ["IdMapTable", "id_map_tables", "map_chunks", "place_ids"]
 
 _ROW_SHAPES = (StateShape.PER_ROW, StateShape.PER_ELEMENT)
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -66,17 +68,19 @@ def id_map_tables(
     A table is id-mapped when the checkpoint holds its map (``model/<module>.id_maps.<table>.
     row_ids``). Without a plan, or for a table the plan does not place, nothing is placed:
     the rows stay at their global rows and the first forward after the load moves the ids.
+    So too with a plan but no ``tables`` at all (a warning names the tables and the fix): the
+    checkpoint the plan loads is as right, only its first forward moves the ids.
 
     Args:
         shapes: every checkpoint key -> its global shape.
         plan: the target plan.
         tables: the model's table configs, matched by name (every module's table of that
-            name); each id-mapped table the plan places needs one with its ``id_map``.
+            name); given, each id-mapped table the plan places needs one with its ``id_map``.
         owners: the model's (module, table) pairs (`keys.model_tables`).
 
     Raises:
-        ValueError: a placed id-mapped table has no config, or one that does not match the
-            checkpoint (naming the table, the field and the fix).
+        ValueError: ``tables`` has no config for a placed id-mapped table, or one that does not
+            match the checkpoint (naming the table, the field and the fix).
         PlanError: the plan shards an id-mapped table in a way that gives a row no one owner.
     """
     if plan is None:
@@ -87,7 +91,18 @@ def id_map_tables(
         if match is not None:
             module, table = match.group("module") or "", match.group("table")
             maps.setdefault((module, table), {})[match.group("buffer")] = key
-    configs = {t.name: t for t in tables or ()}
+    placed = sorted(key for key in maps if (plan.get(key[0]) or {}).get(key[1]) is not None)
+    if tables is None:
+        if placed:
+            logger.warning(
+                "recopt-reshard: id-mapped tables %s keep their rows at their global rows (no "
+                "table configs given); the first forward after the load moves each id to its "
+                "owner shard. Pass --config MODEL.toml (the config recopt-plan reads) to write "
+                "them there now",
+                ", ".join(f"{m}.{t}" if m else t for m, t in placed),
+            )
+        return []
+    configs = {t.name: t for t in tables}
     out = []
     for (module, name), buffers in sorted(maps.items()):
         sharding = (plan.get(module) or {}).get(name)
