@@ -19,9 +19,15 @@
 typedef struct {
     Slots rows, cand;
     int has_cand, recording;
-    int64_t gen, cap_m, num_u, num_known, num_wanted, expired, admissions, stats_known;
-    Hash batch_hash;
-    int64_t *ids_u, *count_u, *slot_u, *inverse, *known, *wanted, *touched;
+    int64_t gen, cap_m, num_u, num_known, num_wanted, expired, admissions;
+    Hash batch_hash; /* the batch's new ids -> their index, first seen order */
+    uint64_t *row_pos; /* [N]: (batch generation << 32) | the row's index in known */
+    uint64_t *row_bits; /* [N / 64 + 1]: the rows the batch touched (all 0 between batches) */
+    int64_t *found;    /* [M]: each id's row, -1 if it is not live */
+    int64_t *inverse;  /* [M]: each id's known row (>= 0) or ~(its index in ids_u) */
+    int64_t *known, *count_k; /* [K]: the distinct known rows (first seen order), counts */
+    int64_t *ids_u, *count_u, *slot_u; /* [U]: the distinct new ids (ascending), counts, rows */
+    int64_t *wanted, *touched;
     uint64_t *sort_key, *sort_key_tmp;
     int64_t *sort_val, *sort_val_tmp;
     uint8_t *admitted;
@@ -53,7 +59,9 @@ static void free_scratch(Map *m) {
     free(m->count_u);
     free(m->slot_u);
     free(m->inverse);
+    free(m->found);
     free(m->known);
+    free(m->count_k);
     free(m->wanted);
     free(m->touched);
     free(m->sort_key);
@@ -68,6 +76,8 @@ void rim_free(void *handle) {
     if (!m) return;
     slots_free(&m->rows);
     slots_free(&m->cand);
+    free(m->row_pos);
+    free(m->row_bits);
     free_scratch(m);
     free(m);
 }
@@ -76,7 +86,9 @@ void *rim_new(int64_t num_rows, int64_t num_candidates) {
     Map *m = calloc(1, sizeof(Map));
     if (!m) return NULL;
     m->has_cand = num_candidates > 0;
-    if (slots_init(&m->rows, num_rows) != 0 ||
+    m->row_pos = calloc(num_rows + 1, 8);
+    m->row_bits = calloc((num_rows >> 6) + 1, 8);
+    if (!m->row_pos || !m->row_bits || slots_init(&m->rows, num_rows) != 0 ||
         (m->has_cand && slots_init(&m->cand, num_candidates) != 0)) {
         rim_free(m);
         return NULL;
@@ -94,7 +106,9 @@ static int reserve(Map *m, int64_t need) {
     m->count_u = malloc(8 * cap);
     m->slot_u = malloc(8 * cap);
     m->inverse = malloc(8 * cap);
+    m->found = malloc(8 * cap);
     m->known = malloc(8 * cap);
+    m->count_k = malloc(8 * cap);
     m->wanted = malloc(8 * cap);
     m->touched = malloc(16 * cap);
     m->sort_key = malloc(16 * cap);
@@ -103,7 +117,8 @@ static int reserve(Map *m, int64_t need) {
     m->sort_val_tmp = malloc(16 * cap);
     m->admitted = malloc(cap);
     m->cap_m = 0;
-    if (!m->ids_u || !m->count_u || !m->slot_u || !m->inverse || !m->known || !m->wanted ||
+    if (!m->ids_u || !m->count_u || !m->slot_u || !m->inverse || !m->found || !m->known ||
+        !m->count_k || !m->wanted ||
         !m->touched || !m->sort_key || !m->sort_key_tmp || !m->sort_val || !m->sort_val_tmp ||
         !m->admitted || hash_init(&m->batch_hash, cap) != 0)
         return -1;
@@ -152,12 +167,37 @@ int rim_lookup(void *handle, void **buffers, const int64_t *ids, int64_t num_ids
     return 0;
 }
 
-/* The batch's distinct ids in ascending order, their counts, and each id's distinct index. */
-static void unique_sorted(Map *m, const int64_t *ids, int64_t num_ids) {
-    Hash *h = &m->batch_hash;
-    int64_t u = 0;
+/* Each id of the batch looked up: the distinct known rows (first seen order) with their
+ * counts, and the distinct new ids in ascending order with theirs; inverse says which each id
+ * is. Only the new ids are sorted (their order decides who gets a row when rows run short). */
+static void scan_batch(Map *m, const int64_t *ids, int64_t num_ids) {
+    const Hash *h = &m->rows.hash;
+    for (int64_t i = 0; i < num_ids; i++) { /* the rows, the hash misses overlapped */
+        if (i + AHEAD < num_ids) prefetch_home(h, ids[i + AHEAD]);
+        int64_t r = hash_find(h, ids[i]);
+        m->found[i] = r;
+        if (r >= 0) __builtin_prefetch(&m->row_pos[r], 1);
+    }
+    uint64_t gen = (uint32_t)m->gen;
+    Hash *b = &m->batch_hash;
+    int64_t k = 0, u = 0;
     for (int64_t i = 0; i < num_ids; i++) {
-        int64_t at = hash_put(h, ids[i], u);
+        int64_t r = m->found[i], at;
+        if (r >= 0) {
+            uint64_t pos = m->row_pos[r];
+            if ((pos >> 32) != gen) {
+                at = k++;
+                m->row_pos[r] = gen << 32 | (uint64_t)at;
+                m->known[at] = r;
+                m->count_k[at] = 0;
+            } else {
+                at = (int64_t)(pos & 0xffffffffULL);
+            }
+            m->count_k[at]++;
+            m->inverse[i] = r;
+            continue;
+        }
+        at = hash_put(b, ids[i], u);
         if (at < 0) {
             m->sort_key[u] = signed_key(ids[i]);
             m->sort_val[u] = u;
@@ -165,25 +205,30 @@ static void unique_sorted(Map *m, const int64_t *ids, int64_t num_ids) {
             at = u++;
         }
         m->count_u[at]++;
-        m->inverse[i] = at;
+        m->inverse[i] = ~at;
     }
-    for (int64_t i = 0; i < num_ids; i++) { /* clear only what the batch used */
-        int64_t j = (int64_t)(mix64((uint64_t)ids[i]) & (uint64_t)h->mask);
-        while (h->entries[j].slot >= 0) {
-            h->entries[j].slot = -1;
-            j = (j + 1) & h->mask;
+    for (int64_t j = 0; j < u; j++) { /* clear only what the batch used */
+        int64_t e = (int64_t)(mix64(m->sort_key[j] ^ (1ULL << 63)) & (uint64_t)b->mask);
+        while (b->entries[e].slot >= 0) {
+            b->entries[e].slot = -1;
+            e = (e + 1) & b->mask;
         }
     }
     radix_sort(m->sort_key, m->sort_val, m->sort_key_tmp, m->sort_val_tmp, u);
-    /* sort_val[k]: first-seen index of the k-th smallest id; renumber to sorted order */
-    for (int64_t k = 0; k < u; k++) {
-        m->ids_u[k] = (int64_t)(m->sort_key[k] ^ (1ULL << 63));
-        m->wanted[m->sort_val[k]] = k; /* wanted: scratch for first-seen -> sorted */
-        m->slot_u[k] = m->count_u[m->sort_val[k]];
+    /* sort_val[j]: first-seen index of the j-th smallest new id; renumber to sorted order */
+    for (int64_t j = 0; j < u; j++) {
+        m->ids_u[j] = (int64_t)(m->sort_key[j] ^ (1ULL << 63));
+        m->wanted[m->sort_val[j]] = j; /* wanted: scratch for first-seen -> sorted */
+        m->slot_u[j] = m->count_u[m->sort_val[j]];
     }
-    for (int64_t k = 0; k < u; k++) m->count_u[k] = m->slot_u[k];
-    for (int64_t i = 0; i < num_ids; i++) m->inverse[i] = m->wanted[m->inverse[i]];
+    for (int64_t j = 0; j < u; j++) {
+        m->count_u[j] = m->slot_u[j];
+        m->slot_u[j] = -1;
+    }
+    for (int64_t i = 0; i < num_ids; i++)
+        if (m->inverse[i] < 0) m->inverse[i] = ~m->wanted[~m->inverse[i]];
     m->num_u = u;
+    m->num_known = k;
 }
 
 /* Frees the rows unseen for more than ttl steps (the head of the recency queue). */
@@ -200,8 +245,29 @@ static void expire(Map *m, int64_t step, int64_t ttl) {
     }
 }
 
-/* Training batch, part 1: distinct ids, ttl expiry, lookup. Writes the known ids' rows (in
- * ascending id order) to known_out [num_ids]; returns how many, or -1 (out of memory). */
+/* The known rows (and their counts) in ascending id order, the torch path's: the caller
+ * computes lfu's decay powers over them, and torch's pow may round an element differently
+ * by its position (vectorized body or scalar tail), so the positions must be the same. */
+static void sort_known_by_id(Map *m) {
+    int64_t k = m->num_known;
+    for (int64_t i = 0; i < k; i++) {
+        m->sort_key[i] = signed_key(m->rows.ids[m->known[i]]);
+        m->sort_val[i] = i;
+    }
+    radix_sort(m->sort_key, m->sort_val, m->sort_key_tmp, m->sort_val_tmp, k);
+    for (int64_t i = 0; i < k; i++) {
+        m->sort_key[i] = (uint64_t)m->known[m->sort_val[i]]; /* scratch: the rows in order */
+        m->sort_val_tmp[i] = m->count_k[m->sort_val[i]];
+    }
+    for (int64_t i = 0; i < k; i++) {
+        m->known[i] = (int64_t)m->sort_key[i];
+        m->count_k[i] = m->sort_val_tmp[i];
+    }
+}
+
+/* Training batch, part 1: ttl expiry, lookup, distinct ids. With known_out [num_ids], writes
+ * the distinct known rows there in ascending id order (as the torch path orders them); returns
+ * how many, or -1 (out of memory). */
 int64_t rim_begin(void *handle, void **buffers, const int64_t *ids, int64_t num_ids,
                   int64_t step, int64_t ttl, int record, int64_t *known_out) {
     Map *m = handle;
@@ -214,21 +280,17 @@ int64_t rim_begin(void *handle, void **buffers, const int64_t *ids, int64_t num_
     if (record && (!m->rows.mark || (m->has_cand && !m->cand.mark))) return -1;
     m->rows.log.size = m->cand.log.size = 0;
     m->expired = m->admissions = 0;
-    unique_sorted(m, ids, num_ids);
-    if (ttl > 0) expire(m, step, ttl);
-    int64_t k = 0;
-    for (int64_t u = 0; u < m->num_u; u++) {
-        if (u + AHEAD < m->num_u) prefetch_home(&m->rows.hash, m->ids_u[u + AHEAD]);
-        int64_t r = hash_find(&m->rows.hash, m->ids_u[u]);
-        m->slot_u[u] = r;
-        if (r >= 0) {
-            m->known[k] = u;
-            if (known_out) known_out[k] = r;
-            k++;
-        }
+    if ((uint32_t)m->gen == 0) { /* the generation in row_pos wrapped: no stale match */
+        memset(m->row_pos, 0, 8 * (size_t)(m->rows.n + 1));
+        m->gen++;
     }
-    m->num_known = k;
-    return k;
+    if (ttl > 0) expire(m, step, ttl);
+    scan_batch(m, ids, num_ids);
+    if (known_out) {
+        sort_known_by_id(m);
+        memcpy(known_out, m->known, 8 * (size_t)m->num_known);
+    }
+    return m->num_known;
 }
 
 /* Known ids were seen: frequency (times factor, when given) plus count; last seen = now (so
@@ -237,16 +299,16 @@ int64_t rim_begin(void *handle, void **buffers, const int64_t *ids, int64_t num_
 static void count_known(Map *m, int64_t step, const double *factors) {
     Slots *s = &m->rows;
     for (int64_t k = 0; k < m->num_known; k++) {
-        int64_t u = m->known[k], r = m->slot_u[u];
+        int64_t r = m->known[k];
         if (k + AHEAD < m->num_known) {
-            int64_t ahead = m->slot_u[m->known[k + AHEAD]];
+            int64_t ahead = m->known[k + AHEAD];
             __builtin_prefetch(&s->freq[ahead], 1);
             __builtin_prefetch(&s->seen[ahead], 1);
         }
         remember(m, s, r);
         double kept = s->freq[r];
         if (factors) kept = kept * factors[k];
-        s->freq[r] = kept + (double)m->count_u[u];
+        s->freq[r] = kept + (double)m->count_k[k];
         s->seen[r] = step; /* its queue entry is stale now: not a victim of this batch */
         m->touched[k] = r;
     }
@@ -258,7 +320,6 @@ static void admit(Map *m, int64_t step, int64_t admit_after) {
     int64_t num_touched = 0, num_fresh = 0;
     int64_t *cslot = m->sort_val, *total = m->sort_val_tmp, *ctouched = m->wanted;
     for (int64_t u = 0; u < m->num_u; u++) {
-        if (m->slot_u[u] >= 0) continue;
         int64_t at = hash_find(&c->hash, m->ids_u[u]);
         cslot[u] = at;
         total[u] = m->count_u[u] + (at >= 0 ? c->count[at] : 0);
@@ -273,7 +334,7 @@ static void admit(Map *m, int64_t step, int64_t admit_after) {
         }
     }
     for (int64_t u = 0; u < m->num_u; u++) {
-        if (m->slot_u[u] >= 0 || m->admitted[u]) continue;
+        if (m->admitted[u]) continue;
         int64_t at = cslot[u];
         if (at >= 0) {
             remember(m, c, at);
@@ -287,7 +348,7 @@ static void admit(Map *m, int64_t step, int64_t admit_after) {
     int64_t spare_free = c->heap_size < num_fresh ? c->heap_size : num_fresh;
     int64_t forget = num_fresh - spare_free, placed = 0;
     for (int64_t u = 0; u < m->num_u && placed < num_fresh; u++) {
-        if (m->slot_u[u] >= 0 || m->admitted[u] || cslot[u] >= 0) continue;
+        if (m->admitted[u] || cslot[u] >= 0) continue;
         int64_t at;
         if (placed < spare_free) {
             at = heap_pop(c);
@@ -326,10 +387,10 @@ int rim_middle(void *handle, void **buffers, int64_t step, const double *factors
     bind(m, buffers);
     count_known(m, step, factors);
     for (int64_t u = 0; u < m->num_u; u++) m->admitted[u] = 1;
-    if (m->has_cand && m->num_u > m->num_known) admit(m, step, admit_after);
+    if (m->has_cand && m->num_u > 0) admit(m, step, admit_after);
     int64_t w = 0;
     for (int64_t u = 0; u < m->num_u; u++) {
-        if (m->slot_u[u] >= 0 || !m->admitted[u]) continue;
+        if (!m->admitted[u]) continue;
         m->sort_key[w] = ~(uint64_t)m->count_u[u]; /* descending count, stable */
         m->sort_val[w++] = u;
     }
@@ -387,6 +448,25 @@ static int64_t lru_victims(Map *m, int64_t *fresh_rows, int64_t placed, int64_t 
     return placed;
 }
 
+/* Queues the rows[0 .. count) (distinct) in ascending order, seen at step: through the
+ * bitmap of rows when they are many next to the rows' words, else sorted by radix. */
+static void queue_push_sorted(Map *m, int64_t *rows, int64_t count, int64_t step) {
+    Slots *s = &m->rows;
+    int64_t words = (s->n >> 6) + 1;
+    if (count * 8 < words) {
+        for (int64_t i = 0; i < count; i++) m->sort_key[i] = (uint64_t)rows[i];
+        radix_sort(m->sort_key, rows, m->sort_key_tmp, m->sort_val_tmp, count);
+        for (int64_t i = 0; i < count; i++) queue_push(s, rows[i], step);
+        return;
+    }
+    uint64_t *bits = m->row_bits;
+    for (int64_t i = 0; i < count; i++) bits[rows[i] >> 6] |= 1ULL << (rows[i] & 63);
+    for (int64_t w = 0; w < words; w++) {
+        for (uint64_t b = bits[w]; b; b &= b - 1) queue_push(s, (w << 6) + __builtin_ctzll(b), step);
+        bits[w] = 0;
+    }
+}
+
 /* Training batch, part 3: rows for the wanted ids (free rows lowest first, then victims: the
  * given ones (lfu) or the recency queue's head (lru)), the batch's rows, and the stats
  * [new ids, evictions, expired, admissions, zero-row ids, live rows]. Returns 0, or -1 when
@@ -429,19 +509,17 @@ int rim_finish(void *handle, void **buffers, int64_t step, const int64_t *victim
         fresh_ids[j] = m->ids_u[u];
         m->touched[num_touched++] = r;
     }
-    for (int64_t i = 0; i < num_touched; i++) { /* seen now: the queue's tail, by row */
-        m->sort_key[i] = (uint64_t)m->touched[i];
-        m->sort_val[i] = m->touched[i];
-    }
-    radix_sort(m->sort_key, m->sort_val, m->sort_key_tmp, m->sort_val_tmp, num_touched);
     queue_reserve(s, num_touched);
-    for (int64_t i = 0; i < num_touched; i++) queue_push(s, m->sort_val[i], step);
-    for (int64_t i = 0; i < num_ids; i++) rows_out[i] = m->slot_u[m->inverse[i]];
+    queue_push_sorted(m, m->touched, num_touched, step); /* seen now: the tail, by row */
+    for (int64_t i = 0; i < num_ids; i++) {
+        int64_t v = m->inverse[i];
+        rows_out[i] = v >= 0 ? v : m->slot_u[~v];
+    }
     stats_out[0] = placed;
     stats_out[1] = evicted;
     stats_out[2] = m->expired;
     stats_out[3] = m->admissions;
-    stats_out[4] = m->num_u - m->num_known - placed;
+    stats_out[4] = m->num_u - placed;
     stats_out[5] = s->live;
     return m->recording < 0 ? -1 : 0;
 }

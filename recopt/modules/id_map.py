@@ -241,7 +241,8 @@ class IdMap(nn.Module):
 
     def _native(self) -> NativeIdMap | None:
         """The native remap's cache (created at first use), or None: torch ops then."""
-        if not self.native or self.buffer("occupied").device.type != "cpu":
+        occupied = self._buffers["occupied"]  # no nn.Module attribute lookup: a hot path
+        if not self.native or occupied is None or occupied.device.type != "cpu":
             return None
         if self._native_map is None:
             if not cpu_id_map.available():
@@ -253,6 +254,13 @@ class IdMap(nn.Module):
     def forget_index(self) -> None:
         """Drop the torch path's sorted index of live ids (after writes that kept the
         buffers' version counters: the native remap's)."""
+        self._index.clear()
+
+    def native_stepped(self, stats: RemapStats) -> None:
+        """Record a native step: its stats, and the torch path's index dropped (the native
+        writes kept the version counters). A plain attribute write: `nn.Module.__setattr__`
+        costs microseconds a table, and ``last_stats`` is no parameter, buffer or module."""
+        self.__dict__["last_stats"] = stats
         self._index.clear()
 
     def buffers_changed(self) -> None:

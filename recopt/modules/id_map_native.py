@@ -78,10 +78,11 @@ class NativeIdMap:
     def _sync(self, idmap: IdMap) -> ctypes.Array[ctypes.c_void_p]:
         """The buffers' pointers, after rebuilding the cache if they changed elsewhere."""
         names = ROW_BUFFERS + (CANDIDATE_BUFFERS if self.num_candidates else ())
-        buffers = [idmap.buffer(name) for name in names]
+        own = idmap._buffers  # the module's buffer table: no nn.Module attribute lookups
+        buffers = [b for b in (own[name] for name in names) if b is not None]
         stamp = tuple((b.data_ptr(), b._version) for b in buffers)
         if stamp != self._stamp or self._pointers is None:
-            assert all(b.is_contiguous() for b in buffers)
+            assert len(buffers) == len(names) and all(b.is_contiguous() for b in buffers)
             self._pointers = (ctypes.c_void_p * len(buffers))(*[b.data_ptr() for b in buffers])
             if self._lib.rim_rebuild(self._handle, self._pointers) != 0:
                 raise MemoryError("id map: no memory to rebuild the native cache")
@@ -395,30 +396,39 @@ def _step_many(
     sizes = [ids_M.numel() for _, _, _, ids_M in together]
     out = torch.empty(3 * sum(sizes), dtype=torch.int64)  # rows, fresh rows, fresh ids
     views = out.split([size for size in sizes for _ in range(3)])
-    arrays = [(ctypes.c_void_p * count)() for _ in range(5)]  # handles, ids, 3 outputs
-    handles, ids_p, rows_p, fresh_rows_p, fresh_ids_p = arrays
-    buffers = (ctypes.c_void_p * (8 * count))()
-    num_ids, steps, ttls, admits, status = ((ctypes.c_int64 * count)() for _ in range(5))
-    stats_out = (ctypes.c_int64 * (6 * count))()
-    for i, (_, idmap, native, ids_M) in enumerate(together):
-        pointers = native._sync(idmap)
-        handles[i] = native._handle.value
-        for j, pointer in enumerate(pointers):
-            buffers[8 * i + j] = pointer
-        step_t = idmap.buffer("step")
+    buffers: list[int | None] = []
+    steps, ttls, handles, ids_p = [], [], [], []
+    for _, idmap, native, ids_M in together:
+        own = native._sync(idmap)[:]
+        buffers += own + [None] * (8 - len(own))  # 8 a map: rows', then candidates'
+        step_t = idmap._buffers["step"]
+        assert step_t is not None
         step_t.add_(1)
-        steps[i], ttls[i] = int(step_t), idmap.config.ttl_steps or 0
-        num_ids[i], admits[i], ids_p[i] = sizes[i], idmap.admit_after, _ptr(ids_M)
-        rows_p[i], fresh_rows_p[i], fresh_ids_p[i] = (_ptr(v) for v in views[3 * i : 3 * i + 3])
+        steps.append(int(step_t))
+        ttls.append(idmap.config.ttl_steps or 0)
+        handles.append(native._handle.value)
+        ids_p.append(_ptr(ids_M))
+    pointers = [v.data_ptr() if v.numel() else None for v in views]
+
+    def p_array(values: Sequence[int | None]) -> ctypes.Array[ctypes.c_void_p]:
+        return (ctypes.c_void_p * len(values))(*values)
+
+    def i_array(values: Sequence[int]) -> ctypes.Array[ctypes.c_int64]:
+        return (ctypes.c_int64 * len(values))(*values)
+
+    stats_out, status = (ctypes.c_int64 * (6 * count))(), (ctypes.c_int64 * count)()
     cpu_id_map.library().rim_step_many(
-        count, handles, buffers, ids_p, num_ids, steps, ttls, admits, rows_p, fresh_rows_p,
-        fresh_ids_p, stats_out, status, torch.get_num_threads(),
+        count, p_array(handles), p_array(buffers), p_array(ids_p), i_array(sizes),
+        i_array(steps), i_array(ttls), i_array([idmap.admit_after for _, idmap, _, _ in together]),
+        p_array(pointers[0::3]), p_array(pointers[1::3]), p_array(pointers[2::3]), stats_out,
+        status, torch.get_num_threads(),
     )  # fmt: skip
     results = {}
+    flat_stats = stats_out[:]
     for i, (name, idmap, native, _) in enumerate(together):
         if status[i] != 0:
             raise MemoryError("id map: no memory for the native remap's scratch")
-        stats = _stepped(idmap, steps[i], native.num_rows, stats_out[6 * i : 6 * i + 6])
+        stats = _stepped(idmap, steps[i], native.num_rows, flat_stats[6 * i : 6 * i + 6])
         placed = stats.new_ids
         rows_M, fresh_rows, fresh_ids = views[3 * i : 3 * i + 3]
         results[name] = Remapped(rows_M, fresh_rows[:placed], fresh_ids[:placed], stats)
@@ -437,6 +447,5 @@ def _stepped(idmap: IdMap, step: int, num_rows: int, out: Sequence[int]) -> Rema
         admissions=admissions,
         zero_row_ids=zero_row_ids,
     )
-    idmap.last_stats = stats
-    idmap.forget_index()  # the torch path's sorted index does not see native writes
+    idmap.native_stepped(stats)
     return stats
