@@ -12,9 +12,8 @@ import torch
 from recopt.kernels import cpu_id_map
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, IdMapConfig
-from recopt.modules.id_map import IdMap, Remapped
+from recopt.modules.id_map import Remapped
 from recopt.modules.id_map_lookup import apply_rows, hash_uniform_torch
-from recopt.modules.id_map_native import eviction_head
 from recopt.modules.inputs import FeatureLayout
 from recopt.sparse import KeyedJaggedTensor
 
@@ -118,20 +117,6 @@ def test_fused_collection_resets_as_the_per_table_torch_path(
     assert got.keys() == expected.keys()
     for key, value in got.items():
         assert torch.equal(value, expected[key]), key
-
-
-@pytest.mark.parametrize("decay", [1.0, 0.5, 0.99])
-def test_lfu_eviction_head_is_the_head_of_the_full_order(decay: float) -> None:
-    gen = torch.Generator().manual_seed(2)
-    idmap = IdMap(IdMapConfig(policy="lfu", decay=decay), 500)
-    with torch.no_grad():  # few distinct counts and steps: many ties at every level
-        idmap.frequency.copy_(torch.randint(1, 5, (500,), generator=gen).double())
-        idmap.last_seen.copy_(torch.randint(0, 4, (500,), generator=gen))
-        idmap.step.fill_(5)
-    rows = torch.randperm(500, generator=gen)[:400].sort().values
-    for count in (0, 1, 7, 150, 399, 400, 450):
-        head = eviction_head(idmap, rows, count)
-        assert torch.equal(head, idmap.eviction_order(rows)[:count]), count
 
 
 def _kjt(bags: Mapping[str, list[list[int]]], weighted: bool) -> KeyedJaggedTensor:

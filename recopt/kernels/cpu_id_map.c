@@ -1,4 +1,5 @@
-/* Native remap of an id map (recopt/modules/id_map.py): O(batch) work per training batch.
+/* Native remap of an id map (recopt/modules/id_map.py): O(batch) work per training batch
+ * (lfu: plus one pass over the rows on a batch that evicts).
  *
  * The map's state stays in its torch buffers (row_ids, occupied, last_seen, frequency and the
  * candidate_* buffers), written here through raw pointers. Beside them this file keeps a cache
@@ -9,24 +10,61 @@
  *     expiry, forgotten candidates);
  *   - the free slots in a min-heap (new ids take the lowest free row first).
  * The same structure serves the rows and the admission candidates. One training batch is three
- * calls (rim_begin, rim_middle, rim_finish) so that the caller can compute, in between and in
- * torch, the float64 powers of lfu's decay and lfu's victims, exactly as the torch path does.
+ * calls (rim_begin, rim_middle, rim_finish; rim_step_many makes them for many maps at once).
+ * lfu's decay powers are products of fixed squares (decay_power), the same bits as the torch
+ * path's, so both paths give the same maps.
  * Legend: M ids of the batch, U distinct ids, N slots.
  */
+#include <math.h>
+
 #include "cpu_id_map_fill.h"
 #include "cpu_id_map_slots.h"
+
+typedef struct { /* an evictable row under lfu: its decayed count, last seen, row */
+    double key;
+    int64_t seen, row;
+} Cand;
+
+#define POWER_MEMO 4096 /* ages whose decay power is kept */
+#define LFU_SAMPLE 256  /* rows sampled for lfu's pivot */
 
 typedef struct {
     Slots rows, cand;
     int has_cand, recording;
-    int64_t gen, cap_m, num_u, num_known, num_wanted, expired, admissions, stats_known;
-    Hash batch_hash;
-    int64_t *ids_u, *count_u, *slot_u, *inverse, *known, *wanted, *touched;
+    int64_t gen, cap_m, num_u, num_known, num_wanted, expired, admissions;
+    Hash batch_hash; /* the batch's new ids -> their index, first seen order */
+    double decay;       /* lfu's per-step decay (1.0: lru, or no decay) */
+    double squares[64]; /* decay^(2^b) by repeated squaring */
+    double *powers;     /* [POWER_MEMO]: decay_power of the small ages, or NULL (no decay) */
+    Cand *cands;        /* [M]: lfu's victim heap */
+    uint64_t *row_pos; /* [N]: (batch generation << 32) | the row's index in known */
+    uint64_t *row_bits; /* [N / 64 + 1]: the rows the batch touched (all 0 between batches) */
+    int64_t *found;    /* [M]: each id's row, -1 if it is not live */
+    int64_t *inverse;  /* [M]: each id's known row (>= 0) or ~(its index in ids_u) */
+    int64_t *known, *count_k; /* [K]: the distinct known rows (first seen order), counts */
+    int64_t *ids_u, *count_u, *slot_u; /* [U]: the distinct new ids (ascending), counts, rows */
+    int64_t *wanted, *touched;
     uint64_t *sort_key, *sort_key_tmp;
     int64_t *sort_val, *sort_val_tmp;
     uint8_t *admitted;
 } Map;
 
+
+/* decay^age as the product of squares[b] over the set bits b of age, lowest bit first (ages
+ * below 0 count as 0): a fixed sequence of float64 products, so the torch path
+ * (`recopt.modules.id_map.decay_powers`) gets the same bits on every device and kernel. */
+static double power_of(const Map *m, int64_t age) {
+    double r = 1.0;
+    for (int b = 0; age > 0; b++, age >>= 1)
+        if (age & 1) r *= m->squares[b];
+    return r;
+}
+
+static inline double decay_power(const Map *m, int64_t age) {
+    if (!m->powers) return 1.0;
+    if (age < 0) age = 0;
+    return age < POWER_MEMO ? m->powers[age] : power_of(m, age);
+}
 
 static inline void remember(Map *m, Slots *s, int64_t r) {
     if (!m->recording || s->mark[r] == m->gen) return;
@@ -53,7 +91,9 @@ static void free_scratch(Map *m) {
     free(m->count_u);
     free(m->slot_u);
     free(m->inverse);
+    free(m->found);
     free(m->known);
+    free(m->count_k);
     free(m->wanted);
     free(m->touched);
     free(m->sort_key);
@@ -61,6 +101,7 @@ static void free_scratch(Map *m) {
     free(m->sort_val);
     free(m->sort_val_tmp);
     free(m->admitted);
+    free(m->cands);
 }
 
 void rim_free(void *handle) {
@@ -68,15 +109,31 @@ void rim_free(void *handle) {
     if (!m) return;
     slots_free(&m->rows);
     slots_free(&m->cand);
+    free(m->row_pos);
+    free(m->row_bits);
+    free(m->powers);
     free_scratch(m);
     free(m);
 }
 
-void *rim_new(int64_t num_rows, int64_t num_candidates) {
+void *rim_new(int64_t num_rows, int64_t num_candidates, double decay) {
     Map *m = calloc(1, sizeof(Map));
     if (!m) return NULL;
     m->has_cand = num_candidates > 0;
-    if (slots_init(&m->rows, num_rows) != 0 ||
+    m->decay = decay;
+    m->squares[0] = decay;
+    for (int b = 1; b < 64; b++) m->squares[b] = m->squares[b - 1] * m->squares[b - 1];
+    if (decay != 1.0) {
+        m->powers = malloc(sizeof(double) * POWER_MEMO);
+        if (!m->powers) {
+            rim_free(m);
+            return NULL;
+        }
+        for (int64_t a = 0; a < POWER_MEMO; a++) m->powers[a] = power_of(m, a);
+    }
+    m->row_pos = calloc(num_rows + 1, 8);
+    m->row_bits = calloc((num_rows >> 6) + 1, 8);
+    if (!m->row_pos || !m->row_bits || slots_init(&m->rows, num_rows) != 0 ||
         (m->has_cand && slots_init(&m->cand, num_candidates) != 0)) {
         rim_free(m);
         return NULL;
@@ -94,7 +151,9 @@ static int reserve(Map *m, int64_t need) {
     m->count_u = malloc(8 * cap);
     m->slot_u = malloc(8 * cap);
     m->inverse = malloc(8 * cap);
+    m->found = malloc(8 * cap);
     m->known = malloc(8 * cap);
+    m->count_k = malloc(8 * cap);
     m->wanted = malloc(8 * cap);
     m->touched = malloc(16 * cap);
     m->sort_key = malloc(16 * cap);
@@ -102,10 +161,12 @@ static int reserve(Map *m, int64_t need) {
     m->sort_val = malloc(16 * cap);
     m->sort_val_tmp = malloc(16 * cap);
     m->admitted = malloc(cap);
+    m->cands = malloc(sizeof(Cand) * 5 * cap); /* the heap [cap], the rows kept [4 cap] */
     m->cap_m = 0;
-    if (!m->ids_u || !m->count_u || !m->slot_u || !m->inverse || !m->known || !m->wanted ||
+    if (!m->ids_u || !m->count_u || !m->slot_u || !m->inverse || !m->found || !m->known ||
+        !m->count_k || !m->wanted ||
         !m->touched || !m->sort_key || !m->sort_key_tmp || !m->sort_val || !m->sort_val_tmp ||
-        !m->admitted || hash_init(&m->batch_hash, cap) != 0)
+        !m->admitted || !m->cands || hash_init(&m->batch_hash, cap) != 0)
         return -1;
     m->cap_m = cap;
     return 0;
@@ -152,12 +213,37 @@ int rim_lookup(void *handle, void **buffers, const int64_t *ids, int64_t num_ids
     return 0;
 }
 
-/* The batch's distinct ids in ascending order, their counts, and each id's distinct index. */
-static void unique_sorted(Map *m, const int64_t *ids, int64_t num_ids) {
-    Hash *h = &m->batch_hash;
-    int64_t u = 0;
+/* Each id of the batch looked up: the distinct known rows (first seen order) with their
+ * counts, and the distinct new ids in ascending order with theirs; inverse says which each id
+ * is. Only the new ids are sorted (their order decides who gets a row when rows run short). */
+static void scan_batch(Map *m, const int64_t *ids, int64_t num_ids) {
+    const Hash *h = &m->rows.hash;
+    for (int64_t i = 0; i < num_ids; i++) { /* the rows, the hash misses overlapped */
+        if (i + AHEAD < num_ids) prefetch_home(h, ids[i + AHEAD]);
+        int64_t r = hash_find(h, ids[i]);
+        m->found[i] = r;
+        if (r >= 0) __builtin_prefetch(&m->row_pos[r], 1);
+    }
+    uint64_t gen = (uint32_t)m->gen;
+    Hash *b = &m->batch_hash;
+    int64_t k = 0, u = 0;
     for (int64_t i = 0; i < num_ids; i++) {
-        int64_t at = hash_put(h, ids[i], u);
+        int64_t r = m->found[i], at;
+        if (r >= 0) {
+            uint64_t pos = m->row_pos[r];
+            if ((pos >> 32) != gen) {
+                at = k++;
+                m->row_pos[r] = gen << 32 | (uint64_t)at;
+                m->known[at] = r;
+                m->count_k[at] = 0;
+            } else {
+                at = (int64_t)(pos & 0xffffffffULL);
+            }
+            m->count_k[at]++;
+            m->inverse[i] = r;
+            continue;
+        }
+        at = hash_put(b, ids[i], u);
         if (at < 0) {
             m->sort_key[u] = signed_key(ids[i]);
             m->sort_val[u] = u;
@@ -165,25 +251,30 @@ static void unique_sorted(Map *m, const int64_t *ids, int64_t num_ids) {
             at = u++;
         }
         m->count_u[at]++;
-        m->inverse[i] = at;
+        m->inverse[i] = ~at;
     }
-    for (int64_t i = 0; i < num_ids; i++) { /* clear only what the batch used */
-        int64_t j = (int64_t)(mix64((uint64_t)ids[i]) & (uint64_t)h->mask);
-        while (h->entries[j].slot >= 0) {
-            h->entries[j].slot = -1;
-            j = (j + 1) & h->mask;
+    for (int64_t j = 0; j < u; j++) { /* clear only what the batch used */
+        int64_t e = (int64_t)(mix64(m->sort_key[j] ^ (1ULL << 63)) & (uint64_t)b->mask);
+        while (b->entries[e].slot >= 0) {
+            b->entries[e].slot = -1;
+            e = (e + 1) & b->mask;
         }
     }
     radix_sort(m->sort_key, m->sort_val, m->sort_key_tmp, m->sort_val_tmp, u);
-    /* sort_val[k]: first-seen index of the k-th smallest id; renumber to sorted order */
-    for (int64_t k = 0; k < u; k++) {
-        m->ids_u[k] = (int64_t)(m->sort_key[k] ^ (1ULL << 63));
-        m->wanted[m->sort_val[k]] = k; /* wanted: scratch for first-seen -> sorted */
-        m->slot_u[k] = m->count_u[m->sort_val[k]];
+    /* sort_val[j]: first-seen index of the j-th smallest new id; renumber to sorted order */
+    for (int64_t j = 0; j < u; j++) {
+        m->ids_u[j] = (int64_t)(m->sort_key[j] ^ (1ULL << 63));
+        m->wanted[m->sort_val[j]] = j; /* wanted: scratch for first-seen -> sorted */
+        m->slot_u[j] = m->count_u[m->sort_val[j]];
     }
-    for (int64_t k = 0; k < u; k++) m->count_u[k] = m->slot_u[k];
-    for (int64_t i = 0; i < num_ids; i++) m->inverse[i] = m->wanted[m->inverse[i]];
+    for (int64_t j = 0; j < u; j++) {
+        m->count_u[j] = m->slot_u[j];
+        m->slot_u[j] = -1;
+    }
+    for (int64_t i = 0; i < num_ids; i++)
+        if (m->inverse[i] < 0) m->inverse[i] = ~m->wanted[~m->inverse[i]];
     m->num_u = u;
+    m->num_known = k;
 }
 
 /* Frees the rows unseen for more than ttl steps (the head of the recency queue). */
@@ -200,10 +291,10 @@ static void expire(Map *m, int64_t step, int64_t ttl) {
     }
 }
 
-/* Training batch, part 1: distinct ids, ttl expiry, lookup. Writes the known ids' rows (in
- * ascending id order) to known_out [num_ids]; returns how many, or -1 (out of memory). */
+/* Training batch, part 1: ttl expiry, lookup, distinct ids. Returns how many distinct ids are
+ * known, or -1 (out of memory). */
 int64_t rim_begin(void *handle, void **buffers, const int64_t *ids, int64_t num_ids,
-                  int64_t step, int64_t ttl, int record, int64_t *known_out) {
+                  int64_t step, int64_t ttl, int record) {
     Map *m = handle;
     bind(m, buffers);
     if (reserve(m, num_ids) != 0) return -1;
@@ -214,39 +305,31 @@ int64_t rim_begin(void *handle, void **buffers, const int64_t *ids, int64_t num_
     if (record && (!m->rows.mark || (m->has_cand && !m->cand.mark))) return -1;
     m->rows.log.size = m->cand.log.size = 0;
     m->expired = m->admissions = 0;
-    unique_sorted(m, ids, num_ids);
-    if (ttl > 0) expire(m, step, ttl);
-    int64_t k = 0;
-    for (int64_t u = 0; u < m->num_u; u++) {
-        if (u + AHEAD < m->num_u) prefetch_home(&m->rows.hash, m->ids_u[u + AHEAD]);
-        int64_t r = hash_find(&m->rows.hash, m->ids_u[u]);
-        m->slot_u[u] = r;
-        if (r >= 0) {
-            m->known[k] = u;
-            if (known_out) known_out[k] = r;
-            k++;
-        }
+    if ((uint32_t)m->gen == 0) { /* the generation in row_pos wrapped: no stale match */
+        memset(m->row_pos, 0, 8 * (size_t)(m->rows.n + 1));
+        m->gen++;
     }
-    m->num_known = k;
-    return k;
+    if (ttl > 0) expire(m, step, ttl);
+    scan_batch(m, ids, num_ids);
+    return m->num_known;
 }
 
-/* Known ids were seen: frequency (times factor, when given) plus count; last seen = now (so
- * their queue entries are stale: the queue's live entries are the evictable rows until
+/* Known ids were seen: frequency (decayed from its last seen to now) plus count; last seen =
+ * now (so their queue entries are stale: the queue's live entries are the evictable rows until
  * rim_finish queues them again). */
-static void count_known(Map *m, int64_t step, const double *factors) {
+static void count_known(Map *m, int64_t step) {
     Slots *s = &m->rows;
     for (int64_t k = 0; k < m->num_known; k++) {
-        int64_t u = m->known[k], r = m->slot_u[u];
+        int64_t r = m->known[k];
         if (k + AHEAD < m->num_known) {
-            int64_t ahead = m->slot_u[m->known[k + AHEAD]];
+            int64_t ahead = m->known[k + AHEAD];
             __builtin_prefetch(&s->freq[ahead], 1);
             __builtin_prefetch(&s->seen[ahead], 1);
         }
         remember(m, s, r);
         double kept = s->freq[r];
-        if (factors) kept = kept * factors[k];
-        s->freq[r] = kept + (double)m->count_u[u];
+        if (m->powers) kept = kept * decay_power(m, step - s->seen[r]);
+        s->freq[r] = kept + (double)m->count_k[k];
         s->seen[r] = step; /* its queue entry is stale now: not a victim of this batch */
         m->touched[k] = r;
     }
@@ -258,7 +341,6 @@ static void admit(Map *m, int64_t step, int64_t admit_after) {
     int64_t num_touched = 0, num_fresh = 0;
     int64_t *cslot = m->sort_val, *total = m->sort_val_tmp, *ctouched = m->wanted;
     for (int64_t u = 0; u < m->num_u; u++) {
-        if (m->slot_u[u] >= 0) continue;
         int64_t at = hash_find(&c->hash, m->ids_u[u]);
         cslot[u] = at;
         total[u] = m->count_u[u] + (at >= 0 ? c->count[at] : 0);
@@ -273,7 +355,7 @@ static void admit(Map *m, int64_t step, int64_t admit_after) {
         }
     }
     for (int64_t u = 0; u < m->num_u; u++) {
-        if (m->slot_u[u] >= 0 || m->admitted[u]) continue;
+        if (m->admitted[u]) continue;
         int64_t at = cslot[u];
         if (at >= 0) {
             remember(m, c, at);
@@ -287,7 +369,7 @@ static void admit(Map *m, int64_t step, int64_t admit_after) {
     int64_t spare_free = c->heap_size < num_fresh ? c->heap_size : num_fresh;
     int64_t forget = num_fresh - spare_free, placed = 0;
     for (int64_t u = 0; u < m->num_u && placed < num_fresh; u++) {
-        if (m->slot_u[u] >= 0 || m->admitted[u] || cslot[u] >= 0) continue;
+        if (m->admitted[u] || cslot[u] >= 0) continue;
         int64_t at;
         if (placed < spare_free) {
             at = heap_pop(c);
@@ -317,28 +399,23 @@ static void admit(Map *m, int64_t step, int64_t admit_after) {
     for (int64_t i = 0; i < num_touched; i++) queue_push(c, total[i], step);
 }
 
-/* Training batch, part 2: count the known ids (factors: lfu's decay^age per known row, or
- * NULL), admission, and the new ids to place, most frequent first (ties: ascending id).
- * info_out: [new ids wanted, free rows, evictable rows]. */
-int rim_middle(void *handle, void **buffers, int64_t step, const double *factors,
-               int64_t admit_after, int64_t *info_out) {
+/* Training batch, part 2: count the known ids, admission, and the new ids to place, most
+ * frequent first (ties: ascending id). */
+int rim_middle(void *handle, void **buffers, int64_t step, int64_t admit_after) {
     Map *m = handle;
     bind(m, buffers);
-    count_known(m, step, factors);
+    count_known(m, step);
     for (int64_t u = 0; u < m->num_u; u++) m->admitted[u] = 1;
-    if (m->has_cand && m->num_u > m->num_known) admit(m, step, admit_after);
+    if (m->has_cand && m->num_u > 0) admit(m, step, admit_after);
     int64_t w = 0;
     for (int64_t u = 0; u < m->num_u; u++) {
-        if (m->slot_u[u] >= 0 || !m->admitted[u]) continue;
+        if (!m->admitted[u]) continue;
         m->sort_key[w] = ~(uint64_t)m->count_u[u]; /* descending count, stable */
         m->sort_val[w++] = u;
     }
     radix_sort(m->sort_key, m->sort_val, m->sort_key_tmp, m->sort_val_tmp, w);
     memcpy(m->wanted, m->sort_val, 8 * w);
     m->num_wanted = w;
-    info_out[0] = w;
-    info_out[1] = m->rows.heap_size;
-    info_out[2] = m->rows.live - m->num_known;
     return 0;
 }
 
@@ -387,26 +464,137 @@ static int64_t lru_victims(Map *m, int64_t *fresh_rows, int64_t placed, int64_t 
     return placed;
 }
 
+static inline int cand_before(Cand a, Cand b) { /* a is evicted before b */
+    if (a.key != b.key) return a.key < b.key;
+    if (a.seen != b.seen) return a.seen < b.seen;
+    return a.row < b.row;
+}
+
+static void cand_sift_down(Cand *heap, int64_t size, int64_t i) { /* max-heap by cand_before */
+    Cand top = heap[i];
+    for (;;) {
+        int64_t child = 2 * i + 1;
+        if (child >= size) break;
+        if (child + 1 < size && cand_before(heap[child], heap[child + 1])) child++;
+        if (!cand_before(top, heap[child])) break;
+        heap[i] = heap[child];
+        i = child;
+    }
+    heap[i] = top;
+}
+
+/* Adds c to the max-heap (by cand_before) of the size lowest of `need`. */
+static inline void keep_lowest(Cand *heap, int64_t *size, int64_t need, Cand c) {
+    if (*size < need) {
+        int64_t i = (*size)++; /* sift up */
+        while (i > 0 && cand_before(heap[(i - 1) / 2], c)) {
+            heap[i] = heap[(i - 1) / 2];
+            i = (i - 1) / 2;
+        }
+        heap[i] = c;
+    } else if (cand_before(c, heap[0])) {
+        heap[0] = c;
+        cand_sift_down(heap, *size, 0);
+    }
+}
+
+static inline Cand lfu_cand(const Map *m, int64_t step, int64_t r) {
+    const Slots *s = &m->rows;
+    Cand c = {s->freq[r] * decay_power(m, step - s->seen[r]), s->seen[r], r};
+    return c;
+}
+
+static int compare_doubles(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* A decayed count below which, judging by a sample of the rows, a few times `need` evictable
+ * rows lie (INFINITY: no use, most rows would). Only a filter: the caller checks it kept at
+ * least `need` rows, and every row above it comes after every row at or below it. */
+static double lfu_pivot(const Map *m, int64_t step, int64_t need, int64_t evictable) {
+    const Slots *s = &m->rows;
+    double sample[LFU_SAMPLE];
+    int64_t stride = s->n / LFU_SAMPLE, count = 0;
+    if (stride < 4 || evictable <= 0) return INFINITY;
+    for (int64_t i = 0; i < LFU_SAMPLE; i++) {
+        int64_t r = i * stride;
+        if (s->used[r] && s->seen[r] != step) sample[count++] = lfu_cand(m, step, r).key;
+    }
+    int64_t at = (int64_t)((double)count * (double)(4 * need + 64) / (double)evictable);
+    if (at >= count) return INFINITY;
+    qsort(sample, (size_t)count, sizeof(double), compare_doubles);
+    return sample[at];
+}
+
+/* lfu: the victims (fresh_rows[placed ..], up to want) are the used rows this batch did not
+ * see with the lowest decayed count (ties: least recently seen, then lowest row), in that
+ * order, then evicted. One pass over the rows keeps those at or below a sampled pivot (when
+ * enough are: else every row) and a heap the lowest of them. Returns the new placed. */
+static int64_t lfu_victims(Map *m, int64_t step, int64_t *fresh_rows, int64_t placed,
+                           int64_t want) {
+    Slots *s = &m->rows;
+    int64_t need = want - placed, size = 0, kept = 0, cap = 4 * m->cap_m;
+    double pivot = lfu_pivot(m, step, need, s->live - m->num_known);
+    Cand *heap = m->cands, *low = m->cands + m->cap_m;
+    for (int64_t r = 0; r < s->n && pivot < INFINITY; r++) {
+        if (!s->used[r] || s->seen[r] == step) continue; /* free, or seen in this batch */
+        Cand c = lfu_cand(m, step, r);
+        if (c.key > pivot) continue;
+        if (kept == cap) break; /* too many below the pivot: every row then */
+        low[kept++] = c;
+    }
+    if (pivot < INFINITY && kept < cap && kept >= need) {
+        for (int64_t i = 0; i < kept; i++) keep_lowest(heap, &size, need, low[i]);
+    } else {
+        for (int64_t r = 0; r < s->n; r++)
+            if (s->used[r] && s->seen[r] != step) keep_lowest(heap, &size, need, lfu_cand(m, step, r));
+    }
+    for (int64_t last = size - 1; last > 0; last--) { /* ascending: the first victim first */
+        Cand top = heap[0];
+        heap[0] = heap[last];
+        cand_sift_down(heap, last, 0);
+        heap[last] = top;
+    }
+    for (int64_t i = 0; i < size; i++) fresh_rows[placed + i] = heap[i].row;
+    evict_range(m, fresh_rows, placed, placed + size);
+    return placed + size;
+}
+
+/* Queues the rows[0 .. count) (distinct) in ascending order, seen at step: through the
+ * bitmap of rows when they are many next to the rows' words, else sorted by radix. */
+static void queue_push_sorted(Map *m, int64_t *rows, int64_t count, int64_t step) {
+    Slots *s = &m->rows;
+    int64_t words = (s->n >> 6) + 1;
+    if (count * 8 < words) {
+        for (int64_t i = 0; i < count; i++) m->sort_key[i] = (uint64_t)rows[i];
+        radix_sort(m->sort_key, rows, m->sort_key_tmp, m->sort_val_tmp, count);
+        for (int64_t i = 0; i < count; i++) queue_push(s, rows[i], step);
+        return;
+    }
+    uint64_t *bits = m->row_bits;
+    for (int64_t i = 0; i < count; i++) bits[rows[i] >> 6] |= 1ULL << (rows[i] & 63);
+    for (int64_t w = 0; w < words; w++) {
+        for (uint64_t b = bits[w]; b; b &= b - 1) queue_push(s, (w << 6) + __builtin_ctzll(b), step);
+        bits[w] = 0;
+    }
+}
+
 /* Training batch, part 3: rows for the wanted ids (free rows lowest first, then victims: the
- * given ones (lfu) or the recency queue's head (lru)), the batch's rows, and the stats
- * [new ids, evictions, expired, admissions, zero-row ids, live rows]. Returns 0, or -1 when
- * an undo record could not be allocated. */
-int rim_finish(void *handle, void **buffers, int64_t step, const int64_t *victims,
-               int64_t num_victims, int64_t *rows_out, int64_t num_ids, int64_t *fresh_rows,
-               int64_t *fresh_ids, int64_t *stats_out) {
+ * lowest decayed counts (lfu) or the recency queue's head (lru)), the batch's rows, and the
+ * stats [new ids, evictions, expired, admissions, zero-row ids, live rows]. Returns 0, or -1
+ * when an undo record could not be allocated. */
+int rim_finish(void *handle, void **buffers, int64_t step, int lfu, int64_t *rows_out,
+               int64_t num_ids, int64_t *fresh_rows, int64_t *fresh_ids, int64_t *stats_out) {
     Map *m = handle;
     bind(m, buffers);
     Slots *s = &m->rows;
     int64_t want = m->num_wanted, placed = 0, evicted = 0;
     while (placed < want && s->heap_size > 0) fresh_rows[placed++] = heap_pop(s);
     int64_t first_victim = placed;
-    if (victims) {
-        for (int64_t i = 0; i < num_victims && placed < want; i++)
-            fresh_rows[placed++] = victims[i]; /* their queue entries go stale as they go */
-        evict_range(m, fresh_rows, first_victim, placed);
-    } else if (placed < want) {
-        placed = lru_victims(m, fresh_rows, placed, want);
-    }
+    if (placed < want) /* the victims' queue entries go stale as they go */
+        placed = lfu ? lfu_victims(m, step, fresh_rows, placed, want)
+                     : lru_victims(m, fresh_rows, placed, want);
     evicted = placed - first_victim;
     int64_t num_touched = m->num_known;
     for (int64_t j = 0; j < placed; j++) {
@@ -429,43 +617,48 @@ int rim_finish(void *handle, void **buffers, int64_t step, const int64_t *victim
         fresh_ids[j] = m->ids_u[u];
         m->touched[num_touched++] = r;
     }
-    for (int64_t i = 0; i < num_touched; i++) { /* seen now: the queue's tail, by row */
-        m->sort_key[i] = (uint64_t)m->touched[i];
-        m->sort_val[i] = m->touched[i];
-    }
-    radix_sort(m->sort_key, m->sort_val, m->sort_key_tmp, m->sort_val_tmp, num_touched);
     queue_reserve(s, num_touched);
-    for (int64_t i = 0; i < num_touched; i++) queue_push(s, m->sort_val[i], step);
-    for (int64_t i = 0; i < num_ids; i++) rows_out[i] = m->slot_u[m->inverse[i]];
+    queue_push_sorted(m, m->touched, num_touched, step); /* seen now: the tail, by row */
+    for (int64_t i = 0; i < num_ids; i++) {
+        int64_t v = m->inverse[i];
+        rows_out[i] = v >= 0 ? v : m->slot_u[~v];
+    }
     stats_out[0] = placed;
     stats_out[1] = evicted;
     stats_out[2] = m->expired;
     stats_out[3] = m->admissions;
-    stats_out[4] = m->num_u - m->num_known - placed;
+    stats_out[4] = m->num_u - placed;
     stats_out[5] = s->live;
     return m->recording < 0 ? -1 : 0;
 }
 
-/* One training batch of each of num_maps lru maps (no undo record), over threads: the three
- * parts back to back (lru needs nothing computed in torch between them). Per map i: handles[i],
+/* One training batch of each of num_maps maps (no undo record), over threads: the three parts
+ * back to back. Per map i: handles[i], lfu[i] (0: lru),
  * buffers[8i..8i+7], ids[i] (num_ids[i]), and outputs rows_out[i] [num_ids], fresh_rows[i] and
  * fresh_ids[i] [num_ids], stats_out[6i..6i+5] (as rim_finish), status[i] (0, or -1: out of
  * memory). */
-void rim_step_many(int64_t num_maps, void **handles, void **buffers, int64_t **ids,
+void rim_step_many(int64_t num_maps, void **handles, const int64_t *lfu, void **buffers,
+                   int64_t **ids,
                    const int64_t *num_ids, const int64_t *steps, const int64_t *ttls,
                    const int64_t *admit_after, int64_t **rows_out, int64_t **fresh_rows,
                    int64_t **fresh_ids, int64_t *stats_out, int64_t *status, int threads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t i = 0; i < num_maps; i++) {
-        int64_t info[3];
         void **own = buffers + 8 * i;
         status[i] = -1;
-        if (rim_begin(handles[i], own, ids[i], num_ids[i], steps[i], ttls[i], 0, NULL) < 0)
-            continue;
-        rim_middle(handles[i], own, steps[i], NULL, admit_after[i], info);
-        status[i] = rim_finish(handles[i], own, steps[i], NULL, 0, rows_out[i], num_ids[i],
+        if (rim_begin(handles[i], own, ids[i], num_ids[i], steps[i], ttls[i], 0) < 0) continue;
+        rim_middle(handles[i], own, steps[i], admit_after[i]);
+        status[i] = rim_finish(handles[i], own, steps[i], (int)lfu[i], rows_out[i], num_ids[i],
                                fresh_rows[i], fresh_ids[i], stats_out + 6 * i);
     }
+}
+
+/* out[i] = decay^ages[i] as the maps compute it (decay_power), for the tests. */
+void rim_decay_powers(double decay, const int64_t *ages, int64_t n, double *out) {
+    Map *m = rim_new(1, 0, decay);
+    if (!m) return;
+    for (int64_t i = 0; i < n; i++) out[i] = decay_power(m, ages[i]);
+    rim_free(m);
 }
 
 /* The undo record of the last batch: which = 0 rows, 1 candidates. */

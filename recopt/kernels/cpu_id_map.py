@@ -28,13 +28,13 @@ _CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fo
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
-    "rim_new": (_P, [_I64, _I64]),
+    "rim_new": (_P, [_I64, _I64, ctypes.c_double]),
     "rim_free": (None, [_P]),
     "rim_rebuild": (_INT, [_P, _P]),
     "rim_lookup": (_INT, [_P, _P, _P, _I64, _I64, _I64, _P]),
-    "rim_begin": (_I64, [_P, _P, _P, _I64, _I64, _I64, _INT, _P]),
-    "rim_middle": (_INT, [_P, _P, _I64, _P, _I64, _P]),
-    "rim_finish": (_INT, [_P, _P, _I64, _P, _I64, _P, _I64, _P, _P, _P]),
+    "rim_begin": (_I64, [_P, _P, _P, _I64, _I64, _I64, _INT]),
+    "rim_middle": (_INT, [_P, _P, _I64, _I64]),
+    "rim_finish": (_INT, [_P, _P, _I64, _INT, _P, _I64, _P, _P, _P]),
     "rim_undo_size": (_I64, [_P, _INT]),
     "rim_undo_copy": (None, [_P, _INT, _P, _P, _P, _P, _P, _P]),
     "rim_hash_uniform": (None, [_P, _I64, _I64, _I64, _P]),
@@ -42,7 +42,8 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         None,
         [_P, _P, _I64, _I64, _I64, ctypes.c_double, ctypes.c_double, _P, _I64],
     ),
-    "rim_step_many": (None, [_I64, *[_P] * 12, _INT]),
+    "rim_step_many": (None, [_I64, *[_P] * 13, _INT]),
+    "rim_decay_powers": (None, [ctypes.c_double, _P, _I64, _P]),
     "rim_reset_many": (None, [_I64, *[_P] * 12, _INT]),
 }
 
@@ -79,6 +80,20 @@ def hash_uniform(ids_K: torch.Tensor, step: int, dim: int) -> torch.Tensor:
     out = torch.empty(ids_K.numel(), dim, dtype=torch.float64)
     if out.numel():
         library().rim_hash_uniform(ids_K.data_ptr(), ids_K.numel(), step, dim, out.data_ptr())
+    return out
+
+
+def decay_powers(decay: float, ages: torch.Tensor) -> torch.Tensor:
+    """``decay ** ages`` as the native maps compute lfu's decay (float64; the torch path's
+    `recopt.modules.id_map.decay_powers` must give the same bits).
+
+    Raises:
+        RuntimeError: the library is not available.
+    """
+    ages = ages.to(torch.int64).contiguous()
+    out = torch.empty(ages.shape, dtype=torch.float64)
+    if out.numel():
+        library().rim_decay_powers(decay, ages.data_ptr(), ages.numel(), out.data_ptr())
     return out
 
 

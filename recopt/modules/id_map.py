@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from recopt.kernels import cpu_id_map
-from recopt.modules.id_map_native import NativeIdMap, lfu_order
+from recopt.modules.id_map_native import NativeIdMap
 from recopt.modules.id_map_results import (
     CANDIDATE_BUFFERS,
     ROW_BUFFERS,
@@ -33,6 +33,7 @@ __all__ = [
     "MapUndo",
     "RemapStats",
     "Remapped",
+    "decay_powers",
     "policy_eviction_order",
 ]
 
@@ -105,6 +106,34 @@ class IdMapConfig:
         return DEFAULT_LFU_DECAY if self.decay is None else float(self.decay)
 
 
+def decay_powers(decay: float, ages: torch.Tensor) -> torch.Tensor:
+    """``decay ** ages`` (float64) for lfu's counts, as a product of fixed factors.
+
+    Each age's power is the product of ``decay^(2^b)`` (by repeated squaring) over the set
+    bits ``b`` of the age, lowest bit first; ages below 0 count as 0. A fixed sequence of
+    float64 products rounds the same on every device and kernel, and the native maps
+    (`recopt.kernels.cpu_id_map.decay_powers`) compute the same sequence, so the maps agree
+    bit for bit wherever they run. ``torch.pow`` would not: its vectorised and scalar CPU
+    kernels, and CUDA's, may differ in the last bit, which can reorder near ties.
+    """
+    out = torch.ones(ages.shape, dtype=torch.float64, device=ages.device)
+    if decay == 1.0 or ages.numel() == 0:
+        return out
+    ages = ages.to(torch.int64).clamp(min=0)
+    square = float(decay)
+    for bit in range(int(ages.max()).bit_length()):
+        out = torch.where((ages >> bit) & 1 == 1, out * square, out)
+        square *= square
+    return out
+
+
+def lfu_order(last_seen: torch.Tensor, decayed: torch.Tensor) -> torch.Tensor:
+    """Positions of entries in lfu's eviction order: the lowest decayed count first, ties to
+    the least recently seen, then by position (sorted by recency, then stably by count)."""
+    by_recency = torch.sort(last_seen, stable=True).indices
+    return by_recency[torch.sort(decayed[by_recency], stable=True).indices]
+
+
 def policy_eviction_order(
     config: IdMapConfig, step: torch.Tensor, last_seen: torch.Tensor, frequency: torch.Tensor
 ) -> torch.Tensor:
@@ -116,8 +145,7 @@ def policy_eviction_order(
     """
     if config.policy == "lru":
         return torch.sort(last_seen, stable=True).indices
-    age = (step - last_seen).to(torch.float64)
-    return lfu_order(last_seen, frequency * config.lfu_decay**age)
+    return lfu_order(last_seen, frequency * decay_powers(config.lfu_decay, step - last_seen))
 
 
 class IdMap(nn.Module):
@@ -241,18 +269,26 @@ class IdMap(nn.Module):
 
     def _native(self) -> NativeIdMap | None:
         """The native remap's cache (created at first use), or None: torch ops then."""
-        if not self.native or self.buffer("occupied").device.type != "cpu":
+        occupied = self._buffers["occupied"]  # no nn.Module attribute lookup: a hot path
+        if not self.native or occupied is None or occupied.device.type != "cpu":
             return None
         if self._native_map is None:
             if not cpu_id_map.available():
                 return None
             slots = self.buffer("candidate_ids").numel() if self.admit_after > 1 else 0
-            self._native_map = NativeIdMap(self.num_rows, slots)
+            self._native_map = NativeIdMap(self.num_rows, slots, self.config.lfu_decay)
         return self._native_map
 
     def forget_index(self) -> None:
         """Drop the torch path's sorted index of live ids (after writes that kept the
         buffers' version counters: the native remap's)."""
+        self._index.clear()
+
+    def native_stepped(self, stats: RemapStats) -> None:
+        """Record a native step: its stats, and the torch path's index dropped (the native
+        writes kept the version counters). A plain attribute write: `nn.Module.__setattr__`
+        costs microseconds a table, and ``last_stats`` is no parameter, buffer or module."""
+        self.__dict__["last_stats"] = stats
         self._index.clear()
 
     def buffers_changed(self) -> None:
@@ -365,7 +401,7 @@ class IdMap(nn.Module):
         decay = self.config.lfu_decay
         kept = frequency[rows]
         if decay != 1.0:
-            kept = kept * decay ** (step - last_seen[rows]).to(torch.float64)
+            kept = kept * decay_powers(decay, step - last_seen[rows])
         frequency[rows] = kept + counts.to(torch.float64)
         last_seen[rows] = step
 

@@ -211,8 +211,10 @@ def table_ids(
 ) -> dict[str, torch.Tensor]:
     """Per table of ``names``: the raw ids of all its features, feature after feature."""
     values = features.values()
+    spans = {name: _spans(features, layout, name) for name in names}
     return {
-        name: torch.cat([values[a:b] for a, b in _spans(features, layout, name)]) for name in names
+        name: values[s[0][0] : s[0][1]] if len(s) == 1 else torch.cat([values[a:b] for a, b in s])
+        for name, s in spans.items()
     }
 
 
@@ -225,7 +227,7 @@ def apply_rows(
     pieces, mapped = _row_pieces(features, layout, results)
     rows = torch.cat(pieces)
     batch = MappedBatch(features, dict(results))
-    if not any(bool((r.rows_M < 0).any()) for r in _nonempty(results)):
+    if not _any_zero_row(results):
         batch.features = _with_values(features, rows, features.lengths(), None)
         return batch
     dropped = torch.cat(
@@ -245,8 +247,10 @@ def apply_rows(
     return batch
 
 
-def _nonempty(results: Mapping[str, Remapped]) -> list[Remapped]:
-    return [r for r in results.values() if r.rows_M.numel()]
+def _any_zero_row(results: Mapping[str, Remapped]) -> bool:
+    """Whether an id of ``results`` reads the zero row (-1): one check over all tables."""
+    rows = [r.rows_M for r in results.values() if r.rows_M.numel()]
+    return bool(rows) and bool((torch.cat(rows) < 0).any())
 
 
 def _row_pieces(

@@ -1,0 +1,140 @@
+"""lfu in native code against the torch path: the decay powers, the victims, whole streams.
+
+Both paths compute ``decay ** age`` as the same product of repeated squares
+(`recopt.modules.id_map.decay_powers`), so they must agree bit for bit: the powers themselves,
+the victims of an evicting step among heavy ties (the native side selects them in one pass
+over the rows, the torch path sorts every row), and the maps after every step of long streams.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from recopt.kernels import cpu_id_map
+from recopt.modules import IdMapConfig
+from recopt.modules.id_map import IdMap, Remapped, decay_powers
+
+pytestmark = pytest.mark.skipif(not cpu_id_map.available(), reason="no C compiler")
+
+DECAYS = [0.99, 0.5, 0.999999, 0.3, 1e-3, 1.0]
+
+
+def _product(decay: float, age: int) -> float:
+    """The definition, in Python floats: decay^(2^b) over the set bits b, lowest first."""
+    out, square = 1.0, decay
+    while age > 0:
+        if age & 1:
+            out *= square
+        square *= square
+        age >>= 1
+    return out
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+def test_decay_powers_are_the_same_bits_in_torch_native_and_python(decay: float) -> None:
+    gen = torch.Generator().manual_seed(3)
+    ages = torch.cat(
+        [
+            torch.arange(-3, 5000),  # negatives count as 0; past the native memo of 4096 ages
+            torch.randint(0, 2**62, (2000,), generator=gen),
+            torch.tensor([2**62, 2**63 - 1, 65535, 65536, 4095, 4096]),
+        ]
+    )
+    torch_powers = decay_powers(decay, ages)
+    assert torch.equal(torch_powers, cpu_id_map.decay_powers(decay, ages))
+    for i in range(0, ages.numel(), 97):
+        age = max(int(ages[i]), 0)
+        assert torch_powers[i].item() == _product(decay, age)
+    # and it is decay ** age: repeated squaring carries the rounding of decay into every
+    # square, so the relative error grows with the age, within (age + 1) rounding units
+    small = torch.arange(0, 3000)
+    exact = torch.tensor([math.pow(decay, int(a)) for a in small], dtype=torch.float64)
+    normal = exact > 1e-300
+    rel = (decay_powers(decay, small) - exact).abs() / exact
+    assert bool((rel[normal] <= (small[normal] + 1) * 2.0**-52).all())
+
+
+def _pair(config: IdMapConfig, rows: int) -> tuple[IdMap, IdMap]:
+    native, reference = IdMap(config, rows), IdMap(config, rows)
+    reference.native = False
+    return native, reference
+
+
+def _assert_same(a: Remapped, b: Remapped, a_map: IdMap, b_map: IdMap, where: str) -> None:
+    assert torch.equal(a.rows_M, b.rows_M), where
+    assert torch.equal(a.fresh_rows, b.fresh_rows), where  # the victims, in order
+    assert a.stats == b.stats, where
+    b_state = b_map.state_dict()
+    for key, value in a_map.state_dict().items():
+        assert torch.equal(value, b_state[key]), (where, key)
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.5, 0.99])
+@pytest.mark.parametrize(
+    ("rows", "values"),
+    [(500, 4), (20000, 4), (20000, 1), (20000, 1000)],
+    ids=["small", "few_values", "all_tied", "many_values"],
+)
+def test_native_victims_are_the_head_of_the_full_order_among_ties(
+    decay: float, rows: int, values: int
+) -> None:
+    """A full map whose counts and last-seen steps take ``values`` values (ties at every level
+    of the order): the victims of one step are the first rows of `IdMap.eviction_order`.
+    20000 rows: the native side filters by a sampled pivot (all tied: more rows at the pivot
+    than it keeps, so it falls back to every row)."""
+    gen = torch.Generator().manual_seed(2)
+    for need in (1, 7, 150, 399, 500):
+        native, reference = _pair(IdMapConfig(policy="lfu", decay=decay), rows)
+        frequency = torch.randint(1, values + 1, (rows,), generator=gen).double()
+        last_seen = torch.randint(0, min(values, 4), (rows,), generator=gen)
+        if values == 1:  # one count: the older second half goes first (under decay 1.0, the
+            last_seen = torch.where(torch.arange(rows) < rows // 2, 3, 0)  # counts all tie)
+        with torch.no_grad():
+            for idmap in (native, reference):
+                idmap.row_ids.copy_(torch.arange(rows) * 11 + 1)
+                idmap.occupied.fill_(True)
+                idmap.frequency.copy_(frequency)
+                idmap.last_seen.copy_(last_seen)
+                idmap.step.fill_(5)
+        expected = reference.eviction_order(torch.arange(rows))[:need]
+        new_ids = torch.arange(need) * 11 + 2  # none is live: each takes a victim
+        a, b = native.remap(new_ids, True), reference.remap(new_ids, True)
+        _assert_same(a, b, native, reference, f"need {need}")
+        assert torch.equal(a.fresh_rows.sort().values, expected.sort().values), need
+
+
+def _drifting(gen: torch.Generator, step: int, rows: int, unique: bool) -> torch.Tensor:
+    """Power-law ids (or each new id twice: equal counts, many ties) drifting every step."""
+    size = int(torch.randint(rows // 20, rows // 10, (1,), generator=gen))
+    if unique:
+        rank = (torch.arange(size) + step * size) // 2
+    else:
+        rank = (torch.rand(size, generator=gen) ** 3 * 3 * rows).long() + step * (rows // 50)
+    return rank * 0x9E3779B97F4A7C15 - 5
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        IdMapConfig(policy="lfu"),
+        IdMapConfig(policy="lfu", decay=0.999),
+        IdMapConfig(policy="lfu", decay=1.0),
+        IdMapConfig(policy="lfu", decay=0.9, ttl_steps=40),
+        IdMapConfig(policy="lfu", decay=0.95, admit_after=2, candidate_slots=600),
+    ],
+    ids=["default", "0.999", "no_decay", "ttl", "admission"],
+)
+@pytest.mark.parametrize("unique", [False, True], ids=["power_law", "ties"])
+def test_native_lfu_equals_torch_after_every_step(config: IdMapConfig, unique: bool) -> None:
+    native, reference = _pair(config, 2000)
+    gen = torch.Generator().manual_seed(7)
+    evicting = 0
+    for step in range(200):
+        ids = _drifting(gen, step, 2000, unique)
+        a, b = native.remap(ids, True), reference.remap(ids, True)
+        _assert_same(a, b, native, reference, f"step {step}")
+        evicting += a.stats.evictions > 0
+    assert native._native_map is not None and evicting > 100
