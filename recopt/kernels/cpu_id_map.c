@@ -15,28 +15,17 @@
  * path's, so both paths give the same maps.
  * Legend: M ids of the batch, U distinct ids, N slots.
  */
-#include <math.h>
-
 #include "cpu_id_map_fill.h"
+#include "cpu_id_map_lfu.h"
 #include "cpu_id_map_slots.h"
-
-typedef struct { /* an evictable row under lfu: its decayed count, last seen, row */
-    double key;
-    int64_t seen, row;
-} Cand;
-
-#define POWER_MEMO 4096 /* ages whose decay power is kept */
-#define LFU_SAMPLE 256  /* rows sampled for lfu's pivot */
 
 typedef struct {
     Slots rows, cand;
     int has_cand, recording;
     int64_t gen, cap_m, num_u, num_known, num_wanted, expired, admissions;
     Hash batch_hash; /* the batch's new ids -> their index, first seen order */
-    double decay;       /* lfu's per-step decay (1.0: lru, or no decay) */
-    double squares[64]; /* decay^(2^b) by repeated squaring */
-    double *powers;     /* [POWER_MEMO]: decay_power of the small ages, or NULL (no decay) */
-    Cand *cands;        /* [M]: lfu's victim heap */
+    Powers powers;     /* lfu's decay powers */
+    Cand *cands;       /* [5 M]: lfu's victim heap [M] and the rows under its pivot [4 M] */
     uint64_t *row_pos; /* [N]: (batch generation << 32) | the row's index in known */
     uint64_t *row_bits; /* [N / 64 + 1]: the rows the batch touched (all 0 between batches) */
     int64_t *found;    /* [M]: each id's row, -1 if it is not live */
@@ -49,22 +38,6 @@ typedef struct {
     uint8_t *admitted;
 } Map;
 
-
-/* decay^age as the product of squares[b] over the set bits b of age, lowest bit first (ages
- * below 0 count as 0): a fixed sequence of float64 products, so the torch path
- * (`recopt.modules.id_map.decay_powers`) gets the same bits on every device and kernel. */
-static double power_of(const Map *m, int64_t age) {
-    double r = 1.0;
-    for (int b = 0; age > 0; b++, age >>= 1)
-        if (age & 1) r *= m->squares[b];
-    return r;
-}
-
-static inline double decay_power(const Map *m, int64_t age) {
-    if (!m->powers) return 1.0;
-    if (age < 0) age = 0;
-    return age < POWER_MEMO ? m->powers[age] : power_of(m, age);
-}
 
 static inline void remember(Map *m, Slots *s, int64_t r) {
     if (!m->recording || s->mark[r] == m->gen) return;
@@ -111,7 +84,7 @@ void rim_free(void *handle) {
     slots_free(&m->cand);
     free(m->row_pos);
     free(m->row_bits);
-    free(m->powers);
+    free(m->powers.memo);
     free_scratch(m);
     free(m);
 }
@@ -120,16 +93,9 @@ void *rim_new(int64_t num_rows, int64_t num_candidates, double decay) {
     Map *m = calloc(1, sizeof(Map));
     if (!m) return NULL;
     m->has_cand = num_candidates > 0;
-    m->decay = decay;
-    m->squares[0] = decay;
-    for (int b = 1; b < 64; b++) m->squares[b] = m->squares[b - 1] * m->squares[b - 1];
-    if (decay != 1.0) {
-        m->powers = malloc(sizeof(double) * POWER_MEMO);
-        if (!m->powers) {
-            rim_free(m);
-            return NULL;
-        }
-        for (int64_t a = 0; a < POWER_MEMO; a++) m->powers[a] = power_of(m, a);
+    if (powers_init(&m->powers, decay) != 0) {
+        rim_free(m);
+        return NULL;
     }
     m->row_pos = calloc(num_rows + 1, 8);
     m->row_bits = calloc((num_rows >> 6) + 1, 8);
@@ -328,11 +294,53 @@ static void count_known(Map *m, int64_t step) {
         }
         remember(m, s, r);
         double kept = s->freq[r];
-        if (m->powers) kept = kept * decay_power(m, step - s->seen[r]);
+        if (m->powers.memo) kept = kept * decay_power(&m->powers, step - s->seen[r]);
         s->freq[r] = kept + (double)m->count_k[k];
         s->seen[r] = step; /* its queue entry is stale now: not a victim of this batch */
         m->touched[k] = r;
     }
+}
+
+/* Slot r of s, taken as a victim, loses its id (its queue entry goes stale). */
+static void evict(Map *m, Slots *s, int64_t r) {
+    remember(m, s, r);
+    hash_erase(&s->hash, s->ids[r]);
+    s->used[r] = 0;
+    s->ids[r] = -1;
+    s->live--;
+}
+
+/* Evicts slots[from .. to) of s in order, prefetching ahead (their ids, then hash homes). */
+static void evict_range(Map *m, Slots *s, const int64_t *slots, int64_t from, int64_t to) {
+    for (int64_t j = from; j < to; j++) {
+        if (j + 2 * AHEAD < to) __builtin_prefetch(&s->ids[slots[j + 2 * AHEAD]], 1);
+        if (j + AHEAD < to) prefetch_home(&s->hash, s->ids[slots[j + AHEAD]]);
+        evict(m, s, slots[j]);
+    }
+}
+
+/* The least recently seen live slots of s (out[placed ..], up to want: lru's victims, the
+ * candidates forgotten), taken off the recency queue and evicted. The queue is read in order,
+ * so the slots it names are prefetched ahead; each victim is evicted 2 * AHEAD victims behind
+ * the read. Returns the new placed. */
+static int64_t queue_victims(Map *m, Slots *s, int64_t *out, int64_t placed, int64_t want) {
+    int64_t first = placed, done = placed, e = s->qhead;
+    while (placed < want && e < s->qtail) {
+        if (e + AHEAD < s->qtail) {
+            int64_t ahead = s->queue[e + AHEAD].slot;
+            __builtin_prefetch(&s->used[ahead]);
+            __builtin_prefetch(&s->seen[ahead]);
+            __builtin_prefetch(&s->ids[ahead], 1);
+        }
+        QEntry entry = s->queue[e++];
+        if (!queued_live(s, entry)) continue;
+        out[placed++] = entry.slot;
+        if (placed - first > AHEAD) prefetch_home(&s->hash, s->ids[out[placed - 1 - AHEAD]]);
+        if (placed - first > 2 * AHEAD) evict(m, s, out[done++]);
+    }
+    s->qhead = e;
+    evict_range(m, s, out, done, placed);
+    return placed;
 }
 
 /* Candidates: the new ids' counts (the torch path's IdMap._admit); sets admitted[u]. */
@@ -341,6 +349,7 @@ static void admit(Map *m, int64_t step, int64_t admit_after) {
     int64_t num_touched = 0, num_fresh = 0;
     int64_t *cslot = m->sort_val, *total = m->sort_val_tmp, *ctouched = m->wanted;
     for (int64_t u = 0; u < m->num_u; u++) {
+        if (u + AHEAD < m->num_u) prefetch_home(&c->hash, m->ids_u[u + AHEAD]);
         int64_t at = hash_find(&c->hash, m->ids_u[u]);
         cslot[u] = at;
         total[u] = m->count_u[u] + (at >= 0 ? c->count[at] : 0);
@@ -366,19 +375,17 @@ static void admit(Map *m, int64_t step, int64_t admit_after) {
             num_fresh++;
         }
     }
-    int64_t spare_free = c->heap_size < num_fresh ? c->heap_size : num_fresh;
-    int64_t forget = num_fresh - spare_free, placed = 0;
-    for (int64_t u = 0; u < m->num_u && placed < num_fresh; u++) {
+    /* the fresh ids' slots: free ones lowest first, then the least recently seen candidates
+     * not seen in this batch, forgotten */
+    int64_t *spare = m->found, got = 0, placed = 0;
+    while (got < num_fresh && c->heap_size > 0) spare[got++] = heap_pop(c);
+    got = queue_victims(m, c, spare, got, num_fresh);
+    for (int64_t u = 0; u < m->num_u && placed < got; u++) {
         if (m->admitted[u] || cslot[u] >= 0) continue;
-        int64_t at;
-        if (placed < spare_free) {
-            at = heap_pop(c);
-        } else { /* forget the least recently seen candidate not seen in this batch */
-            if (forget <= 0 || (at = queue_head(c)) < 0) break;
-            remember(m, c, at);
-            hash_erase(&c->hash, c->ids[at]);
-            c->used[at] = 0;
-            c->live--;
+        int64_t at = spare[placed];
+        if (placed + AHEAD < got) {
+            __builtin_prefetch(&c->count[spare[placed + AHEAD]], 1);
+            __builtin_prefetch(&c->seen[spare[placed + AHEAD]], 1);
         }
         remember(m, c, at);
         c->ids[at] = m->ids_u[u];
@@ -419,146 +426,15 @@ int rim_middle(void *handle, void **buffers, int64_t step, int64_t admit_after) 
     return 0;
 }
 
-/* r, taken as a victim, loses its id (its queue entry goes stale). */
-static void evict(Map *m, int64_t r) {
-    Slots *s = &m->rows;
-    remember(m, s, r);
-    hash_erase(&s->hash, s->ids[r]);
-    s->used[r] = 0;
-    s->ids[r] = -1;
-    s->live--;
-}
-
-/* Evicts rows[from .. to) in order, prefetching ahead (their ids, then their hash homes). */
-static void evict_range(Map *m, const int64_t *rows, int64_t from, int64_t to) {
-    Slots *s = &m->rows;
-    for (int64_t j = from; j < to; j++) {
-        if (j + 2 * AHEAD < to) __builtin_prefetch(&s->ids[rows[j + 2 * AHEAD]], 1);
-        if (j + AHEAD < to) prefetch_home(&s->hash, s->ids[rows[j + AHEAD]]);
-        evict(m, rows[j]);
-    }
-}
-
-/* lru: the victims are the recency queue's first live entries (fresh_rows[placed ..], up to
- * want), taken off and evicted. The queue is read in order, so the rows it names are
- * prefetched ahead; each victim is evicted 2 * AHEAD victims behind the read. Returns the new
- * placed. */
-static int64_t lru_victims(Map *m, int64_t *fresh_rows, int64_t placed, int64_t want) {
-    Slots *s = &m->rows;
-    int64_t first = placed, done = placed, e = s->qhead;
-    while (placed < want && e < s->qtail) {
-        if (e + AHEAD < s->qtail) {
-            int64_t ahead = s->queue[e + AHEAD].slot;
-            __builtin_prefetch(&s->used[ahead]);
-            __builtin_prefetch(&s->seen[ahead]);
-            __builtin_prefetch(&s->ids[ahead], 1);
-        }
-        QEntry entry = s->queue[e++];
-        if (!queued_live(s, entry)) continue;
-        fresh_rows[placed++] = entry.slot;
-        if (placed - first > AHEAD) prefetch_home(&s->hash, s->ids[fresh_rows[placed - 1 - AHEAD]]);
-        if (placed - first > 2 * AHEAD) evict(m, fresh_rows[done++]);
-    }
-    s->qhead = e;
-    evict_range(m, fresh_rows, done, placed);
-    return placed;
-}
-
-static inline int cand_before(Cand a, Cand b) { /* a is evicted before b */
-    if (a.key != b.key) return a.key < b.key;
-    if (a.seen != b.seen) return a.seen < b.seen;
-    return a.row < b.row;
-}
-
-static void cand_sift_down(Cand *heap, int64_t size, int64_t i) { /* max-heap by cand_before */
-    Cand top = heap[i];
-    for (;;) {
-        int64_t child = 2 * i + 1;
-        if (child >= size) break;
-        if (child + 1 < size && cand_before(heap[child], heap[child + 1])) child++;
-        if (!cand_before(top, heap[child])) break;
-        heap[i] = heap[child];
-        i = child;
-    }
-    heap[i] = top;
-}
-
-/* Adds c to the max-heap (by cand_before) of the size lowest of `need`. */
-static inline void keep_lowest(Cand *heap, int64_t *size, int64_t need, Cand c) {
-    if (*size < need) {
-        int64_t i = (*size)++; /* sift up */
-        while (i > 0 && cand_before(heap[(i - 1) / 2], c)) {
-            heap[i] = heap[(i - 1) / 2];
-            i = (i - 1) / 2;
-        }
-        heap[i] = c;
-    } else if (cand_before(c, heap[0])) {
-        heap[0] = c;
-        cand_sift_down(heap, *size, 0);
-    }
-}
-
-static inline Cand lfu_cand(const Map *m, int64_t step, int64_t r) {
-    const Slots *s = &m->rows;
-    Cand c = {s->freq[r] * decay_power(m, step - s->seen[r]), s->seen[r], r};
-    return c;
-}
-
-static int compare_doubles(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-/* A decayed count below which, judging by a sample of the rows, a few times `need` evictable
- * rows lie (INFINITY: no use, most rows would). Only a filter: the caller checks it kept at
- * least `need` rows, and every row above it comes after every row at or below it. */
-static double lfu_pivot(const Map *m, int64_t step, int64_t need, int64_t evictable) {
-    const Slots *s = &m->rows;
-    double sample[LFU_SAMPLE];
-    int64_t stride = s->n / LFU_SAMPLE, count = 0;
-    if (stride < 4 || evictable <= 0) return INFINITY;
-    for (int64_t i = 0; i < LFU_SAMPLE; i++) {
-        int64_t r = i * stride;
-        if (s->used[r] && s->seen[r] != step) sample[count++] = lfu_cand(m, step, r).key;
-    }
-    int64_t at = (int64_t)((double)count * (double)(4 * need + 64) / (double)evictable);
-    if (at >= count) return INFINITY;
-    qsort(sample, (size_t)count, sizeof(double), compare_doubles);
-    return sample[at];
-}
-
-/* lfu: the victims (fresh_rows[placed ..], up to want) are the used rows this batch did not
- * see with the lowest decayed count (ties: least recently seen, then lowest row), in that
- * order, then evicted. One pass over the rows keeps those at or below a sampled pivot (when
- * enough are: else every row) and a heap the lowest of them. Returns the new placed. */
+/* lfu: the victims (fresh_rows[placed ..], up to want), chosen by lfu_select
+ * (cpu_id_map_lfu.h) and evicted. Returns the new placed. */
 static int64_t lfu_victims(Map *m, int64_t step, int64_t *fresh_rows, int64_t placed,
                            int64_t want) {
-    Slots *s = &m->rows;
-    int64_t need = want - placed, size = 0, kept = 0, cap = 4 * m->cap_m;
-    double pivot = lfu_pivot(m, step, need, s->live - m->num_known);
-    Cand *heap = m->cands, *low = m->cands + m->cap_m;
-    for (int64_t r = 0; r < s->n && pivot < INFINITY; r++) {
-        if (!s->used[r] || s->seen[r] == step) continue; /* free, or seen in this batch */
-        Cand c = lfu_cand(m, step, r);
-        if (c.key > pivot) continue;
-        if (kept == cap) break; /* too many below the pivot: every row then */
-        low[kept++] = c;
-    }
-    if (pivot < INFINITY && kept < cap && kept >= need) {
-        for (int64_t i = 0; i < kept; i++) keep_lowest(heap, &size, need, low[i]);
-    } else {
-        for (int64_t r = 0; r < s->n; r++)
-            if (s->used[r] && s->seen[r] != step) keep_lowest(heap, &size, need, lfu_cand(m, step, r));
-    }
-    for (int64_t last = size - 1; last > 0; last--) { /* ascending: the first victim first */
-        Cand top = heap[0];
-        heap[0] = heap[last];
-        cand_sift_down(heap, last, 0);
-        heap[last] = top;
-    }
-    for (int64_t i = 0; i < size; i++) fresh_rows[placed + i] = heap[i].row;
-    evict_range(m, fresh_rows, placed, placed + size);
-    return placed + size;
+    int64_t chosen = lfu_select(&m->rows, &m->powers, step, want - placed,
+                                m->rows.live - m->num_known, m->cands, m->cap_m,
+                                fresh_rows + placed);
+    evict_range(m, &m->rows, fresh_rows, placed, placed + chosen);
+    return placed + chosen;
 }
 
 /* Queues the rows[0 .. count) (distinct) in ascending order, seen at step: through the
@@ -594,7 +470,7 @@ int rim_finish(void *handle, void **buffers, int64_t step, int lfu, int64_t *row
     int64_t first_victim = placed;
     if (placed < want) /* the victims' queue entries go stale as they go */
         placed = lfu ? lfu_victims(m, step, fresh_rows, placed, want)
-                     : lru_victims(m, fresh_rows, placed, want);
+                     : queue_victims(m, &m->rows, fresh_rows, placed, want);
     evicted = placed - first_victim;
     int64_t num_touched = m->num_known;
     for (int64_t j = 0; j < placed; j++) {
@@ -655,10 +531,10 @@ void rim_step_many(int64_t num_maps, void **handles, const int64_t *lfu, void **
 
 /* out[i] = decay^ages[i] as the maps compute it (decay_power), for the tests. */
 void rim_decay_powers(double decay, const int64_t *ages, int64_t n, double *out) {
-    Map *m = rim_new(1, 0, decay);
-    if (!m) return;
-    for (int64_t i = 0; i < n; i++) out[i] = decay_power(m, ages[i]);
-    rim_free(m);
+    Powers powers;
+    if (powers_init(&powers, decay) != 0) return;
+    for (int64_t i = 0; i < n; i++) out[i] = decay_power(&powers, ages[i]);
+    free(powers.memo);
 }
 
 /* The undo record of the last batch: which = 0 rows, 1 candidates. */
@@ -678,38 +554,4 @@ void rim_undo_copy(void *handle, int which, int64_t *slot, int64_t *ids, uint8_t
     memcpy(seen, log->seen, 8 * n);
     if (freq) memcpy(freq, log->freq, 8 * n);
     if (count) memcpy(count, log->count, 8 * n);
-}
-
-/* ---- fresh rows (cpu_id_map_fill.h): hashed initial values, zeroed optimizer state ---- */
-
-/* out [num_ids, dim]: float64 in [0, 1), a fixed function of (id, step, column). */
-void rim_hash_uniform(const int64_t *ids, int64_t num_ids, int64_t step, int64_t dim,
-                      double *out) {
-    for (int64_t i = 0; i < num_ids; i++) hash_row(ids[i], step, dim, out + i * dim);
-}
-
-/* weight[rows[i], :] = (float)(lo + (hi - lo) * hash_uniform(ids[i], step, column)): the
- * torch path's init_rows on float32 rows, the same rounding (two float64 ops, then float). */
-void rim_fill_uniform(const int64_t *ids, const int64_t *rows, int64_t num_rows, int64_t step,
-                      int64_t dim, double lo, double hi, float *weight, int64_t row_stride) {
-    fill_rows(ids, rows, num_rows, step, dim, lo, hi, weight, row_stride);
-}
-
-/* The fresh rows of num_tables tables in one call, the tables over threads. Table t: rows[t]
- * and ids[t] (num_rows[t] each) are written as rim_fill_uniform writes them (steps[t],
- * dims[t], lo_hi[2t], lo_hi[2t + 1], weights[t], weight_strides[t] floats a row); then the
- * rows' bytes of states first_state[t] .. first_state[t + 1] - 1 are zeroed: state s starts
- * at states[s], row r at r * state_strides[s] bytes, state_widths[s] bytes of it. */
-void rim_reset_many(int64_t num_tables, int64_t **rows, int64_t **ids, const int64_t *num_rows,
-                    const int64_t *steps, const int64_t *dims, const double *lo_hi,
-                    float **weights, const int64_t *weight_strides, const int64_t *first_state,
-                    uint8_t **states, const int64_t *state_strides,
-                    const int64_t *state_widths, int threads) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t t = 0; t < num_tables; t++) {
-        fill_rows(ids[t], rows[t], num_rows[t], steps[t], dims[t], lo_hi[2 * t],
-                  lo_hi[2 * t + 1], weights[t], weight_strides[t]);
-        for (int64_t s = first_state[t]; s < first_state[t + 1]; s++)
-            zero_rows(rows[t], num_rows[t], states[s], state_strides[s], state_widths[s]);
-    }
 }

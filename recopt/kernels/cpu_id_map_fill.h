@@ -1,6 +1,6 @@
 /* The fresh rows of the native id map (cpu_id_map.c): their hashed initial values
- * (id_map_lookup.hash_uniform, bit for bit) and their zeroed optimizer state. Header-only
- * (static functions): included once, by cpu_id_map.c.
+ * (id_map_lookup.hash_uniform, bit for bit) and their zeroed optimizer state, and the
+ * library's functions that write them (rim_*). Header-only: included once, by cpu_id_map.c.
  */
 #ifndef RECOPT_CPU_ID_MAP_FILL_H
 #define RECOPT_CPU_ID_MAP_FILL_H
@@ -63,6 +63,40 @@ static void zero_rows(const int64_t *rows, int64_t num_rows, uint8_t *base, int6
         if (i + ROWS_AHEAD < num_rows)
             __builtin_prefetch(base + rows[i + ROWS_AHEAD] * stride, 1);
         memset(base + rows[i] * stride, 0, (size_t)width);
+    }
+}
+
+/* ---- the library's functions (cpu_id_map.py) ---- */
+
+/* out [num_ids, dim]: float64 in [0, 1), a fixed function of (id, step, column). */
+void rim_hash_uniform(const int64_t *ids, int64_t num_ids, int64_t step, int64_t dim,
+                      double *out) {
+    for (int64_t i = 0; i < num_ids; i++) hash_row(ids[i], step, dim, out + i * dim);
+}
+
+/* weight[rows[i], :] = (float)(lo + (hi - lo) * hash_uniform(ids[i], step, column)): the
+ * torch path's init_rows on float32 rows, the same rounding (two float64 ops, then float). */
+void rim_fill_uniform(const int64_t *ids, const int64_t *rows, int64_t num_rows, int64_t step,
+                      int64_t dim, double lo, double hi, float *weight, int64_t row_stride) {
+    fill_rows(ids, rows, num_rows, step, dim, lo, hi, weight, row_stride);
+}
+
+/* The fresh rows of num_tables tables in one call, the tables over threads. Table t: rows[t]
+ * and ids[t] (num_rows[t] each) are written as rim_fill_uniform writes them (steps[t],
+ * dims[t], lo_hi[2t], lo_hi[2t + 1], weights[t], weight_strides[t] floats a row); then the
+ * rows' bytes of states first_state[t] .. first_state[t + 1] - 1 are zeroed: state s starts
+ * at states[s], row r at r * state_strides[s] bytes, state_widths[s] bytes of it. */
+void rim_reset_many(int64_t num_tables, int64_t **rows, int64_t **ids, const int64_t *num_rows,
+                    const int64_t *steps, const int64_t *dims, const double *lo_hi,
+                    float **weights, const int64_t *weight_strides, const int64_t *first_state,
+                    uint8_t **states, const int64_t *state_strides,
+                    const int64_t *state_widths, int threads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t t = 0; t < num_tables; t++) {
+        fill_rows(ids[t], rows[t], num_rows[t], steps[t], dims[t], lo_hi[2 * t],
+                  lo_hi[2 * t + 1], weights[t], weight_strides[t]);
+        for (int64_t s = first_state[t]; s < first_state[t + 1]; s++)
+            zero_rows(rows[t], num_rows[t], states[s], state_strides[s], state_widths[s]);
     }
 }
 

@@ -1,0 +1,150 @@
+/* lfu in the native id map (cpu_id_map.c): the decay powers and the choice of victims.
+ * Header-only (static functions): included once, by cpu_id_map.c.
+ */
+#ifndef RECOPT_CPU_ID_MAP_LFU_H
+#define RECOPT_CPU_ID_MAP_LFU_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "cpu_id_map_slots.h"
+
+#define POWER_MEMO 4096 /* ages whose decay power is kept */
+#define LFU_SAMPLE 256  /* rows sampled for the pivot */
+
+typedef struct {
+    double squares[64]; /* decay^(2^b) by repeated squaring */
+    double *memo;       /* [POWER_MEMO]: the powers of the small ages; NULL: no decay (1.0) */
+} Powers;
+
+/* decay^age as the product of squares[b] over the set bits b of age, lowest bit first: a fixed
+ * sequence of float64 products, so the torch path (`recopt.modules.id_map.decay_powers`) gets
+ * the same bits on every device and kernel. */
+static double power_of(const Powers *p, int64_t age) {
+    double r = 1.0;
+    for (int b = 0; age > 0; b++, age >>= 1)
+        if (age & 1) r *= p->squares[b];
+    return r;
+}
+
+static int powers_init(Powers *p, double decay) {
+    p->squares[0] = decay;
+    for (int b = 1; b < 64; b++) p->squares[b] = p->squares[b - 1] * p->squares[b - 1];
+    p->memo = NULL;
+    if (decay == 1.0) return 0;
+    p->memo = malloc(sizeof(double) * POWER_MEMO);
+    if (!p->memo) return -1;
+    for (int64_t a = 0; a < POWER_MEMO; a++) p->memo[a] = power_of(p, a);
+    return 0;
+}
+
+/* decay^age (ages below 0 count as 0). */
+static inline double decay_power(const Powers *p, int64_t age) {
+    if (!p->memo) return 1.0;
+    if (age < 0) age = 0;
+    return age < POWER_MEMO ? p->memo[age] : power_of(p, age);
+}
+
+typedef struct { /* an evictable row: its decayed count, last seen, row */
+    double key;
+    int64_t seen, row;
+} Cand;
+
+static inline int cand_before(Cand a, Cand b) { /* a is evicted before b */
+    if (a.key != b.key) return a.key < b.key;
+    if (a.seen != b.seen) return a.seen < b.seen;
+    return a.row < b.row;
+}
+
+static void cand_sift_down(Cand *heap, int64_t size, int64_t i) { /* max-heap by cand_before */
+    Cand top = heap[i];
+    for (;;) {
+        int64_t child = 2 * i + 1;
+        if (child >= size) break;
+        if (child + 1 < size && cand_before(heap[child], heap[child + 1])) child++;
+        if (!cand_before(top, heap[child])) break;
+        heap[i] = heap[child];
+        i = child;
+    }
+    heap[i] = top;
+}
+
+/* Adds c to the max-heap (by cand_before) of the size lowest of `need`. */
+static inline void keep_lowest(Cand *heap, int64_t *size, int64_t need, Cand c) {
+    if (*size < need) {
+        int64_t i = (*size)++; /* sift up */
+        while (i > 0 && cand_before(heap[(i - 1) / 2], c)) {
+            heap[i] = heap[(i - 1) / 2];
+            i = (i - 1) / 2;
+        }
+        heap[i] = c;
+    } else if (cand_before(c, heap[0])) {
+        heap[0] = c;
+        cand_sift_down(heap, *size, 0);
+    }
+}
+
+static inline int evictable(const Slots *s, int64_t step, int64_t r) {
+    return s->used[r] && s->seen[r] != step; /* used, and not seen in this batch */
+}
+
+static inline Cand lfu_cand(const Slots *s, const Powers *p, int64_t step, int64_t r) {
+    Cand c = {s->freq[r] * decay_power(p, step - s->seen[r]), s->seen[r], r};
+    return c;
+}
+
+static int compare_doubles(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* A decayed count below which, judging by a sample of the rows, a few times `need` evictable
+ * rows lie (INFINITY: no use, most rows would). Only a filter: lfu_select checks that it kept
+ * at least `need` rows, and every row above it comes after every row at or below it. */
+static double lfu_pivot(const Slots *s, const Powers *p, int64_t step, int64_t need,
+                        int64_t num_evictable) {
+    double sample[LFU_SAMPLE];
+    int64_t stride = s->n / LFU_SAMPLE, count = 0;
+    if (stride < 4 || num_evictable <= 0) return INFINITY;
+    for (int64_t i = 0; i < LFU_SAMPLE; i++)
+        if (evictable(s, step, i * stride)) sample[count++] = lfu_cand(s, p, step, i * stride).key;
+    int64_t at = (int64_t)((double)count * (double)(4 * need + 64) / (double)num_evictable);
+    if (at >= count) return INFINITY;
+    qsort(sample, (size_t)count, sizeof(double), compare_doubles);
+    return sample[at];
+}
+
+/* The `need` (at most `room`) evictable rows of lowest decayed count (ties: least recently
+ * seen, then lowest row), in that order, written to out; returns how many. One pass over the
+ * rows keeps those at or below a sampled pivot (when enough are, and they fit in 4 x room:
+ * else every row) and a heap the lowest of them. scratch: [5 x room]. */
+static int64_t lfu_select(const Slots *s, const Powers *p, int64_t step, int64_t need,
+                          int64_t num_evictable, Cand *scratch, int64_t room, int64_t *out) {
+    int64_t size = 0, kept = 0, cap = 4 * room;
+    double pivot = lfu_pivot(s, p, step, need, num_evictable);
+    Cand *heap = scratch, *low = scratch + room;
+    for (int64_t r = 0; r < s->n && pivot < INFINITY; r++) {
+        if (!evictable(s, step, r)) continue;
+        Cand c = lfu_cand(s, p, step, r);
+        if (c.key > pivot) continue;
+        if (kept == cap) break; /* too many at or below the pivot: every row then */
+        low[kept++] = c;
+    }
+    if (pivot < INFINITY && kept < cap && kept >= need) {
+        for (int64_t i = 0; i < kept; i++) keep_lowest(heap, &size, need, low[i]);
+    } else {
+        for (int64_t r = 0; r < s->n; r++)
+            if (evictable(s, step, r)) keep_lowest(heap, &size, need, lfu_cand(s, p, step, r));
+    }
+    for (int64_t last = size - 1; last > 0; last--) { /* ascending: the first victim first */
+        Cand top = heap[0];
+        heap[0] = heap[last];
+        cand_sift_down(heap, last, 0);
+        heap[last] = top;
+    }
+    for (int64_t i = 0; i < size; i++) out[i] = heap[i].row;
+    return size;
+}
+
+#endif
