@@ -22,9 +22,7 @@ logger = logging.getLogger(__name__)
 
 _C_SOURCE_PATH = Path(__file__).with_name("cpu_id_map.c")
 # included by the source
-_C_HEADERS = [
-    Path(__file__).with_name(f"cpu_id_map_{name}.h") for name in ("slots", "fill", "lfu")
-]
+_C_HEADERS = [Path(__file__).with_name(f"cpu_id_map_{name}.h") for name in ("slots", "fill", "lfu")]
 # -ffp-contract=off: lfu's frequency update (f * factor + count) rounds twice, as torch does.
 _CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fopenmp"]
 
