@@ -41,11 +41,6 @@ ALLOWED = {
     # changed slots of its undo record; a sync-free CUDA remap is the open part of issue 26.
     ("modules/id_map.py", "nonzero"): 7,
     ("modules/id_map.py", "unique"): 1,
-    # CPU-only data: the native remap's lfu victims (the torch path's order on CPU buffers:
-    # the evictable rows, then those at or below the need-th smallest count; the low set's
-    # rows, and the distinct ages whose decay powers it checks).
-    ("modules/id_map_native.py", "nonzero"): 3,
-    ("modules/id_map_native.py", "unique"): 1,
     # docs/id_map.md: relocating ids after a load, once (not a step): the live rows, the
     # slots leaving and the free rows; its exchange is sized on the host anyway.
     ("sharding/id_map_relocate.py", "nonzero"): 6,
