@@ -188,18 +188,11 @@ def reshard_memory(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 
 def _id_tables(tables: int, rows: int, dim: int) -> list[Any]:
-    from recopt.modules import EmbeddingBagConfig, IdMapConfig
+    from bench_id_map import bench_tables  # a sibling script (run from benchmarks/ or as a file)
 
-    return [
-        EmbeddingBagConfig(
-            name=f"t{t}",
-            num_embeddings=rows,
-            embedding_dim=dim,
-            feature_names=(f"f{t}",),
-            id_map=IdMapConfig(policy="lru"),
-        )
-        for t in range(tables)
-    ]
+    from recopt.modules import IdMapConfig
+
+    return bench_tables(rows, IdMapConfig(policy="lru"), count=tables, dim=dim)
 
 
 def _save_id_mapped(rank: int, world: int, root: str, tables: int, rows: int, dim: int) -> None:
