@@ -226,7 +226,7 @@ def test_written_checkpoint_has_every_live_id_on_its_owner_shard(resharded: dict
 
 def test_placed_checkpoint_trains_on_as_the_runtime_relocation(resharded: dict[str, Any]) -> None:
     cases = [(name, d) for name in PLANS for d in ("runtime", f"placed_{name}")]
-    results = run_on_ranks(_continue_at, WORLD, str(resharded["root"]), cases, timeout_s=400.0)
+    results = run_on_ranks(_continue_at, WORLD, str(resharded["root"]), cases, timeout_s=240.0)
     for c, (name, _) in enumerate(cases[::2]):
         runtime = [per_rank[2 * c] for per_rank in results]
         placed = [per_rank[2 * c + 1] for per_rank in results]
