@@ -15,6 +15,7 @@ from recopt.modules import (
     FusedEmbeddingCollection,
     IdMapConfig,
     InvalidIdError,
+    NonFiniteWeightError,
 )
 from recopt.modules.id_map_lookup import hash_uniform
 from recopt.sparse import KeyedJaggedTensor
@@ -164,6 +165,27 @@ def test_bad_id_of_an_unmapped_table_raises_before_the_map_moves() -> None:
     assert int(fused.id_maps["t"].step) == 0 and not fused.id_maps["t"].occupied.any()  # type: ignore[index]
     fused(KeyedJaggedTensor.from_id_lists({"f": [[BIG]], "g": [[2]]}))
     assert _rows_of(fused) == {BIG: 0}
+
+
+def test_all_mapped_collection_still_checks_id_dtype_and_weights() -> None:
+    """With every table mapped there is no id range to check, but float ids and non-finite
+    per-id weights still raise before the map moves."""
+    fused = FusedEmbeddingBagCollection([_table(4, IdMapConfig(policy="lru"))])
+    lengths = torch.tensor([1, 1])
+    floats = KeyedJaggedTensor(["f"], torch.tensor([1.0, 2.0]), lengths=lengths)
+    with pytest.raises(InvalidIdError, match="table 't', feature 'f'"):
+        fused(floats)
+    weighted = FusedEmbeddingBagCollection([_table(4, IdMapConfig(policy="lru"))], is_weighted=True)
+    ids = torch.tensor([BIG, 7])
+    nan = KeyedJaggedTensor(["f"], ids, weights=torch.tensor([1.0, float("nan")]), lengths=lengths)
+    with pytest.raises(NonFiniteWeightError, match="table 't', feature 'f'"):
+        weighted(nan)
+    for module in (fused, weighted):
+        assert int(module.id_maps["t"].step) == 0  # type: ignore[index]
+        assert not module.id_maps["t"].occupied.any()  # type: ignore[index]
+    fine = KeyedJaggedTensor(["f"], ids, weights=torch.tensor([1.0, 2.0]), lengths=lengths)
+    weighted(fine)
+    assert _rows_of(weighted) == {7: 0, BIG: 1}  # new ids take rows in ascending id order
 
 
 def test_skipped_nonfinite_step_keeps_the_map_update_and_trains_nothing() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -167,6 +168,10 @@ def _pointers(tensors: Sequence[torch.Tensor]) -> ctypes.Array[ctypes.c_void_p]:
     return (ctypes.c_void_p * max(len(tensors), 1))(*[t.data_ptr() for t in tensors])
 
 
+def _int64_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+
+
 def reset_many(resets: Sequence[RowReset], threads: int) -> None:
     """Every `RowReset` of ``resets`` in one native call, the tables over ``threads``
     threads: the same bits as `fill_uniform` and ``state[rows] = 0`` (all-zero bytes).
@@ -177,8 +182,8 @@ def reset_many(resets: Sequence[RowReset], threads: int) -> None:
     resets = [r for r in resets if r.rows.numel()]
     if not resets:
         return
-    rows = [r.rows.to(torch.int64).contiguous() for r in resets]
-    ids = [r.ids.to(torch.int64).contiguous() for r in resets]
+    rows = [_int64_contiguous(r.rows) for r in resets]
+    ids = [_int64_contiguous(r.ids) for r in resets]
     states = [state for r in resets for state in r.states]
     first_state = [0]
     for r in resets:
@@ -197,9 +202,8 @@ def reset_many(resets: Sequence[RowReset], threads: int) -> None:
         _int64s(first_state),
         _pointers(states),
         _int64s([s.stride(0) * s.element_size() for s in states]),
-        _int64s([s[:1].numel() * s.element_size() for s in states]),  # one row's bytes
+        _int64s([math.prod(s.shape[1:]) * s.element_size() for s in states]),  # a row's bytes
         threads,
     )
-    for reset in resets:  # as torch's in-place writes would
-        for tensor in (reset.weight, *reset.states):
-            torch.autograd.graph.increment_version(tensor)
+    # as torch's in-place writes would
+    torch.autograd.graph.increment_version([r.weight for r in resets] + states)

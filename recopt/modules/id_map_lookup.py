@@ -28,7 +28,12 @@ from recopt.kernels.registry import StateShape, optimizer_spec
 from recopt.modules.config import BaseEmbeddingConfig
 from recopt.modules.id_map import IdMap, Remapped
 from recopt.modules.id_map_native import remap_tables
-from recopt.modules.inputs import FeatureLayout, PendingCheck, pending_id_check
+from recopt.modules.inputs import (
+    FeatureLayout,
+    PendingCheck,
+    pending_id_check,
+    require_integer_ids,
+)
 from recopt.sparse import KeyedJaggedTensor
 
 
@@ -201,9 +206,16 @@ def step_with_peers(
     return results
 
 
-def _spans(features: KeyedJaggedTensor, layout: FeatureLayout, name: str) -> list[tuple[int, int]]:
+def _spans(
+    features: KeyedJaggedTensor, layout: FeatureLayout, names: Sequence[str]
+) -> dict[str, list[tuple[int, int]]]:
+    """Per table of ``names``: the value spans of its features, in feature order (one pass)."""
     bounds = features.offset_per_key()
-    return [(bounds[f], bounds[f + 1]) for f, t in enumerate(layout.table_names) if t == name]
+    spans: dict[str, list[tuple[int, int]]] = {name: [] for name in names}
+    for f, table in enumerate(layout.table_names):
+        if table in spans:
+            spans[table].append((bounds[f], bounds[f + 1]))
+    return spans
 
 
 def table_ids(
@@ -211,7 +223,7 @@ def table_ids(
 ) -> dict[str, torch.Tensor]:
     """Per table of ``names``: the raw ids of all its features, feature after feature."""
     values = features.values()
-    spans = {name: _spans(features, layout, name) for name in names}
+    spans = _spans(features, layout, names)
     return {
         name: values[s[0][0] : s[0][1]] if len(s) == 1 else torch.cat([values[a:b] for a, b in s])
         for name, s in spans.items()
@@ -481,9 +493,17 @@ def unmapped_check(
     """The id check of the features of tables not in ``mapped`` and of every weight (the
     mapped features' raw ids are all valid), its answer left on the device."""
     values, bounds = features.values(), features.offset_per_key()
+    weights, is_mapped = features.weights_or_none(), set(mapped)
+    if weights is None and all(name in is_mapped for name in layout.table_names):
+        # every id is a mapped raw id (any int64 is valid) and no weight: only the dtype
+        require_integer_ids(values, layout.feature_names, layout.table_names)
+        return PendingCheck(
+            None, None, values, features.length_per_key(), layout.feature_names,
+            layout.table_names, layout.num_rows, None,
+        )  # fmt: skip
     masked = values.clone()
     for f, name in enumerate(layout.table_names):
-        if name in mapped:
+        if name in is_mapped:
             masked[bounds[f] : bounds[f + 1]] = 0
     return pending_id_check(
         masked,
@@ -491,7 +511,7 @@ def unmapped_check(
         layout.feature_names,
         layout.table_names,
         layout.num_rows,
-        features.weights_or_none(),
+        weights,
     )
 
 
