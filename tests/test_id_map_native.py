@@ -139,10 +139,12 @@ def test_without_compiler_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_one_call_for_all_tables_equals_each_torch_map() -> None:
-    """`remap_tables`: the native lru maps stepped in one call (threads), the others alone."""
-    names = ["lru", "lru_ttl", "lru_admit_overflow", "lfu_all", "lru_small"]
+    """`remap_tables`: every native map stepped in one call (over threads), lru and lfu (a
+    2,000-row lfu map: its victims through the sampled pivot) alike."""
+    names = ["lru", "lru_ttl", "lru_admit_overflow", "lfu_all", "lru_small", "lfu"]
     configs = {**CONFIGS, "lru_small": CONFIGS["lru"]}
     sizes = {"lru": 300, "lru_ttl": 64, "lru_admit_overflow": 40, "lfu_all": 50, "lru_small": 1}
+    sizes["lfu"] = 2000
     pairs = {name: _pair(configs[name], sizes[name]) for name in names}
     gen = torch.Generator().manual_seed(11)
     for step in range(80):
