@@ -23,13 +23,13 @@ typedef struct {
     Slots rows, cand;
     int has_cand, recording;
     int64_t gen, cap_m, num_u, num_known, num_wanted, expired, admissions;
-    Hash batch_hash; /* the batch's new ids -> their index, first seen order */
-    Powers powers;     /* lfu's decay powers */
-    Cand *cands;       /* [5 M]: lfu's victim heap [M] and the rows under its pivot [4 M] */
-    uint64_t *row_pos; /* [N]: (batch generation << 32) | the row's index in known */
+    Hash batch_hash;    /* the batch's new ids -> their index, first seen order */
+    Powers powers;      /* lfu's decay powers */
+    Cand *cands;        /* [5 M]: lfu's victim heap [M] and the rows under its pivot [4 M] */
+    uint64_t *row_pos;  /* [N]: (batch generation << 32) | the row's index in known */
     uint64_t *row_bits; /* [N / 64 + 1]: the rows the batch touched (all 0 between batches) */
-    int64_t *found;    /* [M]: each id's row, -1 if it is not live */
-    int64_t *inverse;  /* [M]: each id's known row (>= 0) or ~(its index in ids_u) */
+    int64_t *found;     /* [M]: each id's row, -1 if not live (admit: fresh candidates' slots) */
+    int64_t *inverse;   /* [M]: each id's known row (>= 0) or ~(its index in ids_u) */
     int64_t *known, *count_k; /* [K]: the distinct known rows (first seen order), counts */
     int64_t *ids_u, *count_u, *slot_u; /* [U]: the distinct new ids (ascending), counts, rows */
     int64_t *wanted, *touched;
