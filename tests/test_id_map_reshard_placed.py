@@ -396,3 +396,66 @@ def test_unsharded_source_is_placed_the_same_way(tmp_path: Path) -> None:
         for key, ids in by_id.items():
             for i, values in ids.items():
                 assert all(torch.equal(a, b) for a, b in zip(values, saved[key][i], strict=True))
+
+
+def test_unpooled_collection_is_placed_too(tmp_path: Path) -> None:
+    """An id-mapped table of an unpooled collection (``embeddings.<table>.weight``, beside an
+    unmapped one): every live id written on its owner shard, with its weight row, row-wise
+    Adagrad state and counters as saved."""
+    from recopt.checkpoint import save
+    from recopt.kernels.config import FusedOptimizerConfig
+    from recopt.modules import EmbeddingConfig, FusedEmbeddingCollection
+    from recopt.sharding import row_wise
+    from recopt.sparse import KeyedJaggedTensor
+
+    mapped = EmbeddingConfig(
+        name="u0", num_embeddings=40, embedding_dim=4, feature_names=("f0",),
+        id_map=IdMapConfig(policy="lru"),
+    )  # fmt: skip
+    plain = EmbeddingConfig(name="u1", num_embeddings=30, embedding_dim=4, feature_names=("f1",))
+    torch.manual_seed(0)
+    optimizer = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.05)
+    ec = FusedEmbeddingCollection([mapped, plain], optimizer=optimizer)
+    for step in range(6):  # 30 ids a step drifting by 13: the 40 rows fill and evict
+        ids = torch.cat([torch.arange(30) * 7919 + step * 13, torch.randint(0, 30, (30,))])
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            ["f0", "f1"], ids, torch.ones(60, dtype=torch.int64)
+        )
+        sum(jt.values().square().sum() for jt in ec(kjt).values()).backward()
+    assert ec.stats()["u0"]["evictions"] > 0
+    save(tmp_path / "ck", ec, {"fused": ec.fused_optimizer})
+    plan = ShardingPlan(
+        {
+            "": construct_module_sharding_plan(
+                [mapped, plain], {"u0": row_wise(), "u1": row_wise()}, WORLD
+            )
+        }
+    )
+    report = reshard(
+        tmp_path / "ck", tmp_path / "out", world_size=WORLD, plan=plan, tables=[mapped]
+    )
+    assert report.id_map_tables == 1 and report.id_rows_moved > 0
+
+    def by_id(full: dict[str, torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+        maps = "id_maps.u0."
+        rows = full[maps + "occupied"].nonzero().squeeze(1).tolist()
+        fields = [
+            full["embeddings.u0.weight"], full["embeddings.u0.weight/u0.momentum1"],
+            full[maps + "last_seen"], full[maps + "frequency"],
+        ]  # fmt: skip
+        return {int(full[maps + "row_ids"][r]): [f[r] for f in fields] for r in rows}
+
+    saved, written = _read_back(tmp_path / "ck"), _read_back(tmp_path / "out")
+    assert torch.equal(written["embeddings.u1.weight"], saved["embeddings.u1.weight"])
+    before, after = by_id(saved), by_id(written)
+    # 40 ids over 3 shards of 13-14 rows: a shard routed more ids than it has rows keeps the
+    # most recently seen (the runtime rule) and the report counts the rest
+    assert len(before) == 40 and set(after) <= set(before)
+    assert report.id_rows_dropped == len(before) - len(after) < 10
+    for i, values in after.items():
+        assert all(torch.equal(a, b) for a, b in zip(values, before[i], strict=True)), i
+    shards = plan[""]["u0"].shards
+    for i in after:  # each id's row lies in the range of the shard route_shard names
+        row = int((written["id_maps.u0.row_ids"] == i).nonzero()[0, 0])
+        owner = shards[int(route_shard(torch.tensor([i]), len(shards))[0])]
+        assert owner.row_offset <= row < owner.row_offset + owner.num_rows, i
