@@ -23,7 +23,7 @@ from recopt.modules.config import BaseEmbeddingConfig
 from recopt.modules.id_map import CANDIDATE_BUFFERS, IdMap
 from recopt.sharding.id_map_relocate import ShardRows, TableRelocation, relocate_in_process
 from recopt.sharding.id_map_shards import MapShard, shard_map, table_map_shards
-from recopt.sharding.plan import ParameterSharding, ShardingPlan
+from recopt.sharding.plan import ShardingPlan
 
 __all__ = ["IdMapTable", "id_map_tables", "map_chunks", "place_ids"]
 
@@ -38,7 +38,7 @@ class IdMapTable:
     Attributes:
         module: the module path (the plan's key).
         config: the table's config (its ``id_map`` gives the policy and ttl).
-        sharding: the target plan's sharding of the table.
+        shards: the table's row shards under the target plan (`table_map_shards`).
         maps: map buffer name (``row_ids``, ``step``, ...) -> checkpoint key.
         weight: the weight's checkpoint key.
         states: optimizer state name (``exp_avg``, ``step``, ...) -> checkpoint key.
@@ -46,7 +46,7 @@ class IdMapTable:
 
     module: str
     config: BaseEmbeddingConfig
-    sharding: ParameterSharding
+    shards: list[MapShard]
     maps: dict[str, str]
     weight: str
     states: dict[str, str]
@@ -110,10 +110,9 @@ def id_map_tables(
             continue
         config = _config_of(module, name, configs)
         weight, states = _table_keys(shapes, module, name, owners)
-        entry = IdMapTable(module, config, sharding, buffers, weight, states)
-        _check_shapes(entry, shapes)
-        table_map_shards(0, config, sharding)  # the plan's rule for an id-mapped table
-        out.append(entry)
+        _check_shapes(module, config, buffers, weight, shapes)
+        shards = table_map_shards(0, config, sharding)  # the plan's rule for an id-mapped table
+        out.append(IdMapTable(module, config, shards, buffers, weight, states))
     return out
 
 
@@ -154,26 +153,31 @@ def _table_keys(
     return weight, states
 
 
-def _check_shapes(entry: IdMapTable, shapes: Mapping[str, list[int]]) -> None:
+def _check_shapes(
+    module: str,
+    config: BaseEmbeddingConfig,
+    maps: Mapping[str, str],
+    weight: str,
+    shapes: Mapping[str, list[int]],
+) -> None:
     """The checkpoint's map and weight match the config (rows, width, candidates)."""
-    config, name = entry.config, entry.config.name
     assert config.id_map is not None
     rows, dim = config.num_embeddings, config.embedding_dim
     problems = []
-    if shapes[entry.weight] != [rows, dim]:
-        problems.append(f"weight {shapes[entry.weight]} (config: [{rows}, {dim}])")
-    for buffer, key in entry.maps.items():
+    if shapes[weight] != [rows, dim]:
+        problems.append(f"weight {shapes[weight]} (config: [{rows}, {dim}])")
+    for buffer, key in maps.items():
         want = [] if buffer == "step" else [rows]
         if buffer in CANDIDATE_BUFFERS:
             want = [config.id_map.candidate_slots or rows]
         if shapes[key] != want:
             problems.append(f"{buffer} {shapes[key]} (config: {want})")
     expected = set(IdMap(config.id_map, 1, "meta").state_dict())
-    if set(entry.maps) != expected:
-        problems.append(f"map buffers {sorted(entry.maps)} (config: {sorted(expected)})")
+    if set(maps) != expected:
+        problems.append(f"map buffers {sorted(maps)} (config: {sorted(expected)})")
     if problems:
         raise ValueError(
-            f"table {name!r} (module {entry.module!r}): the checkpoint does not match its "
+            f"table {config.name!r} (module {module!r}): the checkpoint does not match its "
             f"config: {'; '.join(problems)}; pass the config the checkpoint was trained with"
         )
 
@@ -207,8 +211,7 @@ def place_ids(
     Returns:
         The table's counts summed over its shards (a warning names a shard that dropped ids).
     """
-    config = entry.config
-    shards = table_map_shards(0, config, entry.sharding)
+    config, shards = entry.config, entry.shards
     states = {name: tensors[key] for name, key in entry.states.items()}
     optimizer = _optimizer_of(entry, states)
     moving = {n for n, shape in OPTIMIZERS[optimizer].states if shape in _ROW_SHAPES}
@@ -242,13 +245,20 @@ def place_ids(
     return total
 
 
+def _span(name: str, shard: MapShard) -> tuple[int, int] | None:
+    """(offset, length) of shard ``shard``'s part of a table's tensor ``name`` (the weight, a
+    state or a map buffer; candidate buffers: its candidate slots), None for ``step`` (whole)."""
+    if name == "step":
+        return None
+    if name in CANDIDATE_BUFFERS:
+        return shard.candidate_offset, shard.candidate_slots
+    return shard.row_offset, shard.num_rows
+
+
 def _part(tensor: torch.Tensor, name: str, shard: MapShard) -> torch.Tensor:
     """Shard ``shard``'s part of a table's tensor ``name``, a view (``step``: all of it)."""
-    if name == "step":
-        return tensor
-    if name in CANDIDATE_BUFFERS:
-        return tensor.narrow(0, shard.candidate_offset, shard.candidate_slots)
-    return tensor.narrow(0, shard.row_offset, shard.num_rows)
+    span = _span(name, shard)
+    return tensor if span is None else tensor.narrow(0, *span)
 
 
 def map_chunks(entry: IdMapTable, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
@@ -260,10 +270,5 @@ def map_chunks(entry: IdMapTable, key: str) -> list[tuple[tuple[int, ...], tuple
         return None
     if buffer == "step":
         return [((), ())]
-    out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for s in table_map_shards(0, entry.config, entry.sharding):
-        if buffer in CANDIDATE_BUFFERS:
-            out.append(((s.candidate_offset,), (s.candidate_slots,)))
-        else:
-            out.append(((s.row_offset,), (s.num_rows,)))
-    return out
+    spans = [_span(buffer, s) for s in entry.shards]
+    return [((span[0],), (span[1],)) for span in spans if span is not None]
