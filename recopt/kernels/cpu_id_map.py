@@ -160,12 +160,18 @@ def can_reset(weight: torch.Tensor, states: Sequence[torch.Tensor]) -> bool:
     )
 
 
-def _int64s(values: Sequence[int]) -> ctypes.Array[ctypes.c_int64]:
+def int64s(values: Sequence[int]) -> ctypes.Array[ctypes.c_int64]:
+    """``values`` as a C ``int64_t[]`` argument (one element at least)."""
     return (ctypes.c_int64 * max(len(values), 1))(*values)
 
 
+def pointers(values: Sequence[int | None]) -> ctypes.Array[ctypes.c_void_p]:
+    """Addresses (None: NULL) as a C ``void *[]`` argument (one element at least)."""
+    return (ctypes.c_void_p * max(len(values), 1))(*values)
+
+
 def _pointers(tensors: Sequence[torch.Tensor]) -> ctypes.Array[ctypes.c_void_p]:
-    return (ctypes.c_void_p * max(len(tensors), 1))(*[t.data_ptr() for t in tensors])
+    return pointers([t.data_ptr() for t in tensors])
 
 
 def _int64_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -193,16 +199,16 @@ def reset_many(resets: Sequence[RowReset], threads: int) -> None:
         len(resets),
         _pointers(rows),
         _pointers(ids),
-        _int64s([t.numel() for t in rows]),
-        _int64s([r.step for r in resets]),
-        _int64s([r.weight.shape[1] for r in resets]),
+        int64s([t.numel() for t in rows]),
+        int64s([r.step for r in resets]),
+        int64s([r.weight.shape[1] for r in resets]),
         (ctypes.c_double * len(lo_hi))(*lo_hi),
         _pointers([r.weight for r in resets]),
-        _int64s([r.weight.stride(0) for r in resets]),
-        _int64s(first_state),
+        int64s([r.weight.stride(0) for r in resets]),
+        int64s(first_state),
         _pointers(states),
-        _int64s([s.stride(0) * s.element_size() for s in states]),
-        _int64s([math.prod(s.shape[1:]) * s.element_size() for s in states]),  # a row's bytes
+        int64s([s.stride(0) * s.element_size() for s in states]),
+        int64s([math.prod(s.shape[1:]) * s.element_size() for s in states]),  # a row's bytes
         threads,
     )
     # as torch's in-place writes would

@@ -185,8 +185,8 @@ def remap_tables(
 ) -> dict[str, Remapped]:
     """`IdMap.remap` of each map on its ids; the native maps in training in one call.
 
-    That call steps the maps in parallel over torch's threads and saves the per-map call
-    overhead; every other map (lfu, undo records, torch path, reads) is remapped on its own.
+    That call steps the maps (lru and lfu) in parallel over torch's threads and saves the
+    per-map call overhead; every other map (torch path, reads) is remapped on its own.
     """
     results: dict[str, Remapped] = {}
     together: list[tuple[str, IdMap, NativeIdMap, torch.Tensor]] = []
@@ -224,20 +224,14 @@ def _step_many(
         handles.append(native._handle.value)
         lfu.append(int(idmap.config.policy == "lfu"))
         ids_p.append(_ptr(ids_M))
-    pointers = [v.data_ptr() if v.numel() else None for v in views]
-
-    def p_array(values: Sequence[int | None]) -> ctypes.Array[ctypes.c_void_p]:
-        return (ctypes.c_void_p * len(values))(*values)
-
-    def i_array(values: Sequence[int]) -> ctypes.Array[ctypes.c_int64]:
-        return (ctypes.c_int64 * len(values))(*values)
-
+    outs = [_ptr(v) for v in views]
+    ptrs, int64s = cpu_id_map.pointers, cpu_id_map.int64s
     stats_out, status = (ctypes.c_int64 * (6 * count))(), (ctypes.c_int64 * count)()
     cpu_id_map.library().rim_step_many(
-        count, p_array(handles), i_array(lfu), p_array(buffers), p_array(ids_p), i_array(sizes),
-        i_array(steps), i_array(ttls), i_array([idmap.admit_after for _, idmap, _, _ in together]),
-        p_array(pointers[0::3]), p_array(pointers[1::3]), p_array(pointers[2::3]), stats_out,
-        status, torch.get_num_threads(),
+        count, ptrs(handles), int64s(lfu), ptrs(buffers), ptrs(ids_p), int64s(sizes),
+        int64s(steps), int64s(ttls), int64s([idmap.admit_after for _, idmap, _, _ in together]),
+        ptrs(outs[0::3]), ptrs(outs[1::3]), ptrs(outs[2::3]), stats_out, status,
+        torch.get_num_threads(),
     )  # fmt: skip
     results = {}
     flat_stats = stats_out[:]
