@@ -160,7 +160,7 @@ class IdMaps(nn.ModuleDict):
                 return step_with_peers(self, *gathered)
         if training and self.observers:  # a guarded step: per table, with undo records
             return {name: self.step(name, ids[name]) for name in ids}
-        # native lru maps: one call for all
+        # the native maps: one call for all
         return remap_tables({name: self.table_map(name) for name in ids}, ids, training)
 
     def step(self, name: str, ids_M: torch.Tensor) -> Remapped:
