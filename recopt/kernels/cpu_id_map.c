@@ -343,6 +343,26 @@ static int64_t queue_victims(Map *m, Slots *s, int64_t *out, int64_t placed, int
     return placed;
 }
 
+/* Queues slots[0 .. count) of s (distinct, seen at step) at the tail in ascending order,
+ * after making room: through the bitmap of the rows when s is the rows and the slots are
+ * many next to the rows' words, else sorted by radix (slots is reordered). */
+static void queue_push_sorted(Map *m, Slots *s, int64_t *slots, int64_t count, int64_t step) {
+    queue_reserve(s, count);
+    int64_t words = (s->n >> 6) + 1;
+    if (s != &m->rows || count * 8 < words) {
+        for (int64_t i = 0; i < count; i++) m->sort_key[i] = (uint64_t)slots[i];
+        radix_sort(m->sort_key, slots, m->sort_key_tmp, m->sort_val_tmp, count);
+        for (int64_t i = 0; i < count; i++) queue_push(s, slots[i], step);
+        return;
+    }
+    uint64_t *bits = m->row_bits;
+    for (int64_t i = 0; i < count; i++) bits[slots[i] >> 6] |= 1ULL << (slots[i] & 63);
+    for (int64_t w = 0; w < words; w++) {
+        for (uint64_t b = bits[w]; b; b &= b - 1) queue_push(s, (w << 6) + __builtin_ctzll(b), step);
+        bits[w] = 0;
+    }
+}
+
 /* Candidates: the new ids' counts (the torch path's IdMap._admit); sets admitted[u]. */
 static void admit(Map *m, int64_t step, int64_t admit_after) {
     Slots *c = &m->cand;
@@ -397,13 +417,7 @@ static void admit(Map *m, int64_t step, int64_t admit_after) {
         ctouched[num_touched++] = at;
         placed++;
     }
-    for (int64_t i = 0; i < num_touched; i++) { /* now seen: the queue's tail, by slot */
-        m->sort_key[i] = (uint64_t)ctouched[i];
-        total[i] = ctouched[i];
-    }
-    radix_sort(m->sort_key, total, m->sort_key_tmp, cslot, num_touched);
-    queue_reserve(c, num_touched);
-    for (int64_t i = 0; i < num_touched; i++) queue_push(c, total[i], step);
+    queue_push_sorted(m, c, ctouched, num_touched, step); /* now seen: the tail, by slot */
 }
 
 /* Training batch, part 2: count the known ids, admission, and the new ids to place, most
@@ -435,25 +449,6 @@ static int64_t lfu_victims(Map *m, int64_t step, int64_t *fresh_rows, int64_t pl
                                 fresh_rows + placed);
     evict_range(m, &m->rows, fresh_rows, placed, placed + chosen);
     return placed + chosen;
-}
-
-/* Queues the rows[0 .. count) (distinct) in ascending order, seen at step: through the
- * bitmap of rows when they are many next to the rows' words, else sorted by radix. */
-static void queue_push_sorted(Map *m, int64_t *rows, int64_t count, int64_t step) {
-    Slots *s = &m->rows;
-    int64_t words = (s->n >> 6) + 1;
-    if (count * 8 < words) {
-        for (int64_t i = 0; i < count; i++) m->sort_key[i] = (uint64_t)rows[i];
-        radix_sort(m->sort_key, rows, m->sort_key_tmp, m->sort_val_tmp, count);
-        for (int64_t i = 0; i < count; i++) queue_push(s, rows[i], step);
-        return;
-    }
-    uint64_t *bits = m->row_bits;
-    for (int64_t i = 0; i < count; i++) bits[rows[i] >> 6] |= 1ULL << (rows[i] & 63);
-    for (int64_t w = 0; w < words; w++) {
-        for (uint64_t b = bits[w]; b; b &= b - 1) queue_push(s, (w << 6) + __builtin_ctzll(b), step);
-        bits[w] = 0;
-    }
 }
 
 /* Training batch, part 3: rows for the wanted ids (free rows lowest first, then victims: the
@@ -493,8 +488,7 @@ int rim_finish(void *handle, void **buffers, int64_t step, int lfu, int64_t *row
         fresh_ids[j] = m->ids_u[u];
         m->touched[num_touched++] = r;
     }
-    queue_reserve(s, num_touched);
-    queue_push_sorted(m, m->touched, num_touched, step); /* seen now: the tail, by row */
+    queue_push_sorted(m, s, m->touched, num_touched, step); /* seen now: the tail, by row */
     for (int64_t i = 0; i < num_ids; i++) {
         int64_t v = m->inverse[i];
         rows_out[i] = v >= 0 ? v : m->slot_u[~v];
