@@ -25,18 +25,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
+from torch import nn
 
+from recopt.data.batch import Batch
 from recopt.data.synthetic import SyntheticClickLog, SyntheticConfig
 from recopt.kernels import cpu_id_map
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, IdMapConfig
 from recopt.modules.id_map_lookup import IdMaps, hash_uniform
 from recopt.modules.id_map_native import remap_tables
+from recopt.sharding import TrainPipelineSparseDist
 from recopt.sparse import KeyedJaggedTensor
 
 NUM_TABLES, DIM, BATCH = 26, 64, 2048
@@ -271,6 +275,108 @@ def per_id_costs(rows: int, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) / (NUM_TABLES * BATCH) for k, v in times.items()}
 
 
+class _Summed(nn.Module):
+    """The pipeline's model: the pooled embeddings' sum as the loss (the fused step alone)."""
+
+    def __init__(self, ebc: FusedEmbeddingBagCollection) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, None]:
+        return self.ebc(batch.sparse).values().sum(), None
+
+
+class _Stream:
+    """Batch ``i`` of a stream for both pipelines (raw ids, or ``% rows``), made once, ahead
+    (`make`: outside the timed steps)."""
+
+    def __init__(self, name: str, rows: int) -> None:
+        self._next = stream_batches(name, rows)
+        self._made: dict[bool, list[Batch | None]] = {False: [], True: []}
+        self.rows = rows
+
+    def make(self, count: int) -> None:
+        """Make the batches up to ``count`` (both variants)."""
+        while len(self._made[False]) < count:
+            i = len(self._made[False])
+            raw = self._next(i)
+            for modulo in (False, True):
+                ids = raw % self.rows if modulo else raw
+                batch = Batch(torch.zeros(BATCH, 1), one_id_bags(ids), torch.zeros(BATCH), i + 1)
+                self._made[modulo].append(batch)
+
+    def batches(self, modulo: bool) -> Iterator[Batch]:
+        for i in itertools.count():
+            self.make(i + 1)  # made already, unless a caller skipped `make`
+            batch, self._made[modulo][i] = self._made[modulo][i], None  # freed once taken
+            assert batch is not None
+            yield batch
+
+
+def measure_pipelined(
+    stream: str, rows: int, warmup: int, steps: int, remap_threads: int
+) -> StreamResult:
+    """The modulo and the `id_map` step, each in its own `TrainPipelineSparseDist` (the
+    id_map one remaps batch i+1 on the worker thread during batch i), calls interleaved."""
+    setup = _Setup(rows, _ID_MAPS[stream], False)
+    data = _Stream(stream, rows)
+    pipelines = {
+        "modulo step": (
+            TrainPipelineSparseDist(_Summed(setup.modulo), None, "cpu"),
+            data.batches(modulo=True),
+        ),
+        "id_map step": (
+            TrainPipelineSparseDist(
+                _Summed(setup.mapped), None, "cpu", remap_threads=remap_threads
+            ),
+            data.batches(modulo=False),
+        ),
+    }
+    times: dict[str, list[float]] = {key: [] for key in pipelines}
+    churn: list[dict[str, float]] = []
+    step, measured = 0, -warmup
+    while measured < steps:
+        data.make(step + 4)  # the pipelines pull up to two batches ahead
+        timings = {
+            key: _timed(lambda p=pipeline, i=batches: p.progress(i))
+            for key, (pipeline, batches) in pipelines.items()
+        }
+        step += 1
+        if measured < 0 and not setup.full() and step < 20 * max(warmup, 1):
+            continue
+        if measured >= 0:
+            for key, value in timings.items():
+                times[key].append(value)
+            churn.append(_mean_stats(setup))
+        measured += 1
+    mean = {k: statistics.mean(c[k] for c in churn) for k in churn[0]}
+    return StreamResult(
+        f"{stream}, pipelined", times, mean["new_ids"], mean["evictions"], mean["admissions"],
+        mean["occupancy"], step - steps,
+    )  # fmt: skip
+
+
+def report_pipelined(results: list[StreamResult], rows: int, remap_threads: int) -> None:
+    """One markdown table: the pipelined steps and the `id_map` step's extra cost."""
+    print(
+        f"\npipelined: {NUM_TABLES} tables x {rows} rows x {DIM}, batch {BATCH}, "
+        f"{torch.get_num_threads()} torch threads, remap on the worker with {remap_threads}"
+    )
+    print(
+        "| stream | new ids / evictions per table per step | modulo ms | id_map ms | extra | "
+        "extra, paired |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in results:
+        base, mapped = r.median("modulo step"), r.median("id_map step")
+        pairs = zip(r.times["id_map step"], r.times["modulo step"], strict=True)
+        paired = statistics.median(m / b for m, b in pairs) - 1
+        print(
+            f"| {r.stream} | {r.new_ids:.0f} / {r.evictions:.0f} | {base * 1e3:.1f} | "
+            f"{mapped * 1e3:.1f} | {(mapped - base) / base:+.0%} | {paired:+.0%} |"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stream", nargs="+", choices=STREAMS, default=list(STREAMS))
@@ -282,9 +388,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--per-id", type=int, default=0, metavar="ROUNDS", help="only the per-id costs"
     )
+    parser.add_argument(
+        "--pipeline", action="store_true", help="the steps in TrainPipelineSparseDist"
+    )
+    parser.add_argument("--remap-threads", type=int, default=1, help="with --pipeline")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.pipeline:
+        found = [
+            measure_pipelined(stream, args.rows, args.warmup, args.steps, args.remap_threads)
+            for stream in args.stream
+        ]
+        report_pipelined(found, args.rows, args.remap_threads)
+        return
     if args.per_id:
         costs = per_id_costs(args.rows, args.per_id)
         print(f"{torch.get_num_threads()} threads, {NUM_TABLES} maps x {args.rows} rows, full:")

@@ -502,8 +502,9 @@ int rim_finish(void *handle, void **buffers, int64_t step, int lfu, int64_t *row
     return m->recording < 0 ? -1 : 0;
 }
 
-/* One training batch of each of num_maps maps (no undo record), over threads: the three parts
- * back to back. Per map i: handles[i], lfu[i] (0: lru),
+/* One training batch of each of num_maps maps, over threads: the three parts back to back,
+ * each map's undo record kept when record is 1 (rim_undo_copy). Per map i: handles[i], lfu[i]
+ * (0: lru),
  * buffers[8i..8i+7], ids[i] (num_ids[i]), and outputs rows_out[i] [num_ids], fresh_rows[i] and
  * fresh_ids[i] [num_ids], stats_out[6i..6i+5] (as rim_finish), status[i] (0, or -1: out of
  * memory). */
@@ -511,12 +512,14 @@ void rim_step_many(int64_t num_maps, void **handles, const int64_t *lfu, void **
                    int64_t **ids,
                    const int64_t *num_ids, const int64_t *steps, const int64_t *ttls,
                    const int64_t *admit_after, int64_t **rows_out, int64_t **fresh_rows,
-                   int64_t **fresh_ids, int64_t *stats_out, int64_t *status, int threads) {
+                   int64_t **fresh_ids, int64_t *stats_out, int64_t *status, int record,
+                   int threads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t i = 0; i < num_maps; i++) {
         void **own = buffers + 8 * i;
         status[i] = -1;
-        if (rim_begin(handles[i], own, ids[i], num_ids[i], steps[i], ttls[i], 0) < 0) continue;
+        if (rim_begin(handles[i], own, ids[i], num_ids[i], steps[i], ttls[i], record) < 0)
+            continue;
         rim_middle(handles[i], own, steps[i], admit_after[i]);
         status[i] = rim_finish(handles[i], own, steps[i], (int)lfu[i], rows_out[i], num_ids[i],
                                fresh_rows[i], fresh_ids[i], stats_out + 6 * i);
@@ -548,4 +551,20 @@ void rim_undo_copy(void *handle, int which, int64_t *slot, int64_t *ids, uint8_t
     memcpy(seen, log->seen, 8 * n);
     if (freq) memcpy(freq, log->freq, 8 * n);
     if (count) memcpy(count, log->count, 8 * n);
+}
+
+/* The undo records of num_maps maps' last batches (which: 0 rows, 1 candidates): sizes[i],
+ * then (rim_undo_copy_many) copied to the arrays at offsets[i] (freq or count may be NULL). */
+void rim_undo_sizes(int64_t num_maps, void **handles, int which, int64_t *sizes) {
+    for (int64_t i = 0; i < num_maps; i++) sizes[i] = rim_undo_size(handles[i], which);
+}
+
+void rim_undo_copy_many(int64_t num_maps, void **handles, int which, const int64_t *offsets,
+                        int64_t *slot, int64_t *ids, uint8_t *used, int64_t *seen, double *freq,
+                        int64_t *count) {
+    for (int64_t i = 0; i < num_maps; i++) {
+        int64_t at = offsets[i];
+        rim_undo_copy(handles[i], which, slot + at, ids + at, used + at, seen + at,
+                      freq ? freq + at : NULL, count ? count + at : NULL);
+    }
 }

@@ -36,14 +36,14 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "rim_begin": (_I64, [_P, _P, _P, _I64, _I64, _I64, _INT]),
     "rim_middle": (_INT, [_P, _P, _I64, _I64]),
     "rim_finish": (_INT, [_P, _P, _I64, _INT, _P, _I64, _P, _P, _P]),
-    "rim_undo_size": (_I64, [_P, _INT]),
-    "rim_undo_copy": (None, [_P, _INT, _P, _P, _P, _P, _P, _P]),
     "rim_hash_uniform": (None, [_P, _I64, _I64, _I64, _P]),
     "rim_fill_uniform": (
         None,
         [_P, _P, _I64, _I64, _I64, ctypes.c_double, ctypes.c_double, _P, _I64],
     ),
-    "rim_step_many": (None, [_I64, *[_P] * 13, _INT]),
+    "rim_step_many": (None, [_I64, *[_P] * 13, _INT, _INT]),
+    "rim_undo_sizes": (None, [_I64, _P, _INT, _P]),
+    "rim_undo_copy_many": (None, [_I64, _P, _INT, *[_P] * 7]),
     "rim_decay_powers": (None, [ctypes.c_double, _P, _I64, _P]),
     "rim_reset_many": (None, [_I64, *[_P] * 12, _INT]),
 }

@@ -38,6 +38,7 @@ from recopt.modules.id_map_lookup import (
     prepare_mapped,
     reset_fresh_tables,
 )
+from recopt.modules.id_map_stage import RemapStage
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.nonfinite import NonFiniteGradGuard, guarded_lookup
 from recopt.modules.torch_optimizers import fused_config
@@ -187,6 +188,14 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
         self._skip_nonfinite = skip_nonfinite
         self._grad_guard = NonFiniteGradGuard(type(self).__name__)
         self.id_maps = IdMaps.of(self.tables, self.device)
+        self._fresh_targets: dict[str, Any] | None = None  # `_reset_targets`
+        self._remaps = (
+            None
+            if self.id_maps is None
+            else RemapStage(
+                type(self).__name__, self.id_maps, self._layout, is_weighted, torch.float32
+            )
+        )
 
     def _build_groups(self, optimizers: Mapping[str, FusedOptimizerConfig]) -> list[_KernelGroup]:
         # One kernel per optimizer, pooling and weight dtype (a kernel holds one precision);
@@ -245,6 +254,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        new._fresh_targets = None  # views of the old kernels' storage
         old_groups = [dict(g) for g in new._optimizer.param_groups]
         for group in new._groups:
             for t, weight in zip(
@@ -311,8 +321,14 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
             # Shapes only (build-on-meta, then shard): ids cannot be read, nor need to be.
             pooled_meta = torch.empty(features.stride(), sum(self._layout.dims), device="meta")
             return KeyedTensor(self._layout.output_keys, self._layout.dims, pooled_meta)
-        features, index_F_B = regular_batch(features, self._layout.feature_names)
-        features, mapped = self._prepare(features)
+        ahead = None if self._remaps is None else self._remaps.take(features)
+        if ahead is None:
+            features, index_F_B = regular_batch(features, self._layout.feature_names)
+            features, mapped = self._prepare(features)
+        else:  # remapped by a pipeline while the previous batch trained
+            index_F_B, mapped = ahead.index_F_B, ahead.mapped
+            self._reset_fresh(mapped)
+            features = mapped.features
         self._lr_sync.apply(self._optimizer.param_groups)
         if self._skip_nonfinite and all(g.kernel.grad_hook is None for g in self._groups):
             pooled = guarded_lookup(
@@ -339,25 +355,58 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
         mapped = prepare_mapped(
             self.id_maps, self._layout, features, self.is_weighted, torch.float32, self.training
         )
-        fresh_tables = {n for n, r in mapped.fresh.items() if r.fresh_rows.numel()}
-        resets = []
-        for group in self._groups:
-            if not any(self.tables[t].name in fresh_tables for t in group.table_indices):
-                continue  # nothing to reset: no need to split the kernel's weights and states
-            kernel = group.kernel
-            for t, weight, states in zip(
-                group.table_indices,
-                kernel.split_embedding_weights(),
-                kernel.split_optimizer_states(),
-                strict=True,
-            ):
-                fresh = mapped.fresh.get(self.tables[t].name)
-                if fresh is not None:
-                    resets.append(
-                        FreshTable(self.tables[t], group.optimizer.name, weight, states, fresh)
-                    )
-        reset_fresh_tables(self.id_maps, resets)
+        self._reset_fresh(mapped)
         return mapped.features, mapped
+
+    def _reset_fresh(self, mapped: MappedBatch) -> None:
+        """Re-initialise the rows the remap gave to new ids, their optimizer state zeroed."""
+        assert self.id_maps is not None
+        targets = self._reset_targets()
+        resets = [
+            FreshTable(*targets[name], fresh)
+            for name, fresh in mapped.fresh.items()
+            if fresh.fresh_rows.numel()
+        ]
+        reset_fresh_tables(self.id_maps, resets)
+
+    def _reset_targets(self) -> dict[str, tuple[EmbeddingBagConfig, str, torch.Tensor, Any]]:
+        """Per id-mapped table: its config, optimizer, weight and optimizer state views (the
+        kernels' storage, as the module and its fused optimizer hold them: made once)."""
+        if self._fresh_targets is None:
+            self._fresh_targets = {}
+            for group in self._groups:
+                kernel = group.kernel
+                for t, weight, states in zip(
+                    group.table_indices,
+                    kernel.split_embedding_weights(),
+                    kernel.split_optimizer_states(),
+                    strict=True,
+                ):
+                    if self.tables[t].id_map is not None:
+                        target = (self.tables[t], group.optimizer.name, weight, states)
+                        self._fresh_targets[self.tables[t].name] = target
+        return self._fresh_targets
+
+    # ------------------------------------------------------- pipelined training (id maps)
+    def start_remap(self, features: KeyedJaggedTensor, threads: int | None = 1) -> Any:
+        """Remap a training batch's id-mapped features ahead of its forward (what
+        `TrainPipelineSparseDist` does for batch i+1 while batch i trains; ``threads`` for the
+        native remap on the worker thread). Returns what `use_prefetched` takes, or None
+        (no id map, or fault tolerance steps the maps inline)."""
+        return None if self._remaps is None else self._remaps.start(features, threads)
+
+    def use_prefetched(self, remap: Any) -> None:
+        """Have the next ``forward(remap.features)`` take ``remap`` (from `start_remap`)."""
+        if self._remaps is not None:
+            self._remaps.push(remap)
+
+    def unused_prefetched(self) -> int:
+        """Remaps handed over that no forward took; cleared (their map steps undone)."""
+        return 0 if self._remaps is None else self._remaps.unused()
+
+    def prefetch_stale(self, remap: Any) -> bool:
+        """Whether ``remap`` (from `start_remap`) was undone since: start it again."""
+        return self._remaps is not None and self._remaps.stale(remap)
 
     def _lookup_all(
         self, features: KeyedJaggedTensor, weights: torch.Tensor | None

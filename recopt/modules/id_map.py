@@ -328,12 +328,8 @@ class IdMap(nn.Module):
 
         Undo the remaps in reverse order (the last one first) to go back several steps.
         """
-        with torch.no_grad():
-            self.buffer("step").fill_(undo.step)
-            for name, old in undo.row_values.items():
-                self.buffer(name)[undo.rows] = old
-            for name, old in undo.candidate_values.items():
-                self.buffer(name)[undo.candidate_slots] = old
+        names = ("step", *self._undo_buffers())
+        undo.write_into({name: self.buffer(name) for name in names})
         self.last_stats = copy.copy(undo.stats)
 
     def _remap(self, ids_M: torch.Tensor, training: bool) -> Remapped:

@@ -27,6 +27,7 @@ from recopt.kernels.config import PoolingType
 from recopt.kernels.registry import StateShape, optimizer_spec
 from recopt.modules.config import BaseEmbeddingConfig
 from recopt.modules.id_map import IdMap, Remapped
+from recopt.modules.id_map_ahead import AheadRemap, AheadSteps
 from recopt.modules.id_map_native import remap_tables
 from recopt.modules.inputs import (
     FeatureLayout,
@@ -34,6 +35,7 @@ from recopt.modules.inputs import (
     pending_id_check,
     require_integer_ids,
 )
+from recopt.modules.variable_batch import regular_batch
 from recopt.sparse import KeyedJaggedTensor
 
 
@@ -107,14 +109,29 @@ class IdMaps(nn.ModuleDict):
         )
         self.observers: list[RemapObserver] = []
         self.peers: PeerIds | None = None
+        self.ahead = AheadSteps()
+        self._register_state_dict_hook(_committed_maps)
+        self._register_load_state_dict_pre_hook(self._drop_ahead_steps)
 
     def __getstate__(self) -> dict[str, object]:
         """A copy or pickle (``copy.deepcopy``, ``torch.save`` of the module) is unobserved
-        and unsynced: the observers and peers (a guard, a manager) belong to this instance."""
+        and unsynced: the observers and peers (a guard, a manager) belong to this instance,
+        and so do its ahead steps (a copy holds the maps as they are, those steps included)."""
+        self.ahead.settle()  # no step still running on the worker while the buffers are copied
         state = dict(self.__dict__)
         state["observers"] = []
         state["peers"] = None
+        state["ahead"] = AheadSteps()
         return state
+
+    def _drop_ahead_steps(self, *args: object) -> None:
+        """Before a load (load_state_dict pre-hook): the loaded maps replace the ahead steps."""
+        self.ahead.drop()
+
+    def can_step_ahead(self) -> bool:
+        """Whether a pipeline may remap batches ahead (`start_ahead`): not under fault
+        tolerance (its observers and peers step the maps inline, with its own undo)."""
+        return not self.observers and self.peers is None
 
     @staticmethod
     def of(
@@ -132,8 +149,10 @@ class IdMaps(nn.ModuleDict):
         return idmap
 
     def stats(self) -> dict[str, dict[str, float]]:
-        """Per table: the last training batch's occupancy, new ids, evictions, admissions."""
-        return {name: self.table_map(name).last_stats.as_dict() for name in self}
+        """Per table: the last training batch's occupancy, new ids, evictions, admissions
+        (of the last batch that reached its forward: ahead steps are not counted yet)."""
+        maps = {name: self.table_map(name) for name in self}
+        return {name: stats.as_dict() for name, stats in self.ahead.stats_before(maps).items()}
 
     def remap(
         self, features: KeyedJaggedTensor, layout: FeatureLayout, training: bool
@@ -153,7 +172,10 @@ class IdMaps(nn.ModuleDict):
 
         In training each map takes one step (with ``peers``: with every peer's ids; with
         observers: through `step`, undo records included); otherwise the maps are only read.
+        Steps taken ahead by a pipeline (`start_ahead`) are undone first: this batch comes
+        before them (they go stale and their batches are remapped again).
         """
+        self.ahead.rewind({name: self.table_map(name) for name in self})
         if training and self.peers is not None:
             gathered = self.peers.gather(ids, False)
             if gathered is not None:
@@ -184,6 +206,14 @@ class IdMaps(nn.ModuleDict):
         """Tell the observers that ``rows`` of table ``name``'s ``weight`` will be reset."""
         for observer in self.observers:
             observer.before_reset(name, weight, states, rows)
+
+
+def _committed_maps(
+    module: nn.Module, state: dict[str, object], prefix: str, metadata: object
+) -> None:
+    """state_dict hook of `IdMaps`: the maps as before their pending ahead steps."""
+    assert isinstance(module, IdMaps)
+    module.ahead.committed_state(state, prefix)
 
 
 def step_with_peers(
@@ -485,6 +515,43 @@ def prepare_mapped(
         peers.gather({}, True)
     check.raise_if_bad()
     return id_maps.remap(features, layout, training)
+
+
+def start_ahead(
+    id_maps: IdMaps,
+    layout: FeatureLayout,
+    features: KeyedJaggedTensor,
+    is_weighted: bool,
+    weight_dtype: torch.dtype,
+    threads: int | None = 1,
+) -> AheadRemap:
+    """`prepare_mapped` of a training batch, started ahead of its forward (pipelined training).
+
+    The input is checked now: a rejected one keeps its error in the result (raised at the
+    batch's forward, by `AheadSteps.take`) and moves no map. Then every map takes the batch's
+    step with its undo record (`id_maps.ahead` keeps it pending until the forward takes it);
+    the native maps step on the worker thread (``threads`` for the native call; None:
+    torch's), other maps now. The caller resets the fresh rows when the forward takes it.
+    """
+    ahead = id_maps.ahead
+    remap = AheadRemap(features, ahead.generation)
+    try:
+        regular, remap.index_F_B = regular_batch(features, layout.feature_names)
+        selected = layout.select(regular, is_weighted, weight_dtype)
+        unmapped_check(selected, layout, list(id_maps)).raise_if_bad()
+    except ValueError as e:
+        remap.error = e
+        return remap
+    ids = table_ids(selected, layout, list(id_maps))
+    maps = {name: id_maps.table_map(name) for name in ids}
+    background = all(idmap._native() is not None for idmap in maps.values())
+
+    def step() -> None:
+        results = remap_tables(maps, ids, True, record_undo=True, threads=threads)
+        remap.undo = {name: result.undo for name, result in results.items() if result.undo}
+        remap.mapped = apply_rows(selected, layout, results)
+
+    return ahead.submit(remap, step, background)
 
 
 def unmapped_check(

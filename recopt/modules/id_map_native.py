@@ -13,6 +13,7 @@ Legend: M ids of a batch, N rows.
 from __future__ import annotations
 
 import ctypes
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -147,46 +148,21 @@ class NativeIdMap:
 
     def _undo(self, step: int, stats: RemapStats) -> MapUndo:
         """The last step's undo record, copied out of the native side."""
-
-        def copy_out(which: int, float_values: bool) -> list[torch.Tensor]:
-            size = int(self._lib.rim_undo_size(self._handle, which))
-            slots, ids, seen = (torch.empty(size, dtype=torch.int64) for _ in range(3))
-            used = torch.empty(size, dtype=torch.bool)
-            # rows: frequency (float64); candidates: count (int64)
-            value = torch.empty(size, dtype=torch.float64 if float_values else torch.int64)
-            freq, count = (value, None) if float_values else (None, value)
-            if size:
-                self._lib.rim_undo_copy(
-                    self._handle,
-                    which,
-                    *(_ptr(t) for t in (slots, ids, used, seen, freq, count)),
-                )
-            return [slots, ids, used, seen, value]
-
-        rows, row_ids, occupied, last_seen, frequency = copy_out(0, True)
-        undo = MapUndo(
-            step,
-            stats,
-            rows,
-            dict(zip(ROW_BUFFERS, (row_ids, occupied, last_seen, frequency), strict=True)),
-            rows[:0],
-        )
-        if self.num_candidates:
-            slots, ids, used, seen, count = copy_out(1, False)
-            undo.candidate_slots = slots
-            undo.candidate_values = dict(
-                zip(CANDIDATE_BUFFERS, (ids, used, count, seen), strict=True)
-            )
-        return undo
+        return _undo_many([self], [step], [stats])[0]
 
 
 def remap_tables(
-    maps: Mapping[str, IdMap], ids: Mapping[str, torch.Tensor], training: bool
+    maps: Mapping[str, IdMap],
+    ids: Mapping[str, torch.Tensor],
+    training: bool,
+    record_undo: bool = False,
+    threads: int | None = None,
 ) -> dict[str, Remapped]:
     """`IdMap.remap` of each map on its ids; the native maps in training in one call.
 
-    That call steps the maps (lru and lfu) in parallel over torch's threads and saves the
-    per-map call overhead; every other map (torch path, reads) is remapped on its own.
+    That call steps the maps (lru and lfu) in parallel over ``threads`` (None: torch's) and
+    saves the per-map call overhead; every other map (torch path, reads) is remapped on its
+    own. ``record_undo``: each training result carries its `MapUndo` (`IdMap.remap`).
     """
     results: dict[str, Remapped] = {}
     together: list[tuple[str, IdMap, NativeIdMap, torch.Tensor]] = []
@@ -196,16 +172,17 @@ def remap_tables(
         if training and ids_M.device.type == "cpu":
             native = idmap._native()
         if native is None:
-            results[name] = idmap.remap(ids_M, training)
+            results[name] = idmap.remap(ids_M, training, record_undo)
         else:
             together.append((name, idmap, native, ids_M.contiguous()))
     if together:
-        results.update(_step_many(together))
+        count = torch.get_num_threads() if threads is None else threads
+        results.update(_step_many(together, record_undo, count))
     return {name: results[name] for name in maps}
 
 
 def _step_many(
-    together: list[tuple[str, IdMap, NativeIdMap, torch.Tensor]],
+    together: list[tuple[str, IdMap, NativeIdMap, torch.Tensor]], record: bool, threads: int
 ) -> dict[str, Remapped]:
     count = len(together)
     sizes = [ids_M.numel() for _, _, _, ids_M in together]
@@ -231,18 +208,71 @@ def _step_many(
         count, ptrs(handles), int64s(lfu), ptrs(buffers), ptrs(ids_p), int64s(sizes),
         int64s(steps), int64s(ttls), int64s([idmap.admit_after for _, idmap, _, _ in together]),
         ptrs(outs[0::3]), ptrs(outs[1::3]), ptrs(outs[2::3]), stats_out, status,
-        torch.get_num_threads(),
+        int(record), threads,
     )  # fmt: skip
-    results = {}
+    results, befores = {}, []
     flat_stats = stats_out[:]
     for i, (name, idmap, native, _) in enumerate(together):
         if status[i] != 0:
-            raise MemoryError("id map: no memory for the native remap's scratch")
+            raise MemoryError("id map: no memory for the native remap's scratch or undo record")
+        before = idmap.last_stats
         stats = _stepped(idmap, steps[i], native.num_rows, flat_stats[6 * i : 6 * i + 6])
         placed = stats.new_ids
         rows_M, fresh_rows, fresh_ids = views[3 * i : 3 * i + 3]
         results[name] = Remapped(rows_M, fresh_rows[:placed], fresh_ids[:placed], stats)
+        befores.append(before)
+    if record:
+        natives = [native for _, _, native, _ in together]
+        undos = _undo_many(natives, [step - 1 for step in steps], befores)
+        for (name, *_), undo in zip(together, undos, strict=True):
+            results[name].undo = undo
     return results
+
+
+def _undo_many(
+    natives: Sequence[NativeIdMap], steps: Sequence[int], stats: Sequence[RemapStats]
+) -> list[MapUndo]:
+    """Each map's last step's undo record (``steps``, ``stats``: before that step), copied
+    out of the native side in two calls for all maps."""
+    handles = [native._handle.value for native in natives]
+    rows = _copy_logs(handles, 0, True)
+    with_candidates = any(native.num_candidates for native in natives)
+    candidates = _copy_logs(handles, 1, False) if with_candidates else None
+    undos = []
+    for i, native in enumerate(natives):
+        slots, *values = rows[i]
+        undo = MapUndo(
+            steps[i], stats[i], slots, dict(zip(ROW_BUFFERS, values, strict=True)), slots[:0]
+        )
+        if candidates is not None and native.num_candidates:
+            undo.candidate_slots, *values = candidates[i]
+            undo.candidate_values = dict(zip(CANDIDATE_BUFFERS, values, strict=True))
+        undos.append(undo)
+    return undos
+
+
+def _copy_logs(handles: list[int | None], which: int, rows: bool) -> list[list[torch.Tensor]]:
+    """Per map, its last step's log (``which`` 0: rows, 1: candidates): the slots, then the
+    old values in `ROW_BUFFERS` order (``rows``: the last is the float64 frequency) or
+    `CANDIDATE_BUFFERS` order (ids, used, count, last seen)."""
+    library, count = cpu_id_map.library(), len(handles)
+    sizes = (ctypes.c_int64 * count)()
+    library.rim_undo_sizes(count, cpu_id_map.pointers(handles), which, sizes)
+    split = sizes[:]
+    total = sum(split)
+    slots, ids, seen = (torch.empty(total, dtype=torch.int64) for _ in range(3))
+    used = torch.empty(total, dtype=torch.bool)
+    value = torch.empty(total, dtype=torch.float64 if rows else torch.int64)
+    if total:
+        offsets = cpu_id_map.int64s(list(itertools.accumulate([0, *split[:-1]])))
+        freq, counts = (value, None) if rows else (None, value)
+        library.rim_undo_copy_many(
+            count, cpu_id_map.pointers(handles), which, offsets,
+            *(_ptr(t) for t in (slots, ids, used, seen, freq, counts)),
+        )  # fmt: skip
+    ordered = (slots, ids, used, seen, value) if rows else (slots, ids, used, value, seen)
+    parts = [tensor.split(split) for tensor in ordered]
+    return [list(fields) for fields in zip(*parts, strict=True)]
 
 
 def _stepped(idmap: IdMap, step: int, num_rows: int, out: Sequence[int]) -> RemapStats:

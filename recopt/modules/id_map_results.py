@@ -6,6 +6,7 @@ Kept apart from `recopt.modules.id_map` (which re-exports them) so that the nati
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -70,3 +71,13 @@ class MapUndo:
     row_values: dict[str, torch.Tensor]
     candidate_slots: torch.Tensor
     candidate_values: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def write_into(self, buffers: Mapping[str, torch.Tensor]) -> None:
+        """Write the old values back into a map's ``buffers`` (by name: ``step`` and those of
+        `ROW_BUFFERS` and `CANDIDATE_BUFFERS`): the map's own (`IdMap.apply_undo`) or copies."""
+        with torch.no_grad():
+            buffers["step"].fill_(self.step)
+            for name, old in self.row_values.items():
+                buffers[name][self.rows] = old
+            for name, old in self.candidate_values.items():
+                buffers[name][self.candidate_slots] = old

@@ -12,9 +12,8 @@ batch i still trains.
 from __future__ import annotations
 
 import datetime
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,14 +30,6 @@ from recopt.sharding.input_dist import (
 from recopt.sparse import KeyedJaggedTensor
 
 Tensor = torch.Tensor
-
-
-class _Started(Protocol):
-    @property
-    def features(self) -> KeyedJaggedTensor: ...
-
-
-StartedT = TypeVar("StartedT", bound=_Started)
 
 
 @dataclass(slots=True)
@@ -114,40 +105,3 @@ def start_distribution(
         error = e
     counts = start_count_exchange(prepared, error, bucketizer, is_weighted, group, rank, check)
     return DistributedInput(features, prepared, index_F_B, counts)
-
-
-class PrefetchQueue(Generic[StartedT]):
-    """Distributions a pipeline started, waiting for the forward of their batch."""
-
-    def __init__(self, owner: str) -> None:
-        self._owner = owner
-        self._queued: deque[StartedT] = deque()
-
-    def push(self, started: StartedT) -> None:
-        self._queued.append(started)
-
-    def take(self, features: KeyedJaggedTensor) -> StartedT | None:
-        """The queued distribution of ``features`` (None when nothing is queued).
-
-        Raises:
-            ValueError: one is queued for another input object: the model gives the sharded
-                module something else than what the pipeline distributed.
-        """
-        if not self._queued:
-            return None
-        if self._queued[0].features is not features:
-            self._queued.clear()
-            raise ValueError(
-                f"{self._owner}: forward received another KeyedJaggedTensor than the one the "
-                "pipeline distributed ahead of it (the model transforms or rebuilds its sparse "
-                "input); give the pipeline a `sparse_input` function returning the exact object "
-                "the model passes to this module, or train without the pipeline"
-            )
-        return self._queued.popleft()
-
-    def pending(self) -> int:
-        """Distributions not consumed by a forward."""
-        return len(self._queued)
-
-    def clear(self) -> None:
-        self._queued.clear()

@@ -28,12 +28,13 @@ from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
 from recopt.modules.id_map_lookup import IdMaps, MappedBatch, mean_scale
 from recopt.modules.nonfinite import NonFiniteGradGuard, backward_if_given, finite_flag
+from recopt.modules.prefetch import PrefetchQueue
 from recopt.modules.variable_batch import expand_rows
 from recopt.sharding.backend_decisions import share_backend_decisions
 from recopt.sharding.bucketizer import Bucketizer
 from recopt.sharding.id_map_sharded import ShardedIdMaps
 from recopt.sharding.input_dist import ReceivedInput
-from recopt.sharding.input_stage import DistributedInput, PrefetchQueue, start_distribution
+from recopt.sharding.input_stage import DistributedInput, start_distribution
 from recopt.sharding.kernel_inputs import kernel_inputs, run_kernel, send_buffer
 from recopt.sharding.layout import GroupLayout, ShardedLayout
 from recopt.sharding.output_assembly import OutputAssembly

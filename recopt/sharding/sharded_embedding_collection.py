@@ -23,13 +23,14 @@ from recopt.modules.config import EmbeddingConfig, validate_tables
 from recopt.modules.embedding import TableAccessors
 from recopt.modules.id_map_lookup import IdMaps
 from recopt.modules.inputs import FeatureLayout
+from recopt.modules.prefetch import PrefetchQueue
 from recopt.modules.unpooled import (
     lookup_bag_configs,
     one_id_bags,
     rows_per_feature,
     select_lookups,
 )
-from recopt.sharding.input_stage import DistributedInput, PrefetchQueue
+from recopt.sharding.input_stage import DistributedInput
 from recopt.sharding.plan import ParameterSharding
 from recopt.sharding.sharded_embedding import AGREE_TIMEOUT, ShardedEmbeddingBagCollection
 from recopt.sharding.state import ShardedFusedOptimizer

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from recopt.modules import FusedEmbeddingBagCollection
 from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 from recopt.sharding.sharded_embedding_collection import ShardedEmbeddingCollection
 from recopt.sparse import KeyedJaggedTensor
@@ -35,6 +36,7 @@ class _Queued:
     batch: Any
     data_state: dict[str, Any] | None  # the iterator's state right after this batch
     started: list[Any] | None = None  # per sharded collection, once distributed
+    remaps: list[Any] | None = None  # per unsharded id-mapped collection, once remapped
     copy_done: Any = None  # the side stream's event (CUDA)
 
 
@@ -96,6 +98,7 @@ class TrainPipelineSparseDist:
         sparse_input: Callable[[Any], KeyedJaggedTensor] = default_sparse_input,
         step_committed: Callable[[], bool] | None = None,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        remap_threads: int | None = 1,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -105,6 +108,8 @@ class TrainPipelineSparseDist:
         self.timeout = timeout
         self.sharded: list[Sharded] = _outermost_sharded(model)
         _refuse_id_maps(self.sharded)
+        self.remapping = _id_mapped_collections(model)
+        self.remap_threads = remap_threads
         self._queue: deque[_Queued] = deque()
         self._exhausted = False
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -125,6 +130,7 @@ class TrainPipelineSparseDist:
             self._copy_next(dataloader_iter)
         if not self._queue:
             raise StopIteration
+        self._restart_if_stale()
         self._start_input_dist(self._queue[0])
         if len(self._queue) < 3:  # (a batch kept for a retry leaves 3 queued already)
             self._copy_next(dataloader_iter)  # batch i+2
@@ -200,22 +206,44 @@ class TrainPipelineSparseDist:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(queued.copy_done)
             _record_stream(queued.batch, current)
-        queued.started = []
-        if self.sharded:
+        queued.started, queued.remaps = [], [None] * len(self.remapping)
+        if self.sharded or (self.remapping and self._training):
             features = self.sparse_input(queued.batch)
             queued.started = [m.start_input_dist(features) for m in self.sharded]
+            if self._training:  # evaluation only reads the maps: in its forward
+                threads = self.remap_threads
+                queued.remaps = [m.start_remap(features, threads) for m in self.remapping]
         self._record("input_dist", start)
+
+    def _restart_if_stale(self) -> None:
+        """Start the queued batches again when their id-map steps were undone since they
+        started (an evaluation, a load or a training forward outside the pipeline came
+        between): the maps must step in batch order."""
+        stale = any(
+            m.prefetch_stale(r)
+            for queued in self._queue
+            if queued.remaps is not None
+            for m, r in zip(self.remapping, queued.remaps, strict=True)
+        )
+        if stale:
+            for queued in self._queue:
+                queued.started = queued.remaps = None
 
     def _step(self, queued: _Queued) -> tuple[Any, bool]:
         """Train (or evaluate) one batch; whether it is done (not to be retried)."""
-        assert queued.started is not None
+        assert queued.started is not None and queued.remaps is not None
         for module, started in zip(self.sharded, queued.started, strict=True):
             module.use_prefetched(started)
+        for collection, remap in zip(self.remapping, queued.remaps, strict=True):
+            collection.use_prefetched(remap)
         try:
             return self._run_model(queued.batch)
         finally:
-            for module in self.sharded:  # what a forward that failed early left queued
-                module.unused_prefetched()
+            for stage in self._stages():  # what a forward that failed early left queued
+                stage.unused_prefetched()
+
+    def _stages(self) -> list[Sharded | FusedEmbeddingBagCollection]:
+        return [*self.sharded, *self.remapping]
 
     def _run_model(self, batch: Any) -> tuple[Any, bool]:
         start = time.perf_counter()
@@ -252,10 +280,10 @@ class TrainPipelineSparseDist:
         return self._record("input_dist", start)
 
     def _check_consumed(self) -> None:
-        unused = [m for m in self.sharded if m.unused_prefetched()]
+        unused = [m for m in self._stages() if m.unused_prefetched()]
         if unused:
             raise ValueError(
-                f"TrainPipelineSparseDist: {len(unused)} sharded collection(s) did not receive "
+                f"TrainPipelineSparseDist: {len(unused)} collection(s) did not receive "
                 "the batch's sparse input in the model's forward (the model passes them "
                 "another KeyedJaggedTensor than sparse_input(batch)); pass sparse_input=<the "
                 "function returning what the model gives them>, or train without the pipeline"
@@ -286,6 +314,15 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
 def _outermost_sharded(model: nn.Module) -> list[Sharded]:
     """The model's sharded collections (an embedding collection's engine is not listed)."""
     return [m for m in model.modules() if isinstance(m, Sharded)]
+
+
+def _id_mapped_collections(model: nn.Module) -> list[FusedEmbeddingBagCollection]:
+    """The model's unsharded fused collections with id-mapped tables (remapped ahead)."""
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, FusedEmbeddingBagCollection) and m.id_maps is not None
+    ]
 
 
 def _refuse_id_maps(sharded: list[Sharded]) -> None:

@@ -1,0 +1,175 @@
+"""Id-map steps taken ahead of their batch's forward, for pipelined training.
+
+A pipeline remaps batch i+1 while batch i trains (the native remap on a worker thread). Such an
+*ahead* step changes the maps at once (the step after it must see it) but is not yet part of
+the model: its fresh rows are reset only when its batch's forward takes it (batch i may still
+read and update a row that step evicted), and until then `state_dict` writes the maps as they
+were before it. An eval read, a load, a training remap outside the pipeline or a batch that
+never reached its forward puts the maps back (`AheadSteps.rewind`: the steps' undo records,
+newest first) and makes the pending steps stale, so the pipeline remaps their batches again.
+A pipelined run therefore equals the plain loop, checkpoints and validation included.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping, MutableMapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from recopt.modules.id_map import IdMap
+from recopt.modules.id_map_results import MapUndo, RemapStats
+from recopt.sparse import KeyedJaggedTensor
+
+_worker: ThreadPoolExecutor | None = None
+_worker_lock = threading.Lock()
+
+
+def remap_worker() -> ThreadPoolExecutor:
+    """The one thread that runs ahead remaps, in the order they were started (every map's
+    steps stay in batch order). The native remap releases the GIL, so it runs beside the
+    training step's own threads."""
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recopt-remap")
+            atexit.register(_worker.shutdown)
+        return _worker
+
+
+@dataclass(eq=False)
+class AheadRemap:
+    """One batch's remap, started ahead of its forward (what that forward takes instead).
+
+    Attributes:
+        features: the input as the forward receives it (matched by identity).
+        generation: the `AheadSteps` generation it was started in (stale once that moved).
+        error: the batch's input was rejected (raised at its forward; no map moved).
+        index_F_B: a variable batch's inverse indices (`regular_batch`), else None.
+        mapped: the remapped batch (a `MappedBatch`), once the step ran.
+        undo: per table, what the step changed (`MapUndo`), once it ran.
+    """
+
+    features: KeyedJaggedTensor
+    generation: int
+    error: ValueError | None = None
+    index_F_B: torch.Tensor | None = None
+    mapped: Any = None
+    undo: dict[str, MapUndo] = field(default_factory=dict)
+    _future: Future[None] | None = None
+
+    def settle(self) -> BaseException | None:
+        """Wait for the step (if it runs on the worker); its error, if it raised."""
+        if self._future is None:
+            return None
+        return self._future.exception()
+
+
+class AheadSteps:
+    """The ahead steps of one collection's maps that no forward has taken yet, oldest first."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self._pending: deque[AheadRemap] = deque()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def stale(self, remap: AheadRemap) -> bool:
+        """Whether ``remap``'s step was undone (or dropped) since it started: its batch must
+        be remapped again."""
+        return remap.generation != self.generation
+
+    def submit(self, remap: AheadRemap, step: Callable[[], None], background: bool) -> AheadRemap:
+        """Queue ``remap`` and run its ``step`` (which fills ``mapped`` and ``undo``): on the
+        worker thread when ``background``, else now."""
+        self._pending.append(remap)
+        if background:
+            remap._future = remap_worker().submit(step)
+        else:
+            step()
+        return remap
+
+    def take(self, remap: AheadRemap) -> AheadRemap | None:
+        """``remap``, done and now part of the model (the forward resets its fresh rows next);
+        None when it is stale (remap the batch now).
+
+        Raises:
+            ValueError: the batch's input was rejected, or ``remap`` is not the oldest
+                pending step (a pipeline feeds the forwards in the order it started them).
+            The step's own error (e.g. MemoryError).
+        """
+        if self.stale(remap):
+            return None
+        if remap.error is not None:
+            raise remap.error  # no map moved: nothing pending for it
+        if not self._pending or self._pending[0] is not remap:
+            raise ValueError(
+                "an id map's remap started ahead was taken out of order: batches must reach "
+                "their forward in the order the pipeline started them"
+            )
+        self._pending.popleft()
+        error = remap.settle()
+        if error is not None:
+            raise error
+        return remap
+
+    def settle(self) -> None:
+        """Wait until no pending step runs on the worker."""
+        for remap in self._pending:
+            remap.settle()
+
+    def rewind(self, maps: Mapping[str, IdMap]) -> None:
+        """Put ``maps`` back as they were before every pending step (newest first); those
+        steps go stale. Nothing pending: nothing changes."""
+        if not self._pending:
+            return
+        self.settle()
+        for remap in reversed(self._pending):
+            for name, undo in remap.undo.items():
+                maps[name].apply_undo(undo)
+        self._forget()
+
+    def drop(self) -> None:
+        """Forget the pending steps without undoing them (the maps' buffers are being
+        replaced: a load); they go stale."""
+        self.settle()
+        self._forget()
+
+    def _forget(self) -> None:
+        self._pending.clear()
+        self.generation += 1
+
+    def stats_before(self, maps: Mapping[str, IdMap]) -> dict[str, RemapStats]:
+        """Per map, the stats of the last step a forward took (before the pending ones)."""
+        stats = {name: idmap.last_stats for name, idmap in maps.items()}
+        for remap in reversed(self._pending):  # the oldest's record last: it wins
+            remap.settle()
+            stats.update({name: undo.stats for name, undo in remap.undo.items()})
+        return stats
+
+    def committed_state(self, state: MutableMapping[str, Any], prefix: str) -> None:
+        """Rewrite a state_dict's map entries (``<prefix><table>.<buffer>``) as before the
+        pending steps, on copies (the live maps keep their ahead steps)."""
+        if not self._pending:
+            return
+        copies: dict[str, dict[str, torch.Tensor]] = {}
+        for remap in reversed(self._pending):
+            remap.settle()
+            for name, undo in remap.undo.items():
+                if name not in copies:
+                    keys = ("step", *undo.row_values, *undo.candidate_values)
+                    copies[name] = {k: _own_copy(state, f"{prefix}{name}.{k}") for k in keys}
+                undo.write_into(copies[name])
+
+
+def _own_copy(state: MutableMapping[str, Any], key: str) -> torch.Tensor:
+    """``state[key]`` replaced by a detached copy of itself, returned."""
+    value = state[key].detach().clone()
+    state[key] = value
+    return value

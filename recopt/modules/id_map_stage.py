@@ -1,0 +1,82 @@
+"""A fused collection's id-map remaps started ahead by a pipeline and taken by its forward.
+
+`TrainPipelineSparseDist` calls ``start_remap`` on a collection with id-mapped tables for batch
+i+1 before batch i's forward (`start_ahead`: the native remap then runs on the worker thread
+during batch i's step), hands it back with ``use_prefetched`` right before batch i+1's forward,
+and checks ``prefetch_stale`` before each step (an eval read, a load or a training remap
+outside the pipeline undid the ahead steps: the pipeline starts those batches again).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from recopt.modules.id_map_ahead import AheadRemap
+from recopt.modules.id_map_lookup import IdMaps, start_ahead
+from recopt.modules.inputs import FeatureLayout
+from recopt.modules.prefetch import PrefetchQueue
+from recopt.sparse import KeyedJaggedTensor
+
+
+class RemapStage:
+    """The ahead remaps of one collection's id maps.
+
+    Args:
+        owner: the collection's name, for errors.
+        id_maps: its maps.
+        layout: its features.
+        is_weighted: whether its input carries per-id weights.
+        weight_dtype: the dtype its lookup takes weights in.
+    """
+
+    def __init__(
+        self,
+        owner: str,
+        id_maps: IdMaps,
+        layout: FeatureLayout,
+        is_weighted: bool,
+        weight_dtype: torch.dtype,
+    ) -> None:
+        self.id_maps = id_maps
+        self._layout = layout
+        self._is_weighted = is_weighted
+        self._weight_dtype = weight_dtype
+        self._queue: PrefetchQueue[AheadRemap] = PrefetchQueue(owner)
+
+    def start(self, features: KeyedJaggedTensor, threads: int | None) -> AheadRemap | None:
+        """Remap a training batch ahead of its forward; None where the maps step inline
+        (fault tolerance's observers or peers: the forward remaps it)."""
+        if not self.id_maps.can_step_ahead():
+            return None
+        return start_ahead(
+            self.id_maps, self._layout, features, self._is_weighted, self._weight_dtype, threads
+        )
+
+    def push(self, remap: AheadRemap | None) -> None:
+        """Have the forward of ``remap.features`` take ``remap`` (None: nothing to take)."""
+        if remap is not None:
+            self._queue.push(remap)
+
+    def take(self, features: KeyedJaggedTensor) -> AheadRemap | None:
+        """The ahead remap of ``features``, done; None when there is none or it is stale (the
+        forward remaps the batch itself).
+
+        Raises:
+            ValueError: the batch's input was rejected (its error), or another input object
+                than the one started reached the forward.
+        """
+        remap = self._queue.take(features)
+        return None if remap is None else self.id_maps.ahead.take(remap)
+
+    def unused(self) -> int:
+        """Ahead remaps no forward took (a step failed before reaching this collection);
+        cleared. Their steps and those after them are undone (they go stale)."""
+        count = self._queue.pending()
+        self._queue.clear()
+        if count:
+            self.id_maps.ahead.rewind({name: self.id_maps.table_map(name) for name in self.id_maps})
+        return count
+
+    def stale(self, remap: AheadRemap | None) -> bool:
+        """Whether ``remap`` must be started again (its step was undone)."""
+        return remap is not None and self.id_maps.ahead.stale(remap)

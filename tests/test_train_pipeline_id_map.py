@@ -1,0 +1,220 @@
+"""Pipelined training with id-mapped tables in one process: batch i+1 remapped ahead.
+
+The plain loop is the reference, exactly: outputs, weights, optimizer state and every map
+buffer after the run, on the native remap (on the worker thread) and the torch path, for each
+policy; a state_dict taken between steps, an evaluation, a load and a failing step in the
+middle of the run give what the plain loop gives at the same point.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from pipeline_helpers import (
+    NUM_TABLES,
+    Batches,
+    TinyModel,
+    local_tensors,
+    make_batch,
+    pipelined_loop,
+    plain_loop,
+    same,
+    tables,
+)
+
+from recopt.data.batch import Batch
+from recopt.kernels import FusedOptimizerConfig
+from recopt.modules import FusedEmbeddingBagCollection, IdMapConfig
+from recopt.modules.id_map import IdMap
+from recopt.sharding import TrainPipelineSparseDist
+from recopt.sparse import KeyedJaggedTensor
+
+ROWS = 12  # few rows for many raw ids: every step evicts
+
+POLICIES = {
+    "lru": IdMapConfig(policy="lru"),
+    "lfu": IdMapConfig(policy="lfu", decay=0.9),
+    "admit2-ttl": IdMapConfig(policy="lru", admit_after=2, ttl_steps=3),
+}
+
+
+def raw_batch(index: int, bad_id: bool = False) -> Batch:
+    """`make_batch` with raw ids from a space of 5 x ROWS ids (table 3 keeps row ids, unmapped;
+    ``bad_id``: one of them out of range)."""
+    batch = make_batch(0, index)
+    sparse = batch.sparse
+    gen = torch.Generator().manual_seed(500 + index)
+    values = torch.randint(0, 5 * ROWS, (sparse.values().numel(),), generator=gen) * 7919 - 3
+    last = sparse.offset_per_key()[NUM_TABLES - 1]
+    values[last:] = sparse.values()[last:] % ROWS
+    if bad_id and values.numel() > last:
+        values[-1] = ROWS + 1
+    kjt = KeyedJaggedTensor(sparse.keys(), values, lengths=sparse.lengths())
+    return batch._replace(sparse=kjt)
+
+
+def _model(id_map: IdMapConfig, native: bool) -> tuple[TinyModel, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    configs = [
+        dataclasses.replace(t, num_embeddings=ROWS, id_map=id_map if i < NUM_TABLES - 1 else None)
+        for i, t in enumerate(tables())
+    ]
+    ebc = FusedEmbeddingBagCollection(configs, FusedOptimizerConfig(name="row_wise_adagrad", lr=0.3))
+    assert ebc.id_maps is not None
+    for name in ebc.id_maps:
+        ebc.id_maps.table_map(name).native = native
+    model = TinyModel(ebc)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _state(model: TinyModel, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    fused = model.embedding_bags.fused_optimizer.state_dict()
+    return (
+        local_tensors(model.state_dict())
+        + local_tensors(fused)
+        + local_tensors(optimizer.state_dict())
+    )
+
+
+def _live_buffers(model: TinyModel) -> list[torch.Tensor]:
+    """The maps' buffers as they are (ahead steps included), not through state_dict."""
+    maps = model.embedding_bags.id_maps
+    return [b.clone() for name in maps for b in maps.table_map(name).buffers()]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_pipelined_id_maps_equal_the_plain_loop(policy: str, native: bool) -> None:
+    if native and not IdMap(POLICIES[policy], ROWS)._native():
+        pytest.skip("no C compiler: no native remap")
+    batches = [raw_batch(i) for i in range(9)]
+    model, optimizer = _model(POLICIES[policy], native)
+    expected, freed = [], 0.0
+    for batch in batches:
+        expected += plain_loop(model, optimizer, [batch])
+        freed += sum(s["evictions"] + s["expired"] for s in model.embedding_bags.stats().values())
+    expected_state, expected_stats = _state(model, optimizer), model.embedding_bags.stats()
+    model, optimizer = _model(POLICIES[policy], native)
+    outputs = pipelined_loop(TrainPipelineSparseDist(model, optimizer, "cpu"), Batches(batches))
+    assert same(expected, outputs)
+    assert same(expected_state, _state(model, optimizer))
+    assert model.embedding_bags.stats() == expected_stats
+    assert freed > 0  # the maps evicted (or expired) rows: fresh rows were reset
+
+
+def _plain_states(policy: str, batches: list[Batch]) -> list[Any]:
+    """The plain loop's state (state_dict order) and stats after each batch."""
+    model, optimizer = _model(POLICIES[policy], True)
+    states = []
+    for batch in batches:
+        plain_loop(model, optimizer, [batch])
+        states.append((_state(model, optimizer), model.embedding_bags.stats()))
+    return states
+
+
+def _steps(pipeline: TrainPipelineSparseDist, data: Iterator[Batch], count: int) -> list[Any]:
+    return [pipeline.progress(data) for _ in range(count)]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_state_dict_between_steps_is_the_plain_loops(policy: str) -> None:
+    """While batch i+1 is remapped ahead, state_dict and stats() are batch i's (the live
+    maps keep the ahead step), and training goes on unchanged."""
+    batches = [raw_batch(i) for i in range(8)]
+    reference = _plain_states(policy, batches)
+    model, optimizer = _model(POLICIES[policy], True)
+    pipeline = TrainPipelineSparseDist(model, optimizer, "cpu")
+    data = Batches(batches)
+    for step in range(len(batches)):
+        pipeline.progress(data)
+        live = _live_buffers(model)
+        assert same(reference[step][0], _state(model, optimizer)), step
+        assert model.embedding_bags.stats() == reference[step][1], step
+        assert same(live, _live_buffers(model))  # state_dict left the ahead step alone
+    assert len(model.embedding_bags.id_maps.ahead) == 0  # drained: nothing ahead
+
+
+def test_eval_and_load_between_steps() -> None:
+    """An evaluation between steps reads the maps as the plain loop has them (the ahead step
+    is undone, then remapped again); a load between steps replaces the ahead step."""
+    batches = [raw_batch(i) for i in range(8)]
+    probe = raw_batch(50)
+    model, optimizer = _model(POLICIES["lfu"], True)
+    expected_eval = []
+    for batch in batches[:5]:
+        plain_loop(model, optimizer, [batch])
+        model.eval()
+        with torch.no_grad():
+            expected_eval.append(model(probe)[1])
+        model.train()
+    checkpoint = {k: v.clone() for k, v in model.state_dict().items()}
+    fused_checkpoint = copy.deepcopy(model.embedding_bags.fused_optimizer.state_dict())
+    plain_loop(model, optimizer, batches[5:])
+    expected_state = _state(model, optimizer)
+
+    model, optimizer = _model(POLICIES["lfu"], True)
+    pipeline = TrainPipelineSparseDist(model, optimizer, "cpu")
+    data = Batches(batches)
+    for step in range(5):
+        pipeline.progress(data)
+        model.eval()
+        with torch.no_grad():
+            assert same(expected_eval[step], model(probe)[1]), step
+        model.train()
+    # a load (here: of the state it has) between steps: the ahead step is replaced by it
+    model.load_state_dict(checkpoint)
+    model.embedding_bags.fused_optimizer.load_state_dict(fused_checkpoint)
+    _steps(pipeline, data, 3)
+    assert same(expected_state, _state(model, optimizer))
+
+
+def test_a_bad_batch_ahead_raises_at_its_own_step() -> None:
+    """A bad id of batch i+1 is found when it is remapped ahead but raised at its own step;
+    batch i trains, no map moves for the bad batch, the next batches train."""
+    batches = [raw_batch(i, bad_id=i == 3) for i in range(7)]
+    model, optimizer = _model(POLICIES["lru"], True)
+    expected = plain_loop(model, optimizer, batches)
+    expected_state = _state(model, optimizer)
+    model, optimizer = _model(POLICIES["lru"], True)
+    outputs = pipelined_loop(TrainPipelineSparseDist(model, optimizer, "cpu"), Batches(batches))
+    assert outputs[3] == "InvalidIdError" == expected[3]
+    assert same(expected, outputs)
+    assert same(expected_state, _state(model, optimizer))
+
+
+class _FailsOnce(TinyModel):
+    """Raises before its collection's forward on the batch of ``fail_at`` labels' sum."""
+
+    fail_next = False
+
+    def forward(self, batch: Batch) -> Any:
+        if self.fail_next:
+            self.fail_next = False
+            raise ValueError("model failed before its embeddings")
+        return super().forward(batch)
+
+
+def test_a_step_failing_before_the_collection_leaves_no_map_step() -> None:
+    """Batch i's remap ran ahead, but its forward failed before the collection: the map
+    steps of batch i (and of batch i+1, ahead) are undone, as if batch i never came."""
+    batches = [raw_batch(i) for i in range(7)]
+    model, optimizer = _model(POLICIES["lfu"], True)
+    expected = plain_loop(model, optimizer, batches[:3] + batches[4:])
+    expected_state = _state(model, optimizer)
+    model, optimizer = _model(POLICIES["lfu"], True)
+    failing = _FailsOnce(model.embedding_bags)
+    failing.top = model.top
+    pipeline = TrainPipelineSparseDist(failing, optimizer, "cpu")
+    data = Batches(batches)
+    outputs = _steps(pipeline, data, 3)
+    failing.fail_next = True
+    with pytest.raises(ValueError, match="before its embeddings"):
+        pipeline.progress(data)
+    outputs += pipelined_loop(pipeline, data)
+    assert same(expected, outputs)
+    assert same(expected_state, _state(failing, optimizer))
