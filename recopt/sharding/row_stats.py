@@ -93,9 +93,8 @@ class RowStatExchange:
             t, k = tables[local_table]
             if not _needs_full_rows(self._layout, t):
                 return sum_sq_U / self._layout.shardings[t].shards[k].num_cols
-            others = self._full.pop((t, k), None)
-            total = sum_sq_U if others is None else sum_sq_U + others.to(sum_sq_U.dtype)
-            return total / self._layout.tables[t].embedding_dim
+            total = self._full.pop((t, k))
+            return total.to(sum_sq_U.dtype) / self._layout.tables[t].embedding_dim
 
         return hook
 
@@ -113,7 +112,8 @@ class RowStatExchange:
     # ------------------------------------------------------------------ backward side
     def exchange(self, grads: Sequence[Tensor], inputs: list[KernelInput]) -> None:
         """Compute this rank's partial sums, swap them with the other column shards, and keep,
-        per local shard, the sum of the OTHER shards' partials for the hook."""
+        per local shard, the sum of every shard's partial for the hook: in shard order, so
+        each column shard of a row gets the same bits (a replica of its row statistic)."""
         partials = self._partials(grads, inputs)
         layout = self._layout
         me = layout.rank
@@ -131,22 +131,20 @@ class RowStatExchange:
             recv_splits.append(sum(sizes[self._any_local(t)] for t, _ in theirs))
         buf = torch.cat(send) if send else grads[0].new_zeros(0) if grads else self._empty()
         recv = all_to_all_flat(buf, send_splits, recv_splits, self._group)
-        incoming: dict[int, Tensor] = {}
+        every = dict(partials)  # (table, shard) -> its partial: ours, then the received
         start = 0
         for d in range(layout.world_size):
-            for t, _ in [(t, k) for t, k in self._rank_shards[d] if t in self._shared(d, me)]:
+            for t, k in [(t, k) for t, k in self._rank_shards[d] if t in self._shared(d, me)]:
                 n = sizes[self._any_local(t)]
-                part = recv[start : start + n]
+                every[(t, k)] = recv[start : start + n]
                 start += n
-                incoming[t] = part if t not in incoming else incoming[t] + part
         self._full = {}
         for t, k in self._rank_shards[me]:
-            total = incoming.get(t)
-            for t2, k2 in self._rank_shards[me]:  # other shards of t on this same rank
-                if t2 == t and k2 != k:
-                    total = partials[(t2, k2)] if total is None else total + partials[(t2, k2)]
-            if total is not None:
-                self._full[(t, k)] = total
+            shards = sorted(tk for tk in every if tk[0] == t)  # the same order on every rank
+            total = every[shards[0]]
+            for tk in shards[1:]:
+                total = total + every[tk]
+            self._full[(t, k)] = total
 
     def _empty(self) -> Tensor:
         weights = self._kernels[0].split_embedding_weights() if self._kernels else []
