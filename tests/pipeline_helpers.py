@@ -6,6 +6,7 @@ run is compared with, exactly: losses, outputs, weights and optimizer state.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -79,6 +80,35 @@ def _vbe_batch(gen: torch.Generator, size: int, keys: list[str], index: int) -> 
     )
     labels = torch.randint(0, 2, (size,), generator=gen).float()
     return Batch(torch.zeros(size, 1), sparse, labels, index + 1)
+
+
+RAW_ROWS = 12  # rows of the id-mapped tests' tables: few for many raw ids (evictions)
+
+
+def raw_tables(id_maps: list[Any]) -> list[EmbeddingBagConfig]:
+    """`tables` with RAW_ROWS rows, table ``i`` id-mapped by ``id_maps[i]`` (an `IdMapConfig`
+    or None; the last table stays unmapped: `raw_batch` gives it row ids)."""
+    return [
+        dataclasses.replace(t, num_embeddings=RAW_ROWS, id_map=m)
+        for t, m in zip(tables(), [*id_maps[: NUM_TABLES - 1], None], strict=True)
+    ]
+
+
+def raw_batch(index: int, rank: int = 0, bad_id: bool = False) -> Batch:
+    """`make_batch` of ``rank`` with raw ids from a space of 5 x RAW_ROWS ids for every
+    table but the last, which keeps row ids below RAW_ROWS (unmapped; ``bad_id``: its last id
+    out of range)."""
+    batch = make_batch(rank, index)
+    sparse = batch.sparse
+    gen = torch.Generator().manual_seed(500 + 1000 * rank + index)
+    values = torch.randint(0, 5 * RAW_ROWS, (sparse.values().numel(),), generator=gen)
+    values = values * 7919 - 3
+    last = sparse.offset_per_key()[NUM_TABLES - 1]
+    values[last:] = sparse.values()[last:] % RAW_ROWS
+    if bad_id and values.numel() > last:
+        values[-1] = RAW_ROWS + 1
+    kjt = KeyedJaggedTensor(sparse.keys(), values, lengths=sparse.lengths())
+    return batch._replace(sparse=kjt)
 
 
 class Batches:

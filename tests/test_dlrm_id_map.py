@@ -1,6 +1,6 @@
 """The DLRM script with id-mapped tables (issue 26): one line of config, the drifting synthetic
 data, Criteo raw ids, the maps' stats in the log and progress line, resume, and two ranks
-(which train with the plain loop, saying so)."""
+(pipelined; only fault tolerance sends sharded maps to the plain loop)."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def test_one_rank_resume_with_id_maps_equals_an_uninterrupted_run(tmp_path: path
 
 
 def test_one_rank_pipelined_run_with_id_maps_equals_the_plain_loop(tmp_path: pathlib.Path) -> None:
-    # On one rank nothing is distributed ahead: each batch is remapped in its own forward.
+    # On one rank the pipeline remaps batch i+1 on its worker thread while batch i trains.
     for loop in ("true", "false"):
         assert dlrm_train.main(argv(tmp_path / loop, 40, f"training.pipeline={loop}")) == 0
 
@@ -162,15 +162,25 @@ def _two_ranks(rank: int, world_size: int, out: str) -> tuple[str, dict[str, flo
 
 
 @pytest.mark.multiprocess
-def test_two_ranks_use_the_plain_loop_learn_log_stats_and_resume(tmp_path: pathlib.Path) -> None:
+def test_two_ranks_pipelined_learn_log_stats_and_resume(tmp_path: pathlib.Path) -> None:
     results = run_on_ranks(_two_ranks, 2, str(tmp_path), timeout_s=280)
     (err, resumed, equal), (_, resumed_1, equal_1) = results
     assert equal and equal_1 and resumed == resumed_1  # resume equals the uninterrupted run
-    assert "training.pipeline: tables ['t0', 't1', 't2', 't3'] have id_map" in err
-    assert "this run uses the plain loop" in err and "resumed from step 20" in err
+    assert "plain loop" not in err and "resumed from step 20" in err
+    assert "pipeline_input_dist_ms" in records(tmp_path / "whole")[-2]  # the pipeline ran
     config = dlrm_config.load_config(CONFIG, settings(tmp_path / "whole", 40))
     # The maps see the global batch: 2 ranks x 20 steps of the first window.
     check_learned_with_stats(tmp_path / "whole", config, global_batches=40)
+
+
+def test_only_fault_tolerance_sends_sharded_id_maps_to_the_plain_loop() -> None:
+    config = dlrm_config.load_config(CONFIG, [])
+    assert dlrm_train.plain_loop_notice(config, 2, fault_tolerant=False) is None
+    assert dlrm_train.plain_loop_notice(config, 1, fault_tolerant=True) is None
+    notice = dlrm_train.plain_loop_notice(config, 2, fault_tolerant=True)
+    assert notice is not None and "fault tolerance" in notice and "plain loop" in notice
+    unmapped = dlrm_config.load_config(None, [])
+    assert dlrm_train.plain_loop_notice(unmapped, 2, fault_tolerant=True) is None
 
 
 def test_criteo_categoricals_reach_id_mapped_tables_raw(tmp_path: pathlib.Path) -> None:

@@ -9,7 +9,6 @@ middle of the run give what the plain loop gives at the same point.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,14 +16,15 @@ import pytest
 import torch
 from pipeline_helpers import (
     NUM_TABLES,
+    RAW_ROWS,
     Batches,
     TinyModel,
     local_tensors,
-    make_batch,
     pipelined_loop,
     plain_loop,
+    raw_batch,
+    raw_tables,
     same,
-    tables,
 )
 
 from recopt.data.batch import Batch
@@ -32,9 +32,6 @@ from recopt.kernels import FusedOptimizerConfig
 from recopt.modules import FusedEmbeddingBagCollection, IdMapConfig
 from recopt.modules.id_map import IdMap
 from recopt.sharding import TrainPipelineSparseDist
-from recopt.sparse import KeyedJaggedTensor
-
-ROWS = 12  # few rows for many raw ids: every step evicts
 
 POLICIES = {
     "lru": IdMapConfig(policy="lru"),
@@ -43,28 +40,10 @@ POLICIES = {
 }
 
 
-def raw_batch(index: int, bad_id: bool = False) -> Batch:
-    """`make_batch` with raw ids from a space of 5 x ROWS ids (table 3 keeps row ids, unmapped;
-    ``bad_id``: one of them out of range)."""
-    batch = make_batch(0, index)
-    sparse = batch.sparse
-    gen = torch.Generator().manual_seed(500 + index)
-    values = torch.randint(0, 5 * ROWS, (sparse.values().numel(),), generator=gen) * 7919 - 3
-    last = sparse.offset_per_key()[NUM_TABLES - 1]
-    values[last:] = sparse.values()[last:] % ROWS
-    if bad_id and values.numel() > last:
-        values[-1] = ROWS + 1
-    kjt = KeyedJaggedTensor(sparse.keys(), values, lengths=sparse.lengths())
-    return batch._replace(sparse=kjt)
-
-
 def _model(id_map: IdMapConfig, native: bool) -> tuple[TinyModel, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    configs = [
-        dataclasses.replace(t, num_embeddings=ROWS, id_map=id_map if i < NUM_TABLES - 1 else None)
-        for i, t in enumerate(tables())
-    ]
-    ebc = FusedEmbeddingBagCollection(configs, FusedOptimizerConfig(name="row_wise_adagrad", lr=0.3))
+    optimizer = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.3)
+    ebc = FusedEmbeddingBagCollection(raw_tables([id_map] * NUM_TABLES), optimizer)
     assert ebc.id_maps is not None
     for name in ebc.id_maps:
         ebc.id_maps.table_map(name).native = native
@@ -90,7 +69,7 @@ def _live_buffers(model: TinyModel) -> list[torch.Tensor]:
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_pipelined_id_maps_equal_the_plain_loop(policy: str, native: bool) -> None:
-    if native and not IdMap(POLICIES[policy], ROWS)._native():
+    if native and not IdMap(POLICIES[policy], RAW_ROWS)._native():
         pytest.skip("no C compiler: no native remap")
     batches = [raw_batch(i) for i in range(9)]
     model, optimizer = _model(POLICIES[policy], native)

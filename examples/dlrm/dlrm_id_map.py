@@ -1,9 +1,10 @@
 """The DLRM script's id-mapped tables: which loop trains them, and what their maps did.
 
-An id map remaps a batch when its ids are distributed; on several ranks the pipeline
-distributes batch i+1 while batch i trains, so it refuses sharded id-mapped tables. The
-script then trains with the plain loop and says so once (`plain_loop_notice`). `IdMapWindow`
-sums each table's ``stats()`` over a logging window for the metrics log and progress line.
+The pipeline remaps batch i+1 while batch i trains (its step kept pending until batch i+1's
+forward). Under fault tolerance the guard steps sharded maps in their own forward, which the
+pipeline cannot do ahead: the script then trains with the plain loop and says so once
+(`plain_loop_notice`). `IdMapWindow` sums each table's ``stats()`` over a logging window for
+the metrics log and progress line.
 """
 
 from __future__ import annotations
@@ -26,16 +27,18 @@ def id_mapped_tables(config: TrainingConfig) -> list[str]:
     return [t.name for t in config.embedding.tables if t.id_map is not None]
 
 
-def plain_loop_notice(config: TrainingConfig, world_size: int) -> str | None:
+def plain_loop_notice(config: TrainingConfig, world_size: int, fault_tolerant: bool) -> str | None:
     """Why the run trains with the plain loop although ``training.pipeline`` is true, or None
-    when the configured loop is used (no id maps, one rank, or ``pipeline = false``)."""
+    when the configured loop is used (no id maps, one rank, no fault tolerance, or
+    ``pipeline = false``)."""
     tables = id_mapped_tables(config)
-    if not (config.training.pipeline and tables and world_size > 1):
+    if not (config.training.pipeline and tables and world_size > 1 and fault_tolerant):
         return None
     return (
         f"training.pipeline: tables {tables} have id_map and are sharded over {world_size} "
-        "ranks; the pipeline would remap batch i+1 (and evict rows) while batch i still "
-        "trains, so this run uses the plain loop (set training.pipeline=false to say so)"
+        "ranks under fault tolerance, whose guard steps their maps in their own forward (the "
+        "pipeline remaps batch i+1 ahead), so this run uses the plain loop (set "
+        "training.pipeline=false to say so)"
     )
 
 

@@ -166,7 +166,7 @@ class Trainer:
 
     def _set_up_loop(self) -> str | None:
         """The training stream and the loop over it; returns why the plain loop replaces the
-        configured pipeline (sharded id-mapped tables), or None.
+        configured pipeline (sharded id-mapped tables under fault tolerance), or None.
 
         Pipelined (default): batch i+1's ids are distributed and batch i+2 copied while
         batch i trains; ``train_data`` is then the position after the last batch trained.
@@ -177,7 +177,7 @@ class Trainer:
         if train_source is None:
             raise ValueError(f"data.source {config.data.source!r} has no training data configured")
         self.pipeline = None
-        loop_notice = plain_loop_notice(config, env.world_size)
+        loop_notice = plain_loop_notice(config, env.world_size, self.ft is not None)
         if config.training.pipeline and loop_notice is None:
             self.train_source = train_source
             self.pipeline, self.train_data = build_pipeline(

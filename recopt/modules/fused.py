@@ -327,7 +327,9 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
             features, mapped = self._prepare(features)
         else:  # remapped by a pipeline while the previous batch trained
             index_F_B, mapped = ahead.index_F_B, ahead.mapped
-            self._reset_fresh(mapped)
+            if not ahead.rows_reset:
+                self._reset_fresh(mapped)
+                ahead.rows_reset = True
             features = mapped.features
         self._lr_sync.apply(self._optimizer.param_groups)
         if self._skip_nonfinite and all(g.kernel.grad_hook is None for g in self._groups):

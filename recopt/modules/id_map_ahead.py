@@ -61,6 +61,8 @@ class AheadRemap:
     index_F_B: torch.Tensor | None = None
     mapped: Any = None
     undo: dict[str, MapUndo] = field(default_factory=dict)
+    taken: bool = False  # by its forward (a retried step takes it again)
+    rows_reset: bool = False  # its fresh rows, by that forward (a retry does not reset them)
     _future: Future[None] | None = None
 
     def settle(self) -> BaseException | None:
@@ -88,22 +90,29 @@ class AheadSteps:
     def submit(self, remap: AheadRemap, step: Callable[[], None], background: bool) -> AheadRemap:
         """Queue ``remap`` and run its ``step`` (which fills ``mapped`` and ``undo``): on the
         worker thread when ``background``, else now."""
-        self._pending.append(remap)
+        self.add(remap)
         if background:
             remap._future = remap_worker().submit(step)
         else:
             step()
         return remap
 
+    def add(self, remap: AheadRemap) -> None:
+        """Queue ``remap``, whose step its caller runs (and records in ``remap.undo``)."""
+        self._pending.append(remap)
+
     def take(self, remap: AheadRemap) -> AheadRemap | None:
-        """``remap``, done and now part of the model (the forward resets its fresh rows next);
-        None when it is stale (remap the batch now).
+        """``remap``, done and now part of the model (the forward resets its fresh rows next,
+        once: ``taken`` says whether it was taken before); None when it is stale (remap the
+        batch now).
 
         Raises:
             ValueError: the batch's input was rejected, or ``remap`` is not the oldest
                 pending step (a pipeline feeds the forwards in the order it started them).
             The step's own error (e.g. MemoryError).
         """
+        if remap.taken:  # a step retried on the same batch: its rows as they were
+            return remap
         if self.stale(remap):
             return None
         if remap.error is not None:
@@ -117,6 +126,7 @@ class AheadSteps:
         error = remap.settle()
         if error is not None:
             raise error
+        remap.taken = True
         return remap
 
     def settle(self) -> None:
@@ -153,23 +163,34 @@ class AheadSteps:
             stats.update({name: undo.stats for name, undo in remap.undo.items()})
         return stats
 
+    def committed(self, name: str, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Map ``name``'s ``buffers`` (``step`` and the others by name) as they were before the
+        pending steps: copies of those the steps changed, the others as given."""
+        out = dict(buffers)
+        copied: set[str] = set()
+        for remap in reversed(self._pending):
+            remap.settle()
+            undo = remap.undo.get(name)
+            if undo is None:
+                continue
+            for key in ("step", *undo.row_values, *undo.candidate_values):
+                if key not in copied:
+                    out[key] = out[key].detach().clone()
+                    copied.add(key)
+            undo.write_into(out)
+        return out
+
     def committed_state(self, state: MutableMapping[str, Any], prefix: str) -> None:
         """Rewrite a state_dict's map entries (``<prefix><table>.<buffer>``) as before the
         pending steps, on copies (the live maps keep their ahead steps)."""
-        if not self._pending:
-            return
-        copies: dict[str, dict[str, torch.Tensor]] = {}
-        for remap in reversed(self._pending):
-            remap.settle()
-            for name, undo in remap.undo.items():
-                if name not in copies:
-                    keys = ("step", *undo.row_values, *undo.candidate_values)
-                    copies[name] = {k: _own_copy(state, f"{prefix}{name}.{k}") for k in keys}
-                undo.write_into(copies[name])
-
-
-def _own_copy(state: MutableMapping[str, Any], key: str) -> torch.Tensor:
-    """``state[key]`` replaced by a detached copy of itself, returned."""
-    value = state[key].detach().clone()
-    state[key] = value
-    return value
+        self.settle()
+        names = {name for remap in self._pending for name in remap.undo}
+        for name in names:
+            keys = {
+                k[len(prefix) + len(name) + 1 :]: k
+                for k in state
+                if k.startswith(f"{prefix}{name}.")
+            }
+            committed = self.committed(name, {short: state[key] for short, key in keys.items()})
+            for short, key in keys.items():
+                state[key] = committed[short]

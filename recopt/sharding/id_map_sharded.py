@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from recopt.kernels.contract import Kernel
 from recopt.modules.config import EmbeddingBagConfig
 from recopt.modules.id_map import Remapped, RemapStats
+from recopt.modules.id_map_ahead import AheadRemap
 from recopt.modules.id_map_lookup import (
     FreshTable,
     IdMaps,
@@ -45,6 +47,16 @@ from recopt.sharding.state import _copy_overlaps, quiet_sharded_tensor
 from recopt.sparse import KeyedJaggedTensor
 
 _STATE_PREFIX = "id_maps."
+
+
+@dataclass(slots=True)
+class ShardStep:
+    """What a training step of this rank's shard maps leaves for the batch's forward: the
+    fresh rows to reset, every shard's stats, and its pending record when started ahead."""
+
+    resets: list[FreshTable]
+    stats: torch.Tensor | None
+    ahead: AheadRemap | None
 
 
 class ShardedIdMaps:
@@ -104,6 +116,8 @@ class ShardedIdMaps:
         self._stats = {name: RemapStats() for name in self.names}
         self._unread_stats: torch.Tensor | None = None  # the last step's, read when asked for
         self.relocate_pending = False
+        self._ahead: AheadRemap | None = None  # the step being started ahead, if it is
+        self._step: ShardStep | None = None  # the step just taken, for its DistributedInput
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Per id-mapped table, the last training step's statistics over all its shards."""
@@ -141,18 +155,33 @@ class ShardedIdMaps:
         is_weighted: bool,
         bucketizer: Bucketizer,
         training: bool,
+        ahead: bool = False,
     ) -> DistributedInput:
         """`input_stage.start_distribution` with the mapped ids rewritten to rows first.
 
         After a load, the first call moves the loaded ids to their owner shards first
-        (`_relocate_if_pending`).
+        (`_relocate_if_pending`). The step's fresh rows are reset when the forward takes the
+        result (`take`). ``ahead``: a pipeline starts a training batch before the previous
+        batch's forward; its map step is kept pending (`IdMaps.ahead`) until then. Otherwise
+        the pending ahead steps are undone first (this batch comes before them).
+
+        Raises:
+            ValueError: ``ahead`` while fault tolerance steps the maps (observers or peers).
         """
         self._relocate_if_pending()
+        if ahead and training and not self.maps.can_step_ahead():
+            raise ValueError(
+                f"id-mapped tables {self.names} under fault tolerance are remapped in their "
+                "own forward: train them without TrainPipelineSparseDist (the plain loop)"
+            )
+        if not (ahead and training):
+            self.rewind()
         prepared: KeyedJaggedTensor | None = None
         check: PendingCheck | None = None
         index_F_B: torch.Tensor | None = None
         error: ValueError | None = None
         mapped: MappedBatch | None = None
+        self._ahead = AheadRemap(features, self.maps.ahead.generation) if ahead else None
         try:
             regular, index_F_B = regular_batch(features, layout.feature_names)
             mapped, prepared, check = self.prepare(regular, layout, is_weighted, training)
@@ -165,7 +194,31 @@ class ShardedIdMaps:
         )
         started = DistributedInput(features, prepared, index_F_B, counts)
         started.mapped = mapped
+        started.map_step, self._step = self._step, None
         return started
+
+    def take(self, started: DistributedInput) -> bool:
+        """The forward takes ``started``: its step's fresh rows are reset (the observers told
+        first) and its stats become `stats()`'s. False: the step was undone since it started
+        ahead (the forward distributes the batch again)."""
+        step: ShardStep | None = started.map_step
+        if step is None:  # evaluation, or a rejected batch: no map moved
+            return True
+        if step.ahead is not None and self.maps.ahead.take(step.ahead) is None:
+            return False
+        started.map_step = None  # taken once (a retried step does not reset again)
+        reset_fresh_tables(self.maps, step.resets)
+        self._unread_stats = step.stats
+        return True
+
+    def stale(self, started: DistributedInput) -> bool:
+        """Whether ``started``'s map step, taken ahead, was undone since."""
+        step: ShardStep | None = started.map_step
+        return step is not None and step.ahead is not None and self.maps.ahead.stale(step.ahead)
+
+    def rewind(self) -> None:
+        """Undo the pending ahead steps (newest first): they go stale (`stale`)."""
+        self.maps.ahead.rewind({name: self.maps.table_map(name) for name in self.maps})
 
     def remap(
         self, features: KeyedJaggedTensor | None, layout: FeatureLayout, training: bool
@@ -195,8 +248,8 @@ class ShardedIdMaps:
         assert features is not None
         rows_R, stats = self._step_shards(received, training)
         rows_M, every = self._exchange.send_rows(received, rows_R, stats)
-        if every is not None:  # read on the host only when stats() is called
-            self._unread_stats = every
+        if self._step is not None:  # read on the host only when stats() is called
+            self._step.stats = every
         sizes = [ids[n].numel() for n in self.names]
         rows = rows_M.to(features.values().device).split(sizes)
         empty = rows_M[:0]
@@ -213,7 +266,7 @@ class ShardedIdMaps:
         rows, stats, resets = [], [], []
         for shard, ids in zip(self._exchange.mine, parts, strict=True):
             if training:
-                result = self.maps.step(shard.name, ids)
+                result = self._step_map(shard.name, ids)
                 if result.fresh_rows.numel():  # else: no need to split weights and states
                     resets.append(self._fresh_table(shard, result))
                 stats.append(_shard_stats(shard, result.stats))
@@ -223,14 +276,25 @@ class ShardedIdMaps:
             rows.append(torch.where(local >= 0, local + shard.row_offset, local))
         if not training:
             return _cat(rows, received.ids_R), None
-        reset_fresh_tables(self.maps, resets)  # the observers told first (the guard saves)
         owned = {shard.name for shard in self._exchange.mine}
         for name in self.names:
             if name not in owned:  # the step counter of a table held elsewhere
-                self.maps.step(name, received.ids_R[:0])
+                self._step_map(name, received.ids_R[:0])
+        self._step = ShardStep(resets, None, self._ahead)  # reset when the forward takes it
+        if self._ahead is not None:
+            self.maps.ahead.add(self._ahead)
         shape = (len(stats), len(STAT_FIELDS))
         table = torch.tensor(stats, dtype=torch.int64).reshape(shape)
         return _cat(rows, received.ids_R), table.to(self._device)
+
+    def _step_map(self, name: str, ids: torch.Tensor) -> Remapped:
+        """One training step of map ``name`` (with its undo record when started ahead)."""
+        if self._ahead is None:
+            return self.maps.step(name, ids)
+        result = self.maps.table_map(name).remap(ids, True, record_undo=True)
+        assert result.undo is not None
+        self._ahead.undo[name] = result.undo
+        return result
 
     def _fresh_table(self, shard: MapShard, result: Remapped) -> FreshTable:
         """The shard's fresh rows to re-initialise (hashed init), with its weight and optimizer
@@ -288,22 +352,27 @@ class ShardedIdMaps:
         relocate(entries, self._pg, self._timeout)
         self.relocate_pending = False
 
-    def _states(self, name: str) -> dict[str, Any]:
+    def _states(self, name: str, committed: bool) -> dict[str, Any]:
+        """Table ``name``'s map state (``committed``: as before the pending ahead steps, on
+        copies; else the live buffers, which a load writes into)."""
         t = self._index(name)
         shards = [s for s in self._shards if s.name == name]
         own = any(s.rank == self._rank for s in shards)
-        local = self.maps.table_map(name) if own else None
+        buffers = dict(self.maps.table_map(name).named_buffers())
+        if committed:
+            buffers = self.maps.ahead.committed(name, buffers)
+        local = buffers if own else None
         states: dict[str, Any] = dict(
             map_state(self.tables[t], shards, local, self._rank, self._pg, self._device)
         )
-        states["step"] = self.maps.table_map(name).step
+        states["step"] = buffers["step"]
         return states
 
     def save(self, destination: dict[str, Any], prefix: str) -> None:
         """Write the maps' buffers under ``<prefix>id_maps.<table>.``: row-sharded
         ShardedTensors of the table's global shape, ``step`` a plain (replicated) tensor."""
         for name in self.names:
-            for key, value in self._states(name).items():
+            for key, value in self._states(name, committed=True).items():
                 destination[f"{prefix}{_STATE_PREFIX}{name}.{key}"] = value
 
     @quiet_sharded_tensor()
@@ -319,8 +388,9 @@ class ShardedIdMaps:
         Raises:
             ValueError: a buffer's global shape differs from the table's, naming the key.
         """
+        self.maps.ahead.drop()  # the loaded maps replace the pending ahead steps
         for name in self.names:
-            for key, current in self._states(name).items():
+            for key, current in self._states(name, committed=False).items():
                 full = f"{prefix}{_STATE_PREFIX}{name}.{key}"
                 if full not in state_dict:
                     missing_keys.append(full)

@@ -11,7 +11,7 @@ every layout. Nothing here communicates.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -124,7 +124,7 @@ def step_counter(device: torch.device) -> IdMap:
 def map_state(
     table: EmbeddingBagConfig,
     shards: Sequence[MapShard],
-    local: IdMap | None,
+    local: Mapping[str, torch.Tensor] | None,
     rank: int,
     group: dist.ProcessGroup | None,
     device: torch.device,
@@ -134,7 +134,8 @@ def map_state(
     Args:
         table: the id-mapped table.
         shards: its `MapShard`s.
-        local: this rank's shard map (None: it holds no shard of the table).
+        local: this rank's shard map's buffers by name (None: it holds no shard of the
+            table).
         rank: this rank in ``group``.
         group: the collection's process group.
         device: where the buffers live.
@@ -150,7 +151,7 @@ def map_state(
         for s in shards:
             offset = s.candidate_offset if candidate else s.row_offset
             size = s.candidate_slots if candidate else s.num_rows
-            mine = getattr(local, name) if local is not None and s.rank == rank else None
+            mine = local[name] if local is not None and s.rank == rank else None
             pieces.append(([offset], [size], s.rank, mine))
         total = sum(s.candidate_slots if candidate else s.num_rows for s in shards)
         out[name] = make_sharded_tensor(pieces, [total], rank, group, device, value.dtype)

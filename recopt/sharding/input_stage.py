@@ -52,6 +52,7 @@ class DistributedInput:
     in_flight: InputInFlight | None = None
     error: ValueError | None = None
     mapped: Any = None  # id maps: the remapped batch (`MappedBatch`), for the mean rescale
+    map_step: Any = None  # id maps: what their step leaves for the forward (`ShardStep`)
 
     def advance(self, timeout: datetime.timedelta) -> None:
         """Read the count exchange and start the id all-to-all (collective; once). A rejected
@@ -64,6 +65,13 @@ class DistributedInput:
             self.in_flight = counts.start_ids(timeout)
         except ValueError as e:  # this rank's error, the check's, or RemoteInputError
             self.error = e
+
+    def drain(self, timeout: datetime.timedelta) -> None:
+        """Finish this distribution's collectives and drop its result (every rank drains the
+        same one: a batch the pipeline starts again)."""
+        self.advance(timeout)
+        if self.error is None and self.in_flight is not None:
+            self.in_flight.wait(timeout)
 
     def wait(
         self, timeout: datetime.timedelta

@@ -301,8 +301,15 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
                 rank's is. Every rank raises, before anything is looked up or updated.
         """
         start = time.perf_counter()
-        started = self._prefetched.take(features) or self.start_input_dist(features)
+        started = self._prefetched.take(features)
+        if started is not None and self.prefetch_stale(started):  # its map step was undone
+            started.drain(self._timeout)
+            started = None
+        started = started or self.start_input_dist(features)
         prepared, index_F_B, received = started.wait(self._timeout)
+        if self._id_maps is not None:
+            taken = self._id_maps.take(started)
+            assert taken, "a distribution started inline cannot be stale"
         mapped: MappedBatch | None = started.mapped
         start = self._record("input_dist", start)
         self._lr_sync.apply(self._state.optimizer.param_groups)
@@ -361,14 +368,23 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
         summed over its shards (the same on every rank)."""
         return {} if self._id_maps is None else self._id_maps.stats()
 
-    def start_input_dist(self, features: KeyedJaggedTensor) -> DistributedInput:
+    def start_input_dist(
+        self, features: KeyedJaggedTensor, ahead: bool = False
+    ) -> DistributedInput:
         """Start distributing ``features`` (a collective: every rank calls it together).
 
         A rejected input is not raised here: `DistributedInput.wait` raises it, on every rank.
+        ``ahead``: a pipeline starts a training batch before the previous batch's forward
+        (id maps keep its step pending until its forward: `ShardedIdMaps.start_distribution`).
         """
         if self._id_maps is not None:
             return self._id_maps.start_distribution(
-                features, self._layout.features, self.is_weighted, self._bucketizer, self.training
+                features,
+                self._layout.features,
+                self.is_weighted,
+                self._bucketizer,
+                self.training,
+                ahead,
             )
         return start_distribution(
             features,
@@ -385,10 +401,23 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
         self._prefetched.push(started)
 
     def unused_prefetched(self) -> int:
-        """Queued distributions no forward consumed; clears them."""
+        """Queued distributions no forward consumed; clears them (with id maps, the pending
+        ahead steps are undone: the batch never reached its forward)."""
         count = self._prefetched.pending()
         self._prefetched.clear()
+        if count:
+            self.rewind_ahead()
         return count
+
+    def rewind_ahead(self) -> None:
+        """Undo the id maps' pending ahead steps (their distributions go stale)."""
+        if self._id_maps is not None:
+            self._id_maps.rewind()
+
+    def prefetch_stale(self, started: DistributedInput) -> bool:
+        """Whether ``started`` (distributed ahead) must be distributed again: its id-map step
+        was undone since (an evaluation, a load or an inline training step came between)."""
+        return self._id_maps is not None and self._id_maps.stale(started)
 
     def _record(self, phase: str, start: float) -> float:
         now = time.perf_counter()

@@ -51,6 +51,10 @@ class StartedLookups:
         """Start the id all-to-all (`DistributedInput.advance`)."""
         self.engine_input.advance(timeout)
 
+    def drain(self, timeout: datetime.timedelta) -> None:
+        """Finish its collectives, result dropped (`DistributedInput.drain`)."""
+        self.engine_input.drain(timeout)
+
 
 class ShardedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
     """A FusedEmbeddingCollection whose tables are split over ranks by a sharding plan.
@@ -192,10 +196,11 @@ class ShardedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
         dims = self._layout.dims
         return rows_per_feature(pooled.values(), selected, dims, self._need_indices)
 
-    def start_input_dist(self, features: KeyedJaggedTensor) -> StartedLookups:
+    def start_input_dist(self, features: KeyedJaggedTensor, ahead: bool = False) -> StartedLookups:
         """Select the lookups of ``features`` and start distributing them (a collective).
 
         A rejected input is not raised here but by the forward that consumes the result.
+        ``ahead``: as `ShardedEmbeddingBagCollection.start_input_dist`.
         """
         self._bags.training = self.training  # the engine is outside the module tree
         try:
@@ -205,18 +210,27 @@ class ShardedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
             # The engine refuses the raw input too (its features are the lookups) and shares
             # that verdict with the other ranks, so no rank is left waiting in a collective;
             # this rank then raises its own, clearer error.
-            return StartedLookups(features, None, None, self._bags.start_input_dist(features), e)
-        return StartedLookups(features, selected, bags, self._bags.start_input_dist(bags), None)
+            engine = self._bags.start_input_dist(features, ahead)
+            return StartedLookups(features, None, None, engine, e)
+        engine = self._bags.start_input_dist(bags, ahead)
+        return StartedLookups(features, selected, bags, engine, None)
 
     def use_prefetched(self, started: StartedLookups) -> None:
         """Have the next ``forward(started.features)`` consume ``started``."""
         self._prefetched.push(started)
 
     def unused_prefetched(self) -> int:
-        """Queued distributions no forward consumed; clears them."""
-        count = self._prefetched.pending() + self._bags.unused_prefetched()
+        """Queued distributions no forward consumed; clears them (as the engine's)."""
+        count = self._prefetched.pending()
         self._prefetched.clear()
-        return count
+        if count:  # never handed to the engine: its pending id-map steps are undone
+            self._bags.rewind_ahead()
+        return count + self._bags.unused_prefetched()
+
+    def prefetch_stale(self, started: StartedLookups) -> bool:
+        """Whether ``started`` must be distributed again (`ShardedEmbeddingBagCollection.
+        prefetch_stale`)."""
+        return self._bags.prefetch_stale(started.engine_input)
 
     def _save_to_state_dict(
         self, destination: dict[str, Any], prefix: str, keep_vars: bool

@@ -84,9 +84,9 @@ class TrainPipelineSparseDist:
 
     Raises:
         ValueError: a batch has no sparse input ``sparse_input`` can find, or the model
-            passes its sharded collection another input than the one distributed ahead; or a
-            sharded collection has id-mapped tables (their map would evict rows for batch i+1
-            that batch i's backward still updates: train them with the plain loop).
+            passes its sharded collection another input than the one distributed ahead; or
+            a sharded collection's id-mapped tables are under fault tolerance (whose guard
+            steps their maps in their own forward: train them with the plain loop).
     """
 
     def __init__(
@@ -107,7 +107,6 @@ class TrainPipelineSparseDist:
         self.step_committed = step_committed
         self.timeout = timeout
         self.sharded: list[Sharded] = _outermost_sharded(model)
-        _refuse_id_maps(self.sharded)
         self.remapping = _id_mapped_collections(model)
         self.remap_threads = remap_threads
         self._queue: deque[_Queued] = deque()
@@ -209,7 +208,8 @@ class TrainPipelineSparseDist:
         queued.started, queued.remaps = [], [None] * len(self.remapping)
         if self.sharded or (self.remapping and self._training):
             features = self.sparse_input(queued.batch)
-            queued.started = [m.start_input_dist(features) for m in self.sharded]
+            ahead = self._training  # id maps keep a training batch's step pending
+            queued.started = [m.start_input_dist(features, ahead) for m in self.sharded]
             if self._training:  # evaluation only reads the maps: in its forward
                 threads = self.remap_threads
                 queued.remaps = [m.start_remap(features, threads) for m in self.remapping]
@@ -218,15 +218,22 @@ class TrainPipelineSparseDist:
     def _restart_if_stale(self) -> None:
         """Start the queued batches again when their id-map steps were undone since they
         started (an evaluation, a load or a training forward outside the pipeline came
-        between): the maps must step in batch order."""
-        stale = any(
-            m.prefetch_stale(r)
+        between): the maps must step in batch order. Every rank sees the same (the undoing
+        forwards and loads run on every rank), and drains the same distributions."""
+        started = [
+            (queued, [*queued.started, *queued.remaps])
             for queued in self._queue
-            if queued.remaps is not None
-            for m, r in zip(self.remapping, queued.remaps, strict=True)
+            if queued.started is not None and queued.remaps is not None
+        ]
+        stale = any(
+            stage.prefetch_stale(handle)
+            for _, handles in started
+            for stage, handle in zip(self._stages(), handles, strict=True)
         )
         if stale:
-            for queued in self._queue:
+            for queued, handles in started:
+                for distribution in handles[: len(self.sharded)]:
+                    distribution.drain(self.timeout)
                 queued.started = queued.remaps = None
 
     def _step(self, queued: _Queued) -> tuple[Any, bool]:
@@ -323,20 +330,6 @@ def _id_mapped_collections(model: nn.Module) -> list[FusedEmbeddingBagCollection
         for m in model.modules()
         if isinstance(m, FusedEmbeddingBagCollection) and m.id_maps is not None
     ]
-
-
-def _refuse_id_maps(sharded: list[Sharded]) -> None:
-    """Id-mapped tables remap (and may evict) when their batch is distributed: a batch
-    distributed ahead could take a row batch i is still training."""
-    mapped = [
-        t.name for m in sharded for t in getattr(m, "tables", []) if getattr(t, "id_map", None)
-    ]
-    if mapped:
-        raise ValueError(
-            f"TrainPipelineSparseDist: tables {mapped} have id_map, whose remap runs when a "
-            "batch is distributed, so batch i+1's evictions would reach rows batch i still "
-            "trains; train them with the plain loop (DLRM: training.pipeline = false)"
-        )
 
 
 def _pinned(batch: Any) -> Any:

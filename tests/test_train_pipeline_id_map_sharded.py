@@ -1,0 +1,287 @@
+"""Pipelined training with sharded id-mapped tables on 2 and 3 gloo ranks: the plain loop, exactly.
+
+Batch i+1's ids are remapped by their owner shards when it is distributed ahead (before batch
+i's forward); its fresh rows are reset at its own forward. Each case compares the pipelined run
+with the plain loop: outputs, weights, optimizer state and every map buffer (state_dict) after
+the run; after every step (state_dict between steps: the pending ahead step is not in it); with
+an evaluation between steps; with a checkpoint saved mid-run and resumed in a new model; a bad
+id in a batch distributed ahead; an embedding collection; fault tolerance's guard refused. The
+tables: table-wise, row-wise and table-row-wise id-mapped (lru, lfu, admission with ttl), beside
+a column-wise unmapped table. All cases of a world size run in one spawned group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pipeline_helpers import (
+    NUM_TABLES,
+    Batches,
+    TinyModel,
+    local_tensors,
+    pipelined_loop,
+    plain_loop,
+    raw_batch,
+    raw_tables,
+    same,
+)
+
+from recopt.testing import run_on_ranks
+
+NUM_BATCHES = 7
+PLANS = {  # per table (the last, unmapped, column-wise)
+    "mixed": ["table_wise", "row_wise", "table_row_wise", "column_wise"],
+    "row_wise": ["row_wise", "row_wise", "row_wise", "column_wise"],
+}
+
+
+def _id_maps() -> list[Any]:
+    from recopt.modules import IdMapConfig
+
+    return [
+        IdMapConfig(policy="lru"),
+        IdMapConfig(policy="lfu", decay=0.9),
+        IdMapConfig(policy="lru", admit_after=2, ttl_steps=3),
+    ]
+
+
+def _requests(plan: str, world: int) -> dict[str, Any]:
+    from recopt.sharding import column_wise, row_wise, table_row_wise, table_wise
+
+    makers = {
+        "table_wise": lambda i: table_wise(i % world),
+        "row_wise": lambda i: row_wise(),
+        "table_row_wise": lambda i: table_row_wise(0),
+        "column_wise": lambda i: column_wise(list(range(world))),
+    }
+    return {f"t{i}": makers[kind](i) for i, kind in enumerate(PLANS[plan])}
+
+
+class _Unpooled(torch.nn.Module):
+    """An id-mapped embedding collection (one row per id) under a loss."""
+
+    def __init__(self) -> None:
+        from recopt.modules import EmbeddingCollection, EmbeddingConfig
+
+        super().__init__()
+        configs = [
+            EmbeddingConfig(
+                name=t.name,
+                num_embeddings=t.num_embeddings,
+                embedding_dim=t.embedding_dim,
+                feature_names=t.feature_names,
+                id_map=t.id_map,
+            )
+            for t in raw_tables(_id_maps())
+        ]
+        self.embeddings = EmbeddingCollection(configs)
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.embeddings(batch.sparse)
+        loss = sum((jt.values() * (k + 1)).square().sum() for k, jt in enumerate(rows.values()))
+        assert isinstance(loss, torch.Tensor)
+        return loss, loss.detach()
+
+
+def _build(world: int, case: dict[str, Any]) -> tuple[Any, Any]:
+    """A DMP-sharded model (the same initial weights every call) and its dense optimizer."""
+    from recopt.kernels import FusedOptimizerConfig
+    from recopt.modules import EmbeddingBagCollection
+    from recopt.sharding import (
+        DistributedModelParallel,
+        ShardingPlan,
+        construct_module_sharding_plan,
+    )
+
+    torch.manual_seed(0)
+    configs = raw_tables(_id_maps())
+    requests = _requests(case.get("plan", "mixed"), world)
+    optimizer = FusedOptimizerConfig(name=case.get("optimizer", "row_wise_adagrad"), lr=0.2)
+    if case.get("unpooled"):
+        plan = ShardingPlan(
+            {"embeddings": construct_module_sharding_plan(configs, requests, world)}
+        )
+        return DistributedModelParallel(_Unpooled(), plan, default_optimizer=optimizer), None
+    model = TinyModel(EmbeddingBagCollection(configs))
+    plan = ShardingPlan(
+        {"embedding_bags": construct_module_sharding_plan(configs, requests, world)}
+    )
+    dmp = DistributedModelParallel(model, plan, default_optimizer=optimizer)
+    return dmp, torch.optim.SGD(dmp.parameters(), lr=0.1)
+
+
+def _state(model: Any, optimizer: Any) -> list[torch.Tensor]:
+    state = local_tensors(model.state_dict()) + local_tensors(model.fused_optimizer.state_dict())
+    if optimizer is not None:
+        state += local_tensors(optimizer.state_dict())
+    return state
+
+
+def _stats(model: Any) -> dict[str, Any]:
+    return {
+        path: module.stats()
+        for path, module in model.named_modules()
+        if hasattr(module, "stats") and hasattr(module, "id_maps")
+    }
+
+
+def _batches(rank: int, case: dict[str, Any]) -> list[Any]:
+    bad = case.get("bad_id")  # (rank, batch)
+    return [raw_batch(i, rank, bad_id=bad == (rank, i)) for i in range(NUM_BATCHES)]
+
+
+def _compare(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str, bool]:
+    """The whole run, and after every step: state_dict, stats and (``eval``) an evaluation."""
+    from recopt.sharding import TrainPipelineSparseDist
+
+    batches = _batches(rank, case)
+    probe = raw_batch(40, rank)
+
+    def evaluated(model: Any) -> Any:
+        if not case.get("eval"):
+            return None
+        model.eval()
+        with torch.no_grad():
+            output = model(probe)[1]
+        model.train()
+        return output
+
+    model, optimizer = _build(world, case)
+    expected, after_steps = [], []
+    for batch in batches:
+        expected += plain_loop(model, optimizer, [batch])
+        after_steps.append((_state(model, optimizer), _stats(model), evaluated(model)))
+    freed = sum(
+        s["evictions"] + s["expired"] for stats in _stats(model).values() for s in stats.values()
+    )
+    model, optimizer = _build(world, case)
+    pipeline = TrainPipelineSparseDist(model, optimizer, "cpu")
+    data = Batches(batches)
+    outputs, steps_equal = [], []
+    for state, stats, evaluation in after_steps:
+        outputs += pipelined_loop_steps(pipeline, data, 1)
+        steps_equal.append(
+            same(state, _state(model, optimizer))
+            and stats == _stats(model)
+            and same(evaluation, evaluated(model))
+        )
+    result = {
+        "outputs": same(expected, outputs),
+        "every_step": all(steps_equal),
+        "drained": pipelined_loop(pipeline, data) == [],
+        "evicted": freed > 0 or case.get("bad_id") is not None,
+    }
+    if case.get("bad_id") is not None:
+        bad_rank, bad_batch = case["bad_id"]
+        error = "InvalidIdError" if rank == bad_rank else "RemoteInputError"
+        result["raised_at_its_step"] = expected[bad_batch] == error == outputs[bad_batch]
+    return result
+
+
+def pipelined_loop_steps(pipeline: Any, data: Any, count: int) -> list[Any]:
+    """``count`` steps of `pipelined_loop`'s kind (a step that raises is recorded)."""
+    outputs: list[Any] = []
+    for _ in range(count):
+        try:
+            outputs.append(pipeline.progress(data))
+        except ValueError as e:
+            outputs.append(type(e).__name__)
+    return outputs
+
+
+def _resume(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str, bool]:
+    """A checkpoint after 3 pipelined steps (batch 4's map step pending), resumed in a new
+    model and pipeline: the end state equals the uninterrupted run's and the plain loop's."""
+    from recopt.checkpoint import load, save
+    from recopt.sharding import TrainedPosition, TrainPipelineSparseDist
+
+    batches = _batches(rank, case)
+    model, optimizer = _build(world, case)
+    plain_loop(model, optimizer, batches)
+    expected_state = _state(model, optimizer)
+
+    model, optimizer = _build(world, case)
+    data = Batches(batches)
+    pipeline = TrainPipelineSparseDist(model, optimizer, "cpu")
+    first = pipelined_loop_steps(pipeline, data, 3)
+    path = Path(tmp) / f"resume-{world}-{case.get('plan')}"
+    optimizers = {"dense": optimizer, "fused": model.fused_optimizer}
+    save(path, model, optimizers, extra={"data": TrainedPosition(pipeline, data)})
+    uninterrupted = first + pipelined_loop(pipeline, data)
+    uninterrupted_state = _state(model, optimizer)
+
+    model, optimizer = _build(world, case)
+    data = Batches(batches)
+    pipeline = TrainPipelineSparseDist(model, optimizer, "cpu")
+    optimizers = {"dense": optimizer, "fused": model.fused_optimizer}
+    load(path, model, optimizers, extra={"data": TrainedPosition(pipeline, data)})
+    resumed = first + pipelined_loop(pipeline, data)
+    return {
+        "outputs": same(uninterrupted, resumed),
+        "state": same(uninterrupted_state, _state(model, optimizer)),
+        "plain": same(expected_state, uninterrupted_state),
+    }
+
+
+def _guarded(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str, bool]:
+    """Fault tolerance's guard on the maps: the pipeline refuses, naming the plain loop."""
+    from recopt.ft.embedding import FusedEmbeddingGuard
+    from recopt.sharding import ShardedEmbeddingBagCollection, TrainPipelineSparseDist
+
+    model, optimizer = _build(world, case)
+    sharded = next(m for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection))
+    FusedEmbeddingGuard(sharded)
+    pipeline = TrainPipelineSparseDist(model, optimizer, "cpu")
+    try:
+        pipeline.progress(Batches(_batches(rank, case)))
+    except ValueError as e:
+        return {"refused": "fault tolerance" in str(e) and "plain loop" in str(e)}
+    return {"refused": False}
+
+
+RUNNERS = {"compare": _compare, "resume": _resume, "guarded": _guarded}
+
+
+def _all_cases(rank: int, world: int, cases: list[dict[str, Any]], tmp: str) -> list[Any]:
+    return [RUNNERS[c.get("runner", "compare")](rank, world, c, tmp) for c in cases]
+
+
+def _cases(world: int) -> list[dict[str, Any]]:
+    cases: list[dict[str, Any]] = [
+        {"plan": "mixed", "eval": True},
+        {"plan": "row_wise", "optimizer": "adam"},
+        {"plan": "mixed", "bad_id": (world - 1, 3)},
+        {"plan": "mixed", "runner": "resume"},
+        {"plan": "mixed", "runner": "guarded"},
+    ]
+    if world == 2:
+        cases += [
+            {"plan": "mixed", "unpooled": True, "eval": True},
+            {"plan": "row_wise", "runner": "resume", "optimizer": "adagrad"},
+        ]
+    return cases
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 3])
+def test_pipelined_sharded_id_maps_equal_the_plain_loop(world: int, tmp_path: Path) -> None:
+    cases = _cases(world)
+    results = run_on_ranks(_all_cases, world, cases, str(tmp_path), timeout_s=270.0)
+    failures = [
+        (rank, case, name)
+        for rank, per_rank in enumerate(results)
+        for case, result in zip(cases, per_rank, strict=True)
+        for name, ok in result.items()
+        if not ok
+    ]
+    assert not failures, failures
+
+
+def test_the_cases_cover_every_owner_local_sharding_type() -> None:
+    kinds = {kind for plan in PLANS.values() for kind in plan[: NUM_TABLES - 1]}
+    assert kinds == {"table_wise", "row_wise", "table_row_wise"}
+    assert dataclasses.is_dataclass(_id_maps()[0])
