@@ -38,8 +38,9 @@ from recopt.data.synthetic import SyntheticClickLog, SyntheticConfig
 from recopt.kernels import cpu_id_map
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, IdMapConfig
-from recopt.modules.id_map_lookup import IdMaps, hash_uniform
+from recopt.modules.id_map_lookup import IdMaps
 from recopt.modules.id_map_native import remap_tables
+from recopt.modules.id_map_rows import hash_uniform
 from recopt.sharding import TrainPipelineSparseDist
 from recopt.sparse import KeyedJaggedTensor
 

@@ -9,7 +9,7 @@ from recopt.config import from_dict
 from recopt.kernels import cpu_id_map
 from recopt.modules import EmbeddingBagConfig, IdMapConfig
 from recopt.modules.id_map import IdMap
-from recopt.modules.id_map_lookup import hash_uniform
+from recopt.modules.id_map_rows import hash_uniform
 
 
 @pytest.fixture(autouse=True, params=["native", "torch"])
@@ -208,7 +208,7 @@ def test_table_config_takes_id_map_from_toml_tables() -> None:
 
 
 def test_route_shard_is_a_fixed_spread_function_of_the_id() -> None:
-    from recopt.modules.id_map_lookup import route_shard
+    from recopt.modules.id_map_rows import route_shard
 
     ids = torch.tensor([0, 1, -1, 2**40 + 3, -(2**63), 2**63 - 1, 12345])
     assert route_shard(ids, 1).tolist() == [0] * ids.numel()

@@ -17,7 +17,7 @@ from recopt.modules import (
     InvalidIdError,
     NonFiniteWeightError,
 )
-from recopt.modules.id_map_lookup import hash_uniform
+from recopt.modules.id_map_rows import hash_uniform
 from recopt.sparse import KeyedJaggedTensor
 
 BIG = 2**40

@@ -16,8 +16,8 @@ import torch
 from recopt.kernels import cpu_id_map, native_build
 from recopt.modules import IdMapConfig
 from recopt.modules.id_map import IdMap, Remapped
-from recopt.modules.id_map_lookup import hash_uniform, hash_uniform_torch
 from recopt.modules.id_map_native import remap_tables
+from recopt.modules.id_map_rows import hash_uniform, hash_uniform_torch
 
 pytestmark = pytest.mark.skipif(not cpu_id_map.available(), reason="no C compiler")
 

@@ -20,7 +20,7 @@ import torch
 
 from recopt.kernels.registry import StateShape, optimizer_spec
 from recopt.modules.id_map import IdMap, IdMapConfig
-from recopt.modules.id_map_lookup import route_shard
+from recopt.modules.id_map_rows import route_shard
 from recopt.sharding.id_map_relocate import ShardRows, relocate
 from recopt.testing import run_on_ranks
 

@@ -43,7 +43,7 @@ from recopt.checkpoint.cli import main as reshard_main
 from recopt.checkpoint.reader import SafeFileSystemReader
 from recopt.checkpoint.reshard import reshard
 from recopt.modules import EmbeddingBagConfig, IdMapConfig
-from recopt.modules.id_map_lookup import route_shard
+from recopt.modules.id_map_rows import route_shard
 from recopt.sharding import ShardingPlan, construct_module_sharding_plan
 from recopt.sharding.plan import PlanError
 from recopt.sharding.sharding_types import ShardSpec

@@ -29,7 +29,7 @@ from recopt.modules import (
     InvalidIdError,
 )
 from recopt.modules.id_map import IdMap
-from recopt.modules.id_map_lookup import hash_uniform, route_shard
+from recopt.modules.id_map_rows import hash_uniform, route_shard
 from recopt.sharding import (
     column_wise,
     construct_module_sharding_plan,

@@ -18,7 +18,7 @@ from test_id_map_sharded import drifting_bags
 
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, IdMapConfig
-from recopt.modules.id_map_lookup import route_shard
+from recopt.modules.id_map_rows import route_shard
 from recopt.sharding import construct_module_sharding_plan, row_wise, table_row_wise
 from recopt.sparse import KeyedJaggedTensor
 from recopt.testing import run_on_ranks

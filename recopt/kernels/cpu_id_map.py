@@ -72,7 +72,7 @@ def library() -> ctypes.CDLL:
 
 
 def hash_uniform(ids_K: torch.Tensor, step: int, dim: int) -> torch.Tensor:
-    """`recopt.modules.id_map_lookup.hash_uniform` (the same bits) in native code.
+    """`recopt.modules.id_map_rows.hash_uniform` (the same bits) in native code.
 
     Raises:
         RuntimeError: the library is not available.

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from recopt.modules.config import EmbeddingConfig, validate_tables
-from recopt.modules.id_map_lookup import IdMaps, init_rows
+from recopt.modules.id_map_lookup import IdMaps
+from recopt.modules.id_map_rows import init_rows
 from recopt.modules.inputs import FeatureLayout, check_ids_in_range, require_features
 from recopt.modules.unpooled import meta_rows_per_feature
 from recopt.sparse import JaggedTensor, KeyedJaggedTensor

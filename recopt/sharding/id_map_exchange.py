@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from recopt.comm import start_all_to_all_counts, start_all_to_all_flat, wait
-from recopt.modules.id_map_lookup import route_shard
+from recopt.modules.id_map_rows import route_shard
 from recopt.sharding.id_map_shards import MapShard
 
 Tensor = torch.Tensor

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from recopt import comm
 from recopt.modules.id_map import IdMap, policy_eviction_order
-from recopt.modules.id_map_lookup import route_shard, row_states
+from recopt.modules.id_map_rows import route_shard, row_states
 
 __all__ = ["RelocationReport", "ShardRows", "TableRelocation", "relocate", "relocate_in_process"]
 

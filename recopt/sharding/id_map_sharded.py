@@ -4,10 +4,13 @@ Every id of an id-mapped table belongs to one row shard (`route_shard`, a hash o
 the rank holding that shard keeps the shard's map (`id_map_shards`). A forward sends each
 rank's raw ids to their owners and gets global rows back (`id_map_exchange`: a count
 exchange, then ids there and rows back); each owner steps its shard map once with the ids of
-every source (source order), re-initialises the fresh rows of its shard (the hashed init) and
-zeroes their optimizer state, the maps' observers told first (fault tolerance's guard). The
-ordinary sharded path then routes the rows by range, to the same owner. Statistics come back
-with the rows, so `stats()` is global and equal on every rank.
+every source (source order). When the batch's forward takes the distribution (`take`), the
+owner re-initialises the fresh rows of its shard (the hashed init) and zeroes their optimizer
+state, the maps' observers told first (fault tolerance's guard): at once, or, for a batch a
+pipeline distributed ahead, after the previous batch's update (its step pending until then:
+`recopt.modules.id_map_ahead`). The ordinary sharded path then routes the rows by range, to
+the same owner. Statistics come back with the rows, so `stats()` is global and equal on every
+rank.
 """
 
 from __future__ import annotations
@@ -25,15 +28,14 @@ from recopt.modules.config import EmbeddingBagConfig
 from recopt.modules.id_map import Remapped, RemapStats
 from recopt.modules.id_map_ahead import AheadRemap
 from recopt.modules.id_map_lookup import (
-    FreshTable,
     IdMaps,
     MappedBatch,
     apply_rows,
     refuse_init_fn,
-    reset_fresh_tables,
     table_ids,
     unmapped_check,
 )
+from recopt.modules.id_map_rows import FreshTable, reset_fresh_tables
 from recopt.modules.inputs import FeatureLayout, PendingCheck
 from recopt.modules.variable_batch import regular_batch
 from recopt.sharding.bucketizer import Bucketizer

@@ -3,8 +3,9 @@
 TorchRec's ``TrainPipelineSparseDist`` contract: ``progress(dataloader_iter)`` runs one step and
 returns the model's output; the model's forward takes a batch and returns ``(loss, output)``.
 Only ids move early: batch i+1's lookups still run after batch i's fused update, so a pipelined
-run equals the plain loop exactly. The same loop serves one process (no sharded collection: the
-copy stage only) and many.
+run equals the plain loop exactly. Id-mapped tables also step their maps for batch i+1 then
+(on one process on a worker thread), kept pending until its forward (docs/id_map.md). The same
+loop serves one process (no sharded collection: the copy stage and id-map remaps) and many.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class TrainPipelineSparseDist:
             of the pipeline and trains it again at the next call, reusing its distributed ids
             (a fault-tolerant step dropped to be retried). None: every step is final.
         timeout: bound of every wait for an input distribution.
+        remap_threads: threads of the native remap that steps an unsharded collection's id
+            maps for batch i+1 on the worker thread (None: torch's).
 
     Raises:
         ValueError: a batch has no sparse input ``sparse_input`` can find, or the model

@@ -1,0 +1,151 @@
+"""The rows an id map hands out: fresh rows' initial values and reset, and each id's owner shard.
+
+A row given to a new id is re-initialised from a hash of (raw id, step, column) (`hash_uniform`:
+the same draw whatever layout or rank holds the row) and its per-row optimizer state zeroed;
+`reset_fresh_tables` does that for all of a collection's tables at once (one native call for
+the float32 CPU tables), after telling the maps' observers. `route_shard` names the row shard
+that owns a raw id of a sharded table (a hash of the id alone).
+Legend: M ids, K fresh rows, D row width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from recopt.kernels import cpu_id_map
+from recopt.kernels.registry import StateShape, optimizer_spec
+from recopt.modules.config import BaseEmbeddingConfig
+from recopt.modules.id_map_results import Remapped
+
+if TYPE_CHECKING:
+    from recopt.modules.id_map_lookup import IdMaps
+
+
+def init_rows(table: BaseEmbeddingConfig, weight: torch.Tensor, fresh: Remapped, step: int) -> None:
+    """Re-initialise ``weight``'s fresh rows (in place) with the table's initialisation.
+
+    Uniform tables draw from a hash of (raw id, step, column), so a row gets the same values
+    wherever it lives; an ``init_fn`` is called on a new ``[K, D]`` tensor (torch's RNG).
+    """
+    rows = fresh.fresh_rows
+    if rows.numel() == 0:
+        return
+    with torch.no_grad():
+        if table.init_fn is not None:
+            values = torch.empty(
+                rows.numel(), weight.shape[1], dtype=weight.dtype, device=weight.device
+            )
+            table.init_fn(values)
+        else:
+            lo, hi = table.init_bounds()
+            if cpu_id_map.fill_uniform(weight, rows, fresh.fresh_ids, step, lo, hi):
+                return  # native: the same values, written in place
+            unit = hash_uniform(fresh.fresh_ids, step, weight.shape[1])
+            values = lo + (hi - lo) * unit
+        weight[rows] = values.to(weight.dtype)
+
+
+def reset_state_rows(
+    optimizer_name: str, states: Mapping[str, torch.Tensor], rows: torch.Tensor
+) -> None:
+    """Zero every per-row optimizer state of ``rows`` (per-column and scalar states stay)."""
+    if rows.numel() == 0:
+        return
+    with torch.no_grad():
+        for state in row_states(optimizer_name, states):
+            state[rows] = 0
+
+
+def row_states(optimizer_name: str, states: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The per-row and per-element states of ``states`` (those a fresh row zeroes and a
+    relocated row carries), in the optimizer's state order."""
+    shapes = dict(optimizer_spec(optimizer_name).states)
+    row_shapes = (StateShape.PER_ROW, StateShape.PER_ELEMENT)
+    return [states[key] for key, shape in shapes.items() if shape in row_shapes]
+
+
+@dataclass(frozen=True, slots=True)
+class FreshTable:
+    """One table's fresh rows to reset (`reset_fresh_tables`): its config, optimizer,
+    ``weight`` (the table or a shard of it), optimizer ``states`` and the remap's result."""
+
+    table: BaseEmbeddingConfig
+    optimizer_name: str
+    weight: torch.Tensor
+    states: Mapping[str, torch.Tensor]
+    fresh: Remapped
+
+
+def reset_fresh_tables(maps: IdMaps, tables: Sequence[FreshTable]) -> None:
+    """Re-initialise every table's fresh rows (`init_rows`) and zero their per-row optimizer
+    state (`reset_state_rows`). The observers are told of every table first; then the
+    uniform-initialised float32 CPU tables are reset in one native call (the tables over
+    torch's threads), the others one by one."""
+    tables = [t for t in tables if t.fresh.fresh_rows.numel()]
+    for t in tables:
+        maps.before_reset(t.table.name, t.weight, t.states, t.fresh.fresh_rows)
+    native = []
+    for t in tables:
+        zeroed = row_states(t.optimizer_name, t.states)
+        if t.table.init_fn is None and cpu_id_map.can_reset(t.weight, zeroed):
+            lo, hi = t.table.init_bounds()
+            step = t.fresh.stats.step
+            native.append(
+                cpu_id_map.RowReset(
+                    t.weight, t.fresh.fresh_rows, t.fresh.fresh_ids, step, lo, hi, zeroed
+                )
+            )
+        else:
+            init_rows(t.table, t.weight, t.fresh, t.fresh.stats.step)
+            reset_state_rows(t.optimizer_name, t.states, t.fresh.fresh_rows)
+    cpu_id_map.reset_many(native, torch.get_num_threads())
+
+
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_ROUTE_SALT = 0x5851F42D4C957F2D
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical (unsigned) right shift of int64 values."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (wrapping arithmetic)."""
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def route_shard(ids_M: torch.Tensor, num_shards: int) -> torch.Tensor:
+    """The row shard (``0 .. num_shards - 1``) that owns each raw id of an id-mapped table.
+
+    A fixed function of the raw id alone (splitmix64 of the id, unrelated to `hash_uniform`'s
+    draws), the same on every device, rank and version: a sharded table's ids go to the shard
+    that keeps their map, and a checkpoint loaded under another plan re-routes them by it.
+    """
+    if num_shards == 1:
+        return torch.zeros_like(ids_M, dtype=torch.int64)
+    key = _shift_right(_mix(ids_M.to(torch.int64) + _ROUTE_SALT), 1)  # 63 bits: >= 0
+    return key % num_shards
+
+
+def hash_uniform(ids_K: torch.Tensor, step: int, dim: int) -> torch.Tensor:
+    """``[K, dim]`` float64 values in [0, 1), a fixed function of (id, step, column)."""
+    if ids_K.device.type == "cpu" and cpu_id_map.available():
+        return cpu_id_map.hash_uniform(ids_K, step, dim)  # the same bits, without temporaries
+    return hash_uniform_torch(ids_K, step, dim)
+
+
+def hash_uniform_torch(ids_K: torch.Tensor, step: int, dim: int) -> torch.Tensor:
+    """`hash_uniform` in torch ops (any device; the reference of the native one)."""
+    column = torch.arange(dim, dtype=torch.int64, device=ids_K.device)
+    key = _mix(ids_K.to(torch.int64) * _GOLDEN + step)
+    x = _mix(key.unsqueeze(1) + (column.unsqueeze(0) + 1) * _GOLDEN)
+    return _shift_right(x, 11).to(torch.float64) / float(1 << 53)
