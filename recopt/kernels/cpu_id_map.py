@@ -45,7 +45,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "rim_undo_sizes": (None, [_I64, _P, _INT, _P]),
     "rim_undo_copy_many": (None, [_I64, _P, _INT, *[_P] * 7]),
     "rim_decay_powers": (None, [ctypes.c_double, _P, _I64, _P]),
-    "rim_reset_many": (None, [_I64, *[_P] * 12, _INT]),
+    "rim_reset_many": (None, [_I64, *[_P] * 13, _INT]),
 }
 
 
@@ -131,8 +131,8 @@ def fill_uniform(
 
 class RowReset(NamedTuple):
     """One table's fresh rows for `reset_many`: ``weight[rows]`` gets ``lo + (hi - lo) *
-    hash_uniform(ids, step, dim)`` and each of ``states`` (per-row ``[N]`` or per-element
-    ``[N, D]``) is zeroed on ``rows``."""
+    hash_uniform(ids, step, dim)`` (or ``values``, those values made earlier by `fill_values`)
+    and each of ``states`` (per-row ``[N]`` or per-element ``[N, D]``) is zeroed on ``rows``."""
 
     weight: torch.Tensor
     rows: torch.Tensor
@@ -141,6 +141,7 @@ class RowReset(NamedTuple):
     lo: float
     hi: float
     states: Sequence[torch.Tensor]
+    values: torch.Tensor | None = None
 
 
 def can_reset(weight: torch.Tensor, states: Sequence[torch.Tensor]) -> bool:
@@ -158,6 +159,22 @@ def can_reset(weight: torch.Tensor, states: Sequence[torch.Tensor]) -> bool:
         and all(s.device.type == "cpu" and rows_contiguous(s) for s in states)
         and available()
     )
+
+
+def fill_values(
+    ids: Sequence[torch.Tensor], steps: Sequence[int], dims: Sequence[int],
+    bounds: Sequence[tuple[float, float]], threads: int,
+) -> list[torch.Tensor]:  # fmt: skip
+    """For each table, ``[len(ids[t]), dims[t]]`` float32: the values `reset_many` would write
+    into fresh rows of ids ``ids[t]`` at ``steps[t]`` with init bounds ``bounds[t]`` (the same
+    bits), for a later `RowReset` to copy. One native call, the tables over ``threads``."""
+    out = [torch.empty(t.numel(), dim) for t, dim in zip(ids, dims, strict=True)]
+    resets = [
+        RowReset(value, torch.arange(t.numel()), t, step, lo, hi, [])
+        for value, t, step, (lo, hi) in zip(out, ids, steps, bounds, strict=True)
+    ]
+    reset_many(resets, threads)
+    return out
 
 
 def int64s(values: Sequence[int]) -> ctypes.Array[ctypes.c_int64]:
@@ -209,6 +226,7 @@ def reset_many(resets: Sequence[RowReset], threads: int) -> None:
         _pointers(states),
         int64s([s.stride(0) * s.element_size() for s in states]),
         int64s([math.prod(s.shape[1:]) * s.element_size() for s in states]),  # a row's bytes
+        pointers([None if r.values is None else r.values.data_ptr() for r in resets]),
         threads,
     )
     # as torch's in-place writes would

@@ -81,20 +81,36 @@ void rim_fill_uniform(const int64_t *ids, const int64_t *rows, int64_t num_rows,
     fill_rows(ids, rows, num_rows, step, dim, lo, hi, weight, row_stride);
 }
 
+/* weight[rows[i], :dim] = values[i, :dim] (values: the rows fill_rows would write, made
+ * earlier, e.g. by a pipeline's worker thread while the rows were still in use). */
+static void copy_rows(const float *values, const int64_t *rows, int64_t num_rows, int64_t dim,
+                      float *weight, int64_t row_stride) {
+    for (int64_t i = 0; i < num_rows; i++) {
+        if (i + ROWS_AHEAD < num_rows)
+            prefetch_bytes(weight + rows[i + ROWS_AHEAD] * row_stride, 4 * dim);
+        memcpy(weight + rows[i] * row_stride, values + i * dim, 4 * (size_t)dim);
+    }
+}
+
 /* The fresh rows of num_tables tables in one call, the tables over threads. Table t: rows[t]
  * and ids[t] (num_rows[t] each) are written as rim_fill_uniform writes them (steps[t],
- * dims[t], lo_hi[2t], lo_hi[2t + 1], weights[t], weight_strides[t] floats a row); then the
- * rows' bytes of states first_state[t] .. first_state[t + 1] - 1 are zeroed: state s starts
- * at states[s], row r at r * state_strides[s] bytes, state_widths[s] bytes of it. */
+ * dims[t], lo_hi[2t], lo_hi[2t + 1], weights[t], weight_strides[t] floats a row), or copied
+ * from values[t] ([num_rows[t], dims[t]], those same values made earlier) when values and
+ * values[t] are not NULL; then the rows' bytes of states first_state[t] ..
+ * first_state[t + 1] - 1 are zeroed: state s starts at states[s], row r at
+ * r * state_strides[s] bytes, state_widths[s] bytes of it. */
 void rim_reset_many(int64_t num_tables, int64_t **rows, int64_t **ids, const int64_t *num_rows,
                     const int64_t *steps, const int64_t *dims, const double *lo_hi,
                     float **weights, const int64_t *weight_strides, const int64_t *first_state,
                     uint8_t **states, const int64_t *state_strides,
-                    const int64_t *state_widths, int threads) {
+                    const int64_t *state_widths, const float **values, int threads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t t = 0; t < num_tables; t++) {
-        fill_rows(ids[t], rows[t], num_rows[t], steps[t], dims[t], lo_hi[2 * t],
-                  lo_hi[2 * t + 1], weights[t], weight_strides[t]);
+        if (values && values[t])
+            copy_rows(values[t], rows[t], num_rows[t], dims[t], weights[t], weight_strides[t]);
+        else
+            fill_rows(ids[t], rows[t], num_rows[t], steps[t], dims[t], lo_hi[2 * t],
+                      lo_hi[2 * t + 1], weights[t], weight_strides[t]);
         for (int64_t s = first_state[t]; s < first_state[t + 1]; s++)
             zero_rows(rows[t], num_rows[t], states[s], state_strides[s], state_widths[s]);
     }

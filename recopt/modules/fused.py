@@ -187,7 +187,12 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
             None
             if self.id_maps is None
             else RemapStage(
-                type(self).__name__, self.id_maps, self._layout, is_weighted, torch.float32
+                type(self).__name__,
+                self.id_maps,
+                self._layout,
+                self.tables,
+                is_weighted,
+                torch.float32,
             )
         )
 

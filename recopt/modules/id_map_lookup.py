@@ -27,6 +27,7 @@ from recopt.modules.config import BaseEmbeddingConfig
 from recopt.modules.id_map import IdMap, Remapped
 from recopt.modules.id_map_ahead import AheadRemap, AheadSteps
 from recopt.modules.id_map_native import remap_tables
+from recopt.modules.id_map_rows import fresh_values
 from recopt.modules.inputs import (
     FeatureLayout,
     PendingCheck,
@@ -396,6 +397,7 @@ def start_ahead(
     is_weighted: bool,
     weight_dtype: torch.dtype,
     threads: int | None = 1,
+    fresh_tables: Mapping[str, BaseEmbeddingConfig] | None = None,
 ) -> AheadRemap:
     """`prepare_mapped` of a training batch, started ahead of its forward (pipelined training).
 
@@ -403,7 +405,9 @@ def start_ahead(
     batch's forward, by `AheadSteps.take`) and moves no map. Then every map takes the batch's
     step with its undo record (`id_maps.ahead` keeps it pending until the forward takes it);
     the native maps step on the worker thread (``threads`` for the native call; None:
-    torch's), other maps now. The caller resets the fresh rows when the forward takes it.
+    torch's), other maps now. The caller resets the fresh rows when the forward takes it; the
+    initial weights of those of ``fresh_tables`` (uniform init, float32 weights) are made on
+    the worker too (`fresh_values`), so that reset only copies them.
     """
     ahead = id_maps.ahead
     remap = AheadRemap(features, ahead.generation)
@@ -421,6 +425,8 @@ def start_ahead(
     def step() -> None:
         results = remap_tables(maps, ids, True, record_undo=True, threads=threads)
         remap.undo = {name: result.undo for name, result in results.items() if result.undo}
+        if fresh_tables:
+            fresh_values(results, fresh_tables, threads or torch.get_num_threads())
         remap.mapped = apply_rows(selected, layout, results)
 
     return ahead.submit(remap, step, background)

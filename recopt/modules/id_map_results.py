@@ -40,7 +40,8 @@ class Remapped:
     """The rows of one batch: ``rows_M`` (-1: the zero row) and the rows to re-initialise.
 
     ``fresh_rows`` got a new id this batch (their weights and optimizer state must be reset
-    before the lookup); ``fresh_ids`` are those ids, in the same order.
+    before the lookup); ``fresh_ids`` are those ids, in the same order. ``fresh_values``: their
+    initial weights ``[K, D]`` float32 when made ahead (a pipeline's worker), else None.
     """
 
     rows_M: torch.Tensor
@@ -48,6 +49,7 @@ class Remapped:
     fresh_ids: torch.Tensor
     stats: RemapStats = field(default_factory=RemapStats)
     undo: MapUndo | None = None
+    fresh_values: torch.Tensor | None = None
 
 
 ROW_BUFFERS = ("row_ids", "occupied", "last_seen", "frequency")

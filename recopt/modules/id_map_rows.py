@@ -94,9 +94,15 @@ def reset_fresh_tables(maps: IdMaps, tables: Sequence[FreshTable]) -> None:
         if t.table.init_fn is None and cpu_id_map.can_reset(t.weight, zeroed):
             lo, hi = t.table.init_bounds()
             step = t.fresh.stats.step
+            values = t.fresh.fresh_values
+            if values is not None and values.shape != (
+                t.fresh.fresh_rows.numel(),
+                t.weight.shape[1],
+            ):
+                values = None  # not this table's rows: hash them here
             native.append(
                 cpu_id_map.RowReset(
-                    t.weight, t.fresh.fresh_rows, t.fresh.fresh_ids, step, lo, hi, zeroed
+                    t.weight, t.fresh.fresh_rows, t.fresh.fresh_ids, step, lo, hi, zeroed, values
                 )
             )
         else:
@@ -121,6 +127,30 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     x = (x ^ _shift_right(x, 30)) * _MIX1
     x = (x ^ _shift_right(x, 27)) * _MIX2
     return x ^ _shift_right(x, 31)
+
+
+def fresh_values(
+    results: Mapping[str, Remapped], tables: Mapping[str, BaseEmbeddingConfig], threads: int
+) -> None:
+    """Make the initial weights of every result's fresh rows now (``Remapped.fresh_values``,
+    what `reset_fresh_tables` then copies instead of hashing): for the tables of ``tables``
+    (uniform init, float32 weights) on CPU, in one native call over ``threads``."""
+    made = [
+        (result, tables[name])
+        for name, result in results.items()
+        if name in tables and result.fresh_rows.numel() and result.fresh_ids.device.type == "cpu"
+    ]
+    if not made or not cpu_id_map.available():
+        return
+    values = cpu_id_map.fill_values(
+        [result.fresh_ids for result, _ in made],
+        [result.stats.step for result, _ in made],
+        [table.embedding_dim for _, table in made],
+        [table.init_bounds() for _, table in made],
+        threads,
+    )
+    for (result, _), value in zip(made, values, strict=True):
+        result.fresh_values = value
 
 
 def route_shard(ids_M: torch.Tensor, num_shards: int) -> torch.Tensor:

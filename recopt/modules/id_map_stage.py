@@ -9,8 +9,12 @@ outside the pipeline undid the ahead steps: the pipeline starts those batches ag
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from recopt.kernels.precision import Precision
+from recopt.modules.config import BaseEmbeddingConfig
 from recopt.modules.id_map_ahead import AheadRemap
 from recopt.modules.id_map_lookup import IdMaps, start_ahead
 from recopt.modules.inputs import FeatureLayout
@@ -25,6 +29,8 @@ class RemapStage:
         owner: the collection's name, for errors.
         id_maps: its maps.
         layout: its features.
+        tables: its tables (the fresh rows of float32 uniform-init tables get their initial
+            weights made on the worker too).
         is_weighted: whether its input carries per-id weights.
         weight_dtype: the dtype its lookup takes weights in.
     """
@@ -34,6 +40,7 @@ class RemapStage:
         owner: str,
         id_maps: IdMaps,
         layout: FeatureLayout,
+        tables: Sequence[BaseEmbeddingConfig],
         is_weighted: bool,
         weight_dtype: torch.dtype,
     ) -> None:
@@ -42,6 +49,11 @@ class RemapStage:
         self._is_weighted = is_weighted
         self._weight_dtype = weight_dtype
         self._queue: PrefetchQueue[AheadRemap] = PrefetchQueue(owner)
+        self._fresh_tables = {
+            t.name: t
+            for t in tables
+            if t.name in id_maps and t.init_fn is None and t.weight_dtype is Precision.FP32
+        }
 
     def start(self, features: KeyedJaggedTensor, threads: int | None) -> AheadRemap | None:
         """Remap a training batch ahead of its forward; None where the maps step inline
@@ -49,7 +61,13 @@ class RemapStage:
         if not self.id_maps.can_step_ahead():
             return None
         return start_ahead(
-            self.id_maps, self._layout, features, self._is_weighted, self._weight_dtype, threads
+            self.id_maps,
+            self._layout,
+            features,
+            self._is_weighted,
+            self._weight_dtype,
+            threads,
+            self._fresh_tables,
         )
 
     def push(self, remap: AheadRemap | None) -> None:
