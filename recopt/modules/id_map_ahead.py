@@ -63,6 +63,8 @@ class AheadRemap:
     undo: dict[str, MapUndo] = field(default_factory=dict)
     taken: bool = False  # by its forward (a retried step takes it again)
     rows_reset: bool = False  # its fresh rows, by that forward (a retry does not reset them)
+    busy_s: float = 0.0  # the step's time on the worker, fresh rows' values aside
+    fill_s: float | None = None  # making the fresh rows' values there (None: not made)
     _future: Future[None] | None = None
 
     def settle(self) -> BaseException | None:

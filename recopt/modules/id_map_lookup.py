@@ -15,6 +15,7 @@ Legend: F features, B batch size, M ids.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -423,11 +424,15 @@ def start_ahead(
     background = all(idmap._native() is not None for idmap in maps.values())
 
     def step() -> None:
+        start = time.perf_counter()
         results = remap_tables(maps, ids, True, record_undo=True, threads=threads)
         remap.undo = {name: result.undo for name, result in results.items() if result.undo}
-        if fresh_tables:
-            fresh_values(results, fresh_tables, threads or torch.get_num_threads())
         remap.mapped = apply_rows(selected, layout, results)
+        remap.busy_s = time.perf_counter() - start
+        if fresh_tables:
+            start = time.perf_counter()
+            fresh_values(results, fresh_tables, threads or torch.get_num_threads())
+            remap.fill_s = time.perf_counter() - start
 
     return ahead.submit(remap, step, background)
 

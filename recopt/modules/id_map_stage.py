@@ -9,7 +9,9 @@ outside the pipeline undid the ahead steps: the pipeline starts those batches ag
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +51,8 @@ class RemapStage:
         self._is_weighted = is_weighted
         self._weight_dtype = weight_dtype
         self._queue: PrefetchQueue[AheadRemap] = PrefetchQueue(owner)
+        self._load = WorkerLoad()
+        self._last_start = time.perf_counter()
         self._fresh_tables = {
             t.name: t
             for t in tables
@@ -60,6 +64,9 @@ class RemapStage:
         (fault tolerance's observers or peers: the forward remaps it)."""
         if not self.id_maps.can_step_ahead():
             return None
+        now = time.perf_counter()
+        period, self._last_start = now - self._last_start, now
+        fill = self._load.fill_fits(period)
         return start_ahead(
             self.id_maps,
             self._layout,
@@ -67,7 +74,7 @@ class RemapStage:
             self._is_weighted,
             self._weight_dtype,
             threads,
-            self._fresh_tables,
+            self._fresh_tables if fill else None,
         )
 
     def push(self, remap: AheadRemap | None) -> None:
@@ -84,7 +91,10 @@ class RemapStage:
                 than the one started reached the forward.
         """
         remap = self._queue.take(features)
-        return None if remap is None else self.id_maps.ahead.take(remap)
+        taken = None if remap is None else self.id_maps.ahead.take(remap)
+        if taken is not None and not taken.rows_reset:
+            self._load.record(taken)
+        return taken
 
     def unused(self) -> int:
         """Ahead remaps no forward took (a step failed before reaching this collection);
@@ -98,3 +108,30 @@ class RemapStage:
     def stale(self, remap: AheadRemap | None) -> bool:
         """Whether ``remap`` must be started again (its step was undone)."""
         return remap is not None and self.id_maps.ahead.stale(remap)
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """Whether the worker has time to make the fresh rows' initial values too, measured.
+
+    Making them there saves the forward their hashing (it then copies them), but lengthens
+    the worker's step; a worker slower than the training step would delay every forward. So
+    they are made there while the worker's step with them fits in 90% of the step period
+    (moving averages of the last steps on this machine), else hashed at the forward.
+    """
+
+    busy_s: float = 0.0
+    fill_s: float | None = None  # unknown until measured once
+    weight: float = 0.25  # of the newest measurement in the moving averages
+
+    def record(self, remap: AheadRemap) -> None:
+        """Take in a finished step's worker times."""
+        self.busy_s += self.weight * (remap.busy_s - self.busy_s)
+        if remap.fill_s is not None:
+            last = self.fill_s if self.fill_s is not None else remap.fill_s
+            self.fill_s = last + self.weight * (remap.fill_s - last)
+
+    def fill_fits(self, period_s: float) -> bool:
+        """Whether to make the values on the worker for a step started ``period_s`` after
+        the previous one."""
+        return self.fill_s is None or self.busy_s + self.fill_s <= 0.9 * period_s
