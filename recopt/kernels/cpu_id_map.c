@@ -40,13 +40,15 @@ typedef struct {
 
 
 static inline void remember(Map *m, Slots *s, int64_t r) {
-    if (!m->recording || s->mark[r] == m->gen) return;
-    s->mark[r] = m->gen;
+    if (m->recording != 1) return; /* not asked, or out of memory (reported by rim_finish) */
+    uint64_t bit = 1ULL << (r & 63);
+    if (s->mark[r >> 6] & bit) return; /* in the record already */
     Log *log = &s->log;
     if (log->size == log->cap && log_grow(log) != 0) {
-        m->recording = -1; /* out of memory: reported by rim_finish */
+        m->recording = -1;
         return;
     }
+    s->mark[r >> 6] |= bit; /* once logged: forget_log clears the logged slots' bits */
     int64_t k = log->size++;
     log->slot[k] = r;
     log->ids[k] = s->ids[r];
@@ -54,6 +56,13 @@ static inline void remember(Map *m, Slots *s, int64_t r) {
     log->used[k] = s->used[r];
     log->count[k] = s->count ? s->count[r] : 0;
     log->freq[k] = s->freq ? s->freq[r] : 0.0;
+}
+
+/* The last batch's undo record is dropped: its slots' bits cleared (only those: O(record)). */
+static void forget_log(Slots *s) {
+    if (s->mark)
+        for (int64_t k = 0; k < s->log.size; k++) s->mark[s->log.slot[k] >> 6] = 0;
+    s->log.size = 0;
 }
 
 /* ---- the map ---- */
@@ -266,10 +275,11 @@ int64_t rim_begin(void *handle, void **buffers, const int64_t *ids, int64_t num_
     if (reserve(m, num_ids) != 0) return -1;
     m->recording = record;
     m->gen++;
-    if (record && !m->rows.mark) m->rows.mark = calloc(m->rows.n + 1, 8);
-    if (record && m->has_cand && !m->cand.mark) m->cand.mark = calloc(m->cand.n + 1, 8);
+    if (record && !m->rows.mark) m->rows.mark = calloc((m->rows.n >> 6) + 1, 8);
+    if (record && m->has_cand && !m->cand.mark) m->cand.mark = calloc((m->cand.n >> 6) + 1, 8);
     if (record && (!m->rows.mark || (m->has_cand && !m->cand.mark))) return -1;
-    m->rows.log.size = m->cand.log.size = 0;
+    forget_log(&m->rows);
+    forget_log(&m->cand);
     m->expired = m->admissions = 0;
     if ((uint32_t)m->gen == 0) { /* the generation in row_pos wrapped: no stale match */
         memset(m->row_pos, 0, 8 * (size_t)(m->rows.n + 1));

@@ -35,7 +35,8 @@ typedef struct {
     Hash hash;
     QEntry *queue; /* [2n + 2]: entries queue[qhead .. qtail) */
     int64_t qhead, qtail;
-    int64_t *heap, *mark;
+    int64_t *heap;
+    uint64_t *mark; /* [n / 64 + 1] bits: the slots the batch's undo record holds already */
     /* the buffers: ids, used (bool), last seen; freq (rows) or count (candidates) */
     int64_t *ids, *seen, *count;
     uint8_t *used;
