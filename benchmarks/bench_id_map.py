@@ -6,7 +6,9 @@ evictions happen): the fused step (forward + backward) with the raw ids modulo t
 same step with `id_map`, and the remap alone (a second set of maps stepped on the same ids).
 Optionally (``--torch-remap``) the remap in torch ops too, on maps that take the native maps'
 state after the warm-up. Prints medians, the ratios to the modulo step and the churn (new ids
-and evictions per table per step).
+and evictions per table per step). ``--pipeline``: both steps in `TrainPipelineSparseDist`
+instead (the id_map one remaps batch i+1 on its worker thread while batch i trains; each of
+its steps timed until that worker is idle), calls interleaved.
 
 Streams (``--stream``, several run one after the other in one run):
   worst            a power law over 4x the rows whose popular set moves by rows/50 ids a step,
@@ -19,6 +21,7 @@ Streams (``--stream``, several run one after the other in one run):
     python benchmarks/bench_id_map.py                       # every stream, 26 x 100k rows
     python benchmarks/bench_id_map.py --stream worst --threads 1
     python benchmarks/bench_id_map.py --rows 10000 --steps 5 --warmup 5
+    python benchmarks/bench_id_map.py --pipeline --steps 100 --threads 1
 """
 
 from __future__ import annotations

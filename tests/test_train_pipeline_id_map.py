@@ -197,3 +197,17 @@ def test_a_step_failing_before_the_collection_leaves_no_map_step() -> None:
     outputs += pipelined_loop(pipeline, data)
     assert same(expected, outputs)
     assert same(expected_state, _state(failing, optimizer))
+
+
+def test_the_worker_makes_fresh_values_only_while_it_has_time() -> None:
+    from recopt.modules.id_map_ahead import AheadRemap
+    from recopt.modules.id_map_stage import WorkerLoad
+
+    load = WorkerLoad(weight=1.0)  # the newest measurement alone
+    assert load.fill_fits(0.001)  # never measured: try it once
+    done = AheadRemap(raw_batch(0).sparse, 0, busy_s=0.008, fill_s=0.001)
+    load.record(done)
+    assert load.fill_fits(0.011)  # 9 ms of work in a 11 ms step: under 90%
+    assert not load.fill_fits(0.009)  # a worker that would outlast the step hashes nothing
+    load.record(AheadRemap(raw_batch(1).sparse, 0, busy_s=0.004))  # values made at the forward
+    assert load.fill_s == 0.001 and load.fill_fits(0.009)  # the last fill time is kept

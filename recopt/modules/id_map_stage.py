@@ -4,7 +4,9 @@
 i+1 before batch i's forward (`start_ahead`: the native remap then runs on the worker thread
 during batch i's step), hands it back with ``use_prefetched`` right before batch i+1's forward,
 and checks ``prefetch_stale`` before each step (an eval read, a load or a training remap
-outside the pipeline undid the ahead steps: the pipeline starts those batches again).
+outside the pipeline undid the ahead steps: the pipeline starts those batches again). The
+worker also makes the fresh rows' initial values while it has time for them (`WorkerLoad`),
+so the forward's reset only copies them.
 """
 
 from __future__ import annotations
