@@ -46,6 +46,70 @@ class TinyModel(nn.Module):
         return loss, (loss.detach(), logits.detach())
 
 
+def embedding_configs(bag_tables: list[EmbeddingBagConfig]) -> list[Any]:
+    """``bag_tables`` as `EmbeddingConfig`s (one row per id): names, sizes, features and
+    ``id_map`` kept."""
+    from recopt.modules import EmbeddingConfig
+
+    return [
+        EmbeddingConfig(
+            name=t.name,
+            num_embeddings=t.num_embeddings,
+            embedding_dim=t.embedding_dim,
+            feature_names=t.feature_names,
+            id_map=t.id_map,
+        )
+        for t in bag_tables
+    ]
+
+
+class UnpooledModel(nn.Module):
+    """An `EmbeddingCollection` (one row per id) of ``bag_tables``' tables (their ``id_map``
+    kept) under a loss: ``batch -> (loss, loss)``."""
+
+    def __init__(self, bag_tables: list[EmbeddingBagConfig]) -> None:
+        from recopt.modules import EmbeddingCollection
+
+        super().__init__()
+        self.embeddings = EmbeddingCollection(embedding_configs(bag_tables))
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.embeddings(batch.sparse)
+        loss = sum((jt.values() * (k + 1)).square().sum() for k, jt in enumerate(rows.values()))
+        assert isinstance(loss, torch.Tensor)
+        return loss, loss.detach()
+
+
+def fused_state(model: TinyModel, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """A one-process TinyModel's state: its state_dict, its fused and its dense optimizer's."""
+    fused = model.embedding_bags.fused_optimizer.state_dict()
+    return (
+        local_tensors(model.state_dict())
+        + local_tensors(fused)
+        + local_tensors(optimizer.state_dict())
+    )
+
+
+def dmp_state(model: Any, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """A sharded model's state on this rank: its state_dict, its fused optimizer's and (if
+    given) its dense optimizer's."""
+    state = local_tensors(model.state_dict()) + local_tensors(model.fused_optimizer.state_dict())
+    if optimizer is not None:
+        state += local_tensors(optimizer.state_dict())
+    return state
+
+
+def case_failures(cases: list[Any], results: list[list[dict[str, bool]]]) -> list[Any]:
+    """``(rank, case, check)`` of every check a rank's result (per case: check -> ok) failed."""
+    return [
+        (rank, case, name)
+        for rank, per_rank in enumerate(results)
+        for case, result in zip(cases, per_rank, strict=True)
+        for name, ok in result.items()
+        if not ok
+    ]
+
+
 def make_batch(
     rank: int, index: int, *, bad_id: bool = False, nan_label: bool = False, vbe: bool = False
 ) -> Batch:

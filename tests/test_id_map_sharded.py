@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from pipeline_helpers import embedding_configs
 
 from recopt.kernels.config import FusedOptimizerConfig, PoolingType
 from recopt.modules import (
@@ -417,19 +418,10 @@ def _checkpoint_case(kind: str, rank: int, world: int, root: str) -> None:
 def _unpooled_case(rank: int, world: int) -> None:
     """ShardedEmbeddingCollection, table-wise: each rank's rows equal the unsharded module's
     rows of its ids (the global batch is the ranks' ids concatenated, feature by feature)."""
-    from recopt.modules import EmbeddingConfig, FusedEmbeddingCollection
+    from recopt.modules import FusedEmbeddingCollection
     from recopt.sharding.sharded_embedding_collection import ShardedEmbeddingCollection
 
-    tables = [
-        EmbeddingConfig(
-            name=t.name,
-            num_embeddings=t.num_embeddings,
-            embedding_dim=t.embedding_dim,
-            feature_names=t.feature_names,
-            id_map=t.id_map,
-        )
-        for t in TABLES
-    ]
+    tables = embedding_configs(TABLES)
     config = FusedOptimizerConfig(name="adagrad", lr=0.05)
     torch.manual_seed(0)
     ref = FusedEmbeddingCollection(tables, config)

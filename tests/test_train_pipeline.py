@@ -18,7 +18,9 @@ from pipeline_helpers import (
     NUM_TABLES,
     Batches,
     TinyModel,
-    local_tensors,
+    UnpooledModel,
+    case_failures,
+    dmp_state,
     make_batch,
     pipelined_loop,
     plain_loop,
@@ -73,31 +75,6 @@ def _build(world: int, case: dict[str, Any]) -> tuple[Any, Any]:
     return dmp, optimizer
 
 
-class _Unpooled(torch.nn.Module):
-    """An embedding collection (one row per id) under a loss: ``batch -> (loss, loss)``."""
-
-    def __init__(self) -> None:
-        from recopt.modules import EmbeddingCollection, EmbeddingConfig
-
-        super().__init__()
-        configs = [
-            EmbeddingConfig(
-                name=t.name,
-                num_embeddings=t.num_embeddings,
-                embedding_dim=t.embedding_dim,
-                feature_names=t.feature_names,
-            )
-            for t in tables()
-        ]
-        self.embeddings = EmbeddingCollection(configs)
-
-    def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.embeddings(batch.sparse)
-        loss = sum((jt.values() * (k + 1)).square().sum() for k, jt in enumerate(rows.values()))
-        assert isinstance(loss, torch.Tensor)
-        return loss, loss.detach()
-
-
 def _build_unpooled(world: int, case: dict[str, Any]) -> tuple[Any, Any]:
     from recopt.kernels import FusedOptimizerConfig
     from recopt.sharding import (
@@ -110,14 +87,9 @@ def _build_unpooled(world: int, case: dict[str, Any]) -> tuple[Any, Any]:
     requests = _requests(case["kind"], world, None)
     plan = ShardingPlan({"embeddings": construct_module_sharding_plan(tables(), requests, world)})
     optimizer = FusedOptimizerConfig(name="adagrad", lr=0.1)
-    return DistributedModelParallel(_Unpooled(), plan, default_optimizer=optimizer), None
-
-
-def _state(model: Any, optimizer: Any) -> list[torch.Tensor]:
-    state = local_tensors(model.state_dict()) + local_tensors(model.fused_optimizer.state_dict())
-    if optimizer is not None:
-        state += local_tensors(optimizer.state_dict())
-    return state
+    return DistributedModelParallel(
+        UnpooledModel(tables()), plan, default_optimizer=optimizer
+    ), None
 
 
 def _batches(rank: int, case: dict[str, Any]) -> list[Any]:
@@ -151,7 +123,7 @@ def _compare(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str,
         reference.insert(retry, batches[retry])
     model, optimizer = _build(world, case)
     expected = plain_loop(model, optimizer, reference)
-    expected_state = _state(model, optimizer)
+    expected_state = dmp_state(model, optimizer)
     skipped = model.skipped_nonfinite_steps
     model, optimizer = _build(world, case)
     pipeline = TrainPipelineSparseDist(
@@ -160,7 +132,7 @@ def _compare(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str,
     outputs = pipelined_loop(pipeline, Batches(batches))
     result = {
         "outputs": same(expected, outputs),
-        "state": same(expected_state, _state(model, optimizer)),
+        "state": same(expected_state, dmp_state(model, optimizer)),
         "skipped": skipped == model.skipped_nonfinite_steps,
         "position": pipeline.data_state() == {"position": NUM_BATCHES},
     }
@@ -178,11 +150,11 @@ def _eval(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str, bo
 
     batches = _batches(rank, case)
     model, _ = _build(world, case)
-    before = _state(model, None)
+    before = dmp_state(model, None)
     with torch.no_grad():
         expected = [model(b)[1] for b in batches]
     outputs = pipelined_loop(EvalPipelineSparseDist(model, "cpu"), Batches(batches))
-    return {"outputs": same(expected, outputs), "unchanged": same(before, _state(model, None))}
+    return {"outputs": same(expected, outputs), "unchanged": same(before, dmp_state(model, None))}
 
 
 def _resume(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str, bool]:
@@ -201,7 +173,7 @@ def _resume(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str, 
     extra = {"data": TrainedPosition(pipeline, data)}
     save(path, model, {"dense": optimizer, "fused": model.fused_optimizer}, extra=extra)
     uninterrupted = first + pipelined_loop(pipeline, data)
-    expected_state = _state(model, optimizer)
+    expected_state = dmp_state(model, optimizer)
 
     model, optimizer = _build(world, case)
     data = Batches(batches)
@@ -212,7 +184,7 @@ def _resume(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str, 
     return {
         "iterator_was_ahead": ahead == 5,
         "outputs": same(uninterrupted, resumed),
-        "state": same(expected_state, _state(model, optimizer)),
+        "state": same(expected_state, dmp_state(model, optimizer)),
     }
 
 
@@ -247,11 +219,5 @@ def _cases(world: int) -> list[dict[str, Any]]:
 def test_pipelined_training_equals_the_plain_loop(world: int, tmp_path: Path) -> None:
     cases = _cases(world)
     results = run_on_ranks(_all_cases, world, cases, str(tmp_path), timeout_s=270.0)
-    failures = [
-        (rank, case, name)
-        for rank, per_rank in enumerate(results)
-        for case, result in zip(cases, per_rank, strict=True)
-        for name, ok in result.items()
-        if not ok
-    ]
+    failures = case_failures(cases, results)
     assert not failures, failures

@@ -19,7 +19,7 @@ from pipeline_helpers import (
     RAW_ROWS,
     Batches,
     TinyModel,
-    local_tensors,
+    fused_state,
     pipelined_loop,
     plain_loop,
     raw_batch,
@@ -51,15 +51,6 @@ def _model(id_map: IdMapConfig, native: bool) -> tuple[TinyModel, torch.optim.Op
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-def _state(model: TinyModel, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    fused = model.embedding_bags.fused_optimizer.state_dict()
-    return (
-        local_tensors(model.state_dict())
-        + local_tensors(fused)
-        + local_tensors(optimizer.state_dict())
-    )
-
-
 def _live_buffers(model: TinyModel) -> list[torch.Tensor]:
     """The maps' buffers as they are (ahead steps included), not through state_dict."""
     maps = model.embedding_bags.id_maps
@@ -77,11 +68,11 @@ def test_pipelined_id_maps_equal_the_plain_loop(policy: str, native: bool) -> No
     for batch in batches:
         expected += plain_loop(model, optimizer, [batch])
         freed += sum(s["evictions"] + s["expired"] for s in model.embedding_bags.stats().values())
-    expected_state, expected_stats = _state(model, optimizer), model.embedding_bags.stats()
+    expected_state, expected_stats = fused_state(model, optimizer), model.embedding_bags.stats()
     model, optimizer = _model(POLICIES[policy], native)
     outputs = pipelined_loop(TrainPipelineSparseDist(model, optimizer, "cpu"), Batches(batches))
     assert same(expected, outputs)
-    assert same(expected_state, _state(model, optimizer))
+    assert same(expected_state, fused_state(model, optimizer))
     assert model.embedding_bags.stats() == expected_stats
     assert freed > 0  # the maps evicted (or expired) rows: fresh rows were reset
 
@@ -92,7 +83,7 @@ def _plain_states(policy: str, batches: list[Batch]) -> list[Any]:
     states = []
     for batch in batches:
         plain_loop(model, optimizer, [batch])
-        states.append((_state(model, optimizer), model.embedding_bags.stats()))
+        states.append((fused_state(model, optimizer), model.embedding_bags.stats()))
     return states
 
 
@@ -112,7 +103,7 @@ def test_state_dict_between_steps_is_the_plain_loops(policy: str) -> None:
     for step in range(len(batches)):
         pipeline.progress(data)
         live = _live_buffers(model)
-        assert same(reference[step][0], _state(model, optimizer)), step
+        assert same(reference[step][0], fused_state(model, optimizer)), step
         assert model.embedding_bags.stats() == reference[step][1], step
         assert same(live, _live_buffers(model))  # state_dict left the ahead step alone
     assert len(model.embedding_bags.id_maps.ahead) == 0  # drained: nothing ahead
@@ -134,7 +125,7 @@ def test_eval_and_load_between_steps() -> None:
     checkpoint = {k: v.clone() for k, v in model.state_dict().items()}
     fused_checkpoint = copy.deepcopy(model.embedding_bags.fused_optimizer.state_dict())
     plain_loop(model, optimizer, batches[5:])
-    expected_state = _state(model, optimizer)
+    expected_state = fused_state(model, optimizer)
 
     model, optimizer = _model(POLICIES["lfu"], True)
     pipeline = TrainPipelineSparseDist(model, optimizer, "cpu")
@@ -149,7 +140,7 @@ def test_eval_and_load_between_steps() -> None:
     model.load_state_dict(checkpoint)
     model.embedding_bags.fused_optimizer.load_state_dict(fused_checkpoint)
     _steps(pipeline, data, 3)
-    assert same(expected_state, _state(model, optimizer))
+    assert same(expected_state, fused_state(model, optimizer))
 
 
 def test_a_bad_batch_ahead_raises_at_its_own_step() -> None:
@@ -158,12 +149,12 @@ def test_a_bad_batch_ahead_raises_at_its_own_step() -> None:
     batches = [raw_batch(i, bad_id=i == 3) for i in range(7)]
     model, optimizer = _model(POLICIES["lru"], True)
     expected = plain_loop(model, optimizer, batches)
-    expected_state = _state(model, optimizer)
+    expected_state = fused_state(model, optimizer)
     model, optimizer = _model(POLICIES["lru"], True)
     outputs = pipelined_loop(TrainPipelineSparseDist(model, optimizer, "cpu"), Batches(batches))
     assert outputs[3] == "InvalidIdError" == expected[3]
     assert same(expected, outputs)
-    assert same(expected_state, _state(model, optimizer))
+    assert same(expected_state, fused_state(model, optimizer))
 
 
 class _FailsOnce(TinyModel):
@@ -184,7 +175,7 @@ def test_a_step_failing_before_the_collection_leaves_no_map_step() -> None:
     batches = [raw_batch(i) for i in range(7)]
     model, optimizer = _model(POLICIES["lfu"], True)
     expected = plain_loop(model, optimizer, batches[:3] + batches[4:])
-    expected_state = _state(model, optimizer)
+    expected_state = fused_state(model, optimizer)
     model, optimizer = _model(POLICIES["lfu"], True)
     failing = _FailsOnce(model.embedding_bags)
     failing.top = model.top
@@ -196,7 +187,7 @@ def test_a_step_failing_before_the_collection_leaves_no_map_step() -> None:
         pipeline.progress(data)
     outputs += pipelined_loop(pipeline, data)
     assert same(expected, outputs)
-    assert same(expected_state, _state(failing, optimizer))
+    assert same(expected_state, fused_state(failing, optimizer))
 
 
 def test_the_worker_makes_fresh_values_only_while_it_has_time() -> None:

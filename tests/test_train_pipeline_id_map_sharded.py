@@ -22,7 +22,9 @@ from pipeline_helpers import (
     NUM_TABLES,
     Batches,
     TinyModel,
-    local_tensors,
+    UnpooledModel,
+    case_failures,
+    dmp_state,
     pipelined_loop,
     plain_loop,
     raw_batch,
@@ -61,32 +63,6 @@ def _requests(plan: str, world: int) -> dict[str, Any]:
     return {f"t{i}": makers[kind](i) for i, kind in enumerate(PLANS[plan])}
 
 
-class _Unpooled(torch.nn.Module):
-    """An id-mapped embedding collection (one row per id) under a loss."""
-
-    def __init__(self) -> None:
-        from recopt.modules import EmbeddingCollection, EmbeddingConfig
-
-        super().__init__()
-        configs = [
-            EmbeddingConfig(
-                name=t.name,
-                num_embeddings=t.num_embeddings,
-                embedding_dim=t.embedding_dim,
-                feature_names=t.feature_names,
-                id_map=t.id_map,
-            )
-            for t in raw_tables(_id_maps())
-        ]
-        self.embeddings = EmbeddingCollection(configs)
-
-    def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.embeddings(batch.sparse)
-        loss = sum((jt.values() * (k + 1)).square().sum() for k, jt in enumerate(rows.values()))
-        assert isinstance(loss, torch.Tensor)
-        return loss, loss.detach()
-
-
 def _build(world: int, case: dict[str, Any]) -> tuple[Any, Any]:
     """A DMP-sharded model (the same initial weights every call) and its dense optimizer."""
     from recopt.kernels import FusedOptimizerConfig
@@ -105,20 +81,15 @@ def _build(world: int, case: dict[str, Any]) -> tuple[Any, Any]:
         plan = ShardingPlan(
             {"embeddings": construct_module_sharding_plan(configs, requests, world)}
         )
-        return DistributedModelParallel(_Unpooled(), plan, default_optimizer=optimizer), None
+        return DistributedModelParallel(
+            UnpooledModel(configs), plan, default_optimizer=optimizer
+        ), None
     model = TinyModel(EmbeddingBagCollection(configs))
     plan = ShardingPlan(
         {"embedding_bags": construct_module_sharding_plan(configs, requests, world)}
     )
     dmp = DistributedModelParallel(model, plan, default_optimizer=optimizer)
     return dmp, torch.optim.SGD(dmp.parameters(), lr=0.1)
-
-
-def _state(model: Any, optimizer: Any) -> list[torch.Tensor]:
-    state = local_tensors(model.state_dict()) + local_tensors(model.fused_optimizer.state_dict())
-    if optimizer is not None:
-        state += local_tensors(optimizer.state_dict())
-    return state
 
 
 def _stats(model: Any) -> dict[str, Any]:
@@ -154,7 +125,7 @@ def _compare(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str,
     expected, after_steps = [], []
     for batch in batches:
         expected += plain_loop(model, optimizer, [batch])
-        after_steps.append((_state(model, optimizer), _stats(model), evaluated(model)))
+        after_steps.append((dmp_state(model, optimizer), _stats(model), evaluated(model)))
     freed = sum(
         s["evictions"] + s["expired"] for stats in _stats(model).values() for s in stats.values()
     )
@@ -165,7 +136,7 @@ def _compare(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str,
     for state, stats, evaluation in after_steps:
         outputs += pipelined_loop_steps(pipeline, data, 1)
         steps_equal.append(
-            same(state, _state(model, optimizer))
+            same(state, dmp_state(model, optimizer))
             and stats == _stats(model)
             and same(evaluation, evaluated(model))
         )
@@ -202,7 +173,7 @@ def _resume(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str, 
     batches = _batches(rank, case)
     model, optimizer = _build(world, case)
     plain_loop(model, optimizer, batches)
-    expected_state = _state(model, optimizer)
+    expected_state = dmp_state(model, optimizer)
 
     model, optimizer = _build(world, case)
     data = Batches(batches)
@@ -212,7 +183,7 @@ def _resume(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str, 
     optimizers = {"dense": optimizer, "fused": model.fused_optimizer}
     save(path, model, optimizers, extra={"data": TrainedPosition(pipeline, data)})
     uninterrupted = first + pipelined_loop(pipeline, data)
-    uninterrupted_state = _state(model, optimizer)
+    uninterrupted_state = dmp_state(model, optimizer)
 
     model, optimizer = _build(world, case)
     data = Batches(batches)
@@ -222,7 +193,7 @@ def _resume(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str, 
     resumed = first + pipelined_loop(pipeline, data)
     return {
         "outputs": same(uninterrupted, resumed),
-        "state": same(uninterrupted_state, _state(model, optimizer)),
+        "state": same(uninterrupted_state, dmp_state(model, optimizer)),
         "plain": same(expected_state, uninterrupted_state),
     }
 
@@ -271,13 +242,7 @@ def _cases(world: int) -> list[dict[str, Any]]:
 def test_pipelined_sharded_id_maps_equal_the_plain_loop(world: int, tmp_path: Path) -> None:
     cases = _cases(world)
     results = run_on_ranks(_all_cases, world, cases, str(tmp_path), timeout_s=270.0)
-    failures = [
-        (rank, case, name)
-        for rank, per_rank in enumerate(results)
-        for case, result in zip(cases, per_rank, strict=True)
-        for name, ok in result.items()
-        if not ok
-    ]
+    failures = case_failures(cases, results)
     assert not failures, failures
 
 

@@ -15,7 +15,8 @@ import torch
 from pipeline_helpers import (
     Batches,
     TinyModel,
-    local_tensors,
+    dmp_state,
+    fused_state,
     make_batch,
     pipelined_loop,
     plain_loop,
@@ -38,28 +39,19 @@ def _model() -> tuple[TinyModel, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-def _state(model: TinyModel, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    fused = model.embedding_bags.fused_optimizer.state_dict()
-    return (
-        local_tensors(model.state_dict())
-        + local_tensors(fused)
-        + local_tensors(optimizer.state_dict())
-    )
-
-
 @pytest.mark.parametrize("num_batches", [0, 1, 2, 3, 7])
 def test_one_process_pipeline_equals_the_plain_loop(num_batches: int) -> None:
     batches = [make_batch(0, i) for i in range(num_batches)]
     model, optimizer = _model()
     expected = plain_loop(model, optimizer, batches)
-    expected_state = _state(model, optimizer)
+    expected_state = fused_state(model, optimizer)
     model, optimizer = _model()
     pipeline = TrainPipelineSparseDist(model, optimizer, "cpu")
     data = Batches(batches)
     outputs = pipelined_loop(pipeline, data)
     assert len(outputs) == num_batches  # the last batches are trained when the data ends
     assert same(expected, outputs)
-    assert same(expected_state, _state(model, optimizer))
+    assert same(expected_state, fused_state(model, optimizer))
     with pytest.raises(StopIteration):  # and it stays ended
         pipeline.progress(data)
     assert pipeline.timed_steps == num_batches
@@ -70,12 +62,12 @@ def test_one_process_pipeline_equals_the_plain_loop(num_batches: int) -> None:
 def test_eval_pipeline_runs_forward_only() -> None:
     batches = [make_batch(0, i) for i in range(4)]
     model, optimizer = _model()
-    before = _state(model, optimizer)
+    before = fused_state(model, optimizer)
     with torch.no_grad():
         expected = [model(b)[1] for b in batches]
     outputs = pipelined_loop(EvalPipelineSparseDist(model, "cpu"), Batches(batches))
     assert same(expected, outputs)
-    assert same(before, _state(model, optimizer))
+    assert same(before, fused_state(model, optimizer))
 
 
 class _NoSparse(NamedTuple):
@@ -110,18 +102,14 @@ def _sharded(cls: type[TinyModel], id_map: bool = False) -> tuple[Any, torch.opt
     return dmp, torch.optim.SGD(dmp.parameters(), lr=0.1)
 
 
-def _dmp_state(dmp: Any) -> list[torch.Tensor]:
-    return local_tensors(dmp.state_dict()) + local_tensors(dmp.fused_optimizer.state_dict())
-
-
 def _one_rank(rank: int, world: int) -> dict[str, Any]:
     batches = [make_batch(rank, i) for i in range(5)]
     model, optimizer = _sharded(TinyModel)
     expected = plain_loop(model, optimizer, batches)
-    expected_state = _dmp_state(model)
+    expected_state = dmp_state(model, None)
     model, optimizer = _sharded(TinyModel)
     outputs = pipelined_loop(TrainPipelineSparseDist(model, optimizer, "cpu"), iter(batches))
-    equal = same(expected, outputs) and same(expected_state, _dmp_state(model))
+    equal = same(expected, outputs) and same(expected_state, dmp_state(model, None))
     result: dict[str, Any] = {"equal": equal, "rebuilds": None, "id_map": None}
     model, optimizer = _sharded(_Rebuilds)
     try:
@@ -130,10 +118,10 @@ def _one_rank(rank: int, world: int) -> dict[str, Any]:
         result["rebuilds"] = str(e)
     model, optimizer = _sharded(TinyModel, id_map=True)
     expected = plain_loop(model, optimizer, batches)
-    expected_state = _dmp_state(model)
+    expected_state = dmp_state(model, None)
     model, optimizer = _sharded(TinyModel, id_map=True)
     outputs = pipelined_loop(TrainPipelineSparseDist(model, optimizer, "cpu"), iter(batches))
-    result["id_map"] = same(expected, outputs) and same(expected_state, _dmp_state(model))
+    result["id_map"] = same(expected, outputs) and same(expected_state, dmp_state(model, None))
     return result
 
 
