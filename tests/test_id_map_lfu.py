@@ -138,3 +138,37 @@ def test_native_lfu_equals_torch_after_every_step(config: IdMapConfig, unique: b
         _assert_same(a, b, native, reference, f"step {step}")
         evicting += a.stats.evictions > 0
     assert native._native_map is not None and evicting > 100
+
+
+@pytest.mark.parametrize(
+    ("decay", "oldest"),
+    [(0.9, 5000), (0.5, 3000), (0.999, 1_000_000)],
+    ids=["tiny_counts", "underflow", "old_steps"],
+)
+def test_native_victims_over_extreme_ages(decay: float, oldest: int) -> None:
+    """Rows last seen up to ``oldest`` steps ago: decayed counts down to 1e-229 (the key
+    filter's range), or underflowing to 0 (0.5^3000: the filter steps aside, every row is
+    compared exactly), or steps in the millions (large keys): the victims are still the head
+    of `IdMap.eviction_order`, and the native map equals the torch one."""
+    rows = 20000
+    gen = torch.Generator().manual_seed(3)
+    now = oldest + 5
+    frequency = (torch.rand(rows, generator=gen) * 50 + 1).double()
+    last_seen = torch.randint(0, oldest, (rows,), generator=gen)
+    for need in (1, 64, 700):
+        native, reference = _pair(IdMapConfig(policy="lfu", decay=decay), rows)
+        with torch.no_grad():
+            for idmap in (native, reference):
+                idmap.row_ids.copy_(torch.arange(rows) * 13 + 1)
+                idmap.occupied.fill_(True)
+                idmap.frequency.copy_(frequency)
+                idmap.last_seen.copy_(last_seen)
+                idmap.step.fill_(now - 1)
+        expected = reference.eviction_order(torch.arange(rows))[:need]
+        new_ids = torch.arange(need) * 13 + 2
+        a, b = native.remap(new_ids, True), reference.remap(new_ids, True)
+        _assert_same(a, b, native, reference, f"need {need}")
+        assert torch.equal(a.fresh_rows.sort().values, expected.sort().values), need
+        # a second step: the keys kept up by the first (fresh rows, counted rows) filter it
+        more = torch.arange(need) * 13 + 3
+        _assert_same(native.remap(more, True), reference.remap(more, True), native, reference, "2")

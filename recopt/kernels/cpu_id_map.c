@@ -25,6 +25,8 @@ typedef struct {
     int64_t gen, cap_m, num_u, num_known, num_wanted, expired, admissions;
     Hash batch_hash;    /* the batch's new ids -> their index, first seen order */
     Powers powers;      /* lfu's decay powers */
+    float *keys;        /* [N]: lfu_key of each used row while keys_valid (lfu's filter) */
+    int keys_valid;     /* set by the first lfu step after a rebuild, kept up by each step */
     Cand *cands;        /* [5 M]: lfu's victim heap [M] and the rows under its pivot [4 M] */
     uint64_t *row_pos;  /* [N]: (batch generation << 32) | the row's index in known */
     uint64_t *row_bits; /* [N / 64 + 1]: the rows the batch touched (all 0 between batches) */
@@ -94,6 +96,7 @@ void rim_free(void *handle) {
     free(m->row_pos);
     free(m->row_bits);
     free(m->powers.memo);
+    free(m->keys);
     free_scratch(m);
     free(m);
 }
@@ -170,6 +173,7 @@ static void bind(Map *m, void **buffers) {
 int rim_rebuild(void *handle, void **buffers) {
     Map *m = handle;
     bind(m, buffers);
+    m->keys_valid = 0;
     if (slots_rebuild(&m->rows) != 0) return -1;
     if (m->has_cand && slots_rebuild(&m->cand) != 0) return -1;
     return 0;
@@ -307,6 +311,7 @@ static void count_known(Map *m, int64_t step) {
         if (m->powers.memo) kept = kept * decay_power(&m->powers, step - s->seen[r]);
         s->freq[r] = kept + (double)m->count_k[k];
         s->seen[r] = step; /* its queue entry is stale now: not a victim of this batch */
+        if (m->keys_valid) m->keys[r] = lfu_key(s->freq[r], step, &m->powers);
         m->touched[k] = r;
     }
 }
@@ -454,7 +459,15 @@ int rim_middle(void *handle, void **buffers, int64_t step, int64_t admit_after) 
  * (cpu_id_map_lfu.h) and evicted. Returns the new placed. */
 static int64_t lfu_victims(Map *m, int64_t step, int64_t *fresh_rows, int64_t placed,
                            int64_t want) {
-    int64_t chosen = lfu_select(&m->rows, &m->powers, step, want - placed,
+    Slots *s = &m->rows;
+    if (!m->keys_valid) { /* once after a rebuild: every used row's key (the steps keep them) */
+        if (!m->keys) m->keys = malloc(sizeof(float) * (size_t)(s->n + 1));
+        for (int64_t r = 0; m->keys && r < s->n; r++)
+            if (s->used[r]) m->keys[r] = lfu_key(s->freq[r], s->seen[r], &m->powers);
+        m->keys_valid = m->keys != NULL;
+    }
+    int64_t chosen = lfu_select(&m->rows, &m->powers, m->keys_valid ? m->keys : NULL, step,
+                                want - placed,
                                 m->rows.live - m->num_known, m->cands, m->cap_m,
                                 fresh_rows + placed);
     evict_range(m, &m->rows, fresh_rows, placed, placed + chosen);
@@ -492,6 +505,7 @@ int rim_finish(void *handle, void **buffers, int64_t step, int lfu, int64_t *row
         s->used[r] = 1;
         s->seen[r] = step;
         s->freq[r] = (double)m->count_u[u];
+        if (m->keys_valid) m->keys[r] = lfu_key(s->freq[r], step, &m->powers);
         hash_put(&s->hash, m->ids_u[u], r);
         s->live++;
         m->slot_u[u] = r;

@@ -16,6 +16,7 @@
 typedef struct {
     double squares[64]; /* decay^(2^b) by repeated squaring */
     double *memo;       /* [POWER_MEMO]: the powers of the small ages; NULL: no decay (1.0) */
+    double rate;        /* -log2(decay): how fast a static key (lfu_key) grows a step */
 } Powers;
 
 /* decay^age as the product of squares[b] over the set bits b of age, lowest bit first: a fixed
@@ -32,6 +33,7 @@ static int powers_init(Powers *p, double decay) {
     p->squares[0] = decay;
     for (int b = 1; b < 64; b++) p->squares[b] = p->squares[b - 1] * p->squares[b - 1];
     p->memo = NULL;
+    p->rate = -log2(decay);
     if (decay == 1.0) return 0;
     p->memo = malloc(sizeof(double) * POWER_MEMO);
     if (!p->memo) return -1;
@@ -115,16 +117,65 @@ static double lfu_pivot(const Slots *s, const Powers *p, int64_t step, int64_t n
     return sample[at];
 }
 
+/* A row's static key: log2 of its decayed count, undecayed back to step 0 (log2(freq) +
+ * seen x rate). Decay scales every row's count alike, so between two of its own updates a row's
+ * place in the order of decayed counts is the order of these keys: a row's decayed count at
+ * `step` is 2^(key - step x rate). Stored as float: only a filter (lfu_select), whose margin
+ * covers the rounding. */
+static inline float lfu_key(double freq, int64_t seen, const Powers *p) {
+    return (float)(log2(freq) + (double)seen * p->rate);
+}
+
+/* The static key at or below which (with its margin) every row whose decayed count at `step`
+ * is at or below `pivot` lies; -INFINITY when the keys cannot tell (a pivot so small that
+ * decayed counts underflow: every row is then checked exactly). */
+static double lfu_key_limit(double pivot, int64_t step, const Powers *p) {
+    if (!(pivot > 1e-290)) return -INFINITY; /* subnormal, zero or NaN: no key filter */
+    double limit = log2(pivot) + (double)step * p->rate;
+    /* float rounding of the keys (2^-24 relative) and of the products of powers, 16x over */
+    return limit + (fabs(limit) + 64.0) * 0x1p-20;
+}
+
+/* lfu_select's pass with keys: the evictable rows of decayed count at or below pivot, in row
+ * order, into low (at most cap: returns cap + 1 when more are), reading counts only of rows
+ * whose key is at or below limit (a word of 64 keys compared at a time, vectorised). */
+static int64_t lfu_keep_by_keys(const Slots *s, const Powers *p, const float *keys, float limit,
+                                int64_t step, double pivot, Cand *low, int64_t cap) {
+    int64_t kept = 0;
+    for (int64_t base = 0; base < s->n; base += 64) {
+        int64_t width = s->n - base < 64 ? s->n - base : 64;
+        uint64_t bits = 0;
+        for (int64_t i = 0; i < width; i++) /* NaN keys pass: checked exactly */
+            bits |= (uint64_t)!(keys[base + i] > limit) << i;
+        for (; bits; bits &= bits - 1) {
+            int64_t r = base + __builtin_ctzll(bits);
+            if (!evictable(s, step, r)) continue;
+            Cand c = lfu_cand(s, p, step, r);
+            if (c.key > pivot) continue;
+            if (kept == cap) return cap + 1; /* too many at or below the pivot */
+            low[kept++] = c;
+        }
+    }
+    return kept;
+}
+
 /* The `need` (at most `room`) evictable rows of lowest decayed count (ties: least recently
  * seen, then lowest row), in that order, written to out; returns how many. One pass over the
  * rows keeps those at or below a sampled pivot (when enough are, and they fit in 4 x room:
- * else every row) and a heap the lowest of them. scratch: [5 x room]. */
-static int64_t lfu_select(const Slots *s, const Powers *p, int64_t step, int64_t need,
-                          int64_t num_evictable, Cand *scratch, int64_t room, int64_t *out) {
+ * else every row) and a heap the lowest of them. With keys (lfu_key of every used row, or
+ * NULL), the pass reads a row's count only where its key may be at or below the pivot's.
+ * scratch: [5 x room]. */
+static int64_t lfu_select(const Slots *s, const Powers *p, const float *keys, int64_t step,
+                          int64_t need, int64_t num_evictable, Cand *scratch, int64_t room,
+                          int64_t *out) {
     int64_t size = 0, kept = 0, cap = 4 * room;
     double pivot = lfu_pivot(s, p, step, need, num_evictable);
+    double limit = keys && pivot < INFINITY ? lfu_key_limit(pivot, step, p) : INFINITY;
+    const float *use_keys = limit > -INFINITY ? keys : NULL;
     Cand *heap = scratch, *low = scratch + room;
-    for (int64_t r = 0; r < s->n && pivot < INFINITY; r++) {
+    if (use_keys && pivot < INFINITY)
+        kept = lfu_keep_by_keys(s, p, use_keys, (float)limit, step, pivot, low, cap);
+    for (int64_t r = 0; r < s->n && pivot < INFINITY && !use_keys; r++) {
         if (!evictable(s, step, r)) continue;
         Cand c = lfu_cand(s, p, step, r);
         if (c.key > pivot) continue;
