@@ -72,6 +72,19 @@ def _assert_same(a: Remapped, b: Remapped, a_map: IdMap, b_map: IdMap, where: st
         assert torch.equal(value, b_state[key]), (where, key)
 
 
+def _full_maps(
+    maps: tuple[IdMap, ...], frequency: torch.Tensor, last_seen: torch.Tensor, step: int
+) -> None:
+    """Every row of ``maps`` live (row r holds id 11 r + 1) with these counters, at ``step``."""
+    with torch.no_grad():
+        for idmap in maps:
+            idmap.row_ids.copy_(torch.arange(frequency.numel()) * 11 + 1)
+            idmap.occupied.fill_(True)
+            idmap.frequency.copy_(frequency)
+            idmap.last_seen.copy_(last_seen)
+            idmap.step.fill_(step)
+
+
 @pytest.mark.parametrize("decay", [1.0, 0.5, 0.99])
 @pytest.mark.parametrize(
     ("rows", "values"),
@@ -92,13 +105,7 @@ def test_native_victims_are_the_head_of_the_full_order_among_ties(
         last_seen = torch.randint(0, min(values, 4), (rows,), generator=gen)
         if values == 1:  # one count: the older second half goes first (under decay 1.0, the
             last_seen = torch.where(torch.arange(rows) < rows // 2, 3, 0)  # counts all tie)
-        with torch.no_grad():
-            for idmap in (native, reference):
-                idmap.row_ids.copy_(torch.arange(rows) * 11 + 1)
-                idmap.occupied.fill_(True)
-                idmap.frequency.copy_(frequency)
-                idmap.last_seen.copy_(last_seen)
-                idmap.step.fill_(5)
+        _full_maps((native, reference), frequency, last_seen, 5)
         expected = reference.eviction_order(torch.arange(rows))[:need]
         new_ids = torch.arange(need) * 11 + 2  # none is live: each takes a victim
         a, b = native.remap(new_ids, True), reference.remap(new_ids, True)
@@ -157,18 +164,12 @@ def test_native_victims_over_extreme_ages(decay: float, oldest: int) -> None:
     last_seen = torch.randint(0, oldest, (rows,), generator=gen)
     for need in (1, 64, 700):
         native, reference = _pair(IdMapConfig(policy="lfu", decay=decay), rows)
-        with torch.no_grad():
-            for idmap in (native, reference):
-                idmap.row_ids.copy_(torch.arange(rows) * 13 + 1)
-                idmap.occupied.fill_(True)
-                idmap.frequency.copy_(frequency)
-                idmap.last_seen.copy_(last_seen)
-                idmap.step.fill_(now - 1)
+        _full_maps((native, reference), frequency, last_seen, now - 1)
         expected = reference.eviction_order(torch.arange(rows))[:need]
-        new_ids = torch.arange(need) * 13 + 2
+        new_ids = torch.arange(need) * 11 + 2
         a, b = native.remap(new_ids, True), reference.remap(new_ids, True)
         _assert_same(a, b, native, reference, f"need {need}")
         assert torch.equal(a.fresh_rows.sort().values, expected.sort().values), need
         # a second step: the keys kept up by the first (fresh rows, counted rows) filter it
-        more = torch.arange(need) * 13 + 3
+        more = torch.arange(need) * 11 + 3
         _assert_same(native.remap(more, True), reference.remap(more, True), native, reference, "2")
