@@ -527,11 +527,10 @@ int rim_finish(void *handle, void **buffers, int64_t step, int lfu, int64_t *row
 }
 
 /* One training batch of each of num_maps maps, over threads: the three parts back to back,
- * each map's undo record kept when record is 1 (rim_undo_copy). Per map i: handles[i], lfu[i]
- * (0: lru),
- * buffers[8i..8i+7], ids[i] (num_ids[i]), and outputs rows_out[i] [num_ids], fresh_rows[i] and
- * fresh_ids[i] [num_ids], stats_out[6i..6i+5] (as rim_finish), status[i] (0, or -1: out of
- * memory). */
+ * each map's undo record kept when record is 1 (rim_undo_copy_many). Per map i: handles[i],
+ * lfu[i] (0: lru), buffers[8i..8i+7], ids[i] (num_ids[i]), and outputs rows_out[i]
+ * [num_ids], fresh_rows[i] and fresh_ids[i] [num_ids], stats_out[6i..6i+5] (as rim_finish),
+ * status[i] (0, or -1: out of memory). */
 void rim_step_many(int64_t num_maps, void **handles, const int64_t *lfu, void **buffers,
                    int64_t **ids,
                    const int64_t *num_ids, const int64_t *steps, const int64_t *ttls,

@@ -105,8 +105,8 @@ class AheadSteps:
 
     def take(self, remap: AheadRemap) -> AheadRemap | None:
         """``remap``, done and now part of the model (the forward resets its fresh rows next,
-        once: ``taken`` says whether it was taken before); None when it is stale (remap the
-        batch now).
+        once: ``rows_reset`` says whether it did; a retried step takes ``remap`` again); None
+        when it is stale (remap the batch now).
 
         Raises:
             ValueError: the batch's input was rejected, or ``remap`` is not the oldest

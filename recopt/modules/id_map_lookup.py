@@ -175,7 +175,7 @@ class IdMaps(nn.ModuleDict):
         Steps taken ahead by a pipeline (`start_ahead`) are undone first: this batch comes
         before them (they go stale and their batches are remapped again).
         """
-        self.ahead.rewind({name: self.table_map(name) for name in self})
+        self.rewind_ahead()
         if training and self.peers is not None:
             gathered = self.peers.gather(ids, False)
             if gathered is not None:
@@ -185,16 +185,22 @@ class IdMaps(nn.ModuleDict):
         # the native maps: one call for all
         return remap_tables({name: self.table_map(name) for name in ids}, ids, training)
 
-    def step(self, name: str, ids_M: torch.Tensor) -> Remapped:
+    def step(self, name: str, ids_M: torch.Tensor, record_undo: bool = False) -> Remapped:
         """A training `IdMap.remap` of table ``name``, shown to the observers (with its undo
-        record) when there are any."""
+        record) when there are any; ``record_undo``: with its undo record in any case."""
         idmap = self.table_map(name)
-        if not self.observers:
+        if not (self.observers or record_undo):
             return idmap.remap(ids_M, True)
         result = idmap.remap(ids_M, True, record_undo=True)
         for observer in self.observers:
             observer.map_stepped(name, idmap, result)
         return result
+
+    def rewind_ahead(self) -> None:
+        """Undo the pending ahead steps (`AheadSteps.rewind`); nothing pending: nothing to do
+        (the inline remap's hot path pays one length check)."""
+        if len(self.ahead):
+            self.ahead.rewind({name: self.table_map(name) for name in self})
 
     def before_reset(
         self,

@@ -104,7 +104,7 @@ class RemapStage:
         count = self._queue.pending()
         self._queue.clear()
         if count:
-            self.id_maps.ahead.rewind({name: self.id_maps.table_map(name) for name in self.id_maps})
+            self.id_maps.rewind_ahead()
         return count
 
     def stale(self, remap: AheadRemap | None) -> bool:

@@ -220,7 +220,7 @@ class ShardedIdMaps:
 
     def rewind(self) -> None:
         """Undo the pending ahead steps (newest first): they go stale (`stale`)."""
-        self.maps.ahead.rewind({name: self.maps.table_map(name) for name in self.maps})
+        self.maps.rewind_ahead()
 
     def remap(
         self, features: KeyedJaggedTensor | None, layout: FeatureLayout, training: bool
@@ -291,11 +291,10 @@ class ShardedIdMaps:
 
     def _step_map(self, name: str, ids: torch.Tensor) -> Remapped:
         """One training step of map ``name`` (with its undo record when started ahead)."""
-        if self._ahead is None:
-            return self.maps.step(name, ids)
-        result = self.maps.table_map(name).remap(ids, True, record_undo=True)
-        assert result.undo is not None
-        self._ahead.undo[name] = result.undo
+        result = self.maps.step(name, ids, record_undo=self._ahead is not None)
+        if self._ahead is not None:
+            assert result.undo is not None
+            self._ahead.undo[name] = result.undo
         return result
 
     def _fresh_table(self, shard: MapShard, result: Remapped) -> FreshTable:
