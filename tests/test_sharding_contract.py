@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 from contract_inputs import BATCHES, batch_bags, flat, inputs, kjt
+from pipeline_helpers import embedding_configs
 from torch import nn
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig, PoolingType
@@ -202,15 +203,7 @@ def _cases() -> list[Case]:
 
 
 def _unpooled_tables(case: Case) -> list[EmbeddingConfig]:
-    return [
-        EmbeddingConfig(
-            name=t.name,
-            num_embeddings=t.num_embeddings,
-            embedding_dim=t.embedding_dim,
-            feature_names=t.feature_names,
-        )
-        for t in _tables(case)
-    ]
+    return embedding_configs(_tables(case))
 
 
 class _UnpooledModel(nn.Module):

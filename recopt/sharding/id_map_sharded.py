@@ -177,7 +177,7 @@ class ShardedIdMaps:
                 "own forward: train them without TrainPipelineSparseDist (the plain loop)"
             )
         if not (ahead and training):
-            self.rewind()
+            self.maps.rewind_ahead()
         prepared: KeyedJaggedTensor | None = None
         check: PendingCheck | None = None
         index_F_B: torch.Tensor | None = None
@@ -217,10 +217,6 @@ class ShardedIdMaps:
         """Whether ``started``'s map step, taken ahead, was undone since."""
         step: ShardStep | None = started.map_step
         return step is not None and step.ahead is not None and self.maps.ahead.stale(step.ahead)
-
-    def rewind(self) -> None:
-        """Undo the pending ahead steps (newest first): they go stale (`stale`)."""
-        self.maps.rewind_ahead()
 
     def remap(
         self, features: KeyedJaggedTensor | None, layout: FeatureLayout, training: bool

@@ -412,7 +412,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
     def rewind_ahead(self) -> None:
         """Undo the id maps' pending ahead steps (their distributions go stale)."""
         if self._id_maps is not None:
-            self._id_maps.rewind()
+            self._id_maps.maps.rewind_ahead()
 
     def prefetch_stale(self, started: DistributedInput) -> bool:
         """Whether ``started`` (distributed ahead) must be distributed again: its id-map step
