@@ -52,8 +52,10 @@ def _model(id_map: IdMapConfig, native: bool) -> tuple[TinyModel, torch.optim.Op
 
 
 def _live_buffers(model: TinyModel) -> list[torch.Tensor]:
-    """The maps' buffers as they are (ahead steps included), not through state_dict."""
+    """The maps' buffers as they are (ahead steps included), not through state_dict: once
+    the worker is done with them (a step ahead may still be writing them)."""
     maps = model.embedding_bags.id_maps
+    maps.ahead.settle()
     return [b.clone() for name in maps for b in maps.table_map(name).buffers()]
 
 

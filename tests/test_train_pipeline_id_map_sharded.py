@@ -12,7 +12,6 @@ a column-wise unmapped table. All cases of a world size run in one spawned group
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -249,4 +248,6 @@ def test_pipelined_sharded_id_maps_equal_the_plain_loop(world: int, tmp_path: Pa
 def test_the_cases_cover_every_owner_local_sharding_type() -> None:
     kinds = {kind for plan in PLANS.values() for kind in plan[: NUM_TABLES - 1]}
     assert kinds == {"table_wise", "row_wise", "table_row_wise"}
-    assert dataclasses.is_dataclass(_id_maps()[0])
+    maps = _id_maps()
+    assert {m.policy for m in maps} == {"lru", "lfu"}
+    assert any(m.admit_after and m.ttl_steps for m in maps)  # admission and expiry too
