@@ -89,7 +89,7 @@ def one_id_bags(
     values: torch.Tensor, count: int = NUM_TABLES, batch: int = BATCH
 ) -> KeyedJaggedTensor:
     """``values`` as ``count`` features ``f<i>`` of ``batch`` bags of one id each."""
-    lengths = torch.ones(count * batch, dtype=torch.int64)
+    lengths = torch.ones(count * batch, dtype=torch.int64, device=values.device)
     keys = [f"f{i}" for i in range(count)]
     return KeyedJaggedTensor(keys, values, lengths=lengths, stride=batch)
 
@@ -110,9 +110,15 @@ def stream_batches(name: str, rows: int) -> Callable[[int], torch.Tensor]:
     return lambda step: log.generate(step)[1].values()
 
 
-def _timed(fn: Callable[[], object]) -> float:
+def _timed(fn: Callable[[], object], device: torch.device | str = "cpu") -> float:
+    """Seconds ``fn`` takes; on CUDA from an idle device until its work is done."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     fn()
+    if cuda:
+        torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 
@@ -135,14 +141,18 @@ class StreamResult:
 class _Setup:
     """The modules and maps of one stream."""
 
-    def __init__(self, rows: int, id_map: IdMapConfig, torch_remap: bool) -> None:
+    def __init__(
+        self, rows: int, id_map: IdMapConfig, torch_remap: bool, device: str = "cpu"
+    ) -> None:
         torch.manual_seed(0)
         optimizer = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.01)
         self.rows = rows
-        self.modulo = FusedEmbeddingBagCollection(bench_tables(rows, None), optimizer=optimizer)
+        self.modulo = FusedEmbeddingBagCollection(
+            bench_tables(rows, None), optimizer=optimizer, device=device
+        )
         tables = bench_tables(rows, id_map)
-        self.mapped = FusedEmbeddingBagCollection(tables, optimizer=optimizer)
-        self.alone = IdMaps(tables, "cpu")
+        self.mapped = FusedEmbeddingBagCollection(tables, optimizer=optimizer, device=device)
+        self.alone = IdMaps(tables, device)  # on CUDA: the torch-ops remap
         self.alone_torch = IdMaps(tables, "cpu") if torch_remap else None
         if self.alone_torch is not None:
             for name in self.alone_torch:
@@ -165,10 +175,13 @@ class _Setup:
         return all(s["occupancy"] >= 1.0 for s in self.mapped.stats().values())
 
 
-def measure(stream: str, rows: int, warmup: int, steps: int, torch_remap: bool) -> StreamResult:
+def measure(
+    stream: str, rows: int, warmup: int, steps: int, torch_remap: bool, device: str = "cpu"
+) -> StreamResult:
     """Warm up until the maps are full (at most 20x ``warmup`` steps), then ``warmup`` more
-    steps, then ``steps`` measured steps, the candidates interleaved."""
-    setup = _Setup(rows, _ID_MAPS[stream], torch_remap)
+    steps, then ``steps`` measured steps, the candidates interleaved. On CUDA the modules,
+    the maps and the ids live on the GPU ("remap native" is then the torch-ops remap there)."""
+    setup = _Setup(rows, _ID_MAPS[stream], torch_remap and device == "cpu", device)
     batch = stream_batches(stream, rows)
     step, measured = 0, -warmup
     churn: list[dict[str, float]] = []
@@ -176,11 +189,11 @@ def measure(stream: str, rows: int, warmup: int, steps: int, torch_remap: bool) 
         key: [] for key in CANDIDATES if torch_remap or "torch" not in key
     }
     while measured < steps:
-        raw = batch(step)
+        raw = batch(step).to(device)
         timings = {
-            "modulo step": _timed(setup.step(setup.modulo, raw % rows)),
-            "id_map step": _timed(setup.step(setup.mapped, raw)),
-            "remap native": _timed(setup.remap_alone(setup.alone, raw)),
+            "modulo step": _timed(setup.step(setup.modulo, raw % rows), device),
+            "id_map step": _timed(setup.step(setup.mapped, raw), device),
+            "remap native": _timed(setup.remap_alone(setup.alone, raw), device),
         }
         if measured == 0 and setup.alone_torch is not None:
             setup.alone_torch.load_state_dict(setup.alone.state_dict())
@@ -207,13 +220,16 @@ def _mean_stats(setup: _Setup) -> dict[str, float]:
     return {k: statistics.mean(s[k] for s in stats.values()) for k in keys}
 
 
-def report(results: list[StreamResult], rows: int) -> None:
+def report(results: list[StreamResult], rows: int, device: str = "cpu") -> None:
     """Per stream: the candidates' medians and ratios, the churn; then one markdown table."""
+    where = f"{torch.get_num_threads()} threads"
+    if device != "cpu":
+        where = f"{torch.cuda.get_device_name(device)} (remap native: torch ops on CUDA)"
     for r in results:
         base = r.median("modulo step")
         print(
             f"\n[{r.stream}] {NUM_TABLES} tables x {rows} rows x {DIM}, batch {BATCH}, "
-            f"{torch.get_num_threads()} threads, {r.warmup} warm-up steps, "
+            f"{where}, {r.warmup} warm-up steps, "
             f"{len(r.times['modulo step'])} measured"
         )
         for key in r.times:
@@ -318,23 +334,23 @@ class _Stream:
 
 
 def measure_pipelined(
-    stream: str, rows: int, warmup: int, steps: int, remap_threads: int
+    stream: str, rows: int, warmup: int, steps: int, remap_threads: int, device: str = "cpu"
 ) -> StreamResult:
     """The modulo and the `id_map` step, each in its own `TrainPipelineSparseDist` (the
     id_map one remaps batch i+1 on the worker thread during batch i), calls interleaved. The
     `id_map` step's time runs until its worker is idle too: a remap that outlasts the step
     costs the step, and never runs into the modulo step."""
-    setup = _Setup(rows, _ID_MAPS[stream], False)
+    setup = _Setup(rows, _ID_MAPS[stream], False, device)
     data = _Stream(stream, rows)
     modulo_batches = data.batches(modulo=True)
     pipelines = {
         "modulo step": (
-            TrainPipelineSparseDist(_Summed(setup.modulo), None, "cpu"),
+            TrainPipelineSparseDist(_Summed(setup.modulo), None, device),
             modulo_batches,
         ),
         "id_map step": (
             TrainPipelineSparseDist(
-                _Summed(setup.mapped), None, "cpu", remap_threads=remap_threads
+                _Summed(setup.mapped), None, device, remap_threads=remap_threads
             ),
             data.batches(modulo=False),
         ),
@@ -352,8 +368,10 @@ def measure_pipelined(
     while measured < steps:
         data.make(step + 4)  # the pipelines pull up to two batches ahead
         timings = {
-            "modulo step": _timed(lambda: pipelines["modulo step"][0].progress(modulo_batches)),
-            "id_map step": _timed(lambda: mapped_step(*pipelines["id_map step"])),
+            "modulo step": _timed(
+                lambda: pipelines["modulo step"][0].progress(modulo_batches), device
+            ),
+            "id_map step": _timed(lambda: mapped_step(*pipelines["id_map step"]), device),
         }
         step += 1
         if measured < 0 and not setup.full() and step < 20 * max(warmup, 1):
@@ -370,10 +388,13 @@ def measure_pipelined(
     )  # fmt: skip
 
 
-def report_pipelined(results: list[StreamResult], rows: int, remap_threads: int) -> None:
+def report_pipelined(
+    results: list[StreamResult], rows: int, remap_threads: int, device: str = "cpu"
+) -> None:
     """One markdown table: the pipelined steps and the `id_map` step's extra cost."""
+    where = "" if device == "cpu" else f" on {torch.cuda.get_device_name(device)},"
     print(
-        f"\npipelined: {NUM_TABLES} tables x {rows} rows x {DIM}, batch {BATCH}, "
+        f"\npipelined{where}: {NUM_TABLES} tables x {rows} rows x {DIM}, batch {BATCH}, "
         f"{torch.get_num_threads()} torch threads, remap on the worker with {remap_threads}"
     )
     print(
@@ -406,15 +427,22 @@ def main(argv: list[str] | None = None) -> None:
         "--pipeline", action="store_true", help="the steps in TrainPipelineSparseDist"
     )
     parser.add_argument("--remap-threads", type=int, default=1, help="with --pipeline")
+    parser.add_argument(
+        "--device", default="cpu", help="cpu, or cuda (the tables there; not with --per-id)"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device != "cpu" and args.per_id:
+        parser.error("--per-id measures the host remap alone: leave --device out")
     if args.pipeline:
         found = [
-            measure_pipelined(stream, args.rows, args.warmup, args.steps, args.remap_threads)
+            measure_pipelined(
+                stream, args.rows, args.warmup, args.steps, args.remap_threads, args.device
+            )
             for stream in args.stream
         ]
-        report_pipelined(found, args.rows, args.remap_threads)
+        report_pipelined(found, args.rows, args.remap_threads, args.device)
         return
     if args.per_id:
         costs = per_id_costs(args.rows, args.per_id)
@@ -423,10 +451,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {key:16s} {seconds * 1e9:7.1f} ns")
         return
     results = [
-        measure(stream, args.rows, args.warmup, args.steps, args.torch_remap)
+        measure(stream, args.rows, args.warmup, args.steps, args.torch_remap, args.device)
         for stream in args.stream
     ]
-    report(results, args.rows)
+    report(results, args.rows, args.device)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_session.sh suite     # only the non-cuda suite, when `tests` ran out of time
 #                                            # (PART=1/2 and PART=2/2: half the test files each)
 #   bash benchmarks/gpu_session.sh smoke     # only the smoke check
+#   bash benchmarks/gpu_session.sh idmap     # bench_id_map.py on CUDA (issue 26's cost target)
 #
 # Run from the repository root with .gpu/ beside it (../shared/gpu/pack_fbgemm.sh --torchrec made
 # it here; the call carries it). The script first does what pack_fbgemm.sh's two printed lines
@@ -166,12 +167,25 @@ bench() {
   for f in kernels dlrm uvm; do [ -f "$out/$f.md" ] && cat "$out/$f.md"; done
 }
 
+idmap() {
+  # Id maps (issue 26): the fused step with and without `id_map` on CUDA, 26 x 100k x 64,
+  # batch 2048, every stream (the maps on the host, stepped natively); then both steps in
+  # the pipeline (batch i+1 remapped on the worker while batch i trains).
+  limited "$(budget 70)" python3 benchmarks/bench_id_map.py --device cuda --steps 30 \
+    --warmup 5 > "$out/idmap.log" 2>&1
+  say "idmap: exit $?"
+  limited "$(budget 70)" python3 benchmarks/bench_id_map.py --device cuda --pipeline \
+    --remap-threads 4 --steps 30 --warmup 5 >> "$out/idmap.log" 2>&1
+  say "idmap pipelined: exit $?"
+  grep -E "^\||^pipelined" "$out/idmap.log"
+}
+
 # Sourced (tests/test_gpu_session.py): define the functions only.
 if [ "${BASH_SOURCE[0]}" != "$0" ]; then return 0; fi
 
 case $mode in
   check) check; exit $? ;;
-  tests | contract | bench | suite | smoke) setup && "$mode" ;;
-  *) echo "usage: $0 check|tests|contract|bench|suite|smoke" >&2; exit 2 ;;
+  tests | contract | bench | suite | smoke | idmap) setup && "$mode" ;;
+  *) echo "usage: $0 check|tests|contract|bench|suite|smoke|idmap" >&2; exit 2 ;;
 esac
 say "done in $(($(date +%s) - start)) s"

@@ -21,8 +21,12 @@ import torch
 from recopt.kernels.autotune import ENV_BACKEND, configure_auto
 
 # A pin given by whoever runs pytest; None: tests are pinned to recopt unless marked. Pinned
-# from here on too, so that nothing built while collecting the tests measures.
-CALLER_PIN = os.environ.get(ENV_BACKEND)
+# from here on too, so that nothing built while collecting the tests measures. The caller's
+# value is kept aside: pytest-xdist's workers inherit this process's environment, pin
+# included, and must not take the pin for the caller's.
+_CALLER = "RECOPT_TESTS_CALLER_BACKEND"
+os.environ.setdefault(_CALLER, os.environ.get(ENV_BACKEND, ""))
+CALLER_PIN = os.environ[_CALLER] or None
 os.environ[ENV_BACKEND] = CALLER_PIN or "recopt"
 # Without a GPU, Triton can only interpret: set before anything imports it, so the Triton
 # kernels' CPU tests (tests/test_triton_*.py) never meet a Triton imported in compiled mode.

@@ -1,19 +1,34 @@
 """Id maps on CUDA (GPU tier, marker ``cuda``; skipped without a GPU).
 
-On CUDA the remap runs in torch ops (the native remap is CPU-only). Here the CUDA map is
-compared with the CPU reference step by step on drifting raw ids (every buffer, every row,
-the fresh rows), its undo record restores it bit for bit, and a fused collection with
-id-mapped tables trains on CUDA like the same collection on CPU (both backends).
+A CUDA collection keeps its maps in host memory, where the native remap steps them (the ids
+come over, the rows go back: `recopt.modules.id_map.map_device`); a map built on CUDA itself
+runs the torch ops. Here the CUDA map is compared with the CPU reference step by step on
+drifting raw ids (every buffer, every row, the fresh rows), its undo record restores it bit
+for bit, a fused collection with id-mapped tables trains on CUDA like the same collection on
+CPU (both backends) with its maps on the host, and the pipeline (batch i+1 remapped ahead on
+the worker) equals the plain loop on CUDA.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from pipeline_helpers import (
+    NUM_TABLES,
+    Batches,
+    TinyModel,
+    fused_state,
+    pipelined_loop,
+    plain_loop,
+    raw_batch,
+    raw_tables,
+    same,
+)
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, IdMapConfig
-from recopt.modules.id_map import IdMap
+from recopt.modules.id_map import IdMap, map_device
+from recopt.sharding import TrainPipelineSparseDist
 from recopt.sparse import KeyedJaggedTensor
 
 pytestmark = pytest.mark.cuda
@@ -106,6 +121,10 @@ def test_fused_id_mapped_collection_on_cuda_equals_cpu(backend: Backend) -> None
     on_cpu = FusedEmbeddingBagCollection(_tables(), optimizer=cpu_config)
     on_gpu = FusedEmbeddingBagCollection(_tables(), optimizer=config, device=GPU)
     on_gpu.load_state_dict(on_cpu.state_dict())
+    assert on_gpu.id_maps is not None
+    on_gpu.to(GPU)  # a move leaves the maps where their remap runs
+    home = map_device(GPU)
+    assert {b.device for b in on_gpu.id_maps.buffers()} == {home}
     evictions = 0.0
     for step in range(8):
         upstream = torch.randn(6, 32, generator=torch.Generator().manual_seed(step))
@@ -119,3 +138,39 @@ def test_fused_id_mapped_collection_on_cuda_equals_cpu(backend: Backend) -> None
     for key, value in on_cpu.state_dict().items():
         torch.testing.assert_close(on_gpu.state_dict()[key].cpu(), value, atol=1e-5, rtol=1e-4)
     assert evictions > 0  # the maps were full
+
+
+def _gpu_model() -> tuple[TinyModel, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    optimizer = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.3, backend=Backend.RECOPT)
+    id_maps = [IdMapConfig(policy="lfu", decay=0.9), IdMapConfig(policy="lru", admit_after=2)]
+    tables = raw_tables((id_maps * NUM_TABLES)[:NUM_TABLES])
+    model = TinyModel(FusedEmbeddingBagCollection(tables, optimizer, device=GPU)).to(GPU)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _map_buffers(model: TinyModel) -> list[torch.Tensor]:
+    """Every map buffer as it is (on the host), once the worker is done with them."""
+    maps = model.embedding_bags.id_maps
+    maps.ahead.settle()
+    return [b.clone() for b in maps.buffers()]
+
+
+def test_pipelined_cuda_id_maps_equal_the_plain_loop() -> None:
+    batches = [raw_batch(i) for i in range(9)]
+    model, optimizer = _gpu_model()
+    expected, freed = [], 0.0
+    for batch in batches:
+        expected += plain_loop(model, optimizer, [batch.to(GPU)])
+        freed += sum(s["evictions"] for s in model.embedding_bags.stats().values())
+    expected_state, expected_stats = fused_state(model, optimizer), model.embedding_bags.stats()
+    expected_maps = _map_buffers(model)
+    model, optimizer = _gpu_model()
+    pipeline = TrainPipelineSparseDist(model, optimizer, GPU)
+    outputs = pipelined_loop(pipeline, Batches(batches))
+    # The maps (int64, float64 counters, stats) exactly; floats up to the CUDA kernels' order.
+    torch.testing.assert_close(outputs, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused_state(model, optimizer), expected_state, rtol=1e-5, atol=1e-6)
+    assert same(_map_buffers(model), expected_maps)
+    assert model.embedding_bags.stats() == expected_stats
+    assert freed > 0  # the maps evicted rows: fresh rows were reset on the GPU

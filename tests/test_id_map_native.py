@@ -210,3 +210,47 @@ def test_writes_unseen_by_version_counters_are_announced_by_buffers_changed() ->
         _assert_same(
             native.remap(ids, True), reference.remap(ids, True), native, reference, str(step)
         )
+
+
+def test_device_reset_hashes_all_tables_at_once_like_init_rows_one_by_one() -> None:
+    """The reset of tables on a device (`_reset_hashed`: one hash per width for all tables,
+    per-id steps and bounds) writes what `init_rows` + `reset_state_rows` write per table."""
+    from recopt.modules import EmbeddingBagConfig
+    from recopt.modules.id_map_results import RemapStats
+    from recopt.modules.id_map_rows import FreshTable, _reset_hashed, init_rows, reset_state_rows
+
+    gen = torch.Generator().manual_seed(3)
+    specs = [(12, 8, 5, (-0.5, 0.25)), (12, 16, 9, (-0.1, 0.1)), (30, 8, 7, (0.0, 1.0))]
+    made, expected = [], []
+    for i, (rows, dim, step, bounds) in enumerate(specs):
+        table = EmbeddingBagConfig(
+            name=f"t{i}", num_embeddings=rows, embedding_dim=dim, feature_names=[f"f{i}"],
+            weight_init_min=bounds[0], weight_init_max=bounds[1],
+        )  # fmt: skip
+        fresh_rows = torch.randperm(rows, generator=gen)[: rows // 2]
+        fresh_ids = torch.randint(-(2**62), 2**62, (fresh_rows.numel(),), generator=gen)
+        fresh = Remapped(fresh_rows, fresh_rows, fresh_ids, RemapStats(step=step))
+        weight, state = torch.randn(rows, dim, generator=gen), torch.rand(rows, generator=gen)
+        want_weight, want_state = weight.clone(), state.clone()
+        init_rows(table, want_weight, fresh, step)
+        reset_state_rows("row_wise_adagrad", {"momentum1": want_state}, fresh_rows)
+        made.append(FreshTable(table, "row_wise_adagrad", weight, {"momentum1": state}, fresh))
+        expected.append((want_weight, want_state))
+    _reset_hashed(made)
+    for t, (want_weight, want_state) in zip(made, expected, strict=True):
+        assert torch.equal(t.weight, want_weight), t.table.name
+        assert torch.equal(t.states["momentum1"], want_state), t.table.name
+
+
+def test_a_map_kept_on_the_host_stays_there_through_module_moves() -> None:
+    """A CUDA table's map lives on the host (`on_host`): `.to()`, `.half()` and the like
+    leave its buffers (device and dtype) alone; other maps move as modules do."""
+    kept, moved = IdMap(CONFIGS["lfu"], 8), IdMap(CONFIGS["lfu"], 8)
+    kept.on_host = True
+    kept.remap(torch.tensor([5, 7, 5]), True)
+    before = {name: b.clone() for name, b in kept.named_buffers()}
+    for module in (kept, moved):
+        module.half()
+        module.to("meta")
+    assert all(torch.equal(b, before[name]) for name, b in kept.named_buffers())
+    assert moved.buffer("frequency").device.type == "meta"

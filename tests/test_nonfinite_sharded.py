@@ -135,6 +135,34 @@ def test_non_finite_gradient_on_one_rank_skips_every_rank(world: int) -> None:
     run_on_ranks(_one_rank_bad, world, timeout_s=240)
 
 
+def _one_rank_bad_received_by_copy(rank: int, world: int) -> None:
+    """`_one_rank_bad` with an all-to-all that writes what it receives by ``copy_`` from a
+    buffer of its own, as gloo does for a CUDA tensor: that write bumps the receiving
+    tensor's version counter (the output exchange must not receive into a tensor whose
+    counter autograd checks; found on a GPU, reproduced here on CPU)."""
+    import torch.distributed as dist
+
+    real = dist.all_to_all_single
+
+    def staged(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        received = torch.empty_like(output)
+        work = real(received, input, *args, **kwargs)
+        if work is not None:
+            work.wait()
+        output.copy_(received)
+        return work
+
+    dist.all_to_all_single = staged
+    try:
+        _one_rank_bad(rank, world)
+    finally:
+        dist.all_to_all_single = real
+
+
+def test_a_collective_receiving_by_copy_keeps_the_gate_working() -> None:
+    run_on_ranks(_one_rank_bad_received_by_copy, 2, timeout_s=240)
+
+
 @pytest.mark.cuda
 def test_non_finite_gradient_on_one_rank_skips_every_rank_on_a_gpu() -> None:
     run_on_ranks(_one_rank_bad, 2, "cuda", timeout_s=270, backend="cuda:gloo")

@@ -10,6 +10,7 @@ Legend: N rows, U distinct ids of a batch, M ids of a batch, C candidate slots.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ __all__ = [
     "RemapStats",
     "Remapped",
     "decay_powers",
+    "map_device",
     "policy_eviction_order",
 ]
 
@@ -148,6 +150,18 @@ def policy_eviction_order(
     return lfu_order(last_seen, frequency * decay_powers(config.lfu_decay, step - last_seen))
 
 
+def map_device(device: torch.device | str | None) -> torch.device:
+    """Where the map of a table on ``device`` lives: the table's device, except that a CUDA
+    table's map is kept in host memory when the native remap is there. On CUDA the torch
+    ops' remap is bound by kernel launches and host reads (26 maps of 2048 ids: 44-76 ms on
+    an H200 against a 3.3 ms fused step; benchmarks/README.md, "Id maps on CUDA"); the
+    native remap on the host, with the ids copied over and the rows back, is far cheaper."""
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda" and IdMap.native and cpu_id_map.available():
+        return torch.device("cpu")
+    return device
+
+
 class IdMap(nn.Module):
     """The map of one table: raw id -> row, with the policy's counters (all buffers).
 
@@ -164,10 +178,14 @@ class IdMap(nn.Module):
 
     On CPU the remap runs in native code (`recopt/modules/id_map_native.py`: the same
     results, O(batch) work a step) when a C compiler is there; ``native = False`` (on the
-    class or an instance) keeps the torch ops, the reference (and the path on CUDA).
+    class or an instance) keeps the torch ops, the reference (and the path of a map on CUDA).
+    The ids may live elsewhere than the map: a CUDA table's map is kept in host memory
+    (``on_host``, `map_device`), where `remap` copies its ids and returns the rows on their
+    device.
     """
 
     native: bool = True
+    on_host: bool = False  # kept in host memory: `.to(device)` and the like leave it there
 
     def __init__(
         self, config: IdMapConfig, num_rows: int, device: torch.device | str | None = None
@@ -188,6 +206,15 @@ class IdMap(nn.Module):
         self._index: dict[str, tuple[tuple[int, int], torch.Tensor, torch.Tensor]] = {}
         self._native_map: NativeIdMap | None = None
         self.last_stats = RemapStats()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> IdMap:
+        """`nn.Module.to` and its kin, except on a map kept on the host (``on_host``): a
+        CUDA table's map stays in host memory, where its remap runs (`map_device`), and its
+        int64 and float64 counters keep their dtype."""
+        if self.on_host:
+            return self
+        super()._apply(fn, recurse)
+        return self
 
     def _register_slots(self, prefix: str, size: int, device: torch.device | str | None) -> None:
         ids_name = "row_ids" if not prefix else f"{prefix}ids"
@@ -256,7 +283,10 @@ class IdMap(nn.Module):
             `Remapped`: a row per id (-1 for the zero row) and the rows given to new ids.
         """
         ids_M = ids_M.to(torch.int64)
-        native = self._native() if ids_M.device.type == "cpu" else None
+        home = self.buffer("occupied").device
+        if ids_M.device != home:  # a host map of a CUDA table: the ids come over, rows go back
+            return self.remap(ids_M.to(home), training, record_undo).to(ids_M.device)
+        native = self._native()
         if native is not None:
             return native.train(self, ids_M, record_undo) if training else native.read(self, ids_M)
         if not (training and record_undo):

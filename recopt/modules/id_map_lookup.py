@@ -25,7 +25,7 @@ from torch import nn
 
 from recopt.kernels.config import PoolingType
 from recopt.modules.config import BaseEmbeddingConfig
-from recopt.modules.id_map import IdMap, Remapped
+from recopt.modules.id_map import IdMap, Remapped, map_device
 from recopt.modules.id_map_ahead import AheadRemap, AheadSteps
 from recopt.modules.id_map_native import remap_tables
 from recopt.modules.id_map_rows import fresh_values
@@ -94,19 +94,24 @@ class IdMaps(nn.ModuleDict):
 
     Args:
         tables: the collection's tables (those without ``id_map`` are left alone).
-        device: where the maps live.
+        device: the tables' device; the maps live there, or in host memory for CUDA tables
+            (`map_device`: their remap then runs natively on the host).
     """
 
     def __init__(
         self, tables: Sequence[BaseEmbeddingConfig], device: torch.device | str | None
     ) -> None:
+        home = map_device(device)
         super().__init__(
             {
-                t.name: IdMap(t.id_map, t.num_embeddings, device)
+                t.name: IdMap(t.id_map, t.num_embeddings, home)
                 for t in tables
                 if t.id_map is not None
             }
         )
+        for idmap in self.values():
+            assert isinstance(idmap, IdMap)
+            idmap.on_host = home != torch.device("cpu" if device is None else device)
         self.observers: list[RemapObserver] = []
         self.peers: PeerIds | None = None
         self.ahead = AheadSteps()

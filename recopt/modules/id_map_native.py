@@ -26,6 +26,7 @@ from recopt.modules.id_map_results import (
     MapUndo,
     Remapped,
     RemapStats,
+    results_to,
 )
 
 if TYPE_CHECKING:
@@ -162,23 +163,39 @@ def remap_tables(
 
     That call steps the maps (lru and lfu) in parallel over ``threads`` (None: torch's) and
     saves the per-map call overhead; every other map (torch path, reads) is remapped on its
-    own. ``record_undo``: each training result carries its `MapUndo` (`IdMap.remap`).
+    own. ``record_undo``: each training result carries its `MapUndo` (`IdMap.remap`). Ids on
+    a device (a CUDA table's ids; its map is on the host) come over in one copy per device
+    and their rows go back in one.
     """
     results: dict[str, Remapped] = {}
-    together: list[tuple[str, IdMap, NativeIdMap, torch.Tensor]] = []
+    natives: dict[str, NativeIdMap] = {}
     for name, idmap in maps.items():
-        ids_M = ids[name].to(torch.int64)
-        native = None
-        if training and ids_M.device.type == "cpu":
-            native = idmap._native()
+        native = idmap._native() if training else None
         if native is None:
-            results[name] = idmap.remap(ids_M, training, record_undo)
+            results[name] = idmap.remap(ids[name], training, record_undo)
         else:
-            together.append((name, idmap, native, ids_M.contiguous()))
-    if together:
+            natives[name] = native
+    if natives:
+        host_ids = _on_host({name: ids[name] for name in natives})
+        together = [(name, maps[name], native, host_ids[name]) for name, native in natives.items()]
         count = torch.get_num_threads() if threads is None else threads
-        results.update(_step_many(together, record_undo, count))
+        done = _step_many(together, record_undo, count)
+        for device in {ids[name].device for name in natives}:
+            names = [name for name in natives if ids[name].device == device]
+            results.update(results_to({name: done[name] for name in names}, device))
     return {name: results[name] for name in maps}
+
+
+def _on_host(ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``ids`` as contiguous int64 host tensors, those on a device copied in one transfer."""
+    out = {n: v.to(torch.int64).contiguous() for n, v in ids.items() if v.device.type == "cpu"}
+    away = [name for name in ids if name not in out]
+    for device in {ids[name].device for name in away}:
+        names = [name for name in away if ids[name].device == device]
+        parts = [ids[name].to(torch.int64) for name in names]
+        host = torch.cat(parts).cpu().split([p.numel() for p in parts])
+        out.update(zip(names, host, strict=True))
+    return out
 
 
 def _step_many(

@@ -51,6 +51,24 @@ class Remapped:
     undo: MapUndo | None = None
     fresh_values: torch.Tensor | None = None
 
+    def to(self, device: torch.device) -> Remapped:
+        """The rows on ``device`` (where the batch's ids are): `results_to` of this one."""
+        return results_to({"": self}, device)[""]
+
+
+def results_to(results: Mapping[str, Remapped], device: torch.device) -> dict[str, Remapped]:
+    """``results`` with their rows on ``device``, all moved in one copy (the maps of a CUDA
+    table live on the host: `recopt.modules.id_map.map_device`). The undo records stay with
+    the maps; ``fresh_values`` (host values for a host reset) are dropped."""
+    if all(r.rows_M.device == device for r in results.values()):
+        return dict(results)
+    parts = [t for r in results.values() for t in (r.rows_M, r.fresh_rows, r.fresh_ids)]
+    moved = iter(torch.cat(parts).to(device).split([t.numel() for t in parts]))
+    return {
+        name: Remapped(next(moved), next(moved), next(moved), r.stats, r.undo)
+        for name, r in results.items()
+    }
+
 
 ROW_BUFFERS = ("row_ids", "occupied", "last_seen", "frequency")
 CANDIDATE_BUFFERS = ("candidate_ids", "candidate_used", "candidate_count", "candidate_last_seen")

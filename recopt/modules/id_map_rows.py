@@ -88,10 +88,12 @@ def reset_fresh_tables(maps: IdMaps, tables: Sequence[FreshTable]) -> None:
     tables = [t for t in tables if t.fresh.fresh_rows.numel()]
     for t in tables:
         maps.before_reset(t.table.name, t.weight, t.states, t.fresh.fresh_rows)
-    native = []
+    native, hashed = [], []
     for t in tables:
         zeroed = row_states(t.optimizer_name, t.states)
-        if t.table.init_fn is None and cpu_id_map.can_reset(t.weight, zeroed):
+        if t.table.init_fn is None and t.weight.device.type != "cpu":
+            hashed.append(t)
+        elif t.table.init_fn is None and cpu_id_map.can_reset(t.weight, zeroed):
             lo, hi = t.table.init_bounds()
             step = t.fresh.stats.step
             values = t.fresh.fresh_values
@@ -109,6 +111,33 @@ def reset_fresh_tables(maps: IdMaps, tables: Sequence[FreshTable]) -> None:
             init_rows(t.table, t.weight, t.fresh, t.fresh.stats.step)
             reset_state_rows(t.optimizer_name, t.states, t.fresh.fresh_rows)
     cpu_id_map.reset_many(native, torch.get_num_threads())
+    _reset_hashed(hashed)
+
+
+def _reset_hashed(tables: Sequence[FreshTable]) -> None:
+    """`init_rows` and `reset_state_rows` of uniform-initialised tables on a device (CUDA),
+    their initial values hashed for all tables of one width at once: a table's own hash is
+    ~15 kernel launches, which for 26 tables cost more than the step's lookup."""
+    groups: dict[tuple[torch.device, int], list[FreshTable]] = {}
+    for t in tables:
+        groups.setdefault((t.weight.device, t.weight.shape[1]), []).append(t)
+    with torch.no_grad():
+        for (device, dim), group in groups.items():
+            ids = torch.cat([t.fresh.fresh_ids for t in group])
+            steps = torch.cat(
+                [torch.full_like(t.fresh.fresh_ids, t.fresh.stats.step) for t in group]
+            )
+            bounds = torch.tensor(
+                [t.table.init_bounds() for t in group], dtype=torch.float64, device=device
+            )
+            sizes = [t.fresh.fresh_ids.numel() for t in group]
+            counts = torch.tensor(sizes, device=device)
+            lo_hi = bounds.repeat_interleave(counts, dim=0, output_size=ids.numel())
+            unit = hash_uniform_torch(ids, steps, dim)
+            values = lo_hi[:, :1] + (lo_hi[:, 1:] - lo_hi[:, :1]) * unit
+            for t, part in zip(group, values.split(sizes), strict=True):
+                t.weight[t.fresh.fresh_rows] = part.to(t.weight.dtype)
+                reset_state_rows(t.optimizer_name, t.states, t.fresh.fresh_rows)
 
 
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
@@ -173,8 +202,9 @@ def hash_uniform(ids_K: torch.Tensor, step: int, dim: int) -> torch.Tensor:
     return hash_uniform_torch(ids_K, step, dim)
 
 
-def hash_uniform_torch(ids_K: torch.Tensor, step: int, dim: int) -> torch.Tensor:
-    """`hash_uniform` in torch ops (any device; the reference of the native one)."""
+def hash_uniform_torch(ids_K: torch.Tensor, step: int | torch.Tensor, dim: int) -> torch.Tensor:
+    """`hash_uniform` in torch ops (any device; the reference of the native one); ``step``
+    may be a tensor of one step per id."""
     column = torch.arange(dim, dtype=torch.int64, device=ids_K.device)
     key = _mix(ids_K.to(torch.int64) * _GOLDEN + step)
     x = _mix(key.unsqueeze(1) + (column.unsqueeze(0) + 1) * _GOLDEN)

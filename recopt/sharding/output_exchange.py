@@ -34,7 +34,9 @@ class OutputExchange(torch.autograd.Function):
     memory (dead once sent: the kernels' backward reads only ids; the collective does not bump
     its version, which a view made inside a custom Function forbids). ``meta.sum_over_ranks``
     (row-wise layouts) returns the sum of the received blocks; the blocks, and the repeated
-    gradient sent back, live in ``meta.scratch``, which never leaves this class.
+    gradient sent back, live in ``meta.scratch``, which never leaves this class. The
+    gradients land there through an alias with its own version counter: gloo receives a CUDA
+    tensor by ``copy_`` from a host buffer, a write that would otherwise bump mp_send's.
     """
 
     @staticmethod
@@ -48,7 +50,7 @@ class OutputExchange(torch.autograd.Function):
         ctx.meta = meta
         # See the class doc; one rank copies in place (it would bump mp_send's version).
         reuse = mp_send.is_contiguous() and mp_send.numel() > 0 and len(meta.batch_sizes) > 1
-        ctx.send_buffer = mp_send.detach() if reuse else None
+        ctx.send_buffer = _unversioned_alias(mp_send) if reuse else None
         recv_numel = sum(meta.mp_recv_splits)
         scratch = meta.scratch.get(recv_numel, mp_send) if meta.sum_over_ranks else None
         mp_recv = all_to_all_flat(
@@ -112,6 +114,16 @@ class OutputExchange(torch.autograd.Function):
             start += b * dp_dim
         grad_mp_send = torch.cat(grad_mp) if grad_mp else recv[:0]
         return grad_mp_send, grad_dp, None, None
+
+
+def _unversioned_alias(tensor: Tensor) -> Tensor:
+    """A tensor on ``tensor``'s memory (same offset, sizes and strides) with a version counter
+    of its own, unlike ``detach()``: in-place writes into it (a collective's ``copy_``) leave
+    ``tensor``'s counter, which autograd checks, alone. Only for memory no one reads again."""
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    with torch.no_grad():
+        alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+    return alias
 
 
 def _send_layout(grad_mp_recv: Tensor, meta: ExchangeMeta) -> Tensor:
