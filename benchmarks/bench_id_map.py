@@ -22,6 +22,7 @@ Streams (``--stream``, several run one after the other in one run):
     python benchmarks/bench_id_map.py --stream worst --threads 1
     python benchmarks/bench_id_map.py --rows 10000 --steps 5 --warmup 5
     python benchmarks/bench_id_map.py --pipeline --steps 100 --threads 1
+    python benchmarks/bench_id_map.py --device cuda [--pipeline --remap-threads 4]  # a GPU host
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class _Setup:
         )
         tables = bench_tables(rows, id_map)
         self.mapped = FusedEmbeddingBagCollection(tables, optimizer=optimizer, device=device)
-        self.alone = IdMaps(tables, device)  # on CUDA: the torch-ops remap
+        self.alone = IdMaps(tables, device)  # a CUDA table's maps: on the host
         self.alone_torch = IdMaps(tables, "cpu") if torch_remap else None
         if self.alone_torch is not None:
             for name in self.alone_torch:
@@ -179,8 +180,9 @@ def measure(
     stream: str, rows: int, warmup: int, steps: int, torch_remap: bool, device: str = "cpu"
 ) -> StreamResult:
     """Warm up until the maps are full (at most 20x ``warmup`` steps), then ``warmup`` more
-    steps, then ``steps`` measured steps, the candidates interleaved. On CUDA the modules,
-    the maps and the ids live on the GPU ("remap native" is then the torch-ops remap there)."""
+    steps, then ``steps`` measured steps, the candidates interleaved. On CUDA the modules and
+    the ids live on the GPU, the maps on the host (`map_device`): "remap native" includes
+    the ids' copy over and the rows' copy back."""
     setup = _Setup(rows, _ID_MAPS[stream], torch_remap and device == "cpu", device)
     batch = stream_batches(stream, rows)
     step, measured = 0, -warmup
@@ -224,7 +226,7 @@ def report(results: list[StreamResult], rows: int, device: str = "cpu") -> None:
     """Per stream: the candidates' medians and ratios, the churn; then one markdown table."""
     where = f"{torch.get_num_threads()} threads"
     if device != "cpu":
-        where = f"{torch.cuda.get_device_name(device)} (remap native: torch ops on CUDA)"
+        where = f"{torch.cuda.get_device_name(device)} (maps on the host: ids over, rows back)"
     for r in results:
         base = r.median("modulo step")
         print(

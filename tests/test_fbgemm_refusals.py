@@ -273,3 +273,26 @@ def test_marked_tests_see_autos_real_choice() -> None:
     if os.environ.get(ENV_BACKEND) not in (None, "auto"):
         pytest.skip(f"pytest was run with {ENV_BACKEND}={os.environ[ENV_BACKEND]}")
     assert default_resolver().config.pin is Backend.AUTO
+
+
+@pytest.mark.real_backend
+def test_without_fbgemm_installed_auto_runs_recopt_and_fbgemm_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Python without fbgemm_gpu (a GPU host whose fbgemm build is not on the path) trains
+    on recopt's kernels under AUTO, and an explicit fbgemm request names what to install."""
+    import recopt.kernels.fbgemm_backend as fbgemm_backend
+
+    monkeypatch.setattr(fbgemm_backend, "fbgemm_installed", lambda: False)
+    optimizer = FusedOptimizerConfig(name="row_wise_adagrad")
+    for device in (CPU, CUDA):
+        request = auto_candidates(_tables(), optimizer, device)
+        assert request is not None and request[1] == [Backend.RECOPT]
+        decision = resolve_backend(_tables(), optimizer, device)
+        assert (decision.backend, decision.reason) == (Backend.RECOPT, "only candidate")
+        forced = dataclasses.replace(optimizer, backend=Backend.FBGEMM)
+        build = "fbgemm-gpu==" if device.type == "cuda" else "fbgemm-gpu-cpu=="
+        with pytest.raises(ValueError, match=f"fbgemm is not installed.*{build}"):
+            resolve_backend(_tables(), forced, device)
+    kernel = create_kernel(_tables(), [0, 1], optimizer, PoolingType.SUM, CPU)
+    assert kernel.backend is Backend.RECOPT

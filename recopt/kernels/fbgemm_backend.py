@@ -13,6 +13,8 @@ used: fbgemm draws its own.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,6 +59,12 @@ def fbgemm_problems(
     Returns:
         One message per problem; empty when fbgemm can run them.
     """
+    if not fbgemm_installed():
+        build = "fbgemm-gpu" if device.type == "cuda" else "fbgemm-gpu-cpu"
+        return [
+            f"fbgemm is not installed in this Python (pip install --no-deps {build}==1.8.0, "
+            "the build for torch 2.13; setup.cfg); use backend='recopt' or 'auto'"
+        ]
     problems: list[str] = []
     spec = optimizer_spec(optimizer.name)
     if device.type == "cpu" and spec.fbgemm_cpu_shared_table_broken and feature_table_map:
@@ -93,6 +101,13 @@ def fbgemm_problems(
                 f"{fixed}, or backend='recopt' or 'auto'"
             )
     return problems
+
+
+@functools.cache
+def fbgemm_installed() -> bool:
+    """Whether ``fbgemm_gpu`` can be imported here (without importing it: that loads its
+    libraries). Without it AUTO runs recopt's kernels and ``backend='fbgemm'`` is refused."""
+    return importlib.util.find_spec("fbgemm_gpu") is not None
 
 
 def fbgemm_weight_decay_problem(optimizer: FusedOptimizerConfig, device_type: str) -> str:
