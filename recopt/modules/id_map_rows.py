@@ -124,15 +124,14 @@ def _reset_hashed(tables: Sequence[FreshTable]) -> None:
     with torch.no_grad():
         for (device, dim), group in groups.items():
             ids = torch.cat([t.fresh.fresh_ids for t in group])
-            steps = torch.cat(
-                [torch.full_like(t.fresh.fresh_ids, t.fresh.stats.step) for t in group]
-            )
-            bounds = torch.tensor(
-                [t.table.init_bounds() for t in group], dtype=torch.float64, device=device
-            )
             sizes = [t.fresh.fresh_ids.numel() for t in group]
             counts = torch.tensor(sizes, device=device)
-            lo_hi = bounds.repeat_interleave(counts, dim=0, output_size=ids.numel())
+            per_table = torch.tensor(  # each table's step (exact below 2^53) and init bounds
+                [(t.fresh.stats.step, *t.table.init_bounds()) for t in group],
+                dtype=torch.float64,
+                device=device,
+            ).repeat_interleave(counts, dim=0, output_size=ids.numel())
+            steps, lo_hi = per_table[:, 0].to(torch.int64), per_table[:, 1:]
             unit = hash_uniform_torch(ids, steps, dim)
             values = lo_hi[:, :1] + (lo_hi[:, 1:] - lo_hi[:, :1]) * unit
             for t, part in zip(group, values.split(sizes), strict=True):
