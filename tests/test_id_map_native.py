@@ -214,7 +214,8 @@ def test_writes_unseen_by_version_counters_are_announced_by_buffers_changed() ->
 
 def test_device_reset_hashes_all_tables_at_once_like_init_rows_one_by_one() -> None:
     """The reset of tables on a device (`_reset_hashed`: one hash per width for all tables,
-    per-id steps and bounds) writes what `init_rows` + `reset_state_rows` write per table."""
+    per-id steps and bounds, or the values made ahead) writes what `init_rows` +
+    `reset_state_rows` write per table."""
     from recopt.modules import EmbeddingBagConfig
     from recopt.modules.id_map_results import RemapStats
     from recopt.modules.id_map_rows import FreshTable, _reset_hashed, init_rows, reset_state_rows
@@ -230,6 +231,8 @@ def test_device_reset_hashes_all_tables_at_once_like_init_rows_one_by_one() -> N
         fresh_rows = torch.randperm(rows, generator=gen)[: rows // 2]
         fresh_ids = torch.randint(-(2**62), 2**62, (fresh_rows.numel(),), generator=gen)
         fresh = Remapped(fresh_rows, fresh_rows, fresh_ids, RemapStats(step=step))
+        if i == 1:  # values made ahead (a pipeline's worker), then copied to the device
+            (fresh.fresh_values,) = cpu_id_map.fill_values([fresh_ids], [step], [dim], [bounds], 1)
         weight, state = torch.randn(rows, dim, generator=gen), torch.rand(rows, generator=gen)
         want_weight, want_state = weight.clone(), state.clone()
         init_rows(table, want_weight, fresh, step)

@@ -204,3 +204,38 @@ def test_the_worker_makes_fresh_values_only_while_it_has_time() -> None:
     assert not load.fill_fits(0.009)  # a worker that would outlast the step hashes nothing
     load.record(AheadRemap(raw_batch(1).sparse, 0, busy_s=0.004))  # values made at the forward
     assert load.fill_s == 0.001 and load.fill_fits(0.009)  # the last fill time is kept
+
+
+@pytest.mark.parametrize("policy", ["lru", "admit2-ttl"])
+def test_maps_on_the_host_remap_from_the_batchs_host_copy(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Maps kept on the host (a CUDA collection's) remap a pipelined batch from its host copy
+    (the batch before its copy to the GPU): ids read and checked there, the rows applied to
+    the batch the forward gets. Here a copy on CPU stands for the host one, and the mapped
+    ids of the batch the forward gets are overwritten: only rows from the host copy give
+    the plain loop's results (a bad id, found in the host copy, raises at its own step)."""
+    batches = [raw_batch(i, bad_id=i == 4) for i in range(9)]
+    model, optimizer = _model(POLICIES[policy], True)
+    expected = plain_loop(model, optimizer, batches)
+    expected_state = fused_state(model, optimizer)
+    model, optimizer = _model(POLICIES[policy], True)
+    ebc = model.embedding_bags
+    for name in ebc.id_maps:
+        ebc.id_maps.table_map(name).on_host = True
+    start_remap = ebc.start_remap
+    started = []
+
+    def from_a_host_copy(features: Any, threads: int | None = 1, host: Any = None) -> Any:
+        assert host is None  # a CPU pipeline has no host copy of its own
+        host = copy.deepcopy(features)
+        features.values()[: features.offset_per_key()[NUM_TABLES - 1]] = 7  # mapped ids
+        started.append(host)
+        return start_remap(features, threads, host)
+
+    monkeypatch.setattr(ebc, "start_remap", from_a_host_copy)
+    outputs = pipelined_loop(TrainPipelineSparseDist(model, optimizer, "cpu"), Batches(batches))
+    assert outputs[4] == "InvalidIdError" == expected[4]
+    assert same(expected, outputs)
+    assert same(expected_state, fused_state(model, optimizer))
+    assert len(started) == len(batches)

@@ -389,12 +389,20 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
         return self._fresh_targets
 
     # ------------------------------------------------------- pipelined training (id maps)
-    def start_remap(self, features: KeyedJaggedTensor, threads: int | None = 1) -> Any:
+    def start_remap(
+        self,
+        features: KeyedJaggedTensor,
+        threads: int | None = 1,
+        host_features: KeyedJaggedTensor | None = None,
+    ) -> Any:
         """Remap a training batch's id-mapped features ahead of its forward (what
         `TrainPipelineSparseDist` does for batch i+1 while batch i trains; ``threads`` for the
-        native remap on the worker thread). Returns what `use_prefetched` takes, or None
-        (no id map, or fault tolerance steps the maps inline)."""
-        return None if self._remaps is None else self._remaps.start(features, threads)
+        native remap on the worker thread; ``host_features``: the batch before its copy to
+        a GPU, which maps kept on the host remap from). Returns what `use_prefetched` takes,
+        or None (no id map, or fault tolerance steps the maps inline)."""
+        if self._remaps is None:
+            return None
+        return self._remaps.start(features, threads, host_features)
 
     def use_prefetched(self, remap: Any) -> None:
         """Have the next ``forward(remap.features)`` take ``remap`` (from `start_remap`)."""

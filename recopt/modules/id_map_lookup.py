@@ -28,6 +28,7 @@ from recopt.modules.config import BaseEmbeddingConfig
 from recopt.modules.id_map import IdMap, Remapped, map_device
 from recopt.modules.id_map_ahead import AheadRemap, AheadSteps
 from recopt.modules.id_map_native import remap_tables
+from recopt.modules.id_map_results import results_to
 from recopt.modules.id_map_rows import fresh_values
 from recopt.modules.inputs import (
     FeatureLayout,
@@ -272,15 +273,22 @@ def table_ids(
 
 
 def apply_rows(
-    features: KeyedJaggedTensor, layout: FeatureLayout, results: Mapping[str, Remapped]
+    features: KeyedJaggedTensor,
+    layout: FeatureLayout,
+    results: Mapping[str, Remapped],
+    any_zero_row: bool | None = None,
 ) -> MappedBatch:
     """``features`` with each mapped table's ids replaced by ``results[table].rows_M``
-    (aligned with `table_ids`); ids of the zero row (-1) are dropped from their bags."""
+    (aligned with `table_ids`); ids of the zero row (-1) are dropped from their bags.
+    ``any_zero_row``: whether any id reads the zero row, when the caller knows (else read
+    from the rows: a host read where they are on a GPU)."""
     values = features.values()
     pieces, mapped = _row_pieces(features, layout, results)
     rows = torch.cat(pieces)
     batch = MappedBatch(features, dict(results))
-    if not _any_zero_row(results):
+    if any_zero_row is None:
+        any_zero_row = _any_zero_row(results)
+    if not any_zero_row:
         batch.features = _with_values(features, rows, features.lengths(), None)
         return batch
     dropped = torch.cat(
@@ -410,6 +418,7 @@ def start_ahead(
     weight_dtype: torch.dtype,
     threads: int | None = 1,
     fresh_tables: Mapping[str, BaseEmbeddingConfig] | None = None,
+    host_features: KeyedJaggedTensor | None = None,
 ) -> AheadRemap:
     """`prepare_mapped` of a training batch, started ahead of its forward (pipelined training).
 
@@ -420,30 +429,42 @@ def start_ahead(
     torch's), other maps now. The caller resets the fresh rows when the forward takes it; the
     initial weights of those of ``fresh_tables`` (uniform init, float32 weights) are made on
     the worker too (`fresh_values`), so that reset only copies them.
+
+    ``host_features``: the same batch still in host memory (a pipeline copying it to a GPU),
+    for maps kept on the host: their ids are read, checked and remapped there, and the rows
+    go to the device behind its work, so the worker never waits for the GPU.
     """
     ahead = id_maps.ahead
     remap = AheadRemap(features, ahead.generation)
+    maps = {name: id_maps.table_map(name) for name in id_maps}
+    on_host = host_features is not None and all(m.on_host for m in maps.values())
     try:
         regular, remap.index_F_B = regular_batch(features, layout.feature_names)
         selected = layout.select(regular, is_weighted, weight_dtype)
-        unmapped_check(selected, layout, list(id_maps)).raise_if_bad()
+        source = selected
+        if on_host:
+            assert host_features is not None
+            host_regular, _ = regular_batch(host_features, layout.feature_names)
+            source = layout.select(host_regular, is_weighted, weight_dtype)
+        unmapped_check(source, layout, list(id_maps)).raise_if_bad()
     except ValueError as e:
         remap.error = e
         return remap
-    ids = table_ids(selected, layout, list(id_maps))
-    maps = {name: id_maps.table_map(name) for name in ids}
+    ids = table_ids(source, layout, list(id_maps))
     background = all(idmap._native() is not None for idmap in maps.values())
+    device = selected.values().device
 
     def step() -> None:
         start = time.perf_counter()
         results = remap_tables(maps, ids, True, record_undo=True, threads=threads)
         remap.undo = {name: result.undo for name, result in results.items() if result.undo}
-        remap.mapped = apply_rows(selected, layout, results)
-        remap.busy_s = time.perf_counter() - start
         if fresh_tables:
-            start = time.perf_counter()
+            fill_start = time.perf_counter()
             fresh_values(results, fresh_tables, threads or torch.get_num_threads())
-            remap.fill_s = time.perf_counter() - start
+            remap.fill_s = time.perf_counter() - fill_start
+        any_zero = _any_zero_row(results) if on_host else None  # read on the host
+        remap.mapped = apply_rows(selected, layout, results_to(results, device), any_zero)
+        remap.busy_s = time.perf_counter() - start - (remap.fill_s or 0.0)
 
     return ahead.submit(remap, step, background)
 

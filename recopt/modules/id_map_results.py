@@ -57,17 +57,35 @@ class Remapped:
 
 
 def results_to(results: Mapping[str, Remapped], device: torch.device) -> dict[str, Remapped]:
-    """``results`` with their rows on ``device``, all moved in one copy (the maps of a CUDA
-    table live on the host: `recopt.modules.id_map.map_device`). The undo records stay with
-    the maps; ``fresh_values`` (host values for a host reset) are dropped."""
+    """``results`` with their rows (and any ``fresh_values``) on ``device``, moved in one copy
+    each (the maps of a CUDA table live on the host: `recopt.modules.id_map.map_device`);
+    the undo records stay with the maps. From host to a GPU the copies go through
+    page-locked memory without waiting: they queue behind the device's work instead of
+    making the caller wait for it (a pipeline's worker runs beside the previous step)."""
     if all(r.rows_M.device == device for r in results.values()):
         return dict(results)
     parts = [t for r in results.values() for t in (r.rows_M, r.fresh_rows, r.fresh_ids)]
-    moved = iter(torch.cat(parts).to(device).split([t.numel() for t in parts]))
-    return {
+    moved = iter(_moved([torch.cat(parts)], device)[0].split([t.numel() for t in parts]))
+    out = {
         name: Remapped(next(moved), next(moved), next(moved), r.stats, r.undo)
         for name, r in results.items()
     }
+    with_values = [name for name, r in results.items() if r.fresh_values is not None]
+    if with_values:
+        values = [results[name].fresh_values for name in with_values]
+        flat = _moved([torch.cat([v.reshape(-1) for v in values if v is not None])], device)[0]
+        pieces = flat.split([v.numel() for v in values if v is not None])
+        for name, value, piece in zip(with_values, values, pieces, strict=True):
+            assert value is not None
+            out[name].fresh_values = piece.view(value.shape)
+    return out
+
+
+def _moved(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``tensors`` on ``device``; host to GPU without waiting for the GPU (page-locked)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return [t.to(device) for t in tensors]
+    return [t.pin_memory().to(device, non_blocking=True) for t in tensors]
 
 
 ROW_BUFFERS = ("row_ids", "occupied", "last_seen", "frequency")

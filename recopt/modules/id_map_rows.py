@@ -119,9 +119,17 @@ def _reset_hashed(tables: Sequence[FreshTable]) -> None:
     their initial values hashed for all tables of one width at once (a table's own hash is
     ~15 kernel launches, each a few microseconds of host time)."""
     groups: dict[tuple[torch.device, int], list[FreshTable]] = {}
-    for t in tables:
-        groups.setdefault((t.weight.device, t.weight.shape[1]), []).append(t)
     with torch.no_grad():
+        for t in tables:
+            values = t.fresh.fresh_values  # made on a pipeline's worker and copied over
+            if values is not None and values.shape == (
+                t.fresh.fresh_rows.numel(),
+                t.weight.shape[1],
+            ):
+                t.weight[t.fresh.fresh_rows] = values.to(t.weight.device, t.weight.dtype)
+                reset_state_rows(t.optimizer_name, t.states, t.fresh.fresh_rows)
+            else:
+                groups.setdefault((t.weight.device, t.weight.shape[1]), []).append(t)
         for (device, dim), group in groups.items():
             ids = torch.cat([t.fresh.fresh_ids for t in group])
             sizes = [t.fresh.fresh_ids.numel() for t in group]

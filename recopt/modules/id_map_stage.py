@@ -61,9 +61,15 @@ class RemapStage:
             if t.name in id_maps and t.init_fn is None and t.weight_dtype is Precision.FP32
         }
 
-    def start(self, features: KeyedJaggedTensor, threads: int | None) -> AheadRemap | None:
-        """Remap a training batch ahead of its forward; None where the maps step inline
-        (fault tolerance's observers or peers: the forward remaps it)."""
+    def start(
+        self,
+        features: KeyedJaggedTensor,
+        threads: int | None,
+        host_features: KeyedJaggedTensor | None = None,
+    ) -> AheadRemap | None:
+        """Remap a training batch ahead of its forward (from ``host_features``, the batch in
+        host memory, where the maps are there: `start_ahead`); None where the maps step
+        inline (fault tolerance's observers or peers: the forward remaps it)."""
         if not self.id_maps.can_step_ahead():
             return None
         now = time.perf_counter()
@@ -77,6 +83,7 @@ class RemapStage:
             self._weight_dtype,
             threads,
             self._fresh_tables if fill else None,
+            host_features,
         )
 
     def push(self, remap: AheadRemap | None) -> None:

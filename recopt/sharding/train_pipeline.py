@@ -39,6 +39,7 @@ class _Queued:
     started: list[Any] | None = None  # per sharded collection, once distributed
     remaps: list[Any] | None = None  # per unsharded id-mapped collection, once remapped
     copy_done: Any = None  # the side stream's event (CUDA)
+    host: Any = None  # the batch in host memory (CUDA, id maps: they remap from it)
 
 
 def default_sparse_input(batch: Any) -> KeyedJaggedTensor:
@@ -188,16 +189,17 @@ class TrainPipelineSparseDist:
             return
         state_dict = getattr(dataloader_iter, "state_dict", None)
         state = state_dict() if callable(state_dict) else None
-        event = None
+        event, host = None, None
         if self._stream is not None:
             batch = _pinned(batch)  # an asynchronous copy needs page-locked host memory
+            host = batch if self.remapping else None
             with torch.cuda.stream(self._stream):
                 batch = batch.to(self.device, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
         else:
             batch = batch.to(self.device)
-        self._queue.append(_Queued(batch, state, copy_done=event))
+        self._queue.append(_Queued(batch, state, copy_done=event, host=host))
         self._record("copy", start)
 
     def _start_input_dist(self, queued: _Queued) -> None:
@@ -215,7 +217,9 @@ class TrainPipelineSparseDist:
             queued.started = [m.start_input_dist(features, ahead) for m in self.sharded]
             if self._training:  # evaluation only reads the maps: in its forward
                 threads = self.remap_threads
-                queued.remaps = [m.start_remap(features, threads) for m in self.remapping]
+                # Maps kept on the host remap from the batch there: no read back from the GPU.
+                host = None if queued.host is None else self.sparse_input(queued.host)
+                queued.remaps = [m.start_remap(features, threads, host) for m in self.remapping]
         self._record("input_dist", start)
 
     def _restart_if_stale(self) -> None:
