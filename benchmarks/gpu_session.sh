@@ -3,6 +3,8 @@
 # CUDA 13, 16 cores), in calls that each end within the device tool's 10 minutes per command:
 #
 #   bash benchmarks/gpu_session.sh check     # HERE, before any device call: the size it carries
+#   bash benchmarks/gpu_session.sh core      # a 15-minute lease: the cuda tier, id maps, kernels
+#                                            # DLRM/A, DLRM vs TorchRec (about 5 min; then `contract`)
 #   bash benchmarks/gpu_session.sh tests     # smoke, compiled Triton tests, test_cuda.py, the
 #                                            # rest of -m cuda, then the suite in the time left
 #   bash benchmarks/gpu_session.sh contract  # the shared-GPU contract test, alone in its call
@@ -128,19 +130,42 @@ suite() {
   grep -E "^(FAILED|ERROR)" "$out/suite.log" 2>/dev/null | head -n 40
 }
 
-tests() {
-  smoke
-  # What this session exists for first, on one process, each step's log and XML kept as they
-  # come: the Triton kernels compiled (no interpreter on a GPU host), then test_cuda.py's
-  # CPU-vs-CUDA checks, then the rest of the cuda tier without the shared-GPU contract test
-  # (its own call: `contract`), then the rest of the suite in the time left.
+# The cuda tier on one process, each step's log kept as it comes: the Triton kernels compiled
+# (no interpreter on a GPU host), then test_cuda.py's CPU-vs-CUDA checks, then the rest of the
+# tier without the shared-GPU contract test (its own call: `contract`).
+cuda_tier() {
   run_pytest triton "$(budget 120)" -v tests/test_triton_sparse.py tests/test_triton_adafactor.py
   run_pytest cuda_checks "$(budget 150)" -v tests/test_cuda.py
   run_pytest cuda "$(budget 200)" -m cuda -v \
     --ignore=tests/test_triton_sparse.py --ignore=tests/test_triton_adafactor.py \
     --ignore=tests/test_sharding_contract.py --ignore=tests/test_cuda.py
   grep -hE "^(FAILED|ERROR)" "$out"/triton.log "$out"/cuda_checks.log "$out"/cuda.log 2>/dev/null | head -n 40
-  suite
+}
+
+tests() {
+  smoke
+  cuda_tier
+  suite  # the rest of the suite in the time left
+}
+
+# A 15-minute lease in one call of about 5 minutes (2026-11-28 on an H200: setup 16 s, smoke
+# 16 s, Triton 19 s, test_cuda.py 50 s, the rest of the tier 54 s, the id-map figures about
+# 30 s, kernels DLRM and A 54 s, the DLRM step against TorchRec 23 s): the cuda tier, then the
+# id-map figures and the GPU figures that matter most. Seven files at most: the benchmarks'
+# JSON and tables stay under /tmp and their tables go into bench.log.
+core() {
+  smoke
+  cuda_tier
+  idmap
+  limited "$(budget 120)" python3 benchmarks/bench_gpu.py --configs DLRM,A --dlrm-dims \
+    --out /tmp/recopt-kernels.json >> "$out/bench.log" 2>&1
+  say "kernels DLRM, A: exit $?"
+  limited "$(budget 90)" python3 benchmarks/bench_gpu.py --skip-kernels \
+    --out /tmp/recopt-dlrm.json >> "$out/bench.log" 2>&1
+  say "dlrm: exit $?"
+  for f in kernels dlrm; do
+    [ -f "/tmp/recopt-$f.md" ] && tee -a "$out/bench.log" < "/tmp/recopt-$f.md"
+  done
 }
 
 contract() {
@@ -185,7 +210,7 @@ if [ "${BASH_SOURCE[0]}" != "$0" ]; then return 0; fi
 
 case $mode in
   check) check; exit $? ;;
-  tests | contract | bench | suite | smoke | idmap) setup && "$mode" ;;
-  *) echo "usage: $0 check|tests|contract|bench|suite|smoke|idmap" >&2; exit 2 ;;
+  core | tests | contract | bench | suite | smoke | idmap) setup && "$mode" ;;
+  *) echo "usage: $0 check|core|tests|contract|bench|suite|smoke|idmap" >&2; exit 2 ;;
 esac
 say "done in $(($(date +%s) - start)) s"
