@@ -477,3 +477,50 @@ def _all_cases(rank: int, world: int, root: str) -> list[str]:
 def test_sharded_id_maps_equal_unsharded(world: int, tmp_path: Path) -> None:
     results = run_on_ranks(_all_cases, world, str(tmp_path), timeout_s=270.0)
     assert all(r == results[0] for r in results) and len(results[0]) == 11
+
+
+def _on_a_gpu_case(rank: int, world: int, device_type: str = "cuda") -> list[str]:
+    """Sharded id-mapped tables on a GPU against the unsharded collection on CPU fed every
+    rank's batch: outputs (up to the kernels' rounding) and stats (exactly) after every step;
+    table-wise while the maps evict, expire and admit, row- and table-row-wise under
+    capacity."""
+    from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
+
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    config = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.05, eps=1e-3)
+    first = sum(2 + r for r in range(rank))
+    mine = slice(first, first + 2 + rank)
+    done = []
+    for kind, tables in (("table_wise", TABLES), ("row_wise", BIG), ("table_row_wise", BIG)):
+        torch.manual_seed(0)
+        ref = FusedEmbeddingBagCollection(tables, optimizer=config)
+        plan = construct_module_sharding_plan(tables, _requests(kind, world), world)
+        sharded = ShardedEmbeddingBagCollection(tables, plan, optimizer=config, device=device)
+        sharded.load_state_dict(ref.state_dict())
+        new_ids = 0.0
+        for step in range(STEPS):
+            out = sharded(_kjt(_bags(rank, step)).to(device)).values()
+            ref_out = ref(_kjt(_everyone(world, step))).values()
+            torch.testing.assert_close(out.cpu(), ref_out[mine], atol=1e-5, rtol=1e-5)
+            weight = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(step))
+            (out * weight[mine].to(device)).sum().backward()
+            (ref_out * weight).sum().backward()
+            assert sharded.stats() == ref.stats(), (kind, step)
+            new_ids += sum(s["new_ids"] for s in ref.stats().values())
+        assert new_ids > 0, kind
+        done.append(kind)
+    return done
+
+
+@pytest.mark.cuda
+def test_sharded_id_maps_on_a_gpu_equal_unsharded_on_cpu() -> None:
+    results = run_on_ranks(_on_a_gpu_case, 2, "cuda", timeout_s=240.0, backend="cuda:gloo")
+    assert results == [["table_wise", "row_wise", "table_row_wise"]] * 2
+
+
+def test_the_gpu_case_itself_on_cpu() -> None:
+    """The GPU case's logic, run on CPU (its GPU run needs a GPU host)."""
+    results = run_on_ranks(_on_a_gpu_case, 2, "cpu", timeout_s=240.0)
+    assert results == [["table_wise", "row_wise", "table_row_wise"]] * 2
