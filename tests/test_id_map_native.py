@@ -257,3 +257,21 @@ def test_a_map_kept_on_the_host_stays_there_through_module_moves() -> None:
         module.to("meta")
     assert all(torch.equal(b, before[name]) for name, b in kept.named_buffers())
     assert moved.buffer("frequency").device.type == "meta"
+
+
+def test_the_zero_row_check_trusts_what_the_host_read() -> None:
+    """Rows moved to a device carry ``zero_row`` (read on the host before they left), which
+    `apply_rows`' check takes instead of reading the device; without it the rows are read."""
+    from recopt.modules.id_map_lookup import _any_zero_row
+    from recopt.modules.id_map_results import results_to
+
+    empty = torch.empty(0, dtype=torch.int64)
+    with_zero = Remapped(torch.tensor([3, -1]), empty, empty)
+    without = Remapped(torch.tensor([3, 4]), empty, empty)
+    assert _any_zero_row({"a": with_zero, "b": without})
+    assert not _any_zero_row({"b": without})
+    assert results_to({"a": with_zero}, torch.device("cpu"))["a"] is with_zero  # no move
+    with_zero.zero_row, without.zero_row = False, False  # as a host read would have said
+    assert not _any_zero_row({"a": with_zero, "b": without})
+    without.zero_row = None  # one unknown: the rows are read (and hold a -1)
+    assert _any_zero_row({"a": with_zero, "b": without})

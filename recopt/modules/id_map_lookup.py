@@ -273,22 +273,15 @@ def table_ids(
 
 
 def apply_rows(
-    features: KeyedJaggedTensor,
-    layout: FeatureLayout,
-    results: Mapping[str, Remapped],
-    any_zero_row: bool | None = None,
+    features: KeyedJaggedTensor, layout: FeatureLayout, results: Mapping[str, Remapped]
 ) -> MappedBatch:
     """``features`` with each mapped table's ids replaced by ``results[table].rows_M``
-    (aligned with `table_ids`); ids of the zero row (-1) are dropped from their bags.
-    ``any_zero_row``: whether any id reads the zero row, when the caller knows (else read
-    from the rows: a host read where they are on a GPU)."""
+    (aligned with `table_ids`); ids of the zero row (-1) are dropped from their bags."""
     values = features.values()
     pieces, mapped = _row_pieces(features, layout, results)
     rows = torch.cat(pieces)
     batch = MappedBatch(features, dict(results))
-    if any_zero_row is None:
-        any_zero_row = _any_zero_row(results)
-    if not any_zero_row:
+    if not _any_zero_row(results):
         batch.features = _with_values(features, rows, features.lengths(), None)
         return batch
     dropped = torch.cat(
@@ -309,7 +302,10 @@ def apply_rows(
 
 
 def _any_zero_row(results: Mapping[str, Remapped]) -> bool:
-    """Whether an id of ``results`` reads the zero row (-1): one check over all tables."""
+    """Whether an id of ``results`` reads the zero row (-1): what the host side read before
+    the rows went to a device (``zero_row``), else one check over all tables."""
+    if results and all(r.zero_row is not None for r in results.values()):
+        return any(r.zero_row for r in results.values())
     rows = [r.rows_M for r in results.values() if r.rows_M.numel()]
     return bool(rows) and bool((torch.cat(rows) < 0).any())
 
@@ -462,8 +458,7 @@ def start_ahead(
             fill_start = time.perf_counter()
             fresh_values(results, fresh_tables, threads or torch.get_num_threads())
             remap.fill_s = time.perf_counter() - fill_start
-        any_zero = _any_zero_row(results) if on_host else None  # read on the host
-        remap.mapped = apply_rows(selected, layout, results_to(results, device), any_zero)
+        remap.mapped = apply_rows(selected, layout, results_to(results, device))
         remap.busy_s = time.perf_counter() - start - (remap.fill_s or 0.0)
 
     return ahead.submit(remap, step, background)

@@ -50,6 +50,7 @@ class Remapped:
     stats: RemapStats = field(default_factory=RemapStats)
     undo: MapUndo | None = None
     fresh_values: torch.Tensor | None = None
+    zero_row: bool | None = None  # whether an id reads the zero row, when read on the host
 
     def to(self, device: torch.device) -> Remapped:
         """The rows on ``device`` (where the batch's ids are): `results_to` of this one."""
@@ -59,9 +60,10 @@ class Remapped:
 def results_to(results: Mapping[str, Remapped], device: torch.device) -> dict[str, Remapped]:
     """``results`` with their rows (and any ``fresh_values``) on ``device``, moved in one copy
     each (the maps of a CUDA table live on the host: `recopt.modules.id_map.map_device`);
-    the undo records stay with the maps. From host to a GPU the copies go through
-    page-locked memory without waiting: they queue behind the device's work instead of
-    making the caller wait for it (a pipeline's worker runs beside the previous step)."""
+    the undo records stay with the maps, and ``zero_row`` is read before the rows leave.
+    From host to a GPU the copies go through page-locked memory without waiting: they queue
+    behind the device's work instead of making the caller wait for it (a pipeline's worker
+    runs beside the previous step)."""
     if all(r.rows_M.device == device for r in results.values()):
         return dict(results)
     parts = [t for r in results.values() for t in (r.rows_M, r.fresh_rows, r.fresh_ids)]
@@ -70,6 +72,8 @@ def results_to(results: Mapping[str, Remapped], device: torch.device) -> dict[st
         name: Remapped(next(moved), next(moved), next(moved), r.stats, r.undo)
         for name, r in results.items()
     }
+    for name, r in results.items():  # known here without reading the device later
+        out[name].zero_row = r.zero_row if r.zero_row is not None else bool((r.rows_M < 0).any())
     with_values = [name for name, r in results.items() if r.fresh_values is not None]
     if with_values:
         values = [results[name].fresh_values for name in with_values]
