@@ -7,6 +7,7 @@ run is compared with, exactly: losses, outputs, weights and optimizer state.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 from recopt.data.batch import Batch
 from recopt.modules import EmbeddingBagConfig
 from recopt.sparse import KeyedJaggedTensor
+from recopt.testing import run_on_ranks
 
 NUM_TABLES = 4
 NUM_ROWS = 40
@@ -99,8 +101,23 @@ def dmp_state(model: Any, optimizer: torch.optim.Optimizer | None) -> list[torch
     return state
 
 
-def case_failures(cases: list[Any], results: list[list[dict[str, bool]]]) -> list[Any]:
-    """``(rank, case, check)`` of every check a rank's result (per case: check -> ok) failed."""
+Runner = Callable[[int, int, dict[str, Any], str], dict[str, bool]]
+
+
+def _run_cases(
+    rank: int, world: int, runners: dict[str, Runner], cases: list[dict[str, Any]], tmp: str
+) -> list[dict[str, bool]]:
+    """On each rank: every case by its runner (``case["runner"]``, default "compare")."""
+    return [runners[c.get("runner", "compare")](rank, world, c, tmp) for c in cases]
+
+
+def failed_cases(
+    runners: dict[str, Runner], world: int, cases: list[dict[str, Any]], tmp: str
+) -> list[Any]:
+    """Run ``cases`` in one spawned group of ``world`` ranks (each case by its runner of
+    ``runners``, module-level functions returning check -> ok); ``(rank, case, check)`` of
+    every check that failed."""
+    results = run_on_ranks(_run_cases, world, runners, cases, tmp, timeout_s=270.0)
     return [
         (rank, case, name)
         for rank, per_rank in enumerate(results)

@@ -19,8 +19,8 @@ from pipeline_helpers import (
     Batches,
     TinyModel,
     UnpooledModel,
-    case_failures,
     dmp_state,
+    failed_cases,
     make_batch,
     pipelined_loop,
     plain_loop,
@@ -30,7 +30,6 @@ from pipeline_helpers import (
 from sharding_requests import requests_for
 
 from recopt.sharding.plan import ShardingType
-from recopt.testing import run_on_ranks
 
 KINDS = [*(kind.value for kind in ShardingType), "mixed"]  # every sharding type, and a mix
 NUM_BATCHES = 6
@@ -191,10 +190,6 @@ def _resume(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str, 
 RUNNERS = {"compare": _compare, "eval": _eval, "resume": _resume}
 
 
-def _all_cases(rank: int, world: int, cases: list[dict[str, Any]], tmp: str) -> list[Any]:
-    return [RUNNERS[c.get("runner", "compare")](rank, world, c, tmp) for c in cases]
-
-
 def _cases(world: int) -> list[dict[str, Any]]:
     cases: list[dict[str, Any]] = [{"kind": kind} for kind in KINDS]
     if world == 2:
@@ -217,7 +212,5 @@ def _cases(world: int) -> list[dict[str, Any]]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 3])
 def test_pipelined_training_equals_the_plain_loop(world: int, tmp_path: Path) -> None:
-    cases = _cases(world)
-    results = run_on_ranks(_all_cases, world, cases, str(tmp_path), timeout_s=270.0)
-    failures = case_failures(cases, results)
+    failures = failed_cases(RUNNERS, world, _cases(world), str(tmp_path))
     assert not failures, failures

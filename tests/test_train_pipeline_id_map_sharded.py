@@ -22,16 +22,14 @@ from pipeline_helpers import (
     Batches,
     TinyModel,
     UnpooledModel,
-    case_failures,
     dmp_state,
+    failed_cases,
     pipelined_loop,
     plain_loop,
     raw_batch,
     raw_tables,
     same,
 )
-
-from recopt.testing import run_on_ranks
 
 NUM_BATCHES = 7
 PLANS = {  # per table (the last, unmapped, column-wise)
@@ -216,10 +214,6 @@ def _guarded(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str,
 RUNNERS = {"compare": _compare, "resume": _resume, "guarded": _guarded}
 
 
-def _all_cases(rank: int, world: int, cases: list[dict[str, Any]], tmp: str) -> list[Any]:
-    return [RUNNERS[c.get("runner", "compare")](rank, world, c, tmp) for c in cases]
-
-
 def _cases(world: int) -> list[dict[str, Any]]:
     cases: list[dict[str, Any]] = [
         {"plan": "mixed", "eval": True},
@@ -239,9 +233,7 @@ def _cases(world: int) -> list[dict[str, Any]]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 3])
 def test_pipelined_sharded_id_maps_equal_the_plain_loop(world: int, tmp_path: Path) -> None:
-    cases = _cases(world)
-    results = run_on_ranks(_all_cases, world, cases, str(tmp_path), timeout_s=270.0)
-    failures = case_failures(cases, results)
+    failures = failed_cases(RUNNERS, world, _cases(world), str(tmp_path))
     assert not failures, failures
 
 
