@@ -110,9 +110,10 @@ class IdMaps(nn.ModuleDict):
                 if t.id_map is not None
             }
         )
+        on_host = home != torch.device("cpu" if device is None else device)
         for idmap in self.values():
             assert isinstance(idmap, IdMap)
-            idmap.on_host = home != torch.device("cpu" if device is None else device)
+            idmap.on_host = on_host
         self.observers: list[RemapObserver] = []
         self.peers: PeerIds | None = None
         self.ahead = AheadSteps()

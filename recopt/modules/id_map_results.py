@@ -67,29 +67,27 @@ def results_to(results: Mapping[str, Remapped], device: torch.device) -> dict[st
     if all(r.rows_M.device == device for r in results.values()):
         return dict(results)
     parts = [t for r in results.values() for t in (r.rows_M, r.fresh_rows, r.fresh_ids)]
-    moved = iter(_moved([torch.cat(parts)], device)[0].split([t.numel() for t in parts]))
+    moved = iter(_moved(torch.cat(parts), device).split([t.numel() for t in parts]))
     out = {
         name: Remapped(next(moved), next(moved), next(moved), r.stats, r.undo)
         for name, r in results.items()
     }
     for name, r in results.items():  # known here without reading the device later
         out[name].zero_row = r.zero_row if r.zero_row is not None else bool((r.rows_M < 0).any())
-    with_values = [name for name, r in results.items() if r.fresh_values is not None]
-    if with_values:
-        values = [results[name].fresh_values for name in with_values]
-        flat = _moved([torch.cat([v.reshape(-1) for v in values if v is not None])], device)[0]
-        pieces = flat.split([v.numel() for v in values if v is not None])
-        for name, value, piece in zip(with_values, values, pieces, strict=True):
-            assert value is not None
+    values = {n: r.fresh_values for n, r in results.items() if r.fresh_values is not None}
+    if values:
+        flat = _moved(torch.cat([v.reshape(-1) for v in values.values()]), device)
+        pieces = flat.split([v.numel() for v in values.values()])
+        for (name, value), piece in zip(values.items(), pieces, strict=True):
             out[name].fresh_values = piece.view(value.shape)
     return out
 
 
-def _moved(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """``tensors`` on ``device``; host to GPU without waiting for the GPU (page-locked)."""
+def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; host to GPU without waiting for the GPU (page-locked)."""
     if device.type != "cuda" or not torch.cuda.is_available():
-        return [t.to(device) for t in tensors]
-    return [t.pin_memory().to(device, non_blocking=True) for t in tensors]
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 ROW_BUFFERS = ("row_ids", "occupied", "last_seen", "frequency")

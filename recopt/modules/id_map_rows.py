@@ -95,13 +95,7 @@ def reset_fresh_tables(maps: IdMaps, tables: Sequence[FreshTable]) -> None:
             hashed.append(t)
         elif t.table.init_fn is None and cpu_id_map.can_reset(t.weight, zeroed):
             lo, hi = t.table.init_bounds()
-            step = t.fresh.stats.step
-            values = t.fresh.fresh_values
-            if values is not None and values.shape != (
-                t.fresh.fresh_rows.numel(),
-                t.weight.shape[1],
-            ):
-                values = None  # not this table's rows: hash them here
+            step, values = t.fresh.stats.step, _made_values(t)
             native.append(
                 cpu_id_map.RowReset(
                     t.weight, t.fresh.fresh_rows, t.fresh.fresh_ids, step, lo, hi, zeroed, values
@@ -114,6 +108,15 @@ def reset_fresh_tables(maps: IdMaps, tables: Sequence[FreshTable]) -> None:
     _reset_hashed(hashed)
 
 
+def _made_values(t: FreshTable) -> torch.Tensor | None:
+    """The fresh rows' initial weights made ahead (``Remapped.fresh_values``), or None when
+    none were made or they are not this table's rows (then they are hashed at the reset)."""
+    values = t.fresh.fresh_values
+    if values is None or values.shape != (t.fresh.fresh_rows.numel(), t.weight.shape[1]):
+        return None
+    return values
+
+
 def _reset_hashed(tables: Sequence[FreshTable]) -> None:
     """`init_rows` and `reset_state_rows` of uniform-initialised tables on a device (CUDA),
     their initial values hashed for all tables of one width at once (a table's own hash is
@@ -121,11 +124,8 @@ def _reset_hashed(tables: Sequence[FreshTable]) -> None:
     groups: dict[tuple[torch.device, int], list[FreshTable]] = {}
     with torch.no_grad():
         for t in tables:
-            values = t.fresh.fresh_values  # made on a pipeline's worker and copied over
-            if values is not None and values.shape == (
-                t.fresh.fresh_rows.numel(),
-                t.weight.shape[1],
-            ):
+            values = _made_values(t)  # made on a pipeline's worker and copied over
+            if values is not None:
                 t.weight[t.fresh.fresh_rows] = values.to(t.weight.device, t.weight.dtype)
                 reset_state_rows(t.optimizer_name, t.states, t.fresh.fresh_rows)
             else:
