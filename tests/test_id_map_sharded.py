@@ -29,9 +29,11 @@ from recopt.modules import (
     IdMapConfig,
     InvalidIdError,
 )
-from recopt.modules.id_map import IdMap
+from recopt.modules.id_map import IdMap, map_device
 from recopt.modules.id_map_rows import hash_uniform, route_shard
 from recopt.sharding import (
+    ParameterSharding,
+    ShardedEmbeddingBagCollection,
     column_wise,
     construct_module_sharding_plan,
     row_wise,
@@ -510,8 +512,34 @@ def _on_a_gpu_case(rank: int, world: int, device_type: str = "cuda") -> list[str
             assert sharded.stats() == ref.stats(), (kind, step)
             new_ids += sum(s["new_ids"] for s in ref.stats().values())
         assert new_ids > 0, kind
+        maps = sharded.id_maps
+        assert maps is not None and maps.home == map_device(device)  # the host, for a GPU
+        assert all(maps.table_map(n).buffer("occupied").device == maps.home for n in maps)
+        _saved_maps_reload(sharded, tables, plan, config, device, _kjt(_bags(rank, STEPS)))
         done.append(kind)
     return done
+
+
+def _saved_maps_reload(
+    sharded: ShardedEmbeddingBagCollection,
+    tables: Sequence[EmbeddingBagConfig],
+    plan: dict[str, ParameterSharding],
+    config: FusedOptimizerConfig,
+    device: torch.device,
+    batch: KeyedJaggedTensor,
+) -> None:
+    """The state (maps as ShardedTensors where they live) loads into a fresh collection
+    that then reads the same rows: an evaluation forward equals the saved one's."""
+    state = sharded.state_dict()
+    row_ids = next(v for k, v in state.items() if k.endswith("row_ids"))
+    assert all(s.tensor.device == map_device(device) for s in row_ids.local_shards())
+    again = ShardedEmbeddingBagCollection(tables, plan, optimizer=config, device=device)
+    again.load_state_dict(state)
+    sharded.eval()
+    again.eval()
+    with torch.no_grad():
+        expected = sharded(batch.to(device)).values()
+        torch.testing.assert_close(again(batch.to(device)).values(), expected)
 
 
 @pytest.mark.cuda

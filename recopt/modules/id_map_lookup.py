@@ -110,10 +110,11 @@ class IdMaps(nn.ModuleDict):
                 if t.id_map is not None
             }
         )
-        on_host = home != torch.device("cpu" if device is None else device)
+        self.home = home
+        self.on_host = home != torch.device("cpu" if device is None else device)
         for idmap in self.values():
             assert isinstance(idmap, IdMap)
-            idmap.on_host = on_host
+            idmap.on_host = self.on_host
         self.observers: list[RemapObserver] = []
         self.peers: PeerIds | None = None
         self.ahead = AheadSteps()
@@ -148,6 +149,11 @@ class IdMaps(nn.ModuleDict):
         if all(t.id_map is None for t in tables):
             return None
         return IdMaps(tables, device)
+
+    def put(self, name: str, idmap: IdMap) -> None:
+        """Add table ``name``'s map, built on ``home`` (a shard's, in a sharded collection)."""
+        idmap.on_host = self.on_host
+        self[name] = idmap
 
     def table_map(self, name: str) -> IdMap:
         """The map of table ``name``."""
@@ -187,10 +193,21 @@ class IdMaps(nn.ModuleDict):
             gathered = self.peers.gather(ids, False)
             if gathered is not None:
                 return step_with_peers(self, *gathered)
-        if training and self.observers:  # a guarded step: per table, with undo records
-            return {name: self.step(name, ids[name]) for name in ids}
-        # the native maps: one call for all
-        return remap_tables({name: self.table_map(name) for name in ids}, ids, training)
+        if training:
+            return self.step_many(ids)
+        return remap_tables({name: self.table_map(name) for name in ids}, ids, False)
+
+    def step_many(
+        self, ids: Mapping[str, torch.Tensor], record_undo: bool = False
+    ) -> dict[str, Remapped]:
+        """One training step of each map of ``ids`` (table -> raw ids): per table through
+        `step` while observers watch (a guarded step, with undo records), else the native
+        maps in one call (`remap_tables`). ``record_undo``: each result carries its undo
+        record in any case."""
+        if self.observers:
+            return {name: self.step(name, ids[name], record_undo) for name in ids}
+        maps = {name: self.table_map(name) for name in ids}
+        return remap_tables(maps, ids, True, record_undo)
 
     def step(self, name: str, ids_M: torch.Tensor, record_undo: bool = False) -> Remapped:
         """A training `IdMap.remap` of table ``name``, shown to the observers (with its undo

@@ -35,6 +35,8 @@ from recopt.modules.id_map_lookup import (
     table_ids,
     unmapped_check,
 )
+from recopt.modules.id_map_native import remap_tables
+from recopt.modules.id_map_results import results_to
 from recopt.modules.id_map_rows import FreshTable, reset_fresh_tables
 from recopt.modules.inputs import FeatureLayout, PendingCheck
 from recopt.modules.variable_batch import regular_batch
@@ -102,12 +104,14 @@ class ShardedIdMaps:
             self._shards, self.names, dist.get_world_size(group), self._rank, group, timeout, device
         )
         own = {s.name: s for s in self._exchange.mine}
-        self.maps = IdMaps([], device)
+        self.maps = IdMaps([], device)  # on the host for CUDA tables (`map_device`)
+        home = self.maps.home
         for table in self.tables:
             if table.id_map is not None:
                 shard = own.get(table.name)
-                self.maps[table.name] = (
-                    step_counter(device) if shard is None else shard_map(table, shard, device)
+                self.maps.put(
+                    table.name,
+                    step_counter(home) if shard is None else shard_map(table, shard, home),
                 )
         # Where each own shard's weight and state are: (kernel, its table index, optimizer).
         groups = [*layout.mp_groups, *layout.dp_groups]
@@ -115,6 +119,8 @@ class ShardedIdMaps:
         for group_layout, kernel in zip(groups, kernels, strict=True):
             for i, tk in enumerate(group_layout.tables):
                 self._where[tk] = (kernel, i, group_layout.optimizer.name)
+        # Each own shard's weight and optimizer state views, made at its first fresh rows.
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self._stats = {name: RemapStats() for name in self.names}
         self._unread_stats: torch.Tensor | None = None  # the last step's, read when asked for
         self.relocate_pending = False
@@ -258,48 +264,61 @@ class ShardedIdMaps:
         self, received: ReceivedIds, training: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Remap the received ids with this rank's shard maps (training: one step of every
-        map, counters included, and the fresh rows reset); their global rows, and in training
-        the shards' statistics ``[own shards, len(STAT_FIELDS)]``."""
-        parts = received.ids_R.split(received.column_sizes)
-        rows, stats, resets = [], [], []
-        for shard, ids in zip(self._exchange.mine, parts, strict=True):
-            if training:
-                result = self._step_map(shard.name, ids)
-                if result.fresh_rows.numel():  # else: no need to split weights and states
-                    resets.append(self._fresh_table(shard, result))
-                stats.append(_shard_stats(shard, result.stats))
-            else:
-                result = self.maps.table_map(shard.name).remap(ids, False)
-            local = result.rows_M
-            rows.append(torch.where(local >= 0, local + shard.row_offset, local))
+        map, counters included, all in one native call where it can); their global rows, and
+        in training the shards' statistics ``[own shards, len(STAT_FIELDS)]``.
+
+        Maps kept on the host (a CUDA collection's) get the ids in one copy and send the
+        rows back in one, with the fresh rows the forward resets."""
+        mine = self._exchange.mine
+        ids_R = received.ids_R.to(self.maps.home)
+        ids = dict(zip([s.name for s in mine], ids_R.split(received.column_sizes), strict=True))
+        if training:
+            # the step counters of the tables held elsewhere step too (with no ids)
+            ids.update({name: ids_R[:0] for name in self.names if name not in ids})
+            results = self.maps.step_many(ids, record_undo=self._ahead is not None)
+            if self._ahead is not None:
+                for name, result in results.items():
+                    assert result.undo is not None
+                    self._ahead.undo[name] = result.undo
+        else:
+            maps = {s.name: self.maps.table_map(s.name) for s in mine}
+            results = remap_tables(maps, ids, False)
+        placed = {}
+        for shard in mine:
+            r = results[shard.name]
+            rows = torch.where(r.rows_M >= 0, r.rows_M + shard.row_offset, r.rows_M)
+            placed[shard.name] = Remapped(rows, r.fresh_rows, r.fresh_ids, r.stats)
+        placed = results_to(placed, received.ids_R.device)
+        rows_R = _cat([placed[s.name].rows_M for s in mine], received.ids_R)
         if not training:
-            return _cat(rows, received.ids_R), None
-        owned = {shard.name for shard in self._exchange.mine}
-        for name in self.names:
-            if name not in owned:  # the step counter of a table held elsewhere
-                self._step_map(name, received.ids_R[:0])
+            return rows_R, None
+        resets = [
+            self._fresh_table(s, placed[s.name]) for s in mine if placed[s.name].fresh_rows.numel()
+        ]
+        stats = [_shard_stats(s, results[s.name].stats) for s in mine]
         self._step = ShardStep(resets, None, self._ahead)  # reset when the forward takes it
         if self._ahead is not None:
             self.maps.ahead.add(self._ahead)
         shape = (len(stats), len(STAT_FIELDS))
         table = torch.tensor(stats, dtype=torch.int64).reshape(shape)
-        return _cat(rows, received.ids_R), table.to(self._device)
-
-    def _step_map(self, name: str, ids: torch.Tensor) -> Remapped:
-        """One training step of map ``name`` (with its undo record when started ahead)."""
-        result = self.maps.step(name, ids, record_undo=self._ahead is not None)
-        if self._ahead is not None:
-            assert result.undo is not None
-            self._ahead.undo[name] = result.undo
-        return result
+        return rows_R, table.to(self._device)
 
     def _fresh_table(self, shard: MapShard, result: Remapped) -> FreshTable:
         """The shard's fresh rows to re-initialise (hashed init), with its weight and optimizer
         state (their zeroing)."""
-        kernel, i, optimizer = self._where[(shard.table, shard.shard)]
-        weight = kernel.split_embedding_weights()[i]
-        states = kernel.split_optimizer_states()[i]
-        return FreshTable(self.tables[shard.table], optimizer, weight, states, result)
+        key = (shard.table, shard.shard)
+        if key not in self._views:  # the kernel's views, made once (fbgemm's: ~0.1 ms a call)
+            kernel, i, _ = self._where[key]
+            self._views[key] = (
+                kernel.split_embedding_weights()[i],
+                kernel.split_optimizer_states()[i],
+            )
+        weight, states = self._views[key]
+        return FreshTable(self.tables[shard.table], self._where[key][2], weight, states, result)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy`` of the collection) makes its own views of its kernels."""
+        return {**self.__dict__, "_views": {}}
 
     def _record_stats(self, every: torch.Tensor) -> None:
         """Sum every shard's statistics (``[C, len(STAT_FIELDS)]``) into each table's."""
@@ -360,7 +379,7 @@ class ShardedIdMaps:
             buffers = self.maps.ahead.committed(name, buffers)
         local = buffers if own else None
         states: dict[str, Any] = dict(
-            map_state(self.tables[t], shards, local, self._rank, self._pg, self._device)
+            map_state(self.tables[t], shards, local, self._rank, self._pg, self.maps.home)
         )
         states["step"] = buffers["step"]
         return states
