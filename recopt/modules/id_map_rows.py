@@ -189,14 +189,15 @@ def fresh_values(
         result.fresh_values = value
 
 
-def route_shard(ids_M: torch.Tensor, num_shards: int) -> torch.Tensor:
+def route_shard(ids_M: torch.Tensor, num_shards: int | torch.Tensor) -> torch.Tensor:
     """The row shard (``0 .. num_shards - 1``) that owns each raw id of an id-mapped table.
 
     A fixed function of the raw id alone (splitmix64 of the id, unrelated to `hash_uniform`'s
     draws), the same on every device, rank and version: a sharded table's ids go to the shard
     that keeps their map, and a checkpoint loaded under another plan re-routes them by it.
+    ``num_shards`` may be a tensor of one count per id (the ids of several tables at once).
     """
-    if num_shards == 1:
+    if isinstance(num_shards, int) and num_shards == 1:
         return torch.zeros_like(ids_M, dtype=torch.int64)
     key = _shift_right(_mix(ids_M.to(torch.int64) + _ROUTE_SALT), 1)  # 63 bits: >= 0
     return key % num_shards

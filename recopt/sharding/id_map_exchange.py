@@ -81,12 +81,25 @@ class IdExchange:
         self._timeout = timeout
         self._device = device
         index = {(c.name, c.shard): i for i, c in enumerate(self.columns)}
-        self._column_of = {
-            name: torch.tensor(
-                [index[(name, k)] for k in range(self._num_shards(name))], device=device
-            )
-            for name in self._names
-        }
+        # The column of each (table, shard), tables in ``names`` order: table t's shard k at
+        # ``_first_T[t] + k``; sorted on as int16 (3x faster than int64 on a CPU) when it fits.
+        counts = [self._num_shards(name) for name in self._names]
+        self._columns = torch.tensor(
+            [
+                index[(name, k)]
+                for name, n in zip(self._names, counts, strict=True)
+                for k in range(n)
+            ],
+            dtype=torch.int64,
+            device=device,
+        )
+        self._first_T = torch.tensor(
+            [sum(counts[:t]) for t in range(len(counts))], dtype=torch.int64, device=device
+        )
+        self._shards_T = torch.tensor(counts, dtype=torch.int64, device=device)
+        # one shard count for all tables (an int: the cheaper modulo), or None
+        self._uniform = counts[0] if counts and all(n == counts[0] for n in counts) else None
+        self._key = torch.int16 if len(self.columns) < 2**15 else torch.int64
         owner = torch.tensor([c.rank for c in self.columns], device=device)
         self._dest_W_C = owner.unsqueeze(0) == torch.arange(world_size, device=device).unsqueeze(1)
         self._stats_from = [
@@ -99,13 +112,19 @@ class IdExchange:
     def route(self, ids: Mapping[str, Tensor]) -> RoutedIds:
         """This rank's ids by table, sorted by the column (owner shard) each belongs to."""
         parts = [ids[name].to(self._device, torch.int64) for name in self._names]
-        columns = [
-            self._column_of[name][route_shard(part, self._num_shards(name))]
-            for name, part in zip(self._names, parts, strict=True)
-        ]
         ids_M = torch.cat(parts)
-        column_M = torch.cat(columns)
-        order_M = torch.sort(column_M, stable=True).indices
+        # All tables' ids hashed at once (a table's own hash is ~12 ops: launches on a GPU).
+        sizes = torch.tensor([p.numel() for p in parts], dtype=torch.int64, device=self._device)
+        first_M = self._first_T.repeat_interleave(sizes, output_size=ids_M.numel())
+        if self._uniform != 1:
+            shards: int | Tensor = (
+                self._uniform
+                if self._uniform is not None
+                else self._shards_T.repeat_interleave(sizes, output_size=ids_M.numel())
+            )
+            first_M = first_M + route_shard(ids_M, shards)
+        column_M = self._columns[first_M]
+        order_M = torch.sort(column_M.to(self._key), stable=True).indices
         counts_C = torch.zeros(len(self.columns), dtype=torch.int64, device=self._device)
         counts_C.index_add_(0, column_M, torch.ones_like(column_M))  # no size from the data
         return RoutedIds(ids_M[order_M], order_M, counts_C)
