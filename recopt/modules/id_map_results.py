@@ -67,7 +67,7 @@ def results_to(results: Mapping[str, Remapped], device: torch.device) -> dict[st
     if all(r.rows_M.device == device for r in results.values()):
         return dict(results)
     parts = [t for r in results.values() for t in (r.rows_M, r.fresh_rows, r.fresh_ids)]
-    moved = iter(_moved(torch.cat(parts), device).split([t.numel() for t in parts]))
+    moved = iter(to_device(torch.cat(parts), device).split([t.numel() for t in parts]))
     out = {
         name: Remapped(next(moved), next(moved), next(moved), r.stats, r.undo)
         for name, r in results.items()
@@ -76,14 +76,14 @@ def results_to(results: Mapping[str, Remapped], device: torch.device) -> dict[st
         out[name].zero_row = r.zero_row if r.zero_row is not None else bool((r.rows_M < 0).any())
     values = {n: r.fresh_values for n, r in results.items() if r.fresh_values is not None}
     if values:
-        flat = _moved(torch.cat([v.reshape(-1) for v in values.values()]), device)
+        flat = to_device(torch.cat([v.reshape(-1) for v in values.values()]), device)
         pieces = flat.split([v.numel() for v in values.values()])
         for (name, value), piece in zip(values.items(), pieces, strict=True):
             out[name].fresh_values = piece.view(value.shape)
     return out
 
 
-def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``tensor`` on ``device``; host to GPU without waiting for the GPU (page-locked)."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return tensor.to(device)

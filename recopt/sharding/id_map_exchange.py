@@ -155,7 +155,7 @@ class IdExchange:
         labels_R = torch.repeat_interleave(
             columns, recv_W_C[:, 1:].reshape(-1), output_size=ids_R.numel()
         )
-        perm_R = torch.sort(labels_R, stable=True).indices
+        perm_R = torch.sort(labels_R.to(self._key), stable=True).indices
         first = self._first_mine
         sizes = [sum(row[1 + first + i] for row in received) for i in range(len(self.mine))]
         return ReceivedIds(routed, ids_R[perm_R], perm_R, sizes, send_splits, recv_splits)

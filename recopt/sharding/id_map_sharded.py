@@ -36,7 +36,7 @@ from recopt.modules.id_map_lookup import (
     unmapped_check,
 )
 from recopt.modules.id_map_native import remap_tables
-from recopt.modules.id_map_results import results_to
+from recopt.modules.id_map_results import results_to, to_device
 from recopt.modules.id_map_rows import FreshTable, reset_fresh_tables
 from recopt.modules.inputs import FeatureLayout, PendingCheck
 from recopt.modules.variable_batch import regular_batch
@@ -119,6 +119,10 @@ class ShardedIdMaps:
         for group_layout, kernel in zip(groups, kernels, strict=True):
             for i, tk in enumerate(group_layout.tables):
                 self._where[tk] = (kernel, i, group_layout.optimizer.name)
+        # Where each own shard's rows start in the table (``mine`` order), on the maps' side.
+        self._row_offsets = torch.tensor(
+            [s.row_offset for s in self._exchange.mine], dtype=torch.int64, device=home
+        )
         # Each own shard's weight and optimizer state views, made at its first fresh rows.
         self._views: dict[tuple[int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self._stats = {name: RemapStats() for name in self.names}
@@ -283,18 +287,16 @@ class ShardedIdMaps:
         else:
             maps = {s.name: self.maps.table_map(s.name) for s in mine}
             results = remap_tables(maps, ids, False)
-        placed = {}
-        for shard in mine:
-            r = results[shard.name]
-            rows = torch.where(r.rows_M >= 0, r.rows_M + shard.row_offset, r.rows_M)
-            placed[shard.name] = Remapped(rows, r.fresh_rows, r.fresh_ids, r.stats)
-        placed = results_to(placed, received.ids_R.device)
-        rows_R = _cat([placed[s.name].rows_M for s in mine], received.ids_R)
+        device = received.ids_R.device
+        local_R = _cat([results[s.name].rows_M for s in mine], ids_R)
+        sizes = torch.tensor(received.column_sizes, dtype=torch.int64)
+        offset_R = self._row_offsets.repeat_interleave(sizes, output_size=local_R.numel())
+        rows_R = to_device(torch.where(local_R >= 0, local_R + offset_R, local_R), device)
         if not training:
             return rows_R, None
-        resets = [
-            self._fresh_table(s, placed[s.name]) for s in mine if placed[s.name].fresh_rows.numel()
-        ]
+        fresh = {s.name: results[s.name] for s in mine if results[s.name].fresh_rows.numel()}
+        fresh = results_to(fresh, device)  # the rows to reset, where the tables are
+        resets = [self._fresh_table(s, fresh[s.name]) for s in mine if s.name in fresh]
         stats = [_shard_stats(s, results[s.name].stats) for s in mine]
         self._step = ShardStep(resets, None, self._ahead)  # reset when the forward takes it
         if self._ahead is not None:
