@@ -134,9 +134,20 @@ class StreamResult:
     admissions: float
     occupancy: float
     warmup: int
+    syncs: dict[str, float] = dataclasses.field(default_factory=dict)  # per step, on CUDA
 
     def median(self, key: str) -> float:
         return statistics.median(self.times[key])
+
+
+def _syncs(steps: dict[str, Callable[[int], object]], device: str) -> dict[str, float]:
+    """On CUDA: each candidate's host syncs per step over 3 steps (`bench_gpu.host_syncs`:
+    stream/device syncs and blocking copies, which stop the host from queuing ahead)."""
+    if torch.device(device).type != "cuda":
+        return {}
+    from bench_gpu import host_syncs
+
+    return {key: host_syncs(step, 3)["syncs"] for key, step in steps.items()}
 
 
 class _Setup:
@@ -210,9 +221,17 @@ def measure(
             churn.append({k: float(v) for k, v in _mean_stats(setup).items()})
         measured += 1
     mean = {k: statistics.mean(c[k] for c in churn) for k in churn[0]}
+    after = [batch(step + i).to(device) for i in range(3)]
+    syncs = _syncs(
+        {
+            "modulo step": lambda i: setup.step(setup.modulo, after[i] % rows)(),
+            "id_map step": lambda i: setup.step(setup.mapped, after[i])(),
+        },
+        device,
+    )
     return StreamResult(
         stream, times, mean["new_ids"], mean["evictions"], mean["admissions"],
-        mean["occupancy"], step - steps,
+        mean["occupancy"], step - steps, syncs,
     )  # fmt: skip
 
 
@@ -241,6 +260,7 @@ def report(results: list[StreamResult], rows: int, device: str = "cpu") -> None:
             f"  per table per step: new ids {r.new_ids:.0f}, evictions {r.evictions:.0f}, "
             f"admissions {r.admissions:.0f}, occupancy {r.occupancy:.3f}"
         )
+        _print_syncs(r)
     print(
         "\n| stream | new ids / evictions per table per step | modulo ms | id_map ms | "
         "id_map extra | remap ms | remap / modulo | remap M ids/s |"
@@ -253,6 +273,12 @@ def report(results: list[StreamResult], rows: int, device: str = "cpu") -> None:
             f"{mapped * 1e3:.1f} | {(mapped - base) / base:+.0%} | {remap * 1e3:.2f} | "
             f"{remap / base:.0%} | {NUM_TABLES * BATCH / remap / 1e6:.1f} |"
         )
+
+
+def _print_syncs(r: StreamResult) -> None:
+    if r.syncs:
+        each = ", ".join(f"{key} {n:.2f}" for key, n in r.syncs.items())
+        print(f"  [{r.stream}] host syncs per step: {each}")
 
 
 def per_id_costs(rows: int, rounds: int) -> dict[str, float]:
@@ -384,9 +410,17 @@ def measure_pipelined(
             churn.append(_mean_stats(setup))
         measured += 1
     mean = {k: statistics.mean(c[k] for c in churn) for k in churn[0]}
+    data.make(step + 8)
+    syncs = _syncs(
+        {
+            "modulo step": lambda i: pipelines["modulo step"][0].progress(modulo_batches),
+            "id_map step": lambda i: mapped_step(*pipelines["id_map step"]),
+        },
+        device,
+    )
     return StreamResult(
         f"{stream}, pipelined", times, mean["new_ids"], mean["evictions"], mean["admissions"],
-        mean["occupancy"], step - steps,
+        mean["occupancy"], step - steps, syncs,
     )  # fmt: skip
 
 
@@ -412,6 +446,8 @@ def report_pipelined(
             f"| {r.stream} | {r.new_ids:.0f} / {r.evictions:.0f} | {base * 1e3:.1f} | "
             f"{mapped * 1e3:.1f} | {(mapped - base) / base:+.0%} | {paired:+.0%} |"
         )
+    for r in results:
+        _print_syncs(r)
 
 
 def main(argv: list[str] | None = None) -> None:

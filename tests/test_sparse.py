@@ -224,6 +224,21 @@ def test_to_device_keeps_everything() -> None:
     assert jt.values().device.type == "meta" and jt.weights().device.type == "meta"
 
 
+def test_with_values_swaps_the_values_and_keeps_the_rest() -> None:
+    kjt = sample_kjt()
+    kjt.length_per_key()  # counts known: the new KJT keeps them (no second check or sync)
+    rows = torch.arange(100, 107)
+    swapped = kjt.with_values(rows)
+    assert swapped.values() is rows and swapped.weights() is kjt.weights()
+    assert swapped.length_per_key_or_none() == [3, 4]
+    assert torch.equal(swapped.lengths(), kjt.lengths()) and swapped.keys() == kjt.keys()
+    assert swapped["item"].to_dense()[1].tolist() == [104, 105, 106]
+    assert torch.equal(kjt.values(), torch.arange(1, 8))  # the original is untouched
+    for bad in (torch.arange(6), torch.zeros(7, 2)):
+        with pytest.raises(ValueError, match=r"with_values: .* need \(7,\)"):
+            kjt.with_values(bad)
+
+
 def test_repr_is_readable() -> None:
     text = repr(sample_kjt(weighted=False))
     assert text.startswith("KeyedJaggedTensor(stride=3, weighted=False")

@@ -300,7 +300,7 @@ def apply_rows(
     rows = torch.cat(pieces)
     batch = MappedBatch(features, dict(results))
     if not _any_zero_row(results):
-        batch.features = _with_values(features, rows, features.lengths(), None)
+        batch.features = features.with_values(rows)  # its counts, read already, hold
         return batch
     dropped = torch.cat(
         [piece < 0 if is_mapped else torch.zeros_like(piece, dtype=torch.bool)
@@ -312,8 +312,12 @@ def apply_rows(
     )
     kept = torch.zeros_like(lengths).index_add_(0, bag_M, (~dropped).to(lengths.dtype))
     weights = features.weights_or_none()
-    batch.features = _with_values(
-        features, rows[~dropped], kept, None if weights is None else weights[~dropped]
+    batch.features = KeyedJaggedTensor(
+        features.keys(),
+        rows[~dropped],
+        weights=None if weights is None else weights[~dropped],
+        lengths=kept,
+        stride=features.stride(),
     )
     batch.lengths_before = lengths
     return batch
@@ -349,22 +353,6 @@ def _row_pieces(
     pieces.append(values[bounds[len(layout.table_names)] :])  # past the layout's features
     mapped.append(False)
     return pieces, mapped
-
-
-def _with_values(
-    features: KeyedJaggedTensor,
-    values: torch.Tensor,
-    lengths: torch.Tensor,
-    weights: torch.Tensor | None,
-) -> KeyedJaggedTensor:
-    same = values.shape[0] == features.values().shape[0]
-    return KeyedJaggedTensor(
-        features.keys(),
-        values,
-        weights=features.weights_or_none() if same else weights,
-        lengths=lengths,
-        stride=features.stride(),
-    )
 
 
 def mean_scale(

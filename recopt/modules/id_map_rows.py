@@ -19,7 +19,7 @@ import torch
 from recopt.kernels import cpu_id_map
 from recopt.kernels.registry import StateShape, optimizer_spec
 from recopt.modules.config import BaseEmbeddingConfig
-from recopt.modules.id_map_results import Remapped
+from recopt.modules.id_map_results import Remapped, to_device
 
 if TYPE_CHECKING:
     from recopt.modules.id_map_lookup import IdMaps
@@ -133,11 +133,14 @@ def _reset_hashed(tables: Sequence[FreshTable]) -> None:
         for (device, dim), group in groups.items():
             ids = torch.cat([t.fresh.fresh_ids for t in group])
             sizes = [t.fresh.fresh_ids.numel() for t in group]
-            counts = torch.tensor(sizes, device=device)
-            per_table = torch.tensor(  # each table's step (exact below 2^53) and init bounds
-                [(t.fresh.stats.step, *t.table.init_bounds()) for t in group],
-                dtype=torch.float64,
-                device=device,
+            # made on the host and copied without waiting (a plain copy would wait for the GPU)
+            counts = to_device(torch.tensor(sizes), device)
+            per_table = to_device(  # each table's step (exact below 2^53) and init bounds
+                torch.tensor(
+                    [(t.fresh.stats.step, *t.table.init_bounds()) for t in group],
+                    dtype=torch.float64,
+                ),
+                device,
             ).repeat_interleave(counts, dim=0, output_size=ids.numel())
             steps, lo_hi = per_table[:, 0].to(torch.int64), per_table[:, 1:]
             unit = hash_uniform_torch(ids, steps, dim)

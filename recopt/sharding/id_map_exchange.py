@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from recopt.comm import start_all_to_all_counts, start_all_to_all_flat, wait
+from recopt.modules.id_map_results import to_device
 from recopt.modules.id_map_rows import route_shard
 from recopt.sharding.id_map_shards import MapShard
 
@@ -114,7 +115,7 @@ class IdExchange:
         parts = [ids[name].to(self._device, torch.int64) for name in self._names]
         ids_M = torch.cat(parts)
         # All tables' ids hashed at once (a table's own hash is ~12 ops: launches on a GPU).
-        sizes = torch.tensor([p.numel() for p in parts], dtype=torch.int64, device=self._device)
+        sizes = to_device(torch.tensor([p.numel() for p in parts]), self._device)  # no wait
         first_M = self._first_T.repeat_interleave(sizes, output_size=ids_M.numel())
         if self._uniform != 1:
             shards: int | Tensor = (

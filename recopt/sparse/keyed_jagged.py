@@ -301,6 +301,23 @@ class KeyedJaggedTensor(KJTLayout):
                 moved._weights = moved._weights.to(dtype)
         return moved
 
+    def with_values(self, values: torch.Tensor) -> KeyedJaggedTensor:
+        """Returns this KJT with ``values`` in place of its own (as many): keys, lengths,
+        weights and the counts already known are kept, so nothing is checked or read back
+        from a device again (id-mapped tables put their rows in a batch this way).
+
+        Raises:
+            ValueError: ``values`` is not 1-D with ``len(values())`` entries.
+        """
+        if values.dim() != 1 or values.shape[0] != self._values.shape[0]:
+            raise ValueError(
+                f"with_values: got values of shape {tuple(values.shape)}, need "
+                f"({self._values.shape[0]},) (one per entry of this KeyedJaggedTensor)"
+            )
+        moved = map_tensors(self, lambda t: t)
+        moved._values = values
+        return moved
+
     def pin_memory(self) -> KeyedJaggedTensor:
         """Returns a copy in pinned host memory."""
         return map_tensors(self, lambda t: t.pin_memory())
