@@ -212,16 +212,23 @@ def test_writes_unseen_by_version_counters_are_announced_by_buffers_changed() ->
         )
 
 
-def test_device_reset_hashes_all_tables_at_once_like_init_rows_one_by_one() -> None:
+@pytest.mark.parametrize("layout", ["own tensors", "one storage", "rows cut"])
+def test_device_reset_hashes_all_tables_at_once_like_init_rows_one_by_one(layout: str) -> None:
     """The reset of tables on a device (`_reset_hashed`: one hash per width for all tables,
     per-id steps and bounds, or the values made ahead) writes what `init_rows` +
-    `reset_state_rows` write per table."""
+    `reset_state_rows` write per table; whether each table has its own tensors, or the
+    tables are views of one weight and one state storage (fbgemm's layout: written with one
+    index each, `write_rows`), or views that do not start at a whole row of it (one by one)."""
     from recopt.modules import EmbeddingBagConfig
     from recopt.modules.id_map_results import RemapStats
     from recopt.modules.id_map_rows import FreshTable, _reset_hashed, init_rows, reset_state_rows
 
     gen = torch.Generator().manual_seed(3)
     specs = [(12, 8, 5, (-0.5, 0.25)), (12, 16, 9, (-0.1, 0.1)), (30, 8, 7, (0.0, 1.0))]
+    pad = 1 if layout == "rows cut" else 0  # an element before each table: rows cut apart
+    flat_weight = torch.randn(sum(pad + r * d for r, d, _, _ in specs), generator=gen)
+    flat_state = torch.rand(sum(r for r, _, _, _ in specs), generator=gen)
+    at = [0, 0]
     made, expected = [], []
     for i, (rows, dim, step, bounds) in enumerate(specs):
         table = EmbeddingBagConfig(
@@ -234,6 +241,11 @@ def test_device_reset_hashes_all_tables_at_once_like_init_rows_one_by_one() -> N
         if i == 1:  # values made ahead (a pipeline's worker), then copied to the device
             (fresh.fresh_values,) = cpu_id_map.fill_values([fresh_ids], [step], [dim], [bounds], 1)
         weight, state = torch.randn(rows, dim, generator=gen), torch.rand(rows, generator=gen)
+        if layout != "own tensors":
+            start = at[0] + pad
+            weight = flat_weight[start : start + rows * dim].view(rows, dim)
+            state = flat_state[at[1] : at[1] + rows]
+            at[0], at[1] = start + rows * dim, at[1] + rows
         want_weight, want_state = weight.clone(), state.clone()
         init_rows(table, want_weight, fresh, step)
         reset_state_rows("row_wise_adagrad", {"momentum1": want_state}, fresh_rows)

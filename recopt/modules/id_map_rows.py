@@ -10,6 +10,7 @@ Legend: M ids, K fresh rows, D row width.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -120,16 +121,17 @@ def _made_values(t: FreshTable) -> torch.Tensor | None:
 def _reset_hashed(tables: Sequence[FreshTable]) -> None:
     """`init_rows` and `reset_state_rows` of uniform-initialised tables on a device (CUDA),
     their initial values hashed for all tables of one width at once (a table's own hash is
-    ~15 kernel launches, each a few microseconds of host time)."""
+    ~15 kernel launches, each a few microseconds of host time), and all rows written through
+    `write_rows` (one index per storage: fbgemm keeps a kernel's tables in one)."""
+    writes: list[RowWrite] = []
     groups: dict[tuple[torch.device, int], list[FreshTable]] = {}
+    for t in tables:
+        values = _made_values(t)  # made on a pipeline's worker and copied over
+        if values is not None:
+            writes.append((t.weight, t.fresh.fresh_rows, values))
+        else:
+            groups.setdefault((t.weight.device, t.weight.shape[1]), []).append(t)
     with torch.no_grad():
-        for t in tables:
-            values = _made_values(t)  # made on a pipeline's worker and copied over
-            if values is not None:
-                t.weight[t.fresh.fresh_rows] = values.to(t.weight.device, t.weight.dtype)
-                reset_state_rows(t.optimizer_name, t.states, t.fresh.fresh_rows)
-            else:
-                groups.setdefault((t.weight.device, t.weight.shape[1]), []).append(t)
         for (device, dim), group in groups.items():
             ids = torch.cat([t.fresh.fresh_ids for t in group])
             sizes = [t.fresh.fresh_ids.numel() for t in group]
@@ -146,8 +148,56 @@ def _reset_hashed(tables: Sequence[FreshTable]) -> None:
             unit = hash_uniform_torch(ids, steps, dim)
             values = lo_hi[:, :1] + (lo_hi[:, 1:] - lo_hi[:, :1]) * unit
             for t, part in zip(group, values.split(sizes), strict=True):
-                t.weight[t.fresh.fresh_rows] = part.to(t.weight.dtype)
-                reset_state_rows(t.optimizer_name, t.states, t.fresh.fresh_rows)
+                writes.append((t.weight, t.fresh.fresh_rows, part))
+        for t in tables:
+            for state in row_states(t.optimizer_name, t.states):
+                writes.append((state, t.fresh.fresh_rows, None))
+        write_rows(writes)
+
+
+RowWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def write_rows(writes: Sequence[RowWrite]) -> None:
+    """``view[rows] = values`` for each ``(view, rows, values)`` (zeros where values is None).
+
+    Views that are whole rows of one storage (a kernel's tables laid out in one flat tensor,
+    as fbgemm keeps them; same dtype and row shape) are written with one index over that
+    storage: a handful of kernel launches for all of them instead of one or two a table.
+    """
+    groups: dict[tuple[int, torch.dtype, tuple[int, ...], bool], list[RowWrite]] = {}
+    for view, rows, values in writes:
+        if rows.numel():
+            storage = view.untyped_storage().data_ptr()
+            key = (storage, view.dtype, tuple(view.shape[1:]), values is None)
+            groups.setdefault(key, []).append((view, rows, values))
+    with torch.no_grad():
+        for group in groups.values():
+            row = math.prod(group[0][0].shape[1:])
+            whole = all(v.is_contiguous() and v.storage_offset() % row == 0 for v, _, _ in group)
+            if len(group) == 1 or not whole:
+                for view, rows, values in group:
+                    view[rows] = 0 if values is None else values.to(view.device, view.dtype)
+                continue
+            _write_one_storage(group, row)
+
+
+def _write_one_storage(group: Sequence[RowWrite], row: int) -> None:
+    """`write_rows` of views that are whole rows (``row`` elements each) of one storage."""
+    first = group[0][0]
+    device = first.device
+    total = first.untyped_storage().nbytes() // first.element_size() // row
+    every = first.as_strided((total, *first.shape[1:]), first.stride(), 0)
+    sizes = [rows.numel() for _, rows, _ in group]
+    starts = torch.tensor([view.storage_offset() // row for view, _, _ in group])
+    index = torch.cat([rows for _, rows, _ in group]) + to_device(starts, device).repeat_interleave(
+        to_device(torch.tensor(sizes), device), output_size=sum(sizes)
+    )
+    if group[0][2] is None:
+        every[index] = 0
+    else:
+        values = torch.cat([v.to(device) for _, _, v in group if v is not None])
+        every[index] = values.to(first.dtype)
 
 
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
