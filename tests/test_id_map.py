@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from typing import Any
 
 import pytest
 import torch
@@ -267,3 +268,43 @@ def test_the_exchange_routes_every_tables_ids_to_their_owner_shards_column(
     assert torch.equal(
         routed.order_M, torch.sort(expected, stable=True).indices
     )  # sources in order
+
+
+def test_rows_of_the_zero_row_leave_their_bags_and_unmapped_ids_stay() -> None:
+    """`apply_rows`: mapped ids whose row is -1 (the zero row) are dropped from their bags
+    (lengths, weights and per-key counts follow); an unmapped feature's ids are kept as they
+    are, even a negative one (its own check names it)."""
+    from types import SimpleNamespace
+
+    from recopt.modules.id_map import Remapped
+    from recopt.modules.id_map_lookup import apply_rows
+    from recopt.sparse import KeyedJaggedTensor
+
+    features = KeyedJaggedTensor(
+        ["m1", "u", "m2"],
+        torch.tensor([10, 11, 12, -1, 5, 20, 21]),
+        weights=torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]),
+        lengths=torch.tensor([2, 1, 1, 1, 0, 2]),
+    )
+    layout: Any = SimpleNamespace(table_names=["a", "plain", "b"])
+    results = {  # table a holds m1's ids, table b m2's
+        "a": Remapped(
+            torch.tensor([3, -1, 4]),
+            torch.zeros(0, dtype=torch.int64),
+            torch.zeros(0, dtype=torch.int64),
+        ),
+        "b": Remapped(
+            torch.tensor([-1, 7]),
+            torch.zeros(0, dtype=torch.int64),
+            torch.zeros(0, dtype=torch.int64),
+        ),
+    }
+    mapped = apply_rows(features, layout, results).features
+    assert mapped.values().tolist() == [3, 4, -1, 5, 7]
+    assert mapped.weights().tolist() == [1.0, 3.0, 4.0, 5.0, 7.0]
+    assert mapped.lengths().tolist() == [1, 1, 1, 1, 0, 1]
+    assert mapped.length_per_key() == [2, 2, 1]
+    # without an unmapped feature every piece is rows: the same through the one-pass mask
+    only = KeyedJaggedTensor(["m1"], torch.tensor([10, 11, 12]), lengths=torch.tensor([2, 1]))
+    one: Any = SimpleNamespace(table_names=["a"])
+    assert apply_rows(only, one, {"a": results["a"]}).features.lengths().tolist() == [1, 1]

@@ -295,29 +295,37 @@ def apply_rows(
 ) -> MappedBatch:
     """``features`` with each mapped table's ids replaced by ``results[table].rows_M``
     (aligned with `table_ids`); ids of the zero row (-1) are dropped from their bags."""
-    values = features.values()
     pieces, mapped = _row_pieces(features, layout, results)
     rows = torch.cat(pieces)
     batch = MappedBatch(features, dict(results))
     if not _any_zero_row(results):
         batch.features = features.with_values(rows)  # its counts, read already, hold
         return batch
-    dropped = torch.cat(
-        [piece < 0 if is_mapped else torch.zeros_like(piece, dtype=torch.bool)
-         for piece, is_mapped in zip(pieces, mapped, strict=True)]
-    )  # fmt: skip
-    lengths = features.lengths()
-    bag_M = torch.repeat_interleave(
-        torch.arange(lengths.numel(), device=values.device), lengths, output_size=rows.numel()
-    )
-    kept = torch.zeros_like(lengths).index_add_(0, bag_M, (~dropped).to(lengths.dtype))
+    if all(
+        is_mapped or piece.numel() == 0 for piece, is_mapped in zip(pieces, mapped, strict=True)
+    ):
+        dropped = rows < 0  # all rows: one pass
+    else:  # an unmapped feature's ids stay, whatever they are (its check names a bad one)
+        dropped = torch.cat(
+            [piece < 0 if is_mapped else torch.zeros_like(piece, dtype=torch.bool)
+             for piece, is_mapped in zip(pieces, mapped, strict=True)]
+        )  # fmt: skip
+    keep = ~dropped
+    # kept ids before each position: a bag's kept count is the difference at its bounds
+    before = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=rows.device)
+    torch.cumsum(keep, 0, out=before[1:])
+    kept = before.index_select(0, features.offsets()).diff()
+    bounds = torch.tensor(features.offset_per_key(), device=rows.device)
+    per_key = before.index_select(0, bounds).diff().tolist()  # (the mask below reads too)
     weights = features.weights_or_none()
+    lengths = features.lengths()
     batch.features = KeyedJaggedTensor(
         features.keys(),
-        rows[~dropped],
-        weights=None if weights is None else weights[~dropped],
-        lengths=kept,
+        rows.masked_select(keep),
+        weights=None if weights is None else weights.masked_select(keep),
+        lengths=kept.to(lengths.dtype),
         stride=features.stride(),
+        length_per_key=per_key,
     )
     batch.lengths_before = lengths
     return batch
