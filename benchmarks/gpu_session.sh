@@ -202,7 +202,7 @@ idmap() {
   limited "$(budget 70)" python3 benchmarks/bench_id_map.py --device cuda --pipeline \
     --remap-threads 4 --steps 30 --warmup 5 >> "$out/idmap.log" 2>&1
   say "idmap pipelined: exit $?"
-  grep -E "^\||^pipelined" "$out/idmap.log"
+  grep -E "^\||^pipelined|host syncs" "$out/idmap.log"
 }
 
 # Sourced (tests/test_gpu_session.py): define the functions only.
