@@ -124,11 +124,11 @@ class IdExchange:
                 else self._shards_T.repeat_interleave(sizes, output_size=ids_M.numel())
             )
             first_M = first_M + route_shard(ids_M, shards)
-        column_M = self._columns[first_M]
+        column_M = self._columns.index_select(0, first_M)  # (faster than [] on a CPU)
         order_M = torch.sort(column_M.to(self._key), stable=True).indices
         counts_C = torch.zeros(len(self.columns), dtype=torch.int64, device=self._device)
         counts_C.index_add_(0, column_M, torch.ones_like(column_M))  # no size from the data
-        return RoutedIds(ids_M[order_M], order_M, counts_C)
+        return RoutedIds(ids_M.index_select(0, order_M), order_M, counts_C)
 
     def send_ids(self, routed: RoutedIds | None, bad: bool) -> ReceivedIds | None:
         """Send the ids to their owners (every rank calls it; ``routed`` None when ``bad``).
@@ -159,7 +159,8 @@ class IdExchange:
         perm_R = torch.sort(labels_R.to(self._key), stable=True).indices
         first = self._first_mine
         sizes = [sum(row[1 + first + i] for row in received) for i in range(len(self.mine))]
-        return ReceivedIds(routed, ids_R[perm_R], perm_R, sizes, send_splits, recv_splits)
+        ids_R = ids_R.index_select(0, perm_R)
+        return ReceivedIds(routed, ids_R, perm_R, sizes, send_splits, recv_splits)
 
     def send_rows(
         self, received: ReceivedIds, rows_R: Tensor, stats: Tensor | None
@@ -177,7 +178,7 @@ class IdExchange:
             statistics ``[C, S]`` (column order).
         """
         back_R = torch.empty_like(rows_R)
-        back_R[received.perm_R] = rows_R
+        back_R.index_copy_(0, received.perm_R, rows_R)
         blocks = list(back_R.split(received.recv_splits))
         own_stats = 0
         if stats is not None:
@@ -193,7 +194,7 @@ class IdExchange:
         sizes = received.send_splits
         rows_sorted = torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
         rows_M = torch.empty_like(rows_sorted)
-        rows_M[received.routed.order_M] = rows_sorted
+        rows_M.index_copy_(0, received.routed.order_M, rows_sorted)
         if stats is None:
             return rows_M, None
         every = torch.cat([p[n:] for p, n in zip(parts, sizes, strict=True)])

@@ -295,7 +295,7 @@ class ShardedIdMaps:
         if not training:
             return rows_R, None
         fresh = {s.name: results[s.name] for s in mine if results[s.name].fresh_rows.numel()}
-        fresh = results_to(fresh, device)  # the rows to reset, where the tables are
+        fresh = results_to(fresh, self._device)  # the rows to reset, where the tables are
         resets = [self._fresh_table(s, fresh[s.name]) for s in mine if s.name in fresh]
         stats = [_shard_stats(s, results[s.name].stats) for s in mine]
         self._step = ShardStep(resets, None, self._ahead)  # reset when the forward takes it
@@ -309,7 +309,7 @@ class ShardedIdMaps:
         """The shard's fresh rows to re-initialise (hashed init), with its weight and optimizer
         state (their zeroing)."""
         key = (shard.table, shard.shard)
-        if key not in self._views:  # the kernel's views, made once (fbgemm's: ~0.1 ms a call)
+        if key not in self._views:  # the kernel's views, made once (fbgemm's: ~35 us a call)
             kernel, i, _ = self._where[key]
             self._views[key] = (
                 kernel.split_embedding_weights()[i],
