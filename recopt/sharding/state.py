@@ -74,9 +74,14 @@ def make_sharded_tensor(
         device = next((p[3].device for p in pieces if p[3] is not None), torch.device("cpu"))
     if dtype is None:
         dtype = next((p[3].dtype for p in pieces if p[3] is not None), torch.float32)
+    # Placements name global ranks (ShardedTensor's rule); ``pieces`` and ``rank`` are the
+    # group's: they differ on a group that is not the whole world.
+    world_rank = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
     metas = [
         ShardMetadata(
-            shard_offsets=list(o), shard_sizes=list(s), placement=_placement(r, rank, device)
+            shard_offsets=list(o),
+            shard_sizes=list(s),
+            placement=_placement(world_rank(r), world_rank(rank), device),
         )
         for o, s, r, _ in pieces
     ]
