@@ -14,7 +14,7 @@ from torch import nn
 
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.models.dlrm import DLRM, DLRMConfig
-from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection
+from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, IdMapConfig
 from recopt.optim import CombinedOptimizer, KeyedOptimizerWrapper
 from recopt.sharding import ShardingPlan, construct_module_sharding_plan
 from recopt.sharding.model_parallel import DistributedModelParallel
@@ -24,10 +24,21 @@ from recopt.sparse import KeyedJaggedTensor
 ROWS = {"t0": 40, "t1": 30, "t2": 12}
 
 
-def build(seed: int, timeout: datetime.timedelta) -> tuple[nn.Module, CombinedOptimizer]:
+def build(
+    seed: int, timeout: datetime.timedelta, id_map: bool = False
+) -> tuple[nn.Module, CombinedOptimizer]:
+    """``id_map``: the row- and table-wise tables are id-mapped (lru) with a quarter of the
+    rows, so their shard maps evict (the data-parallel one cannot be: it stays as it is)."""
     torch.manual_seed(seed)  # the same on the group's ranks, different between groups
+    mapped = {"t0", "t1"} if id_map else set()
     tables = [
-        EmbeddingBagConfig(name=t, num_embeddings=n, embedding_dim=8, feature_names=(f"f{t}",))
+        EmbeddingBagConfig(
+            name=t,
+            num_embeddings=n // 4 if t in mapped else n,
+            embedding_dim=8,
+            feature_names=(f"f{t}",),
+            id_map=IdMapConfig(policy="lru") if t in mapped else None,
+        )
         for t, n in ROWS.items()
     ]
     optimizer = FusedOptimizerConfig(name="adam", lr=0.05, backend=Backend.RECOPT)

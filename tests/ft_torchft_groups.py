@@ -54,7 +54,7 @@ class Scenario:
     timeout_s: float = TIMEOUT.total_seconds()  # every collective, vote and healing transfer
     min_replica_size: int = 1
     quorum_timeout_s: float = 30.0
-    id_map: bool = False  # plain group: id-mapped tables (lru, a quarter of the rows)
+    id_map: bool = False  # id-mapped tables (lru, a quarter of the rows; sharded: 2 of 3)
 
 
 def build_plain(seed: int, id_map: bool = False) -> tuple[nn.Module, CombinedOptimizer]:
@@ -106,7 +106,7 @@ def replica_group(rank: int, world_size: int, spec: Scenario) -> list[dict[str, 
     if world_size == 1:
         model, optimizer = build_plain(spec.seed, spec.id_map)
     else:
-        model, optimizer = build_sharded(spec.seed, TIMEOUT)
+        model, optimizer = build_sharded(spec.seed, TIMEOUT, spec.id_map)
     config = TorchftConfig(
         replica_id=spec.replica_id,
         lighthouse_addr=spec.lighthouse,

@@ -284,20 +284,53 @@ def test_guard_lets_a_bad_id_raise_its_own_error() -> None:
         module(KeyedJaggedTensor(batch.keys(), values, lengths=batch.lengths()))
 
 
-def _sharded_refusal(rank: int, world: int) -> str:
+def _sharded_groups(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    """Each rank a replica group holding a one-rank sharded collection (table-wise) with the
+    replica sync: its shard maps step with every group's ids (`ShardedIdMaps`). Per step, the
+    maps' buffers and the tables' weights."""
     from recopt.sharding import construct_module_sharding_plan, table_wise
     from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 
+    own = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group
     tables = _tables(POLICIES["lru"], shared=True)
-    plan = construct_module_sharding_plan(tables, {t.name: table_wise(0) for t in tables}, world)
-    module = ShardedEmbeddingBagCollection(tables, plan, optimizer=CONFIG)
+    plan = construct_module_sharding_plan(tables, {t.name: table_wise(0) for t in tables}, 1)
+    torch.manual_seed(0)
+    module = ShardedEmbeddingBagCollection(tables, plan, optimizer=CONFIG, process_group=own)
     tx = WorldReplicas()
-    with pytest.raises(ValueError, match="sharded collection") as error:
-        _attach(module, tx)
-    return str(error.value)
+    _attach(module, tx)
+    maps = module.id_maps
+    assert maps is not None and maps.peers is not None
+    seen = []
+    for step in (0, -1, 1, 2):  # -1: new ids from every group (the maps evict)
+        tx.start_quorum()
+        _loss(module(_batch(Case("lru"), step, 0, [rank])).values(), step).backward()
+        assert tx.should_commit(), tx.errored()
+        state = {f"{n}.{k}": v.clone() for n in maps for k, v in maps[n].named_buffers()}
+        for k, kernel in enumerate(module.kernels()):
+            for t, weight in enumerate(kernel.split_embedding_weights()):
+                state[f"weight.{k}.{t}"] = weight.clone()
+        seen.append(state)
+    # a collection on a group that is not the world: its shards name their global rank
+    sharded = [v for v in module.state_dict().values() if hasattr(v, "local_shards")]
+    assert sharded and all(
+        shard.metadata.placement is not None and shard.metadata.placement.rank() == rank
+        for value in sharded
+        for shard in value.local_shards()
+    )
+    return seen
 
 
 @pytest.mark.multiprocess
-def test_replica_sync_refuses_a_sharded_collections_id_maps() -> None:
-    (message,) = run_on_ranks(_sharded_refusal, 1)
-    assert "sync_embeddings=False" in message
+def test_a_sharded_collections_shard_maps_step_with_every_groups_ids() -> None:
+    """Replica groups of sharded collections: the shard maps and rows stay bit-identical
+    across groups, and the maps equal a plain collection's fed every group's batch."""
+    runs = run_on_ranks(_sharded_groups, 2)
+    reference = _build(Case("lru"))
+    for s, step in enumerate((0, -1, 1, 2)):
+        for key, value in runs[0][s].items():
+            assert torch.equal(value, runs[1][s][key]), (step, key)
+        out = _forward(reference, _batch(Case("lru"), step, 0, [0, 1]))
+        sum(_loss(p, step) for p in out.chunk(2)).backward()  # type: ignore[union-attr]
+        expected = reference.state_dict()
+        for key in [k for k in expected if k.startswith("id_maps.")]:
+            assert torch.equal(runs[0][s][key[len("id_maps.") :]], expected[key]), (step, key)

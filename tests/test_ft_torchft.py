@@ -59,8 +59,8 @@ def _check_dropped_restored(log: list[dict[str, Any]]) -> int:
 
 @pytest.mark.parametrize(
     "groups, ranks, id_map",
-    [(3, 1, False), (2, 1, True), (2, 2, False)],
-    ids=["3-groups-plain", "2-groups-plain-id-map", "2-groups-sharded"],
+    [(3, 1, False), (2, 1, True), (2, 2, False), (2, 2, True)],
+    ids=["3-groups-plain", "2-groups-plain-id-map", "2-groups-sharded", "2-groups-sharded-id-map"],
 )
 def test_dropped_and_nonfinite_steps_restore_state(groups: int, ranks: int, id_map: bool) -> None:
     """Every group drops position 1 (an injected error after backward, whose fused update
@@ -103,7 +103,9 @@ def test_dropped_and_nonfinite_steps_restore_state(groups: int, ranks: int, id_m
 
 
 @pytest.mark.parametrize(
-    "ranks, id_map", [(1, False), (1, True), (2, False)], ids=["plain", "plain-id-map", "sharded"]
+    "ranks, id_map",
+    [(1, False), (1, True), (2, False), (2, True)],
+    ids=["plain", "plain-id-map", "sharded", "sharded-id-map"],
 )
 def test_killed_group_rejoins_and_heals(tmp_path: Any, ranks: int, id_map: bool) -> None:
     """B dies mid-step (after its fused update, before the vote: the whole group, or one rank

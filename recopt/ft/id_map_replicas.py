@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from recopt.ft.embedding_tables import id_maps_of, is_sharded
+from recopt.ft.embedding_tables import id_maps_of
 from recopt.ft.steps import StepTransaction
 from recopt.modules.id_map_lookup import IdMaps, refuse_init_fn
 
@@ -84,18 +84,15 @@ def exchange_replica_ids(module: nn.Module, manager: StepTransaction) -> None:
 def refuse_unsynced_id_maps(module: nn.Module) -> None:
     """Raise if ``module``'s id-mapped tables cannot be kept identical across replica groups.
 
+    A sharded collection's shard maps are exchanged shard by shard (`ShardedIdMaps`: each
+    rank gathers, across the groups, the ids its shards received), which needs the same plan
+    in every group; its tables refused ``init_fn`` already.
+
     Raises:
-        ValueError: the module is sharded (its maps step in `ShardedIdMaps`, not exchanged
-            across replica groups yet), or an id-mapped table has ``init_fn``.
+        ValueError: an id-mapped table has ``init_fn``.
     """
     maps = id_maps_of(module)
     if maps is None:
         return
-    if is_sharded(module):
-        raise ValueError(
-            f"tables {sorted(maps)} have id_map in a sharded collection, whose maps are not "
-            "exchanged across replica groups yet; use sync_embeddings=False (each replica "
-            "group trains its own tables) or an unsharded fused collection"
-        )
     tables = getattr(module, "tables", [])
     refuse_init_fn(tables, "in every replica group", "use sync_embeddings=False")

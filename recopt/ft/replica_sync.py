@@ -98,8 +98,8 @@ class EmbeddingReplicaSync(StepParticipant):
 
     Raises:
         ValueError: a kernel without ``grad_hook`` (fbgemm), Adafactor (its per-column
-            statistics depend on rows this replica never sees), id-mapped tables with
-            ``init_fn``, or id-mapped tables of a sharded collection.
+            statistics depend on rows this replica never sees), or id-mapped tables with
+            ``init_fn``.
 
     Id-mapped tables: the maps gather every group's raw ids before each training step
     (`ReplicaIdExchange`) and step with the global batch, so a row holds the same id in

@@ -32,6 +32,7 @@ from recopt.modules.id_map_lookup import (
     MappedBatch,
     apply_rows,
     refuse_init_fn,
+    step_with_peers,
     table_ids,
     unmapped_check,
 )
@@ -247,6 +248,8 @@ class ShardedIdMaps:
         routed = None if bad else self._exchange.route(ids)
         received = self._exchange.send_ids(routed, bad)
         if received is None:  # some rank's input is bad
+            if training and self.maps.peers is not None:  # the other replica groups wait
+                self.maps.peers.gather({}, True)  # for this one; every group drops the step
             if features is None:
                 return None
             zeros = {
@@ -279,7 +282,7 @@ class ShardedIdMaps:
         if training:
             # the step counters of the tables held elsewhere step too (with no ids)
             ids.update({name: ids_R[:0] for name in self.names if name not in ids})
-            results = self.maps.step_many(ids, record_undo=self._ahead is not None)
+            results = self._step_maps(ids)
             if self._ahead is not None:
                 for name, result in results.items():
                     assert result.undo is not None
@@ -304,6 +307,21 @@ class ShardedIdMaps:
         shape = (len(stats), len(STAT_FIELDS))
         table = torch.tensor(stats, dtype=torch.int64).reshape(shape)
         return rows_R, table.to(self._device)
+
+    def _step_maps(self, ids: dict[str, torch.Tensor]) -> dict[str, Remapped]:
+        """One training step of every map of this rank (``ids``: each one's received ids).
+
+        Under replica sync (``maps.peers``: fault tolerance's replica groups) each shard map
+        steps with the ids the same shard received in every group, in group order, and keeps
+        this group's rows (`step_with_peers`): the shard's map, rows and fresh rows are then
+        the same in every group. A failed gather (the step will be dropped) steps the maps with
+        this group's ids alone; the guard's rollback undoes it.
+        """
+        peers = self.maps.peers
+        gathered = None if peers is None else peers.gather(ids, False)
+        if gathered is not None:
+            return step_with_peers(self.maps, *gathered)
+        return self.maps.step_many(ids, record_undo=self._ahead is not None)
 
     def _fresh_table(self, shard: MapShard, result: Remapped) -> FreshTable:
         """The shard's fresh rows to re-initialise (hashed init), with its weight and optimizer
