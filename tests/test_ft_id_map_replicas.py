@@ -300,16 +300,32 @@ def _sharded_groups(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
     _attach(module, tx)
     maps = module.id_maps
     assert maps is not None and maps.peers is not None
-    seen = []
-    for step in (0, -1, 1, 2):  # -1: new ids from every group (the maps evict)
-        tx.start_quorum()
-        _loss(module(_batch(Case("lru"), step, 0, [rank])).values(), step).backward()
-        assert tx.should_commit(), tx.errored()
+
+    def snapshot() -> dict[str, torch.Tensor]:
         state = {f"{n}.{k}": v.clone() for n in maps for k, v in maps[n].named_buffers()}
         for k, kernel in enumerate(module.kernels()):
             for t, weight in enumerate(kernel.split_embedding_weights()):
                 state[f"weight.{k}.{t}"] = weight.clone()
-        seen.append(state)
+        return state
+
+    seen = []
+    for step in (0, -1, 1, 2, 3):  # -1: new ids from every group (the maps evict)
+        tx.start_quorum()
+        batch = _batch(Case("lru"), step, 0, [rank])
+        before = snapshot()
+        if step == 3 and rank == 1:  # an id out of the unmapped table g's range
+            values = batch.values().clone()
+            values[-1] = 99
+            with pytest.raises(ValueError, match="'g'"):  # after joining the gather
+                module(KeyedJaggedTensor(batch.keys(), values, lengths=batch.lengths()))
+            tx.report_error(RuntimeError("bad batch"))
+        else:
+            _loss(module(batch).values(), step).backward()
+        committed = tx.should_commit()
+        assert committed == (step != 3), (step, tx.errored())
+        if not committed:  # every group's maps and rows as before the step
+            assert all(torch.equal(v, before[k]) for k, v in snapshot().items()), step
+        seen.append(snapshot())
     # a collection on a group that is not the world: its shards name their global rank
     sharded = [v for v in module.state_dict().values() if hasattr(v, "local_shards")]
     assert sharded and all(
@@ -323,12 +339,15 @@ def _sharded_groups(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
 @pytest.mark.multiprocess
 def test_a_sharded_collections_shard_maps_step_with_every_groups_ids() -> None:
     """Replica groups of sharded collections: the shard maps and rows stay bit-identical
-    across groups, and the maps equal a plain collection's fed every group's batch."""
+    across groups, and the maps equal a plain collection's fed every group's batch; a bad
+    batch in one group drops the step in both, rolled back."""
     runs = run_on_ranks(_sharded_groups, 2)
     reference = _build(Case("lru"))
-    for s, step in enumerate((0, -1, 1, 2)):
+    for s, step in enumerate((0, -1, 1, 2, 3)):
         for key, value in runs[0][s].items():
             assert torch.equal(value, runs[1][s][key]), (step, key)
+        if step == 3:  # dropped everywhere
+            continue
         out = _forward(reference, _batch(Case("lru"), step, 0, [0, 1]))
         sum(_loss(p, step) for p in out.chunk(2)).backward()  # type: ignore[union-attr]
         expected = reference.state_dict()
