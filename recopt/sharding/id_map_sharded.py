@@ -306,7 +306,7 @@ class ShardedIdMaps:
             self.maps.ahead.add(self._ahead)
         shape = (len(stats), len(STAT_FIELDS))
         table = torch.tensor(stats, dtype=torch.int64).reshape(shape)
-        return rows_R, table.to(self._device)
+        return rows_R, to_device(table, device)  # (a plain .to() would wait for the GPU)
 
     def _step_maps(self, ids: dict[str, torch.Tensor]) -> dict[str, Remapped]:
         """One training step of every map of this rank (``ids``: each one's received ids).
