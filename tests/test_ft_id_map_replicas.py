@@ -284,18 +284,20 @@ def test_guard_lets_a_bad_id_raise_its_own_error() -> None:
         module(KeyedJaggedTensor(batch.keys(), values, lengths=batch.lengths()))
 
 
-def _sharded_groups(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
-    """Each rank a replica group holding a one-rank sharded collection (table-wise) with the
-    replica sync: its shard maps step with every group's ids (`ShardedIdMaps`). Per step, the
-    maps' buffers and the tables' weights."""
+def _sharded_groups(rank: int, world: int, case: Case) -> list[dict[str, torch.Tensor]]:
+    """Each rank a replica group holding a one-rank sharded collection (table-wise; of bags,
+    or an embedding collection with ``case.ec``) with the replica sync: its shard maps step
+    with every group's ids (`ShardedIdMaps`). Per step, the maps' buffers and the weights."""
     from recopt.sharding import construct_module_sharding_plan, table_wise
     from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
+    from recopt.sharding.sharded_embedding_collection import ShardedEmbeddingCollection
 
     own = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group
-    tables = _tables(POLICIES["lru"], shared=True)
+    tables: Any = _ec_tables(POLICIES["lru"]) if case.ec else _tables(POLICIES["lru"], True)
     plan = construct_module_sharding_plan(tables, {t.name: table_wise(0) for t in tables}, 1)
     torch.manual_seed(0)
-    module = ShardedEmbeddingBagCollection(tables, plan, optimizer=CONFIG, process_group=own)
+    kind: Any = ShardedEmbeddingCollection if case.ec else ShardedEmbeddingBagCollection
+    module = kind(tables, plan, optimizer=CONFIG, process_group=own)
     tx = WorldReplicas()
     _attach(module, tx)
     maps = module.id_maps
@@ -311,7 +313,7 @@ def _sharded_groups(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
     seen = []
     for step in (0, -1, 1, 2, 3):  # -1: new ids from every group (the maps evict)
         tx.start_quorum()
-        batch = _batch(Case("lru"), step, 0, [rank])
+        batch = _batch(case, step, 0, [rank])
         before = snapshot()
         if step == 3 and rank == 1:  # an id out of the unmapped table g's range
             values = batch.values().clone()
@@ -320,7 +322,7 @@ def _sharded_groups(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
                 module(KeyedJaggedTensor(batch.keys(), values, lengths=batch.lengths()))
             tx.report_error(RuntimeError("bad batch"))
         else:
-            _loss(module(batch).values(), step).backward()
+            _loss(_forward(module, batch), step).backward()
         committed = tx.should_commit()
         assert committed == (step != 3), (step, tx.errored())
         if not committed:  # every group's maps and rows as before the step
@@ -337,19 +339,23 @@ def _sharded_groups(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
 
 
 @pytest.mark.multiprocess
-def test_a_sharded_collections_shard_maps_step_with_every_groups_ids() -> None:
+@pytest.mark.parametrize("case", [Case("lru"), Case("lru", ec=True)], ids=["bags", "ec"])
+def test_a_sharded_collections_shard_maps_step_with_every_groups_ids(case: Case) -> None:
     """Replica groups of sharded collections: the shard maps and rows stay bit-identical
     across groups, and the maps equal a plain collection's fed every group's batch; a bad
     batch in one group drops the step in both, rolled back."""
-    runs = run_on_ranks(_sharded_groups, 2)
-    reference = _build(Case("lru"))
+    runs = run_on_ranks(_sharded_groups, 2, case)
+    reference = _build(case)
     for s, step in enumerate((0, -1, 1, 2, 3)):
         for key, value in runs[0][s].items():
             assert torch.equal(value, runs[1][s][key]), (step, key)
         if step == 3:  # dropped everywhere
             continue
-        out = _forward(reference, _batch(Case("lru"), step, 0, [0, 1]))
-        sum(_loss(p, step) for p in out.chunk(2)).backward()  # type: ignore[union-attr]
+        out = _forward(reference, _batch(case, step, 0, [0, 1]))
+        if not case.ec:  # (an embedding collection's rows are not split by group here)
+            sum(_loss(p, step) for p in out.chunk(2)).backward()  # type: ignore[union-attr]
         expected = reference.state_dict()
-        for key in [k for k in expected if k.startswith("id_maps.")]:
+        keys = [k for k in expected if k.startswith("id_maps.")]
+        assert keys
+        for key in keys:
             assert torch.equal(runs[0][s][key[len("id_maps.") :]], expected[key]), (step, key)
