@@ -277,7 +277,7 @@ def test_rows_of_the_zero_row_leave_their_bags_and_unmapped_ids_stay() -> None:
     from types import SimpleNamespace
 
     from recopt.modules.id_map import Remapped
-    from recopt.modules.id_map_lookup import apply_rows
+    from recopt.modules.id_map_batch import apply_rows
     from recopt.sparse import KeyedJaggedTensor
 
     features = KeyedJaggedTensor(

@@ -13,7 +13,7 @@ from recopt.kernels import cpu_id_map
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, IdMapConfig
 from recopt.modules.id_map import Remapped
-from recopt.modules.id_map_lookup import apply_rows
+from recopt.modules.id_map_batch import apply_rows
 from recopt.modules.id_map_rows import hash_uniform_torch
 from recopt.modules.inputs import FeatureLayout
 from recopt.sparse import KeyedJaggedTensor

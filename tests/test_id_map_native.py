@@ -274,7 +274,7 @@ def test_a_map_kept_on_the_host_stays_there_through_module_moves() -> None:
 def test_the_zero_row_check_trusts_what_the_host_read() -> None:
     """Rows moved to a device carry ``zero_row`` (read on the host before they left), which
     `apply_rows`' check takes instead of reading the device; without it the rows are read."""
-    from recopt.modules.id_map_lookup import _any_zero_row
+    from recopt.modules.id_map_batch import _any_zero_row
     from recopt.modules.id_map_results import results_to
 
     empty = torch.empty(0, dtype=torch.int64)

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
-from recopt.modules.id_map_lookup import IdMaps, MappedBatch, mean_scale, prepare_mapped
+from recopt.modules.id_map_batch import MappedBatch, mean_scale
+from recopt.modules.id_map_lookup import IdMaps, prepare_mapped
 from recopt.modules.id_map_rows import init_rows
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.variable_batch import expand_rows, regular_batch

@@ -30,7 +30,8 @@ from recopt.modules.fused_groups import (
     optimizer_from_param_group,
     resolve_table_optimizers,
 )
-from recopt.modules.id_map_lookup import IdMaps, MappedBatch, mean_scale, prepare_mapped
+from recopt.modules.id_map_batch import MappedBatch, mean_scale
+from recopt.modules.id_map_lookup import IdMaps, prepare_mapped
 from recopt.modules.id_map_rows import FreshTable, reset_fresh_tables
 from recopt.modules.id_map_stage import RemapStage
 from recopt.modules.inputs import FeatureLayout

@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from recopt.kernels.config import PoolingType
 from recopt.modules.config import BaseEmbeddingConfig
 from recopt.modules.id_map import IdMap, Remapped, map_device
 from recopt.modules.id_map_ahead import AheadRemap, AheadSteps
+from recopt.modules.id_map_batch import MappedBatch, apply_rows, table_ids
 from recopt.modules.id_map_native import remap_tables
 from recopt.modules.id_map_results import results_to
 from recopt.modules.id_map_rows import fresh_values
@@ -38,19 +37,6 @@ from recopt.modules.inputs import (
 )
 from recopt.modules.variable_batch import regular_batch
 from recopt.sparse import KeyedJaggedTensor
-
-
-@dataclass(slots=True)
-class MappedBatch:
-    """A batch after the remap: its features (rows), the fresh rows per table, the drops.
-
-    ``lengths_before`` is set when ids were dropped (zero row): the bag lengths before the
-    drop, for `mean_scale`.
-    """
-
-    features: KeyedJaggedTensor
-    fresh: dict[str, Remapped] = field(default_factory=dict)
-    lengths_before: torch.Tensor | None = None
 
 
 class RemapObserver(Protocol):
@@ -264,129 +250,6 @@ def step_with_peers(
         rows = result.rows_M[start : start + parts[index].numel()]
         results[name] = Remapped(rows, result.fresh_rows, result.fresh_ids, result.stats)
     return results
-
-
-def _spans(
-    features: KeyedJaggedTensor, layout: FeatureLayout, names: Sequence[str]
-) -> dict[str, list[tuple[int, int]]]:
-    """Per table of ``names``: the value spans of its features, in feature order (one pass)."""
-    bounds = features.offset_per_key()
-    spans: dict[str, list[tuple[int, int]]] = {name: [] for name in names}
-    for f, table in enumerate(layout.table_names):
-        if table in spans:
-            spans[table].append((bounds[f], bounds[f + 1]))
-    return spans
-
-
-def table_ids(
-    features: KeyedJaggedTensor, layout: FeatureLayout, names: Sequence[str]
-) -> dict[str, torch.Tensor]:
-    """Per table of ``names``: the raw ids of all its features, feature after feature."""
-    values = features.values()
-    spans = _spans(features, layout, names)
-    return {
-        name: values[s[0][0] : s[0][1]] if len(s) == 1 else torch.cat([values[a:b] for a, b in s])
-        for name, s in spans.items()
-    }
-
-
-def apply_rows(
-    features: KeyedJaggedTensor, layout: FeatureLayout, results: Mapping[str, Remapped]
-) -> MappedBatch:
-    """``features`` with each mapped table's ids replaced by ``results[table].rows_M``
-    (aligned with `table_ids`); ids of the zero row (-1) are dropped from their bags."""
-    pieces, mapped = _row_pieces(features, layout, results)
-    rows = torch.cat(pieces)
-    batch = MappedBatch(features, dict(results))
-    if not _any_zero_row(results):
-        batch.features = features.with_values(rows)  # its counts, read already, hold
-        return batch
-    if all(
-        is_mapped or piece.numel() == 0 for piece, is_mapped in zip(pieces, mapped, strict=True)
-    ):
-        dropped = rows < 0  # all rows: one pass
-    else:  # an unmapped feature's ids stay, whatever they are (its check names a bad one)
-        dropped = torch.cat(
-            [piece < 0 if is_mapped else torch.zeros_like(piece, dtype=torch.bool)
-             for piece, is_mapped in zip(pieces, mapped, strict=True)]
-        )  # fmt: skip
-    keep = ~dropped
-    # kept ids before each position: a bag's kept count is the difference at its bounds
-    before = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=rows.device)
-    torch.cumsum(keep, 0, out=before[1:])
-    kept = before.index_select(0, features.offsets()).diff()
-    bounds = torch.tensor(features.offset_per_key(), device=rows.device)
-    per_key = before.index_select(0, bounds).diff().tolist()  # (the mask below reads too)
-    weights = features.weights_or_none()
-    lengths = features.lengths()
-    batch.features = KeyedJaggedTensor(
-        features.keys(),
-        rows.masked_select(keep),
-        weights=None if weights is None else weights.masked_select(keep),
-        lengths=kept.to(lengths.dtype),
-        stride=features.stride(),
-        length_per_key=per_key,
-    )
-    batch.lengths_before = lengths
-    return batch
-
-
-def _any_zero_row(results: Mapping[str, Remapped]) -> bool:
-    """Whether an id of ``results`` reads the zero row (-1): what the host side read before
-    the rows went to a device (``zero_row``), else one check over all tables."""
-    if results and all(r.zero_row is not None for r in results.values()):
-        return any(r.zero_row for r in results.values())
-    rows = [r.rows_M for r in results.values() if r.rows_M.numel()]
-    return bool(rows) and bool((torch.cat(rows) < 0).any())
-
-
-def _row_pieces(
-    features: KeyedJaggedTensor, layout: FeatureLayout, results: Mapping[str, Remapped]
-) -> tuple[list[torch.Tensor], list[bool]]:
-    """``features``' values cut at the feature bounds, each mapped feature's piece replaced by
-    its rows (its table's ``rows_M``, features in order), and which pieces are rows."""
-    values, bounds = features.values(), features.offset_per_key()
-    used = dict.fromkeys(results, 0)
-    pieces, mapped = [], []
-    for f, name in enumerate(layout.table_names):
-        a, b = bounds[f], bounds[f + 1]
-        result = results.get(name)
-        if result is None:
-            pieces.append(values[a:b])
-        else:
-            start = used[name]
-            pieces.append(result.rows_M[start : start + b - a].to(values.dtype))
-            used[name] = start + b - a
-        mapped.append(result is not None)
-    pieces.append(values[bounds[len(layout.table_names)] :])  # past the layout's features
-    mapped.append(False)
-    return pieces, mapped
-
-
-def mean_scale(
-    pooled_B_D: torch.Tensor,
-    batch: MappedBatch,
-    layout: FeatureLayout,
-    poolings: Sequence[PoolingType],
-) -> torch.Tensor:
-    """``pooled_B_D`` with each mean-pooled bag that lost ids to the zero row rescaled.
-
-    The lookup divided the kept rows' sum by the kept count; the zero rows count too, so the
-    bag is multiplied by kept / before (``poolings``: per feature of ``layout``).
-    """
-    if batch.lengths_before is None or PoolingType.MEAN not in poolings:
-        return pooled_B_D
-    size = pooled_B_D.shape[0]
-    kept = batch.features.lengths().to(pooled_B_D.dtype)
-    before = batch.lengths_before.to(pooled_B_D.dtype)
-    ratio_F_B = (kept / before.clamp(min=1)).view(len(poolings), size)
-    columns = [
-        (ratio_F_B[f] if pooling is PoolingType.MEAN else torch.ones_like(ratio_F_B[f]))
-        .unsqueeze(1)
-        .expand(size, dim)
-        for f, (pooling, dim) in enumerate(zip(poolings, layout.dims, strict=True))
-    ]
-    return pooled_B_D * torch.cat(columns, dim=1)
 
 
 def prepare_mapped(

@@ -27,15 +27,8 @@ from recopt.kernels.contract import Kernel
 from recopt.modules.config import EmbeddingBagConfig
 from recopt.modules.id_map import Remapped, RemapStats
 from recopt.modules.id_map_ahead import AheadRemap
-from recopt.modules.id_map_lookup import (
-    IdMaps,
-    MappedBatch,
-    apply_rows,
-    refuse_init_fn,
-    step_with_peers,
-    table_ids,
-    unmapped_check,
-)
+from recopt.modules.id_map_batch import MappedBatch, apply_rows, table_ids
+from recopt.modules.id_map_lookup import IdMaps, refuse_init_fn, step_with_peers, unmapped_check
 from recopt.modules.id_map_native import remap_tables
 from recopt.modules.id_map_results import results_to, to_device
 from recopt.modules.id_map_rows import FreshTable, reset_fresh_tables

@@ -26,7 +26,8 @@ from recopt.kernels.factory import KernelRequest, create_kernel, rng_unchanged
 from recopt.modules.collection import FusedCollection
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
-from recopt.modules.id_map_lookup import IdMaps, MappedBatch, mean_scale
+from recopt.modules.id_map_batch import MappedBatch, mean_scale
+from recopt.modules.id_map_lookup import IdMaps
 from recopt.modules.nonfinite import NonFiniteGradGuard, backward_if_given, finite_flag
 from recopt.modules.prefetch import PrefetchQueue
 from recopt.modules.variable_batch import expand_rows
