@@ -285,7 +285,8 @@ class ShardedIdMaps:
             results = remap_tables(maps, ids, False)
         device = received.ids_R.device
         local_R = _cat([results[s.name].rows_M for s in mine], ids_R)
-        sizes = torch.tensor(received.column_sizes, dtype=torch.int64)
+        # (on the maps' side: a GPU when maps stay there, without the native remap)
+        sizes = to_device(torch.tensor(received.column_sizes, dtype=torch.int64), ids_R.device)
         offset_R = self._row_offsets.repeat_interleave(sizes, output_size=local_R.numel())
         rows_R = to_device(torch.where(local_R >= 0, local_R + offset_R, local_R), device)
         if not training:
