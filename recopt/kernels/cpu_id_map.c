@@ -33,6 +33,7 @@ typedef struct {
     int64_t *found;     /* [M]: each id's row, -1 if not live (admit: fresh candidates' slots) */
     int64_t *inverse;   /* [M]: each id's known row (>= 0) or ~(its index in ids_u) */
     int64_t *known, *count_k; /* [K]: the distinct known rows (first seen order), counts */
+    int64_t *known_id;        /* [K]: their ids */
     int64_t *ids_u, *count_u, *slot_u; /* [U]: the distinct new ids (ascending), counts, rows */
     int64_t *wanted, *touched;
     uint64_t *sort_key, *sort_key_tmp;
@@ -41,7 +42,10 @@ typedef struct {
 } Map;
 
 
-static inline void remember(Map *m, Slots *s, int64_t r) {
+/* Slot r's old values into the batch's undo record, the first time the batch writes it; its
+ * id and used flag given (`remember` reads them; a known row's are its id and 1, so the
+ * caller saves two reads of rows far apart). */
+static inline void remember_as(Map *m, Slots *s, int64_t r, int64_t id, uint8_t used) {
     if (m->recording != 1) return; /* not asked, or out of memory (reported by rim_finish) */
     uint64_t bit = 1ULL << (r & 63);
     if (s->mark[r >> 6] & bit) return; /* in the record already */
@@ -53,11 +57,15 @@ static inline void remember(Map *m, Slots *s, int64_t r) {
     s->mark[r >> 6] |= bit; /* once logged: forget_log clears the logged slots' bits */
     int64_t k = log->size++;
     log->slot[k] = r;
-    log->ids[k] = s->ids[r];
+    log->ids[k] = id;
     log->seen[k] = s->seen[r];
-    log->used[k] = s->used[r];
+    log->used[k] = used;
     log->count[k] = s->count ? s->count[r] : 0;
     log->freq[k] = s->freq ? s->freq[r] : 0.0;
+}
+
+static inline void remember(Map *m, Slots *s, int64_t r) {
+    if (m->recording == 1) remember_as(m, s, r, s->ids[r], s->used[r]);
 }
 
 /* The last batch's undo record is dropped: its slots' bits cleared (only those: O(record)). */
@@ -78,6 +86,7 @@ static void free_scratch(Map *m) {
     free(m->found);
     free(m->known);
     free(m->count_k);
+    free(m->known_id);
     free(m->wanted);
     free(m->touched);
     free(m->sort_key);
@@ -132,6 +141,7 @@ static int reserve(Map *m, int64_t need) {
     m->found = malloc(8 * cap);
     m->known = malloc(8 * cap);
     m->count_k = malloc(8 * cap);
+    m->known_id = malloc(8 * cap);
     m->wanted = malloc(8 * cap);
     m->touched = malloc(16 * cap);
     m->sort_key = malloc(16 * cap);
@@ -142,7 +152,7 @@ static int reserve(Map *m, int64_t need) {
     m->cands = malloc(sizeof(Cand) * 5 * cap); /* the heap [cap], the rows kept [4 cap] */
     m->cap_m = 0;
     if (!m->ids_u || !m->count_u || !m->slot_u || !m->inverse || !m->found || !m->known ||
-        !m->count_k || !m->wanted ||
+        !m->count_k || !m->known_id || !m->wanted ||
         !m->touched || !m->sort_key || !m->sort_key_tmp || !m->sort_val || !m->sort_val_tmp ||
         !m->admitted || !m->cands || hash_init(&m->batch_hash, cap) != 0)
         return -1;
@@ -208,12 +218,15 @@ static void scan_batch(Map *m, const int64_t *ids, int64_t num_ids) {
     int64_t k = 0, u = 0;
     for (int64_t i = 0; i < num_ids; i++) {
         int64_t r = m->found[i], at;
+        /* a new id's home in the batch's hash: many maps' scratch does not stay in cache */
+        if (i + AHEAD < num_ids && m->found[i + AHEAD] < 0) prefetch_home(b, ids[i + AHEAD]);
         if (r >= 0) {
             uint64_t pos = m->row_pos[r];
             if ((pos >> 32) != gen) {
                 at = k++;
                 m->row_pos[r] = gen << 32 | (uint64_t)at;
                 m->known[at] = r;
+                m->known_id[at] = ids[i];
                 m->count_k[at] = 0;
             } else {
                 at = (int64_t)(pos & 0xffffffffULL);
@@ -306,7 +319,7 @@ static void count_known(Map *m, int64_t step) {
             __builtin_prefetch(&s->freq[ahead], 1);
             __builtin_prefetch(&s->seen[ahead], 1);
         }
-        remember(m, s, r);
+        remember_as(m, s, r, m->known_id[k], 1); /* a known row: its id, used */
         double kept = s->freq[r];
         if (m->powers.memo) kept = kept * decay_power(&m->powers, step - s->seen[r]);
         s->freq[r] = kept + (double)m->count_k[k];
@@ -346,6 +359,8 @@ static int64_t queue_victims(Map *m, Slots *s, int64_t *out, int64_t placed, int
             __builtin_prefetch(&s->used[ahead]);
             __builtin_prefetch(&s->seen[ahead]);
             __builtin_prefetch(&s->ids[ahead], 1);
+            if (m->recording == 1) /* the undo record reads its counter too */
+                __builtin_prefetch(s->freq ? (void *)&s->freq[ahead] : (void *)&s->count[ahead]);
         }
         QEntry entry = s->queue[e++];
         if (!queued_live(s, entry)) continue;

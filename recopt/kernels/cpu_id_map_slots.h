@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 typedef struct {
     int64_t key;
@@ -44,6 +45,22 @@ typedef struct {
     Log log;
 } Slots;
 
+/* Memory for a structure read at random (a map's hash table, its queue): from 2 MiB up,
+ * 2 MiB-aligned and marked for transparent huge pages before its first touch, so that a
+ * lookup's address translation mostly hits the TLB (26 maps of 100k rows read ~200 MiB at
+ * random a step; in 4 KiB pages nearly every read also walks the page table). free() frees it. */
+static void *big_alloc(size_t bytes) {
+    const size_t huge = (size_t)2 << 20;
+    if (bytes < huge) return malloc(bytes);
+    size_t rounded = (bytes + huge - 1) & ~(huge - 1);
+    void *p = NULL;
+    if (posix_memalign(&p, huge, rounded) != 0) return NULL;
+#ifdef MADV_HUGEPAGE
+    madvise(p, rounded, MADV_HUGEPAGE); /* a hint: without it the pages stay small */
+#endif
+    return p;
+}
+
 static inline uint64_t mix64(uint64_t x) {
     x ^= x >> 33;
     x *= 0xff51afd7ed558ccdULL;
@@ -57,7 +74,7 @@ static int hash_init(Hash *h, int64_t n) {
     int64_t cap = 16;
     while (cap < 2 * n) cap <<= 1;
     free(h->entries);
-    h->entries = malloc(sizeof(Entry) * cap);
+    h->entries = big_alloc(sizeof(Entry) * cap);
     if (!h->entries) return -1;
     h->mask = cap - 1;
     for (int64_t i = 0; i < cap; i++) h->entries[i].slot = -1;
@@ -237,7 +254,7 @@ static void slots_free(Slots *s) {
 static int slots_init(Slots *s, int64_t n) {
     memset(s, 0, sizeof(*s));
     s->n = n;
-    s->queue = malloc(sizeof(QEntry) * (2 * n + 2));
+    s->queue = big_alloc(sizeof(QEntry) * (2 * n + 2));
     s->heap = malloc(8 * (n + 1));
     if (!s->queue || !s->heap) return -1;
     return hash_init(&s->hash, n);
