@@ -192,6 +192,48 @@ def test_a_step_failing_before_the_collection_leaves_no_map_step() -> None:
     assert same(expected_state, fused_state(failing, optimizer))
 
 
+@pytest.mark.parametrize("targets_replaced", [False, True], ids=["planned", "replanned"])
+def test_the_forward_runs_the_reset_the_worker_planned(
+    targets_replaced: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker works out each step's fresh-row reset (`ResetPlan`) and the forward runs
+    that plan; a plan made for other weights and states than the module's now (its kernel
+    views made again) is made again at the forward. Either way the plain loop's result."""
+    from recopt.modules.id_map_rows import ResetPlan
+
+    batches = [raw_batch(i) for i in range(6)]
+    model, optimizer = _model(POLICIES["lru"], True)
+    plain_loop(model, optimizer, batches)
+    expected = fused_state(model, optimizer)
+    model, optimizer = _model(POLICIES["lru"], True)
+    ebc = model.embedding_bags
+    made_here: list[ResetPlan] = []
+    ran: list[ResetPlan] = []
+    start, run = FusedEmbeddingBagCollection.start_remap, ResetPlan.run
+
+    def start_remap(self: FusedEmbeddingBagCollection, *args: Any, **kwargs: Any) -> Any:
+        remap = start(self, *args, **kwargs)
+        if remap is not None:
+            remap.settle()
+            made_here.append(remap.reset_plan)
+            if targets_replaced:
+                self._fresh_targets = None  # the forward finds other targets than planned
+        return remap
+
+    def record(plan: ResetPlan, maps: Any) -> None:
+        ran.append(plan)
+        run(plan, maps)
+
+    monkeypatch.setattr(FusedEmbeddingBagCollection, "start_remap", start_remap)
+    monkeypatch.setattr(ResetPlan, "run", record)
+    pipelined_loop(TrainPipelineSparseDist(model, optimizer, "cpu"), Batches(batches))
+    assert same(expected, fused_state(model, optimizer))
+    assert len(ran) == len(batches) and all(p is not None for p in made_here)
+    used = [plan for plan in ran if any(plan is made for made in made_here)]
+    assert len(used) == (0 if targets_replaced else len(batches))
+    assert all(plan.targets is ebc._reset_targets() for plan in ran[-1:])
+
+
 def test_the_worker_makes_fresh_values_only_while_it_has_time() -> None:
     from recopt.modules.id_map_ahead import AheadRemap
     from recopt.modules.id_map_stage import WorkerLoad

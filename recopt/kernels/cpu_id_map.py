@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -202,9 +202,16 @@ def reset_many(resets: Sequence[RowReset], threads: int) -> None:
     Every table must pass `can_reset`; the version counters of the weights and states move
     as in-place torch writes would move them.
     """
+    prepare_reset(resets)(threads)
+
+
+def prepare_reset(resets: Sequence[RowReset]) -> Callable[[int], None]:
+    """`reset_many` of ``resets``, its arguments made now and the call (given its threads)
+    left for later: a pipeline's worker makes them, the forward only calls. The tensors must
+    stay where they are until the call (it keeps them alive)."""
     resets = [r for r in resets if r.rows.numel()]
     if not resets:
-        return
+        return lambda threads: None
     rows = [_int64_contiguous(r.rows) for r in resets]
     ids = [_int64_contiguous(r.ids) for r in resets]
     states = [state for r in resets for state in r.states]
@@ -212,7 +219,7 @@ def reset_many(resets: Sequence[RowReset], threads: int) -> None:
     for r in resets:
         first_state.append(first_state[-1] + len(r.states))
     lo_hi = [bound for r in resets for bound in (r.lo, r.hi)]
-    library().rim_reset_many(
+    args = (
         len(resets),
         _pointers(rows),
         _pointers(ids),
@@ -227,7 +234,13 @@ def reset_many(resets: Sequence[RowReset], threads: int) -> None:
         int64s([s.stride(0) * s.element_size() for s in states]),
         int64s([math.prod(s.shape[1:]) * s.element_size() for s in states]),  # a row's bytes
         pointers([None if r.values is None else r.values.data_ptr() for r in resets]),
-        threads,
     )
-    # as torch's in-place writes would
-    torch.autograd.graph.increment_version([r.weight for r in resets] + states)
+    written = [r.weight for r in resets] + states
+    kept = (rows, ids, [r.values for r in resets])  # what the pointers point into
+
+    def call(threads: int) -> None:
+        assert kept
+        library().rim_reset_many(*args, threads)
+        torch.autograd.graph.increment_version(written)  # as torch's in-place writes would
+
+    return call

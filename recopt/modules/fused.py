@@ -32,7 +32,7 @@ from recopt.modules.fused_groups import (
 )
 from recopt.modules.id_map_batch import MappedBatch, mean_scale
 from recopt.modules.id_map_lookup import IdMaps, prepare_mapped
-from recopt.modules.id_map_rows import FreshTable, reset_fresh_tables
+from recopt.modules.id_map_rows import ResetPlan, fresh_resets
 from recopt.modules.id_map_stage import RemapStage
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.nonfinite import NonFiniteGradGuard, guarded_lookup
@@ -328,7 +328,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
         else:  # remapped by a pipeline while the previous batch trained
             index_F_B, mapped = ahead.index_F_B, ahead.mapped
             if not ahead.rows_reset:
-                self._reset_fresh(mapped)
+                self._reset_fresh(mapped, ahead.reset_plan)
                 ahead.rows_reset = True
             features = mapped.features
         self._lr_sync.apply(self._optimizer.param_groups)
@@ -360,16 +360,14 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
         self._reset_fresh(mapped)
         return mapped.features, mapped
 
-    def _reset_fresh(self, mapped: MappedBatch) -> None:
-        """Re-initialise the rows the remap gave to new ids, their optimizer state zeroed."""
+    def _reset_fresh(self, mapped: MappedBatch, plan: ResetPlan | None = None) -> None:
+        """Re-initialise the rows the remap gave to new ids, their optimizer state zeroed
+        (``plan``: worked out ahead, on a pipeline's worker, from this module's targets)."""
         assert self.id_maps is not None
         targets = self._reset_targets()
-        resets = [
-            FreshTable(*targets[name], fresh)
-            for name, fresh in mapped.fresh.items()
-            if fresh.fresh_rows.numel()
-        ]
-        reset_fresh_tables(self.id_maps, resets)
+        if plan is None or plan.targets is not targets:
+            plan = ResetPlan(fresh_resets(targets, mapped.fresh), targets)
+        plan.run(self.id_maps)
 
     def _reset_targets(self) -> dict[str, tuple[EmbeddingBagConfig, str, torch.Tensor, Any]]:
         """Per id-mapped table: its config, optimizer, weight and optimizer state views (the
@@ -403,7 +401,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
         or None (no id map, or fault tolerance steps the maps inline)."""
         if self._remaps is None:
             return None
-        return self._remaps.start(features, threads, host_features)
+        return self._remaps.start(features, threads, host_features, self._reset_targets())
 
     def use_prefetched(self, remap: Any) -> None:
         """Have the next ``forward(remap.features)`` take ``remap`` (from `start_remap`)."""

@@ -61,6 +61,7 @@ class AheadRemap:
     index_F_B: torch.Tensor | None = None
     mapped: Any = None
     undo: dict[str, MapUndo] = field(default_factory=dict)
+    reset_plan: Any = None  # its fresh rows' reset, worked out on the worker (`ResetPlan`)
     taken: bool = False  # by its forward (a retried step takes it again)
     rows_reset: bool = False  # its fresh rows, by that forward (a retry does not reset them)
     busy_s: float = 0.0  # the step's time on the worker, fresh rows' values aside

@@ -28,7 +28,7 @@ from recopt.modules.id_map_ahead import AheadRemap, AheadSteps
 from recopt.modules.id_map_batch import MappedBatch, apply_rows, table_ids
 from recopt.modules.id_map_native import remap_tables
 from recopt.modules.id_map_results import results_to
-from recopt.modules.id_map_rows import fresh_values
+from recopt.modules.id_map_rows import ResetPlan, ResetTargets, fresh_resets, fresh_values
 from recopt.modules.inputs import (
     FeatureLayout,
     PendingCheck,
@@ -292,6 +292,7 @@ def start_ahead(
     threads: int | None = 1,
     fresh_tables: Mapping[str, BaseEmbeddingConfig] | None = None,
     host_features: KeyedJaggedTensor | None = None,
+    reset_targets: ResetTargets | None = None,
 ) -> AheadRemap:
     """`prepare_mapped` of a training batch, started ahead of its forward (pipelined training).
 
@@ -306,6 +307,9 @@ def start_ahead(
     ``host_features``: the same batch still in host memory (a pipeline copying it to a GPU),
     for maps kept on the host: their ids are read, checked and remapped there, and the rows
     go to the device behind its work, so the worker never waits for the GPU.
+
+    ``reset_targets``: the tables' weights and states (`ResetTargets`); the worker then also
+    works out the fresh rows' reset (``remap.reset_plan``), which the forward only runs.
     """
     ahead = id_maps.ahead
     remap = AheadRemap(features, ahead.generation)
@@ -336,6 +340,9 @@ def start_ahead(
             fresh_values(results, fresh_tables, threads or torch.get_num_threads())
             remap.fill_s = time.perf_counter() - fill_start
         remap.mapped = apply_rows(selected, layout, results_to(results, device))
+        if reset_targets is not None:
+            fresh = fresh_resets(reset_targets, remap.mapped.fresh)
+            remap.reset_plan = ResetPlan(fresh, reset_targets)
         remap.busy_s = time.perf_counter() - start - (remap.fill_s or 0.0)
 
     return ahead.submit(remap, step, background)

@@ -86,27 +86,69 @@ def reset_fresh_tables(maps: IdMaps, tables: Sequence[FreshTable]) -> None:
     state (`reset_state_rows`). The observers are told of every table first; then the
     uniform-initialised float32 CPU tables are reset in one native call (the tables over
     torch's threads), the others one by one."""
-    tables = [t for t in tables if t.fresh.fresh_rows.numel()]
-    for t in tables:
-        maps.before_reset(t.table.name, t.weight, t.states, t.fresh.fresh_rows)
-    native, hashed = [], []
-    for t in tables:
-        zeroed = row_states(t.optimizer_name, t.states)
-        if t.table.init_fn is None and t.weight.device.type != "cpu":
-            hashed.append(t)
-        elif t.table.init_fn is None and cpu_id_map.can_reset(t.weight, zeroed):
-            lo, hi = t.table.init_bounds()
-            step, values = t.fresh.stats.step, _made_values(t)
-            native.append(
-                cpu_id_map.RowReset(
-                    t.weight, t.fresh.fresh_rows, t.fresh.fresh_ids, step, lo, hi, zeroed, values
+    ResetPlan(tables).run(maps)
+
+
+class ResetPlan:
+    """`reset_fresh_tables` of ``tables``, worked out now and run later (`run`): a pipeline's
+    worker makes the plan (which table goes which way, the native call's arguments), so the
+    forward that takes the step only writes. ``targets``: what the tables' weights and states
+    were taken from, for the forward to check the plan still holds (None: not said)."""
+
+    def __init__(self, tables: Sequence[FreshTable], targets: object = None) -> None:
+        self.targets = targets
+        self.tables = [t for t in tables if t.fresh.fresh_rows.numel()]
+        native: list[cpu_id_map.RowReset] = []
+        self._hashed: list[FreshTable] = []
+        self._others: list[FreshTable] = []
+        for t in self.tables:
+            zeroed = row_states(t.optimizer_name, t.states)
+            if t.table.init_fn is None and t.weight.device.type != "cpu":
+                self._hashed.append(t)
+            elif t.table.init_fn is None and cpu_id_map.can_reset(t.weight, zeroed):
+                lo, hi = t.table.init_bounds()
+                step, values = t.fresh.stats.step, _made_values(t)
+                native.append(
+                    cpu_id_map.RowReset(
+                        t.weight,
+                        t.fresh.fresh_rows,
+                        t.fresh.fresh_ids,
+                        step,
+                        lo,
+                        hi,
+                        zeroed,
+                        values,
+                    )  # fmt: skip
                 )
-            )
-        else:
+            else:
+                self._others.append(t)
+        self._native = cpu_id_map.prepare_reset(native)
+
+    def run(self, maps: IdMaps) -> None:
+        """Tell the observers of every table, then reset the rows."""
+        for t in self.tables:
+            maps.before_reset(t.table.name, t.weight, t.states, t.fresh.fresh_rows)
+        for t in self._others:
             init_rows(t.table, t.weight, t.fresh, t.fresh.stats.step)
             reset_state_rows(t.optimizer_name, t.states, t.fresh.fresh_rows)
-    cpu_id_map.reset_many(native, torch.get_num_threads())
-    _reset_hashed(hashed)
+        self._native(torch.get_num_threads())
+        _reset_hashed(self._hashed)
+
+
+# per table name: its config, optimizer name, weight and optimizer states (a collection's)
+ResetTargets = Mapping[
+    str, tuple[BaseEmbeddingConfig, str, torch.Tensor, Mapping[str, torch.Tensor]]
+]
+
+
+def fresh_resets(targets: ResetTargets, results: Mapping[str, Remapped]) -> list[FreshTable]:
+    """A `FreshTable` per result with fresh rows, its table's config, optimizer, weight and
+    states from ``targets``."""
+    return [
+        FreshTable(*targets[name], fresh)
+        for name, fresh in results.items()
+        if fresh.fresh_rows.numel()
+    ]
 
 
 def _made_values(t: FreshTable) -> torch.Tensor | None:

@@ -6,7 +6,8 @@ during batch i's step), hands it back with ``use_prefetched`` right before batch
 and checks ``prefetch_stale`` before each step (an eval read, a load or a training remap
 outside the pipeline undid the ahead steps: the pipeline starts those batches again). The
 worker also makes the fresh rows' initial values while it has time for them (`WorkerLoad`),
-so the forward's reset only copies them.
+so the forward's reset only copies them, and works out that reset (`ResetPlan`), so the
+forward only writes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from recopt.kernels.precision import Precision
 from recopt.modules.config import BaseEmbeddingConfig
 from recopt.modules.id_map_ahead import AheadRemap
 from recopt.modules.id_map_lookup import IdMaps, start_ahead
+from recopt.modules.id_map_rows import ResetTargets
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.prefetch import PrefetchQueue
 from recopt.sparse import KeyedJaggedTensor
@@ -66,10 +68,12 @@ class RemapStage:
         features: KeyedJaggedTensor,
         threads: int | None,
         host_features: KeyedJaggedTensor | None = None,
+        reset_targets: ResetTargets | None = None,
     ) -> AheadRemap | None:
         """Remap a training batch ahead of its forward (from ``host_features``, the batch in
-        host memory, where the maps are there: `start_ahead`); None where the maps step
-        inline (fault tolerance's observers or peers: the forward remaps it)."""
+        host memory, where the maps are there: `start_ahead`; ``reset_targets``: the tables'
+        weights and states, for the worker to plan the fresh rows' reset); None where the
+        maps step inline (fault tolerance's observers or peers: the forward remaps it)."""
         if not self.id_maps.can_step_ahead():
             return None
         now = time.perf_counter()
@@ -84,6 +88,7 @@ class RemapStage:
             threads,
             self._fresh_tables if fill else None,
             host_features,
+            reset_targets,
         )
 
     def push(self, remap: AheadRemap | None) -> None:
