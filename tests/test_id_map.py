@@ -270,15 +270,24 @@ def test_the_exchange_routes_every_tables_ids_to_their_owner_shards_column(
     )  # sources in order
 
 
-def test_rows_of_the_zero_row_leave_their_bags_and_unmapped_ids_stay() -> None:
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_rows_of_the_zero_row_leave_their_bags_and_unmapped_ids_stay(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`apply_rows`: mapped ids whose row is -1 (the zero row) are dropped from their bags
     (lengths, weights and per-key counts follow); an unmapped feature's ids are kept as they
-    are, even a negative one (its own check names it)."""
+    are, even a negative one (its own check names it). In native code and in torch ops."""
     from types import SimpleNamespace
 
+    from recopt.kernels import cpu_id_map
     from recopt.modules.id_map import Remapped
     from recopt.modules.id_map_batch import apply_rows
     from recopt.sparse import KeyedJaggedTensor
+
+    if path == "native" and not cpu_id_map.available():
+        pytest.skip("no C compiler: no native remap")
+    if path == "torch":
+        monkeypatch.setattr(cpu_id_map, "drop_zero_rows", lambda *args: None)
 
     features = KeyedJaggedTensor(
         ["m1", "u", "m2"],

@@ -287,3 +287,49 @@ def test_the_zero_row_check_trusts_what_the_host_read() -> None:
     assert not _any_zero_row({"a": with_zero, "b": without})
     without.zero_row = None  # one unknown: the rows are read (and hold a -1)
     assert _any_zero_row({"a": with_zero, "b": without})
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+def test_native_zero_row_drop_equals_the_torch_ops(weighted: bool) -> None:
+    """`cpu_id_map.drop_zero_rows` against `apply_rows`' torch ops, on random batches: keys
+    mapped or not, empty bags, bags of the zero row only, weights or none."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from recopt.modules.id_map_batch import _drop_zero_rows, _row_pieces
+    from recopt.sparse import KeyedJaggedTensor
+
+    generator = torch.Generator().manual_seed(3)
+    for trial in range(30):
+        keys, stride = 1 + trial % 4, 1 + trial % 5
+        lengths = torch.randint(0, 4, (keys * stride,), generator=generator)
+        total = int(lengths.sum())
+        rows = torch.randint(-1, 5, (total,), generator=generator)  # about a sixth: zero row
+        weights = torch.rand(total, generator=generator) if weighted else None
+        names = [f"f{k}" for k in range(keys)]
+        features = KeyedJaggedTensor(names, rows, weights=weights, lengths=lengths)
+        tables = [f"t{k}" if (trial + k) % 3 else "plain" for k in range(keys)]
+        layout: Any = SimpleNamespace(table_names=tables)
+        per_table = {
+            name: Remapped(
+                torch.cat(
+                    [
+                        p
+                        for p, t in zip(rows.split(features.length_per_key()), tables, strict=True)
+                        if t == name
+                    ]
+                ),
+                torch.zeros(0, dtype=torch.int64),
+                torch.zeros(0, dtype=torch.int64),
+            )  # fmt: skip
+            for name in set(tables) - {"plain"}
+        }
+        pieces, mapped = _row_pieces(features, layout, per_table)
+        expected = _drop_zero_rows(features, torch.cat(pieces), pieces, mapped)
+        native = cpu_id_map.drop_zero_rows(torch.cat(pieces), features.offsets(), mapped[:-1],
+                                           weights)  # fmt: skip
+        assert native is not None
+        assert torch.equal(native[0], expected[0]), trial
+        assert (native[1] is None) == (expected[1] is None)
+        assert native[1] is None or torch.equal(native[1], expected[1])
+        assert torch.equal(native[2], expected[2]) and native[3] == expected[3], trial

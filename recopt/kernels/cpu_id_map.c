@@ -15,6 +15,7 @@
  * path's, so both paths give the same maps.
  * Legend: M ids of the batch, U distinct ids, N slots.
  */
+#include "cpu_id_map_batch.h"
 #include "cpu_id_map_fill.h"
 #include "cpu_id_map_lfu.h"
 #include "cpu_id_map_slots.h"

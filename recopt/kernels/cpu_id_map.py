@@ -23,7 +23,9 @@ logger = logging.getLogger(__name__)
 
 _C_SOURCE_PATH = Path(__file__).with_name("cpu_id_map.c")
 # included by the source
-_C_HEADERS = [Path(__file__).with_name(f"cpu_id_map_{name}.h") for name in ("slots", "fill", "lfu")]
+_C_HEADERS = [
+    Path(__file__).with_name(f"cpu_id_map_{name}.h") for name in ("slots", "fill", "lfu", "batch")
+]
 # -ffp-contract=off: lfu's frequency update (f * factor + count) rounds twice, as torch does.
 _CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fopenmp"]
 
@@ -46,6 +48,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "rim_undo_copy_many": (None, [_I64, _P, _INT, *[_P] * 7]),
     "rim_decay_powers": (None, [ctypes.c_double, _P, _I64, _P]),
     "rim_reset_many": (None, [_I64, *[_P] * 13, _INT]),
+    "rim_drop_zero_rows": (_I64, [_I64, _I64, _P, _P, _P, _I64, *[_P] * 5]),
 }
 
 
@@ -96,6 +99,41 @@ def decay_powers(decay: float, ages: torch.Tensor) -> torch.Tensor:
     if out.numel():
         library().rim_decay_powers(decay, ages.data_ptr(), ages.numel(), out.data_ptr())
     return out
+
+
+def drop_zero_rows(
+    rows: torch.Tensor, offsets: torch.Tensor, mapped: Sequence[bool], weights: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, list[int]] | None:
+    """A remapped batch's rows with the zero row's ids (-1) dropped from the bags of the keys
+    marked in ``mapped`` (one flag per key; each key ``stride`` bags, ``offsets`` into
+    ``rows``), in one pass: the kept rows, their ``weights`` (None: unweighted), each bag's
+    kept count (int64) and each key's. None (nothing done) unless the rows are int64 on CPU,
+    the weights float32 there, the bags as many per key, and the library available."""
+    keys, bags = len(mapped), offsets.numel() - 1
+    if (
+        rows.device.type != "cpu"
+        or rows.dtype != torch.int64
+        or offsets.device.type != "cpu"
+        or (weights is not None and (weights.device.type, weights.dtype) != ("cpu", torch.float32))
+        or keys == 0
+        or bags % keys
+        or not available()
+    ):
+        return None
+    rows, offsets = rows.contiguous(), _int64_contiguous(offsets)
+    weights = None if weights is None else weights.contiguous()
+    rows_out = torch.empty_like(rows)
+    weights_out = None if weights is None else torch.empty_like(weights)
+    lengths = torch.empty(bags, dtype=torch.int64)
+    per_key = (ctypes.c_int64 * keys)()
+    kept = library().rim_drop_zero_rows(
+        keys, bags // keys, offsets.data_ptr(), (ctypes.c_uint8 * keys)(*mapped),
+        rows.data_ptr(), rows.numel(), None if weights is None else weights.data_ptr(),
+        rows_out.data_ptr(), None if weights_out is None else weights_out.data_ptr(),
+        lengths.data_ptr(), per_key,
+    )  # fmt: skip
+    kept_weights = None if weights_out is None else weights_out[:kept]
+    return rows_out[:kept], kept_weights, lengths, per_key[:]
 
 
 def fill_uniform(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from recopt.kernels import cpu_id_map
 from recopt.kernels.config import PoolingType
 from recopt.modules.id_map import Remapped
 from recopt.modules.inputs import FeatureLayout
@@ -67,6 +68,29 @@ def apply_rows(
     if not _any_zero_row(results):
         batch.features = features.with_values(rows)  # its counts, read already, hold
         return batch
+    weights, lengths = features.weights_or_none(), features.lengths()
+    keys = len(features.keys())
+    key_mapped = (mapped[:-1] + [False] * keys)[:keys]  # the last piece is past every key
+    native = cpu_id_map.drop_zero_rows(rows, features.offsets(), key_mapped, weights)
+    if native is None:
+        native = _drop_zero_rows(features, rows, pieces, mapped)
+    kept_rows, kept_weights, kept, per_key = native
+    batch.features = KeyedJaggedTensor(
+        features.keys(),
+        kept_rows,
+        weights=kept_weights,
+        lengths=kept.to(lengths.dtype),
+        stride=features.stride(),
+        length_per_key=per_key,
+    )
+    batch.lengths_before = lengths
+    return batch
+
+
+def _drop_zero_rows(
+    features: KeyedJaggedTensor, rows: torch.Tensor, pieces: list[torch.Tensor], mapped: list[bool]
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, list[int]]:
+    """`cpu_id_map.drop_zero_rows` in torch ops (on a device, or without the library)."""
     if all(
         is_mapped or piece.numel() == 0 for piece, is_mapped in zip(pieces, mapped, strict=True)
     ):
@@ -84,17 +108,8 @@ def apply_rows(
     bounds = torch.tensor(features.offset_per_key(), device=rows.device)
     per_key = before.index_select(0, bounds).diff().tolist()  # (the mask below reads too)
     weights = features.weights_or_none()
-    lengths = features.lengths()
-    batch.features = KeyedJaggedTensor(
-        features.keys(),
-        rows.masked_select(keep),
-        weights=None if weights is None else weights.masked_select(keep),
-        lengths=kept.to(lengths.dtype),
-        stride=features.stride(),
-        length_per_key=per_key,
-    )
-    batch.lengths_before = lengths
-    return batch
+    kept_weights = None if weights is None else weights.masked_select(keep)
+    return rows.masked_select(keep), kept_weights, kept, per_key
 
 
 def _any_zero_row(results: Mapping[str, Remapped]) -> bool:
