@@ -107,18 +107,11 @@ class ResetPlan:
                 self._hashed.append(t)
             elif t.table.init_fn is None and cpu_id_map.can_reset(t.weight, zeroed):
                 lo, hi = t.table.init_bounds()
-                step, values = t.fresh.stats.step, _made_values(t)
+                f, values = t.fresh, _made_values(t)
                 native.append(
                     cpu_id_map.RowReset(
-                        t.weight,
-                        t.fresh.fresh_rows,
-                        t.fresh.fresh_ids,
-                        step,
-                        lo,
-                        hi,
-                        zeroed,
-                        values,
-                    )  # fmt: skip
+                        t.weight, f.fresh_rows, f.fresh_ids, f.stats.step, lo, hi, zeroed, values
+                    )
                 )
             else:
                 self._others.append(t)
