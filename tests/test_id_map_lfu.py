@@ -2,13 +2,16 @@
 
 Both paths compute ``decay ** age`` as the same product of repeated squares
 (`recopt.modules.id_map.decay_powers`), so they must agree bit for bit: the powers themselves,
-the victims of an evicting step among heavy ties (the native side selects them in one pass
-over the rows, the torch path sorts every row), and the maps after every step of long streams.
+the victims of an evicting step among heavy ties (the native side selects them from its rows
+in buckets by key, or in one pass over every row's key in maps too small for the buckets;
+the torch path sorts every row), and the maps after every step of long streams. Every test
+runs both native ways (`cpu_id_map.lfu_buckets_min_rows`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,6 +23,14 @@ from recopt.modules.id_map import IdMap, Remapped, decay_powers
 pytestmark = pytest.mark.skipif(not cpu_id_map.available(), reason="no C compiler")
 
 DECAYS = [0.99, 0.5, 0.999999, 0.3, 1e-3, 1.0]
+
+
+@pytest.fixture(autouse=True, params=["buckets", "every_row"])
+def victims_way(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The native maps built here keep lfu's buckets whatever their size, or never."""
+    was = cpu_id_map.lfu_buckets_min_rows(0 if request.param == "buckets" else 2**62)
+    yield
+    cpu_id_map.lfu_buckets_min_rows(was)
 
 
 def _product(decay: float, age: int) -> float:
@@ -173,3 +184,28 @@ def test_native_victims_over_extreme_ages(decay: float, oldest: int) -> None:
         # a second step: the keys kept up by the first (fresh rows, counted rows) filter it
         more = torch.arange(need) * 11 + 3
         _assert_same(native.remap(more, True), reference.remap(more, True), native, reference, "2")
+
+
+@pytest.mark.parametrize("case", ["zero_counts", "wide_key_range"])
+def test_native_victims_where_the_key_buckets_step_aside(case: str) -> None:
+    """The native map keeps lfu's rows in buckets by static key; rows whose key is not finite
+    (a count of 0, as a loaded state may hold) or keys spread over too many buckets (decay 0.5,
+    rows last seen up to two million steps apart) turn them off and every row is read: the
+    victims are still the head of `IdMap.eviction_order`, step after step, as the torch map's."""
+    rows = 5000
+    gen = torch.Generator().manual_seed(5)
+    decay, oldest = (0.9, 200) if case == "zero_counts" else (0.5, 2_000_000)
+    frequency = (torch.rand(rows, generator=gen) * 20 + 1).double()
+    if case == "zero_counts":
+        frequency[torch.randint(0, rows, (300,), generator=gen)] = 0.0
+    last_seen = torch.randint(0, oldest, (rows,), generator=gen)
+    last_seen[:50] = oldest - 1  # recent rows beside the oldest: the widest key range
+    native, reference = _pair(IdMapConfig(policy="lfu", decay=decay), rows)
+    _full_maps((native, reference), frequency, last_seen, oldest + 4)
+    for step in range(4):
+        need = 300 + 100 * step
+        expected = reference.eviction_order(torch.arange(rows))[:need]
+        new_ids = torch.arange(need) + 10**9 + 100_000 * step  # none of them live
+        a, b = native.remap(new_ids, True), reference.remap(new_ids, True)
+        _assert_same(a, b, native, reference, f"step {step}")
+        assert torch.equal(a.fresh_rows.sort().values, expected.sort().values), step

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -32,6 +33,16 @@ CONFIGS = {
     "lru_admit_overflow": IdMapConfig(policy="lru", admit_after=3, candidate_slots=4),
     "lfu_all": IdMapConfig(policy="lfu", decay=0.95, ttl_steps=6, admit_after=2, candidate_slots=9),
 }
+
+
+@pytest.fixture(autouse=True)
+def lfu_buckets() -> Iterator[None]:
+    """lfu's rows in buckets by key in every native map here, as large maps keep them (the
+    other way, every row's key read: tests/test_id_map_lfu.py runs both)."""
+    library = cpu_id_map.library()  # (a test below hides it: put the value back through it)
+    was = library.rim_set_lfu_buckets_min_rows(0)
+    yield
+    library.rim_set_lfu_buckets_min_rows(was)
 
 
 def _pair(config: IdMapConfig, rows: int) -> tuple[IdMap, IdMap]:

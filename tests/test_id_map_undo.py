@@ -21,10 +21,14 @@ CONFIGS = {
 
 @pytest.fixture(autouse=True, params=["native", "torch"])
 def remap_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test on both remap paths: native code (when it builds) and torch ops."""
+    """Every test on both remap paths: native code (when it builds; lfu's rows in buckets by
+    key, as large maps keep them) and torch ops."""
     if request.param == "native" and not cpu_id_map.available():
         pytest.skip("no C compiler: the native remap is not built")
     monkeypatch.setattr(IdMap, "native", request.param == "native")
+    if request.param == "native":
+        was = cpu_id_map.lfu_buckets_min_rows(0)
+        request.addfinalizer(lambda: cpu_id_map.lfu_buckets_min_rows(was))
 
 
 def _state(idmap: IdMap) -> dict[str, torch.Tensor]:

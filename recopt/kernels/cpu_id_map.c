@@ -18,6 +18,7 @@
 #include "cpu_id_map_batch.h"
 #include "cpu_id_map_fill.h"
 #include "cpu_id_map_lfu.h"
+#include "cpu_id_map_lfu_buckets.h"
 #include "cpu_id_map_slots.h"
 
 typedef struct {
@@ -28,6 +29,7 @@ typedef struct {
     Powers powers;      /* lfu's decay powers */
     float *keys;        /* [N]: lfu_key of each used row while keys_valid (lfu's filter) */
     int keys_valid;     /* set by the first lfu step after a rebuild, kept up by each step */
+    Buckets lfu_rows;   /* the used rows by key, while keys_valid (lfu's victims) */
     Cand *cands;        /* [5 M]: lfu's victim heap [M] and the rows under its pivot [4 M] */
     uint64_t *row_pos;  /* [N]: (batch generation << 32) | the row's index in known */
     uint64_t *row_bits; /* [N / 64 + 1]: the rows the batch touched (all 0 between batches) */
@@ -107,6 +109,7 @@ void rim_free(void *handle) {
     free(m->row_bits);
     free(m->powers.memo);
     free(m->keys);
+    buckets_free(&m->lfu_rows);
     free_scratch(m);
     free(m);
 }
@@ -319,13 +322,21 @@ static void count_known(Map *m, int64_t step) {
             int64_t ahead = m->known[k + AHEAD];
             __builtin_prefetch(&s->freq[ahead], 1);
             __builtin_prefetch(&s->seen[ahead], 1);
+            if (m->keys_valid) { /* lfu's key and bucket generation, rewritten below */
+                __builtin_prefetch(&m->keys[ahead], 1);
+                if (m->lfu_rows.valid) __builtin_prefetch(&m->lfu_rows.gen[ahead], 1);
+            }
         }
         remember_as(m, s, r, m->known_id[k], 1); /* a known row: its id, used */
         double kept = s->freq[r];
         if (m->powers.memo) kept = kept * decay_power(&m->powers, step - s->seen[r]);
         s->freq[r] = kept + (double)m->count_k[k];
         s->seen[r] = step; /* its queue entry is stale now: not a victim of this batch */
-        if (m->keys_valid) m->keys[r] = lfu_key(s->freq[r], step, &m->powers);
+        if (m->keys_valid) {
+            float key = lfu_key(s->freq[r], step, &m->powers);
+            if (key != m->keys[r]) buckets_push(&m->lfu_rows, r, key); /* (same: same entry) */
+            m->keys[r] = key;
+        }
         m->touched[k] = r;
     }
 }
@@ -481,11 +492,16 @@ static int64_t lfu_victims(Map *m, int64_t step, int64_t *fresh_rows, int64_t pl
         for (int64_t r = 0; m->keys && r < s->n; r++)
             if (s->used[r]) m->keys[r] = lfu_key(s->freq[r], s->seen[r], &m->powers);
         m->keys_valid = m->keys != NULL;
+        if (m->keys_valid) buckets_build(&m->lfu_rows, s, m->keys, &m->powers);
+    } else if (m->lfu_rows.valid && m->lfu_rows.entries > 4 * s->n + 64) {
+        buckets_build(&m->lfu_rows, s, m->keys, &m->powers); /* the stale entries dropped */
     }
-    int64_t chosen = lfu_select(&m->rows, &m->powers, m->keys_valid ? m->keys : NULL, step,
-                                want - placed,
-                                m->rows.live - m->num_known, m->cands, m->cap_m,
-                                fresh_rows + placed);
+    int64_t chosen =
+        m->keys_valid && m->lfu_rows.valid
+            ? buckets_select(&m->lfu_rows, s, &m->powers, step, want - placed, m->cands,
+                             fresh_rows + placed)
+            : lfu_select(s, &m->powers, m->keys_valid ? m->keys : NULL, step, want - placed,
+                         m->rows.live - m->num_known, m->cands, m->cap_m, fresh_rows + placed);
     evict_range(m, &m->rows, fresh_rows, placed, placed + chosen);
     return placed + chosen;
 }
@@ -515,13 +531,20 @@ int rim_finish(void *handle, void **buffers, int64_t step, int lfu, int64_t *row
             __builtin_prefetch(&s->seen[ahead], 1);
             __builtin_prefetch(&s->freq[ahead], 1);
             __builtin_prefetch(&s->used[ahead], 1);
+            if (m->keys_valid) { /* lfu's key and bucket generation */
+                __builtin_prefetch(&m->keys[ahead], 1);
+                if (m->lfu_rows.valid) __builtin_prefetch(&m->lfu_rows.gen[ahead], 1);
+            }
         }
         remember(m, s, r);
         s->ids[r] = m->ids_u[u];
         s->used[r] = 1;
         s->seen[r] = step;
         s->freq[r] = (double)m->count_u[u];
-        if (m->keys_valid) m->keys[r] = lfu_key(s->freq[r], step, &m->powers);
+        if (m->keys_valid) {
+            m->keys[r] = lfu_key(s->freq[r], step, &m->powers);
+            buckets_push(&m->lfu_rows, r, m->keys[r]); /* a new id: always a new entry */
+        }
         hash_put(&s->hash, m->ids_u[u], r);
         s->live++;
         m->slot_u[u] = r;

@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 _C_SOURCE_PATH = Path(__file__).with_name("cpu_id_map.c")
 # included by the source
 _C_HEADERS = [
-    Path(__file__).with_name(f"cpu_id_map_{name}.h") for name in ("slots", "fill", "lfu", "batch")
+    Path(__file__).with_name(f"cpu_id_map_{name}.h")
+    for name in ("slots", "fill", "lfu", "lfu_buckets", "batch")
 ]
 # -ffp-contract=off: lfu's frequency update (f * factor + count) rounds twice, as torch does.
 _CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fopenmp"]
@@ -49,6 +50,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "rim_decay_powers": (None, [ctypes.c_double, _P, _I64, _P]),
     "rim_reset_many": (None, [_I64, *[_P] * 13, _INT]),
     "rim_drop_zero_rows": (_I64, [_I64, _I64, _P, _P, _P, _I64, *[_P] * 5]),
+    "rim_set_lfu_buckets_min_rows": (_I64, [_I64]),
 }
 
 
@@ -134,6 +136,17 @@ def drop_zero_rows(
     )  # fmt: skip
     kept_weights = None if weights_out is None else weights_out[:kept]
     return rows_out[:kept], kept_weights, lengths, per_key[:]
+
+
+def lfu_buckets_min_rows(rows: int | None = None) -> int:
+    """The rows from which native lfu maps keep their rows in buckets by key (below: every
+    row's key read at each evicting step; cpu_id_map_lfu_buckets.h); with ``rows``, set it
+    for maps (re)built from then on (tests run both ways). Returns the value before.
+
+    Raises:
+        RuntimeError: the library is not available.
+    """
+    return int(library().rim_set_lfu_buckets_min_rows(-1 if rows is None else rows))
 
 
 def fill_uniform(
