@@ -87,6 +87,19 @@ static inline void keep_lowest(Cand *heap, int64_t *size, int64_t need, Cand c) 
     }
 }
 
+/* The rows of the max-heap heap [size] (keep_lowest's) into out, ascending: the first victim
+ * first (the heap is sorted in place). Returns size. */
+static int64_t heap_rows(Cand *heap, int64_t size, int64_t *out) {
+    for (int64_t last = size - 1; last > 0; last--) {
+        Cand top = heap[0];
+        heap[0] = heap[last];
+        cand_sift_down(heap, last, 0);
+        heap[last] = top;
+    }
+    for (int64_t i = 0; i < size; i++) out[i] = heap[i].row;
+    return size;
+}
+
 static inline int evictable(const Slots *s, int64_t step, int64_t r) {
     return s->used[r] && s->seen[r] != step; /* used, and not seen in this batch */
 }
@@ -188,14 +201,7 @@ static int64_t lfu_select(const Slots *s, const Powers *p, const float *keys, in
         for (int64_t r = 0; r < s->n; r++)
             if (evictable(s, step, r)) keep_lowest(heap, &size, need, lfu_cand(s, p, step, r));
     }
-    for (int64_t last = size - 1; last > 0; last--) { /* ascending: the first victim first */
-        Cand top = heap[0];
-        heap[0] = heap[last];
-        cand_sift_down(heap, last, 0);
-        heap[last] = top;
-    }
-    for (int64_t i = 0; i < size; i++) out[i] = heap[i].row;
-    return size;
+    return heap_rows(heap, size, out);
 }
 
 #endif

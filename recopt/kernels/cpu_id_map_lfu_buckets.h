@@ -166,14 +166,7 @@ static int64_t buckets_select(Buckets *q, const Slots *s, const Powers *p, int64
             break;
     }
     while (q->lo < q->hi && q->ring[q->lo & (q->slots - 1)].size == 0) q->lo++;
-    for (int64_t last = size - 1; last > 0; last--) { /* ascending: the first victim first */
-        Cand top = heap[0];
-        heap[0] = heap[last];
-        cand_sift_down(heap, last, 0);
-        heap[last] = top;
-    }
-    for (int64_t i = 0; i < size; i++) out[i] = heap[i].row;
-    return size;
+    return heap_rows(heap, size, out);
 }
 
 /* The rows from which maps keep lfu's buckets (maps built or rebuilt after the call); the
