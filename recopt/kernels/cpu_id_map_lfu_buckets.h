@@ -7,7 +7,7 @@
  * is (row, generation); the row's generation moves on whenever it gets a new entry (its key
  * changed when the batch counted it, or a new id took it), which makes its older entries
  * stale, as freeing it does (unused). Stale entries are dropped when their bucket is read, and
- * all of them when the entries outnumber the rows 3 to 1 (rebuilt from the keys). Reading
+ * all of them when the entries outnumber the rows 4 to 1 (rebuilt from the keys). Reading
  * the buckets from the lowest, a heap keeps the `need` lowest rows by exact decayed count
  * (lfu_cand, cand_before); it stops after a bucket once the highest of those lies below the
  * lowest decayed count a row of a later bucket can have (its key's bucket bound less the keys'
@@ -33,7 +33,8 @@
 /* Maps with fewer rows read every row's key instead (rim_set_lfu_buckets_min_rows: tests).
  * From the asymptotics more than a machine: from 2^19 rows on, reading all keys is 2 MiB a
  * map and step, past a core's private cache, while the buckets' work grows with the batch
- * alone (measured on one machine: even at 250k rows, 1.2-1.4x faster at 500k, 2.6x at 4M). */
+ * alone (benchmarks/bench_id_map_lfu.py on one machine: even at 250k-500k rows, 1.25x faster
+ * at 1M, 2.2x at 4M; slower on 100k-row maps beside a training step). */
 static int64_t lfu_buckets_min_rows = (int64_t)1 << 19;
 
 typedef struct {
