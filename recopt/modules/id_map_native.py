@@ -236,7 +236,10 @@ def _step_many(
         stats = _stepped(idmap, steps[i], native.num_rows, flat_stats[6 * i : 6 * i + 6])
         placed = stats.new_ids
         rows_M, fresh_rows, fresh_ids = views[3 * i : 3 * i + 3]
-        results[name] = Remapped(rows_M, fresh_rows[:placed], fresh_ids[:placed], stats)
+        results[name] = Remapped(
+            rows_M, fresh_rows[:placed], fresh_ids[:placed], stats,
+            zero_row=stats.zero_row_ids > 0,  # the ids left without a row: those that read it
+        )  # fmt: skip
         befores.append(before)
     if record:
         natives = [native for _, _, native, _ in together]

@@ -50,7 +50,7 @@ class Remapped:
     stats: RemapStats = field(default_factory=RemapStats)
     undo: MapUndo | None = None
     fresh_values: torch.Tensor | None = None
-    zero_row: bool | None = None  # whether an id reads the zero row, when read on the host
+    zero_row: bool | None = None  # whether an id reads the zero row, when the host knows it
 
     def to(self, device: torch.device) -> Remapped:
         """The rows on ``device`` (where the batch's ids are): `results_to` of this one."""
@@ -60,7 +60,8 @@ class Remapped:
 def results_to(results: Mapping[str, Remapped], device: torch.device) -> dict[str, Remapped]:
     """``results`` with their rows (and any ``fresh_values``) on ``device``, moved in one copy
     each (the maps of a CUDA table live on the host: `recopt.modules.id_map.map_device`);
-    the undo records stay with the maps, and ``zero_row`` is read before the rows leave.
+    the undo records stay with the maps, and ``zero_row`` (unless known already: a native
+    step counts it) is read before the rows leave.
     From host to a GPU the copies go through page-locked memory without waiting: they queue
     behind the device's work instead of making the caller wait for it (a pipeline's worker
     runs beside the previous step)."""
