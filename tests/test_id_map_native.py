@@ -336,7 +336,7 @@ def test_native_zero_row_drop_equals_the_torch_ops(weighted: bool) -> None:
             for name in set(tables) - {"plain"}
         }
         pieces, mapped = _row_pieces(features, layout, per_table)
-        expected = _drop_zero_rows(features, torch.cat(pieces), pieces, mapped)
+        expected = _drop_zero_rows(features, torch.cat(pieces), pieces, mapped, weights)
         native = cpu_id_map.drop_zero_rows(torch.cat(pieces), features.offsets(), mapped[:-1],
                                            weights)  # fmt: skip
         assert native is not None

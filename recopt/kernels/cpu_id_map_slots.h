@@ -47,8 +47,8 @@ typedef struct {
 
 /* Memory for a structure read at random (a map's hash table, its queue): from 2 MiB up,
  * 2 MiB-aligned and marked for transparent huge pages before its first touch, so that a
- * lookup's address translation mostly hits the TLB (26 maps of 100k rows read ~200 MiB at
- * random a step; in 4 KiB pages nearly every read also walks the page table). free() frees it. */
+ * lookup's address translation mostly hits the TLB (26 maps of 100k rows hold ~200 MiB of
+ * them; in 4 KiB pages nearly every random read also walks the page table). free() frees it. */
 static void *big_alloc(size_t bytes) {
     const size_t huge = (size_t)2 << 20;
     if (bytes < huge) return malloc(bytes);

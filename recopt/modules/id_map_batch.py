@@ -73,7 +73,7 @@ def apply_rows(
     key_mapped = (mapped[:-1] + [False] * keys)[:keys]  # the last piece is past every key
     native = cpu_id_map.drop_zero_rows(rows, features.offsets(), key_mapped, weights)
     if native is None:
-        native = _drop_zero_rows(features, rows, pieces, mapped)
+        native = _drop_zero_rows(features, rows, pieces, mapped, weights)
     kept_rows, kept_weights, kept, per_key = native
     batch.features = KeyedJaggedTensor(
         features.keys(),
@@ -88,7 +88,11 @@ def apply_rows(
 
 
 def _drop_zero_rows(
-    features: KeyedJaggedTensor, rows: torch.Tensor, pieces: list[torch.Tensor], mapped: list[bool]
+    features: KeyedJaggedTensor,
+    rows: torch.Tensor,
+    pieces: list[torch.Tensor],
+    mapped: list[bool],
+    weights: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, list[int]]:
     """`cpu_id_map.drop_zero_rows` in torch ops (on a device, or without the library)."""
     if all(
@@ -107,7 +111,6 @@ def _drop_zero_rows(
     kept = before.index_select(0, features.offsets()).diff()
     bounds = torch.tensor(features.offset_per_key(), device=rows.device)
     per_key = before.index_select(0, bounds).diff().tolist()  # (the mask below reads too)
-    weights = features.weights_or_none()
     kept_weights = None if weights is None else weights.masked_select(keep)
     return rows.masked_select(keep), kept_weights, kept, per_key
 
