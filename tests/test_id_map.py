@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 import pytest
@@ -227,47 +226,6 @@ def test_route_shard_is_a_fixed_spread_function_of_the_id() -> None:
     per_id = torch.tensor([1, 2, 3, 7, 2, 3, 1])  # several tables' ids at once
     expected = [int(route_shard(ids[i : i + 1], int(n))) for i, n in enumerate(per_id)]
     assert route_shard(ids, per_id).tolist() == expected
-
-
-@pytest.mark.parametrize("shards", [(1, 2, 3), (2, 2, 2), (1, 1, 1)])
-def test_the_exchange_routes_every_tables_ids_to_their_owner_shards_column(
-    shards: tuple[int, int, int],
-) -> None:
-    """`IdExchange.route` hashes all tables' ids at once: each id lands in the column of
-    (its table, the shard `route_shard` names), whatever the tables' shard counts."""
-    from recopt.modules.id_map_rows import route_shard
-    from recopt.sharding.id_map_exchange import IdExchange
-    from recopt.sharding.id_map_shards import MapShard
-
-    counts = dict(zip("abc", shards, strict=True))
-    every = [
-        MapShard(t, name, k, n, rank=(t + k) % 2, row_offset=0, num_rows=1,
-                 candidate_offset=0, candidate_slots=0)
-        for t, (name, n) in enumerate(counts.items())
-        for k in range(n)
-    ]  # fmt: skip
-    names = ["c", "a", "b"]  # the order the ids are concatenated in
-    exchange = IdExchange(
-        every, names, 2, 0, None, datetime.timedelta(seconds=5), torch.device("cpu")
-    )
-    gen = torch.Generator().manual_seed(3)
-    ids = {
-        n: torch.randint(-(2**62), 2**62, (40 + 7 * i,), generator=gen) for i, n in enumerate(names)
-    }
-    routed = exchange.route(ids)
-    column_of = {(c.name, c.shard): i for i, c in enumerate(exchange.columns)}
-    expected = torch.cat(
-        [
-            torch.tensor([column_of[(n, int(k))] for k in route_shard(ids[n], counts[n])])
-            for n in names
-        ]
-    )
-    flat = torch.cat([ids[n] for n in names])
-    assert torch.equal(routed.ids_M, flat[routed.order_M])
-    assert torch.equal(routed.counts_C, torch.bincount(expected, minlength=len(every)))
-    assert torch.equal(
-        routed.order_M, torch.sort(expected, stable=True).indices
-    )  # sources in order
 
 
 @pytest.mark.parametrize("path", ["native", "torch"])

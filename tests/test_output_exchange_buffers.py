@@ -61,8 +61,8 @@ def _buffers(rank: int, world: int, kind: str, gated: bool) -> dict[str, Any]:
     grad_in: list[int] = []
     lookup = module._lookup_model_parallel
 
-    def recording_lookup(received: Any) -> torch.Tensor:
-        mp_send: torch.Tensor = lookup(received)
+    def recording_lookup(inputs: Any, received: Any) -> torch.Tensor:
+        mp_send: torch.Tensor = lookup(inputs, received)
         sent_from.append(mp_send.data_ptr())
         mp_send.register_hook(lambda grad: grad_in.append(grad.data_ptr()))
         return mp_send

@@ -54,9 +54,12 @@ def _random_kjt(seed: int, batch: int, weighted: bool) -> KeyedJaggedTensor:
 
 
 def _reference(
-    layout: ShardedLayout, kjt: KeyedJaggedTensor
+    layout: ShardedLayout, kjt: KeyedJaggedTensor, hashed: frozenset[int] = frozenset()
 ) -> tuple[list[int], list[float], list[int], list[list[int]]]:
-    """Bag by bag, in Python: what each destination's virtual features receive."""
+    """Bag by bag, in Python: what each destination's virtual features receive (the features
+    in ``hashed``: id-mapped, each raw id to the shard `route_shard` names, as it is)."""
+    from recopt.modules.id_map_rows import route_shard
+
     batch = kjt.stride()
     lengths = kjt.lengths().tolist()
     values = kjt.values().tolist()
@@ -76,7 +79,15 @@ def _reference(
                 bag = vf.feature * batch + b
                 n = 0
                 for i in range(offsets[bag], offsets[bag + 1]):
-                    if vf.row_offset <= values[i] < vf.row_offset + vf.num_rows:
+                    if vf.feature in hashed:
+                        shards = sum(
+                            v.feature == vf.feature for d in layout.dest_features for v in d
+                        )
+                        if int(route_shard(torch.tensor([values[i]]), shards)) == vf.shard:
+                            ids.append(values[i])
+                            ws.append(wl[i])
+                            n += 1
+                    elif vf.row_offset <= values[i] < vf.row_offset + vf.num_rows:
                         ids.append(values[i] - vf.row_offset)
                         ws.append(wl[i])
                         n += 1
@@ -119,6 +130,49 @@ def test_bucketize_matches_bag_by_bag_reference(
             assert ws is not None and ws.tolist() == ref_ws
         else:
             assert ws is None
+
+
+@pytest.mark.parametrize(
+    "requests",
+    [
+        {"a": row_wise(), "b": row_wise(), "c": row_wise()},
+        {"a": table_wise(1), "b": row_wise(), "c": row_wise([0, 2])},
+        {"a": row_wise(), "b": column_wise([1, 2]), "c": table_wise(0)},
+    ],
+    ids=["row_wise", "mixed", "with_column_wise"],
+)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_bucketize_routes_id_mapped_raw_ids_by_their_hash(
+    requests: dict[str, object], weighted: bool
+) -> None:
+    """Id-mapped features (tables a and c): each raw id (any int64) goes, unchanged and in its
+    bag, to the shard `route_shard` names; the other features are routed by row as ever."""
+    layout = _layout(requests, world=3)
+    hashed = frozenset(f for f, t in enumerate(layout.features.table_names) if t in ("a", "c"))
+    bucketizer = Bucketizer(
+        layout.features.num_rows,
+        layout.dest_features,
+        layout.dp_features,
+        torch.device("cpu"),
+        hashed=[f in hashed for f in range(len(layout.features.table_names))],
+    )
+    assert not bucketizer.row_split
+    for seed, batch in [(0, 4), (1, 1), (2, 6)]:
+        kjt = _random_kjt(seed, batch, weighted)
+        values = kjt.values().clone()
+        g = torch.Generator().manual_seed(seed)
+        for f in hashed:
+            a, b = kjt.offset_per_key()[f], kjt.offset_per_key()[f + 1]
+            values[a:b] = torch.randint(-(2**62), 2**62, (b - a,), generator=g)
+        kjt = KeyedJaggedTensor(
+            keys=kjt.keys(), values=values, lengths=kjt.lengths(), weights=kjt.weights_or_none()
+        )
+        ids, ws, lengths_G_B = bucketizer.bucketize(kjt)
+        ref_ids, ref_ws, ref_counts, ref_lengths = _reference(layout, kjt, hashed)
+        assert ids.tolist() == ref_ids
+        assert _per_destination(bucketizer, lengths_G_B) == ref_counts
+        assert lengths_G_B.tolist() == ref_lengths
+        assert (ws is None) != weighted and (ws is None or ws.tolist() == ref_ws)
 
 
 def _per_destination(bucketizer: Bucketizer, lengths_G_B: torch.Tensor) -> list[int]:

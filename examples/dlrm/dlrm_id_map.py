@@ -1,9 +1,10 @@
 """The DLRM script's id-mapped tables: which loop trains them, and what their maps did.
 
-The pipeline remaps batch i+1 while batch i trains (its step kept pending until batch i+1's
-forward). Under fault tolerance the guard steps sharded maps in their own forward, which the
-pipeline cannot do ahead: the script then trains with the plain loop and says so once
-(`plain_loop_notice`). `IdMapWindow` sums each table's ``stats()`` over a logging window for
+On one process the pipeline remaps batch i+1 while batch i trains (its step kept pending
+until batch i+1's forward); sharded maps step in their batch's own forward, pipelined or not.
+Sharded id-mapped tables under fault tolerance still train with the plain loop, which the
+script says once (`plain_loop_notice`): the pipeline's retry of a dropped step with them is
+tested with the guard alone, not yet with torchft's manager over several ranks. `IdMapWindow` sums each table's ``stats()`` over a logging window for
 the metrics log and progress line.
 """
 
@@ -36,9 +37,9 @@ def plain_loop_notice(config: TrainingConfig, world_size: int, fault_tolerant: b
         return None
     return (
         f"training.pipeline: tables {tables} have id_map and are sharded over {world_size} "
-        "ranks under fault tolerance, whose guard steps their maps in their own forward (the "
-        "pipeline remaps batch i+1 ahead), so this run uses the plain loop (set "
-        "training.pipeline=false to say so)"
+        "ranks under fault tolerance, whose dropped steps the pipeline has not been tested "
+        "to retry with such tables over several ranks yet, so this run uses the plain loop "
+        "(set training.pipeline=false to say so)"
     )
 
 

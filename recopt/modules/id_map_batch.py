@@ -71,10 +71,9 @@ def apply_rows(
     weights, lengths = features.weights_or_none(), features.lengths()
     keys = len(features.keys())
     key_mapped = (mapped[:-1] + [False] * keys)[:keys]  # the last piece is past every key
-    native = cpu_id_map.drop_zero_rows(rows, features.offsets(), key_mapped, weights)
-    if native is None:
-        native = _drop_zero_rows(features, rows, pieces, mapped, weights)
-    kept_rows, kept_weights, kept, per_key = native
+    kept_rows, kept_weights, kept, per_key = drop_zero_rows(
+        rows, features.offsets(), features.offset_per_key(), key_mapped, weights
+    )
     batch.features = KeyedJaggedTensor(
         features.keys(),
         kept_rows,
@@ -87,29 +86,50 @@ def apply_rows(
     return batch
 
 
-def _drop_zero_rows(
-    features: KeyedJaggedTensor,
+def drop_zero_rows(
     rows: torch.Tensor,
-    pieces: list[torch.Tensor],
-    mapped: list[bool],
+    offsets: torch.Tensor,
+    key_bounds: Sequence[int],
+    mapped: Sequence[bool],
     weights: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, list[int]]:
-    """`cpu_id_map.drop_zero_rows` in torch ops (on a device, or without the library)."""
-    if all(
-        is_mapped or piece.numel() == 0 for piece, is_mapped in zip(pieces, mapped, strict=True)
-    ):
+    """``rows`` with the zero row's ids (-1) dropped from the bags of the keys marked in
+    ``mapped`` (key k: ``rows[key_bounds[k]:key_bounds[k + 1]]``, as many bags as every other
+    key, ``offsets`` into ``rows``; the other keys' values, and those past the last key, stay
+    whatever they are): the kept rows, their ``weights`` (None: unweighted), each bag's kept
+    count (int64) and each key's. Native on CPU (`cpu_id_map.drop_zero_rows`), else torch ops.
+    """
+    native = cpu_id_map.drop_zero_rows(rows, offsets, mapped, weights)
+    if native is not None:
+        return native
+    return drop_zero_rows_torch(rows, offsets, key_bounds, mapped, weights)
+
+
+def drop_zero_rows_torch(
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    key_bounds: Sequence[int],
+    mapped: Sequence[bool],
+    weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, list[int]]:
+    """`drop_zero_rows` in torch ops (on a device, or without the library)."""
+    ends = [*key_bounds[1:], rows.numel()]
+    if all(is_mapped or a == b for a, b, is_mapped in zip(key_bounds, ends, mapped, strict=False)):
         dropped = rows < 0  # all rows: one pass
-    else:  # an unmapped feature's ids stay, whatever they are (its check names a bad one)
-        dropped = torch.cat(
-            [piece < 0 if is_mapped else torch.zeros_like(piece, dtype=torch.bool)
-             for piece, is_mapped in zip(pieces, mapped, strict=True)]
-        )  # fmt: skip
+    else:
+        parts = [
+            rows[a:b] < 0 if is_mapped else torch.zeros(b - a, dtype=torch.bool, device=rows.device)
+            for a, b, is_mapped in zip(key_bounds, key_bounds[1:], mapped, strict=False)
+        ]
+        past = key_bounds[-1]
+        parts.append(torch.zeros(rows.numel() - past, dtype=torch.bool, device=rows.device))
+        dropped = torch.cat(parts)
     keep = ~dropped
     # kept ids before each position: a bag's kept count is the difference at its bounds
     before = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=rows.device)
     torch.cumsum(keep, 0, out=before[1:])
-    kept = before.index_select(0, features.offsets()).diff()
-    bounds = torch.tensor(features.offset_per_key(), device=rows.device)
+    kept = before.index_select(0, offsets.to(rows.device, torch.int64)).diff()
+    bounds = torch.tensor(list(key_bounds), device=rows.device)
     per_key = before.index_select(0, bounds).diff().tolist()  # (the mask below reads too)
     kept_weights = None if weights is None else weights.masked_select(keep)
     return rows.masked_select(keep), kept_weights, kept, per_key

@@ -8,7 +8,7 @@ raises naming the table, feature and id (or weight).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -79,11 +79,13 @@ class FeatureLayout:
         is_weighted: bool,
         weight_dtype: torch.dtype = torch.float32,
         selected: bool = False,
+        raw_tables: Collection[str] = (),
     ) -> tuple[KeyedJaggedTensor, PendingCheck]:
         """`prepare`, with the id/weight check's answer left on the device.
 
         ``selected``: ``features`` already went through `select` (id maps rewrite them
-        between the two); only the check runs.
+        between the two); only the check runs. ``raw_tables``: id-mapped tables, whose
+        features' raw ids (any int64) are neither checked nor clamped.
 
         The ids of the result are clamped into their tables (equal to the input's when the
         check passes), so they are safe to route before the answer is read; the caller reads
@@ -95,7 +97,7 @@ class FeatureLayout:
         """
         if not selected:
             features = self.select(features, is_weighted, weight_dtype)
-        check = self._pending_check(features, clamp=True)
+        check = self._pending_check(features, clamp=True, raw_tables=raw_tables)
         if check.safe_values is not None:
             features = KeyedJaggedTensor(
                 features.keys(),
@@ -108,17 +110,41 @@ class FeatureLayout:
             )
         return features, check
 
-    def _pending_check(self, features: KeyedJaggedTensor, clamp: bool) -> PendingCheck:
-        """`pending_id_check` of selected ``features`` against this layout's tables."""
-        return pending_id_check(
-            features.values(),
-            features.length_per_key(),
+    def _pending_check(
+        self, features: KeyedJaggedTensor, clamp: bool, raw_tables: Collection[str] = ()
+    ) -> PendingCheck:
+        """`pending_id_check` of selected ``features`` against this layout's tables; the
+        features of ``raw_tables`` are left out (checked as 0, kept as they are)."""
+        values, bounds = features.values(), features.offset_per_key()
+        raw = [
+            (bounds[f], bounds[f + 1])
+            for f, name in enumerate(self.table_names)
+            if name in raw_tables and bounds[f + 1] > bounds[f]
+        ]
+        weights = features.weights_or_none()
+        lengths = features.length_per_key()
+        if raw and weights is None and sum(b - a for a, b in raw) == values.numel():
+            require_integer_ids(values, self.feature_names, self.table_names)  # only raw ids
+            names, rows = self.feature_names, self.num_rows
+            return PendingCheck(None, None, values, lengths, names, self.table_names, rows, None)
+        masked = values
+        if raw:
+            masked = values.clone()
+            for a, b in raw:
+                masked[a:b] = 0
+        check = pending_id_check(
+            masked,
+            lengths,
             self.feature_names,
             self.table_names,
             self.num_rows,
-            features.weights_or_none(),
+            weights,
             clamp=clamp,
         )
+        if raw and check.safe_values is not None:
+            for a, b in raw:
+                check.safe_values[a:b] = values[a:b]
+        return check
 
     def select(
         self,

@@ -4,7 +4,9 @@ A shard of feature f's table is a rectangle (rows [r0, r1), columns [c0, c1)) on
 rank sees the same list of *virtual features* (f, shard) per destination; an id of f goes to
 every virtual feature whose row range holds it, as the local id ``id - r0``, keeping its bag.
 Bucketization is vectorised (one searchsorted when a table is row-split, one stable sort) and
-reads nothing back. `input_dist` exchanges what it produces.
+reads nothing back. `input_dist` exchanges what it produces. An id-mapped table's raw ids go
+to the row shard `route_shard` names (a hash of the id, not its value), unchanged: the owner
+maps them to rows of its shard after the exchange (`id_map_sharded`).
 Legend: F features, B this rank's batch, N ids, G virtual features of every destination
 together, W world size.
 """
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from recopt.modules.id_map_rows import route_shard
 from recopt.sparse import KeyedJaggedTensor
 
 Tensor = torch.Tensor
@@ -49,6 +52,8 @@ class Bucketizer:
         dest_features: per destination rank, its virtual features in its kernels' order.
         dp_features: the layout indices of the data-parallel features, in kernel order.
         device: where the routing tensors live.
+        hashed: per feature, whether its table is id-mapped (its raw ids routed by
+            `route_shard`, sent as they are); None: none is.
     """
 
     def __init__(
@@ -57,6 +62,7 @@ class Bucketizer:
         dest_features: Sequence[Sequence[VirtualFeature]],
         dp_features: Sequence[int],
         device: torch.device,
+        hashed: Sequence[bool] | None = None,
     ) -> None:
         self.world_size = len(dest_features)
         self.device = device
@@ -80,6 +86,9 @@ class Bucketizer:
         feat_base = [0]
         for n in num_rows:
             feat_base.append(feat_base[-1] + n)
+        hashed = list(hashed) if hashed is not None else [False] * len(num_rows)
+        self.hashed = any(hashed)
+        self._hash_routes(flat, hashed, blocks, block_base)
         self.single_block = all(len(b) == 1 for b in blocks)
         self.replicated = any(len(r) > 1 for r in routes)
         self.has_unrouted = any(not r for r in routes)
@@ -88,7 +97,7 @@ class Bucketizer:
         # shards repeat it), so routing copies segments and needs no per-id work.
         self.whole_features = self.single_block
         self.gv_feature_list = [vf.feature for vf in flat]
-        self.row_split = self._pure_row_split(blocks, routes, block_base)
+        self.row_split = not self.hashed and self._pure_row_split(blocks, routes, block_base)
         self.split_bounds = [
             torch.tensor([*b, num_rows[f]], dtype=torch.int64, device=device)
             for f, b in enumerate(blocks)
@@ -102,7 +111,8 @@ class Bucketizer:
 
         self.feat_base = t(feat_base[:-1])
         self.block_bounds = t([feat_base[f] + r for f, b in enumerate(blocks) for r in b])
-        self.block_row_offset = t([r for b in blocks for r in b])
+        # (a raw id keeps its value: its owner maps it to a row)
+        self.block_row_offset = t([0 if hashed[f] else r for f, b in enumerate(blocks) for r in b])
         self.route_count = t([len(r) for r in routes])
         self.route_start = t([sum(len(r) for r in routes[:i]) for i in range(len(routes))])
         self.route_gv = t([gv for r in routes for gv in r])
@@ -116,6 +126,32 @@ class Bucketizer:
             for j in range(n)
         ]
         self.count_slot = t(slots)
+
+    def _hash_routes(
+        self,
+        flat: Sequence[VirtualFeature],
+        hashed: Sequence[bool],
+        blocks: Sequence[Sequence[int]],
+        block_base: Sequence[int],
+    ) -> None:
+        """Where an id-mapped feature's raw id goes: shard k (`route_shard`) of its table is
+        the block ``hash_block[hash_base[f] + k]`` (of ``hash_shards[f]``)."""
+        shard_block: dict[tuple[int, int], int] = {}
+        for vf in flat:
+            if hashed[vf.feature]:
+                at = block_base[vf.feature] + blocks[vf.feature].index(vf.row_offset)
+                shard_block[(vf.feature, vf.shard)] = at
+        features = range(len(hashed))
+        shards = [1 + max((k for g, k in shard_block if g == f), default=0) for f in features]
+        blocks_at = [shard_block.get((f, k), 0) for f in features for k in range(shards[f])]
+
+        def t(x: list[int]) -> Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=self.device)
+
+        self.feature_hashed = torch.tensor(list(hashed), dtype=torch.bool, device=self.device)
+        self.hash_shards = t(shards)
+        self.hash_base = t([sum(shards[:f]) for f in features])
+        self.hash_block = t(blocks_at)
 
     def _pure_row_split(
         self, blocks: list[list[int]], routes: list[list[int]], block_base: list[int]
@@ -168,8 +204,12 @@ class Bucketizer:
         if self.single_block:
             block_N = feature_N
         else:
-            key_N = values + self.feat_base[feature_N]
+            key_N = values + self.feat_base[feature_N]  # (a raw id's is replaced below)
             block_N = torch.searchsorted(self.block_bounds, key_N, right=True) - 1
+        if self.hashed:
+            shard_N = route_shard(values, self.hash_shards[feature_N])
+            hashed_block_N = self.hash_block[self.hash_base[feature_N] + shard_N]
+            block_N = torch.where(self.feature_hashed[feature_N], hashed_block_N, block_N)
         source_N: Tensor | None = None
         if self.replicated:
             count_N = self.route_count[block_N]

@@ -12,8 +12,8 @@ batch i still trains.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,8 +51,6 @@ class DistributedInput:
     counts: CountExchange | None
     in_flight: InputInFlight | None = None
     error: ValueError | None = None
-    mapped: Any = None  # id maps: the remapped batch (`MappedBatch`), for the mean rescale
-    map_step: Any = None  # id maps: what their step leaves for the forward (`ShardStep`)
 
     def advance(self, timeout: datetime.timedelta) -> None:
         """Read the count exchange and start the id all-to-all (collective; once). A rejected
@@ -95,9 +93,11 @@ def start_distribution(
     bucketizer: Bucketizer,
     group: dist.ProcessGroup | None,
     rank: int,
+    raw_tables: Collection[str] = (),
 ) -> DistributedInput:
     """Check and route ``features`` and start the count exchange (collective); the result's
     `DistributedInput.advance` starts the id all-to-all, its ``wait`` finishes.
+    ``raw_tables``: the id-mapped tables (their raw ids are not checked: any int64 is one).
 
     A rejected input is not raised here (see `DistributedInput.advance`).
     """
@@ -108,7 +108,7 @@ def start_distribution(
     try:
         regular, index_F_B = regular_batch(features, layout.feature_names)
         # The id check's answer rides in the count exchange: no read of its own.
-        prepared, check = layout.prepare_deferred(regular, is_weighted)
+        prepared, check = layout.prepare_deferred(regular, is_weighted, raw_tables=raw_tables)
     except ValueError as e:
         error = e
     counts = start_count_exchange(prepared, error, bucketizer, is_weighted, group, rank, check)

@@ -26,7 +26,6 @@ from recopt.kernels.factory import KernelRequest, create_kernel, rng_unchanged
 from recopt.modules.collection import FusedCollection
 from recopt.modules.config import EmbeddingBagConfig, validate_tables
 from recopt.modules.fused_groups import LearningRateSync, resolve_table_optimizers
-from recopt.modules.id_map_batch import MappedBatch, mean_scale
 from recopt.modules.id_map_lookup import IdMaps
 from recopt.modules.nonfinite import NonFiniteGradGuard, backward_if_given, finite_flag
 from recopt.modules.prefetch import PrefetchQueue
@@ -36,7 +35,7 @@ from recopt.sharding.bucketizer import Bucketizer
 from recopt.sharding.id_map_sharded import ShardedIdMaps
 from recopt.sharding.input_dist import ReceivedInput
 from recopt.sharding.input_stage import DistributedInput, start_distribution
-from recopt.sharding.kernel_inputs import kernel_inputs, run_kernel, send_buffer
+from recopt.sharding.kernel_inputs import KernelInput, kernel_inputs, run_kernel, send_buffer
 from recopt.sharding.layout import GroupLayout, ShardedLayout
 from recopt.sharding.output_assembly import OutputAssembly
 from recopt.sharding.output_exchange import ExchangeMeta, OutputExchange, ScratchBuffer
@@ -142,7 +141,11 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
         )
         features = self._layout.features
         self._bucketizer = Bucketizer(
-            features.num_rows, self._layout.dest_features, self._layout.dp_features, self.device
+            features.num_rows,
+            self._layout.dest_features,
+            self._layout.dp_features,
+            self.device,
+            hashed=[self.tables[t].id_map is not None for t in features.feature_table],
         )
         self._build_kernels(timeout)
         self._dummy = torch.zeros(0, device=self.device, requires_grad=True)
@@ -302,29 +305,27 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
                 rank's is. Every rank raises, before anything is looked up or updated.
         """
         start = time.perf_counter()
-        started = self._prefetched.take(features)
-        if started is not None and self.prefetch_stale(started):  # its map step was undone
-            started.drain(self._timeout)
-            started = None
-        started = started or self.start_input_dist(features)
-        prepared, index_F_B, received = started.wait(self._timeout)
-        if self._id_maps is not None:
-            taken = self._id_maps.take(started)
-            assert taken, "a distribution started inline cannot be stale"
-        mapped: MappedBatch | None = started.mapped
+        started = self._prefetched.take(features) or self.start_input_dist(features)
+        try:
+            prepared, index_F_B, received = started.wait(self._timeout)
+        except ValueError:
+            if self._id_maps is not None:
+                self._id_maps.input_failed(self.training)
+            raise
+        mp_inputs = self._model_parallel_inputs(received)
         start = self._record("input_dist", start)
         self._lr_sync.apply(self._state.optimizer.param_groups)
         gated = self._gated()
         if gated:  # the kernels' backward runs only if OutputExchange's admits the gradients
             mp_send, dp_global = backward_if_given(
                 lambda: (
-                    self._lookup_model_parallel(received),
+                    self._lookup_model_parallel(mp_inputs, received),
                     self._lookup_data_parallel(received),
                 ),
                 self._dummy,
             )
         else:
-            mp_send = self._lookup_model_parallel(received)
+            mp_send = self._lookup_model_parallel(mp_inputs, received)
             dp_global = self._lookup_data_parallel(received)
         start = self._record("lookup", start)
         batch = prepared.stride()
@@ -345,9 +346,6 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
         )
         mp_recv, dp_own = OutputExchange.apply(mp_send, dp_global, self._dummy, meta)
         pooled = self._output.assemble(mp_recv, dp_own, prepared)
-        if mapped is not None:
-            poolings = [self.tables[t].pooling for t in self._layout.features.feature_table]
-            pooled = mean_scale(pooled, mapped, self._layout.features, poolings)
         if index_F_B is not None:
             pooled = expand_rows(pooled, self._layout.features.dims, index_F_B)
         self._record("output_dist", start)
@@ -375,18 +373,10 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
         """Start distributing ``features`` (a collective: every rank calls it together).
 
         A rejected input is not raised here: `DistributedInput.wait` raises it, on every rank.
-        ``ahead``: a pipeline starts a training batch before the previous batch's forward
-        (id maps keep its step pending until its forward: `ShardedIdMaps.start_distribution`).
+        ``ahead`` (a pipeline starts the batch before the previous batch's forward) changes
+        nothing: id-mapped tables' raw ids travel as they are and their owners map them in
+        the batch's forward.
         """
-        if self._id_maps is not None:
-            return self._id_maps.start_distribution(
-                features,
-                self._layout.features,
-                self.is_weighted,
-                self._bucketizer,
-                self.training,
-                ahead,
-            )
         return start_distribution(
             features,
             self._layout.features,
@@ -394,6 +384,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
             self._bucketizer,
             self._pg,
             self._rank,
+            raw_tables=[] if self._id_maps is None else self._id_maps.names,
         )
 
     def use_prefetched(self, started: DistributedInput) -> None:
@@ -402,23 +393,15 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
         self._prefetched.push(started)
 
     def unused_prefetched(self) -> int:
-        """Queued distributions no forward consumed; clears them (with id maps, the pending
-        ahead steps are undone: the batch never reached its forward)."""
+        """Queued distributions no forward consumed; clears them."""
         count = self._prefetched.pending()
         self._prefetched.clear()
-        if count:
-            self.rewind_ahead()
         return count
 
-    def rewind_ahead(self) -> None:
-        """Undo the id maps' pending ahead steps (their distributions go stale)."""
-        if self._id_maps is not None:
-            self._id_maps.maps.rewind_ahead()
-
     def prefetch_stale(self, started: DistributedInput) -> bool:
-        """Whether ``started`` (distributed ahead) must be distributed again: its id-map step
-        was undone since (an evaluation, a load or an inline training step came between)."""
-        return self._id_maps is not None and self._id_maps.stale(started)
+        """Whether ``started`` (distributed ahead) must be distributed again: never (id maps
+        step in the forward, on the distributed raw ids)."""
+        return False
 
     def _record(self, phase: str, start: float) -> float:
         now = time.perf_counter()
@@ -427,24 +410,33 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
         return now
 
     # ------------------------------------------------------------------------------ lookup
-    def _lookup_model_parallel(self, received: ReceivedInput) -> Tensor:
+    def _model_parallel_inputs(self, received: ReceivedInput) -> list[KernelInput]:
+        """The model-parallel kernels' inputs; with id maps, their raw ids mapped to rows
+        (`ShardedIdMaps.remap`: every rank, every forward)."""
         groups = self._layout.mp_groups
-        if not groups:
+        inputs = []
+        if groups:
+            inputs = kernel_inputs(
+                len(self._layout.dest_features[self._rank]),
+                [len(g.features) for g in groups],
+                received.max_batch,
+                received.mp_lengths,
+                received.mp_ids,
+                received.mp_weights,
+                received.mp_id_counts,
+            )
+        if self._id_maps is not None:
+            inputs = self._id_maps.remap(inputs, self.training)
+        return inputs
+
+    def _lookup_model_parallel(self, inputs: list[KernelInput], received: ReceivedInput) -> Tensor:
+        if not self._layout.mp_groups:
             if self._row_stats.enabled and torch.is_grad_enabled():
                 # No shards here, but the row-statistics all-to-all of the kernels' backward
                 # needs every rank: an empty output whose backward joins it (after the output
                 # exchange, as on the other ranks).
                 return self._row_stats.attach([self._dummy.clone()], [])[0]
             return torch.zeros(0, device=self.device)
-        inputs = kernel_inputs(
-            len(self._layout.dest_features[self._rank]),
-            [len(g.features) for g in groups],
-            received.max_batch,
-            received.mp_lengths,
-            received.mp_ids,
-            received.mp_weights,
-            received.mp_id_counts,
-        )
         outs = [run_kernel(kernel, x) for kernel, x in zip(self._mp_kernels, inputs, strict=True)]
         outs = self._row_stats.attach(outs, inputs)
         return send_buffer(outs, received.batch_sizes, received.max_batch)

@@ -186,6 +186,7 @@ class ShardedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
                 rank's is. Every rank raises, before anything is looked up or updated.
         """
         started = self._prefetched.take(features) or self.start_input_dist(features)
+        self._bags.training = self.training  # (this forward's mode, not its start's)
         if started.error is not None:
             started.advance(self._timeout)  # read the count exchange with the other ranks
             raise started.error
@@ -223,8 +224,6 @@ class ShardedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
         """Queued distributions no forward consumed; clears them (as the engine's)."""
         count = self._prefetched.pending()
         self._prefetched.clear()
-        if count:  # never handed to the engine: its pending id-map steps are undone
-            self._bags.rewind_ahead()
         return count + self._bags.unused_prefetched()
 
     def prefetch_stale(self, started: StartedLookups) -> bool:

@@ -3,8 +3,9 @@
 TorchRec's ``TrainPipelineSparseDist`` contract: ``progress(dataloader_iter)`` runs one step and
 returns the model's output; the model's forward takes a batch and returns ``(loss, output)``.
 Only ids move early: batch i+1's lookups still run after batch i's fused update, so a pipelined
-run equals the plain loop exactly. Id-mapped tables also step their maps for batch i+1 then
-(on one process on a worker thread), kept pending until its forward (docs/id_map.md). The same
+run equals the plain loop exactly. On one process, id-mapped tables also step their maps for
+batch i+1 then, on a worker thread, kept pending until its forward; sharded ones step in the
+forward, on the raw ids distributed ahead (docs/id_map.md). The same
 loop serves one process (no sharded collection: the copy stage and id-map remaps) and many.
 """
 
@@ -88,9 +89,7 @@ class TrainPipelineSparseDist:
 
     Raises:
         ValueError: a batch has no sparse input ``sparse_input`` can find, or the model
-            passes its sharded collection another input than the one distributed ahead; or
-            a sharded collection's id-mapped tables are under fault tolerance (whose guard
-            steps their maps in their own forward: train them with the plain loop).
+            passes its sharded collection another input than the one distributed ahead.
     """
 
     def __init__(
