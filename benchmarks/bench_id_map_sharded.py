@@ -6,7 +6,7 @@ and table) fed raw ids from a drifting power law over 2^40 ids. The two candidat
 interleaved in one run, after a warm-up that fills the maps (so they evict): a training step
 (forward + backward) of a `ShardedEmbeddingBagCollection` without `id_map` on ``raw % rows``,
 and of one with `id_map` (lru) on the raw ids. Prints rank 0's medians, the ratio, and the
-input-distribution phase of each (with `id_map` it holds the id exchange and the remap).
+input-distribution phase of each (with `id_map` it holds the owners' remap).
 
     python benchmarks/bench_id_map_sharded.py                    # 2 ranks, 8 x 50k rows
     python benchmarks/bench_id_map_sharded.py --ranks 3 --rows 20000 --steps 10

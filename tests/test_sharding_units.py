@@ -132,23 +132,30 @@ def test_bucketize_matches_bag_by_bag_reference(
             assert ws is None
 
 
+_ROW_WISE = {"a": row_wise(), "b": row_wise(), "c": row_wise()}
+_MIXED = {"a": table_wise(1), "b": row_wise(), "c": row_wise([0, 2])}
+
+
 @pytest.mark.parametrize(
-    "requests",
+    ("requests", "mapped"),
     [
-        {"a": row_wise(), "b": row_wise(), "c": row_wise()},
-        {"a": table_wise(1), "b": row_wise(), "c": row_wise([0, 2])},
-        {"a": row_wise(), "b": column_wise([1, 2]), "c": table_wise(0)},
+        (_ROW_WISE, "ac"),
+        (_ROW_WISE, "abc"),
+        (_MIXED, "ac"),
+        (_MIXED, "abc"),
+        ({"a": row_wise(), "b": column_wise([1, 2]), "c": table_wise(0)}, "ac"),
     ],
-    ids=["row_wise", "mixed", "with_column_wise"],
+    ids=["row_wise", "row_wise_all", "mixed", "mixed_all", "with_column_wise"],
 )
 @pytest.mark.parametrize("weighted", [False, True])
 def test_bucketize_routes_id_mapped_raw_ids_by_their_hash(
-    requests: dict[str, object], weighted: bool
+    requests: dict[str, object], mapped: str, weighted: bool
 ) -> None:
-    """Id-mapped features (tables a and c): each raw id (any int64) goes, unchanged and in its
-    bag, to the shard `route_shard` names; the other features are routed by row as ever."""
+    """Id-mapped features (of the tables in ``mapped``): each raw id (any int64) goes,
+    unchanged and in its bag, to the shard `route_shard` names; the other features are routed
+    by row as ever. Row-wise layouts take fbgemm's pass (the raw ids written back after it)."""
     layout = _layout(requests, world=3)
-    hashed = frozenset(f for f, t in enumerate(layout.features.table_names) if t in ("a", "c"))
+    hashed = frozenset(f for f, t in enumerate(layout.features.table_names) if t in mapped)
     bucketizer = Bucketizer(
         layout.features.num_rows,
         layout.dest_features,
@@ -156,7 +163,7 @@ def test_bucketize_routes_id_mapped_raw_ids_by_their_hash(
         torch.device("cpu"),
         hashed=[f in hashed for f in range(len(layout.features.table_names))],
     )
-    assert not bucketizer.row_split
+    assert bucketizer.row_split == all(r.sharding_type == "row_wise" for r in requests.values())  # type: ignore[attr-defined]
     for seed, batch in [(0, 4), (1, 1), (2, 6)]:
         kjt = _random_kjt(seed, batch, weighted)
         values = kjt.values().clone()

@@ -97,7 +97,7 @@ class Bucketizer:
         # shards repeat it), so routing copies segments and needs no per-id work.
         self.whole_features = self.single_block
         self.gv_feature_list = [vf.feature for vf in flat]
-        self.row_split = not self.hashed and self._pure_row_split(blocks, routes, block_base)
+        self.row_split = self._pure_row_split(blocks, routes, block_base)
         self.split_bounds = [
             torch.tensor([*b, num_rows[f]], dtype=torch.int64, device=device)
             for f, b in enumerate(blocks)
@@ -137,10 +137,12 @@ class Bucketizer:
         """Where an id-mapped feature's raw id goes: shard k (`route_shard`) of its table is
         the block ``hash_block[hash_base[f] + k]`` (of ``hash_shards[f]``)."""
         shard_block: dict[tuple[int, int], int] = {}
+        shard_start: dict[tuple[int, int], int] = {}
         for vf in flat:
             if hashed[vf.feature]:
                 at = block_base[vf.feature] + blocks[vf.feature].index(vf.row_offset)
                 shard_block[(vf.feature, vf.shard)] = at
+                shard_start[(vf.feature, vf.shard)] = vf.row_offset
         features = range(len(hashed))
         shards = [1 + max((k for g, k in shard_block if g == f), default=0) for f in features]
         blocks_at = [shard_block.get((f, k), 0) for f in features for k in range(shards[f])]
@@ -152,6 +154,9 @@ class Bucketizer:
         self.hash_shards = t(shards)
         self.hash_base = t([sum(shards[:f]) for f in features])
         self.hash_block = t(blocks_at)
+        # (a row in the shard's block: what fbgemm's bucketization routes in the id's place)
+        self.hash_key = t([shard_start.get((f, k), 0) for f in features for k in range(shards[f])])
+        self.all_hashed = all(hashed)
 
     def _pure_row_split(
         self, blocks: list[list[int]], routes: list[list[int]], block_base: list[int]
@@ -238,14 +243,18 @@ class Bucketizer:
         return ids_N[order], None if weights is None else weights[order], lengths_G_B
 
     def _bucketize_rows(self, features: KeyedJaggedTensor) -> tuple[Tensor, Tensor | None, Tensor]:
-        """Row-wise layouts: fbgemm's block bucketization, one native pass over the ids."""
+        """Row-wise layouts: fbgemm's block bucketization, one native pass over the ids. An
+        id-mapped feature's raw id goes in as a row of its shard's block, and is written back
+        over it where the pass put it (its ``unbucketize_permute``)."""
         op = _block_bucketize_op()
         assert op is not None
-        lengths, ids, weights, _, _ = op(
+        values = features.values()
+        keys, hashed_N = self._hash_keys(features) if self.hashed else (values, None)
+        lengths, ids, weights, _, permute = op(
             features.lengths(),
-            features.values(),
+            keys,
             False,
-            False,
+            self.hashed,
             self.split_sizes,
             self.world_size,
             features.weights_or_none(),
@@ -253,8 +262,31 @@ class Bucketizer:
             -1,
             self.split_bounds,
         )
+        if self.hashed:
+            assert permute is not None
+            if hashed_N is None:  # every feature id-mapped: every id as it came
+                ids = torch.empty_like(values).index_copy_(0, permute, values)
+            else:
+                ids = ids.index_copy(0, permute[hashed_N], values[hashed_N])
         lengths_G_B = lengths.view(self.num_virtual, features.stride())
         return ids, weights, lengths_G_B
+
+    def _hash_keys(self, features: KeyedJaggedTensor) -> tuple[Tensor, Tensor | None]:
+        """Each id's routing value: an id-mapped feature's, a row of the block of the shard
+        `route_shard` names; the others', the id. And which ids are id-mapped (None: all)."""
+        values = features.values()
+        per_key = torch.tensor(features.length_per_key(), dtype=torch.int64)
+        feature_N = torch.repeat_interleave(
+            torch.arange(self.num_features, device=values.device),
+            per_key.to(values.device, non_blocking=True),
+            output_size=values.numel(),
+        )
+        shard_N = route_shard(values, self.hash_shards[feature_N])
+        key_N = self.hash_key[self.hash_base[feature_N] + shard_N]
+        if self.all_hashed:
+            return key_N, None
+        hashed_N = self.feature_hashed[feature_N]
+        return torch.where(hashed_N, key_N, values), hashed_N
 
     def _bucketize_whole(self, features: KeyedJaggedTensor) -> tuple[Tensor, Tensor | None, Tensor]:
         """No row split (table-wise, column-wise, data-parallel): each virtual feature gets its
