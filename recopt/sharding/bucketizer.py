@@ -264,10 +264,10 @@ class Bucketizer:
         )
         if self.hashed:
             assert permute is not None
-            if hashed_N is None:  # every feature id-mapped: every id as it came
-                ids = torch.empty_like(values).index_copy_(0, permute, values)
-            else:
-                ids = ids.index_copy(0, permute[hashed_N], values[hashed_N])
+            source = values  # every feature id-mapped: every id as it came
+            if hashed_N is not None:  # the others' as the pass made them (no mask: no sync)
+                source = torch.where(hashed_N, values, ids.index_select(0, permute))
+            ids = torch.empty_like(ids).index_copy_(0, permute, source)
         lengths_G_B = lengths.view(self.num_virtual, features.stride())
         return ids, weights, lengths_G_B
 

@@ -156,7 +156,11 @@ class ShardedIdMaps:
             results = self._step_maps(ids)
         else:
             results = remap_tables({s.name: self.maps.table_map(s.name) for s in mine}, ids, False)
-        out = self._with_rows(inputs, [results[s.name].rows_M for s in mine])
+        rows = [results[s.name].rows_M for s in mine]
+        zero = [bool(r.numel() and (r < 0).any()) for r in rows]  # (on the host: no sync)
+        if inputs:  # the rows where the kernels are, in one copy
+            rows = list(_cat(rows, flat).to(inputs[0].ids.device, inputs[0].ids.dtype).split(sizes))
+        out = self._with_rows(inputs, rows, zero)
         if training:
             fresh = {s.name: results[s.name] for s in mine if results[s.name].fresh_rows.numel()}
             fresh = results_to(fresh, self._device)  # the rows to reset, where the tables are
@@ -166,22 +170,26 @@ class ShardedIdMaps:
         return out
 
     def _with_rows(
-        self, inputs: Sequence[KernelInput], rows: Sequence[torch.Tensor]
+        self, inputs: Sequence[KernelInput], rows: Sequence[torch.Tensor], zero_row: list[bool]
     ) -> list[KernelInput]:
-        """``inputs`` with each own shard's ids replaced by its ``rows`` (`_spans` order; on
-        the maps' side), the zero row's (-1) dropped from their bags."""
+        """``inputs`` with each own shard's ids replaced by its ``rows`` (`_spans` order, where
+        the kernels are; ``zero_row``: whether they hold the zero row, -1), the zero row's ids
+        dropped from their bags."""
         out = list(inputs)
+        own = list(zip(self._spans, rows, zero_row, strict=True))
         for k in sorted({k for k, _, _ in self._spans}):
             x = inputs[k]
-            spans = [(a, b, r) for (kk, a, b), r in zip(self._spans, rows, strict=True) if kk == k]
+            spans = sorted(
+                ((a, b, r, z) for (kk, a, b), r, z in own if kk == k), key=lambda s: s[0]
+            )
             pieces, at = [], 0
             mapped = [False] * (len(x.bounds) - 1)
             zero = False
-            for a, b, r in sorted(spans, key=lambda s: s[0]):
+            for a, b, r, z in spans:
                 pieces.append(x.ids[x.bounds[at] : x.bounds[a]])
-                pieces.append(r.to(x.ids.device, x.ids.dtype))
+                pieces.append(r)
                 mapped[a:b] = [True] * (b - a)
-                zero = zero or bool(r.numel() and (r < 0).any())  # (on the host: no sync)
+                zero = zero or z
                 at = b
             pieces.append(x.ids[x.bounds[at] :])
             ids = torch.cat(pieces)
