@@ -173,16 +173,6 @@ def test_two_ranks_pipelined_learn_log_stats_and_resume(tmp_path: pathlib.Path) 
     check_learned_with_stats(tmp_path / "whole", config, global_batches=40)
 
 
-def test_only_fault_tolerance_sends_sharded_id_maps_to_the_plain_loop() -> None:
-    config = dlrm_config.load_config(CONFIG, [])
-    assert dlrm_train.plain_loop_notice(config, 2, fault_tolerant=False) is None
-    assert dlrm_train.plain_loop_notice(config, 1, fault_tolerant=True) is None
-    notice = dlrm_train.plain_loop_notice(config, 2, fault_tolerant=True)
-    assert notice is not None and "fault tolerance" in notice and "plain loop" in notice
-    unmapped = dlrm_config.load_config(None, [])
-    assert dlrm_train.plain_loop_notice(unmapped, 2, fault_tolerant=True) is None
-
-
 def test_criteo_categoricals_reach_id_mapped_tables_raw(tmp_path: pathlib.Path) -> None:
     one_per_step = ("--set", "training.log_every=1", "--set", "embedding.id_map={policy='lru'}")
     assert dlrm_train.main(_criteo_args(tmp_path, 20, 2, *one_per_step)) == 0

@@ -5,7 +5,8 @@ them in batch i+1's own forward. Each case compares the pipelined run with the p
 outputs, weights, optimizer state and every map buffer (state_dict) after the run; after every
 step; with an evaluation between steps (the batch distributed ahead then trains, not
 evaluates); with a checkpoint saved mid-run and resumed in a new model; a bad id in a batch
-distributed ahead; an embedding collection; under fault tolerance's guard. The
+distributed ahead; an embedding collection; under fault tolerance's guard, a dropped step
+rolled back and trained again. The
 tables: table-wise, row-wise and table-row-wise id-mapped (lru, lfu, admission with ttl), beside
 a column-wise unmapped table. All cases of a world size run in one spawned group.
 """
@@ -197,24 +198,53 @@ def _resume(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str, 
 
 def _guarded(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str, bool]:
     """Fault tolerance's guard on the maps (its observers see every map step and reset): the
-    pipeline trains as the plain loop does, outputs and state."""
+    pipeline trains as the plain loop does; a step dropped after its update (the guard rolls
+    back rows, states and maps) and trained again (the pipeline keeps its batch and its
+    distributed ids) ends as if it had never been dropped."""
     from recopt.ft.embedding import FusedEmbeddingGuard
     from recopt.sharding import ShardedEmbeddingBagCollection, TrainPipelineSparseDist
 
-    def guarded() -> tuple[Any, Any]:
+    def guarded() -> tuple[Any, Any, Any]:
         model, optimizer = _build(world, case)
         sharded = next(m for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection))
-        FusedEmbeddingGuard(sharded)
-        return model, optimizer
+        return model, optimizer, FusedEmbeddingGuard(sharded)
 
     batches = _batches(rank, case)
-    model, optimizer = guarded()
-    expected = plain_loop(model, optimizer, batches)
+    model, optimizer, guard = guarded()
+    expected = []
+    for batch in batches:
+        guard.on_start()
+        expected += plain_loop(model, optimizer, [batch])
+        guard.on_commit()
     expected_state = dmp_state(model, optimizer)
-    model, optimizer = guarded()
-    outputs = pipelined_loop(TrainPipelineSparseDist(model, optimizer, "cpu"), Batches(batches))
+    model, optimizer, guard = guarded()
+    answers = iter([True, True, False] + [True] * len(batches))  # the third step dropped
+    dense = [p for group in optimizer.param_groups for p in group["params"]]
+    before: list[torch.Tensor] = []
+
+    def start() -> None:  # (a manager's wrapper would not step the dense optimizer instead)
+        guard.on_start()
+        before[:] = [p.detach().clone() for p in dense]
+
+    def step_committed() -> bool:
+        committed = next(answers)
+        if committed:
+            guard.on_commit()
+        else:
+            guard.on_abort()
+            with torch.no_grad():
+                for p, saved in zip(dense, before, strict=True):
+                    p.copy_(saved)
+        start()
+        return committed
+
+    start()
+    pipeline = TrainPipelineSparseDist(model, optimizer, "cpu", step_committed=step_committed)
+    outputs = pipelined_loop(pipeline, Batches(batches))
+    dropped = outputs.pop(2)  # the dropped attempt's output, the retried one's after it
     return {
         "outputs": same(expected, outputs),
+        "dropped_equal_retried": same(dropped, outputs[2]),
         "state": same(expected_state, dmp_state(model, optimizer)),
     }
 

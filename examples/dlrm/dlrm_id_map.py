@@ -1,46 +1,19 @@
-"""The DLRM script's id-mapped tables: which loop trains them, and what their maps did.
+"""The DLRM script's id-mapped tables: what their maps did.
 
-On one process the pipeline remaps batch i+1 while batch i trains (its step kept pending
-until batch i+1's forward); sharded maps step in their batch's own forward, pipelined or not.
-Sharded id-mapped tables under fault tolerance still train with the plain loop, which the
-script says once (`plain_loop_notice`): the pipeline's retry of a dropped step with them is
-tested with the guard alone, not yet with torchft's manager over several ranks. `IdMapWindow` sums each table's ``stats()`` over a logging window for
-the metrics log and progress line.
+`IdMapWindow` sums each table's ``stats()`` over a logging window for the metrics log and
+progress line.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from recopt.progress import format_id_map_stats
 
-if TYPE_CHECKING:
-    from dlrm_config import TrainingConfig
-
 # Counters of `RemapStats` reported as means per step over a window (occupancy: the latest).
 PER_STEP = ("new_ids", "evictions", "expired", "admissions", "zero_row_ids")
-
-
-def id_mapped_tables(config: TrainingConfig) -> list[str]:
-    """Names of the tables with an ``id_map``."""
-    return [t.name for t in config.embedding.tables if t.id_map is not None]
-
-
-def plain_loop_notice(config: TrainingConfig, world_size: int, fault_tolerant: bool) -> str | None:
-    """Why the run trains with the plain loop although ``training.pipeline`` is true, or None
-    when the configured loop is used (no id maps, one rank, no fault tolerance, or
-    ``pipeline = false``)."""
-    tables = id_mapped_tables(config)
-    if not (config.training.pipeline and tables and world_size > 1 and fault_tolerant):
-        return None
-    return (
-        f"training.pipeline: tables {tables} have id_map and are sharded over {world_size} "
-        "ranks under fault tolerance, whose dropped steps the pipeline has not been tested "
-        "to retry with such tables over several ranks yet, so this run uses the plain loop "
-        "(set training.pipeline=false to say so)"
-    )
 
 
 def _stats_source(model: nn.Module) -> Any:

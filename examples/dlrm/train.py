@@ -47,7 +47,7 @@ from dlrm_config import (  # noqa: E402
     load_config,
     parse_args,
 )
-from dlrm_id_map import IdMapWindow, plain_loop_notice  # noqa: E402
+from dlrm_id_map import IdMapWindow  # noqa: E402
 from dlrm_nonfinite import NonFiniteSteps, poison_if_nonfinite  # noqa: E402
 from dlrm_pipeline import build_pipeline, phase_milliseconds  # noqa: E402
 from dlrm_report import MetricsLog, ProgressBar, plot_curves  # noqa: E402
@@ -123,7 +123,7 @@ class Trainer:
             self.optimizer = self.ft.optimizer
             policy = RetryPolicy(max_consecutive_failures=ft.max_consecutive_failures)
             self.retrier = StepRetrier(self.ft.manager, policy)
-        loop_notice = self._set_up_loop()
+        self._set_up_loop()
         self.metrics = click_metrics().to(env.device)
         self.loss_mean = torchmetrics.MeanMetric().to(env.device)
         self.window_finite_steps = 0  # steps in the metrics window that were not skipped
@@ -143,8 +143,6 @@ class Trainer:
         self.log = MetricsLog(os.path.join(out, "metrics.jsonl")) if env.is_main else None
         self.bar = ProgressBar(config.training.steps) if env.is_main else None
         self.id_maps = IdMapWindow(model)
-        if loop_notice is not None:
-            self._say(loop_notice)
         data = config.data
         if data.source == "criteo" and not data.criteo.val_paths and data.val_batches:
             self._say(
@@ -164,9 +162,8 @@ class Trainer:
             overwrite=overwrite_checkpoints,
         )
 
-    def _set_up_loop(self) -> str | None:
-        """The training stream and the loop over it; returns why the plain loop replaces the
-        configured pipeline (sharded id-mapped tables under fault tolerance), or None.
+    def _set_up_loop(self) -> None:
+        """The training stream and the loop over it.
 
         Pipelined (default): batch i+1's ids are distributed and batch i+2 copied while
         batch i trains; ``train_data`` is then the position after the last batch trained.
@@ -177,8 +174,7 @@ class Trainer:
         if train_source is None:
             raise ValueError(f"data.source {config.data.source!r} has no training data configured")
         self.pipeline = None
-        loop_notice = plain_loop_notice(config, env.world_size, self.ft is not None)
-        if config.training.pipeline and loop_notice is None:
+        if config.training.pipeline:
             self.train_source = train_source
             self.pipeline, self.train_data = build_pipeline(
                 self.model,
@@ -190,7 +186,6 @@ class Trainer:
             )
         else:
             self.train_data = DevicePrefetcher(train_source, env.device)
-        return loop_notice
 
     def resume(self) -> None:
         """Loads the newest finite checkpoint of the run's directory, or of ``--resume PATH``
