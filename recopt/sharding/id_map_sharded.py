@@ -140,7 +140,6 @@ class ShardedIdMaps:
         (`_relocate_if_pending`, a collective).
         """
         self._relocate_if_pending()
-        self.maps.rewind_ahead()  # (none: sharded maps step in their forward)
         mine = self._exchange.mine
         parts = [
             inputs[k].ids[inputs[k].bounds[a] : inputs[k].bounds[b]] for k, a, b in self._spans
