@@ -136,23 +136,50 @@ def _full(value: Any) -> torch.Tensor:
     return full.to(value.dtype)
 
 
-def _modules(kind: str, optimizer: str, world: int, tables: list[EmbeddingBagConfig]) -> Any:
+def _modules(
+    kind: str, optimizer: str, world: int, tables: list[EmbeddingBagConfig], weighted: bool = False
+) -> Any:
     from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 
     config = FusedOptimizerConfig(name=optimizer, lr=0.05, eps=1e-3)
     torch.manual_seed(0)
-    ref = FusedEmbeddingBagCollection(tables, optimizer=config)
+    ref = FusedEmbeddingBagCollection(tables, optimizer=config, is_weighted=weighted)
     plan = construct_module_sharding_plan(tables, _requests(kind, world), world)
-    sharded = ShardedEmbeddingBagCollection(tables, plan, optimizer=config)
+    sharded = ShardedEmbeddingBagCollection(tables, plan, optimizer=config, is_weighted=weighted)
     sharded.load_state_dict(ref.state_dict())
     return ref, sharded, plan
+
+
+def _weighted_kjt(ranks: Sequence[int], step: int) -> KeyedJaggedTensor:
+    """The bags of ``ranks`` (in order) with a weight per id, the same for a rank's ids
+    wherever its bags go."""
+    values: list[int] = []
+    weights: list[float] = []
+    lengths: list[int] = []
+    for f in FEATURES:
+        for rank in ranks:
+            gen = torch.Generator().manual_seed(1000 + 10 * step + rank + 97 * FEATURES.index(f))
+            for bag in _bags(rank, step)[f]:
+                values += bag
+                weights += (0.5 + torch.rand(len(bag), generator=gen)).tolist()
+                lengths.append(len(bag))
+    return KeyedJaggedTensor(
+        list(FEATURES),
+        torch.tensor(values, dtype=torch.int64),
+        weights=torch.tensor(weights),
+        lengths=torch.tensor(lengths),
+    )
 
 
 def _train_both(ref: Any, sharded: Any, rank: int, world: int, step: int, name: str) -> None:
     first = sum(2 + r for r in range(rank))
     mine = slice(first, first + 2 + rank)
-    out = sharded(_kjt(_bags(rank, step))).values()
-    ref_out = ref(_kjt(_everyone(world, step))).values()
+    if sharded.is_weighted:
+        out = sharded(_weighted_kjt([rank], step)).values()
+        ref_out = ref(_weighted_kjt(range(world), step)).values()
+    else:
+        out = sharded(_kjt(_bags(rank, step))).values()
+        ref_out = ref(_kjt(_everyone(world, step))).values()
     torch.testing.assert_close(out, ref_out[mine], msg=lambda m: f"{name} step {step}: {m}")
     if not sharded.training:
         return
@@ -239,9 +266,11 @@ def _check_owners(sharded: Any, name: str) -> None:
             assert bool((route_shard(mine, len(shards)) == k).all()), (name, t, k)
 
 
-def _under_capacity_case(kind: str, optimizer: str, rank: int, world: int) -> None:
-    ref, sharded, _ = _modules(kind, optimizer, world, BIG)
-    name = f"{kind}/{optimizer} under capacity"
+def _under_capacity_case(
+    kind: str, optimizer: str, rank: int, world: int, weighted: bool = False
+) -> None:
+    ref, sharded, _ = _modules(kind, optimizer, world, BIG, weighted)
+    name = f"{kind}/{optimizer} under capacity{' weighted' if weighted else ''}"
     for step in range(STEPS):
         _train_both(ref, sharded, rank, world, step, name)
         assert all(s["evictions"] == 0 for s in ref.stats().values()), name
@@ -461,6 +490,8 @@ def _all_cases(rank: int, world: int, root: str) -> list[str]:
     ):
         _under_capacity_case(kind, optimizer, rank, world)
         done.append(f"{kind}/{optimizer} under capacity")
+    _under_capacity_case("row_wise", "row_wise_adagrad", rank, world, weighted=True)
+    done.append("row_wise weighted (the zero row's ids and their weights dropped at the owner)")
     for kind, optimizer in (("row_wise", "adagrad"), ("table_row_wise", "sgd")):
         _evicting_case(kind, optimizer, rank, world)
         done.append(f"{kind}/{optimizer} evicting")
@@ -478,7 +509,7 @@ def _all_cases(rank: int, world: int, root: str) -> list[str]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_id_maps_equal_unsharded(world: int, tmp_path: Path) -> None:
     results = run_on_ranks(_all_cases, world, str(tmp_path), timeout_s=270.0)
-    assert all(r == results[0] for r in results) and len(results[0]) == 11
+    assert all(r == results[0] for r in results) and len(results[0]) == 12
 
 
 def _on_a_gpu_case(rank: int, world: int, device_type: str = "cuda") -> list[str]:
