@@ -307,7 +307,7 @@ def test_native_zero_row_drop_equals_the_torch_ops(weighted: bool) -> None:
     from types import SimpleNamespace
     from typing import Any
 
-    from recopt.modules.id_map_batch import _row_pieces, drop_zero_rows_torch
+    from recopt.modules.id_map_batch import _row_pieces, drop_zero_rows
     from recopt.sparse import KeyedJaggedTensor
 
     generator = torch.Generator().manual_seed(3)
@@ -337,8 +337,8 @@ def test_native_zero_row_drop_equals_the_torch_ops(weighted: bool) -> None:
         }
         pieces, mapped = _row_pieces(features, layout, per_table)
         bounds = features.offset_per_key()
-        expected = drop_zero_rows_torch(
-            torch.cat(pieces), features.offsets(), bounds, mapped[:-1], weights
+        expected = drop_zero_rows(
+            torch.cat(pieces), features.offsets(), bounds, mapped[:-1], weights, native=False
         )
         native = cpu_id_map.drop_zero_rows(torch.cat(pieces), features.offsets(), mapped[:-1],
                                            weights)  # fmt: skip

@@ -92,27 +92,18 @@ def drop_zero_rows(
     key_bounds: Sequence[int],
     mapped: Sequence[bool],
     weights: torch.Tensor | None,
+    native: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, list[int]]:
     """``rows`` with the zero row's ids (-1) dropped from the bags of the keys marked in
     ``mapped`` (key k: ``rows[key_bounds[k]:key_bounds[k + 1]]``, as many bags as every other
     key, ``offsets`` into ``rows``; the other keys' values, and those past the last key, stay
     whatever they are): the kept rows, their ``weights`` (None: unweighted), each bag's kept
-    count (int64) and each key's. Native on CPU (`cpu_id_map.drop_zero_rows`), else torch ops.
+    count (int64) and each key's. Native on CPU (`cpu_id_map.drop_zero_rows`) unless
+    ``native`` is False, else torch ops.
     """
-    native = cpu_id_map.drop_zero_rows(rows, offsets, mapped, weights)
-    if native is not None:
-        return native
-    return drop_zero_rows_torch(rows, offsets, key_bounds, mapped, weights)
-
-
-def drop_zero_rows_torch(
-    rows: torch.Tensor,
-    offsets: torch.Tensor,
-    key_bounds: Sequence[int],
-    mapped: Sequence[bool],
-    weights: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, list[int]]:
-    """`drop_zero_rows` in torch ops (on a device, or without the library)."""
+    done = cpu_id_map.drop_zero_rows(rows, offsets, mapped, weights) if native else None
+    if done is not None:
+        return done
     ends = [*key_bounds[1:], rows.numel()]
     if all(is_mapped or a == b for a, b, is_mapped in zip(key_bounds, ends, mapped, strict=False)):
         dropped = rows < 0  # all rows: one pass

@@ -32,8 +32,6 @@ from recopt.modules.id_map_rows import ResetPlan, ResetTargets, fresh_resets, fr
 from recopt.modules.inputs import (
     FeatureLayout,
     PendingCheck,
-    pending_id_check,
-    require_integer_ids,
 )
 from recopt.modules.variable_batch import regular_batch
 from recopt.sparse import KeyedJaggedTensor
@@ -353,27 +351,7 @@ def unmapped_check(
 ) -> PendingCheck:
     """The id check of the features of tables not in ``mapped`` and of every weight (the
     mapped features' raw ids are all valid), its answer left on the device."""
-    values, bounds = features.values(), features.offset_per_key()
-    weights, is_mapped = features.weights_or_none(), set(mapped)
-    if weights is None and all(name in is_mapped for name in layout.table_names):
-        # every id is a mapped raw id (any int64 is valid) and no weight: only the dtype
-        require_integer_ids(values, layout.feature_names, layout.table_names)
-        return PendingCheck(
-            None, None, values, features.length_per_key(), layout.feature_names,
-            layout.table_names, layout.num_rows, None,
-        )  # fmt: skip
-    masked = values.clone()
-    for f, name in enumerate(layout.table_names):
-        if name in is_mapped:
-            masked[bounds[f] : bounds[f + 1]] = 0
-    return pending_id_check(
-        masked,
-        features.length_per_key(),
-        layout.feature_names,
-        layout.table_names,
-        layout.num_rows,
-        weights,
-    )
+    return layout.pending_check(features, clamp=False, raw_tables=mapped)
 
 
 def refuse_init_fn(tables: Sequence[BaseEmbeddingConfig], copies: str, fix: str) -> None:

@@ -70,7 +70,7 @@ class FeatureLayout:
                 to ``weight_dtype``).
         """
         features = self.select(features, is_weighted, weight_dtype)
-        self._pending_check(features, clamp=False).raise_if_bad()
+        self.pending_check(features, clamp=False).raise_if_bad()
         return features
 
     def prepare_deferred(
@@ -97,7 +97,7 @@ class FeatureLayout:
         """
         if not selected:
             features = self.select(features, is_weighted, weight_dtype)
-        check = self._pending_check(features, clamp=True, raw_tables=raw_tables)
+        check = self.pending_check(features, clamp=True, raw_tables=raw_tables)
         if check.safe_values is not None:
             features = KeyedJaggedTensor(
                 features.keys(),
@@ -110,7 +110,7 @@ class FeatureLayout:
             )
         return features, check
 
-    def _pending_check(
+    def pending_check(
         self, features: KeyedJaggedTensor, clamp: bool, raw_tables: Collection[str] = ()
     ) -> PendingCheck:
         """`pending_id_check` of selected ``features`` against this layout's tables; the
