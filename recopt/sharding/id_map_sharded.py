@@ -15,7 +15,7 @@ global and equal on every rank.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from recopt.kernels.contract import Kernel
 from recopt.modules.config import EmbeddingBagConfig
 from recopt.modules.id_map import Remapped, RemapStats
+from recopt.modules.id_map_ahead import AheadRemap
 from recopt.modules.id_map_batch import drop_zero_rows
 from recopt.modules.id_map_lookup import IdMaps, refuse_init_fn, step_with_peers
 from recopt.modules.id_map_native import remap_tables
@@ -32,6 +33,8 @@ from recopt.modules.id_map_rows import FreshTable, reset_fresh_tables
 from recopt.sharding.id_map_exchange import STAT_FIELDS, StatsExchange
 from recopt.sharding.id_map_relocate import ShardRows, relocate
 from recopt.sharding.id_map_shards import MapShard, map_shards, map_state, shard_map, step_counter
+from recopt.sharding.input_dist import ReceivedInput
+from recopt.sharding.input_stage import DistributedInput
 from recopt.sharding.kernel_inputs import KernelInput
 from recopt.sharding.layout import ShardedLayout
 from recopt.sharding.state import _copy_overlaps, quiet_sharded_tensor
@@ -134,12 +137,68 @@ class ShardedIdMaps:
         mapped to their local rows (a training step of every map here: each shard's once with
         the ids of every source; evaluation only reads), the ids left without a row dropped
         from their bags, the fresh rows reset. Every rank calls it in every forward (the
-        step counters step, and the statistics are a collective in training).
+        step counters step, and the statistics are a collective in training). A step taken
+        ahead and not taken by its forward (`start_ahead`) is undone first: this batch comes
+        before it.
 
         After a load, the first call moves the loaded ids to their owner shards first
         (`_relocate_if_pending`, a collective).
         """
+        self.maps.rewind_ahead()
         self._relocate_if_pending()
+        out, results = self._map_inputs(inputs, training)
+        if training:
+            self._finish_step(results)
+        return out
+
+    def start_ahead(
+        self, started: DistributedInput, inputs_of: Callable[[ReceivedInput], list[KernelInput]]
+    ) -> None:
+        """A pipeline started batch i+1's id all-to-all (after batch i's forward): map its ids
+        on the worker thread once they arrive, during batch i's backward (`remap_worker`), the
+        step recorded for undo and kept pending (`IdMaps.ahead`) until batch i+1's forward
+        takes it (`take_ahead`: the fresh rows are reset then, after batch i's update).
+        Nothing starts under fault tolerance (its observers and peers step the maps in the
+        forward), before a pending relocation, or for a rejected batch."""
+        if (
+            started.in_flight is None
+            or started.error is not None
+            or self.relocate_pending
+            or not self.maps.can_step_ahead()
+        ):
+            return
+        remap = AheadRemap(started.features, self.maps.ahead.generation)
+        in_flight = started.in_flight
+
+        def step() -> None:
+            inputs = inputs_of(in_flight.wait(self._timeout))
+            out, results = self._map_inputs(inputs, True, record_undo=True)
+            remap.undo.update({n: r.undo for n, r in results.items() if r.undo is not None})
+            remap.mapped = (out, results)
+
+        started.ahead = self.maps.ahead.submit(remap, step, background=True)
+
+    def take_ahead(self, started: DistributedInput) -> list[KernelInput] | None:
+        """The kernels' inputs ``started``'s step taken ahead made (its fresh rows reset now,
+        once, and its statistics sent); None when there is none or it was undone since (an
+        evaluation, a load, a training forward outside the pipeline: the forward maps the
+        ids itself)."""
+        remap = started.ahead
+        if remap is None:
+            return None
+        taken = self.maps.ahead.take(remap)
+        if taken is None:
+            return None
+        out, results = taken.mapped
+        if not taken.rows_reset:
+            taken.rows_reset = True
+            self._finish_step(results)
+        return list(out)
+
+    def _map_inputs(
+        self, inputs: Sequence[KernelInput], training: bool, record_undo: bool = False
+    ) -> tuple[list[KernelInput], dict[str, Remapped]]:
+        """`remap`'s map step (or read) and the inputs with rows, fresh rows not reset."""
         mine = self._exchange.mine
         parts = [
             inputs[k].ids[inputs[k].bounds[a] : inputs[k].bounds[b]] for k, a, b in self._spans
@@ -152,21 +211,25 @@ class ShardedIdMaps:
         if training:
             # the step counters of the tables held elsewhere step too (with no ids)
             ids.update({name: flat[:0] for name in self.names if name not in ids})
-            results = self._step_maps(ids)
+            results = self._step_maps(ids, record_undo)
         else:
             results = remap_tables({s.name: self.maps.table_map(s.name) for s in mine}, ids, False)
         rows = [results[s.name].rows_M for s in mine]
         zero = [bool(r.numel() and (r < 0).any()) for r in rows]  # (on the host: no sync)
         if inputs:  # the rows where the kernels are, in one copy
             rows = list(_cat(rows, flat).to(inputs[0].ids.device, inputs[0].ids.dtype).split(sizes))
-        out = self._with_rows(inputs, rows, zero)
-        if training:
-            fresh = {s.name: results[s.name] for s in mine if results[s.name].fresh_rows.numel()}
-            fresh = results_to(fresh, self._device)  # the rows to reset, where the tables are
-            resets = [self._fresh_table(s, fresh[s.name]) for s in mine if s.name in fresh]
-            reset_fresh_tables(self.maps, resets)
-            self._exchange.start([_shard_stats(s, results[s.name].stats) for s in mine])
-        return out
+        return self._with_rows(inputs, rows, zero), results
+
+    def _finish_step(self, results: Mapping[str, Remapped]) -> None:
+        """A training step's fresh rows reset (the observers told first), and every shard's
+        statistics sent to every rank (a collective)."""
+        mine = self._exchange.mine
+        fresh = {s.name: results[s.name] for s in mine if results[s.name].fresh_rows.numel()}
+        fresh = results_to(fresh, self._device)  # the rows to reset, where the tables are
+        reset_fresh_tables(
+            self.maps, [self._fresh_table(s, fresh[s.name]) for s in mine if s.name in fresh]
+        )
+        self._exchange.start([_shard_stats(s, results[s.name].stats) for s in mine])
 
     def _with_rows(
         self, inputs: Sequence[KernelInput], rows: Sequence[torch.Tensor], zero_row: list[bool]
@@ -206,7 +269,9 @@ class ShardedIdMaps:
             out[k] = KernelInput(kept, offsets, weights, bounds)
         return out
 
-    def _step_maps(self, ids: dict[str, torch.Tensor]) -> dict[str, Remapped]:
+    def _step_maps(
+        self, ids: dict[str, torch.Tensor], record_undo: bool = False
+    ) -> dict[str, Remapped]:
         """One training step of every map of this rank (``ids``: each one's received ids).
 
         Under replica sync (``maps.peers``: fault tolerance's replica groups) each shard map
@@ -219,7 +284,7 @@ class ShardedIdMaps:
         gathered = None if peers is None else peers.gather(ids, False)
         if gathered is not None:
             return step_with_peers(self.maps, *gathered)
-        return self.maps.step_many(ids)
+        return self.maps.step_many(ids, record_undo)
 
     def _fresh_table(self, shard: MapShard, result: Remapped) -> FreshTable:
         """The shard's fresh rows to re-initialise (hashed init), with its weight and optimizer

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,7 @@ class DistributedInput:
     counts: CountExchange | None
     in_flight: InputInFlight | None = None
     error: ValueError | None = None
+    ahead: Any = None  # id maps: the owners' step taken ahead, on the worker (`AheadRemap`)
 
     def advance(self, timeout: datetime.timedelta) -> None:
         """Read the count exchange and start the id all-to-all (collective; once). A rejected

@@ -306,13 +306,14 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
         """
         start = time.perf_counter()
         started = self._prefetched.take(features) or self.start_input_dist(features)
+        ahead = None if self._id_maps is None else self._id_maps.take_ahead(started)
         try:
             prepared, index_F_B, received = started.wait(self._timeout)
         except ValueError:
             if self._id_maps is not None:
                 self._id_maps.input_failed(self.training)
             raise
-        mp_inputs = self._model_parallel_inputs(received)
+        mp_inputs = ahead if ahead is not None else self._model_parallel_inputs(received)
         start = self._record("input_dist", start)
         self._lr_sync.apply(self._state.optimizer.param_groups)
         gated = self._gated()
@@ -374,8 +375,8 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
 
         A rejected input is not raised here: `DistributedInput.wait` raises it, on every rank.
         ``ahead`` (a pipeline starts the batch before the previous batch's forward) changes
-        nothing: id-mapped tables' raw ids travel as they are and their owners map them in
-        the batch's forward.
+        nothing here: id-mapped tables' raw ids travel as they are (their owners map them
+        after they arrive: `advance_prefetched`, or in the forward).
         """
         return start_distribution(
             features,
@@ -387,20 +388,32 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
             raw_tables=[] if self._id_maps is None else self._id_maps.names,
         )
 
+    def advance_prefetched(self, started: DistributedInput, timeout: datetime.timedelta) -> None:
+        """Start the id all-to-all of ``started`` (distributed ahead: `DistributedInput.
+        advance`); in training, id maps then map its ids on the worker thread as they arrive
+        (`ShardedIdMaps.start_ahead`: during the previous batch's backward)."""
+        started.advance(timeout)
+        if self._id_maps is not None and self.training:
+            self._id_maps.start_ahead(started, self._kernel_inputs)
+
     def use_prefetched(self, started: DistributedInput) -> None:
         """Have the next ``forward(started.features)`` consume ``started`` instead of
         distributing its input itself (what a pipeline does with a batch distributed ahead)."""
         self._prefetched.push(started)
 
     def unused_prefetched(self) -> int:
-        """Queued distributions no forward consumed; clears them."""
+        """Queued distributions no forward consumed; clears them (with id maps, the steps
+        taken ahead are undone: the batch never reached its forward)."""
         count = self._prefetched.pending()
         self._prefetched.clear()
+        if count and self._id_maps is not None:
+            self._id_maps.maps.rewind_ahead()
         return count
 
     def prefetch_stale(self, started: DistributedInput) -> bool:
-        """Whether ``started`` (distributed ahead) must be distributed again: never (id maps
-        step in the forward, on the distributed raw ids)."""
+        """Whether ``started`` (distributed ahead) must be distributed again: never (a step
+        its id maps took ahead and that was undone since is taken again in the forward, from
+        the same distributed raw ids)."""
         return False
 
     def _record(self, phase: str, start: float) -> float:
@@ -412,22 +425,25 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
     # ------------------------------------------------------------------------------ lookup
     def _model_parallel_inputs(self, received: ReceivedInput) -> list[KernelInput]:
         """The model-parallel kernels' inputs; with id maps, their raw ids mapped to rows
-        (`ShardedIdMaps.remap`: every rank, every forward)."""
-        groups = self._layout.mp_groups
-        inputs = []
-        if groups:
-            inputs = kernel_inputs(
-                len(self._layout.dest_features[self._rank]),
-                [len(g.features) for g in groups],
-                received.max_batch,
-                received.mp_lengths,
-                received.mp_ids,
-                received.mp_weights,
-                received.mp_id_counts,
-            )
+        (`ShardedIdMaps.remap`: every rank, every forward without a step taken ahead)."""
+        inputs = self._kernel_inputs(received)
         if self._id_maps is not None:
             inputs = self._id_maps.remap(inputs, self.training)
         return inputs
+
+    def _kernel_inputs(self, received: ReceivedInput) -> list[KernelInput]:
+        groups = self._layout.mp_groups
+        if not groups:
+            return []
+        return kernel_inputs(
+            len(self._layout.dest_features[self._rank]),
+            [len(g.features) for g in groups],
+            received.max_batch,
+            received.mp_lengths,
+            received.mp_ids,
+            received.mp_weights,
+            received.mp_id_counts,
+        )
 
     def _lookup_model_parallel(self, inputs: list[KernelInput], received: ReceivedInput) -> Tensor:
         if not self._layout.mp_groups:

@@ -216,6 +216,11 @@ class ShardedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
         engine = self._bags.start_input_dist(bags, ahead)
         return StartedLookups(features, selected, bags, engine, None)
 
+    def advance_prefetched(self, started: StartedLookups, timeout: datetime.timedelta) -> None:
+        """Start the id all-to-all of ``started`` (`ShardedEmbeddingBagCollection.
+        advance_prefetched`)."""
+        self._bags.advance_prefetched(started.engine_input, timeout)
+
     def use_prefetched(self, started: StartedLookups) -> None:
         """Have the next ``forward(started.features)`` consume ``started``."""
         self._prefetched.push(started)
@@ -224,6 +229,9 @@ class ShardedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
         """Queued distributions no forward consumed; clears them (as the engine's)."""
         count = self._prefetched.pending()
         self._prefetched.clear()
+        maps = self._bags.id_maps
+        if count and maps is not None:  # never handed to the engine: its steps ahead undone
+            maps.rewind_ahead()
         return count + self._bags.unused_prefetched()
 
     def prefetch_stale(self, started: StartedLookups) -> bool:

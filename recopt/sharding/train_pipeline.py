@@ -3,9 +3,10 @@
 TorchRec's ``TrainPipelineSparseDist`` contract: ``progress(dataloader_iter)`` runs one step and
 returns the model's output; the model's forward takes a batch and returns ``(loss, output)``.
 Only ids move early: batch i+1's lookups still run after batch i's fused update, so a pipelined
-run equals the plain loop exactly. On one process, id-mapped tables also step their maps for
-batch i+1 then, on a worker thread, kept pending until its forward; sharded ones step in the
-forward, on the raw ids distributed ahead (docs/id_map.md). The same
+run equals the plain loop exactly. Id-mapped tables also step their maps for batch i+1 ahead,
+on a worker thread (one process: from the batch, during batch i's step; sharded: at the owners,
+from the raw ids as they arrive, during batch i's backward), kept pending until its forward
+(docs/id_map.md). The same
 loop serves one process (no sharded collection: the copy stage and id-map remaps) and many.
 """
 
@@ -285,11 +286,12 @@ class TrainPipelineSparseDist:
 
     def _advance_next(self) -> float:
         """Read batch i+1's count exchange (in flight during batch i's forward) and start its id
-        all-to-all, which then runs during batch i's backward."""
+        all-to-all, which then runs during batch i's backward (sharded id maps map its ids on
+        the worker thread as they arrive)."""
         start = time.perf_counter()
         if len(self._queue) > 1 and self._queue[1].started:
-            for started in self._queue[1].started:
-                started.advance(self.timeout)
+            for module, started in zip(self.sharded, self._queue[1].started, strict=True):
+                module.advance_prefetched(started, self.timeout)
         return self._record("input_dist", start)
 
     def _check_consumed(self) -> None:
