@@ -5,8 +5,8 @@ them in batch i+1's own forward. Each case compares the pipelined run with the p
 outputs, weights, optimizer state and every map buffer (state_dict) after the run; after every
 step; with an evaluation between steps (the batch distributed ahead then trains, not
 evaluates); with a checkpoint saved mid-run and resumed in a new model; a bad id in a batch
-distributed ahead; an embedding collection; under fault tolerance's guard, a dropped step
-rolled back and trained again. The
+distributed ahead; a batch whose forward fails before the collection; an embedding
+collection; under fault tolerance's guard, a dropped step rolled back and trained again. The
 tables: table-wise, row-wise and table-row-wise id-mapped (lru, lfu, admission with ttl), beside
 a column-wise unmapped table. All cases of a world size run in one spawned group.
 """
@@ -249,7 +249,43 @@ def _guarded(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str,
     }
 
 
-RUNNERS = {"compare": _compare, "resume": _resume, "guarded": _guarded}
+def _fails_before(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str, bool]:
+    """Batch 3's map step ran ahead (its ids mapped by their owners during batch 2's
+    backward), but its forward fails on every rank before the sharded collection: the step is
+    undone, as if batch 3 never came (the plain loop without it)."""
+    from recopt.sharding import TrainPipelineSparseDist
+
+    batches = _batches(rank, case)
+    model, optimizer = _build(world, case)
+    expected = plain_loop(model, optimizer, batches[:3] + batches[4:])
+    expected_state = dmp_state(model, optimizer)
+    model, optimizer = _build(world, case)
+    real_forward = model.forward
+    seen = {"n": 0}
+
+    def forward(batch: Any) -> Any:
+        seen["n"] += 1
+        if seen["n"] == 4:  # batch 3: before the embeddings
+            raise ValueError("model failed before its embeddings")
+        return real_forward(batch)
+
+    model.forward = forward
+    pipeline = TrainPipelineSparseDist(model, optimizer, "cpu")
+    outputs = pipelined_loop(pipeline, Batches(batches))
+    failed = outputs.pop(3)
+    return {
+        "failed": failed == "ValueError",
+        "outputs": same(expected, outputs),
+        "state": same(expected_state, dmp_state(model, optimizer)),
+    }
+
+
+RUNNERS = {
+    "compare": _compare,
+    "resume": _resume,
+    "guarded": _guarded,
+    "fails_before": _fails_before,
+}
 
 
 def _cases(world: int) -> list[dict[str, Any]]:
@@ -259,6 +295,7 @@ def _cases(world: int) -> list[dict[str, Any]]:
         {"plan": "mixed", "bad_id": (world - 1, 3)},
         {"plan": "mixed", "runner": "resume"},
         {"plan": "mixed", "runner": "guarded"},
+        {"plan": "mixed", "runner": "fails_before"},
     ]
     if world == 2:
         cases += [
