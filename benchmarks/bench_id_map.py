@@ -323,10 +323,11 @@ def per_id_costs(rows: int, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) / (NUM_TABLES * BATCH) for k, v in times.items()}
 
 
-class _Summed(nn.Module):
-    """The pipeline's model: the pooled embeddings' sum as the loss (the fused step alone)."""
+class SummedLoss(nn.Module):
+    """A pipeline's model: the pooled embeddings' sum as the loss (the embedding step alone);
+    ``ebc``: any collection taking ``batch.sparse`` (fused or sharded)."""
 
-    def __init__(self, ebc: FusedEmbeddingBagCollection) -> None:
+    def __init__(self, ebc: nn.Module) -> None:
         super().__init__()
         self.ebc = ebc
 
@@ -373,12 +374,12 @@ def measure_pipelined(
     modulo_batches = data.batches(modulo=True)
     pipelines = {
         "modulo step": (
-            TrainPipelineSparseDist(_Summed(setup.modulo), None, device),
+            TrainPipelineSparseDist(SummedLoss(setup.modulo), None, device),
             modulo_batches,
         ),
         "id_map step": (
             TrainPipelineSparseDist(
-                _Summed(setup.mapped), None, device, remap_threads=remap_threads
+                SummedLoss(setup.mapped), None, device, remap_threads=remap_threads
             ),
             data.batches(modulo=False),
         ),

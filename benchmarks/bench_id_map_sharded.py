@@ -23,8 +23,7 @@ import time
 from typing import Any
 
 import torch
-from bench_id_map import bench_tables, one_id_bags, worst_ids
-from torch import nn
+from bench_id_map import SummedLoss, bench_tables, one_id_bags, worst_ids
 
 from recopt.data.batch import Batch
 from recopt.kernels.config import FusedOptimizerConfig
@@ -63,17 +62,6 @@ def _bench(rank: int, world: int, args: argparse.Namespace) -> dict[str, list[fl
     return times
 
 
-class _Summed(nn.Module):
-    """The pipeline's model: the pooled embeddings' sum as the loss (the sharded step alone)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, batch: Any) -> tuple[torch.Tensor, None]:
-        return self.module(batch.sparse).values().sum(), None
-
-
 def _pipelined(
     modules: dict[str, Any], gen: torch.Generator, args: argparse.Namespace
 ) -> dict[str, list[float]]:
@@ -93,7 +81,7 @@ def _pipelined(
         for i, name in enumerate(CANDIDATES)
     }
     pipes = {
-        name: TrainPipelineSparseDist(_Summed(module), None, "cpu")
+        name: TrainPipelineSparseDist(SummedLoss(module), None, "cpu")
         for name, module in modules.items()
     }
     times: dict[str, list[float]] = {name: [] for name in CANDIDATES}
