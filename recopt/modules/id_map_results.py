@@ -52,6 +52,13 @@ class Remapped:
     fresh_values: torch.Tensor | None = None
     zero_row: bool | None = None  # whether an id reads the zero row, when the host knows it
 
+    def reads_zero_row(self) -> bool:
+        """Whether an id reads the zero row: ``zero_row`` when known (a native step counts
+        it), else read from the rows (on a device: a sync)."""
+        if self.zero_row is not None:
+            return self.zero_row
+        return bool(self.rows_M.numel() and (self.rows_M < 0).any())
+
     def to(self, device: torch.device) -> Remapped:
         """The rows on ``device`` (where the batch's ids are): `results_to` of this one."""
         return results_to({"": self}, device)[""]

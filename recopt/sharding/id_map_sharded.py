@@ -215,7 +215,7 @@ class ShardedIdMaps:
         else:
             results = remap_tables({s.name: self.maps.table_map(s.name) for s in mine}, ids, False)
         rows = [results[s.name].rows_M for s in mine]
-        zero = [bool(r.numel() and (r < 0).any()) for r in rows]  # (on the host: no sync)
+        zero = [results[s.name].reads_zero_row() for s in mine]  # (on the host: no sync)
         if inputs:  # the rows where the kernels are, in one copy
             rows = list(_cat(rows, flat).to(inputs[0].ids.device, inputs[0].ids.dtype).split(sizes))
         return self._with_rows(inputs, rows, zero), results
