@@ -212,8 +212,7 @@ class Bucketizer:
             key_N = values + self.feat_base[feature_N]  # (a raw id's is replaced below)
             block_N = torch.searchsorted(self.block_bounds, key_N, right=True) - 1
         if self.hashed:
-            shard_N = route_shard(values, self.hash_shards[feature_N])
-            hashed_block_N = self.hash_block[self.hash_base[feature_N] + shard_N]
+            hashed_block_N = self.hash_block[self._shard_at(values, feature_N)]
             block_N = torch.where(self.feature_hashed[feature_N], hashed_block_N, block_N)
         source_N: Tensor | None = None
         if self.replicated:
@@ -281,12 +280,16 @@ class Bucketizer:
             per_key.to(values.device, non_blocking=True),
             output_size=values.numel(),
         )
-        shard_N = route_shard(values, self.hash_shards[feature_N])
-        key_N = self.hash_key[self.hash_base[feature_N] + shard_N]
+        key_N = self.hash_key[self._shard_at(values, feature_N)]
         if self.all_hashed:
             return key_N, None
         hashed_N = self.feature_hashed[feature_N]
         return torch.where(hashed_N, key_N, values), hashed_N
+
+    def _shard_at(self, values: Tensor, feature_N: Tensor) -> Tensor:
+        """Each id's place in the ``hash_*`` tables: its feature's first, plus the shard
+        `route_shard` names for it (meaningful for id-mapped features only)."""
+        return self.hash_base[feature_N] + route_shard(values, self.hash_shards[feature_N])
 
     def _bucketize_whole(self, features: KeyedJaggedTensor) -> tuple[Tensor, Tensor | None, Tensor]:
         """No row split (table-wise, column-wise, data-parallel): each virtual feature gets its
