@@ -7,7 +7,8 @@ it trained, whether it committed, its error, and state digests of the rank's mod
 before the step (after the quorum, i.e. any healing), after backward (the fused update) and
 after the vote.
 `Scenario` says what the group injects: a dropped step, a NaN input, a crash or a hang mid-step,
-a wait.
+a wait; and whether the group trains through `TrainPipelineSparseDist` (`_pipelined`: the same
+entries, the same injections of a dropped step and a NaN input).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ft_sharded_worker import ROWS, batch
 from ft_sharded_worker import build as build_sharded
 from torch import nn
 
+from recopt.data.batch import Batch
 from recopt.ft.launch import make_fault_tolerant, state_digest
 from recopt.ft.retry import RetryPolicy, StepRetrier
 from recopt.ft.torchft_manager import TorchftConfig
@@ -32,6 +34,7 @@ from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.models.dlrm import DLRM, DLRMConfig
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, IdMapConfig
 from recopt.optim import CombinedOptimizer, KeyedOptimizerWrapper
+from recopt.sharding.train_pipeline import TrainPipelineSparseDist
 
 TIMEOUT = datetime.timedelta(seconds=20)
 
@@ -55,6 +58,7 @@ class Scenario:
     min_replica_size: int = 1
     quorum_timeout_s: float = 30.0
     id_map: bool = False  # id-mapped tables (lru, a quarter of the rows; sharded: 2 of 3)
+    pipeline: bool = False  # trained by TrainPipelineSparseDist (drop_at and nan_at only)
 
 
 def build_plain(seed: int, id_map: bool = False) -> tuple[nn.Module, CombinedOptimizer]:
@@ -122,6 +126,11 @@ def replica_group(rank: int, world_size: int, spec: Scenario) -> list[dict[str, 
     if spec.ready_file and rank == 0:
         Path(spec.ready_file).touch()
     retrier = StepRetrier(ft.manager, RetryPolicy(backoff_s=0.01, max_backoff_s=0.2))
+    if spec.pipeline:
+        log = _pipelined(model, optimizer, ft, retrier, spec, rank)
+        ft.shutdown()
+        del store
+        return log
     position, log, injected = 0, [], set()
     while ft.manager.current_step() < spec.steps:
         for at, path in spec.waits:
@@ -172,3 +181,82 @@ def replica_group(rank: int, world_size: int, spec: Scenario) -> list[dict[str, 
     ft.shutdown()
     del store
     return log
+
+
+class _Attempts:
+    """The pipelined group's loss model, data and optimizer in one: it yields the group's
+    batches by position, records each attempt as the plain loop does (its digests taken in
+    the optimizer's ``zero_grad``, after the quorum, and ``step``, after backward) and injects
+    the scenario's NaN input and dropped step at the same points."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, ft: Any, spec: Scenario, rank: int):
+        self.model, self.optimizer, self.ft, self.spec, self.rank = model, optimizer, ft, spec, rank
+        self.log: list[dict[str, Any]] = []
+        self.injected: set[str] = set()
+        self.produced = 0
+
+    def __iter__(self) -> _Attempts:
+        return self
+
+    def __next__(self) -> Batch:
+        dense, sparse = batch(self.spec.seed, self.produced, self.rank)
+        if self.spec.nan_at == self.produced:
+            dense[0, 0] = float("nan")  # (a NaN step is skipped, never retried)
+        self.produced += 1
+        return Batch(dense, sparse, torch.ones(6), self.produced - 1)
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        self.log[-1]["position"] = batch.position
+        logits = self.model(batch.dense, batch.sparse)
+        return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels), logits
+
+    def zero_grad(self) -> None:
+        self.ft.optimizer.zero_grad()
+        self.log.append(
+            {
+                "step": self.ft.manager.current_step(),
+                "before": state_digest(self.model.state_dict(), self.optimizer.state_dict()),
+            }
+        )
+
+    def step(self) -> None:
+        entry = self.log[-1]
+        if self.spec.drop_at == entry["position"] and "drop" not in self.injected:
+            self.ft.manager.report_error(RuntimeError("dropped by the test"))
+            self.injected.add("drop")
+        entry["after_backward"] = state_digest(self.model.state_dict(), self.optimizer.state_dict())
+        self.ft.optimizer.step()
+        error = self.ft.manager.errored()
+        entry["committed"] = self.ft.manager.current_step() > entry["step"]
+        entry["participants"] = self.ft.manager.num_participants()
+        entry["error"] = None if error is None else type(error).__name__
+        entry["after"] = state_digest(self.model.state_dict(), self.optimizer.state_dict())
+
+
+class _LossOf(nn.Module):
+    def __init__(self, attempts: _Attempts) -> None:
+        super().__init__()
+        self.inner = attempts.model  # (its sharded collections are found through it)
+        self.attempts = attempts
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.attempts.loss(batch)
+
+
+def _pipelined(
+    model: nn.Module, optimizer: Any, ft: Any, retrier: StepRetrier, spec: Scenario, rank: int
+) -> list[dict[str, Any]]:
+    """The scenario's steps through `TrainPipelineSparseDist`: batch i+1 distributed (and its
+    ids routed to their owner shards) while batch i trains; a dropped step keeps its batch at
+    the head of the pipeline and trains it again from the ids already distributed."""
+    attempts = _Attempts(model, optimizer, ft, spec, rank)
+    pipeline = TrainPipelineSparseDist(
+        _LossOf(attempts),
+        attempts,  # type: ignore[arg-type]  # zero_grad and step, what the pipeline calls
+        "cpu",
+        step_committed=lambda: retrier.after_step(attempts.log[-1]["committed"]),
+        timeout=TIMEOUT,
+    )
+    while ft.manager.current_step() < spec.steps:
+        pipeline.progress(attempts)
+    return attempts.log

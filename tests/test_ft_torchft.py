@@ -6,7 +6,8 @@ scenario ends with the groups' states compared by digest at the last step, and c
 scenario is about: a dropped step restores fused tables and optimizer state bit for bit and
 retrains its batch; a NaN is dropped on every group; a killed group (or one rank of it) rejoins
 and heals; a lighthouse restart loses no sample; sharded groups (2 ranks each) do all of the
-above per rank. Each spawn of a lighthouse and its groups covers several scenarios.
+above per rank; a group trained by the pipeline (id-mapped tables, sharded or not) ends in
+the state of its plain-loop peer. Each spawn of a lighthouse and its groups covers several scenarios.
 """
 
 from __future__ import annotations
@@ -58,15 +59,34 @@ def _check_dropped_restored(log: list[dict[str, Any]]) -> int:
 
 
 @pytest.mark.parametrize(
-    "groups, ranks, id_map",
-    [(3, 1, False), (2, 1, True), (2, 2, False), (2, 2, True)],
-    ids=["3-groups-plain", "2-groups-plain-id-map", "2-groups-sharded", "2-groups-sharded-id-map"],
+    "groups, ranks, id_map, pipelined",
+    [
+        (3, 1, False, ""),
+        (2, 1, True, ""),
+        (2, 2, False, ""),
+        (2, 2, True, ""),
+        (2, 1, True, "B"),
+        (2, 2, True, "B"),
+    ],
+    ids=[
+        "3-groups-plain",
+        "2-groups-plain-id-map",
+        "2-groups-sharded",
+        "2-groups-sharded-id-map",
+        "2-groups-plain-id-map-B-pipelined",
+        "2-groups-sharded-id-map-B-pipelined",
+    ],
 )
-def test_dropped_and_nonfinite_steps_restore_state(groups: int, ranks: int, id_map: bool) -> None:
+def test_dropped_and_nonfinite_steps_restore_state(
+    groups: int, ranks: int, id_map: bool, pipelined: str
+) -> None:
     """Every group drops position 1 (an injected error after backward, whose fused update
     moved the tables): all roll back bit for bit and retrain it. Only A's input at position 3
     holds a NaN: every group sees it in the exchanged gradients, drops the step and skips that
-    batch (it would fail again)."""
+    batch (it would fail again). The groups named in ``pipelined`` train through
+    `TrainPipelineSparseDist` (their next batches distributed and, sharded, their ids routed
+    to the owner shards while a step trains; a dropped step's batch retrained from them) and
+    must end in the plain loop's state."""
     server = ft_lighthouse.in_process(min_replicas=groups)
     try:
         address = ft_lighthouse.address(server)
@@ -79,6 +99,7 @@ def test_dropped_and_nonfinite_steps_restore_state(groups: int, ranks: int, id_m
                 drop_at=1,
                 nan_at=3 if name == "A" else None,
                 id_map=id_map,
+                pipeline=name in pipelined,
             )
             for name, seed in list(zip("ABC", (1, 2, 3), strict=True))[:groups]
         ]
