@@ -257,6 +257,7 @@ def _pipelined(
         step_committed=lambda: retrier.after_step(attempts.log[-1]["committed"]),
         timeout=TIMEOUT,
     )
+    assert pipeline.sharded or pipeline.remapping  # the stages it runs ahead were found
     while ft.manager.current_step() < spec.steps:
         pipeline.progress(attempts)
     return attempts.log
