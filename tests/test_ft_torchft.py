@@ -7,7 +7,8 @@ scenario is about: a dropped step restores fused tables and optimizer state bit 
 retrains its batch; a NaN is dropped on every group; a killed group (or one rank of it) rejoins
 and heals; a lighthouse restart loses no sample; sharded groups (2 ranks each) do all of the
 above per rank; a group trained by the pipeline (id-mapped tables, sharded or not) ends in
-the state of its plain-loop peer. Each spawn of a lighthouse and its groups covers several scenarios.
+the state of its plain-loop peer. Each spawn of a lighthouse and its groups covers several
+scenarios.
 """
 
 from __future__ import annotations
