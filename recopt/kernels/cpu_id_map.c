@@ -30,7 +30,8 @@ typedef struct {
     float *keys;        /* [N]: lfu_key of each used row while keys_valid (lfu's filter) */
     int keys_valid;     /* set by the first lfu step after a rebuild, kept up by each step */
     Buckets lfu_rows;   /* the used rows by key, while keys_valid (lfu's victims) */
-    Cand *cands;        /* [5 M]: lfu's victim heap [M] and the rows under its pivot [4 M] */
+    Cand *cands;        /* [5 M]: lfu's victim heap [M], the rows under its pivot [4 M], then
+                         * KeyRow [4 M]: the rows under its key filter */
     uint64_t *row_pos;  /* [N]: (batch generation << 32) | the row's index in known */
     uint64_t *row_bits; /* [N / 64 + 1]: the rows the batch touched (all 0 between batches) */
     int64_t *found;     /* [M]: each id's row, -1 if not live (admit: fresh candidates' slots) */
@@ -153,7 +154,8 @@ static int reserve(Map *m, int64_t need) {
     m->sort_val = malloc(16 * cap);
     m->sort_val_tmp = malloc(16 * cap);
     m->admitted = malloc(cap);
-    m->cands = malloc(sizeof(Cand) * 5 * cap); /* the heap [cap], the rows kept [4 cap] */
+    /* the heap [cap], the rows kept [4 cap], then the rows listed by key [4 cap] */
+    m->cands = malloc(sizeof(Cand) * 5 * cap + sizeof(KeyRow) * 4 * cap);
     m->cap_m = 0;
     if (!m->ids_u || !m->count_u || !m->slot_u || !m->inverse || !m->found || !m->known ||
         !m->count_k || !m->known_id || !m->wanted ||
@@ -489,8 +491,8 @@ static int64_t lfu_victims(Map *m, int64_t step, int64_t *fresh_rows, int64_t pl
     Slots *s = &m->rows;
     if (!m->keys_valid) { /* once after a rebuild: every used row's key (the steps keep them) */
         if (!m->keys) m->keys = malloc(sizeof(float) * (size_t)(s->n + 1));
-        for (int64_t r = 0; m->keys && r < s->n; r++)
-            if (s->used[r]) m->keys[r] = lfu_key(s->freq[r], s->seen[r], &m->powers);
+        for (int64_t r = 0; m->keys && r < s->n; r++) /* (free rows: never in a sample's low) */
+            m->keys[r] = s->used[r] ? lfu_key(s->freq[r], s->seen[r], &m->powers) : INFINITY;
         m->keys_valid = m->keys != NULL;
         if (m->keys_valid) buckets_build(&m->lfu_rows, s, m->keys, &m->powers);
     } else if (m->lfu_rows.valid && m->lfu_rows.entries > 4 * s->n + 64) {
@@ -502,6 +504,9 @@ static int64_t lfu_victims(Map *m, int64_t step, int64_t *fresh_rows, int64_t pl
                              fresh_rows + placed)
             : lfu_select(s, &m->powers, m->keys_valid ? m->keys : NULL, step, want - placed,
                          m->rows.live - m->num_known, m->cands, m->cap_m, fresh_rows + placed);
+    int64_t *victims = fresh_rows + placed; /* to the new ids in row order */
+    for (int64_t i = 0; i < chosen; i++) m->sort_key[i] = (uint64_t)victims[i];
+    radix_sort(m->sort_key, victims, m->sort_key_tmp, m->sort_val_tmp, chosen);
     evict_range(m, &m->rows, fresh_rows, placed, placed + chosen);
     return placed + chosen;
 }

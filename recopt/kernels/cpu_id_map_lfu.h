@@ -11,7 +11,8 @@
 #include "cpu_id_map_slots.h"
 
 #define POWER_MEMO 4096 /* ages whose decay power is kept */
-#define LFU_SAMPLE 256  /* rows sampled for the pivot */
+#define LFU_SAMPLE 256      /* rows sampled for the pivot (without keys) */
+#define LFU_KEY_SAMPLE 512  /* keys sampled for the pivot (at most the 4 x 1024 listed rows) */
 
 typedef struct {
     double squares[64]; /* decay^(2^b) by repeated squaring */
@@ -87,17 +88,27 @@ static inline void keep_lowest(Cand *heap, int64_t *size, int64_t need, Cand c) 
     }
 }
 
-/* The rows of the max-heap heap [size] (keep_lowest's) into out, ascending: the first victim
- * first (the heap is sorted in place). Returns size. */
-static int64_t heap_rows(Cand *heap, int64_t size, int64_t *out) {
-    for (int64_t last = size - 1; last > 0; last--) {
-        Cand top = heap[0];
-        heap[0] = heap[last];
-        cand_sift_down(heap, last, 0);
-        heap[last] = top;
+/* Reorders a[0 .. n) so that its k lowest (by cand_before) come first, in no order
+ * (quickselect; k <= n). */
+static void cand_keep_lowest_first(Cand *a, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi && k > lo && k <= hi) {
+        Cand x = a[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (cand_before(a[i], x)) i++;
+            while (cand_before(x, a[j])) j--;
+            if (i <= j) {
+                Cand t = a[i];
+                a[i++] = a[j];
+                a[j--] = t;
+            }
+        }
+        /* a[lo .. j] <= x <= a[i .. hi], and a[j + 1 .. i - 1] == x (one row: at most one) */
+        if (k <= j) hi = j;
+        else if (k >= i) lo = i;
+        else break;
     }
-    for (int64_t i = 0; i < size; i++) out[i] = heap[i].row;
-    return size;
 }
 
 static inline int evictable(const Slots *s, int64_t step, int64_t r) {
@@ -149,45 +160,148 @@ static double lfu_key_limit(double pivot, int64_t step, const Powers *p) {
     return limit + (fabs(limit) + 64.0) * 0x1p-20;
 }
 
-/* lfu_select's pass with keys: the evictable rows of decayed count at or below pivot, in row
- * order, into low (at most cap: returns cap + 1 when more are), reading counts only of rows
- * whose key is at or below limit (a word of 64 keys compared at a time, vectorised). */
-static int64_t lfu_keep_by_keys(const Slots *s, const Powers *p, const float *keys, float limit,
-                                int64_t step, double pivot, Cand *low, int64_t cap) {
-    int64_t kept = 0;
-    for (int64_t base = 0; base < s->n; base += 64) {
-        int64_t width = s->n - base < 64 ? s->n - base : 64;
+typedef struct { /* a row whose static key passed the filter, and that key */
+    int64_t row;
+    float key;
+} KeyRow;
+
+/* The rows whose static key is at or below limit, with their keys, in row order, into below
+ * (at most cap: returns cap + 1 when more are). NaN keys count as -INFINITY (always listed).
+ * Reads only the keys: a word of 64 compared at a time, vectorised. */
+static int64_t lfu_list_by_keys(const float *keys, int64_t n, float limit, KeyRow *below,
+                                int64_t cap) {
+    int64_t listed = 0;
+    for (int64_t base = 0; base < n; base += 64) {
+        int64_t width = n - base < 64 ? n - base : 64;
         uint64_t bits = 0;
-        for (int64_t i = 0; i < width; i++) /* NaN keys pass: checked exactly */
-            bits |= (uint64_t)!(keys[base + i] > limit) << i;
+        for (int64_t i = 0; i < width; i++) bits |= (uint64_t)!(keys[base + i] > limit) << i;
         for (; bits; bits &= bits - 1) {
             int64_t r = base + __builtin_ctzll(bits);
-            if (!evictable(s, step, r)) continue;
-            Cand c = lfu_cand(s, p, step, r);
-            if (c.key > pivot) continue;
-            if (kept == cap) return cap + 1; /* too many at or below the pivot */
-            low[kept++] = c;
+            if (listed == cap) return cap + 1;
+            float key = keys[r];
+            below[listed].row = r;
+            below[listed++].key = key == key ? key : -INFINITY;
         }
+    }
+    return listed;
+}
+
+/* The k-th smallest key (0-based) of a[0 .. n), k < n; reorders a (quickselect). */
+static float lfu_select_key(KeyRow *a, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        float x = a[lo + (hi - lo) / 2].key;
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (a[i].key < x) i++;
+            while (a[j].key > x) j--;
+            if (i <= j) {
+                KeyRow t = a[i];
+                a[i++] = a[j];
+                a[j--] = t;
+            }
+        }
+        if (k <= j) hi = j;
+        else if (k >= i) lo = i;
+        else break; /* between j and i: equal to x */
+    }
+    return a[k].key;
+}
+
+/* The decayed count at `step` of a row whose key is `key`, plus the keys' rounding margin
+ * (lfu_key_limit's): rows of equal counts (often hundreds: ids seen once at the same step)
+ * are all at or below it, not split by the rounding of this computation. */
+static double lfu_count_at_key(double key, int64_t step, const Powers *p) {
+    return exp2(key + (fabs(key) + 64.0) * 0x1p-20 - (double)step * p->rate);
+}
+
+/* lfu_pivot from the keys alone (no row's count read): the count at the key below which, in a
+ * sample of the keys (LFU_KEY_SAMPLE, in runs of 8: a run is half a cache line, read once),
+ * a few times `need` rows lie. sample: [LFU_KEY_SAMPLE]. */
+static double lfu_pivot_by_keys(const float *keys, int64_t n, const Powers *p, int64_t step,
+                                int64_t need, KeyRow *sample) {
+    int64_t stride = n / (LFU_KEY_SAMPLE / 8);
+    int64_t at = (int64_t)((double)LFU_KEY_SAMPLE * (double)(4 * need + 64) / (double)n);
+    if (stride < 8 || at >= LFU_KEY_SAMPLE) return INFINITY; /* (runs apart) */
+    for (int64_t i = 0; i < LFU_KEY_SAMPLE; i++) {
+        int64_t r = (i >> 3) * stride + (i & 7);
+        float key = keys[r];
+        sample[i].row = r;
+        sample[i].key = key == key ? key : -INFINITY;
+    }
+    return lfu_count_at_key((double)lfu_select_key(sample, LFU_KEY_SAMPLE, at), step, p);
+}
+
+/* The evictable rows of below [listed] of decayed count at or below pivot into low (at most
+ * cap: returns cap + 1 when more are), reading counts only of rows whose key is at or below
+ * limit; the rows' slots prefetched ahead (they are far apart). */
+static int64_t lfu_keep_listed(const Slots *s, const Powers *p, const KeyRow *below,
+                               int64_t listed, float limit, int64_t step, double pivot, Cand *low,
+                               int64_t cap) {
+    int64_t kept = 0;
+    for (int64_t i = 0; i < listed; i++) {
+        if (i + 16 < listed && !(below[i + 16].key > limit)) {
+            int64_t ahead = below[i + 16].row;
+            __builtin_prefetch(&s->used[ahead]);
+            __builtin_prefetch(&s->seen[ahead]);
+            __builtin_prefetch(&s->freq[ahead]);
+        }
+        if (below[i].key > limit) continue;
+        int64_t r = below[i].row;
+        if (!evictable(s, step, r)) continue;
+        Cand c = lfu_cand(s, p, step, r);
+        if (c.key > pivot) continue;
+        if (kept == cap) return cap + 1;
+        low[kept++] = c;
     }
     return kept;
 }
 
+/* lfu_select's pass with keys. The sampled pivot's key filter lists its rows (keys only: a few
+ * times `need`); a quickselect on their keys then finds a tighter pivot, the decayed count of
+ * the key a little above the need-th, so that counts are read (three rows' worth of memory
+ * each, far apart) only for about `need` rows; when too few of those are evictable, the sampled
+ * pivot's rows are read. Returns the rows kept into low as lfu_select's pass does (cap + 1: too
+ * many; fewer than need: too few for either pivot). */
+static int64_t lfu_keep_by_keys(const Slots *s, const Powers *p, const float *keys, float limit,
+                                int64_t step, double pivot, int64_t need, KeyRow *below,
+                                Cand *low, int64_t cap) {
+    int64_t listed = lfu_list_by_keys(keys, s->n, limit, below, cap);
+    if (listed > cap || listed < need) return listed;
+    int64_t tight_rank = need + need / 8 + 16; /* a margin for rows seen in this batch */
+    if (tight_rank < listed) {
+        double tight = lfu_count_at_key((double)lfu_select_key(below, listed, tight_rank), step, p);
+        if (tight < pivot) {
+            double tight_limit = lfu_key_limit(tight, step, p);
+            if (tight_limit > -INFINITY) {
+                int64_t kept = lfu_keep_listed(s, p, below, listed, (float)tight_limit, step,
+                                               tight, low, cap);
+                if (kept >= need) return kept;
+            }
+        }
+    }
+    return lfu_keep_listed(s, p, below, listed, limit, step, pivot, low, cap);
+}
+
 /* The `need` (at most `room`) evictable rows of lowest decayed count (ties: least recently
- * seen, then lowest row), in that order, written to out; returns how many. One pass over the
- * rows keeps those at or below a sampled pivot (when enough are, and they fit in 4 x room:
- * else every row) and a heap the lowest of them. With keys (lfu_key of every used row, or
- * NULL), the pass reads a row's count only where its key may be at or below the pivot's.
- * scratch: [5 x room]. */
+ * seen, then lowest row), in no order (lfu_victims sorts them by row), written to out; returns
+ * how many. One pass over the rows keeps those at or below a pivot (when enough are, and they
+ * fit in 4 x room), a quickselect the lowest of them; else a heap keeps the lowest of every
+ * row. With keys (lfu_key of every used row, or NULL), the pass
+ * reads only keys, and counts only of rows whose key may be at or below the pivot's
+ * (lfu_keep_by_keys). scratch: [5 x room] Cands, then [4 x room] KeyRows. */
 static int64_t lfu_select(const Slots *s, const Powers *p, const float *keys, int64_t step,
                           int64_t need, int64_t num_evictable, Cand *scratch, int64_t room,
                           int64_t *out) {
     int64_t size = 0, kept = 0, cap = 4 * room;
-    double pivot = lfu_pivot(s, p, step, need, num_evictable);
+    Cand *heap = scratch, *low = scratch + room;
+    KeyRow *below = (KeyRow *)(scratch + 5 * room); /* [4 room >= LFU_KEY_SAMPLE] */
+    double pivot = keys ? lfu_pivot_by_keys(keys, s->n, p, step, need, below)
+                        : lfu_pivot(s, p, step, need, num_evictable);
     double limit = keys && pivot < INFINITY ? lfu_key_limit(pivot, step, p) : INFINITY;
     const float *use_keys = limit > -INFINITY ? keys : NULL;
-    Cand *heap = scratch, *low = scratch + room;
     if (use_keys && pivot < INFINITY)
-        kept = lfu_keep_by_keys(s, p, use_keys, (float)limit, step, pivot, low, cap);
+        kept = lfu_keep_by_keys(s, p, use_keys, (float)limit, step, pivot, need, below, low, cap);
     for (int64_t r = 0; r < s->n && pivot < INFINITY && !use_keys; r++) {
         if (!evictable(s, step, r)) continue;
         Cand c = lfu_cand(s, p, step, r);
@@ -196,12 +310,14 @@ static int64_t lfu_select(const Slots *s, const Powers *p, const float *keys, in
         low[kept++] = c;
     }
     if (pivot < INFINITY && kept < cap && kept >= need) {
-        for (int64_t i = 0; i < kept; i++) keep_lowest(heap, &size, need, low[i]);
-    } else {
-        for (int64_t r = 0; r < s->n; r++)
-            if (evictable(s, step, r)) keep_lowest(heap, &size, need, lfu_cand(s, p, step, r));
+        cand_keep_lowest_first(low, kept, need);
+        for (int64_t i = 0; i < need; i++) out[i] = low[i].row;
+        return need;
     }
-    return heap_rows(heap, size, out);
+    for (int64_t r = 0; r < s->n; r++)
+        if (evictable(s, step, r)) keep_lowest(heap, &size, need, lfu_cand(s, p, step, r));
+    for (int64_t i = 0; i < size; i++) out[i] = heap[i].row;
+    return size;
 }
 
 #endif

@@ -137,7 +137,7 @@ static double bucket_floor_count(double key, int64_t step, const Powers *p) {
 }
 
 /* lfu_select through the buckets: the `need` evictable rows of lowest decayed count (ties:
- * least recently seen, then lowest row), the first victim first, into out; how many.
+ * least recently seen, then lowest row), in no order, into out; how many.
  * heap: [need]. */
 static int64_t buckets_select(Buckets *q, const Slots *s, const Powers *p, int64_t step,
                               int64_t need, Cand *heap, int64_t *out) {
@@ -167,7 +167,8 @@ static int64_t buckets_select(Buckets *q, const Slots *s, const Powers *p, int64
             break;
     }
     while (q->lo < q->hi && q->ring[q->lo & (q->slots - 1)].size == 0) q->lo++;
-    return heap_rows(heap, size, out);
+    for (int64_t i = 0; i < size; i++) out[i] = heap[i].row;
+    return size;
 }
 
 /* The rows from which maps keep lfu's buckets (maps built or rebuilt after the call); the

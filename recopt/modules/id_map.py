@@ -434,8 +434,10 @@ class IdMap(nn.Module):
     def _allocate(self, count: int, protected: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``count`` rows for new ids (fewer if the batch uses every row) and the evictions.
 
-        Free rows first (lowest first); then live rows not used by this batch, in the
-        policy's order. Evicted ids leave the map (their rows are the caller's to reset).
+        Free rows first (lowest first); then live rows not used by this batch, the first in
+        the policy's order (lru: in that order; lfu: the lowest decayed counts, in row order,
+        which spares the native remap a sort of its victims). Evicted ids leave the map
+        (their rows are the caller's to reset).
         """
         occupied = self.buffer("occupied")
         free = (~occupied).nonzero().squeeze(1)[:count]
@@ -446,6 +448,8 @@ class IdMap(nn.Module):
         evictable[protected] = False
         rows = evictable.nonzero().squeeze(1)
         victims = rows[self.eviction_order(rows)[:need]]
+        if self.config.policy == "lfu":  # lfu's go to the new ids in row order
+            victims = victims.sort().values
         occupied[victims] = False
         self.buffer("row_ids")[victims] = -1
         return torch.cat([free, victims]), victims.numel()
