@@ -31,7 +31,7 @@ typedef struct {
     int keys_valid;     /* set by the first lfu step after a rebuild, kept up by each step */
     Buckets lfu_rows;   /* the used rows by key, while keys_valid (lfu's victims) */
     Cand *cands;        /* [5 M]: lfu's victim heap [M], the rows under its pivot [4 M], then
-                         * KeyRow [4 M]: the rows under its key filter */
+                         * KeyRow [8 M]: its key sample, the rows under its key filter */
     uint64_t *row_pos;  /* [N]: (batch generation << 32) | the row's index in known */
     uint64_t *row_bits; /* [N / 64 + 1]: the rows the batch touched (all 0 between batches) */
     int64_t *found;     /* [M]: each id's row, -1 if not live (admit: fresh candidates' slots) */
@@ -154,8 +154,8 @@ static int reserve(Map *m, int64_t need) {
     m->sort_val = malloc(16 * cap);
     m->sort_val_tmp = malloc(16 * cap);
     m->admitted = malloc(cap);
-    /* the heap [cap], the rows kept [4 cap], then the rows listed by key [4 cap] */
-    m->cands = malloc(sizeof(Cand) * 5 * cap + sizeof(KeyRow) * 4 * cap);
+    /* the heap [cap], the rows kept [4 cap], then the rows listed by key [8 cap] */
+    m->cands = malloc(sizeof(Cand) * 5 * cap + sizeof(KeyRow) * 8 * cap);
     m->cap_m = 0;
     if (!m->ids_u || !m->count_u || !m->slot_u || !m->inverse || !m->found || !m->known ||
         !m->count_k || !m->known_id || !m->wanted ||

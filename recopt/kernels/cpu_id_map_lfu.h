@@ -12,7 +12,7 @@
 
 #define POWER_MEMO 4096 /* ages whose decay power is kept */
 #define LFU_SAMPLE 256      /* rows sampled for the pivot (without keys) */
-#define LFU_KEY_SAMPLE 512  /* keys sampled for the pivot (at most the 4 x 1024 listed rows) */
+#define LFU_KEY_SAMPLE 512  /* keys sampled for the pivot, at least */
 
 typedef struct {
     double squares[64]; /* decay^(2^b) by repeated squaring */
@@ -216,20 +216,24 @@ static double lfu_count_at_key(double key, int64_t step, const Powers *p) {
 }
 
 /* lfu_pivot from the keys alone (no row's count read): the count at the key below which, in a
- * sample of the keys (LFU_KEY_SAMPLE, in runs of 8: a run is half a cache line, read once),
- * a few times `need` rows lie. sample: [LFU_KEY_SAMPLE]. */
+ * sample of the keys (runs of 8: a run is half a cache line, read once), a few times `need`
+ * rows lie. The sample grows with the rows (at least LFU_KEY_SAMPLE keys, at most `room`
+ * runs), so that about 8 sampled keys lie below that key. sample: [8 x room]. */
 static double lfu_pivot_by_keys(const float *keys, int64_t n, const Powers *p, int64_t step,
-                                int64_t need, KeyRow *sample) {
-    int64_t stride = n / (LFU_KEY_SAMPLE / 8);
-    int64_t at = (int64_t)((double)LFU_KEY_SAMPLE * (double)(4 * need + 64) / (double)n);
-    if (stride < 8 || at >= LFU_KEY_SAMPLE) return INFINITY; /* (runs apart) */
-    for (int64_t i = 0; i < LFU_KEY_SAMPLE; i++) {
+                                int64_t need, KeyRow *sample, int64_t room) {
+    double target = (double)(4 * need + 64);
+    int64_t size = (int64_t)(8.0 * (double)n / target) & ~(int64_t)7;
+    size = size < LFU_KEY_SAMPLE ? LFU_KEY_SAMPLE : size > 8 * room ? 8 * room : size;
+    int64_t stride = n / (size / 8);
+    int64_t at = (int64_t)((double)size * target / (double)n);
+    if (stride < 8 || at >= size) return INFINITY; /* (runs apart) */
+    for (int64_t i = 0; i < size; i++) {
         int64_t r = (i >> 3) * stride + (i & 7);
         float key = keys[r];
         sample[i].row = r;
         sample[i].key = key == key ? key : -INFINITY;
     }
-    return lfu_count_at_key((double)lfu_select_key(sample, LFU_KEY_SAMPLE, at), step, p);
+    return lfu_count_at_key((double)lfu_select_key(sample, size, at), step, p);
 }
 
 /* The evictable rows of below [listed] of decayed count at or below pivot into low (at most
@@ -289,14 +293,14 @@ static int64_t lfu_keep_by_keys(const Slots *s, const Powers *p, const float *ke
  * fit in 4 x room), a quickselect the lowest of them; else a heap keeps the lowest of every
  * row. With keys (lfu_key of every used row, or NULL), the pass
  * reads only keys, and counts only of rows whose key may be at or below the pivot's
- * (lfu_keep_by_keys). scratch: [5 x room] Cands, then [4 x room] KeyRows. */
+ * (lfu_keep_by_keys). scratch: [5 x room] Cands, then [8 x room] KeyRows. */
 static int64_t lfu_select(const Slots *s, const Powers *p, const float *keys, int64_t step,
                           int64_t need, int64_t num_evictable, Cand *scratch, int64_t room,
                           int64_t *out) {
     int64_t size = 0, kept = 0, cap = 4 * room;
     Cand *heap = scratch, *low = scratch + room;
-    KeyRow *below = (KeyRow *)(scratch + 5 * room); /* [4 room >= LFU_KEY_SAMPLE] */
-    double pivot = keys ? lfu_pivot_by_keys(keys, s->n, p, step, need, below)
+    KeyRow *below = (KeyRow *)(scratch + 5 * room); /* [8 room] */
+    double pivot = keys ? lfu_pivot_by_keys(keys, s->n, p, step, need, below, room)
                         : lfu_pivot(s, p, step, need, num_evictable);
     double limit = keys && pivot < INFINITY ? lfu_key_limit(pivot, step, p) : INFINITY;
     const float *use_keys = limit > -INFINITY ? keys : NULL;
