@@ -54,6 +54,30 @@ typedef struct { /* an evictable row: its decayed count, last seen, row */
     int64_t seen, row;
 } Cand;
 
+/* QUICKSELECT(name, T, before) defines `static void name(T *a, int64_t n, int64_t k)`, which
+ * reorders a[0 .. n) so that a[k] holds the element of rank k by `before` (x goes first when
+ * before(x, y)), the elements that go first before it and the others after it (k < n). */
+#define QUICKSELECT(name, T, before)                                                          \
+    static void name(T *a, int64_t n, int64_t k) {                                            \
+        int64_t lo = 0, hi = n - 1;                                                           \
+        while (lo < hi) {                                                                     \
+            T x = a[lo + (hi - lo) / 2];                                                      \
+            int64_t i = lo, j = hi;                                                           \
+            while (i <= j) {                                                                  \
+                while (before(a[i], x)) i++;                                                  \
+                while (before(x, a[j])) j--;                                                  \
+                if (i <= j) {                                                                 \
+                    T t = a[i];                                                               \
+                    a[i++] = a[j];                                                            \
+                    a[j--] = t;                                                               \
+                }                                                                             \
+            }                                                                                 \
+            if (k <= j) hi = j; /* a[lo .. j] go no later than x, a[i .. hi] no earlier */   \
+            else if (k >= i) lo = i;                                                          \
+            else break; /* a[j + 1 .. i - 1] tie with x */                                    \
+        }                                                                                     \
+    }
+
 static inline int cand_before(Cand a, Cand b) { /* a is evicted before b */
     if (a.key != b.key) return a.key < b.key;
     if (a.seen != b.seen) return a.seen < b.seen;
@@ -88,28 +112,7 @@ static inline void keep_lowest(Cand *heap, int64_t *size, int64_t need, Cand c) 
     }
 }
 
-/* Reorders a[0 .. n) so that its k lowest (by cand_before) come first, in no order
- * (quickselect; k <= n). */
-static void cand_keep_lowest_first(Cand *a, int64_t n, int64_t k) {
-    int64_t lo = 0, hi = n - 1;
-    while (lo < hi && k > lo && k <= hi) {
-        Cand x = a[lo + (hi - lo) / 2];
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (cand_before(a[i], x)) i++;
-            while (cand_before(x, a[j])) j--;
-            if (i <= j) {
-                Cand t = a[i];
-                a[i++] = a[j];
-                a[j--] = t;
-            }
-        }
-        /* a[lo .. j] <= x <= a[i .. hi], and a[j + 1 .. i - 1] == x (one row: at most one) */
-        if (k <= j) hi = j;
-        else if (k >= i) lo = i;
-        else break;
-    }
-}
+QUICKSELECT(cand_select, Cand, cand_before)
 
 static inline int evictable(const Slots *s, int64_t step, int64_t r) {
     return s->used[r] && s->seen[r] != step; /* used, and not seen in this batch */
@@ -186,25 +189,13 @@ static int64_t lfu_list_by_keys(const float *keys, int64_t n, float limit, KeyRo
     return listed;
 }
 
-/* The k-th smallest key (0-based) of a[0 .. n), k < n; reorders a (quickselect). */
+static inline int key_before(KeyRow a, KeyRow b) { return a.key < b.key; }
+
+QUICKSELECT(key_select, KeyRow, key_before)
+
+/* The k-th smallest key (0-based) of a[0 .. n), k < n; reorders a. */
 static float lfu_select_key(KeyRow *a, int64_t n, int64_t k) {
-    int64_t lo = 0, hi = n - 1;
-    while (lo < hi) {
-        float x = a[lo + (hi - lo) / 2].key;
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (a[i].key < x) i++;
-            while (a[j].key > x) j--;
-            if (i <= j) {
-                KeyRow t = a[i];
-                a[i++] = a[j];
-                a[j--] = t;
-            }
-        }
-        if (k <= j) hi = j;
-        else if (k >= i) lo = i;
-        else break; /* between j and i: equal to x */
-    }
+    key_select(a, n, k);
     return a[k].key;
 }
 
@@ -314,7 +305,7 @@ static int64_t lfu_select(const Slots *s, const Powers *p, const float *keys, in
         low[kept++] = c;
     }
     if (pivot < INFINITY && kept < cap && kept >= need) {
-        cand_keep_lowest_first(low, kept, need);
+        if (need < kept) cand_select(low, kept, need); /* the need lowest first */
         for (int64_t i = 0; i < need; i++) out[i] = low[i].row;
         return need;
     }
