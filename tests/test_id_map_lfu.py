@@ -210,3 +210,30 @@ def test_native_victims_where_the_key_buckets_step_aside(case: str) -> None:
         a, b = native.remap(new_ids, True), reference.remap(new_ids, True)
         _assert_same(a, b, native, reference, f"step {step}")
         assert torch.equal(a.fresh_rows, expected.sort().values), step
+
+
+def test_native_victims_after_ttl_frees_the_lowest_rows() -> None:
+    """ttl frees the rows unseen longest, whose static keys (set at an earlier step) are the
+    lowest: the rows under the key filter's pivots are then free, not evictable, so the tighter
+    pivot keeps too few and the sampled one's rows are read. The free rows go first, the
+    victims after them, in row order, as the torch map's."""
+    rows, ttl, now = 20000, 50, 100
+    gen = torch.Generator().manual_seed(11)
+    frequency = (torch.rand(rows, generator=gen) * 30 + 1).double()
+    last_seen = torch.randint(now - ttl, now - 1, (rows,), generator=gen)
+    stale = torch.randperm(rows, generator=gen)[:3000]
+    last_seen[stale] = now - ttl - 1  # live at step now - 1, expired at step now
+    native, reference = _pair(IdMapConfig(policy="lfu", decay=0.9, ttl_steps=ttl), rows)
+    _full_maps((native, reference), frequency, last_seen, now - 2)
+    first = torch.arange(10) * 11 + 2  # step now - 1: 10 victims (keys built), all stale
+    _assert_same(native.remap(first, True), reference.remap(first, True), native, reference, "1")
+    left = reference.occupied & (reference.last_seen >= now - ttl)
+    order = reference.eviction_order(torch.arange(rows)[left])
+    expected = torch.arange(rows)[left][order][:500].sort().values
+    new_ids = torch.arange(3490) * 11 + 3  # step now: 2,990 rows expire, then 500 victims
+    a, b = native.remap(new_ids, True), reference.remap(new_ids, True)
+    _assert_same(a, b, native, reference, "expiring step")
+    assert a.stats.expired == 2990 and a.stats.evictions == 500
+    assert torch.equal(a.fresh_rows[2990:], expected)
+    more = torch.arange(700) * 11 + 4  # the next step, its keys kept up by this one
+    _assert_same(native.remap(more, True), reference.remap(more, True), native, reference, "next")
