@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from recopt.kernels import cpu_bucketize
 from recopt.kernels.config import Backend, FusedOptimizerConfig
 from recopt.modules import EmbeddingBagConfig
 from recopt.sharding import (
@@ -97,6 +98,31 @@ def _reference(
     return ids, ws, counts, bag_lengths
 
 
+@pytest.fixture(params=["native", "torch"])
+def routing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Bucketization by the native library (`cpu_bucketize`; its calls counted) or by the
+    torch ops and fbgemm's pass (the library switched off)."""
+    calls = {"native": 0}
+    if request.param == "native":
+        assert cpu_bucketize.available()
+        real = cpu_bucketize.bucketize
+
+        def counted(*args: object, **kwargs: object) -> object:
+            calls["native"] += 1
+            return real(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(cpu_bucketize, "bucketize", counted)
+    else:
+        monkeypatch.setattr(Bucketizer, "native", False)
+    return calls
+
+
+def _check_route(bucketizer: Bucketizer, routing: dict[str, int], native: bool) -> None:
+    """Row-split layouts went through the native library exactly when it is on."""
+    if not bucketizer.whole_features:
+        assert (routing["native"] > 0) == native, routing
+
+
 @pytest.mark.parametrize(
     "requests",
     [
@@ -111,7 +137,7 @@ def _reference(
 )
 @pytest.mark.parametrize("weighted", [False, True])
 def test_bucketize_matches_bag_by_bag_reference(
-    requests: dict[str, object], weighted: bool
+    requests: dict[str, object], weighted: bool, routing: dict[str, int]
 ) -> None:
     layout = _layout(requests, world=3)
     bucketizer = Bucketizer(
@@ -130,6 +156,7 @@ def test_bucketize_matches_bag_by_bag_reference(
             assert ws is not None and ws.tolist() == ref_ws
         else:
             assert ws is None
+    _check_route(bucketizer, routing, Bucketizer.native)
 
 
 _ROW_WISE = {"a": row_wise(), "b": row_wise(), "c": row_wise()}
@@ -149,11 +176,12 @@ _MIXED = {"a": table_wise(1), "b": row_wise(), "c": row_wise([0, 2])}
 )
 @pytest.mark.parametrize("weighted", [False, True])
 def test_bucketize_routes_id_mapped_raw_ids_by_their_hash(
-    requests: dict[str, object], mapped: str, weighted: bool
+    requests: dict[str, object], mapped: str, weighted: bool, routing: dict[str, int]
 ) -> None:
     """Id-mapped features (of the tables in ``mapped``): each raw id (any int64) goes,
     unchanged and in its bag, to the shard `route_shard` names; the other features are routed
-    by row as ever. Row-wise layouts take fbgemm's pass (the raw ids written back after it)."""
+    by row as ever. Without the native library, row-wise layouts take fbgemm's pass (the raw
+    ids written back after it)."""
     layout = _layout(requests, world=3)
     hashed = frozenset(f for f, t in enumerate(layout.features.table_names) if t in mapped)
     bucketizer = Bucketizer(
@@ -180,6 +208,71 @@ def test_bucketize_routes_id_mapped_raw_ids_by_their_hash(
         assert _per_destination(bucketizer, lengths_G_B) == ref_counts
         assert lengths_G_B.tolist() == ref_lengths
         assert (ws is None) != weighted and (ws is None or ws.tolist() == ref_ws)
+    _check_route(bucketizer, routing, Bucketizer.native)
+
+
+_BIG = [
+    EmbeddingBagConfig(name=f"t{i}", num_embeddings=n, embedding_dim=8, feature_names=(f"f{i}",))
+    for i, n in enumerate([1000, 997, 64, 5000, 3])
+]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize(
+    "plan",
+    ["row_wise", "mixed", "with_column_wise"],
+)
+def test_native_bucketize_equals_the_torch_ops_on_large_batches(world: int, plan: str) -> None:
+    """The native routing against the torch ops (and fbgemm's pass) on batches of thousands of
+    ids: every table row-wise (some over a subset of the ranks), or row-, table- and
+    column-wise side by side; id-mapped or not (raw ids over the whole int64 range, their
+    shard counts 1 to 4), weighted or not, bags of 0 to 6 ids. Bit for bit: ids, weights and
+    every virtual feature's bag lengths."""
+    assert cpu_bucketize.available()
+    kinds = {
+        "row_wise": [row_wise(), row_wise(), row_wise([0, world - 1]), row_wise(), row_wise()],
+        "mixed": [table_wise(world - 1), row_wise(), row_wise([1]), row_wise(), table_wise(0)],
+        "with_column_wise": [row_wise(), column_wise([0, world - 1]), row_wise(), table_wise(1),
+                             column_wise([1, 0])],
+    }[plan]  # fmt: skip
+    requests = {t.name: kind for t, kind in zip(_BIG, kinds, strict=True)}
+    shardings = construct_module_sharding_plan(_BIG, requests, world)  # type: ignore[arg-type]
+    layout = ShardedLayout(_BIG, shardings, {t.name: OPT for t in _BIG}, world, 0)
+    rows = layout.features.num_rows
+    g = torch.Generator().manual_seed(world * 10 + len(plan))
+    for mapped in [(), (0, 2), (0, 1, 2, 3, 4)]:
+        hashed = [f in mapped and kinds[f].sharding_type == "row_wise" for f in range(len(rows))]
+        bucketizer = Bucketizer(
+            rows, layout.dest_features, layout.dp_features, torch.device("cpu"), hashed=hashed
+        )
+        for weighted, batch in [(False, 300), (True, 257), (False, 0)]:
+            lengths = torch.randint(0, 7, (len(rows), batch), generator=g)
+            parts = []
+            for f, n in enumerate(rows):
+                count = int(lengths[f].sum())
+                if hashed[f]:
+                    parts.append(torch.randint(-(2**63), 2**63 - 1, (count,), generator=g))
+                else:
+                    parts.append(torch.randint(0, n, (count,), generator=g))
+            values = torch.cat(parts)
+            weights = torch.rand(values.numel(), generator=g) if weighted else None
+            kjt = KeyedJaggedTensor(
+                keys=[f"f{f}" for f in range(len(rows))],
+                values=values,
+                lengths=lengths.flatten(),
+                weights=weights,
+            )
+            native = bucketizer.bucketize(kjt)
+            Bucketizer.native = False
+            try:
+                reference = bucketizer.bucketize(kjt)
+            finally:
+                Bucketizer.native = True
+            where = (mapped, weighted, batch)
+            assert torch.equal(native[0], reference[0]), where
+            assert torch.equal(native[2], reference[2]), where
+            assert (native[1] is None) == (reference[1] is None), where
+            assert native[1] is None or torch.equal(native[1], reference[1]), where
 
 
 def _per_destination(bucketizer: Bucketizer, lengths_G_B: torch.Tensor) -> list[int]:

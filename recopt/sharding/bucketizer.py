@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from recopt.kernels import cpu_bucketize
 from recopt.modules.id_map_rows import route_shard
 from recopt.sparse import KeyedJaggedTensor
 
@@ -55,6 +56,8 @@ class Bucketizer:
         hashed: per feature, whether its table is id-mapped (its raw ids routed by
             `route_shard`, sent as they are); None: none is.
     """
+
+    native = True  # row-split layouts on CPU: the native routing (cpu_bucketize) when built
 
     def __init__(
         self,
@@ -110,6 +113,7 @@ class Bucketizer:
             return torch.tensor(x, dtype=torch.int64, device=device)
 
         self.feat_base = t(feat_base[:-1])
+        self.feature_blocks = t(block_base)  # feature f's blocks: [f] .. [f + 1] - 1
         self.block_bounds = t([feat_base[f] + r for f, b in enumerate(blocks) for r in b])
         # (a raw id keeps its value: its owner maps it to a row)
         self.block_row_offset = t([0 if hashed[f] else r for f, b in enumerate(blocks) for r in b])
@@ -126,6 +130,8 @@ class Bucketizer:
             for j in range(n)
         ]
         self.count_slot = t(slots)
+        self.max_routes = max((len(r) for r in routes), default=0)
+        self._native_tables: dict[str, Tensor] | None = None  # (made at the first native call)
 
     def _hash_routes(
         self,
@@ -191,6 +197,9 @@ class Bucketizer:
         """
         if self.whole_features:
             return self._bucketize_whole(features)
+        routed = self._bucketize_native(features)
+        if routed is not None:
+            return routed
         if self.row_split and features.stride() > 0:
             return self._bucketize_rows(features)
         values, lengths = features.values(), features.lengths()
@@ -240,6 +249,48 @@ class Bucketizer:
         lengths_G_B = lengths_G_B.view(self.num_virtual, batch)  # batch may be 0
         gv_N, order = torch.sort(gv_N, stable=True)
         return ids_N[order], None if weights is None else weights[order], lengths_G_B
+
+    def _bucketize_native(
+        self, features: KeyedJaggedTensor
+    ) -> tuple[Tensor, Tensor | None, Tensor] | None:
+        """The native routing (`cpu_bucketize`, the torch ops' output bit for bit, in two passes
+        over the ids): on CPU, int64 ids, float32 weights or none, and the library built; else
+        None."""
+        values, weights = features.values(), features.weights_or_none()
+        if (
+            not Bucketizer.native
+            or self.device.type != "cpu"
+            or values.device.type != "cpu"
+            or values.dtype != torch.int64
+            or (weights is not None and weights.dtype != torch.float32)
+            or not cpu_bucketize.available()
+        ):
+            return None
+        if self._native_tables is None:
+            self._native_tables = {
+                "feature_blocks": self.feature_blocks,
+                "block_bounds": self.block_bounds,
+                "feat_base": self.feat_base,
+                "block_row_offset": self.block_row_offset,
+                "route_count": self.route_count,
+                "route_start": self.route_start,
+                "route_gv": self.route_gv,
+            }
+            if self.hashed:
+                self._native_tables.update(
+                    feature_hashed=self.feature_hashed.to(torch.uint8),
+                    hash_shards=self.hash_shards,
+                    hash_base=self.hash_base,
+                    hash_block=self.hash_block,
+                )
+        return cpu_bucketize.bucketize(
+            features.lengths().contiguous(),
+            values.contiguous(),
+            None if weights is None else weights.contiguous(),
+            self._native_tables,
+            self.num_virtual,
+            self.max_routes,
+        )
 
     def _bucketize_rows(self, features: KeyedJaggedTensor) -> tuple[Tensor, Tensor | None, Tensor]:
         """Row-wise layouts: fbgemm's block bucketization, one native pass over the ids. An

@@ -1,0 +1,104 @@
+/* Native routing of a rank's ids to the virtual features of every rank: what
+ * recopt/sharding/bucketizer.py's torch ops do for row-split layouts (`Bucketizer.bucketize`),
+ * the same output bit for bit, in two passes over the ids instead of a dozen tensor ops and a
+ * sort.
+ *
+ * Feature f's id v (bag b of the batch) lies in one row block of its table (its blocks:
+ * feature_blocks[f] .. feature_blocks[f + 1] - 1): the last whose start (block_bounds, v +
+ * feat_base[f]) is at or below it; or, for an id-mapped
+ * feature (hashed[f]), the block of the shard that `route_shard` names for the raw id. The
+ * block's routes (route_gv[route_start .. + route_count]) are the virtual features that get
+ * it, as v - row_offset[block]. The output groups the ids by virtual feature, in input order
+ * within one (a stable counting sort), with each virtual feature's bag lengths.
+ * Legend: F features, B bags per feature, N ids, G virtual features, M ids routed (N x
+ * routes).
+ */
+#include <stdint.h>
+#include <string.h>
+
+static inline uint64_t mix64(uint64_t x) { /* splitmix64's finaliser */
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+/* recopt.modules.id_map_rows.route_shard: the row shard (of `shards`) that owns a raw id,
+ * (mix64(id + salt) >> 1) % shards; the remainder through a multiply by inverse =
+ * UINT64_MAX / shards (the quotient it gives is at most 2 short), not a division. */
+static inline int64_t route_shard(int64_t id, uint64_t shards, uint64_t inverse) {
+    uint64_t key = mix64((uint64_t)id + 0x5851F42D4C957F2DULL) >> 1;
+    uint64_t rest = key - (uint64_t)(((unsigned __int128)key * inverse) >> 64) * shards;
+    while (rest >= shards) rest -= shards;
+    return (int64_t)rest;
+}
+
+/* The last of blocks [first, end) (one feature's, end > first) whose start is at or below
+ * key; the first if none is (an id out of range stays in its feature's blocks). Few blocks:
+ * counted without branches; many: a binary search. */
+static inline int64_t block_of_key(const int64_t *bounds, int64_t first, int64_t end,
+                                   int64_t key) {
+    int64_t block = first;
+    if (end - first <= 16) {
+        for (int64_t k = first + 1; k < end; k++) block += bounds[k] <= key;
+        return block;
+    }
+    int64_t lo = first + 1, hi = end; /* the first start above key, in [lo, hi] */
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (bounds[mid] <= key) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo - 1;
+}
+
+/* Routes the ids (values [N], weights [N] or NULL; F x B bag lengths) into ids_out and
+ * weights_out (grouped by virtual feature) and lengths_out [G x B]; returns M. block_at [N]
+ * and next [G] are scratch. hashed may be NULL (no feature id-mapped). */
+int64_t rb_bucketize(int64_t num_features, int64_t batch, const int64_t *lengths,
+                     const int64_t *values, const float *weights, const int64_t *feature_blocks,
+                     const int64_t *block_bounds, const int64_t *feat_base,
+                     const int64_t *row_offset, const int64_t *route_count,
+                     const int64_t *route_start, const int64_t *route_gv, const uint8_t *hashed,
+                     const int64_t *hash_shards, const int64_t *hash_base,
+                     const int64_t *hash_block, int64_t num_virtual, int64_t *block_at,
+                     int64_t *next, int64_t *ids_out, float *weights_out, int64_t *lengths_out) {
+    memset(next, 0, sizeof(int64_t) * (size_t)num_virtual);
+    memset(lengths_out, 0, sizeof(int64_t) * (size_t)(num_virtual * batch));
+    int64_t i = 0;
+    for (int64_t f = 0; f < num_features; f++) {
+        int is_hashed = hashed && hashed[f];
+        uint64_t shards = is_hashed ? (uint64_t)hash_shards[f] : 1;
+        uint64_t inverse = UINT64_MAX / shards;
+        for (int64_t b = 0; b < batch; b++) {
+            for (int64_t end = i + lengths[f * batch + b]; i < end; i++) {
+                int64_t block = is_hashed ? hash_block[hash_base[f] + route_shard(values[i],
+                                                                                  shards, inverse)]
+                                          : block_of_key(block_bounds, feature_blocks[f],
+                                                         feature_blocks[f + 1],
+                                                         values[i] + feat_base[f]);
+                block_at[i] = block;
+                const int64_t *gv = route_gv + route_start[block];
+                for (int64_t r = 0; r < route_count[block]; r++) {
+                    next[gv[r]]++;
+                    lengths_out[gv[r] * batch + b]++;
+                }
+            }
+        }
+    }
+    int64_t total = 0;
+    for (int64_t g = 0; g < num_virtual; g++) {
+        int64_t count = next[g];
+        next[g] = total;
+        total += count;
+    }
+    for (int64_t j = 0; j < i; j++) {
+        int64_t block = block_at[j], id = values[j] - row_offset[block];
+        const int64_t *gv = route_gv + route_start[block];
+        for (int64_t r = 0; r < route_count[block]; r++) {
+            int64_t at = next[gv[r]]++;
+            ids_out[at] = id;
+            if (weights) weights_out[at] = weights[j];
+        }
+    }
+    return total;
+}

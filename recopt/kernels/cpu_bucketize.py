@@ -1,0 +1,74 @@
+"""The native routing of a rank's ids (cpu_bucketize.c): built with the system C compiler at
+first use, like `cpu_id_map`. Without a compiler `available()` is False and
+`recopt.sharding.bucketizer.Bucketizer` routes with its torch ops (or fbgemm's pass)."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from recopt.kernels.native_build import LazyLibrary, build_library
+
+_C_SOURCE_PATH = Path(__file__).with_name("cpu_bucketize.c")
+_CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "rb_bucketize": (_I64, [_I64, _I64, *[_P] * 14, _I64, *[_P] * 5]),
+}
+
+_native = LazyLibrary("native bucketization", lambda: build_library(
+    _C_SOURCE_PATH, [], _CFLAGS, _SIGNATURES
+))  # fmt: skip
+
+
+def available() -> bool:
+    """Whether the native library is built and loaded (builds it on first call)."""
+    return _native.available()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def bucketize(
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    tables: dict[str, torch.Tensor],
+    num_virtual: int,
+    max_routes: int,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`rb_bucketize` on CPU tensors: ``lengths`` ``[F x B]`` and ``values`` ``[N]`` (int64,
+    contiguous), ``weights`` ``[N]`` float32 or None; ``tables`` the routing tensors
+    (``feature_blocks``, ``block_bounds``, ``feat_base``, ``block_row_offset``,
+    ``route_count``, ``route_start``,
+    ``route_gv``, and ``feature_hashed`` (uint8), ``hash_shards``, ``hash_base``,
+    ``hash_block`` or those four absent), every one int64 and contiguous but the flags. Returns
+    the routed ids and weights grouped by virtual feature and the ``[G, B]`` bag lengths.
+
+    Raises:
+        RuntimeError: the library is not available.
+    """
+    num_features = tables["feat_base"].numel()
+    batch = lengths.numel() // num_features if num_features else 0
+    n = values.numel()
+    ids_out = torch.empty(n * max_routes, dtype=torch.int64)
+    weights_out = None if weights is None else torch.empty(n * max_routes, dtype=torch.float32)
+    lengths_out = torch.empty(num_virtual, batch, dtype=torch.int64)
+    block_at = torch.empty(n, dtype=torch.int64)
+    next_at = torch.empty(max(num_virtual, 1), dtype=torch.int64)
+    hashed = tables.get("feature_hashed")
+    routed = _native.get("cpu_bucketize").rb_bucketize(
+        num_features, batch, lengths.data_ptr(), values.data_ptr(), _ptr(weights),
+        tables["feature_blocks"].data_ptr(), tables["block_bounds"].data_ptr(),
+        tables["feat_base"].data_ptr(), tables["block_row_offset"].data_ptr(),
+        tables["route_count"].data_ptr(), tables["route_start"].data_ptr(),
+        tables["route_gv"].data_ptr(), _ptr(hashed), _ptr(tables.get("hash_shards")),
+        _ptr(tables.get("hash_base")), _ptr(tables.get("hash_block")), num_virtual,
+        block_at.data_ptr(), next_at.data_ptr(), ids_out.data_ptr(), _ptr(weights_out),
+        lengths_out.data_ptr(),
+    )  # fmt: skip
+    routed_weights = None if weights_out is None else weights_out[:routed]
+    return ids_out[:routed], routed_weights, lengths_out
