@@ -51,32 +51,53 @@ static inline int64_t block_of_key(const int64_t *bounds, int64_t first, int64_t
     return lo - 1;
 }
 
+typedef struct { /* how one feature's ids find their block */
+    const int64_t *bounds;
+    int64_t first, end, base; /* its blocks [first, end), its rows' offset in bounds */
+    const int64_t *shard_block; /* id-mapped: the block of each of its shards; else NULL */
+    uint64_t shards, inverse;
+} FeatureBlocks;
+
+static inline int64_t block_of(const FeatureBlocks *fb, int64_t id) {
+    if (fb->shard_block) return fb->shard_block[route_shard(id, fb->shards, fb->inverse)];
+    return block_of_key(fb->bounds, fb->first, fb->end, id + fb->base);
+}
+
+static FeatureBlocks feature_blocks_of(int64_t f, const int64_t *feature_blocks,
+                                       const int64_t *block_bounds, const int64_t *feat_base,
+                                       const uint8_t *hashed, const int64_t *hash_shards,
+                                       const int64_t *hash_base, const int64_t *hash_block) {
+    FeatureBlocks fb = {block_bounds, feature_blocks[f], feature_blocks[f + 1], feat_base[f],
+                        NULL, 1, UINT64_MAX};
+    if (hashed && hashed[f]) {
+        fb.shard_block = hash_block + hash_base[f];
+        fb.shards = (uint64_t)hash_shards[f];
+        fb.inverse = UINT64_MAX / fb.shards;
+    }
+    return fb;
+}
+
 /* Routes the ids (values [N], weights [N] or NULL; F x B bag lengths) into ids_out and
- * weights_out (grouped by virtual feature) and lengths_out [G x B]; returns M. block_at [N]
- * and next [G] are scratch. hashed may be NULL (no feature id-mapped). */
+ * weights_out (grouped by virtual feature) and lengths_out [G x B]; returns M. next [G] is
+ * scratch. hashed may be NULL (no feature id-mapped). Two passes over the ids (counts, then
+ * places), each id's block found in both (cheaper than keeping it: the ids are many). */
 int64_t rb_bucketize(int64_t num_features, int64_t batch, const int64_t *lengths,
                      const int64_t *values, const float *weights, const int64_t *feature_blocks,
                      const int64_t *block_bounds, const int64_t *feat_base,
                      const int64_t *row_offset, const int64_t *route_count,
                      const int64_t *route_start, const int64_t *route_gv, const uint8_t *hashed,
                      const int64_t *hash_shards, const int64_t *hash_base,
-                     const int64_t *hash_block, int64_t num_virtual, int64_t *block_at,
-                     int64_t *next, int64_t *ids_out, float *weights_out, int64_t *lengths_out) {
+                     const int64_t *hash_block, int64_t num_virtual, int64_t *next,
+                     int64_t *ids_out, float *weights_out, int64_t *lengths_out) {
     memset(next, 0, sizeof(int64_t) * (size_t)num_virtual);
     memset(lengths_out, 0, sizeof(int64_t) * (size_t)(num_virtual * batch));
     int64_t i = 0;
     for (int64_t f = 0; f < num_features; f++) {
-        int is_hashed = hashed && hashed[f];
-        uint64_t shards = is_hashed ? (uint64_t)hash_shards[f] : 1;
-        uint64_t inverse = UINT64_MAX / shards;
+        FeatureBlocks fb = feature_blocks_of(f, feature_blocks, block_bounds, feat_base, hashed,
+                                             hash_shards, hash_base, hash_block);
         for (int64_t b = 0; b < batch; b++) {
             for (int64_t end = i + lengths[f * batch + b]; i < end; i++) {
-                int64_t block = is_hashed ? hash_block[hash_base[f] + route_shard(values[i],
-                                                                                  shards, inverse)]
-                                          : block_of_key(block_bounds, feature_blocks[f],
-                                                         feature_blocks[f + 1],
-                                                         values[i] + feat_base[f]);
-                block_at[i] = block;
+                int64_t block = block_of(&fb, values[i]);
                 const int64_t *gv = route_gv + route_start[block];
                 for (int64_t r = 0; r < route_count[block]; r++) {
                     next[gv[r]]++;
@@ -91,13 +112,20 @@ int64_t rb_bucketize(int64_t num_features, int64_t batch, const int64_t *lengths
         next[g] = total;
         total += count;
     }
-    for (int64_t j = 0; j < i; j++) {
-        int64_t block = block_at[j], id = values[j] - row_offset[block];
-        const int64_t *gv = route_gv + route_start[block];
-        for (int64_t r = 0; r < route_count[block]; r++) {
-            int64_t at = next[gv[r]]++;
-            ids_out[at] = id;
-            if (weights) weights_out[at] = weights[j];
+    i = 0;
+    for (int64_t f = 0; f < num_features; f++) {
+        FeatureBlocks fb = feature_blocks_of(f, feature_blocks, block_bounds, feat_base, hashed,
+                                             hash_shards, hash_base, hash_block);
+        int64_t count = 0;
+        for (int64_t b = 0; b < batch; b++) count += lengths[f * batch + b];
+        for (int64_t end = i + count; i < end; i++) {
+            int64_t block = block_of(&fb, values[i]), id = values[i] - row_offset[block];
+            const int64_t *gv = route_gv + route_start[block];
+            for (int64_t r = 0; r < route_count[block]; r++) {
+                int64_t at = next[gv[r]]++;
+                ids_out[at] = id;
+                if (weights) weights_out[at] = weights[i];
+            }
         }
     }
     return total;

@@ -15,7 +15,7 @@ _C_SOURCE_PATH = Path(__file__).with_name("cpu_bucketize.c")
 _CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
-    "rb_bucketize": (_I64, [_I64, _I64, *[_P] * 14, _I64, *[_P] * 5]),
+    "rb_bucketize": (_I64, [_I64, _I64, *[_P] * 14, _I64, *[_P] * 4]),
 }
 
 _native = LazyLibrary("native bucketization", lambda: build_library(
@@ -57,7 +57,6 @@ def bucketize(
     ids_out = torch.empty(n * max_routes, dtype=torch.int64)
     weights_out = None if weights is None else torch.empty(n * max_routes, dtype=torch.float32)
     lengths_out = torch.empty(num_virtual, batch, dtype=torch.int64)
-    block_at = torch.empty(n, dtype=torch.int64)
     next_at = torch.empty(max(num_virtual, 1), dtype=torch.int64)
     hashed = tables.get("feature_hashed")
     routed = _native.get("cpu_bucketize").rb_bucketize(
@@ -67,7 +66,7 @@ def bucketize(
         tables["route_count"].data_ptr(), tables["route_start"].data_ptr(),
         tables["route_gv"].data_ptr(), _ptr(hashed), _ptr(tables.get("hash_shards")),
         _ptr(tables.get("hash_base")), _ptr(tables.get("hash_block")), num_virtual,
-        block_at.data_ptr(), next_at.data_ptr(), ids_out.data_ptr(), _ptr(weights_out),
+        next_at.data_ptr(), ids_out.data_ptr(), _ptr(weights_out),
         lengths_out.data_ptr(),
     )  # fmt: skip
     routed_weights = None if weights_out is None else weights_out[:routed]
