@@ -78,9 +78,11 @@ static FeatureBlocks feature_blocks_of(int64_t f, const int64_t *feature_blocks,
 }
 
 /* Routes the ids (values [N], weights [N] or NULL; F x B bag lengths) into ids_out and
- * weights_out (grouped by virtual feature) and lengths_out [G x B]; returns M. next [G] is
- * scratch. hashed may be NULL (no feature id-mapped). Two passes over the ids (counts, then
- * places), each id's block found in both (cheaper than keeping it: the ids are many). */
+ * weights_out (grouped by virtual feature) and lengths_out [G x B]; returns M. next [G] and
+ * hashed_block_at [N] (when hashed is not NULL) are scratch. hashed may be NULL (no feature
+ * id-mapped). Two passes over the ids (counts, then places); an id's row block is found again
+ * in the second (a compare or two: cheaper than writing it and reading it back), a raw id's
+ * hashed block kept from the first. */
 int64_t rb_bucketize(int64_t num_features, int64_t batch, const int64_t *lengths,
                      const int64_t *values, const float *weights, const int64_t *feature_blocks,
                      const int64_t *block_bounds, const int64_t *feat_base,
@@ -88,7 +90,8 @@ int64_t rb_bucketize(int64_t num_features, int64_t batch, const int64_t *lengths
                      const int64_t *route_start, const int64_t *route_gv, const uint8_t *hashed,
                      const int64_t *hash_shards, const int64_t *hash_base,
                      const int64_t *hash_block, int64_t num_virtual, int64_t *next,
-                     int64_t *ids_out, float *weights_out, int64_t *lengths_out) {
+                     int32_t *hashed_block_at, int64_t *ids_out, float *weights_out,
+                     int64_t *lengths_out) {
     memset(next, 0, sizeof(int64_t) * (size_t)num_virtual);
     memset(lengths_out, 0, sizeof(int64_t) * (size_t)(num_virtual * batch));
     int64_t i = 0;
@@ -98,6 +101,7 @@ int64_t rb_bucketize(int64_t num_features, int64_t batch, const int64_t *lengths
         for (int64_t b = 0; b < batch; b++) {
             for (int64_t end = i + lengths[f * batch + b]; i < end; i++) {
                 int64_t block = block_of(&fb, values[i]);
+                if (fb.shard_block) hashed_block_at[i] = (int32_t)block;
                 const int64_t *gv = route_gv + route_start[block];
                 for (int64_t r = 0; r < route_count[block]; r++) {
                     next[gv[r]]++;
@@ -119,7 +123,8 @@ int64_t rb_bucketize(int64_t num_features, int64_t batch, const int64_t *lengths
         int64_t count = 0;
         for (int64_t b = 0; b < batch; b++) count += lengths[f * batch + b];
         for (int64_t end = i + count; i < end; i++) {
-            int64_t block = block_of(&fb, values[i]), id = values[i] - row_offset[block];
+            int64_t block = fb.shard_block ? hashed_block_at[i] : block_of(&fb, values[i]);
+            int64_t id = values[i] - row_offset[block];
             const int64_t *gv = route_gv + route_start[block];
             for (int64_t r = 0; r < route_count[block]; r++) {
                 int64_t at = next[gv[r]]++;

@@ -15,7 +15,7 @@ _C_SOURCE_PATH = Path(__file__).with_name("cpu_bucketize.c")
 _CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
-    "rb_bucketize": (_I64, [_I64, _I64, *[_P] * 14, _I64, *[_P] * 4]),
+    "rb_bucketize": (_I64, [_I64, _I64, *[_P] * 14, _I64, *[_P] * 5]),
 }
 
 _native = LazyLibrary("native bucketization", lambda: build_library(
@@ -59,6 +59,7 @@ def bucketize(
     lengths_out = torch.empty(num_virtual, batch, dtype=torch.int64)
     next_at = torch.empty(max(num_virtual, 1), dtype=torch.int64)
     hashed = tables.get("feature_hashed")
+    hashed_block_at = None if hashed is None else torch.empty(n, dtype=torch.int32)
     routed = _native.get("cpu_bucketize").rb_bucketize(
         num_features, batch, lengths.data_ptr(), values.data_ptr(), _ptr(weights),
         tables["feature_blocks"].data_ptr(), tables["block_bounds"].data_ptr(),
@@ -66,7 +67,7 @@ def bucketize(
         tables["route_count"].data_ptr(), tables["route_start"].data_ptr(),
         tables["route_gv"].data_ptr(), _ptr(hashed), _ptr(tables.get("hash_shards")),
         _ptr(tables.get("hash_base")), _ptr(tables.get("hash_block")), num_virtual,
-        next_at.data_ptr(), ids_out.data_ptr(), _ptr(weights_out),
+        next_at.data_ptr(), _ptr(hashed_block_at), ids_out.data_ptr(), _ptr(weights_out),
         lengths_out.data_ptr(),
     )  # fmt: skip
     routed_weights = None if weights_out is None else weights_out[:routed]
