@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from recopt.kernels.native_build import LazyLibrary, build_library
+from recopt.kernels.native_build import address as _ptr
 
 _C_SOURCE_PATH = Path(__file__).with_name("cpu_bucketize.c")
 _CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]
@@ -28,20 +29,18 @@ def available() -> bool:
     return _native.available()
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def bucketize(
     lengths: torch.Tensor,
     values: torch.Tensor,
     weights: torch.Tensor | None,
+    batch: int,
     tables: dict[str, torch.Tensor],
     num_virtual: int,
     max_routes: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """`rb_bucketize` on CPU tensors: ``lengths`` ``[F x B]`` and ``values`` ``[N]`` (int64,
-    contiguous), ``weights`` ``[N]`` float32 or None; ``tables`` the routing tensors
+    """`rb_bucketize` on CPU tensors: ``lengths`` ``[F x batch]`` and ``values`` ``[N]`` (int64,
+    contiguous; N the sum of lengths), ``weights`` ``[N]`` float32 or None; ``tables`` the
+    routing tensors
     (``feature_blocks``, ``block_bounds``, ``feat_base``, ``block_row_offset``,
     ``route_count``, ``route_start``,
     ``route_gv``, and ``feature_hashed`` (uint8), ``hash_shards``, ``hash_base``,
@@ -52,7 +51,6 @@ def bucketize(
         RuntimeError: the library is not available.
     """
     num_features = tables["feat_base"].numel()
-    batch = lengths.numel() // num_features if num_features else 0
     n = values.numel()
     ids_out = torch.empty(n * max_routes, dtype=torch.int64)
     weights_out = None if weights is None else torch.empty(n * max_routes, dtype=torch.float32)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from recopt.kernels.native_build import LazyLibrary, build_library
+from recopt.kernels.native_build import address as _ptr
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +56,6 @@ _native = LazyLibrary("native CPU kernel", _build)
 def available() -> bool:
     """Whether the native library is built and loaded (builds it on first call)."""
     return _native.available()
-
-
-def _ptr(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
 
 
 def pool(

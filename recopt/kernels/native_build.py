@@ -20,6 +20,10 @@ import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +83,11 @@ def build_library(
         fn.restype = restype
         fn.argtypes = argtypes
     return library
+
+
+def address(tensor: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer as a ctypes pointer argument (None: NULL)."""
+    return None if tensor is None else tensor.data_ptr()
 
 
 class LazyLibrary:

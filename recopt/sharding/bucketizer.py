@@ -4,7 +4,8 @@ A shard of feature f's table is a rectangle (rows [r0, r1), columns [c0, c1)) on
 rank sees the same list of *virtual features* (f, shard) per destination; an id of f goes to
 every virtual feature whose row range holds it, as the local id ``id - r0``, keeping its bag.
 Bucketization is vectorised (one searchsorted when a table is row-split, one stable sort) and
-reads nothing back. `input_dist` exchanges what it produces. An id-mapped table's raw ids go
+reads nothing back; on CPU a native pass (`recopt/kernels/cpu_bucketize.c`) gives the same
+output. `input_dist` exchanges what it produces. An id-mapped table's raw ids go
 to the row shard `route_shard` names (a hash of the id, not its value), unchanged: the owner
 maps them to rows of its shard after the exchange (`id_map_sharded`).
 Legend: F features, B this rank's batch, N ids, G virtual features of every destination
@@ -254,17 +255,22 @@ class Bucketizer:
         self, features: KeyedJaggedTensor
     ) -> tuple[Tensor, Tensor | None, Tensor] | None:
         """The native routing (`cpu_bucketize`, the torch ops' output bit for bit, in two passes
-        over the ids): on CPU, int64 ids, float32 weights or none, and the library built; else
-        None."""
+        over the ids): on CPU, int64 ids, float32 weights or none, every feature's bags as many
+        (``stride``), their lengths summing to the ids, and the library built; else None."""
         values, weights = features.values(), features.weights_or_none()
+        lengths, batch = features.lengths(), features.stride()
         if (
             not Bucketizer.native
             or self.device.type != "cpu"
             or values.device.type != "cpu"
             or values.dtype != torch.int64
             or (weights is not None and weights.dtype != torch.float32)
+            or lengths.numel() != self.num_features * batch
             or not cpu_bucketize.available()
         ):
+            return None
+        lengths = lengths.to(torch.int64).contiguous()
+        if int(lengths.sum()) != values.numel():  # (the native passes trust the lengths)
             return None
         if self._native_tables is None:
             self._native_tables = {
@@ -284,9 +290,10 @@ class Bucketizer:
                     hash_block=self.hash_block,
                 )
         return cpu_bucketize.bucketize(
-            features.lengths().contiguous(),
+            lengths,
             values.contiguous(),
             None if weights is None else weights.contiguous(),
+            batch,
             self._native_tables,
             self.num_virtual,
             self.max_routes,
