@@ -275,6 +275,24 @@ def test_native_bucketize_equals_the_torch_ops_on_large_batches(world: int, plan
             assert native[1] is None or torch.equal(native[1], reference[1]), where
 
 
+def test_native_bucketize_refuses_lengths_that_do_not_sum_to_the_ids() -> None:
+    """The native passes index the ids by the bag lengths: lengths summing to more (or fewer)
+    ids than there are route nothing and write nothing (the caller then takes the torch ops)."""
+    layout = _layout({"a": row_wise(), "b": row_wise(), "c": row_wise()}, world=2)
+    bucketizer = Bucketizer(
+        layout.features.num_rows, layout.dest_features, layout.dp_features, torch.device("cpu")
+    )
+    kjt = _random_kjt(0, 4, False)
+    assert bucketizer._bucketize_native(kjt) is not None
+    assert bucketizer._native_tables is not None
+    lengths = kjt.lengths().clone()
+    for delta in (1, -1):
+        lengths[3] += delta
+        args = (lengths, kjt.values(), None, 4, bucketizer._native_tables)
+        assert cpu_bucketize.bucketize(*args, bucketizer.num_virtual, 1) is None, delta
+        lengths[3] -= delta
+
+
 def _per_destination(bucketizer: Bucketizer, lengths_G_B: torch.Tensor) -> list[int]:
     """The ids routed to each destination (what the count exchange sends, summed per rank)."""
     per_feature = lengths_G_B.sum(1).tolist() if lengths_G_B.numel() else [0] * len(lengths_G_B)

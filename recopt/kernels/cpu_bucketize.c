@@ -77,21 +77,26 @@ static FeatureBlocks feature_blocks_of(int64_t f, const int64_t *feature_blocks,
     return fb;
 }
 
-/* Routes the ids (values [N], weights [N] or NULL; F x B bag lengths) into ids_out and
- * weights_out (grouped by virtual feature) and lengths_out [G x B]; returns M. next [G] and
+/* Routes the ids (values [num_ids], weights [num_ids] or NULL; F x B bag lengths) into ids_out
+ * and weights_out (grouped by virtual feature) and lengths_out [G x B]; returns M, or -1
+ * (nothing written) when the lengths do not sum to num_ids. next [G] and
  * hashed_block_at [N] (when hashed is not NULL) are scratch. hashed may be NULL (no feature
  * id-mapped). Two passes over the ids (counts, then places); an id's row block is found again
  * in the second (a compare or two: cheaper than writing it and reading it back), a raw id's
  * hashed block kept from the first. */
 int64_t rb_bucketize(int64_t num_features, int64_t batch, const int64_t *lengths,
-                     const int64_t *values, const float *weights, const int64_t *feature_blocks,
-                     const int64_t *block_bounds, const int64_t *feat_base,
+                     int64_t num_ids, const int64_t *values, const float *weights,
+                     const int64_t *feature_blocks, const int64_t *block_bounds,
+                     const int64_t *feat_base,
                      const int64_t *row_offset, const int64_t *route_count,
                      const int64_t *route_start, const int64_t *route_gv, const uint8_t *hashed,
                      const int64_t *hash_shards, const int64_t *hash_base,
                      const int64_t *hash_block, int64_t num_virtual, int64_t *next,
                      int32_t *hashed_block_at, int64_t *ids_out, float *weights_out,
                      int64_t *lengths_out) {
+    int64_t sum = 0;
+    for (int64_t k = 0; k < num_features * batch; k++) sum += lengths[k];
+    if (sum != num_ids) return -1;
     memset(next, 0, sizeof(int64_t) * (size_t)num_virtual);
     memset(lengths_out, 0, sizeof(int64_t) * (size_t)(num_virtual * batch));
     int64_t i = 0;

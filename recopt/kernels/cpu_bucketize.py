@@ -16,7 +16,7 @@ _C_SOURCE_PATH = Path(__file__).with_name("cpu_bucketize.c")
 _CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
-    "rb_bucketize": (_I64, [_I64, _I64, *[_P] * 14, _I64, *[_P] * 5]),
+    "rb_bucketize": (_I64, [_I64, _I64, _P, _I64, *[_P] * 13, _I64, *[_P] * 5]),
 }
 
 _native = LazyLibrary("native bucketization", lambda: build_library(
@@ -37,15 +37,14 @@ def bucketize(
     tables: dict[str, torch.Tensor],
     num_virtual: int,
     max_routes: int,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
     """`rb_bucketize` on CPU tensors: ``lengths`` ``[F x batch]`` and ``values`` ``[N]`` (int64,
-    contiguous; N the sum of lengths), ``weights`` ``[N]`` float32 or None; ``tables`` the
-    routing tensors
+    contiguous), ``weights`` ``[N]`` float32 or None; ``tables`` the routing tensors
     (``feature_blocks``, ``block_bounds``, ``feat_base``, ``block_row_offset``,
-    ``route_count``, ``route_start``,
-    ``route_gv``, and ``feature_hashed`` (uint8), ``hash_shards``, ``hash_base``,
-    ``hash_block`` or those four absent), every one int64 and contiguous but the flags. Returns
-    the routed ids and weights grouped by virtual feature and the ``[G, B]`` bag lengths.
+    ``route_count``, ``route_start``, ``route_gv``, and ``feature_hashed`` (uint8),
+    ``hash_shards``, ``hash_base``, ``hash_block`` or those four absent), every one int64 and
+    contiguous but the flags. Returns the routed ids and weights grouped by virtual feature and
+    the ``[G, B]`` bag lengths; None (nothing routed) when the lengths do not sum to N.
 
     Raises:
         RuntimeError: the library is not available.
@@ -59,7 +58,7 @@ def bucketize(
     hashed = tables.get("feature_hashed")
     hashed_block_at = None if hashed is None else torch.empty(n, dtype=torch.int32)
     routed = _native.get("cpu_bucketize").rb_bucketize(
-        num_features, batch, lengths.data_ptr(), values.data_ptr(), _ptr(weights),
+        num_features, batch, lengths.data_ptr(), n, values.data_ptr(), _ptr(weights),
         tables["feature_blocks"].data_ptr(), tables["block_bounds"].data_ptr(),
         tables["feat_base"].data_ptr(), tables["block_row_offset"].data_ptr(),
         tables["route_count"].data_ptr(), tables["route_start"].data_ptr(),
@@ -68,5 +67,7 @@ def bucketize(
         next_at.data_ptr(), _ptr(hashed_block_at), ids_out.data_ptr(), _ptr(weights_out),
         lengths_out.data_ptr(),
     )  # fmt: skip
+    if routed < 0:
+        return None
     routed_weights = None if weights_out is None else weights_out[:routed]
     return ids_out[:routed], routed_weights, lengths_out

@@ -256,7 +256,8 @@ class Bucketizer:
     ) -> tuple[Tensor, Tensor | None, Tensor] | None:
         """The native routing (`cpu_bucketize`, the torch ops' output bit for bit, in two passes
         over the ids): on CPU, int64 ids, float32 weights or none, every feature's bags as many
-        (``stride``), their lengths summing to the ids, and the library built; else None."""
+        (``stride``), their lengths summing to the ids (checked by the native call), and the
+        library built; else None."""
         values, weights = features.values(), features.weights_or_none()
         lengths, batch = features.lengths(), features.stride()
         if (
@@ -268,9 +269,6 @@ class Bucketizer:
             or lengths.numel() != self.num_features * batch
             or not cpu_bucketize.available()
         ):
-            return None
-        lengths = lengths.to(torch.int64).contiguous()
-        if int(lengths.sum()) != values.numel():  # (the native passes trust the lengths)
             return None
         if self._native_tables is None:
             self._native_tables = {
@@ -289,8 +287,8 @@ class Bucketizer:
                     hash_base=self.hash_base,
                     hash_block=self.hash_block,
                 )
-        return cpu_bucketize.bucketize(
-            lengths,
+        return cpu_bucketize.bucketize(  # (None where the lengths do not sum to the ids)
+            lengths.to(torch.int64).contiguous(),
             values.contiguous(),
             None if weights is None else weights.contiguous(),
             batch,
