@@ -16,17 +16,13 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline uint64_t mix64(uint64_t x) { /* splitmix64's finaliser */
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-    return x ^ (x >> 31);
-}
+#include "cpu_splitmix.h"
 
 /* recopt.modules.id_map_rows.route_shard: the row shard (of `shards`) that owns a raw id,
- * (mix64(id + salt) >> 1) % shards; the remainder through a multiply by inverse =
+ * (splitmix_finish(id + salt) >> 1) % shards; the remainder through a multiply by inverse =
  * UINT64_MAX / shards (the quotient it gives is at most 2 short), not a division. */
 static inline int64_t route_shard(int64_t id, uint64_t shards, uint64_t inverse) {
-    uint64_t key = mix64((uint64_t)id + 0x5851F42D4C957F2DULL) >> 1;
+    uint64_t key = splitmix_finish((uint64_t)id + 0x5851F42D4C957F2DULL) >> 1;
     uint64_t rest = key - (uint64_t)(((unsigned __int128)key * inverse) >> 64) * shards;
     while (rest >= shards) rest -= shards;
     return (int64_t)rest;

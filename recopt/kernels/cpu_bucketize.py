@@ -13,6 +13,7 @@ from recopt.kernels.native_build import LazyLibrary, build_library
 from recopt.kernels.native_build import address as _ptr
 
 _C_SOURCE_PATH = Path(__file__).with_name("cpu_bucketize.c")
+_C_HEADERS = [Path(__file__).with_name("cpu_splitmix.h")]  # included by the source
 _CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
@@ -20,7 +21,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 }
 
 _native = LazyLibrary("native bucketization", lambda: build_library(
-    _C_SOURCE_PATH, [], _CFLAGS, _SIGNATURES
+    _C_SOURCE_PATH, _C_HEADERS, _CFLAGS, _SIGNATURES
 ))  # fmt: skip
 
 

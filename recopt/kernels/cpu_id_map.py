@@ -26,7 +26,7 @@ _C_SOURCE_PATH = Path(__file__).with_name("cpu_id_map.c")
 _C_HEADERS = [
     Path(__file__).with_name(f"cpu_id_map_{name}.h")
     for name in ("slots", "fill", "lfu", "lfu_buckets", "batch")
-]
+] + [Path(__file__).with_name("cpu_splitmix.h")]
 # -ffp-contract=off: lfu's frequency update (f * factor + count) rounds twice, as torch does.
 _CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fopenmp"]
 

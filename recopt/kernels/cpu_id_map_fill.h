@@ -8,14 +8,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_splitmix.h"
+
 /* How many rows ahead the row loops prefetch (the rows are random: their misses overlap). */
 #define ROWS_AHEAD 8
-
-static inline uint64_t splitmix_finish(uint64_t x) {
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-    return x ^ (x >> 31);
-}
 
 static inline uint64_t row_key(int64_t id, int64_t step) {
     return splitmix_finish((uint64_t)id * 0x9E3779B97F4A7C15ULL + (uint64_t)step);
