@@ -132,7 +132,22 @@ class Bucketizer:
         ]
         self.count_slot = t(slots)
         self.max_routes = max((len(r) for r in routes), default=0)
-        self._native_tables: dict[str, Tensor] | None = None  # (made at the first native call)
+        self._native_tables = {  # what the native routing reads (`_bucketize_native`)
+            "feature_blocks": self.feature_blocks,
+            "block_bounds": self.block_bounds,
+            "feat_base": self.feat_base,
+            "block_row_offset": self.block_row_offset,
+            "route_count": self.route_count,
+            "route_start": self.route_start,
+            "route_gv": self.route_gv,
+        }
+        if self.hashed:
+            self._native_tables.update(
+                feature_hashed=self.feature_hashed.to(torch.uint8),
+                hash_shards=self.hash_shards,
+                hash_base=self.hash_base,
+                hash_block=self.hash_block,
+            )
 
     def _hash_routes(
         self,
@@ -270,23 +285,6 @@ class Bucketizer:
             or not cpu_bucketize.available()
         ):
             return None
-        if self._native_tables is None:
-            self._native_tables = {
-                "feature_blocks": self.feature_blocks,
-                "block_bounds": self.block_bounds,
-                "feat_base": self.feat_base,
-                "block_row_offset": self.block_row_offset,
-                "route_count": self.route_count,
-                "route_start": self.route_start,
-                "route_gv": self.route_gv,
-            }
-            if self.hashed:
-                self._native_tables.update(
-                    feature_hashed=self.feature_hashed.to(torch.uint8),
-                    hash_shards=self.hash_shards,
-                    hash_base=self.hash_base,
-                    hash_block=self.hash_block,
-                )
         return cpu_bucketize.bucketize(  # (None where the lengths do not sum to the ids)
             lengths.to(torch.int64).contiguous(),
             values.contiguous(),
