@@ -406,9 +406,14 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
         taken ahead are undone: the batch never reached its forward)."""
         count = self._prefetched.pending()
         self._prefetched.clear()
-        if count and self._id_maps is not None:
-            self._id_maps.maps.rewind_ahead()
+        if count:
+            self.rewind_ahead()
         return count
+
+    def rewind_ahead(self) -> None:
+        """Undo the steps the id maps took ahead (none: nothing to do)."""
+        if self._id_maps is not None:
+            self._id_maps.maps.rewind_ahead()
 
     def prefetch_stale(self, started: DistributedInput) -> bool:
         """Whether ``started`` (distributed ahead) must be distributed again: never (a step

@@ -229,9 +229,8 @@ class ShardedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
         """Queued distributions no forward consumed; clears them (as the engine's)."""
         count = self._prefetched.pending()
         self._prefetched.clear()
-        maps = self._bags.id_maps
-        if count and maps is not None:  # never handed to the engine: its steps ahead undone
-            maps.rewind_ahead()
+        if count:  # never handed to the engine: its steps ahead undone
+            self._bags.rewind_ahead()
         return count + self._bags.unused_prefetched()
 
     def prefetch_stale(self, started: StartedLookups) -> bool:
