@@ -132,7 +132,11 @@ class Bucketizer:
         ]
         self.count_slot = t(slots)
         self.max_routes = max((len(r) for r in routes), default=0)
-        self._native_tables = {  # what the native routing reads (`_bucketize_native`)
+        self._native_tables = self._routing_tables()
+
+    def _routing_tables(self) -> dict[str, Tensor]:
+        """What the native routing reads (`_bucketize_native`, `cpu_bucketize.bucketize`)."""
+        tables = {
             "feature_blocks": self.feature_blocks,
             "block_bounds": self.block_bounds,
             "feat_base": self.feat_base,
@@ -142,12 +146,13 @@ class Bucketizer:
             "route_gv": self.route_gv,
         }
         if self.hashed:
-            self._native_tables.update(
+            tables.update(
                 feature_hashed=self.feature_hashed.to(torch.uint8),
                 hash_shards=self.hash_shards,
                 hash_base=self.hash_base,
                 hash_block=self.hash_block,
             )
+        return tables
 
     def _hash_routes(
         self,
