@@ -8,7 +8,10 @@ Optionally (``--torch-remap``) the remap in torch ops too, on maps that take the
 state after the warm-up. Prints medians, the ratios to the modulo step and the churn (new ids
 and evictions per table per step). ``--pipeline``: both steps in `TrainPipelineSparseDist`
 instead (the id_map one remaps batch i+1 on its worker thread while batch i trains; each of
-its steps timed until that worker is idle), calls interleaved.
+its steps timed until that worker is idle), in alternating blocks of ``--block`` steps (10:
+each model's steps run back to back, as in training, so its hot rows, maps and worker state
+stay in the caches from one step to the next; 1: step by step, each step after the other
+model's, whose 665 MB of tables evict them: a cost no training run pays).
 
 Streams (``--stream``, several run one after the other in one run):
   worst            a power law over 4x the rows whose popular set moves by rows/50 ids a step,
@@ -21,7 +24,7 @@ Streams (``--stream``, several run one after the other in one run):
     python benchmarks/bench_id_map.py                       # every stream, 26 x 100k rows
     python benchmarks/bench_id_map.py --stream worst --threads 1
     python benchmarks/bench_id_map.py --rows 10000 --steps 5 --warmup 5
-    python benchmarks/bench_id_map.py --pipeline --steps 100 --threads 1
+    python benchmarks/bench_id_map.py --pipeline --steps 200 --threads 1 [--block 1]
     python benchmarks/bench_id_map.py --device cuda [--pipeline --remap-threads 4]  # a GPU host
 """
 
@@ -363,12 +366,19 @@ class _Stream:
 
 
 def measure_pipelined(
-    stream: str, rows: int, warmup: int, steps: int, remap_threads: int, device: str = "cpu"
+    stream: str,
+    rows: int,
+    warmup: int,
+    steps: int,
+    remap_threads: int,
+    device: str = "cpu",
+    block: int = 10,
 ) -> StreamResult:
     """The modulo and the `id_map` step, each in its own `TrainPipelineSparseDist` (the
-    id_map one remaps batch i+1 on the worker thread during batch i), calls interleaved. The
-    `id_map` step's time runs until its worker is idle too: a remap that outlasts the step
-    costs the step, and never runs into the modulo step."""
+    id_map one remaps batch i+1 on the worker thread during batch i), in alternating blocks of
+    ``block`` steps (``steps`` rounded up to whole blocks; the k-th steps of two blocks are
+    paired). The `id_map` step's time runs until its worker is idle too: a remap that
+    outlasts the step costs the step, and never runs into the modulo step."""
     setup = _Setup(rows, _ID_MAPS[stream], False, device)
     data = _Stream(stream, rows)
     modulo_batches = data.batches(modulo=True)
@@ -395,21 +405,24 @@ def measure_pipelined(
 
     step, measured = 0, -warmup
     while measured < steps:
-        data.make(step + 4)  # the pipelines pull up to two batches ahead
+        data.make(step + block + 4)  # the pipelines pull up to two batches ahead
         timings = {
-            "modulo step": _timed(
-                lambda: pipelines["modulo step"][0].progress(modulo_batches), device
-            ),
-            "id_map step": _timed(lambda: mapped_step(*pipelines["id_map step"]), device),
+            "modulo step": [
+                _timed(lambda: pipelines["modulo step"][0].progress(modulo_batches), device)
+                for _ in range(block)
+            ],
+            "id_map step": [
+                _timed(lambda: mapped_step(*pipelines["id_map step"]), device) for _ in range(block)
+            ],
         }
-        step += 1
-        if measured < 0 and not setup.full() and step < 20 * max(warmup, 1):
+        step += block
+        if measured < 0 and not setup.full() and step < 20 * max(warmup, block):
             continue
         if measured >= 0:
-            for key, value in timings.items():
-                times[key].append(value)
+            for key, values in timings.items():
+                times[key].extend(values)
             churn.append(_mean_stats(setup))
-        measured += 1
+        measured += block
     mean = {k: statistics.mean(c[k] for c in churn) for k in churn[0]}
     data.make(step + 8)
     syncs = _syncs(
@@ -467,6 +480,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--remap-threads", type=int, default=1, help="with --pipeline")
     parser.add_argument(
+        "--block",
+        type=int,
+        default=10,
+        help="with --pipeline: steps of one pipeline before the other's (1: every step)",
+    )
+    parser.add_argument(
         "--device", default="cpu", help="cpu, or cuda (the tables there; not with --per-id)"
     )
     args = parser.parse_args(argv)
@@ -477,8 +496,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.pipeline:
         found = [
             measure_pipelined(
-                stream, args.rows, args.warmup, args.steps, args.remap_threads, args.device
-            )
+                stream,
+                args.rows,
+                args.warmup,
+                args.steps,
+                args.remap_threads,
+                args.device,
+                args.block,
+            )  # fmt: skip
             for stream in args.stream
         ]
         report_pipelined(found, args.rows, args.remap_threads, args.device)
