@@ -13,7 +13,7 @@ from recopt.kernels import cpu_id_map
 from recopt.kernels.config import FusedOptimizerConfig
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, IdMapConfig
 from recopt.modules.id_map import Remapped
-from recopt.modules.id_map_batch import apply_rows
+from recopt.modules.id_map_batch import apply_rows, table_ids
 from recopt.modules.id_map_rows import hash_uniform_torch
 from recopt.modules.inputs import FeatureLayout
 from recopt.sparse import KeyedJaggedTensor
@@ -159,6 +159,9 @@ def test_apply_rows_equals_the_span_by_span_reference(drop: bool, weighted: bool
     layout = FeatureLayout(tables)
     bags = {"a1": [[1, 2], [3]], "a2": [[], [4, 5, 6]], "u1": [[7], [8]], "b1": [[9], []]}
     kjt = _kjt({name: bags[name] for name in layout.feature_names}, weighted)
+    ids = table_ids(kjt, layout, ["b", "a"])  # a table's features one after the other
+    assert list(ids) == ["b", "a"]
+    assert ids["a"].tolist() == [1, 2, 3, 4, 5, 6] and ids["b"].tolist() == [9]
     rows_a = torch.tensor([10, 11, 12, 13, 14, 15])
     if drop:
         rows_a[[1, 4]] = -1

@@ -158,6 +158,8 @@ def _reset_hashed(tables: Sequence[FreshTable]) -> None:
     their initial values hashed for all tables of one width at once (a table's own hash is
     ~15 kernel launches, each a few microseconds of host time), and all rows written through
     `write_rows` (one index per storage: fbgemm keeps a kernel's tables in one)."""
+    if not tables:  # (CPU tables: every forward of an id-mapped collection comes here)
+        return
     writes: list[RowWrite] = []
     groups: dict[tuple[torch.device, int], list[FreshTable]] = {}
     for t in tables:
