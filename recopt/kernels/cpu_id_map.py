@@ -218,13 +218,20 @@ def fill_values(
 ) -> list[torch.Tensor]:  # fmt: skip
     """For each table, ``[len(ids[t]), dims[t]]`` float32: the values `reset_many` would write
     into fresh rows of ids ``ids[t]`` at ``steps[t]`` with init bounds ``bounds[t]`` (the same
-    bits), for a later `RowReset` to copy. One native call, the tables over ``threads``."""
-    out = [torch.empty(t.numel(), dim) for t, dim in zip(ids, dims, strict=True)]
-    resets = [
-        RowReset(value, torch.arange(t.numel()), t, step, lo, hi, [])
-        for value, t, step, (lo, hi) in zip(out, ids, steps, bounds, strict=True)
-    ]
-    reset_many(resets, threads)
+    bits), for a later `RowReset` to copy. One native call, the tables over ``threads``; their
+    rows (value i is row i) one ``arange`` for all (few torch ops: a pipeline's worker makes
+    these beside the training step)."""
+    counts = [t.numel() for t in ids]
+    out = [torch.empty(count, dim) for count, dim in zip(counts, dims, strict=True)]
+    rows = torch.arange(max(counts, default=0))
+    flat_ids = [_int64_contiguous(t) for t in ids]
+    lo_hi = [bound for pair in bounds for bound in pair]
+    library().rim_reset_many(
+        len(ids), pointers([rows.data_ptr()] * len(ids)), _pointers(flat_ids), int64s(counts),
+        int64s(steps), int64s(dims), (ctypes.c_double * max(len(lo_hi), 1))(*lo_hi),
+        _pointers(out), int64s(dims), int64s([0] * (len(ids) + 1)), pointers([]),
+        int64s([]), int64s([]), None, threads,
+    )  # fmt: skip
     return out
 
 

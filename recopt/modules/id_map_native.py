@@ -188,7 +188,7 @@ def remap_tables(
 
 def _on_host(ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``ids`` as contiguous int64 host tensors, those on a device copied in one transfer."""
-    out = {n: v.to(torch.int64).contiguous() for n, v in ids.items() if v.device.type == "cpu"}
+    out = {n: _int64_contiguous(v) for n, v in ids.items() if v.device.type == "cpu"}
     away = [name for name in ids if name not in out]
     for device in {ids[name].device for name in away}:
         names = [name for name in away if ids[name].device == device]
@@ -198,34 +198,48 @@ def _on_host(ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _step_buffer(idmap: IdMap) -> torch.Tensor:
+    step_t = idmap._buffers["step"]  # no nn.Module attribute lookup: a hot path
+    assert step_t is not None
+    return step_t
+
+
+def _int64_contiguous(ids: torch.Tensor) -> torch.Tensor:
+    if ids.dtype == torch.int64 and ids.is_contiguous():
+        return ids  # (the usual case: two attribute reads instead of two ops)
+    return ids.to(torch.int64).contiguous()
+
+
 def _step_many(
     together: list[tuple[str, IdMap, NativeIdMap, torch.Tensor]], record: bool, threads: int
 ) -> dict[str, Remapped]:
+    """One `rim_step_many` call for ``together``'s maps (host time kept low: on a pipeline's
+    worker it runs beside the training step, and on a GPU that step is short)."""
     count = len(together)
     sizes = [ids_M.numel() for _, _, _, ids_M in together]
-    out = torch.empty(3 * sum(sizes), dtype=torch.int64)  # rows, fresh rows, fresh ids
-    views = out.split([size for size in sizes for _ in range(3)])
+    total = sum(sizes)
+    # every map's rows, then every map's fresh rows, then fresh ids: [3, total], one buffer
+    # addressed by offsets (views only for what the results keep)
+    out = torch.empty(3 * total, dtype=torch.int64)
+    starts = list(itertools.accumulate([0, *sizes[:-1]]))
+    base = out.data_ptr()
     buffers: list[int | None] = []
-    steps, ttls, handles, ids_p, lfu = [], [], [], [], []
-    for _, idmap, native, ids_M in together:
+    for _, idmap, native, _ in together:
         own = native._sync(idmap)[:]
         buffers += own + [None] * (8 - len(own))  # 8 a map: rows', then candidates'
-        step_t = idmap._buffers["step"]
-        assert step_t is not None
-        step_t.add_(1)
-        steps.append(int(step_t))
-        ttls.append(idmap.config.ttl_steps or 0)
-        handles.append(native._handle.value)
-        lfu.append(int(idmap.config.policy == "lfu"))
-        ids_p.append(_ptr(ids_M))
-    outs = [_ptr(v) for v in views]
+    step_ts = [_step_buffer(idmap) for _, idmap, _, _ in together]
+    torch._foreach_add_(step_ts, 1)  # one op for every map's step counter
+    steps = [int(step_t) for step_t in step_ts]
     ptrs, int64s = cpu_id_map.pointers, cpu_id_map.int64s
     stats_out, status = (ctypes.c_int64 * (6 * count))(), (ctypes.c_int64 * count)()
     cpu_id_map.library().rim_step_many(
-        count, ptrs(handles), int64s(lfu), ptrs(buffers), ptrs(ids_p), int64s(sizes),
-        int64s(steps), int64s(ttls), int64s([idmap.admit_after for _, idmap, _, _ in together]),
-        ptrs(outs[0::3]), ptrs(outs[1::3]), ptrs(outs[2::3]), stats_out, status,
-        int(record), threads,
+        count, ptrs([native._handle.value for _, _, native, _ in together]),
+        int64s([int(idmap.config.policy == "lfu") for _, idmap, _, _ in together]),
+        ptrs(buffers), ptrs([_ptr(ids_M) for _, _, _, ids_M in together]), int64s(sizes),
+        int64s(steps), int64s([idmap.config.ttl_steps or 0 for _, idmap, _, _ in together]),
+        int64s([idmap.admit_after for _, idmap, _, _ in together]),
+        *(ptrs([base + 8 * (part * total + start) for start in starts]) for part in range(3)),
+        stats_out, status, int(record), threads,
     )  # fmt: skip
     results, befores = {}, []
     flat_stats = stats_out[:]
@@ -234,12 +248,14 @@ def _step_many(
             raise MemoryError("id map: no memory for the native remap's scratch or undo record")
         before = idmap.last_stats
         stats = _stepped(idmap, steps[i], native.num_rows, flat_stats[6 * i : 6 * i + 6])
-        placed = stats.new_ids
-        rows_M, fresh_rows, fresh_ids = views[3 * i : 3 * i + 3]
+        start, placed = starts[i], stats.new_ids
         results[name] = Remapped(
-            rows_M, fresh_rows[:placed], fresh_ids[:placed], stats,
+            out[start : start + sizes[i]],
+            out[total + start : total + start + placed],
+            out[2 * total + start : 2 * total + start + placed],
+            stats,
             zero_row=stats.zero_row_ids > 0,  # the ids left without a row: those that read it
-        )  # fmt: skip
+        )
         befores.append(before)
     if record:
         natives = [native for _, _, native, _ in together]
