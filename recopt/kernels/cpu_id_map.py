@@ -122,7 +122,7 @@ def drop_zero_rows(
         or not available()
     ):
         return None
-    rows, offsets = rows.contiguous(), _int64_contiguous(offsets)
+    rows, offsets = rows.contiguous(), int64_contiguous(offsets)
     weights = None if weights is None else weights.contiguous()
     rows_out = torch.empty_like(rows)
     weights_out = None if weights is None else torch.empty_like(weights)
@@ -224,7 +224,7 @@ def fill_values(
     counts = [t.numel() for t in ids]
     out = [torch.empty(count, dim) for count, dim in zip(counts, dims, strict=True)]
     rows = torch.arange(max(counts, default=0))
-    flat_ids = [_int64_contiguous(t) for t in ids]
+    flat_ids = [int64_contiguous(t) for t in ids]
     lo_hi = [bound for pair in bounds for bound in pair]
     library().rim_reset_many(
         len(ids), pointers([rows.data_ptr()] * len(ids)), _pointers(flat_ids), int64s(counts),
@@ -249,7 +249,8 @@ def _pointers(tensors: Sequence[torch.Tensor]) -> ctypes.Array[ctypes.c_void_p]:
     return pointers([t.data_ptr() for t in tensors])
 
 
-def _int64_contiguous(t: torch.Tensor) -> torch.Tensor:
+def int64_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous int64 tensor: itself when it is one (two attribute reads, no op)."""
     return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
@@ -270,8 +271,8 @@ def prepare_reset(resets: Sequence[RowReset]) -> Callable[[int], None]:
     resets = [r for r in resets if r.rows.numel()]
     if not resets:
         return lambda threads: None
-    rows = [_int64_contiguous(r.rows) for r in resets]
-    ids = [_int64_contiguous(r.ids) for r in resets]
+    rows = [int64_contiguous(r.rows) for r in resets]
+    ids = [int64_contiguous(r.ids) for r in resets]
     states = [state for r in resets for state in r.states]
     first_state = [0]
     for r in resets:

@@ -188,7 +188,7 @@ def remap_tables(
 
 def _on_host(ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``ids`` as contiguous int64 host tensors, those on a device copied in one transfer."""
-    out = {n: _int64_contiguous(v) for n, v in ids.items() if v.device.type == "cpu"}
+    out = {n: cpu_id_map.int64_contiguous(v) for n, v in ids.items() if v.device.type == "cpu"}
     away = [name for name in ids if name not in out]
     for device in {ids[name].device for name in away}:
         names = [name for name in away if ids[name].device == device]
@@ -202,12 +202,6 @@ def _step_buffer(idmap: IdMap) -> torch.Tensor:
     step_t = idmap._buffers["step"]  # no nn.Module attribute lookup: a hot path
     assert step_t is not None
     return step_t
-
-
-def _int64_contiguous(ids: torch.Tensor) -> torch.Tensor:
-    if ids.dtype == torch.int64 and ids.is_contiguous():
-        return ids  # (the usual case: two attribute reads instead of two ops)
-    return ids.to(torch.int64).contiguous()
 
 
 def _step_many(
