@@ -347,3 +347,48 @@ def test_native_zero_row_drop_equals_the_torch_ops(weighted: bool) -> None:
         assert (native[1] is None) == (expected[1] is None)
         assert native[1] is None or torch.equal(native[1], expected[1])
         assert torch.equal(native[2], expected[2]) and native[3] == expected[3], trial
+
+
+def _states(maps: dict[str, IdMap]) -> dict[str, dict[str, torch.Tensor]]:
+    return {n: {k: v.clone() for k, v in m.state_dict().items()} for n, m in maps.items()}
+
+
+def test_deferred_undo_records_copied_before_their_maps_step_again() -> None:
+    """A native step's undo records stay in the native logs until read; the maps' next step
+    copies them out first, so records read steps later still put every map back."""
+    maps = {name: IdMap(config, 12) for name, config in CONFIGS.items()}
+    gen = torch.Generator().manual_seed(7)
+    for step in range(8):
+        remap_tables(maps, {n: _batch(gen, step, 12) for n in maps}, True)
+    before = _states(maps)
+    steps = [
+        remap_tables(maps, {n: _batch(gen, 8 + s, 12) for n in maps}, True, record_undo=True)
+        for s in range(3)
+    ]
+    for results in reversed(steps):  # read only now, two steps later
+        for name, result in results.items():
+            assert result.undo is not None
+            maps[name].apply_undo(result.undo)
+    after = _states(maps)
+    for name, state in before.items():
+        for key, value in state.items():
+            assert torch.equal(value, after[name][key]), (name, key)
+
+
+def test_released_undo_records_are_dropped_uncopied_and_cannot_be_read() -> None:
+    maps = {name: IdMap(CONFIGS["lru"], 12) for name in ("a", "b")}
+    gen = torch.Generator().manual_seed(8)
+    results = remap_tables(maps, {n: _batch(gen, 1, 12) for n in maps}, True, record_undo=True)
+    natives = [m._native() for m in maps.values()]
+    assert all(n is not None and n.logs is not None for n in natives)
+    undo_a, undo_b = results["a"].undo, results["b"].undo
+    assert undo_a is not None and undo_b is not None
+    undo_a.release()
+    assert all(n is not None and n.logs is not None for n in natives)  # b's still wanted
+    with pytest.raises(RuntimeError, match="after its release"):
+        undo_a.rows  # noqa: B018
+    undo_b.release()
+    assert all(n is not None and n.logs is None for n in natives)  # nothing left to copy
+    remap_tables(maps, {n: _batch(gen, 2, 12) for n in maps}, True)
+    with pytest.raises(RuntimeError, match="after its release"):
+        undo_b.row_values  # noqa: B018

@@ -130,6 +130,8 @@ class AheadSteps:
         if error is not None:
             raise error
         remap.taken = True
+        for undo in remap.undo.values():  # part of the model now: never undone
+            undo.release()
         return remap
 
     def settle(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -60,6 +61,7 @@ class NativeIdMap:
         self._handle = ctypes.c_void_p(handle)
         self._stamp: _Stamp | None = None
         self._pointers: ctypes.Array[ctypes.c_void_p] | None = None
+        self.logs: _NativeLogs | None = None  # the deferred undo records of its last step
 
     def __del__(self) -> None:
         handle = getattr(self, "_handle", None)
@@ -71,6 +73,13 @@ class NativeIdMap:
 
     def __reduce__(self) -> tuple[type, tuple[int, int, float]]:
         return NativeIdMap, (self.num_rows, self.num_candidates, self.decay)
+
+    def keep_log(self) -> None:
+        """Before a step (which overwrites the native log): copy out the last step's deferred
+        undo records, unless they were released."""
+        logs = self.logs
+        if logs is not None:
+            logs.fill()
 
     def invalidate(self) -> None:
         """Rebuild the cache from the buffers at the next use (`IdMap.buffers_changed`)."""
@@ -112,6 +121,7 @@ class NativeIdMap:
         old_step, old_stats = int(step_t), idmap.last_stats  # replaced, never mutated
         step_t.add_(1)
         step = old_step + 1
+        self.keep_log()
         num_known = self._lib.rim_begin(
             self._handle,
             pointers,
@@ -144,12 +154,8 @@ class NativeIdMap:
         if record_undo:
             if status != 0:
                 raise MemoryError("id map: no memory for the undo record")
-            result.undo = self._undo(old_step, old_stats)
+            result.undo = _NativeLogs([self], [old_step], [old_stats]).undos[0]
         return result
-
-    def _undo(self, step: int, stats: RemapStats) -> MapUndo:
-        """The last step's undo record, copied out of the native side."""
-        return _undo_many([self], [step], [stats])[0]
 
 
 def remap_tables(
@@ -224,6 +230,8 @@ def _step_many(
     step_ts = [_step_buffer(idmap) for _, idmap, _, _ in together]
     torch._foreach_add_(step_ts, 1)  # one op for every map's step counter
     steps = [int(step_t) for step_t in step_ts]
+    for _, _, native, _ in together:
+        native.keep_log()
     ptrs, int64s = cpu_id_map.pointers, cpu_id_map.int64s
     stats_out, status = (ctypes.c_int64 * (6 * count))(), (ctypes.c_int64 * count)()
     cpu_id_map.library().rim_step_many(
@@ -253,32 +261,66 @@ def _step_many(
         befores.append(before)
     if record:
         natives = [native for _, _, native, _ in together]
-        undos = _undo_many(natives, [step - 1 for step in steps], befores)
-        for (name, *_), undo in zip(together, undos, strict=True):
+        logs = _NativeLogs(natives, [step - 1 for step in steps], befores)
+        for (name, *_), undo in zip(together, logs.undos, strict=True):
             results[name].undo = undo
     return results
 
 
-def _undo_many(
-    natives: Sequence[NativeIdMap], steps: Sequence[int], stats: Sequence[RemapStats]
-) -> list[MapUndo]:
-    """Each map's last step's undo record (``steps``, ``stats``: before that step), copied
-    out of the native side in two calls for all maps."""
+class _NativeLogs:
+    """The deferred undo records (`MapUndo.deferred`) of one native step of ``natives``
+    (``steps``, ``stats``: before it): left in the native side's logs (each map keeps its
+    last step's) and copied out, for all maps in two calls, when one is first read or before
+    one of those maps steps again (`NativeIdMap.keep_log`); dropped uncopied once every
+    record is released. A pipeline's worker and its main thread may both come here: a lock."""
+
+    def __init__(
+        self, natives: Sequence[NativeIdMap], steps: Sequence[int], stats: Sequence[RemapStats]
+    ) -> None:
+        self._natives: Sequence[NativeIdMap] | None = natives
+        self.undos = [MapUndo.deferred(s, st, self) for s, st in zip(steps, stats, strict=True)]
+        self._unreleased = len(self.undos)
+        self._lock = threading.Lock()
+        for native in natives:
+            native.logs = self
+
+    def fill(self) -> None:
+        """Copy the records out, once (a released record's reads fail in `MapUndo`)."""
+        with self._lock:
+            natives = self._natives
+            if natives is None:  # copied already, or every record released
+                return
+            _copy_undos(natives, self.undos)
+            self._detach(natives)
+
+    def release(self) -> None:
+        """One record will not be read; none left to read: the logs are forgotten."""
+        with self._lock:
+            self._unreleased -= 1
+            if self._unreleased == 0 and self._natives is not None:
+                self._detach(self._natives)
+
+    def _detach(self, natives: Sequence[NativeIdMap]) -> None:
+        for native in natives:
+            if native.logs is self:
+                native.logs = None
+        self._natives = None
+
+
+def _copy_undos(natives: Sequence[NativeIdMap], undos: Sequence[MapUndo]) -> None:
+    """Set each map's undo record's tensors from its last step's native log, copied out in
+    two calls for all maps."""
     handles = [native._handle.value for native in natives]
     rows = _copy_logs(handles, 0, True)
     with_candidates = any(native.num_candidates for native in natives)
     candidates = _copy_logs(handles, 1, False) if with_candidates else None
-    undos = []
-    for i, native in enumerate(natives):
-        slots, *values = rows[i]
-        undo = MapUndo(
-            steps[i], stats[i], slots, dict(zip(ROW_BUFFERS, values, strict=True)), slots[:0]
-        )
+    for i, (native, undo) in enumerate(zip(natives, undos, strict=True)):
+        undo.rows, *values = rows[i]
+        undo.row_values = dict(zip(ROW_BUFFERS, values, strict=True))
+        undo.candidate_slots, undo.candidate_values = undo.rows[:0], {}
         if candidates is not None and native.num_candidates:
             undo.candidate_slots, *values = candidates[i]
             undo.candidate_values = dict(zip(CANDIDATE_BUFFERS, values, strict=True))
-        undos.append(undo)
-    return undos
 
 
 def _copy_logs(handles: list[int | None], which: int, rows: bool) -> list[list[torch.Tensor]]:
