@@ -213,6 +213,8 @@ class FusedEmbeddingGuard(StepParticipant):
         """Forget the current step's snapshots and map undo records."""
         self._snapshots.clear()
         self._saved_scalars.clear()
+        for _, undo in self._map_undos:  # never read now: a native one goes uncopied
+            undo.release()
         self._map_undos.clear()
 
     def snapshot_bytes(self) -> int:
