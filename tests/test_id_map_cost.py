@@ -4,6 +4,7 @@ vectorised `apply_rows`."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import pytest
@@ -14,7 +15,7 @@ from recopt.kernels.config import FusedOptimizerConfig
 from recopt.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, IdMapConfig
 from recopt.modules.id_map import Remapped
 from recopt.modules.id_map_batch import apply_rows, table_ids
-from recopt.modules.id_map_rows import hash_uniform_torch
+from recopt.modules.id_map_rows import ResetTarget, hash_uniform_torch
 from recopt.modules.inputs import FeatureLayout
 from recopt.sparse import KeyedJaggedTensor
 
@@ -69,6 +70,25 @@ def test_reset_many_refuses_what_it_cannot_write() -> None:
     assert not cpu_id_map.can_reset(weight.double(), [])
     assert not cpu_id_map.can_reset(weight.t(), [])  # columns not contiguous
     assert not cpu_id_map.can_reset(weight, [torch.zeros(4, 6).t()])
+
+
+@native_only
+def test_reset_route_is_worked_out_once_per_table() -> None:
+    """A collection's tables keep their reset's route (`ResetTarget`): the native call for
+    uniform-initialised float32 CPU tables, one by one for an ``init_fn`` or another dtype."""
+    table = EmbeddingBagConfig(name="t", num_embeddings=8, embedding_dim=4, feature_names=("f",))
+    states = {"momentum1": torch.zeros(8)}
+    native = ResetTarget.of(table, "row_wise_adagrad", torch.zeros(8, 4), states)
+    assert native.route.way == "native" and native.route.zeroed == [states["momentum1"]]
+    assert (native.route.lo, native.route.hi) == table.init_bounds()
+    with_fn = dataclasses.replace(table, init_fn=torch.nn.init.zeros_)
+    assert ResetTarget.of(with_fn, "sgd", torch.zeros(8, 4), {}).route.way == "each"
+    half = torch.zeros(8, 4, dtype=torch.float16)
+    assert ResetTarget.of(table, "row_wise_adagrad", half, states).route.way == "each"
+    module = _collection("row_wise_adagrad", 2)
+    targets = module._reset_targets()
+    assert targets is module._reset_targets()  # made once, with their routes
+    assert [t.route.way for t in targets.values()] == ["native", "native"]
 
 
 def _collection(optimizer: str, tables: int) -> FusedEmbeddingBagCollection:

@@ -32,7 +32,7 @@ from recopt.modules.fused_groups import (
 )
 from recopt.modules.id_map_batch import MappedBatch, mean_scale
 from recopt.modules.id_map_lookup import IdMaps, prepare_mapped
-from recopt.modules.id_map_rows import ResetPlan, fresh_resets
+from recopt.modules.id_map_rows import ResetPlan, ResetTarget, fresh_resets
 from recopt.modules.id_map_stage import RemapStage
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.nonfinite import NonFiniteGradGuard, guarded_lookup
@@ -183,7 +183,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
         self._skip_nonfinite = skip_nonfinite
         self._grad_guard = NonFiniteGradGuard(type(self).__name__)
         self.id_maps = IdMaps.of(self.tables, self.device)
-        self._fresh_targets: dict[str, Any] | None = None  # `_reset_targets`
+        self._fresh_targets: dict[str, ResetTarget] | None = None  # `_reset_targets`
         self._remaps = (
             None
             if self.id_maps is None
@@ -369,7 +369,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
             plan = ResetPlan(fresh_resets(targets, mapped.fresh), targets)
         plan.run(self.id_maps)
 
-    def _reset_targets(self) -> dict[str, tuple[EmbeddingBagConfig, str, torch.Tensor, Any]]:
+    def _reset_targets(self) -> dict[str, ResetTarget]:
         """Per id-mapped table: its config, optimizer, weight and optimizer state views (the
         kernels' storage, as the module and its fused optimizer hold them: made once)."""
         if self._fresh_targets is None:
@@ -383,8 +383,9 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
                     strict=True,
                 ):
                     if self.tables[t].id_map is not None:
-                        target = (self.tables[t], group.optimizer.name, weight, states)
-                        self._fresh_targets[self.tables[t].name] = target
+                        table = self.tables[t]
+                        target = ResetTarget.of(table, group.optimizer.name, weight, states)
+                        self._fresh_targets[table.name] = target
         return self._fresh_targets
 
     # ------------------------------------------------------- pipelined training (id maps)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -70,15 +70,70 @@ def row_states(optimizer_name: str, states: Mapping[str, torch.Tensor]) -> list[
 
 
 @dataclass(frozen=True, slots=True)
+class ResetRoute:
+    """How a table's fresh rows are reset, fixed by its config, weight and states (worked
+    out once per table where its owner keeps it: `ResetTarget`): ``way`` "device" (uniform
+    init on a GPU: hashed with the other such tables), "native" (uniform init, float32 on
+    CPU: `cpu_id_map.reset_many`) or "each" (`init_rows` and `reset_state_rows`); ``zeroed``
+    the per-row states; ``lo``, ``hi`` the init bounds."""
+
+    way: str
+    zeroed: list[torch.Tensor]
+    lo: float
+    hi: float
+
+    @staticmethod
+    def of(
+        table: BaseEmbeddingConfig,
+        optimizer_name: str,
+        weight: torch.Tensor,
+        states: Mapping[str, torch.Tensor],
+    ) -> ResetRoute:
+        """The route of ``table`` with ``weight`` and optimizer ``states``."""
+        zeroed = row_states(optimizer_name, states)
+        if table.init_fn is None and weight.device.type != "cpu":
+            way = "device"
+        elif table.init_fn is None and cpu_id_map.can_reset(weight, zeroed):
+            way = "native"
+        else:
+            way = "each"
+        return ResetRoute(way, zeroed, *table.init_bounds())
+
+
+class ResetTarget(NamedTuple):
+    """A table whose fresh rows a collection resets: its config, optimizer, ``weight`` (the
+    table or a shard of it) and optimizer ``states``, and its `ResetRoute`."""
+
+    table: BaseEmbeddingConfig
+    optimizer_name: str
+    weight: torch.Tensor
+    states: Mapping[str, torch.Tensor]
+    route: ResetRoute
+
+    @staticmethod
+    def of(
+        table: BaseEmbeddingConfig,
+        optimizer_name: str,
+        weight: torch.Tensor,
+        states: Mapping[str, torch.Tensor],
+    ) -> ResetTarget:
+        """The target of ``table``, its route worked out now."""
+        route = ResetRoute.of(table, optimizer_name, weight, states)
+        return ResetTarget(table, optimizer_name, weight, states, route)
+
+
+@dataclass(frozen=True, slots=True)
 class FreshTable:
     """One table's fresh rows to reset (`reset_fresh_tables`): its config, optimizer,
-    ``weight`` (the table or a shard of it), optimizer ``states`` and the remap's result."""
+    ``weight`` (the table or a shard of it), optimizer ``states``, the remap's result and,
+    when its owner keeps it (`ResetTarget`), its route (else worked out at the reset)."""
 
     table: BaseEmbeddingConfig
     optimizer_name: str
     weight: torch.Tensor
     states: Mapping[str, torch.Tensor]
     fresh: Remapped
+    route: ResetRoute | None = None
 
 
 def reset_fresh_tables(maps: IdMaps, tables: Sequence[FreshTable]) -> None:
@@ -102,17 +157,17 @@ class ResetPlan:
         self._hashed: list[FreshTable] = []
         self._others: list[FreshTable] = []
         for t in self.tables:
-            zeroed = row_states(t.optimizer_name, t.states)
-            if t.table.init_fn is None and t.weight.device.type != "cpu":
+            route = t.route or ResetRoute.of(t.table, t.optimizer_name, t.weight, t.states)
+            if route.way == "device":
                 self._hashed.append(t)
-            elif t.table.init_fn is None and cpu_id_map.can_reset(t.weight, zeroed):
-                lo, hi = t.table.init_bounds()
-                f, values = t.fresh, _made_values(t)
+            elif route.way == "native":
+                f = t.fresh
                 native.append(
                     cpu_id_map.RowReset(
-                        t.weight, f.fresh_rows, f.fresh_ids, f.stats.step, lo, hi, zeroed, values
+                        t.weight, f.fresh_rows, f.fresh_ids, f.stats.step, route.lo, route.hi,
+                        route.zeroed, _made_values(t),
                     )
-                )
+                )  # fmt: skip
             else:
                 self._others.append(t)
         self._native = cpu_id_map.prepare_reset(native)
@@ -128,20 +183,19 @@ class ResetPlan:
         _reset_hashed(self._hashed)
 
 
-# per table name: its config, optimizer name, weight and optimizer states (a collection's)
-ResetTargets = Mapping[
-    str, tuple[BaseEmbeddingConfig, str, torch.Tensor, Mapping[str, torch.Tensor]]
-]
+# per table name: its `ResetTarget` (a collection's)
+ResetTargets = Mapping[str, ResetTarget]
 
 
 def fresh_resets(targets: ResetTargets, results: Mapping[str, Remapped]) -> list[FreshTable]:
-    """A `FreshTable` per result with fresh rows, its table's config, optimizer, weight and
-    states from ``targets``."""
-    return [
-        FreshTable(*targets[name], fresh)
-        for name, fresh in results.items()
-        if fresh.fresh_rows.numel()
-    ]
+    """A `FreshTable` per result with fresh rows, its table's config, optimizer, weight,
+    states and route from ``targets``."""
+    out = []
+    for name, fresh in results.items():
+        if fresh.fresh_rows.numel():
+            table, optimizer_name, weight, states, route = targets[name]
+            out.append(FreshTable(table, optimizer_name, weight, states, fresh, route))
+    return out
 
 
 def _made_values(t: FreshTable) -> torch.Tensor | None:

@@ -29,7 +29,7 @@ from recopt.modules.id_map_batch import drop_zero_rows
 from recopt.modules.id_map_lookup import IdMaps, refuse_init_fn, step_with_peers
 from recopt.modules.id_map_native import remap_tables
 from recopt.modules.id_map_results import results_to
-from recopt.modules.id_map_rows import FreshTable, reset_fresh_tables
+from recopt.modules.id_map_rows import FreshTable, ResetTarget, reset_fresh_tables
 from recopt.sharding.id_map_exchange import STAT_FIELDS, StatsExchange
 from recopt.sharding.id_map_relocate import ShardRows, relocate
 from recopt.sharding.id_map_shards import MapShard, map_shards, map_state, shard_map, step_counter
@@ -114,7 +114,7 @@ class ShardedIdMaps:
             assert all(g == kernel_index for g, _ in found) and len(found) == last - first + 1
             self._spans.append((kernel_index, first, last + 1))
         # Each own shard's weight and optimizer state views, made at its first fresh rows.
-        self._views: dict[tuple[int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+        self._views: dict[tuple[int, int], ResetTarget] = {}
         self._stats = {name: RemapStats() for name in self.names}
         self.relocate_pending = False
 
@@ -291,13 +291,15 @@ class ShardedIdMaps:
         state (their zeroing)."""
         key = (shard.table, shard.shard)
         if key not in self._views:  # the kernel's views, made once (fbgemm's: ~35 us a call)
-            kernel, i, _ = self._where[key]
-            self._views[key] = (
+            kernel, i, optimizer_name = self._where[key]
+            self._views[key] = ResetTarget.of(
+                self.tables[shard.table],
+                optimizer_name,
                 kernel.split_embedding_weights()[i],
                 kernel.split_optimizer_states()[i],
             )
-        weight, states = self._views[key]
-        return FreshTable(self.tables[shard.table], self._where[key][2], weight, states, result)
+        table, optimizer_name, weight, states, route = self._views[key]
+        return FreshTable(table, optimizer_name, weight, states, result, route)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``copy.deepcopy`` of the collection) makes its own views of its kernels,
