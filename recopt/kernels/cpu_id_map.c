@@ -570,26 +570,29 @@ int rim_finish(void *handle, void **buffers, int64_t step, int lfu, int64_t *row
     return m->recording < 0 ? -1 : 0;
 }
 
-/* One training batch of each of num_maps maps, over threads: the three parts back to back,
- * each map's undo record kept when record is 1 (rim_undo_copy_many). Per map i: handles[i],
- * lfu[i] (0: lru), buffers[8i..8i+7], ids[i] (num_ids[i]), and outputs rows_out[i]
- * [num_ids], fresh_rows[i] and fresh_ids[i] [num_ids], stats_out[6i..6i+5] (as rim_finish),
- * status[i] (0, or -1: out of memory). */
+/* One training batch of each of num_maps maps, over threads: the step counter *steps[i]
+ * (the map's step buffer) incremented, then the three parts back to back, each map's undo
+ * record kept when record is 1 (rim_undo_copy_many). Per map i: handles[i], lfu[i] (0: lru),
+ * buffers[8i..8i+7], ids[i] (num_ids[i]), and outputs rows_out[i] [num_ids], fresh_rows[i]
+ * and fresh_ids[i] [num_ids], stats_out[7i..7i+6] (as rim_finish, then the new step),
+ * status[i] (0, or -1: out of memory; the step counter moved either way). */
 void rim_step_many(int64_t num_maps, void **handles, const int64_t *lfu, void **buffers,
                    int64_t **ids,
-                   const int64_t *num_ids, const int64_t *steps, const int64_t *ttls,
+                   const int64_t *num_ids, int64_t **steps, const int64_t *ttls,
                    const int64_t *admit_after, int64_t **rows_out, int64_t **fresh_rows,
                    int64_t **fresh_ids, int64_t *stats_out, int64_t *status, int record,
                    int threads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t i = 0; i < num_maps; i++) {
         void **own = buffers + 8 * i;
+        int64_t step = ++*steps[i];
+        stats_out[7 * i + 6] = step;
         status[i] = -1;
-        if (rim_begin(handles[i], own, ids[i], num_ids[i], steps[i], ttls[i], record) < 0)
+        if (rim_begin(handles[i], own, ids[i], num_ids[i], step, ttls[i], record) < 0)
             continue;
-        rim_middle(handles[i], own, steps[i], admit_after[i]);
-        status[i] = rim_finish(handles[i], own, steps[i], (int)lfu[i], rows_out[i], num_ids[i],
-                               fresh_rows[i], fresh_ids[i], stats_out + 6 * i);
+        rim_middle(handles[i], own, step, admit_after[i]);
+        status[i] = rim_finish(handles[i], own, step, (int)lfu[i], rows_out[i], num_ids[i],
+                               fresh_rows[i], fresh_ids[i], stats_out + 7 * i);
     }
 }
 

@@ -206,7 +206,7 @@ def _on_host(ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _step_buffer(idmap: IdMap) -> torch.Tensor:
     step_t = idmap._buffers["step"]  # no nn.Module attribute lookup: a hot path
-    assert step_t is not None
+    assert step_t is not None and step_t.dtype == torch.int64 and step_t.device.type == "cpu"
     return step_t
 
 
@@ -227,29 +227,30 @@ def _step_many(
     for _, idmap, native, _ in together:
         own = native._sync(idmap)[:]
         buffers += own + [None] * (8 - len(own))  # 8 a map: rows', then candidates'
-    step_ts = [_step_buffer(idmap) for _, idmap, _, _ in together]
-    torch._foreach_add_(step_ts, 1)  # one op for every map's step counter
-    steps = [int(step_t) for step_t in step_ts]
     for _, _, native, _ in together:
         native.keep_log()
     ptrs, int64s = cpu_id_map.pointers, cpu_id_map.int64s
-    stats_out, status = (ctypes.c_int64 * (6 * count))(), (ctypes.c_int64 * count)()
+    stats_out, status = (ctypes.c_int64 * (7 * count))(), (ctypes.c_int64 * count)()
+    # the step counters move in the native call (their version counters stay, as the other
+    # buffers' do there): no torch op, and the new steps come back in the stats
     cpu_id_map.library().rim_step_many(
         count, ptrs([native._handle.value for _, _, native, _ in together]),
         int64s([int(idmap.config.policy == "lfu") for _, idmap, _, _ in together]),
         ptrs(buffers), ptrs([_ptr(ids_M) for _, _, _, ids_M in together]), int64s(sizes),
-        int64s(steps), int64s([idmap.config.ttl_steps or 0 for _, idmap, _, _ in together]),
+        ptrs([_step_buffer(idmap).data_ptr() for _, idmap, _, _ in together]),
+        int64s([idmap.config.ttl_steps or 0 for _, idmap, _, _ in together]),
         int64s([idmap.admit_after for _, idmap, _, _ in together]),
         *(ptrs([base + 8 * (part * total + start) for start in starts]) for part in range(3)),
         stats_out, status, int(record), threads,
     )  # fmt: skip
     results, befores = {}, []
     flat_stats = stats_out[:]
+    steps = flat_stats[6::7]
     for i, (name, idmap, native, _) in enumerate(together):
         if status[i] != 0:
             raise MemoryError("id map: no memory for the native remap's scratch or undo record")
         before = idmap.last_stats
-        stats = _stepped(idmap, steps[i], native.num_rows, flat_stats[6 * i : 6 * i + 6])
+        stats = _stepped(idmap, steps[i], native.num_rows, flat_stats[7 * i : 7 * i + 6])
         start, placed = starts[i], stats.new_ids
         results[name] = Remapped(
             out[start : start + sizes[i]],
