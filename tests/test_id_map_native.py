@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import pickle
 from collections.abc import Iterator
 
 import pytest
@@ -392,3 +393,18 @@ def test_released_undo_records_are_dropped_uncopied_and_cannot_be_read() -> None
     remap_tables(maps, {n: _batch(gen, 2, 12) for n in maps}, True)
     with pytest.raises(RuntimeError, match="after its release"):
         undo_b.row_values  # noqa: B018
+
+
+def test_deferred_undo_records_copy_and_pickle_with_their_tensors() -> None:
+    idmap = IdMap(CONFIGS["lfu_all"], 12)
+    gen = torch.Generator().manual_seed(9)
+    for step in range(6):
+        idmap.remap(_batch(gen, step, 12), True)
+    before = {k: v.clone() for k, v in idmap.state_dict().items()}
+    undo = remap_tables({"t": idmap}, {"t": _batch(gen, 6, 12)}, True, record_undo=True)["t"].undo
+    assert undo is not None
+    copied = pickle.loads(pickle.dumps(copy.deepcopy(undo)))  # read from the native log
+    assert copied.source is None and torch.equal(copied.rows, undo.rows)
+    idmap.apply_undo(copied)
+    for key, value in idmap.state_dict().items():
+        assert torch.equal(value, before[key]), key

@@ -158,6 +158,11 @@ class MapUndo:
         undo.step, undo.stats, undo.source = step, stats, source
         return undo
 
+    def __reduce__(self) -> tuple[type[MapUndo], tuple[Any, ...]]:
+        """A copy or pickle holds the tensors (a deferred record's copied out), no source."""
+        fields = (self.rows, self.row_values, self.candidate_slots, self.candidate_values)
+        return MapUndo, (self.step, self.stats, *fields)
+
     def release(self) -> None:
         """Say that this record will not be read (a deferred one is then not copied)."""
         if self.source is not None:
