@@ -24,6 +24,7 @@ def test_pipelined_blocks_time_whole_blocks_of_both_steps(block: int) -> None:
     }
     assert all(t > 0 for times in result.times.values() for t in times)
     assert result.evictions > 0 and result.occupancy == 1.0  # full maps, evicting
+    assert result.worker_s is not None and result.worker_s > 0  # the remap worker's time
 
 
 def test_the_report_prints_a_row_per_stream(capsys: pytest.CaptureFixture[str]) -> None:
@@ -32,4 +33,6 @@ def test_the_report_prints_a_row_per_stream(capsys: pytest.CaptureFixture[str]) 
          "--block", "2"]
     )  # fmt: skip
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-1].startswith("| drifting, pipelined |") and lines[-1].count("%") == 2
+    (row,) = [line for line in lines if line.startswith("| drifting, pipelined |")]
+    assert row.count("%") == 2 and float(row.split("|")[-2]) > 0  # the remap worker's ms
+    assert lines[-1].startswith("(remap worker:")

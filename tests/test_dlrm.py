@@ -254,6 +254,7 @@ def test_config_errors_name_the_key(override: str, message: str) -> None:
         ("training.timeout_s=inf", r"training\.timeout_s must be finite and > 0 .*got inf"),
         ("training.steps=0", r"training\.steps must be >= 1, got 0"),
         ("training.num_threads=-1", r"training\.num_threads must be >= 0, got -1"),
+        ("training.remap_threads=0", r"training\.remap_threads must be >= 1, got 0"),
         ("dense_optimizer.lr=inf", r"dense_optimizer\.lr must be finite and > 0, got inf"),
         ("dense_optimizer.lr=nan", r"dense_optimizer\.lr must be finite and > 0, got nan"),
         ("dense_optimizer.lr=-inf", r"dense_optimizer\.lr must be finite and > 0, got -inf"),

@@ -133,9 +133,11 @@ def test_one_rank_resume_with_id_maps_equals_an_uninterrupted_run(tmp_path: path
 
 
 def test_one_rank_pipelined_run_with_id_maps_equals_the_plain_loop(tmp_path: pathlib.Path) -> None:
-    # On one rank the pipeline remaps batch i+1 on its worker thread while batch i trains.
+    # On one rank the pipeline remaps batch i+1 on its worker thread while batch i trains
+    # (here over two threads: the maps split between them, the same steps).
     for loop in ("true", "false"):
-        assert dlrm_train.main(argv(tmp_path / loop, 40, f"training.pipeline={loop}")) == 0
+        extra = (f"training.pipeline={loop}", "training.remap_threads=2")
+        assert dlrm_train.main(argv(tmp_path / loop, 40, *extra)) == 0
 
     def comparable(out: pathlib.Path) -> list[dict[str, float]]:
         skip = ("time_s", "samples_per_s", "pipeline_")
@@ -143,6 +145,8 @@ def test_one_rank_pipelined_run_with_id_maps_equals_the_plain_loop(tmp_path: pat
 
     pipelined = comparable(tmp_path / "true")
     assert pipelined == comparable(tmp_path / "false")  # losses, AUCs, map stats: identical
+    train = [r for r in records(tmp_path / "true") if r["split"] == "train"]
+    assert all(r["pipeline_remap_worker_ms"] > 0 for r in train)  # the worker's time logged
     assert any("id_map.t1.evictions" in r for r in pipelined)
 
 

@@ -20,11 +20,13 @@ from pipeline_helpers import (
     Batches,
     TinyModel,
     fused_state,
+    make_batch,
     pipelined_loop,
     plain_loop,
     raw_batch,
     raw_tables,
     same,
+    tables,
 )
 
 from recopt.data.batch import Batch
@@ -246,6 +248,27 @@ def test_the_worker_makes_fresh_values_only_while_it_has_time() -> None:
     assert not load.fill_fits(0.009)  # a worker that would outlast the step hashes nothing
     load.record(AheadRemap(raw_batch(1).sparse, 0, busy_s=0.004))  # values made at the forward
     assert load.fill_s == 0.001 and load.fill_fits(0.009)  # the last fill time is kept
+
+
+def test_phase_seconds_count_the_remap_workers_time() -> None:
+    """``remap_worker``: the worker thread's busy time, in a pipeline whose maps step ahead on
+    it (the native remap), absent from one without id maps; reset with the other phases."""
+    if not IdMap(POLICIES["lru"], RAW_ROWS)._native():
+        pytest.skip("no C compiler: the maps step inline, no worker")
+    model, optimizer = _model(POLICIES["lru"], True)
+    pipeline = TrainPipelineSparseDist(model, optimizer, "cpu")
+    data = Batches([raw_batch(i) for i in range(6)])
+    _steps(pipeline, data, 4)
+    assert pipeline.timed_steps == 4 and pipeline.phase_seconds["remap_worker"] > 0
+    pipeline.reset_phase_seconds()
+    assert "remap_worker" not in pipeline.phase_seconds
+    _steps(pipeline, data, 2)
+    assert pipeline.phase_seconds["remap_worker"] > 0
+    plain = FusedEmbeddingBagCollection(tables(), FusedOptimizerConfig(name="sgd", lr=0.1))
+    model = TinyModel(plain)
+    pipeline = TrainPipelineSparseDist(model, torch.optim.SGD(model.parameters(), lr=0.1), "cpu")
+    _steps(pipeline, Batches([make_batch(0, i) for i in range(4)]), 3)
+    assert pipeline.timed_steps == 3 and "remap_worker" not in pipeline.phase_seconds
 
 
 @pytest.mark.parametrize("policy", ["lru", "admit2-ttl"])

@@ -197,7 +197,10 @@ class LoopSection:
     loss or gradient was NaN/inf (each is skipped: nothing is updated); 0 never stops.
     ``pipeline``: train with recopt's TrainPipelineSparseDist (batch i+1's ids distributed
     and batch i+2 copied during batch i's step; the same result; its phase times are logged
-    as ``pipeline_<phase>_ms``); false: the plain loop.
+    as ``pipeline_<phase>_ms``, with id maps also ``pipeline_remap_worker_ms``, the remap
+    worker's time a step); false: the plain loop. ``remap_threads``: threads of the native
+    remap that the pipeline's worker runs for an unsharded model's id maps (default 1; more
+    where cores are free beside the step, e.g. a GPU host: the maps live on the host).
     ``timeout_s`` bounds every collective. ``matmul_precision`` is torch's float32 matmul
     precision: ``highest`` (exact fp32), or ``medium`` (bfloat16 products where torch calls
     MKL/oneDNN matmul; see docs/dlrm.md for what it gains next to ``model.use_onednn``).
@@ -215,6 +218,7 @@ class LoopSection:
     matmul_precision: str = "highest"
     max_consecutive_nonfinite: int = 5
     pipeline: bool = True
+    remap_threads: int = 1
 
     def __post_init__(self) -> None:
         if self.matmul_precision not in MATMUL_PRECISIONS:
@@ -229,6 +233,7 @@ class LoopSection:
             ("eval_every", 0, "; 0 never evaluates"),
             ("num_threads", 0, "; 0 gives each rank its share of the cores"),
             ("max_consecutive_nonfinite", 0, "; 0 never stops on NaN/inf steps"),
+            ("remap_threads", 1, ""),
         ):
             if getattr(self, name) < low:
                 raise ValueError(

@@ -42,16 +42,19 @@ def build_pipeline(
     device: torch.device,
     timeout_s: float,
     step_committed: Callable[[], bool] | None = None,
+    remap_threads: int = 1,
 ) -> tuple[TrainPipelineSparseDist, TrainedPosition]:
     """The pipeline over ``model``, and the data position a checkpoint saves (after the last
     batch trained, not the iterator's, which is two batches ahead). ``step_committed``: under
-    fault tolerance, False retrains the batch (a dropped step)."""
+    fault tolerance, False retrains the batch (a dropped step); ``remap_threads``: the
+    native remap's threads on the pipeline's worker (an unsharded model's id maps)."""
     pipeline = TrainPipelineSparseDist(
         LossAndLogits(model),
         optimizer,
         device,
         step_committed=step_committed,
         timeout=datetime.timedelta(seconds=timeout_s),
+        remap_threads=remap_threads,
     )
     return pipeline, TrainedPosition(pipeline, source)
 

@@ -183,6 +183,7 @@ class Trainer:
                 env.device,
                 config.training.timeout_s,
                 step_committed=None if self.retrier is None else self._pipeline_step_committed,
+                remap_threads=config.training.remap_threads,
             )
         else:
             self.train_data = DevicePrefetcher(train_source, env.device)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +29,27 @@ from recopt.sparse import KeyedJaggedTensor
 
 _worker: ThreadPoolExecutor | None = None
 _worker_lock = threading.Lock()
+
+
+class _Busy:
+    """The remap worker's busy seconds in this process (written by the worker thread only)."""
+
+    seconds = 0.0
+
+
+def worker_busy_seconds() -> float:
+    """Seconds the remap worker thread has spent on ahead steps in this process so far (the
+    native remap, its Python and torch ops, the fresh values): beside the training step, on
+    its own core where there is one. `TrainPipelineSparseDist` logs it as ``remap_worker``."""
+    return _Busy.seconds
+
+
+def _timed(step: Callable[[], None]) -> None:
+    start = time.perf_counter()
+    try:
+        step()
+    finally:
+        _Busy.seconds += time.perf_counter() - start
 
 
 def remap_worker() -> ThreadPoolExecutor:
@@ -95,7 +117,7 @@ class AheadSteps:
         worker thread when ``background``, else now."""
         self.add(remap)
         if background:
-            remap._future = remap_worker().submit(step)
+            remap._future = remap_worker().submit(_timed, step)
         else:
             step()
         return remap

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from recopt.modules import FusedEmbeddingBagCollection
+from recopt.modules.id_map_ahead import worker_busy_seconds
 from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 from recopt.sharding.sharded_embedding_collection import ShardedEmbeddingCollection
 from recopt.sparse import KeyedJaggedTensor
@@ -118,6 +119,7 @@ class TrainPipelineSparseDist:
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._trained_state: dict[str, Any] | None = None
         self._stats = _Stats()
+        self._worker_seen = worker_busy_seconds()
         self._training = True
 
     # ------------------------------------------------------------------------------ public
@@ -166,7 +168,9 @@ class TrainPipelineSparseDist:
     @property
     def phase_seconds(self) -> dict[str, float]:
         """Seconds spent per phase (copy, input_dist start, forward, backward, optimizer),
-        summed over the steps since the last `reset_phase_seconds`."""
+        summed over the steps since the last `reset_phase_seconds`; with id maps remapped
+        ahead also ``remap_worker``, the remap worker thread's busy time (beside the step:
+        the step waits for it only where it is longer)."""
         return dict(self._stats.seconds)
 
     @property
@@ -176,6 +180,16 @@ class TrainPipelineSparseDist:
 
     def reset_phase_seconds(self) -> None:
         self._stats = _Stats()
+        self._worker_seen = worker_busy_seconds()
+
+    def _count_step(self) -> None:
+        """One more step in `phase_seconds`, with the remap worker's time since the last."""
+        self._stats.steps += 1
+        busy = worker_busy_seconds()
+        if busy > self._worker_seen:
+            seconds = self._stats.seconds
+            seconds["remap_worker"] = seconds.get("remap_worker", 0.0) + busy - self._worker_seen
+            self._worker_seen = busy
 
     # ------------------------------------------------------------------------------ stages
     def _copy_next(self, dataloader_iter: Iterator[Any]) -> None:
@@ -267,7 +281,7 @@ class TrainPipelineSparseDist:
             self._check_consumed()
             self._record("forward", start)
             self._advance_next()
-            self._stats.steps += 1
+            self._count_step()
             return output, True
         if self.optimizer is not None:
             self.optimizer.zero_grad()
@@ -280,7 +294,7 @@ class TrainPipelineSparseDist:
         if self.optimizer is not None:
             self.optimizer.step()
         self._record("optimizer", start)
-        self._stats.steps += 1
+        self._count_step()
         done = self.step_committed is None or self.step_committed()
         return output, done
 
