@@ -82,23 +82,6 @@ class ResetRoute:
     lo: float
     hi: float
 
-    @staticmethod
-    def of(
-        table: BaseEmbeddingConfig,
-        optimizer_name: str,
-        weight: torch.Tensor,
-        states: Mapping[str, torch.Tensor],
-    ) -> ResetRoute:
-        """The route of ``table`` with ``weight`` and optimizer ``states``."""
-        zeroed = row_states(optimizer_name, states)
-        if table.init_fn is None and weight.device.type != "cpu":
-            way = "device"
-        elif table.init_fn is None and cpu_id_map.can_reset(weight, zeroed):
-            way = "native"
-        else:
-            way = "each"
-        return ResetRoute(way, zeroed, *table.init_bounds())
-
 
 class ResetTarget(NamedTuple):
     """A table whose fresh rows a collection resets: its config, optimizer, ``weight`` (the
@@ -118,7 +101,14 @@ class ResetTarget(NamedTuple):
         states: Mapping[str, torch.Tensor],
     ) -> ResetTarget:
         """The target of ``table``, its route worked out now."""
-        route = ResetRoute.of(table, optimizer_name, weight, states)
+        zeroed = row_states(optimizer_name, states)
+        if table.init_fn is None and weight.device.type != "cpu":
+            way = "device"
+        elif table.init_fn is None and cpu_id_map.can_reset(weight, zeroed):
+            way = "native"
+        else:
+            way = "each"
+        route = ResetRoute(way, zeroed, *table.init_bounds())
         return ResetTarget(table, optimizer_name, weight, states, route)
 
 
@@ -157,7 +147,7 @@ class ResetPlan:
         self._hashed: list[FreshTable] = []
         self._others: list[FreshTable] = []
         for t in self.tables:
-            route = t.route or ResetRoute.of(t.table, t.optimizer_name, t.weight, t.states)
+            route = t.route or ResetTarget.of(t.table, t.optimizer_name, t.weight, t.states).route
             if route.way == "device":
                 self._hashed.append(t)
             elif route.way == "native":
