@@ -140,7 +140,8 @@ class MapUndo:
     A native step's records are *deferred* (`deferred`): their tensors stay in the native
     side's log until first read, or until the map steps again (copied out then), and
     `release` lets a record that will not be read go uncopied (a pipeline's step once its
-    forward took it): most steps are never undone, and the copy is ~0.4 ms for 26 maps.
+    forward took it): most steps are never undone (the copy: ~0.4 ms a step for 26 maps of
+    2,048 ids on a 2-vCPU EPYC VM).
     """
 
     step: int
