@@ -140,8 +140,6 @@ class AheadSteps:
             return remap
         if self.stale(remap):
             return None
-        if remap.error is not None:
-            raise remap.error  # no map moved: nothing pending for it
         if not self._pending or self._pending[0] is not remap:
             raise ValueError(
                 "an id map's remap started ahead was taken out of order: batches must reach "
@@ -151,6 +149,8 @@ class AheadSteps:
         error = remap.settle()
         if error is not None:
             raise error
+        if remap.error is not None:
+            raise remap.error  # its input was rejected before any map moved
         remap.taken = True
         for undo in remap.undo.values():  # part of the model now: never undone
             undo.release()

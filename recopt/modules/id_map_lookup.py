@@ -294,11 +294,12 @@ def start_ahead(
 ) -> AheadRemap:
     """`prepare_mapped` of a training batch, started ahead of its forward (pipelined training).
 
-    The input is checked now: a rejected one keeps its error in the result (raised at the
+    The input is checked first: a rejected one keeps its error in the result (raised at the
     batch's forward, by `AheadSteps.take`) and moves no map. Then every map takes the batch's
-    step with its undo record (`id_maps.ahead` keeps it pending until the forward takes it);
-    the native maps step on the worker thread (``threads`` for the native call; None:
-    torch's), other maps now. The caller resets the fresh rows when the forward takes it; the
+    step with its undo record (`id_maps.ahead` keeps it pending until the forward takes it).
+    With native maps all of it runs on the worker thread (``threads`` for the native call;
+    None: torch's), the checks included (the training step's thread only hands it over);
+    other maps step now. The caller resets the fresh rows when the forward takes it; the
     initial weights of those of ``fresh_tables`` (uniform init, float32 weights) are made on
     the worker too (`fresh_values`), so that reset only copies them.
 
@@ -313,24 +314,24 @@ def start_ahead(
     remap = AheadRemap(features, ahead.generation)
     maps = {name: id_maps.table_map(name) for name in id_maps}
     on_host = host_features is not None and all(m.on_host for m in maps.values())
-    try:
-        regular, remap.index_F_B = regular_batch(features, layout.feature_names)
-        selected = layout.select(regular, is_weighted, weight_dtype)
-        source = selected
-        if on_host:
-            assert host_features is not None
-            host_regular, _ = regular_batch(host_features, layout.feature_names)
-            source = layout.select(host_regular, is_weighted, weight_dtype)
-        unmapped_check(source, layout, list(id_maps)).raise_if_bad()
-    except ValueError as e:
-        remap.error = e
-        return remap
-    ids = table_ids(source, layout, list(id_maps))
     background = all(idmap._native() is not None for idmap in maps.values())
-    device = selected.values().device
 
-    def step() -> None:
+    def step() -> None:  # on the worker: the batch's checks too, off the training step
         start = time.perf_counter()
+        try:
+            regular, remap.index_F_B = regular_batch(features, layout.feature_names)
+            selected = layout.select(regular, is_weighted, weight_dtype)
+            source = selected
+            if on_host:
+                assert host_features is not None
+                host_regular, _ = regular_batch(host_features, layout.feature_names)
+                source = layout.select(host_regular, is_weighted, weight_dtype)
+            unmapped_check(source, layout, list(maps)).raise_if_bad()
+        except ValueError as e:
+            remap.error = e  # raised at the batch's forward; no map moved
+            return
+        ids = table_ids(source, layout, list(maps))
+        device = selected.values().device
         results = remap_tables(maps, ids, True, record_undo=True, threads=threads)
         remap.undo = {name: result.undo for name, result in results.items() if result.undo}
         if fresh_tables:
