@@ -233,7 +233,13 @@ def test_device_reset_hashes_all_tables_at_once_like_init_rows_one_by_one(layout
     index each, `write_rows`), or views that do not start at a whole row of it (one by one)."""
     from recopt.modules import EmbeddingBagConfig
     from recopt.modules.id_map_results import RemapStats
-    from recopt.modules.id_map_rows import FreshTable, _reset_hashed, init_rows, reset_state_rows
+    from recopt.modules.id_map_rows import (
+        FreshTable,
+        ResetTarget,
+        _reset_hashed,
+        init_rows,
+        reset_state_rows,
+    )
 
     gen = torch.Generator().manual_seed(3)
     specs = [(12, 8, 5, (-0.5, 0.25)), (12, 16, 9, (-0.1, 0.1)), (30, 8, 7, (0.0, 1.0))]
@@ -261,12 +267,13 @@ def test_device_reset_hashes_all_tables_at_once_like_init_rows_one_by_one(layout
         want_weight, want_state = weight.clone(), state.clone()
         init_rows(table, want_weight, fresh, step)
         reset_state_rows("row_wise_adagrad", {"momentum1": want_state}, fresh_rows)
-        made.append(FreshTable(table, "row_wise_adagrad", weight, {"momentum1": state}, fresh))
+        target = ResetTarget.of(table, "row_wise_adagrad", weight, {"momentum1": state})
+        made.append(FreshTable(target, fresh))
         expected.append((want_weight, want_state))
     _reset_hashed(made)
     for t, (want_weight, want_state) in zip(made, expected, strict=True):
-        assert torch.equal(t.weight, want_weight), t.table.name
-        assert torch.equal(t.states["momentum1"], want_state), t.table.name
+        assert torch.equal(t.target.weight, want_weight), t.target.table.name
+        assert torch.equal(t.target.states["momentum1"], want_state), t.target.table.name
 
 
 def test_a_map_kept_on_the_host_stays_there_through_module_moves() -> None:

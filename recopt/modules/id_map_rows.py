@@ -114,16 +114,11 @@ class ResetTarget(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class FreshTable:
-    """One table's fresh rows to reset (`reset_fresh_tables`): its config, optimizer,
-    ``weight`` (the table or a shard of it), optimizer ``states``, the remap's result and,
-    when its owner keeps it (`ResetTarget`), its route (else worked out at the reset)."""
+    """One table's fresh rows to reset (`reset_fresh_tables`): its `ResetTarget` (kept by its
+    collection, route included) and the remap's result."""
 
-    table: BaseEmbeddingConfig
-    optimizer_name: str
-    weight: torch.Tensor
-    states: Mapping[str, torch.Tensor]
+    target: ResetTarget
     fresh: Remapped
-    route: ResetRoute | None = None
 
 
 def reset_fresh_tables(maps: IdMaps, tables: Sequence[FreshTable]) -> None:
@@ -147,15 +142,15 @@ class ResetPlan:
         self._hashed: list[FreshTable] = []
         self._others: list[FreshTable] = []
         for t in self.tables:
-            route = t.route or ResetTarget.of(t.table, t.optimizer_name, t.weight, t.states).route
+            route = t.target.route
             if route.way == "device":
                 self._hashed.append(t)
             elif route.way == "native":
                 f = t.fresh
                 native.append(
                     cpu_id_map.RowReset(
-                        t.weight, f.fresh_rows, f.fresh_ids, f.stats.step, route.lo, route.hi,
-                        route.zeroed, _made_values(t),
+                        t.target.weight, f.fresh_rows, f.fresh_ids, f.stats.step, route.lo,
+                        route.hi, route.zeroed, _made_values(t),
                     )
                 )  # fmt: skip
             else:
@@ -165,10 +160,12 @@ class ResetPlan:
     def run(self, maps: IdMaps) -> None:
         """Tell the observers of every table, then reset the rows."""
         for t in self.tables:
-            maps.before_reset(t.table.name, t.weight, t.states, t.fresh.fresh_rows)
+            table, _, weight, states, _ = t.target
+            maps.before_reset(table.name, weight, states, t.fresh.fresh_rows)
         for t in self._others:
-            init_rows(t.table, t.weight, t.fresh, t.fresh.stats.step)
-            reset_state_rows(t.optimizer_name, t.states, t.fresh.fresh_rows)
+            table, optimizer_name, weight, states, _ = t.target
+            init_rows(table, weight, t.fresh, t.fresh.stats.step)
+            reset_state_rows(optimizer_name, states, t.fresh.fresh_rows)
         self._native(torch.get_num_threads())
         _reset_hashed(self._hashed)
 
@@ -178,21 +175,19 @@ ResetTargets = Mapping[str, ResetTarget]
 
 
 def fresh_resets(targets: ResetTargets, results: Mapping[str, Remapped]) -> list[FreshTable]:
-    """A `FreshTable` per result with fresh rows, its table's config, optimizer, weight,
-    states and route from ``targets``."""
-    out = []
-    for name, fresh in results.items():
-        if fresh.fresh_rows.numel():
-            table, optimizer_name, weight, states, route = targets[name]
-            out.append(FreshTable(table, optimizer_name, weight, states, fresh, route))
-    return out
+    """A `FreshTable` per result with fresh rows, its table's target from ``targets``."""
+    return [
+        FreshTable(targets[name], fresh)
+        for name, fresh in results.items()
+        if fresh.fresh_rows.numel()
+    ]
 
 
 def _made_values(t: FreshTable) -> torch.Tensor | None:
     """The fresh rows' initial weights made ahead (``Remapped.fresh_values``), or None when
     none were made or they are not this table's rows (then they are hashed at the reset)."""
     values = t.fresh.fresh_values
-    if values is None or values.shape != (t.fresh.fresh_rows.numel(), t.weight.shape[1]):
+    if values is None or values.shape != (t.fresh.fresh_rows.numel(), t.target.weight.shape[1]):
         return None
     return values
 
@@ -208,10 +203,11 @@ def _reset_hashed(tables: Sequence[FreshTable]) -> None:
     groups: dict[tuple[torch.device, int], list[FreshTable]] = {}
     for t in tables:
         values = _made_values(t)  # made on a pipeline's worker and copied over
+        weight = t.target.weight
         if values is not None:
-            writes.append((t.weight, t.fresh.fresh_rows, values))
+            writes.append((weight, t.fresh.fresh_rows, values))
         else:
-            groups.setdefault((t.weight.device, t.weight.shape[1]), []).append(t)
+            groups.setdefault((weight.device, weight.shape[1]), []).append(t)
     with torch.no_grad():
         for (device, dim), group in groups.items():
             ids = torch.cat([t.fresh.fresh_ids for t in group])
@@ -220,7 +216,7 @@ def _reset_hashed(tables: Sequence[FreshTable]) -> None:
             counts = to_device(torch.tensor(sizes), device)
             per_table = to_device(  # each table's step (exact below 2^53) and init bounds
                 torch.tensor(
-                    [(t.fresh.stats.step, *t.table.init_bounds()) for t in group],
+                    [(t.fresh.stats.step, t.target.route.lo, t.target.route.hi) for t in group],
                     dtype=torch.float64,
                 ),
                 device,
@@ -229,9 +225,9 @@ def _reset_hashed(tables: Sequence[FreshTable]) -> None:
             unit = hash_uniform_torch(ids, steps, dim)
             values = lo_hi[:, :1] + (lo_hi[:, 1:] - lo_hi[:, :1]) * unit
             for t, part in zip(group, values.split(sizes), strict=True):
-                writes.append((t.weight, t.fresh.fresh_rows, part))
-        for t in tables:
-            for state in row_states(t.optimizer_name, t.states):
+                writes.append((t.target.weight, t.fresh.fresh_rows, part))
+        for t in tables:  # the per-row states, as the route found them
+            for state in t.target.route.zeroed:
                 writes.append((state, t.fresh.fresh_rows, None))
         write_rows(writes)
 

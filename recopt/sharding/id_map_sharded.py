@@ -298,8 +298,7 @@ class ShardedIdMaps:
                 kernel.split_embedding_weights()[i],
                 kernel.split_optimizer_states()[i],
             )
-        table, optimizer_name, weight, states, route = self._views[key]
-        return FreshTable(table, optimizer_name, weight, states, result, route)
+        return FreshTable(self._views[key], result)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``copy.deepcopy`` of the collection) makes its own views of its kernels,
