@@ -29,7 +29,10 @@ def _views(storage: torch.Tensor) -> list[torch.Tensor]:
 
 
 @native_only
-def test_reset_many_equals_torch_init_and_zeroed_states() -> None:
+@pytest.mark.parametrize("made_once", [False, True], ids=["plain", "reset_table"])
+def test_reset_many_equals_torch_init_and_zeroed_states(made_once: bool) -> None:
+    """`reset_many` writes the hashed init and zeroes the states, its per-table part made
+    per call or once (`ResetTable`, what a collection keeps from step to step)."""
     gen = torch.Generator().manual_seed(0)
     storage = torch.rand(2400, generator=gen)
     expected_storage = storage.clone()
@@ -44,7 +47,8 @@ def test_reset_many_equals_torch_init_and_zeroed_states() -> None:
         ids = torch.randint(-(2**62), 2**62, (rows.numel(),), generator=gen)
         lo, hi, step = -0.1 * (t + 1), 0.2, 5 + t
         states = [per_row[t], per_element[t]] if t != 1 else [per_row[t]]
-        resets.append(cpu_id_map.RowReset(weight, rows, ids, step, lo, hi, states))
+        table = cpu_id_map.ResetTable.of(weight, states, lo, hi) if made_once else None
+        resets.append(cpu_id_map.RowReset(weight, rows, ids, step, lo, hi, states, None, table))
         unit = hash_uniform_torch(ids, step, weight.shape[1])  # the torch path's init_rows
         expected[t][rows] = (lo + (hi - lo) * unit).float()
         expected_row[t][rows] = 0
@@ -200,3 +204,4 @@ def test_apply_rows_equals_the_span_by_span_reference(drop: bool, weighted: bool
     assert (got_weights is None) == (weights is None)
     if weights is not None and got_weights is not None:
         assert torch.equal(got_weights, weights)
+

@@ -9,6 +9,7 @@ functions; `recopt/modules/id_map_native.py` drives it.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -180,10 +181,37 @@ def fill_uniform(
     return True
 
 
+class ResetTable(NamedTuple):
+    """What `reset_many` takes of a table that stays the same from step to step (its weight
+    and states' addresses, widths and strides, its init bounds): worked out once per table
+    where its owner keeps the table (`of`), so a step's `prepare_reset` only adds the rows.
+    It keeps ``weight`` and ``states`` alive (its addresses point into them)."""
+
+    weight: torch.Tensor
+    states: tuple[torch.Tensor, ...]
+    lo: float
+    hi: float
+    dim: int
+    weight_stride: int
+    state_strides: tuple[int, ...]  # bytes
+    state_widths: tuple[int, ...]  # a row's bytes
+
+    @staticmethod
+    def of(
+        weight: torch.Tensor, states: Sequence[torch.Tensor], lo: float, hi: float
+    ) -> ResetTable:
+        return ResetTable(
+            weight, tuple(states), lo, hi, weight.shape[1], weight.stride(0),
+            tuple(s.stride(0) * s.element_size() for s in states),
+            tuple(math.prod(s.shape[1:]) * s.element_size() for s in states),
+        )  # fmt: skip
+
+
 class RowReset(NamedTuple):
     """One table's fresh rows for `reset_many`: ``weight[rows]`` gets ``lo + (hi - lo) *
     hash_uniform(ids, step, dim)`` (or ``values``, those values made earlier by `fill_values`)
-    and each of ``states`` (per-row ``[N]`` or per-element ``[N, D]``) is zeroed on ``rows``."""
+    and each of ``states`` (per-row ``[N]`` or per-element ``[N, D]``) is zeroed on ``rows``.
+    ``table``: `ResetTable.of` those (made once, kept by the caller), or None (made here)."""
 
     weight: torch.Tensor
     rows: torch.Tensor
@@ -193,6 +221,7 @@ class RowReset(NamedTuple):
     hi: float
     states: Sequence[torch.Tensor]
     values: torch.Tensor | None = None
+    table: ResetTable | None = None
 
 
 def can_reset(weight: torch.Tensor, states: Sequence[torch.Tensor]) -> bool:
@@ -273,29 +302,28 @@ def prepare_reset(resets: Sequence[RowReset]) -> Callable[[int], None]:
         return lambda threads: None
     rows = [int64_contiguous(r.rows) for r in resets]
     ids = [int64_contiguous(r.ids) for r in resets]
-    states = [state for r in resets for state in r.states]
-    first_state = [0]
-    for r in resets:
-        first_state.append(first_state[-1] + len(r.states))
-    lo_hi = [bound for r in resets for bound in (r.lo, r.hi)]
+    tables = [r.table or ResetTable.of(r.weight, r.states, r.lo, r.hi) for r in resets]
+    states = [state for t in tables for state in t.states]
+    first_state = list(itertools.accumulate([0, *(len(t.states) for t in tables)]))
+    lo_hi = [bound for t in tables for bound in (t.lo, t.hi)]
     args = (
         len(resets),
         _pointers(rows),
         _pointers(ids),
         int64s([t.numel() for t in rows]),
         int64s([r.step for r in resets]),
-        int64s([r.weight.shape[1] for r in resets]),
+        int64s([t.dim for t in tables]),
         (ctypes.c_double * len(lo_hi))(*lo_hi),
-        _pointers([r.weight for r in resets]),
-        int64s([r.weight.stride(0) for r in resets]),
+        _pointers([t.weight for t in tables]),
+        int64s([t.weight_stride for t in tables]),
         int64s(first_state),
         _pointers(states),
-        int64s([s.stride(0) * s.element_size() for s in states]),
-        int64s([math.prod(s.shape[1:]) * s.element_size() for s in states]),  # a row's bytes
+        int64s([stride for t in tables for stride in t.state_strides]),
+        int64s([width for t in tables for width in t.state_widths]),
         pointers([None if r.values is None else r.values.data_ptr() for r in resets]),
     )
-    written = [r.weight for r in resets] + states
-    kept = (rows, ids, [r.values for r in resets])  # what the pointers point into
+    written = [t.weight for t in tables] + states
+    kept = (rows, ids, [r.values for r in resets], tables)  # what the pointers point into
 
     def call(threads: int) -> None:
         assert kept

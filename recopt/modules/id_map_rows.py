@@ -75,12 +75,14 @@ class ResetRoute:
     out once per table where its owner keeps it: `ResetTarget`): ``way`` "device" (uniform
     init on a GPU: hashed with the other such tables), "native" (uniform init, float32 on
     CPU: `cpu_id_map.reset_many`) or "each" (`init_rows` and `reset_state_rows`); ``zeroed``
-    the per-row states; ``lo``, ``hi`` the init bounds."""
+    the per-row states; ``lo``, ``hi`` the init bounds; ``native`` the native call's part
+    that stays the same every step (way "native" only)."""
 
     way: str
     zeroed: list[torch.Tensor]
     lo: float
     hi: float
+    native: cpu_id_map.ResetTable | None = None
 
 
 class ResetTarget(NamedTuple):
@@ -108,7 +110,9 @@ class ResetTarget(NamedTuple):
             way = "native"
         else:
             way = "each"
-        route = ResetRoute(way, zeroed, *table.init_bounds())
+        lo, hi = table.init_bounds()
+        native = cpu_id_map.ResetTable.of(weight, zeroed, lo, hi) if way == "native" else None
+        route = ResetRoute(way, zeroed, lo, hi, native)
         return ResetTarget(table, optimizer_name, weight, states, route)
 
 
@@ -150,7 +154,7 @@ class ResetPlan:
                 native.append(
                     cpu_id_map.RowReset(
                         t.target.weight, f.fresh_rows, f.fresh_ids, f.stats.step, route.lo,
-                        route.hi, route.zeroed, _made_values(t),
+                        route.hi, route.zeroed, _made_values(t), route.native,
                     )
                 )  # fmt: skip
             else:
