@@ -205,3 +205,68 @@ def test_apply_rows_equals_the_span_by_span_reference(drop: bool, weighted: bool
     if weights is not None and got_weights is not None:
         assert torch.equal(got_weights, weights)
 
+
+@native_only
+def test_rows_written_into_the_batch_equal_the_rows_put_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where every feature is id-mapped and each table's features sit together, the native
+    remap writes the rows straight into the batch's new values (`rows_buffer`): the same
+    batch, drops, fresh rows and maps as putting each table's rows in its place."""
+    from recopt.modules import id_map_batch
+    from recopt.modules.id_map_lookup import IdMaps
+
+    admit = IdMapConfig(policy="lru", admit_after=2)  # some ids read the zero row
+    tables = [
+        EmbeddingBagConfig(name="a", num_embeddings=6, embedding_dim=4,
+                           feature_names=("a1", "a2"), id_map=IdMapConfig(policy="lfu")),
+        EmbeddingBagConfig(name="b", num_embeddings=5, embedding_dim=4,
+                           feature_names=("b1",), id_map=admit),
+    ]  # fmt: skip
+    layout = FeatureLayout(tables)
+    direct, together = IdMaps(tables, "cpu"), IdMaps(tables, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    dropped = 0
+    for step in range(12):
+        lengths = torch.randint(0, 4, (3 * 4,), generator=gen)
+        ids = torch.randint(0, 12, (int(lengths.sum()),), generator=gen) * 7919 + step // 4
+        kjt = KeyedJaggedTensor(list(layout.feature_names), ids, lengths=lengths)
+        assert id_map_batch.rows_buffer(kjt, layout, list(direct)) is not None
+        with monkeypatch.context() as patch:  # the rows must not be put together here
+            patch.setattr(id_map_batch, "_row_pieces", None)
+            got = direct.remap(kjt, layout, True)
+        results = together.remap_ids(table_ids(kjt, layout, list(together)), True)
+        expected = apply_rows(kjt, layout, results)
+        assert torch.equal(got.features.values(), expected.features.values()), step
+        assert torch.equal(got.features.lengths(), expected.features.lengths()), step
+        assert (got.lengths_before is None) == (expected.lengths_before is None), step
+        dropped += got.lengths_before is not None
+        for name in results:
+            for field in ("rows_M", "fresh_rows", "fresh_ids"):
+                a, b = getattr(got.fresh[name], field), getattr(expected.fresh[name], field)
+                assert torch.equal(a, b), (step, name, field)
+    assert dropped > 0
+    got_state, expected_state = direct.state_dict(), together.state_dict()
+    for key, value in expected_state.items():
+        assert torch.equal(got_state[key], value), key
+
+
+def test_rows_buffer_only_where_the_rows_fill_the_batch_in_order() -> None:
+    """No buffer (the rows are put together) with an unmapped feature, values past the
+    features, or the maps in another order than the features."""
+    from recopt.modules.id_map_batch import rows_buffer
+
+    def table(name: str, mapped: bool) -> EmbeddingBagConfig:
+        id_map = IdMapConfig(policy="lru") if mapped else None
+        return EmbeddingBagConfig(name=name, num_embeddings=4, embedding_dim=4,
+                                  feature_names=(f"{name}1",), id_map=id_map)  # fmt: skip
+
+    layout = FeatureLayout([table("a", True), table("b", True)])
+    kjt = KeyedJaggedTensor.from_id_lists({"a1": [[1], [2, 3]], "b1": [[4], []]})
+    buffer = rows_buffer(kjt, layout, ["a", "b"])
+    assert buffer is not None and buffer.shape == kjt.values().shape
+    assert buffer.data_ptr() != kjt.values().data_ptr()
+    assert rows_buffer(kjt, layout, ["b", "a"]) is None
+    assert rows_buffer(kjt, FeatureLayout([table("a", True)]), ["a"]) is None  # "b1" past it
+    mixed = FeatureLayout([table("a", True), table("b", False)])
+    assert rows_buffer(kjt, mixed, ["a"]) is None

@@ -46,13 +46,39 @@ def table_ids(
     return {name: p[0] if len(p) == 1 else torch.cat(p) for name, p in parts.items()}
 
 
+def rows_buffer(
+    features: KeyedJaggedTensor, layout: FeatureLayout, names: Sequence[str]
+) -> torch.Tensor | None:
+    """A new tensor for ``features``' values with rows in place of the raw ids, for the native
+    remap to write each table's rows into (`remap_tables`' ``rows_into``), where that is all
+    the batch needs: every value is an id of a table of ``names``, each table's features next
+    to each other and the tables in ``names`` order (so `table_ids`' order is the values'),
+    int64 on the host. Else None (`apply_rows` puts the rows together)."""
+    values = features.values()
+    if values.dtype != torch.int64 or values.device.type != "cpu":
+        return None
+    tables = layout.table_names
+    runs = [t for i, t in enumerate(tables) if i == 0 or tables[i - 1] != t]
+    if runs != list(names) or features.offset_per_key()[len(tables)] != values.numel():
+        return None
+    return torch.empty_like(values, memory_format=torch.contiguous_format)
+
+
 def apply_rows(
-    features: KeyedJaggedTensor, layout: FeatureLayout, results: Mapping[str, Remapped]
+    features: KeyedJaggedTensor,
+    layout: FeatureLayout,
+    results: Mapping[str, Remapped],
+    rows_into: torch.Tensor | None = None,
 ) -> MappedBatch:
     """``features`` with each mapped table's ids replaced by ``results[table].rows_M``
-    (aligned with `table_ids`); ids of the zero row (-1) are dropped from their bags."""
-    pieces, mapped = _row_pieces(features, layout, results)
-    rows = torch.cat(pieces)
+    (aligned with `table_ids`); ids of the zero row (-1) are dropped from their bags.
+    ``rows_into``: the `rows_buffer` given to the remap, if its rows went there (every
+    ``rows_M`` a piece of it), else None."""
+    if rows_into is not None and _written_into(results, rows_into):
+        rows, mapped = rows_into, [True] * len(layout.table_names) + [False]
+    else:
+        pieces, mapped = _row_pieces(features, layout, results)
+        rows = torch.cat(pieces)
     batch = MappedBatch(features, dict(results))
     if not _any_zero_row(results):
         batch.features = features.with_values(rows)  # its counts, read already, hold
@@ -122,6 +148,13 @@ def _any_zero_row(results: Mapping[str, Remapped]) -> bool:
         return any(r.zero_row for r in results.values())
     rows = [r.rows_M for r in results.values() if r.rows_M.numel()]
     return bool(rows) and bool((torch.cat(rows) < 0).any())
+
+
+def _written_into(results: Mapping[str, Remapped], rows_into: torch.Tensor) -> bool:
+    """Whether the remap wrote ``results``' rows into ``rows_into`` (it does where every map
+    stepped natively; its first rows then start there)."""
+    first = next(iter(results.values()), None)
+    return first is not None and first.rows_M.data_ptr() == rows_into.data_ptr()
 
 
 def _row_pieces(

@@ -25,7 +25,7 @@ from torch import nn
 from recopt.modules.config import BaseEmbeddingConfig
 from recopt.modules.id_map import IdMap, Remapped, map_device
 from recopt.modules.id_map_ahead import AheadRemap, AheadSteps
-from recopt.modules.id_map_batch import MappedBatch, apply_rows, table_ids
+from recopt.modules.id_map_batch import MappedBatch, apply_rows, rows_buffer, table_ids
 from recopt.modules.id_map_native import remap_tables
 from recopt.modules.id_map_results import results_to
 from recopt.modules.id_map_rows import ResetPlan, ResetTargets, fresh_resets, fresh_values
@@ -160,17 +160,24 @@ class IdMaps(nn.ModuleDict):
         of the map. Ids that read the zero row are dropped from their bags. With ``peers``, a
         training step steps the maps with every peer's ids (`step_with_peers`).
         """
-        return apply_rows(
-            features, layout, self.remap_ids(table_ids(features, layout, list(self)), training)
-        )
+        names = list(self)
+        into = rows_buffer(features, layout, names) if training else None
+        results = self.remap_ids(table_ids(features, layout, names), training, into)
+        return apply_rows(features, layout, results, into)
 
-    def remap_ids(self, ids: Mapping[str, torch.Tensor], training: bool) -> dict[str, Remapped]:
+    def remap_ids(
+        self,
+        ids: Mapping[str, torch.Tensor],
+        training: bool,
+        rows_into: torch.Tensor | None = None,
+    ) -> dict[str, Remapped]:
         """Rows for each table's raw ids (``ids``: table -> its features' ids, concatenated).
 
         In training each map takes one step (with ``peers``: with every peer's ids; with
         observers: through `step`, undo records included); otherwise the maps are only read.
         Steps taken ahead by a pipeline (`start_ahead`) are undone first: this batch comes
-        before them (they go stale and their batches are remapped again).
+        before them (they go stale and their batches are remapped again). ``rows_into``: as
+        `remap_tables`' (used by the native maps' one call only).
         """
         self.rewind_ahead()
         if training and self.peers is not None:
@@ -178,20 +185,23 @@ class IdMaps(nn.ModuleDict):
             if gathered is not None:
                 return step_with_peers(self, *gathered)
         if training:
-            return self.step_many(ids)
+            return self.step_many(ids, rows_into=rows_into)
         return remap_tables({name: self.table_map(name) for name in ids}, ids, False)
 
     def step_many(
-        self, ids: Mapping[str, torch.Tensor], record_undo: bool = False
+        self,
+        ids: Mapping[str, torch.Tensor],
+        record_undo: bool = False,
+        rows_into: torch.Tensor | None = None,
     ) -> dict[str, Remapped]:
         """One training step of each map of ``ids`` (table -> raw ids): per table through
         `step` while observers watch (a guarded step, with undo records), else the native
-        maps in one call (`remap_tables`). ``record_undo``: each result carries its undo
-        record in any case."""
+        maps in one call (`remap_tables`, ``rows_into`` as there). ``record_undo``: each
+        result carries its undo record in any case."""
         if self.observers:
             return {name: self.step(name, ids[name], record_undo) for name in ids}
         maps = {name: self.table_map(name) for name in ids}
-        return remap_tables(maps, ids, True, record_undo)
+        return remap_tables(maps, ids, True, record_undo, rows_into=rows_into)
 
     def step(self, name: str, ids_M: torch.Tensor, record_undo: bool = False) -> Remapped:
         """A training `IdMap.remap` of table ``name``, shown to the observers (with its undo
@@ -332,13 +342,14 @@ def start_ahead(
             return
         ids = table_ids(source, layout, list(maps))
         device = selected.values().device
-        results = remap_tables(maps, ids, True, record_undo=True, threads=threads)
+        into = rows_buffer(source, layout, list(maps)) if device.type == "cpu" else None
+        results = remap_tables(maps, ids, True, record_undo=True, threads=threads, rows_into=into)
         remap.undo = {name: result.undo for name, result in results.items() if result.undo}
         if fresh_tables:
             fill_start = time.perf_counter()
             fresh_values(results, fresh_tables, threads or torch.get_num_threads())
             remap.fill_s = time.perf_counter() - fill_start
-        remap.mapped = apply_rows(selected, layout, results_to(results, device))
+        remap.mapped = apply_rows(selected, layout, results_to(results, device), into)
         if reset_targets is not None:
             fresh = fresh_resets(reset_targets, remap.mapped.fresh)
             remap.reset_plan = ResetPlan(fresh, reset_targets)

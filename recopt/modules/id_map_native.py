@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from recopt.modules.id_map import IdMap
 
 _Stamp = tuple[tuple[int, int], ...]
+# `NativeIdMap.step_args`: handle, lfu, ttl, admit_after, step address, 8 buffer addresses
+_StepArgs = tuple[int | None, int, int, int, int, tuple[int | None, ...]]
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -59,8 +61,10 @@ class NativeIdMap:
         if not handle:
             raise MemoryError(f"id map: no memory for the native cache of {num_rows} rows")
         self._handle = ctypes.c_void_p(handle)
+        self._names = ROW_BUFFERS + (CANDIDATE_BUFFERS if num_candidates else ())
         self._stamp: _Stamp | None = None
         self._pointers: ctypes.Array[ctypes.c_void_p] | None = None
+        self._step_args: tuple[object, _StepArgs] | None = None  # (its key, `step_args`)
         self.logs: _NativeLogs | None = None  # the deferred undo records of its last step
 
     def __del__(self) -> None:
@@ -87,17 +91,30 @@ class NativeIdMap:
 
     def _sync(self, idmap: IdMap) -> ctypes.Array[ctypes.c_void_p]:
         """The buffers' pointers, after rebuilding the cache if they changed elsewhere."""
-        names = ROW_BUFFERS + (CANDIDATE_BUFFERS if self.num_candidates else ())
         own = idmap._buffers  # the module's buffer table: no nn.Module attribute lookups
-        buffers = [b for b in (own[name] for name in names) if b is not None]
-        stamp = tuple((b.data_ptr(), b._version) for b in buffers)
+        buffers = [b for b in [own[name] for name in self._names] if b is not None]
+        stamp = tuple([(b.data_ptr(), b._version) for b in buffers])
         if stamp != self._stamp or self._pointers is None:
-            assert len(buffers) == len(names) and all(b.is_contiguous() for b in buffers)
+            assert len(buffers) == len(self._names) and all(b.is_contiguous() for b in buffers)
             self._pointers = (ctypes.c_void_p * len(buffers))(*[b.data_ptr() for b in buffers])
             if self._lib.rim_rebuild(self._handle, self._pointers) != 0:
                 raise MemoryError("id map: no memory to rebuild the native cache")
             self._stamp = stamp
         return self._pointers
+
+    def step_args(self, idmap: IdMap) -> _StepArgs:
+        """What `rim_step_many` takes of this map besides its ids and outputs: its handle,
+        lfu flag, ttl, admission count, step counter's address, and its 8 buffer addresses
+        (rows', then candidates' or NULL); made again only when a buffer moved (`_sync`)."""
+        pointers = self._sync(idmap)
+        step_t = _step_buffer(idmap)
+        key = (pointers, step_t.data_ptr())
+        if self._step_args is None or self._step_args[0] != key:
+            config = idmap.config
+            own = (*pointers[:], *[None] * (8 - len(pointers)))
+            head = (self._handle.value, int(config.policy == "lfu"), config.ttl_steps or 0)
+            self._step_args = key, (*head, idmap.admit_after, step_t.data_ptr(), own)
+        return self._step_args[1]
 
     def read(self, idmap: IdMap, ids_M: torch.Tensor) -> Remapped:
         """Outside training: the row of each id (-1: unknown or expired); nothing changes."""
@@ -164,6 +181,7 @@ def remap_tables(
     training: bool,
     record_undo: bool = False,
     threads: int | None = None,
+    rows_into: torch.Tensor | None = None,
 ) -> dict[str, Remapped]:
     """`IdMap.remap` of each map on its ids; the native maps in training in one call.
 
@@ -172,6 +190,11 @@ def remap_tables(
     own. ``record_undo``: each training result carries its `MapUndo` (`IdMap.remap`). Ids on
     a device (a CUDA table's ids; its map is on the host) come over in one copy per device
     and their rows go back in one.
+
+    ``rows_into``: where the rows go when every map is native and trains (a contiguous int64
+    host tensor, each map's rows after the previous map's, in ``maps`` order: a batch's new
+    values, written by the native call itself); ignored otherwise (`Remapped.rows_M` says
+    where they are).
     """
     results: dict[str, Remapped] = {}
     natives: dict[str, NativeIdMap] = {}
@@ -185,7 +208,8 @@ def remap_tables(
         host_ids = _on_host({name: ids[name] for name in natives})
         together = [(name, maps[name], native, host_ids[name]) for name, native in natives.items()]
         count = torch.get_num_threads() if threads is None else threads
-        done = _step_many(together, record_undo, count)
+        whole = rows_into is not None and len(natives) == len(maps)
+        done = _step_many(together, record_undo, count, rows_into if whole else None)
         for device in {ids[name].device for name in natives}:
             names = [name for name in natives if ids[name].device == device]
             results.update(results_to({name: done[name] for name in names}, device))
@@ -211,22 +235,33 @@ def _step_buffer(idmap: IdMap) -> torch.Tensor:
 
 
 def _step_many(
-    together: list[tuple[str, IdMap, NativeIdMap, torch.Tensor]], record: bool, threads: int
+    together: list[tuple[str, IdMap, NativeIdMap, torch.Tensor]],
+    record: bool,
+    threads: int,
+    rows_into: torch.Tensor | None = None,
 ) -> dict[str, Remapped]:
     """One `rim_step_many` call for ``together``'s maps (host time kept low: on a pipeline's
-    worker it runs beside the training step, and on a GPU that step is short)."""
+    worker it runs beside the training step, and on a GPU that step is short); the rows
+    written into ``rows_into`` when given (`remap_tables`)."""
     count = len(together)
     sizes = [ids_M.numel() for _, _, _, ids_M in together]
     total = sum(sizes)
     # every map's rows, then every map's fresh rows, then fresh ids: [3, total], one buffer
-    # addressed by offsets (views only for what the results keep)
+    # addressed by offsets (views only for what the results keep); the rows part unused
+    # when they go into ``rows_into``
     out = torch.empty(3 * total, dtype=torch.int64)
     starts = list(itertools.accumulate([0, *sizes[:-1]]))
     base = out.data_ptr()
-    buffers: list[int | None] = []
-    for _, idmap, native, _ in together:
-        own = native._sync(idmap)[:]
-        buffers += own + [None] * (8 - len(own))  # 8 a map: rows', then candidates'
+    if rows_into is None:
+        rows_M = out[:total].split(sizes)
+    else:
+        assert rows_into.dtype == torch.int64 and rows_into.is_contiguous()
+        assert rows_into.device.type == "cpu" and rows_into.numel() == total
+        rows_M = rows_into.split(sizes)
+    rows_base = rows_into.data_ptr() if rows_into is not None else base
+    handles, lfu, ttl, admit, steps_at, buffers = zip(
+        *[native.step_args(idmap) for _, idmap, native, _ in together], strict=True
+    )
     for _, _, native, _ in together:
         native.keep_log()
     ptrs, int64s = cpu_id_map.pointers, cpu_id_map.int64s
@@ -234,31 +269,29 @@ def _step_many(
     # the step counters move in the native call (their version counters stay, as the other
     # buffers' do there): no torch op, and the new steps come back in the stats
     cpu_id_map.library().rim_step_many(
-        count, ptrs([native._handle.value for _, _, native, _ in together]),
-        int64s([int(idmap.config.policy == "lfu") for _, idmap, _, _ in together]),
-        ptrs(buffers), ptrs([_ptr(ids_M) for _, _, _, ids_M in together]), int64s(sizes),
-        ptrs([_step_buffer(idmap).data_ptr() for _, idmap, _, _ in together]),
-        int64s([idmap.config.ttl_steps or 0 for _, idmap, _, _ in together]),
-        int64s([idmap.admit_after for _, idmap, _, _ in together]),
-        *(ptrs([base + 8 * (part * total + start) for start in starts]) for part in range(3)),
+        count, ptrs(handles), int64s(lfu), ptrs(list(itertools.chain.from_iterable(buffers))),
+        ptrs([_ptr(ids_M) for _, _, _, ids_M in together]), int64s(sizes), ptrs(steps_at),
+        int64s(ttl), int64s(admit), ptrs([rows_base + 8 * start for start in starts]),
+        *(ptrs([base + 8 * (part * total + start) for start in starts]) for part in (1, 2)),
         stats_out, status, int(record), threads,
     )  # fmt: skip
+    if any(status):
+        raise MemoryError("id map: no memory for the native remap's scratch or undo record")
     results, befores = {}, []
     flat_stats = stats_out[:]
     steps = flat_stats[6::7]
+    # each map's fresh rows and ids (the first `placed` of its part), by one split
+    placed = flat_stats[0::7]
+    pieces = [n for size, p in zip(sizes, placed, strict=True) for n in (p, size - p)]
+    fresh = out[total:].split(pieces * 2)
     for i, (name, idmap, native, _) in enumerate(together):
-        if status[i] != 0:
-            raise MemoryError("id map: no memory for the native remap's scratch or undo record")
         before = idmap.last_stats
         stats = _stepped(idmap, steps[i], native.num_rows, flat_stats[7 * i : 7 * i + 6])
-        start, placed = starts[i], stats.new_ids
+        # zero_row: the ids left without a row (those that read it), counted by the call
         results[name] = Remapped(
-            out[start : start + sizes[i]],
-            out[total + start : total + start + placed],
-            out[2 * total + start : 2 * total + start + placed],
-            stats,
-            zero_row=stats.zero_row_ids > 0,  # the ids left without a row: those that read it
-        )
+            rows_M[i], fresh[2 * i], fresh[2 * (count + i)], stats, None, None,
+            stats.zero_row_ids > 0,
+        )  # fmt: skip
         befores.append(before)
     if record:
         natives = [native for _, _, native, _ in together]
@@ -351,14 +384,7 @@ def _copy_logs(handles: list[int | None], which: int, rows: bool) -> list[list[t
 def _stepped(idmap: IdMap, step: int, num_rows: int, out: Sequence[int]) -> RemapStats:
     """The stats of a native step from its six counters, recorded on ``idmap``."""
     placed, evictions, expired, admissions, zero_row_ids, live = out
-    stats = RemapStats(
-        step=step,
-        occupancy=float(live) / num_rows,
-        new_ids=placed,
-        evictions=evictions,
-        expired=expired,
-        admissions=admissions,
-        zero_row_ids=zero_row_ids,
-    )
+    occupancy = float(live) / num_rows
+    stats = RemapStats(step, occupancy, placed, evictions, expired, admissions, zero_row_ids)
     idmap.native_stepped(stats)
     return stats
