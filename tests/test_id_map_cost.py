@@ -270,3 +270,38 @@ def test_rows_buffer_only_where_the_rows_fill_the_batch_in_order() -> None:
     assert rows_buffer(kjt, FeatureLayout([table("a", True)]), ["a"]) is None  # "b1" past it
     mixed = FeatureLayout([table("a", True), table("b", False)])
     assert rows_buffer(kjt, mixed, ["a"]) is None
+
+
+@native_only
+def test_reset_plan_with_the_targets_fixed_part_equals_one_made_per_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A collection's `ResetTargets` keep the native reset's fixed part of all its tables
+    (made once; a table without fresh rows in a step passes none): the same bits as a plan
+    whose fixed part is made for its step's tables."""
+    from recopt.modules.id_map import RemapStats
+    from recopt.modules.id_map_rows import FreshTable, ResetPlan
+
+    made = []
+    of = cpu_id_map.ResetTables.of
+    monkeypatch.setattr(cpu_id_map.ResetTables, "of", lambda t: made.append(len(t)) or of(t))
+    kept, each = _collection("row_wise_adagrad", 3), _collection("row_wise_adagrad", 3)
+    for step in range(6):
+        fresh_tables = [0, 2] if step % 2 else [1]  # the others have no fresh rows
+        for module, with_targets in ((kept, True), (each, False)):
+            targets = module._reset_targets()
+            gen_step = torch.Generator().manual_seed(step)
+            fresh = []
+            for i in fresh_tables:
+                name = f"t{i}"
+                rows = torch.randperm(16 + 4 * i, generator=gen_step)[: 3 + i]
+                ids = torch.randint(0, 2**40, (rows.numel(),), generator=gen_step)
+                result = Remapped(rows, rows, ids, RemapStats(step=step + 1))
+                fresh.append(FreshTable(targets[name], result))
+            assert module.id_maps is not None
+            ResetPlan(fresh, targets if with_targets else None).run(module.id_maps)
+    assert made[0] == 3 and made.count(3) == 1  # the three tables' part, once
+    assert len(made) == 1 + 6  # and the plan without the targets made its own each step
+    got, expected = _state(kept), _state(each)
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key

@@ -415,3 +415,44 @@ def test_deferred_undo_records_copy_and_pickle_with_their_tensors() -> None:
     idmap.apply_undo(copied)
     for key, value in idmap.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def test_one_call_results_make_their_fresh_tensors_when_read() -> None:
+    """A native step's results keep their fresh rows and ids in one buffer (`FreshBlock`),
+    with the initial values `fresh_values` makes there: the tensors, made when first read,
+    equal the per-map torch step's and `fill_values`' per tensor; a pickle carries them."""
+    from recopt.modules import EmbeddingBagConfig
+    from recopt.modules.id_map_rows import fresh_values
+
+    names = ["a", "b", "c"]
+    pairs = {name: _pair(CONFIGS["lru_ttl" if name == "b" else "lfu"], 40) for name in names}
+    made = {  # "b" gets no values: not a table whose values are made ahead
+        name: EmbeddingBagConfig(name=name, num_embeddings=40, embedding_dim=3 + i,
+                                 feature_names=(name,))
+        for i, name in enumerate(["a", "c"])
+    }  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    fresh_seen = 0
+    for step in range(30):
+        ids = {name: _batch(gen, step, 40) for name in names}
+        results = remap_tables({name: pairs[name][0] for name in names}, ids, training=True)
+        fresh_values(results, made, 2)
+        for name in names:
+            result, expected = results[name], pairs[name][1].remap(ids[name], True)
+            assert result.block is not None, name
+            assert result.num_fresh() == expected.fresh_rows.numel() == result.stats.new_ids
+            copied = pickle.loads(pickle.dumps(result))  # before any view was made
+            _assert_same(result, expected, pairs[name][0], pairs[name][1], f"{name} {step}")
+            assert torch.equal(copied.fresh_ids, expected.fresh_ids), (name, step)
+            fresh_seen += result.num_fresh()
+            if name not in made or not result.num_fresh():
+                assert result.fresh_values is None, (name, step)
+                continue
+            table = made[name]
+            (want,) = cpu_id_map.fill_values(
+                [expected.fresh_ids], [result.stats.step], [table.embedding_dim],
+                [table.init_bounds()], 1,
+            )  # fmt: skip
+            assert result.fresh_values is not None and torch.equal(result.fresh_values, want)
+            assert copied.fresh_values is not None and torch.equal(copied.fresh_values, want)
+    assert fresh_seen > 100

@@ -247,21 +247,54 @@ def fill_values(
 ) -> list[torch.Tensor]:  # fmt: skip
     """For each table, ``[len(ids[t]), dims[t]]`` float32: the values `reset_many` would write
     into fresh rows of ids ``ids[t]`` at ``steps[t]`` with init bounds ``bounds[t]`` (the same
-    bits), for a later `RowReset` to copy. One native call, the tables over ``threads``; their
-    rows (value i is row i) one ``arange`` for all (few torch ops: a pipeline's worker makes
-    these beside the training step)."""
-    counts = [t.numel() for t in ids]
-    out = [torch.empty(count, dim) for count, dim in zip(counts, dims, strict=True)]
-    rows = torch.arange(max(counts, default=0))
+    bits), for a later `RowReset` to copy (`fill_values_at` of the tensors)."""
     flat_ids = [int64_contiguous(t) for t in ids]
+    counts = [t.numel() for t in flat_ids]
+    at = [t.data_ptr() for t in flat_ids]
+    values, starts = fill_values_at(at, counts, steps, dims, bounds, threads)
+    return [
+        values[start : start + count * dim].view(count, dim)
+        for start, count, dim in zip(starts, counts, dims, strict=True)
+    ]
+
+
+def fill_values_at(
+    ids: Sequence[int], counts: Sequence[int], steps: Sequence[int], dims: Sequence[int],
+    bounds: Sequence[tuple[float, float]], threads: int,
+) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
+    """`fill_values` of ids given by address (``counts[t]`` int64 at ``ids[t]``, kept alive by
+    the caller), into one float32 buffer: table t's ``[counts[t], dims[t]]`` row-major from
+    element ``starts[t]``; returns the buffer and ``starts``. One native call, the tables over
+    ``threads``, their rows (value i is row i) one ``arange`` kept for all (few torch ops: a
+    pipeline's worker makes these beside the training step)."""
+    sizes = [count * dim for count, dim in zip(counts, dims, strict=True)]
+    starts = list(itertools.accumulate([0, *sizes[:-1]]))
+    values = torch.empty(sum(sizes), dtype=torch.float32)
+    base = values.data_ptr()
+    rows = _row_numbers(max(counts, default=0))
     lo_hi = [bound for pair in bounds for bound in pair]
     library().rim_reset_many(
-        len(ids), pointers([rows.data_ptr()] * len(ids)), _pointers(flat_ids), int64s(counts),
+        len(ids), pointers([rows.data_ptr()] * len(ids)), pointers(ids), int64s(counts),
         int64s(steps), int64s(dims), (ctypes.c_double * max(len(lo_hi), 1))(*lo_hi),
-        _pointers(out), int64s(dims), int64s([0] * (len(ids) + 1)), pointers([]),
-        int64s([]), int64s([]), None, threads,
+        pointers([base + 4 * start for start in starts]), int64s(dims),
+        int64s([0] * (len(ids) + 1)), pointers([]), int64s([]), int64s([]), None, threads,
     )  # fmt: skip
-    return out
+    return values, starts
+
+
+class _Numbers:
+    """0, 1, 2, ... as int64, grown when a longer run is asked for (never written: the
+    threads that read an older one keep it)."""
+
+    made = torch.arange(0)
+
+
+def _row_numbers(count: int) -> torch.Tensor:
+    """At least ``count`` int64 values 0, 1, 2, ... (the rows of values made ahead)."""
+    made = _Numbers.made
+    if made.numel() < count:
+        made = _Numbers.made = torch.arange(max(count, 2 * made.numel()))
+    return made
 
 
 def int64s(values: Sequence[int]) -> ctypes.Array[ctypes.c_int64]:
@@ -298,32 +331,91 @@ def prepare_reset(resets: Sequence[RowReset]) -> Callable[[int], None]:
     left for later: a pipeline's worker makes them, the forward only calls. The tensors must
     stay where they are until the call (it keeps them alive)."""
     resets = [r for r in resets if r.rows.numel()]
-    if not resets:
-        return lambda threads: None
     rows = [int64_contiguous(r.rows) for r in resets]
     ids = [int64_contiguous(r.ids) for r in resets]
+    at = [
+        RowsAt(
+            r.data_ptr(), i.data_ptr(), r.numel(), reset.step,
+            None if reset.values is None else reset.values.data_ptr(),
+        )
+        for r, i, reset in zip(rows, ids, resets, strict=True)
+    ]  # fmt: skip
     tables = [r.table or ResetTable.of(r.weight, r.states, r.lo, r.hi) for r in resets]
-    states = [state for t in tables for state in t.states]
-    first_state = list(itertools.accumulate([0, *(len(t.states) for t in tables)]))
-    lo_hi = [bound for t in tables for bound in (t.lo, t.hi)]
+    return prepare_reset_at(tables, at, (rows, ids, [r.values for r in resets]))
+
+
+class RowsAt(NamedTuple):
+    """One table's fresh rows for `prepare_reset_at`, by address: ``num_rows`` int64 rows at
+    ``rows``, their ids at ``ids``, the step, and their initial weights made earlier at
+    ``values`` (float32, ``[num_rows, dim]`` row-major; None: hashed by the call)."""
+
+    rows: int
+    ids: int
+    num_rows: int
+    step: int
+    values: int | None
+
+
+class ResetTables(NamedTuple):
+    """The arguments of `prepare_reset_at` for ``tables`` that stay the same from step to step
+    (their widths, bounds, weights and states), made once (`of`) where the tables are kept."""
+
+    tables: tuple[ResetTable, ...]
+    dims: ctypes.Array[ctypes.c_int64]
+    lo_hi: ctypes.Array[ctypes.c_double]
+    weights: ctypes.Array[ctypes.c_void_p]
+    weight_strides: ctypes.Array[ctypes.c_int64]
+    first_state: ctypes.Array[ctypes.c_int64]
+    states: ctypes.Array[ctypes.c_void_p]
+    state_strides: ctypes.Array[ctypes.c_int64]
+    state_widths: ctypes.Array[ctypes.c_int64]
+    written: list[torch.Tensor]  # the weights and states: their version counters move
+
+    @staticmethod
+    def of(tables: Sequence[ResetTable]) -> ResetTables:
+        states = [state for t in tables for state in t.states]
+        lo_hi = [bound for t in tables for bound in (t.lo, t.hi)]
+        return ResetTables(
+            tuple(tables),
+            int64s([t.dim for t in tables]),
+            (ctypes.c_double * max(len(lo_hi), 1))(*lo_hi),
+            _pointers([t.weight for t in tables]),
+            int64s([t.weight_stride for t in tables]),
+            int64s(list(itertools.accumulate([0, *(len(t.states) for t in tables)]))),
+            _pointers(states),
+            int64s([stride for t in tables for stride in t.state_strides]),
+            int64s([width for t in tables for width in t.state_widths]),
+            [t.weight for t in tables] + states,
+        )
+
+
+def prepare_reset_at(
+    tables: ResetTables | Sequence[ResetTable], rows: Sequence[RowsAt], keep: object
+) -> Callable[[int], None]:
+    """`prepare_reset` of table ``tables[t]``'s ``rows[t]`` (``keep``: what their addresses
+    point into, held until the call); ``tables`` as `ResetTables` where they were made once."""
+    if not any(r.num_rows for r in rows):
+        return lambda threads: None
+    fixed = tables if isinstance(tables, ResetTables) else ResetTables.of(tables)
+    assert len(fixed.tables) == len(rows)
     args = (
-        len(resets),
-        _pointers(rows),
-        _pointers(ids),
-        int64s([t.numel() for t in rows]),
-        int64s([r.step for r in resets]),
-        int64s([t.dim for t in tables]),
-        (ctypes.c_double * len(lo_hi))(*lo_hi),
-        _pointers([t.weight for t in tables]),
-        int64s([t.weight_stride for t in tables]),
-        int64s(first_state),
-        _pointers(states),
-        int64s([stride for t in tables for stride in t.state_strides]),
-        int64s([width for t in tables for width in t.state_widths]),
-        pointers([None if r.values is None else r.values.data_ptr() for r in resets]),
+        len(rows),
+        pointers([r.rows for r in rows]),
+        pointers([r.ids for r in rows]),
+        int64s([r.num_rows for r in rows]),
+        int64s([r.step for r in rows]),
+        fixed.dims,
+        fixed.lo_hi,
+        fixed.weights,
+        fixed.weight_strides,
+        fixed.first_state,
+        fixed.states,
+        fixed.state_strides,
+        fixed.state_widths,
+        pointers([r.values for r in rows]),
     )
-    written = [t.weight for t in tables] + states
-    kept = (rows, ids, [r.values for r in resets], tables)  # what the pointers point into
+    written = fixed.written
+    kept = (keep, fixed)  # what the pointers point into
 
     def call(threads: int) -> None:
         assert kept

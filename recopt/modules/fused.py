@@ -32,7 +32,7 @@ from recopt.modules.fused_groups import (
 )
 from recopt.modules.id_map_batch import MappedBatch, mean_scale
 from recopt.modules.id_map_lookup import IdMaps, prepare_mapped
-from recopt.modules.id_map_rows import ResetPlan, ResetTarget, fresh_resets
+from recopt.modules.id_map_rows import ResetPlan, ResetTarget, ResetTargets, fresh_resets
 from recopt.modules.id_map_stage import RemapStage
 from recopt.modules.inputs import FeatureLayout
 from recopt.modules.nonfinite import NonFiniteGradGuard, guarded_lookup
@@ -183,7 +183,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
         self._skip_nonfinite = skip_nonfinite
         self._grad_guard = NonFiniteGradGuard(type(self).__name__)
         self.id_maps = IdMaps.of(self.tables, self.device)
-        self._fresh_targets: dict[str, ResetTarget] | None = None  # `_reset_targets`
+        self._fresh_targets: ResetTargets | None = None  # `_reset_targets`
         self._remaps = (
             None
             if self.id_maps is None
@@ -369,11 +369,11 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
             plan = ResetPlan(fresh_resets(targets, mapped.fresh), targets)
         plan.run(self.id_maps)
 
-    def _reset_targets(self) -> dict[str, ResetTarget]:
+    def _reset_targets(self) -> ResetTargets:
         """Per id-mapped table: its config, optimizer, weight and optimizer state views (the
         kernels' storage, as the module and its fused optimizer hold them: made once)."""
         if self._fresh_targets is None:
-            self._fresh_targets = {}
+            self._fresh_targets = ResetTargets()
             for group in self._groups:
                 kernel = group.kernel
                 for t, weight, states in zip(

@@ -300,7 +300,7 @@ class IdMap(nn.Module):
     def _native(self) -> NativeIdMap | None:
         """The native remap's cache (created at first use), or None: torch ops then."""
         occupied = self._buffers["occupied"]  # no nn.Module attribute lookup: a hot path
-        if not self.native or occupied is None or occupied.device.type != "cpu":
+        if not self.native or occupied is None or not occupied.is_cpu:
             return None
         if self._native_map is None:
             if not cpu_id_map.available():

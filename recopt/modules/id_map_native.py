@@ -24,6 +24,7 @@ from recopt.kernels import cpu_id_map
 from recopt.modules.id_map_results import (
     CANDIDATE_BUFFERS,
     ROW_BUFFERS,
+    FreshBlock,
     MapUndo,
     Remapped,
     RemapStats,
@@ -280,18 +281,13 @@ def _step_many(
     results, befores = {}, []
     flat_stats = stats_out[:]
     steps = flat_stats[6::7]
-    # each map's fresh rows and ids (the first `placed` of its part), by one split
-    placed = flat_stats[0::7]
-    pieces = [n for size, p in zip(sizes, placed, strict=True) for n in (p, size - p)]
-    fresh = out[total:].split(pieces * 2)
+    # each map's fresh rows and ids: the first `placed` of its part (views made when read)
+    block = FreshBlock(out, total, starts, flat_stats[0::7])
     for i, (name, idmap, native, _) in enumerate(together):
         before = idmap.last_stats
         stats = _stepped(idmap, steps[i], native.num_rows, flat_stats[7 * i : 7 * i + 6])
         # zero_row: the ids left without a row (those that read it), counted by the call
-        results[name] = Remapped(
-            rows_M[i], fresh[2 * i], fresh[2 * (count + i)], stats, None, None,
-            stats.zero_row_ids > 0,
-        )  # fmt: skip
+        results[name] = Remapped.in_block(rows_M[i], stats, stats.zero_row_ids > 0, block, i)
         befores.append(before)
     if record:
         natives = [native for _, _, native, _ in together]

@@ -37,12 +37,53 @@ class RemapStats:
 
 
 @dataclass(slots=True)
+class FreshBlock:
+    """The fresh rows and ids of one native step of several maps (`id_map_native`), in one
+    int64 buffer by offsets: map i's ``counts[i]`` rows from ``out[total + starts[i]]``, its
+    ids from ``out[2 * total + starts[i]]``; and once made (`id_map_rows.fresh_values`), their
+    initial weights: map i's ``[counts[i], dims[i]]`` float32 from ``values[value_starts[i]]``
+    (-1: none made). Its `Remapped` results (`Remapped.in_block`) make their views only when
+    read: the worker's reset plan takes addresses (`rows_at`), no tensor a table."""
+
+    out: torch.Tensor
+    total: int
+    starts: list[int]
+    counts: list[int]
+    values: torch.Tensor | None = None
+    value_starts: list[int] = field(default_factory=list)
+    dims: list[int] = field(default_factory=list)
+
+    def rows_at(self, i: int) -> tuple[int, int]:
+        """The addresses of map i's fresh rows and ids."""
+        at = self.out.data_ptr() + 8 * self.starts[i]
+        return at + 8 * self.total, at + 16 * self.total
+
+    def values_at(self, i: int, dim: int) -> int | None:
+        """The address of map i's initial weights if made for rows of width ``dim``."""
+        if self.values is None or self.value_starts[i] < 0 or self.dims[i] != dim:
+            return None
+        return self.values.data_ptr() + 4 * self.value_starts[i]
+
+    def views(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start, count = self.total + self.starts[i], self.counts[i]
+        return self.out[start : start + count], self.out[start + self.total :][:count]
+
+    def values_view(self, i: int) -> torch.Tensor | None:
+        if self.values is None or self.value_starts[i] < 0:
+            return None
+        start, count, dim = self.value_starts[i], self.counts[i], self.dims[i]
+        return self.values[start : start + count * dim].view(count, dim)
+
+
+@dataclass(slots=True)
 class Remapped:
     """The rows of one batch: ``rows_M`` (-1: the zero row) and the rows to re-initialise.
 
     ``fresh_rows`` got a new id this batch (their weights and optimizer state must be reset
     before the lookup); ``fresh_ids`` are those ids, in the same order. ``fresh_values``: their
     initial weights ``[K, D]`` float32 when made ahead (a pipeline's worker), else None.
+    ``block``: where a native step left those three (`FreshBlock`, this map's index), their
+    tensors made at first read (`in_block`); else None.
     """
 
     rows_M: torch.Tensor
@@ -52,6 +93,34 @@ class Remapped:
     undo: MapUndo | None = None
     fresh_values: torch.Tensor | None = None
     zero_row: bool | None = None  # whether an id reads the zero row, when the host knows it
+    block: tuple[FreshBlock, int] | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def in_block(
+        cls, rows_M: torch.Tensor, stats: RemapStats, zero_row: bool, block: FreshBlock, i: int
+    ) -> Remapped:
+        """Map ``i``'s result of a native step whose fresh rows are in ``block``."""
+        result = cls.__new__(cls)
+        result.rows_M, result.stats, result.undo, result.zero_row = rows_M, stats, None, zero_row
+        result.block = (block, i)
+        return result
+
+    def num_fresh(self) -> int:
+        """How many fresh rows (without making their tensor)."""
+        return self.block[0].counts[self.block[1]] if self.block else self.fresh_rows.numel()
+
+    if not TYPE_CHECKING:  # typed as the fields above; only a result `in_block` comes here
+
+        def __getattr__(self, name: str) -> Any:
+            block = object.__getattribute__(self, "block") if name in _IN_BLOCK else None
+            if block is None:
+                raise AttributeError(name)
+            source, i = block
+            if name == "fresh_values":
+                self.fresh_values = source.values_view(i)
+            else:
+                self.fresh_rows, self.fresh_ids = source.views(i)
+            return object.__getattribute__(self, name)
 
     def reads_zero_row(self) -> bool:
         """Whether an id reads the zero row: ``zero_row`` when known (a native step counts
@@ -124,6 +193,7 @@ class _Released:
 
 
 _RELEASED = _Released()
+_IN_BLOCK = frozenset(("fresh_rows", "fresh_ids", "fresh_values"))
 _DEFERRED = frozenset(("rows", "row_values", "candidate_slots", "candidate_values"))
 
 

@@ -11,7 +11,7 @@ Legend: M ids, K fresh rows, D row width.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -141,8 +141,9 @@ class ResetPlan:
 
     def __init__(self, tables: Sequence[FreshTable], targets: object = None) -> None:
         self.targets = targets
-        self.tables = [t for t in tables if t.fresh.fresh_rows.numel()]
-        native: list[cpu_id_map.RowReset] = []
+        self.tables = [t for t in tables if t.fresh.num_fresh()]
+        native: dict[str, tuple[ResetTarget, cpu_id_map.RowsAt]] = {}
+        keep: list[object] = []  # what the native call's addresses point into
         self._hashed: list[FreshTable] = []
         self._others: list[FreshTable] = []
         for t in self.tables:
@@ -150,20 +151,14 @@ class ResetPlan:
             if route.way == "device":
                 self._hashed.append(t)
             elif route.way == "native":
-                f = t.fresh
-                native.append(
-                    cpu_id_map.RowReset(
-                        t.target.weight, f.fresh_rows, f.fresh_ids, f.stats.step, route.lo,
-                        route.hi, route.zeroed, _made_values(t), route.native,
-                    )
-                )  # fmt: skip
+                native[t.target.table.name] = t.target, _rows_at(t, keep)
             else:
                 self._others.append(t)
-        self._native = cpu_id_map.prepare_reset(native)
+        self._native = _prepare_native(native, targets, keep)
 
     def run(self, maps: IdMaps) -> None:
         """Tell the observers of every table, then reset the rows."""
-        for t in self.tables:
+        for t in self.tables if maps.observers else ():
             table, _, weight, states, _ = t.target
             maps.before_reset(table.name, weight, states, t.fresh.fresh_rows)
         for t in self._others:
@@ -174,17 +169,72 @@ class ResetPlan:
         _reset_hashed(self._hashed)
 
 
-# per table name: its `ResetTarget` (a collection's)
-ResetTargets = Mapping[str, ResetTarget]
+class ResetTargets(dict[str, ResetTarget]):
+    """Per table name: its `ResetTarget` (a collection's, made once with its kernels' views);
+    and the native reset's fixed part for all of them that reset natively (`native`), made at
+    first use, so a step's `ResetPlan` adds only the rows (tables without fresh rows in that
+    step pass none)."""
+
+    _native: tuple[list[str], cpu_id_map.ResetTables] | None = None
+
+    def __setitem__(self, name: str, target: ResetTarget) -> None:
+        self._native = None
+        super().__setitem__(name, target)
+
+    def native(self) -> tuple[list[str], cpu_id_map.ResetTables]:
+        """The names of the tables reset natively, and their `cpu_id_map.ResetTables`."""
+        if self._native is None:
+            native = {n: t.route.native for n, t in self.items() if t.route.native is not None}
+            self._native = list(native), cpu_id_map.ResetTables.of(list(native.values()))
+        return self._native
 
 
-def fresh_resets(targets: ResetTargets, results: Mapping[str, Remapped]) -> list[FreshTable]:
+_NO_ROWS = cpu_id_map.RowsAt(0, 0, 0, 0, None)  # a table without fresh rows in this step
+
+
+def fresh_resets(
+    targets: Mapping[str, ResetTarget], results: Mapping[str, Remapped]
+) -> list[FreshTable]:
     """A `FreshTable` per result with fresh rows, its table's target from ``targets``."""
     return [
-        FreshTable(targets[name], fresh)
-        for name, fresh in results.items()
-        if fresh.fresh_rows.numel()
+        FreshTable(targets[name], fresh) for name, fresh in results.items() if fresh.num_fresh()
     ]
+
+
+def _prepare_native(
+    native: Mapping[str, tuple[ResetTarget, cpu_id_map.RowsAt]], targets: object, keep: object
+) -> Callable[[int], None]:
+    """The native reset of ``native``'s rows (per table: its target and rows), with the fixed
+    part ``targets`` keeps (`ResetTargets.native`) where the targets are those."""
+    if isinstance(targets, ResetTargets) and native:
+        names, fixed = targets.native()
+        if all(targets.get(name) is target for name, (target, _) in native.items()):
+            at = [native[name][1] if name in native else _NO_ROWS for name in names]
+            return cpu_id_map.prepare_reset_at(fixed, at, keep)
+    tables = [target.route.native for target, _ in native.values()]
+    assert all(table is not None for table in tables)
+    at = [rows for _, rows in native.values()]
+    return cpu_id_map.prepare_reset_at(tables, at, keep)  # type: ignore[arg-type]
+
+
+def _rows_at(t: FreshTable, keep: list[object]) -> cpu_id_map.RowsAt:
+    """Where a table's fresh rows, ids and made values are, for the native reset: in their
+    step's `FreshBlock` (no tensors made), else in the result's tensors; what the addresses
+    point into is added to ``keep``."""
+    f, dim = t.fresh, t.target.weight.shape[1]
+    if f.block is not None:
+        block, i = f.block
+        keep.append(block)
+        rows_at, ids_at = block.rows_at(i)
+        values_at = block.values_at(i, dim)
+        return cpu_id_map.RowsAt(rows_at, ids_at, block.counts[i], f.stats.step, values_at)
+    rows, ids = cpu_id_map.int64_contiguous(f.fresh_rows), cpu_id_map.int64_contiguous(f.fresh_ids)
+    values = _made_values(t)
+    keep.append((rows, ids, values))
+    return cpu_id_map.RowsAt(
+        rows.data_ptr(), ids.data_ptr(), rows.numel(), f.stats.step,
+        None if values is None else values.data_ptr(),
+    )  # fmt: skip
 
 
 def _made_values(t: FreshTable) -> torch.Tensor | None:
@@ -308,9 +358,15 @@ def fresh_values(
     made = [
         (result, tables[name])
         for name, result in results.items()
-        if name in tables and result.fresh_rows.numel() and result.fresh_ids.device.type == "cpu"
+        if name in tables
+        and result.num_fresh()
+        and (result.block is not None or result.fresh_ids.device.type == "cpu")
     ]
     if not made or not cpu_id_map.available():
+        return
+    blocks = [result.block for result, _ in made]
+    if all(b is not None and b[0] is blocks[0][0] for b in blocks):  # type: ignore[index]
+        _fill_block(made, threads)  # one native step's: by addresses, into one buffer
         return
     values = cpu_id_map.fill_values(
         [result.fresh_ids for result, _ in made],
@@ -321,6 +377,27 @@ def fresh_values(
     )
     for (result, _), value in zip(made, values, strict=True):
         result.fresh_values = value
+
+
+def _fill_block(made: Sequence[tuple[Remapped, BaseEmbeddingConfig]], threads: int) -> None:
+    """`fresh_values` of results of one `FreshBlock`: their values in one buffer there."""
+    first = made[0][0].block
+    assert first is not None
+    block = first[0]
+    indices = [result.block[1] for result, _ in made if result.block is not None]
+    dims = [table.embedding_dim for _, table in made]
+    values, starts = cpu_id_map.fill_values_at(
+        [block.rows_at(i)[1] for i in indices],
+        [block.counts[i] for i in indices],
+        [result.stats.step for result, _ in made],
+        dims,
+        [table.init_bounds() for _, table in made],
+        threads,
+    )
+    block.value_starts, block.dims = [-1] * len(block.counts), [0] * len(block.counts)
+    for i, start, dim in zip(indices, starts, dims, strict=True):
+        block.value_starts[i], block.dims[i] = start, dim
+    block.values = values
 
 
 def route_shard(ids_M: torch.Tensor, num_shards: int | torch.Tensor) -> torch.Tensor:
