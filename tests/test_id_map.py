@@ -275,3 +275,30 @@ def test_rows_of_the_zero_row_leave_their_bags_and_unmapped_ids_stay(
     only = KeyedJaggedTensor(["m1"], torch.tensor([10, 11, 12]), lengths=torch.tensor([2, 1]))
     one: Any = SimpleNamespace(table_names=["a"])
     assert apply_rows(only, one, {"a": results["a"]}).features.lengths().tolist() == [1, 1]
+
+
+def test_id_maps_list_their_maps_again_after_a_map_is_added() -> None:
+    """`IdMaps.maps` (kept between calls) follows a map put in later, and a copy's maps are
+    its own."""
+    import copy
+
+    from recopt.modules.id_map_lookup import IdMaps
+
+    tables = [
+        EmbeddingBagConfig(name=name, num_embeddings=4, embedding_dim=2, feature_names=(name,),
+                           id_map=IdMapConfig(policy="lru"))
+        for name in ("a", "b")
+    ]  # fmt: skip
+    maps = IdMaps(tables, "cpu")
+    first = maps.maps()
+    assert list(first) == ["a", "b"] and first["a"] is maps.table_map("a")
+    first.pop("a")  # a caller's dict: the kept one stays whole
+    assert list(maps.maps()) == ["a", "b"]
+    added = IdMap(IdMapConfig(policy="lfu"), 4)
+    maps.put("c", added)
+    assert list(maps.maps()) == ["a", "b", "c"] and maps.maps()["c"] is added
+    copied = copy.deepcopy(maps)
+    assert all(
+        copied.maps()[name] is copied.table_map(name) is not maps.table_map(name)
+        for name in ("a", "b", "c")
+    )

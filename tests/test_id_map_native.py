@@ -456,3 +456,31 @@ def test_one_call_results_make_their_fresh_tensors_when_read() -> None:
             assert result.fresh_values is not None and torch.equal(result.fresh_values, want)
             assert copied.fresh_values is not None and torch.equal(copied.fresh_values, want)
     assert fresh_seen > 100
+
+
+def test_one_call_follows_loads_regroupings_and_replaced_buffers() -> None:
+    """`remap_tables`' arguments kept for a group of maps (`step_args`, `_group_args`) follow
+    a state loaded into one map, a buffer replaced, other groups led by the same map and the
+    maps in another order: every step equals the torch maps'."""
+    names = ["a", "b", "c"]
+    pairs = {name: _pair(CONFIGS["lfu_all" if name == "b" else "lru_ttl"], 30) for name in names}
+    other = IdMap(CONFIGS["lru_ttl"], 30)
+    gen = torch.Generator().manual_seed(13)
+    for step in range(60):
+        group = names
+        if step == 20:  # "a" loads another map's state (its buffers written by torch)
+            for _ in range(4):
+                other.remap(_batch(gen, step, 30), True)
+            for idmap in pairs["a"]:
+                idmap.load_state_dict(other.state_dict())
+        if step == 30:  # "c"'s step counter replaced by another tensor
+            for idmap in pairs["c"]:
+                idmap._buffers["step"] = idmap.buffer("step").clone()
+        if 35 <= step < 45:  # led by "a" with fewer maps, then in another order
+            group = ["a", "c"] if step % 2 else ["c", "b", "a"]
+        ids = {name: _batch(gen, step, 30) for name in group}
+        got = remap_tables({name: pairs[name][0] for name in group}, ids, training=True)
+        for name in group:
+            native, reference = pairs[name]
+            expected = reference.remap(ids[name], True)
+            _assert_same(got[name], expected, native, reference, f"{name} step {step}")

@@ -114,6 +114,7 @@ class IdMaps(nn.ModuleDict):
         state["observers"] = []
         state["peers"] = None
         state["ahead"] = AheadSteps()
+        state.pop("_maps", None)  # (`maps`' cache: made again)
         return state
 
     def _drop_ahead_steps(self, *args: object) -> None:
@@ -145,10 +146,20 @@ class IdMaps(nn.ModuleDict):
         assert isinstance(idmap, IdMap)
         return idmap
 
+    def maps(self) -> dict[str, IdMap]:
+        """Every map by table name, in order (made again only when the maps changed: a
+        pipeline asks every step)."""
+        modules = tuple(self._modules.values())
+        cached = self.__dict__.get("_maps")
+        if cached is None or cached[0] != modules:
+            maps = {name: self.table_map(name) for name in self}
+            self.__dict__["_maps"] = cached = modules, maps
+        return dict(cached[1])
+
     def stats(self) -> dict[str, dict[str, float]]:
         """Per table: the last training batch's occupancy, new ids, evictions, admissions
         (of the last batch that reached its forward: ahead steps are not counted yet)."""
-        maps = {name: self.table_map(name) for name in self}
+        maps = self.maps()
         return {name: stats.as_dict() for name, stats in self.ahead.stats_before(maps).items()}
 
     def remap(
@@ -218,7 +229,7 @@ class IdMaps(nn.ModuleDict):
         """Undo the pending ahead steps (`AheadSteps.rewind`); nothing pending: nothing to do
         (the inline remap's hot path pays one length check)."""
         if len(self.ahead):
-            self.ahead.rewind({name: self.table_map(name) for name in self})
+            self.ahead.rewind(self.maps())
 
     def before_reset(
         self,
@@ -322,7 +333,7 @@ def start_ahead(
     """
     ahead = id_maps.ahead
     remap = AheadRemap(features, ahead.generation)
-    maps = {name: id_maps.table_map(name) for name in id_maps}
+    maps = id_maps.maps()
     on_host = host_features is not None and all(m.on_host for m in maps.values())
     background = all(idmap._native() is not None for idmap in maps.values())
 

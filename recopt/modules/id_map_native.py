@@ -16,7 +16,7 @@ import ctypes
 import itertools
 import threading
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -66,6 +66,8 @@ class NativeIdMap:
         self._stamp: _Stamp | None = None
         self._pointers: ctypes.Array[ctypes.c_void_p] | None = None
         self._step_args: tuple[object, _StepArgs] | None = None  # (its key, `step_args`)
+        # `_group_args`' arrays for the maps stepped with this one first, and their args
+        self.group: tuple[list[_StepArgs], _GroupArrays] | None = None
         self.logs: _NativeLogs | None = None  # the deferred undo records of its last step
 
     def __del__(self) -> None:
@@ -260,9 +262,7 @@ def _step_many(
         assert rows_into.device.type == "cpu" and rows_into.numel() == total
         rows_M = rows_into.split(sizes)
     rows_base = rows_into.data_ptr() if rows_into is not None else base
-    handles, lfu, ttl, admit, steps_at, buffers = zip(
-        *[native.step_args(idmap) for _, idmap, native, _ in together], strict=True
-    )
+    handles, lfu, buffers, steps_at, ttl, admit = _group_args(together)
     for _, _, native, _ in together:
         native.keep_log()
     ptrs, int64s = cpu_id_map.pointers, cpu_id_map.int64s
@@ -270,9 +270,8 @@ def _step_many(
     # the step counters move in the native call (their version counters stay, as the other
     # buffers' do there): no torch op, and the new steps come back in the stats
     cpu_id_map.library().rim_step_many(
-        count, ptrs(handles), int64s(lfu), ptrs(list(itertools.chain.from_iterable(buffers))),
-        ptrs([_ptr(ids_M) for _, _, _, ids_M in together]), int64s(sizes), ptrs(steps_at),
-        int64s(ttl), int64s(admit), ptrs([rows_base + 8 * start for start in starts]),
+        count, handles, lfu, buffers, ptrs([_ptr(ids_M) for _, _, _, ids_M in together]),
+        int64s(sizes), steps_at, ttl, admit, ptrs([rows_base + 8 * start for start in starts]),
         *(ptrs([base + 8 * (part * total + start) for start in starts]) for part in (1, 2)),
         stats_out, status, int(record), threads,
     )  # fmt: skip
@@ -295,6 +294,28 @@ def _step_many(
         for (name, *_), undo in zip(together, logs.undos, strict=True):
             results[name].undo = undo
     return results
+
+
+_GroupArrays = tuple[ctypes.Array[Any], ...]
+
+
+def _group_args(together: list[tuple[str, IdMap, NativeIdMap, torch.Tensor]]) -> _GroupArrays:
+    """`rim_step_many`'s per-map arguments that stay the same from step to step, as its C
+    arrays (handles, lfu flags, buffers, step counters, ttls, admission counts): kept on the
+    first map's cache for this group of maps while every map's `step_args` stay the same."""
+    args = [native.step_args(idmap) for _, idmap, native, _ in together]
+    first = together[0][2]
+    kept = first.group
+    same = kept is not None and len(kept[0]) == len(args)
+    if kept is None or not same or any(a is not b for a, b in zip(kept[0], args, strict=True)):
+        handles, lfu, ttl, admit, steps_at, buffers = zip(*args, strict=True)
+        ptrs, int64s = cpu_id_map.pointers, cpu_id_map.int64s
+        arrays = (
+            ptrs(handles), int64s(lfu), ptrs(list(itertools.chain.from_iterable(buffers))),
+            ptrs(steps_at), int64s(ttl), int64s(admit),
+        )  # fmt: skip
+        first.group = kept = args, arrays
+    return kept[1]
 
 
 class _NativeLogs:
