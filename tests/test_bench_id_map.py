@@ -36,3 +36,29 @@ def test_the_report_prints_a_row_per_stream(capsys: pytest.CaptureFixture[str]) 
     (row,) = [line for line in lines if line.startswith("| drifting, pipelined |")]
     assert row.count("%") == 2 and float(row.split("|")[-2]) > 0  # the remap worker's ms
     assert lines[-1].startswith("(remap worker:")
+
+
+def test_the_worker_host_time_bench_times_the_inline_steps(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """benchmarks/bench_id_map_worker.py: a row per stream, the worker's step split into its
+    native calls and the rest, and the pipeline's own methods back afterwards."""
+    import bench_id_map_worker
+
+    from recopt.kernels import cpu_id_map
+    from recopt.modules import id_map_ahead, id_map_stage
+
+    if not cpu_id_map.available():
+        pytest.skip("no C compiler: no native id map")
+    before = (id_map_ahead.AheadSteps.submit, id_map_stage.RemapStage.take, cpu_id_map.library)
+    bench_id_map_worker.main(
+        ["--stream", "drifting", "worst", "--rows", "2000", "--steps", "6", "--warmup", "4"]
+    )
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in rows[2:]] == ["drifting", "worst"]
+    for row in rows[2:]:
+        step, native, rest, pipelined = (float(x) for x in row.split("|")[2:6])
+        assert 0 < native < step and 0 < rest < step
+        assert pipelined > step  # the worker's step is timed inside the pipelined step
+    after = (id_map_ahead.AheadSteps.submit, id_map_stage.RemapStage.take, cpu_id_map.library)
+    assert after == before
