@@ -305,3 +305,35 @@ def test_reset_plan_with_the_targets_fixed_part_equals_one_made_per_step(
     got, expected = _state(kept), _state(each)
     for key, value in expected.items():
         assert torch.equal(got[key], value), key
+
+
+@native_only
+def test_a_trained_collection_copies_and_pickles_and_trains_on_alike() -> None:
+    """After steps that reset rows (its `ResetTargets` then hold C arrays of its addresses), a
+    collection deep-copies and pickles, and the copies train on as the original does."""
+    import copy
+    import io
+
+    module = _collection("row_wise_adagrad", 2)
+    gen = torch.Generator().manual_seed(4)
+
+    def batch() -> KeyedJaggedTensor:
+        ids = torch.randint(0, 50, (16,), generator=gen) * 7919
+        return KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], ids, torch.ones(16).long())
+
+    for _ in range(4):
+        module(batch()).values().sum().backward()
+    assert module._reset_targets()._native is not None
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    copies = [copy.deepcopy(module), torch.load(buffer, weights_only=False)]
+    for _ in range(4):
+        features = batch()
+        for m in (module, *copies):
+            m(features).values().sum().backward()
+    expected = _state(module)
+    for other in copies:
+        got = _state(other)
+        for key, value in expected.items():
+            assert torch.equal(got[key], value), key

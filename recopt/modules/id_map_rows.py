@@ -181,6 +181,10 @@ class ResetTargets(dict[str, ResetTarget]):
         self._native = None
         super().__setitem__(name, target)
 
+    def __getstate__(self) -> dict[str, object]:
+        """A copy or pickle makes its fixed part again (C arrays of this one's addresses)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_native"}
+
     def native(self) -> tuple[list[str], cpu_id_map.ResetTables]:
         """The names of the tables reset natively, and their `cpu_id_map.ResetTables`."""
         if self._native is None:
