@@ -216,9 +216,8 @@ def _prepare_native(
             at = [native[name][1] if name in native else _NO_ROWS for name in names]
             return cpu_id_map.prepare_reset_at(fixed, at, keep)
     tables = [target.route.native for target, _ in native.values()]
-    assert all(table is not None for table in tables)
     at = [rows for _, rows in native.values()]
-    return cpu_id_map.prepare_reset_at(tables, at, keep)  # type: ignore[arg-type]
+    return cpu_id_map.prepare_reset_at([t for t in tables if t is not None], at, keep)
 
 
 def _rows_at(t: FreshTable, keep: list[object]) -> cpu_id_map.RowsAt:
@@ -368,8 +367,8 @@ def fresh_values(
     ]
     if not made or not cpu_id_map.available():
         return
-    blocks = [result.block for result, _ in made]
-    if all(b is not None and b[0] is blocks[0][0] for b in blocks):  # type: ignore[index]
+    first = made[0][0].block
+    if first is not None and all(r.block and r.block[0] is first[0] for r, _ in made):
         _fill_block(made, threads)  # one native step's: by addresses, into one buffer
         return
     values = cpu_id_map.fill_values(
