@@ -11,6 +11,7 @@ are not mixed with the training step's), and times the whole step and its native
 (`rim_*` of `recopt/kernels/cpu_id_map.c`) apart. Medians of the last half of the steps.
 
     python benchmarks/bench_id_map_worker.py --stream drifting worst --steps 200 --threads 1
+    python benchmarks/bench_id_map_worker.py --device cuda --remap-threads 4   # a GPU host
 """
 
 from __future__ import annotations
@@ -107,17 +108,23 @@ def inline_worker(timed: _Timed) -> Iterator[None]:
         cpu_id_map.library = library
 
 
-def measure(stream: str, rows: int, warmup: int, steps: int) -> dict[str, float]:
+def measure(
+    stream: str, rows: int, warmup: int, steps: int, device: str = "cpu", threads: int = 1
+) -> dict[str, float]:
     """Medians (ms) over the last half of ``steps`` (after ``warmup``): the worker's step,
-    its native calls, the rest; and the pipelined step with the worker's step in it."""
-    setup = _Setup(rows, _ID_MAPS[stream], False)
+    its native calls (over ``threads``), the rest; and the pipelined step with the worker's
+    step in it (on CUDA until the device is idle). ``device``: the tables' (a CUDA table's
+    maps stay on the host)."""
+    setup = _Setup(rows, _ID_MAPS[stream], False, device)
+    cuda = torch.device(device).type == "cuda"
     data = _Stream(stream, rows)
     data.make(warmup + steps + 4)
     timed = _Timed()
     batches = data.batches(modulo=False)
     step_times: list[float] = []
     with inline_worker(timed):
-        pipeline = TrainPipelineSparseDist(SummedLoss(setup.mapped), None, "cpu")
+        model = SummedLoss(setup.mapped)
+        pipeline = TrainPipelineSparseDist(model, None, device, remap_threads=threads)
         for _ in range(warmup):
             pipeline.progress(batches)
         timed.step.clear()
@@ -125,6 +132,8 @@ def measure(stream: str, rows: int, warmup: int, steps: int) -> dict[str, float]
         for _ in range(steps):
             start = time.perf_counter()
             pipeline.progress(batches)
+            if cuda:
+                torch.cuda.synchronize()
             step_times.append(time.perf_counter() - start)
     half = len(timed.step) // 2
     rest = [s - n for s, n in zip(timed.step, timed.native, strict=True)]
@@ -143,19 +152,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=80, help="steps before the timed ones")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--remap-threads", type=int, default=1, help="the native remap's")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (the tables there)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if not cpu_id_map.available():
         parser.error("the native id map did not build here (no C compiler?)")
     print(
-        f"{NUM_TABLES} tables x {args.rows} rows, {torch.get_num_threads()} threads, the "
-        f"worker's step inline (ms, medians of the last {args.steps - args.steps // 2} steps)\n"
+        f"{NUM_TABLES} tables x {args.rows} rows on {args.device}, {torch.get_num_threads()} "
+        f"threads, remap threads {args.remap_threads}, the worker's step inline (ms, medians "
+        f"of the last {args.steps - args.steps // 2} steps)\n"
         "| stream | worker step | native calls | the rest (host, GIL held) | pipelined step |\n"
         "| --- | ---: | ---: | ---: | ---: |"
     )
     for stream in args.stream:
-        got = measure(stream, args.rows, args.warmup, args.steps)
+        got = measure(stream, args.rows, args.warmup, args.steps, args.device, args.remap_threads)
         print(f"| {stream} | " + " | ".join(f"{value:.2f}" for value in got.values()) + " |")
 
 

@@ -202,6 +202,10 @@ idmap() {
   limited "$(budget 70)" python3 benchmarks/bench_id_map.py --device cuda --pipeline \
     --remap-threads 4 --steps 30 --warmup 5 >> "$out/idmap.log" 2>&1
   say "idmap pipelined: exit $?"
+  # the pipelined remap worker's host time beside its native calls (what holds the GIL)
+  limited "$(budget 60)" python3 benchmarks/bench_id_map_worker.py --device cuda \
+    --remap-threads 4 --stream drifting worst --steps 60 --warmup 20 >> "$out/idmap.log" 2>&1
+  say "idmap worker: exit $?"
   grep -E "^\||^pipelined|host syncs" "$out/idmap.log"
 }
 
