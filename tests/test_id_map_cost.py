@@ -29,10 +29,11 @@ def _views(storage: torch.Tensor) -> list[torch.Tensor]:
 
 
 @native_only
-@pytest.mark.parametrize("made_once", [False, True], ids=["plain", "reset_table"])
+@pytest.mark.parametrize("made_once", [False, True], ids=["reset_many", "reset_tables"])
 def test_reset_many_equals_torch_init_and_zeroed_states(made_once: bool) -> None:
-    """`reset_many` writes the hashed init and zeroes the states, its per-table part made
-    per call or once (`ResetTable`, what a collection keeps from step to step)."""
+    """`reset_many` writes the hashed init and zeroes the states; so does `prepare_reset_at`
+    with the tables' part made once (`ResetTables`, what a collection keeps between steps)
+    and the rows by address."""
     gen = torch.Generator().manual_seed(0)
     storage = torch.rand(2400, generator=gen)
     expected_storage = storage.clone()
@@ -47,8 +48,7 @@ def test_reset_many_equals_torch_init_and_zeroed_states(made_once: bool) -> None
         ids = torch.randint(-(2**62), 2**62, (rows.numel(),), generator=gen)
         lo, hi, step = -0.1 * (t + 1), 0.2, 5 + t
         states = [per_row[t], per_element[t]] if t != 1 else [per_row[t]]
-        table = cpu_id_map.ResetTable.of(weight, states, lo, hi) if made_once else None
-        resets.append(cpu_id_map.RowReset(weight, rows, ids, step, lo, hi, states, None, table))
+        resets.append(cpu_id_map.RowReset(weight, rows, ids, step, lo, hi, states))
         unit = hash_uniform_torch(ids, step, weight.shape[1])  # the torch path's init_rows
         expected[t][rows] = (lo + (hi - lo) * unit).float()
         expected_row[t][rows] = 0
@@ -57,7 +57,17 @@ def test_reset_many_equals_torch_init_and_zeroed_states(made_once: bool) -> None
     resets.append(cpu_id_map.RowReset(weights[0], rows[:0], ids[:0], 1, 0.0, 1.0, []))  # empty
     assert all(cpu_id_map.can_reset(r.weight, r.states) for r in resets)
     versions = [w._version for w in weights] + [s._version for s in per_row]
-    cpu_id_map.reset_many(resets, threads=2)
+    if made_once:
+        fixed = cpu_id_map.ResetTables.of(
+            [cpu_id_map.ResetTable.of(r.weight, r.states, r.lo, r.hi) for r in resets]
+        )
+        at = [
+            cpu_id_map.RowsAt(r.rows.data_ptr(), r.ids.data_ptr(), r.rows.numel(), r.step, None)
+            for r in resets
+        ]
+        cpu_id_map.prepare_reset_at(fixed, at, resets)(2)
+    else:
+        cpu_id_map.reset_many(resets, threads=2)
     assert torch.equal(storage, expected_storage)  # the rows, and nothing beside them
     for t in range(3):
         assert torch.equal(per_row[t], expected_row[t]), t

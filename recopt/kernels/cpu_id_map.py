@@ -184,7 +184,7 @@ def fill_uniform(
 class ResetTable(NamedTuple):
     """What `reset_many` takes of a table that stays the same from step to step (its weight
     and states' addresses, widths and strides, its init bounds): worked out once per table
-    where its owner keeps the table (`of`), so a step's `prepare_reset` only adds the rows.
+    where its owner keeps the table (`of`), so a step's `prepare_reset_at` only adds the rows.
     It keeps ``weight`` and ``states`` alive (its addresses point into them)."""
 
     weight: torch.Tensor
@@ -210,8 +210,7 @@ class ResetTable(NamedTuple):
 class RowReset(NamedTuple):
     """One table's fresh rows for `reset_many`: ``weight[rows]`` gets ``lo + (hi - lo) *
     hash_uniform(ids, step, dim)`` (or ``values``, those values made earlier by `fill_values`)
-    and each of ``states`` (per-row ``[N]`` or per-element ``[N, D]``) is zeroed on ``rows``.
-    ``table``: `ResetTable.of` those (made once, kept by the caller), or None (made here)."""
+    and each of ``states`` (per-row ``[N]`` or per-element ``[N, D]``) is zeroed on ``rows``."""
 
     weight: torch.Tensor
     rows: torch.Tensor
@@ -221,7 +220,6 @@ class RowReset(NamedTuple):
     hi: float
     states: Sequence[torch.Tensor]
     values: torch.Tensor | None = None
-    table: ResetTable | None = None
 
 
 def can_reset(weight: torch.Tensor, states: Sequence[torch.Tensor]) -> bool:
@@ -340,7 +338,7 @@ def prepare_reset(resets: Sequence[RowReset]) -> Callable[[int], None]:
         )
         for r, i, reset in zip(rows, ids, resets, strict=True)
     ]  # fmt: skip
-    tables = [r.table or ResetTable.of(r.weight, r.states, r.lo, r.hi) for r in resets]
+    tables = [ResetTable.of(r.weight, r.states, r.lo, r.hi) for r in resets]
     return prepare_reset_at(tables, at, (rows, ids, [r.values for r in resets]))
 
 
