@@ -172,7 +172,8 @@ class IdMaps(nn.ModuleDict):
         training step steps the maps with every peer's ids (`step_with_peers`).
         """
         names = list(self)
-        into = rows_buffer(features, layout, names) if training else None
+        one_call = training and not self.observers and self.peers is None  # (`step_many`)
+        into = rows_buffer(features, layout, names) if one_call else None
         results = self.remap_ids(table_ids(features, layout, names), training, into)
         return apply_rows(features, layout, results, into)
 
