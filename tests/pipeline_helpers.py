@@ -192,6 +192,31 @@ def raw_batch(index: int, rank: int = 0, bad_id: bool = False) -> Batch:
     return batch._replace(sparse=kjt)
 
 
+ID_MAP_POLICIES = {  # (IdMapConfig's keyword arguments: built where recopt is imported)
+    "lru": {"policy": "lru"},
+    "lfu": {"policy": "lfu", "decay": 0.9},
+    "admit2-ttl": {"policy": "lru", "admit_after": 2, "ttl_steps": 3},
+}
+
+
+def id_map_model(policy: str, native: bool = True) -> tuple[TinyModel, torch.optim.Optimizer]:
+    """A `TinyModel` over a fused collection of `raw_tables`, every mapped table under
+    ``policy`` (an `ID_MAP_POLICIES` key; ``native``: the native remap, else torch ops), row-wise
+    Adagrad; and the dense layer's SGD. The same initial weights every call."""
+    from recopt.kernels import FusedOptimizerConfig
+    from recopt.modules import FusedEmbeddingBagCollection, IdMapConfig
+
+    torch.manual_seed(0)
+    optimizer = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.3)
+    id_map = IdMapConfig(**ID_MAP_POLICIES[policy])
+    ebc = FusedEmbeddingBagCollection(raw_tables([id_map] * NUM_TABLES), optimizer)
+    assert ebc.id_maps is not None
+    for name in ebc.id_maps:
+        ebc.id_maps.table_map(name).native = native
+    model = TinyModel(ebc)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
 class Batches:
     """A resumable iterator over ``batches`` (a list), its position saved by `state_dict`."""
 

@@ -15,16 +15,17 @@ from typing import Any
 import pytest
 import torch
 from pipeline_helpers import (
+    ID_MAP_POLICIES,
     NUM_TABLES,
     RAW_ROWS,
     Batches,
     TinyModel,
     fused_state,
+    id_map_model,
     make_batch,
     pipelined_loop,
     plain_loop,
     raw_batch,
-    raw_tables,
     same,
     tables,
 )
@@ -35,22 +36,7 @@ from recopt.modules import FusedEmbeddingBagCollection, IdMapConfig
 from recopt.modules.id_map import IdMap
 from recopt.sharding import TrainPipelineSparseDist
 
-POLICIES = {
-    "lru": IdMapConfig(policy="lru"),
-    "lfu": IdMapConfig(policy="lfu", decay=0.9),
-    "admit2-ttl": IdMapConfig(policy="lru", admit_after=2, ttl_steps=3),
-}
-
-
-def _model(id_map: IdMapConfig, native: bool) -> tuple[TinyModel, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    optimizer = FusedOptimizerConfig(name="row_wise_adagrad", lr=0.3)
-    ebc = FusedEmbeddingBagCollection(raw_tables([id_map] * NUM_TABLES), optimizer)
-    assert ebc.id_maps is not None
-    for name in ebc.id_maps:
-        ebc.id_maps.table_map(name).native = native
-    model = TinyModel(ebc)
-    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+POLICIES = {name: IdMapConfig(**kwargs) for name, kwargs in ID_MAP_POLICIES.items()}
 
 
 def _live_buffers(model: TinyModel) -> list[torch.Tensor]:
@@ -67,13 +53,13 @@ def test_pipelined_id_maps_equal_the_plain_loop(policy: str, native: bool) -> No
     if native and not IdMap(POLICIES[policy], RAW_ROWS)._native():
         pytest.skip("no C compiler: no native remap")
     batches = [raw_batch(i) for i in range(9)]
-    model, optimizer = _model(POLICIES[policy], native)
+    model, optimizer = id_map_model(policy, native)
     expected, freed = [], 0.0
     for batch in batches:
         expected += plain_loop(model, optimizer, [batch])
         freed += sum(s["evictions"] + s["expired"] for s in model.embedding_bags.stats().values())
     expected_state, expected_stats = fused_state(model, optimizer), model.embedding_bags.stats()
-    model, optimizer = _model(POLICIES[policy], native)
+    model, optimizer = id_map_model(policy, native)
     outputs = pipelined_loop(TrainPipelineSparseDist(model, optimizer, "cpu"), Batches(batches))
     assert same(expected, outputs)
     assert same(expected_state, fused_state(model, optimizer))
@@ -83,7 +69,7 @@ def test_pipelined_id_maps_equal_the_plain_loop(policy: str, native: bool) -> No
 
 def _plain_states(policy: str, batches: list[Batch]) -> list[Any]:
     """The plain loop's state (state_dict order) and stats after each batch."""
-    model, optimizer = _model(POLICIES[policy], True)
+    model, optimizer = id_map_model(policy, True)
     states = []
     for batch in batches:
         plain_loop(model, optimizer, [batch])
@@ -101,7 +87,7 @@ def test_state_dict_between_steps_is_the_plain_loops(policy: str) -> None:
     maps keep the ahead step), and training goes on unchanged."""
     batches = [raw_batch(i) for i in range(8)]
     reference = _plain_states(policy, batches)
-    model, optimizer = _model(POLICIES[policy], True)
+    model, optimizer = id_map_model(policy, True)
     pipeline = TrainPipelineSparseDist(model, optimizer, "cpu")
     data = Batches(batches)
     for step in range(len(batches)):
@@ -118,7 +104,7 @@ def test_eval_and_load_between_steps() -> None:
     is undone, then remapped again); a load between steps replaces the ahead step."""
     batches = [raw_batch(i) for i in range(8)]
     probe = raw_batch(50)
-    model, optimizer = _model(POLICIES["lfu"], True)
+    model, optimizer = id_map_model("lfu", True)
     expected_eval = []
     for batch in batches[:5]:
         plain_loop(model, optimizer, [batch])
@@ -131,7 +117,7 @@ def test_eval_and_load_between_steps() -> None:
     plain_loop(model, optimizer, batches[5:])
     expected_state = fused_state(model, optimizer)
 
-    model, optimizer = _model(POLICIES["lfu"], True)
+    model, optimizer = id_map_model("lfu", True)
     pipeline = TrainPipelineSparseDist(model, optimizer, "cpu")
     data = Batches(batches)
     for step in range(5):
@@ -151,10 +137,10 @@ def test_a_bad_batch_ahead_raises_at_its_own_step() -> None:
     """A bad id of batch i+1 is found when it is remapped ahead but raised at its own step;
     batch i trains, no map moves for the bad batch, the next batches train."""
     batches = [raw_batch(i, bad_id=i == 3) for i in range(7)]
-    model, optimizer = _model(POLICIES["lru"], True)
+    model, optimizer = id_map_model("lru", True)
     expected = plain_loop(model, optimizer, batches)
     expected_state = fused_state(model, optimizer)
-    model, optimizer = _model(POLICIES["lru"], True)
+    model, optimizer = id_map_model("lru", True)
     outputs = pipelined_loop(TrainPipelineSparseDist(model, optimizer, "cpu"), Batches(batches))
     assert outputs[3] == "InvalidIdError" == expected[3]
     assert same(expected, outputs)
@@ -177,10 +163,10 @@ def test_a_step_failing_before_the_collection_leaves_no_map_step() -> None:
     """Batch i's remap ran ahead, but its forward failed before the collection: the map
     steps of batch i (and of batch i+1, ahead) are undone, as if batch i never came."""
     batches = [raw_batch(i) for i in range(7)]
-    model, optimizer = _model(POLICIES["lfu"], True)
+    model, optimizer = id_map_model("lfu", True)
     expected = plain_loop(model, optimizer, batches[:3] + batches[4:])
     expected_state = fused_state(model, optimizer)
-    model, optimizer = _model(POLICIES["lfu"], True)
+    model, optimizer = id_map_model("lfu", True)
     failing = _FailsOnce(model.embedding_bags)
     failing.top = model.top
     pipeline = TrainPipelineSparseDist(failing, optimizer, "cpu")
@@ -204,10 +190,10 @@ def test_the_forward_runs_the_reset_the_worker_planned(
     from recopt.modules.id_map_rows import ResetPlan
 
     batches = [raw_batch(i) for i in range(6)]
-    model, optimizer = _model(POLICIES["lru"], True)
+    model, optimizer = id_map_model("lru", True)
     plain_loop(model, optimizer, batches)
     expected = fused_state(model, optimizer)
-    model, optimizer = _model(POLICIES["lru"], True)
+    model, optimizer = id_map_model("lru", True)
     ebc = model.embedding_bags
     made_here: list[ResetPlan] = []
     ran: list[ResetPlan] = []
@@ -255,7 +241,7 @@ def test_phase_seconds_count_the_remap_workers_time() -> None:
     it (the native remap), absent from one without id maps; reset with the other phases."""
     if not IdMap(POLICIES["lru"], RAW_ROWS)._native():
         pytest.skip("no C compiler: the maps step inline, no worker")
-    model, optimizer = _model(POLICIES["lru"], True)
+    model, optimizer = id_map_model("lru", True)
     pipeline = TrainPipelineSparseDist(model, optimizer, "cpu")
     data = Batches([raw_batch(i) for i in range(6)])
     _steps(pipeline, data, 4)
@@ -281,10 +267,10 @@ def test_maps_on_the_host_remap_from_the_batchs_host_copy(
     ids of the batch the forward gets are overwritten: only rows from the host copy give
     the plain loop's results (a bad id, found in the host copy, raises at its own step)."""
     batches = [raw_batch(i, bad_id=i == 4) for i in range(9)]
-    model, optimizer = _model(POLICIES[policy], True)
+    model, optimizer = id_map_model(policy, True)
     expected = plain_loop(model, optimizer, batches)
     expected_state = fused_state(model, optimizer)
-    model, optimizer = _model(POLICIES[policy], True)
+    model, optimizer = id_map_model(policy, True)
     ebc = model.embedding_bags
     for name in ebc.id_maps:
         ebc.id_maps.table_map(name).on_host = True

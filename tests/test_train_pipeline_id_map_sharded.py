@@ -6,7 +6,8 @@ outputs, weights, optimizer state and every map buffer (state_dict) after the ru
 step; with an evaluation between steps (the batch distributed ahead then trains, not
 evaluates); with a checkpoint saved mid-run and resumed in a new model; a bad id in a batch
 distributed ahead; a batch whose forward fails before the collection; an embedding
-collection; under fault tolerance's guard, a dropped step rolled back and trained again. The
+collection; under fault tolerance's guard, a dropped step rolled back and trained again; a
+batch trained in eval mode and loads that leave the maps out. The
 tables: table-wise, row-wise and table-row-wise id-mapped (lru, lfu, admission with ttl), beside
 a column-wise unmapped table. All cases of a world size run in one spawned group.
 """
@@ -280,11 +281,46 @@ def _fails_before(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict
     }
 
 
+def _events(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str, bool]:
+    """Batch 2 trained with the model in eval mode (its maps only read), and a load of the
+    dense layer alone (``strict=False``) before batches 4 and 5: the steps taken ahead are
+    undone, and the run equals the plain loop with the same events."""
+    from recopt.sharding import TrainPipelineSparseDist
+
+    def load_dense(model: Any) -> None:
+        dense = {k: v.clone() for k, v in model.state_dict().items() if "embedding" not in k}
+        assert dense  # (the linear layer's weight and bias)
+        model.load_state_dict(dense, strict=False)
+
+    events = {2: lambda m: m.eval(), 3: lambda m: m.train(), 4: load_dense, 5: load_dense}
+    batches = _batches(rank, case)
+    results = []
+    for pipelined in (False, True):
+        model, optimizer = _build(world, case)
+        pipeline = TrainPipelineSparseDist(model, optimizer, "cpu")
+        data, outputs = Batches(batches), []
+        for i, batch in enumerate(batches):
+            if i in events:
+                events[i](model)
+            if pipelined:
+                outputs += pipelined_loop_steps(pipeline, data, 1)
+            else:
+                outputs += plain_loop(model, optimizer, [batch])
+        results.append((outputs, dmp_state(model, optimizer), _stats(model)))
+    (expected, expected_state, expected_stats), (outputs, state, stats) = results
+    return {
+        "outputs": same(expected, outputs),
+        "state": same(expected_state, state),
+        "stats": expected_stats == stats,
+    }
+
+
 RUNNERS = {
     "compare": _compare,
     "resume": _resume,
     "guarded": _guarded,
     "fails_before": _fails_before,
+    "events": _events,
 }
 
 
@@ -296,6 +332,7 @@ def _cases(world: int) -> list[dict[str, Any]]:
         {"plan": "mixed", "runner": "resume"},
         {"plan": "mixed", "runner": "guarded"},
         {"plan": "mixed", "runner": "fails_before"},
+        {"plan": "mixed", "runner": "events"},
     ]
     if world == 2:
         cases += [

@@ -62,6 +62,7 @@ from recopt.checkpoint.state import (
     subtree,
 )
 from recopt.kernels.contract import flush_kernel_caches
+from recopt.modules.id_map_lookup import rewind_ahead_steps
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -320,6 +321,9 @@ def load(
     """
     directory = Path(path)
     extra = extra or {}
+    # A pipeline's id-map steps taken ahead are undone first: the maps' state_dict entries
+    # are then their live buffers (else copies, which the backup below would restore).
+    rewind_ahead_steps(model)
     with _ranks(timeout) as group:
         manifest, skeleton, rank_state = _verify(directory, group)
         live_tensors, targets = _match_live(

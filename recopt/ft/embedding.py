@@ -100,7 +100,7 @@ class FusedEmbeddingGuard(StepParticipant):
             self._handles = [module.register_forward_pre_hook(self._before_forward)]
         self._maps = id_maps_of(module)
         if self._maps is not None:
-            self._maps.observers.append(self)
+            self._maps.add_observer(self)
         if manager is not None:
             manager.register_participant(self)
 

@@ -78,7 +78,7 @@ def exchange_replica_ids(module: nn.Module, manager: StepTransaction) -> None:
     refuse_unsynced_id_maps(module)
     maps = id_maps_of(module)
     if maps is not None:
-        maps.peers = ReplicaIdExchange(manager, maps)
+        maps.sync_with(ReplicaIdExchange(manager, maps))
 
 
 def refuse_unsynced_id_maps(module: nn.Module) -> None:

@@ -321,7 +321,7 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
             # Shapes only (build-on-meta, then shard): ids cannot be read, nor need to be.
             pooled_meta = torch.empty(features.stride(), sum(self._layout.dims), device="meta")
             return KeyedTensor(self._layout.output_keys, self._layout.dims, pooled_meta)
-        ahead = None if self._remaps is None else self._remaps.take(features)
+        ahead = None if self._remaps is None else self._remaps.take(features, self.training)
         if ahead is None:
             features, index_F_B = regular_batch(features, self._layout.feature_names)
             features, mapped = self._prepare(features)
@@ -399,8 +399,9 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
         `TrainPipelineSparseDist` does for batch i+1 while batch i trains; ``threads`` for the
         native remap on the worker thread; ``host_features``: the batch before its copy to
         a GPU, which maps kept on the host remap from). Returns what `use_prefetched` takes,
-        or None (no id map, or fault tolerance steps the maps inline)."""
-        if self._remaps is None:
+        or None (no id map, the collection in eval mode, or fault tolerance steps the maps
+        inline)."""
+        if self._remaps is None or not self.training:
             return None
         return self._remaps.start(features, threads, host_features, self._reset_targets())
 
@@ -412,6 +413,11 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
     def unused_prefetched(self) -> int:
         """Remaps handed over that no forward took; cleared (their map steps undone)."""
         return 0 if self._remaps is None else self._remaps.unused()
+
+    def rewind_ahead(self) -> None:
+        """Undo the id maps' steps taken ahead (`start_remap`) that no forward took yet."""
+        if self.id_maps is not None:
+            self.id_maps.rewind_ahead()
 
     def prefetch_stale(self, remap: Any) -> bool:
         """Whether ``remap`` (from `start_remap`) was undone since: start it again."""

@@ -4,10 +4,11 @@ A pipeline remaps batch i+1 while batch i trains (the native remap on a worker t
 *ahead* step changes the maps at once (the step after it must see it) but is not yet part of
 the model: its fresh rows are reset only when its batch's forward takes it (batch i may still
 read and update a row that step evicted), and until then `state_dict` writes the maps as they
-were before it. An eval read, a load, a training remap outside the pipeline or a batch that
-never reached its forward puts the maps back (`AheadSteps.rewind`: the steps' undo records,
-newest first) and makes the pending steps stale, so the pipeline remaps their batches again.
-A pipelined run therefore equals the plain loop, checkpoints and validation included.
+were before it. An eval read, a load, a training remap outside the pipeline, a batch that never
+reached its forward, a copy or pickle of the maps, or fault tolerance starting to watch them
+puts the maps back (`AheadSteps.rewind`: the steps' undo records, newest first) and makes the
+pending steps stale, so the pipeline remaps their batches again. A pipelined run therefore
+equals the plain loop, checkpoints, validation and copies included.
 """
 
 from __future__ import annotations
@@ -170,12 +171,6 @@ class AheadSteps:
         for remap in reversed(self._pending):
             for name, undo in remap.undo.items():
                 maps[name].apply_undo(undo)
-        self._forget()
-
-    def drop(self) -> None:
-        """Forget the pending steps without undoing them (the maps' buffers are being
-        replaced: a load); they go stale."""
-        self.settle()
         self._forget()
 
     def _forget(self) -> None:

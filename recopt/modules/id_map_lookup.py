@@ -103,13 +103,15 @@ class IdMaps(nn.ModuleDict):
         self.peers: PeerIds | None = None
         self.ahead = AheadSteps()
         self._register_state_dict_hook(_committed_maps)
-        self._register_load_state_dict_pre_hook(self._drop_ahead_steps)
+        self._register_load_state_dict_pre_hook(self._rewind_before_load)
 
     def __getstate__(self) -> dict[str, object]:
         """A copy or pickle (``copy.deepcopy``, ``torch.save`` of the module) is unobserved
-        and unsynced: the observers and peers (a guard, a manager) belong to this instance,
-        and so do its ahead steps (a copy holds the maps as they are, those steps included)."""
-        self.ahead.settle()  # no step still running on the worker while the buffers are copied
+        and unsynced: the observers and peers (a guard, a manager) belong to this instance.
+        The pending ahead steps are undone first (their fresh rows are not reset yet: a copy
+        with them would be no state the plain loop reaches); the pipeline remaps their
+        batches again."""
+        self.rewind_ahead()
         state = dict(self.__dict__)
         state["observers"] = []
         state["peers"] = None
@@ -117,9 +119,23 @@ class IdMaps(nn.ModuleDict):
         state.pop("_maps", None)  # (`maps`' cache: made again)
         return state
 
-    def _drop_ahead_steps(self, *args: object) -> None:
-        """Before a load (load_state_dict pre-hook): the loaded maps replace the ahead steps."""
-        self.ahead.drop()
+    def _rewind_before_load(self, *args: object) -> None:
+        """Before a load (load_state_dict pre-hook): the pending ahead steps are undone (a
+        load may leave some maps out: those stay as the plain loop has them)."""
+        self.rewind_ahead()
+
+    def add_observer(self, observer: RemapObserver) -> None:
+        """Show ``observer`` every training step from now on (fault tolerance's guard). The
+        pending ahead steps are undone first: they were recorded for no observer, so their
+        batches are remapped again in their forwards, observed."""
+        self.rewind_ahead()
+        self.observers.append(observer)
+
+    def sync_with(self, peers: PeerIds | None) -> None:
+        """Step the maps with every peer's ids from now on (None: alone again); as
+        `add_observer`, the pending ahead steps are undone first."""
+        self.rewind_ahead()
+        self.peers = peers
 
     def can_step_ahead(self) -> bool:
         """Whether a pipeline may remap batches ahead (`start_ahead`): not under fault
@@ -242,6 +258,16 @@ class IdMaps(nn.ModuleDict):
         """Tell the observers that ``rows`` of table ``name``'s ``weight`` will be reset."""
         for observer in self.observers:
             observer.before_reset(name, weight, states, rows)
+
+
+def rewind_ahead_steps(model: nn.Module) -> None:
+    """Undo the pending ahead steps of every id-mapped collection in ``model`` (a fused
+    collection's maps, a sharded one's shard maps): its maps' buffers are then the live state
+    that `state_dict` writes, not copies of it (a checkpoint load backs them up first)."""
+    for module in model.modules():
+        maps = getattr(module, "id_maps", None)
+        if isinstance(maps, IdMaps):
+            maps.rewind_ahead()
 
 
 def _committed_maps(

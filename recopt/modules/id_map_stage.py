@@ -96,15 +96,18 @@ class RemapStage:
         if remap is not None:
             self._queue.push(remap)
 
-    def take(self, features: KeyedJaggedTensor) -> AheadRemap | None:
-        """The ahead remap of ``features``, done; None when there is none or it is stale (the
-        forward remaps the batch itself).
+    def take(self, features: KeyedJaggedTensor, training: bool) -> AheadRemap | None:
+        """The ahead remap of ``features``, done; None when there is none, it is stale or the
+        collection is not ``training`` (it was put in eval mode after the remap started: the
+        forward only reads the maps, and that read undoes the ahead steps).
 
         Raises:
             ValueError: the batch's input was rejected (its error), or another input object
                 than the one started reached the forward.
         """
         remap = self._queue.take(features)
+        if not training:
+            return None
         taken = None if remap is None else self.id_maps.ahead.take(remap)
         if taken is not None and not taken.rows_reset:
             self._load.record(taken)

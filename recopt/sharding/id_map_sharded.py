@@ -178,13 +178,14 @@ class ShardedIdMaps:
 
         started.ahead = self.maps.ahead.submit(remap, step, background=True)
 
-    def take_ahead(self, started: DistributedInput) -> list[KernelInput] | None:
+    def take_ahead(self, started: DistributedInput, training: bool) -> list[KernelInput] | None:
         """The kernels' inputs ``started``'s step taken ahead made (its fresh rows reset now,
-        once, and its statistics sent); None when there is none or it was undone since (an
-        evaluation, a load, a training forward outside the pipeline: the forward maps the
-        ids itself)."""
+        once, and its statistics sent); None when there is none, it was undone since (an
+        evaluation, a load, a training forward outside the pipeline) or the collection is not
+        ``training`` (put in eval mode after the step started): the forward maps the ids
+        itself (`remap`, which undoes the ahead steps first)."""
         remap = started.ahead
-        if remap is None:
+        if remap is None or not training:
             return None
         taken = self.maps.ahead.take(remap)
         if taken is None:
@@ -390,7 +391,7 @@ class ShardedIdMaps:
         Raises:
             ValueError: a buffer's global shape differs from the table's, naming the key.
         """
-        self.maps.ahead.drop()  # the loaded maps replace the pending ahead steps
+        self.maps.rewind_ahead()  # (a load may leave some maps out: as the plain loop's)
         for name in self.names:
             for key, current in self._states(name, committed=False).items():
                 full = f"{prefix}{_STATE_PREFIX}{name}.{key}"

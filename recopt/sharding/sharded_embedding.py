@@ -306,7 +306,7 @@ class ShardedEmbeddingBagCollection(nn.Module, FusedCollection):
         """
         start = time.perf_counter()
         started = self._prefetched.take(features) or self.start_input_dist(features)
-        ahead = None if self._id_maps is None else self._id_maps.take_ahead(started)
+        ahead = None if self._id_maps is None else self._id_maps.take_ahead(started, self.training)
         try:
             prepared, index_F_B, received = started.wait(self._timeout)
         except ValueError:

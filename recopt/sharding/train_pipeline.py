@@ -121,6 +121,7 @@ class TrainPipelineSparseDist:
         self._stats = _Stats()
         self._worker_seen = worker_busy_seconds()
         self._training = True
+        self._rewind_ahead()  # an earlier pipeline's batches in flight never reach a forward
 
     # ------------------------------------------------------------------------------ public
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
@@ -160,7 +161,9 @@ class TrainPipelineSparseDist:
 
     def reset(self) -> None:
         """Drop the batches in flight (after loading a checkpoint: the next `progress` refills
-        from the iterator's restored position)."""
+        from the iterator's restored position); the id maps' steps taken ahead for them are
+        undone."""
+        self._rewind_ahead()
         self._queue.clear()
         self._exhausted = False
         self._trained_state = None
@@ -239,8 +242,11 @@ class TrainPipelineSparseDist:
     def _restart_if_stale(self) -> None:
         """Start the queued batches again when their id-map steps were undone since they
         started (an evaluation, a load or a training forward outside the pipeline came
-        between): the maps must step in batch order. Every rank sees the same (the undoing
-        forwards and loads run on every rank), and drains the same distributions."""
+        between): the maps must step in batch order. Every collection's ahead steps are
+        undone then (one collection's may be stale while another's are not: a load or an
+        evaluation of one, a step failing between two), so all start again from the same
+        batch. Every rank sees the same (the undoing forwards and loads run on every rank),
+        and drains the same distributions."""
         started = [
             (queued, [*queued.started, *queued.remaps])
             for queued in self._queue
@@ -252,6 +258,7 @@ class TrainPipelineSparseDist:
             for stage, handle in zip(self._stages(), handles, strict=True)
         )
         if stale:
+            self._rewind_ahead()
             for queued, handles in started:
                 for distribution in handles[: len(self.sharded)]:
                     distribution.drain(self.timeout)
@@ -272,6 +279,11 @@ class TrainPipelineSparseDist:
 
     def _stages(self) -> list[Sharded | FusedEmbeddingBagCollection]:
         return [*self.sharded, *self.remapping]
+
+    def _rewind_ahead(self) -> None:
+        """Undo every collection's id-map steps taken ahead that no forward took yet."""
+        for stage in self._stages():
+            stage.rewind_ahead()
 
     def _run_model(self, batch: Any) -> tuple[Any, bool]:
         start = time.perf_counter()
