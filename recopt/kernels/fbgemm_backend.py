@@ -329,6 +329,10 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         self.row_stat_hook: KernelHook | None = None
         self._caching = any(t.placement.location is Location.UVM_CACHING for t in tables)
         self._tbe = build_fbgemm_tbe(tables, feature_table_map, optimizer, pooling, device)
+        # fbgemm's CPU backward of a weighted mean bag forgets the mean's 1 / length (its
+        # forward divides): `_MeanGradient` divides the gradient it receives instead.
+        self._mean_grad_unscaled = pooling == PoolingType.MEAN and device.type == "cpu"
+        self._feature_dims = [tables[t].embedding_dim for t in feature_table_map]
         # Stepped optimizers (CUDA Adam, LAMB): recopt's per-table counters, the checkpointed
         # state. recopt's pass counters, so that checkpoints keep the same state keys on both
         # backends (fbgemm's CUDA rounding does not read them).
@@ -372,6 +376,8 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         if self._steps is not None:
             self._steps.before_forward(self._tbe, self._step_tensors())
         out: torch.Tensor = self._tbe(indices, offsets, per_sample_weights=per_sample_weights)
+        if self._mean_grad_unscaled and per_sample_weights is not None and out.requires_grad:
+            out = _MeanGradient.apply(out, offsets, self._feature_dims)
         if (self._steps is not None or self._counts_passes) and out.requires_grad:
             # Called when the pooled output's gradient arrives, i.e. only for a backward that
             # runs fbgemm's update (a skipped non-finite step leaves the counters alone).
@@ -418,3 +424,25 @@ class FbgemmTableBatchedEmbedding(nn.Module):
 
     def get_learning_rate(self) -> float:
         return float(self._tbe.get_learning_rate())
+
+
+class _MeanGradient(torch.autograd.Function):
+    """The identity on a pooled output ``[B, sum(dims)]`` whose backward divides each bag's
+    gradient by its length (the bags feature-major in ``offsets``, as fbgemm takes them;
+    empty bags by 1): what fbgemm's CPU backward of weighted mean bags leaves out, checked
+    against autograd in tests/test_fbgemm_weighted_mean.py."""
+
+    @staticmethod
+    def forward(ctx: Any, pooled: torch.Tensor, offsets: torch.Tensor, dims: list[int]) -> Any:
+        ctx.save_for_backward(offsets)
+        ctx.dims = dims
+        return pooled.view_as(pooled)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (offsets,) = ctx.saved_tensors
+        dims = ctx.dims
+        lengths = (offsets[1:] - offsets[:-1]).clamp_min(1).to(grad.dtype)
+        inverse = lengths.reciprocal().view(len(dims), -1).t()  # [B, features]
+        widths = torch.tensor(dims, device=grad.device)
+        return grad * inverse.repeat_interleave(widths, dim=1, output_size=sum(dims)), None, None
