@@ -113,6 +113,27 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path: Path) -> None
     assert int(model.sparse.id_maps["item"].step) == 16  # type: ignore[call-overload]
 
 
+def test_stats_after_a_load_say_the_loaded_step_and_occupancy(tmp_path: Path) -> None:
+    """After a checkpoint load or a load_state_dict, stats() reports the loaded maps' step
+    and occupancy (the counts of the step that made them are not saved: zero), not an empty
+    map's."""
+    model, optimizers = _build(seed=0)
+    _train(model, optimizers, range(6))
+    saved = model.sparse.stats()
+    assert all(s["step"] == 6 and s["occupancy"] > 0.5 for s in saved.values())
+    save(tmp_path / "ck", model, optimizers, step=6)
+    loaded_by = {}
+    loaded_by["checkpoint"], optimizers = _build(seed=1)
+    load(tmp_path / "ck", loaded_by["checkpoint"], optimizers)
+    loaded_by["state_dict"], _ = _build(seed=1)
+    loaded_by["state_dict"].load_state_dict(model.state_dict())
+    for how, loaded in loaded_by.items():
+        for name, stats in loaded.sparse.stats().items():
+            assert stats["step"] == saved[name]["step"], (how, name)
+            assert stats["occupancy"] == saved[name]["occupancy"], (how, name)
+            assert stats["new_ids"] == stats["evictions"] == 0, (how, name)
+
+
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     dtypes = {"I64": torch.int64, "BOOL": torch.bool, "F64": torch.float64, "F32": torch.float32}
     data = path.read_bytes()

@@ -206,6 +206,7 @@ class IdMap(nn.Module):
         self._index: dict[str, tuple[tuple[int, int], torch.Tensor, torch.Tensor]] = {}
         self._native_map: NativeIdMap | None = None
         self.last_stats = RemapStats()
+        self.register_load_state_dict_post_hook(_loaded_stats)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> IdMap:
         """`nn.Module.to` and its kin, except on a map kept on the host (``on_host``): a
@@ -329,6 +330,12 @@ class IdMap(nn.Module):
         self._index.clear()
         if self._native_map is not None:
             self._native_map.invalidate()
+
+    def loaded(self) -> None:
+        """After a load: ``last_stats`` says the loaded step and occupancy (the counts of the
+        step that made them are not saved: zero)."""
+        stats = RemapStats(int(self.buffer("step")), self.occupancy())
+        self.__dict__["last_stats"] = stats
 
     def _undo_buffers(self) -> tuple[str, ...]:
         return ROW_BUFFERS + (CANDIDATE_BUFFERS if self.admit_after > 1 else ())
@@ -496,3 +503,9 @@ class IdMap(nn.Module):
         cand_seen[spare] = step
         used[spare] = True
         return admitted
+
+
+def _loaded_stats(module: nn.Module, incompatible_keys: object) -> None:
+    """load_state_dict post-hook of `IdMap` (`IdMap.loaded`)."""
+    assert isinstance(module, IdMap)
+    module.loaded()
