@@ -14,6 +14,7 @@ from recopt.checkpoint import CheckpointError, save
 from recopt.checkpoint.cli import main
 from recopt.checkpoint.reader import SafeFileSystemReader
 from recopt.checkpoint.reshard import export_full, reshard, target_chunks
+from recopt.sharding.plan import ShardingPlan
 
 
 def test_reshard_chunks_follow_the_plan(tmp_path: Path) -> None:
@@ -31,6 +32,12 @@ def test_reshard_chunks_follow_the_plan(tmp_path: Path) -> None:
         reshard(tmp_path / "ck", tmp_path / "r2", world_size=2, plan=plan_for_c(3))
     with pytest.raises(ValueError, match="world_size must be at least 1"):
         reshard(tmp_path / "ck", tmp_path / "r0", world_size=0)
+    # a plan for the tables under another module path (recopt-plan's default ""): refused,
+    # naming both (it was ignored: even row splits, as if no plan were given)
+    elsewhere = ShardingPlan({"": plan_for_c(3).plan["ebc"]})
+    with pytest.raises(ValueError, match=r"does not have: t0, t1, t2 .*\[''\].*\['ebc'\]"):
+        reshard(tmp_path / "ck", tmp_path / "r4", world_size=3, plan=elsewhere)
+    assert not (tmp_path / "r4").exists()
 
 
 def test_export_full_and_refusals(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

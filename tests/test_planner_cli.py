@@ -59,6 +59,17 @@ def test_cli_on_the_example_config(tmp_path: Path, capsys: pytest.CaptureFixture
     assert qt.optimizer is not None and qt.optimizer.name == "adam"
 
 
+def test_cli_module_path_overrides_the_configs(tmp_path: Path) -> None:
+    """``--module-path`` puts the tables under another module than ``[planner] module_path``
+    (a DLRM config's tables live under ``embedding_bags`` in the script's model)."""
+    out = tmp_path / "plan.json"
+    argv = [str(EXAMPLE), "--world-size", "2", "--output", str(out)]
+    assert main([*argv, "--module-path", "embedding_bags"]) == 0
+    plan = ShardingPlan.load(out)
+    assert list(plan.plan) == ["embedding_bags"]
+    assert set(plan["embedding_bags"]) == {t.name for t in read_config(str(EXAMPLE)).tables}
+
+
 def test_plan_json_shards_have_named_fields_and_the_old_form_still_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -214,6 +214,8 @@ def reshard(
         _check_plan_ranks(plan, world_size)
     manifest, metadata, reader = _verified(src)
     owners = model_tables(manifest.tensors)
+    if plan is not None:
+        _check_plan_tables(plan, owners)
     shapes = {k: e.shape for k, e in manifest.tensors.items()}
     mapped = id_map_tables(shapes, plan, tables, owners)
     partial = _fresh_partial(dst)
@@ -308,6 +310,23 @@ def _check_plan_ranks(plan: ShardingPlan, world_size: int) -> None:
                     f"plan places table {table!r} (module {module!r}) on rank {max(ranks)}, "
                     f"but --world-size is {world_size}; give the plan made for that world size"
                 )
+
+
+def _check_plan_tables(plan: ShardingPlan, owners: Collection[tuple[str, str]]) -> None:
+    """Refuse a plan that places a table the checkpoint lacks (its tables would otherwise be
+    written as if unplanned: an even row split, ids left at their global rows)."""
+    missing = sorted(
+        (m, t) for m, tables in plan.plan.items() for t in tables if (m, t) not in owners
+    )
+    if not missing:
+        return
+    names = ", ".join(f"{m}.{t}" if m else t for m, t in missing)
+    modules = sorted({m for m, _ in owners})
+    raise ValueError(
+        f"the plan places tables the checkpoint does not have: {names} (the plan's modules "
+        f"{sorted(plan.plan)}, the checkpoint's {modules}); give the plan made for this model "
+        "(recopt-plan --module-path, or [planner] module_path: the module its tables are under)"
+    )
 
 
 def _fresh_partial(dst: Path) -> Path:

@@ -139,6 +139,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks-per-host", type=int, help="ranks per host (default: all on one)")
     p.add_argument("--topology", help="topology file (TOML or JSON), e.g. from --calibrate")
     p.add_argument("--batch-size", type=int, help="per-rank batch size (default: [planner])")
+    p.add_argument(
+        "--module-path",
+        help="the module the tables are under in the model (default: [planner] module_path; "
+        "the DLRM script's: embedding_bags)",
+    )
     p.add_argument("--output", help="write the plan JSON (or, with --calibrate, the topology)")
     p.add_argument("--max-tables", type=int, default=50, help="tables to list in the stats")
     p.add_argument("--calibrate", action="store_true", help="measure this machine instead")
@@ -177,7 +182,8 @@ def _plan(args: argparse.Namespace) -> int:
         max_search_trials=config.max_search_trials,
     )
     try:
-        plan = planner.plan({config.module_path: config.tables})
+        module_path = config.module_path if args.module_path is None else args.module_path
+        plan = planner.plan({module_path: config.tables})
     except PlannerError as e:
         raise PlannerError(f"{e}\n{_memory_hint(args, config, topology)}") from e
     assert planner.stats is not None
