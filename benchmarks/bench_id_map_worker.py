@@ -86,12 +86,12 @@ def inline_worker(timed: _Timed) -> Iterator[None]:
         pending.append((remap, step))
         return remap
 
-    def take_then_step(self: Any, features: Any) -> Any:
+    def take_then_step(self: Any, features: Any, training: bool) -> Any:
         for remap, step in list(pending):  # (the first batch: its own step first)
             if remap.features is features:
                 pending.remove((remap, step))
                 timed.run(step)
-        taken = take(self, features)
+        taken = take(self, features, training)
         while pending:
             timed.run(pending.pop(0)[1])
         return taken
