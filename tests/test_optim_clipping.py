@@ -69,6 +69,18 @@ def test_joint_norm_of_two_matches_torch(norm_type: float | str) -> None:
         torch.testing.assert_close(params[name].grad, r.grad)
 
 
+def test_a_nan_norm_makes_the_gradients_nan_as_torch() -> None:
+    """Without skip_nonfinite, a NaN norm clips as torch.nn.utils.clip_grad_norm_ does (the
+    gradients become NaN); they used to stay unclipped, the step then taken in full."""
+    g = torch.tensor([100.0, float("nan"), -50.0])
+    opt, params = _setup({"a": g}, clipping=GradientClipping.NORM, max_gradient=1.0)
+    reference = nn.Parameter(torch.zeros(3))
+    reference.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_([reference], 1.0)
+    opt.step()
+    assert torch.isnan(reference.grad).all() and torch.isnan(params["a"].grad).all()
+
+
 def test_value_clipping_matches_torch_and_none_is_identity() -> None:
     g = torch.tensor([-3.0, -0.05, 0.0, 0.2, 7.0])
     opt, params = _setup({"a": g}, clipping=GradientClipping.VALUE, max_gradient=0.1)

@@ -406,6 +406,10 @@ def test_add_param_group_with_named_params() -> None:
         opt.add_param_group({"params": [nn.Parameter(torch.ones(1))]})
     with pytest.raises(ValueError, match=r"param name 'w' is already bound"):
         opt.add_param_group({"params": [("w", nn.Parameter(torch.ones(1)))]})
+    twice = [("y", nn.Parameter(torch.ones(1))), ("y", nn.Parameter(torch.ones(1)))]
+    with pytest.raises(ValueError, match=r"param name 'y' is already bound"):  # in one call
+        opt.add_param_group({"params": twice})
+    assert "y" not in opt.params and len(opt.param_groups) == 2
     with pytest.raises(NotImplementedError, match=r"cannot add param groups"):
         DummyKeyed({}, {}, []).add_param_group({"params": []})
 

@@ -178,6 +178,10 @@ def test_load_errors() -> None:
     bad_stage["state"]["__warmup"]["warmup"] = torch.tensor([3, 7])
     with pytest.raises(ValueError, match=r"stage 7 does not exist"):
         warm.load_state_dict(bad_stage)
+    negative = copy.deepcopy(sd)
+    negative["state"]["__warmup"]["warmup"] = torch.tensor([-10, 0])  # (a negative lr)
+    with pytest.raises(ValueError, match=r"iteration -10 is negative"):
+        warm.load_state_dict(negative)
     bad_dtype = copy.deepcopy(sd)
     bad_dtype["state"]["__warmup"]["warmup"] = torch.tensor([3.0, 0.0])
     with pytest.raises(ValueError, match=r"warmup state '__warmup'.warmup: dtype torch.float32"):

@@ -3,6 +3,7 @@ RowWiseAdagrad, fuse_embedding_optimizer and in_backward_optimizer_filter."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
@@ -105,6 +106,9 @@ def test_fused_config_maps_and_refuses() -> None:
         name="adagrad", lr=0.2, eps=1e-10
     )
     assert fused_config(torch.optim.SGD, {"lr": 0.2, "momentum": 0}).name == "sgd"
+    for torch_type in (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam):
+        default = inspect.signature(torch_type.__init__).parameters["lr"].default
+        assert fused_config(torch_type).lr == default, torch_type  # SGD's was 10x torch's
     sparse_adam = fused_config(torch.optim.SparseAdam, {"betas": [0.8, 0.9]})
     assert sparse_adam.name == "adam" and sparse_adam.betas == (0.8, 0.9)
     with pytest.raises(ValueError, match="optimizer_type Adam has no fused embedding kernel"):

@@ -20,7 +20,7 @@ from recopt.optim.rowwise_adagrad import RowWiseAdagrad
 # torch class -> (fused optimizer, torch's defaults where they differ from the fused ones,
 # the kwargs the fused kernel implements).
 _FUSED_EQUIVALENT: dict[type, tuple[str, dict[str, Any], set[str]]] = {
-    torch.optim.SGD: (SGD.name, {}, {"lr", "weight_decay", "maximize"}),
+    torch.optim.SGD: (SGD.name, {"lr": 1e-3}, {"lr", "weight_decay", "maximize"}),
     torch.optim.Adagrad: (ADAGRAD.name, {"eps": 1e-10}, {"lr", "eps", "weight_decay", "maximize"}),
     RowWiseAdagrad: (
         ROW_WISE_ADAGRAD.name,

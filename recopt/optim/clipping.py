@@ -236,7 +236,9 @@ class GradientClippingOptimizer(OptimizerWrapper):
                 return loss
         if self._clipping == GradientClipping.NORM:
             coef = torch.clamp(self._max_gradient / (norm + _EPS), max=1.0)
-            if bool(coef < 1.0):  # below the limit, gradients stay bit-identical
+            # below the limit, gradients stay bit-identical; a NaN norm makes them NaN, as
+            # torch.nn.utils.clip_grad_norm_ does (skip_nonfinite skipped such a step above)
+            if not bool(coef >= 1.0):
                 for g in self._all_local_grads():
                     g.mul_(coef.to(g.device, g.dtype))
         elif self._clipping == GradientClipping.VALUE:

@@ -368,7 +368,8 @@ class KeyedOptimizerWrapper(KeyedOptimizer):
         for item in [items] if isinstance(items, (torch.Tensor, tuple)) else list(items):
             if isinstance(item, tuple):
                 name, tensor = item
-                if name in self.params and self.params[name] is not tensor:
+                bound = new_names.get(name, self.params.get(name))
+                if bound is not None and bound is not tensor:
                     raise ValueError(
                         f"param name '{name}' is already bound to another tensor; "
                         "choose another name"

@@ -293,7 +293,12 @@ class WarmupOptimizer(OptimizerWrapper):
             )
         own = state[self._param_name]
         check_value(f"warmup state '{self._param_name}'", {"warmup": self._position}, own)
-        stage = int(own["warmup"][1])
+        iteration, stage = (int(v) for v in own["warmup"])
+        if iteration < 0:
+            raise ValueError(
+                f"warmup state '{self._param_name}': iteration {iteration} is negative; load a "
+                "state_dict saved by a WarmupOptimizer"
+            )
         if not 0 <= stage < len(self._stages):
             raise ValueError(
                 f"warmup state '{self._param_name}': stage {stage} does not exist (this "
