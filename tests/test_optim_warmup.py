@@ -11,6 +11,7 @@ from torch import nn
 
 from recopt.optim import (
     CombinedOptimizer,
+    GradientClippingOptimizer,
     KeyedOptimizerWrapper,
     WarmupOptimizer,
     WarmupPolicy,
@@ -163,6 +164,42 @@ def test_state_survives_over_combined_optimizer_and_as_a_child() -> None:
     assert fresh.param_groups[2]["lr"] == pytest.approx(0.3)
     fresh_inner.post_load_state_dict()
     assert fresh_combined.param_groups[2]["lr"] == pytest.approx(0.4)  # the child's own position
+
+
+def test_post_load_state_dict_reaches_through_combined_and_wrappers() -> None:
+    """A DCP-style load fills the state tensors in place, then calls the outermost
+    optimizer's ``post_load_state_dict``: it reaches a warmup inside a CombinedOptimizer or a
+    clipping wrapper (it used to stop there: the lr stayed at the old position's). After
+    ``load_state_dict`` each child's runs once."""
+    stages = [WarmupStage(WarmupPolicy.LINEAR, max_iters=10, value=0.0)]
+    calls: list[str] = []
+
+    class Counted(WarmupOptimizer):
+        def post_load_state_dict(self) -> None:
+            calls.append("warmup")
+            super().post_load_state_dict()
+
+    for outer in (
+        lambda w: CombinedOptimizer([("w", w)]),
+        lambda w: GradientClippingOptimizer(w),
+        lambda w: GradientClippingOptimizer(CombinedOptimizer([w])),
+    ):
+        warm = Counted(_sgd()[0], stages, lr=1.0)
+        opt = outer(warm)
+        saved = opt.state_dict()
+        key = next(k for k in saved["state"] if k.endswith("__warmup"))
+        saved["state"][key]["warmup"].copy_(torch.tensor([5, 0]))  # in place, as DCP
+        calls.clear()
+        opt.post_load_state_dict()
+        assert warm.iteration == 5 and opt.param_groups[0]["lr"] == pytest.approx(0.5)
+        assert calls == ["warmup"]
+        moved = copy.deepcopy(opt.state_dict())
+        moved["state"][key]["warmup"] = torch.tensor([7, 0])
+        calls.clear()
+        opt.load_state_dict(moved)
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.7) and calls == ["warmup"]
+        opt.post_load_state_dict()  # (the next in-place load's call runs it again)
+        assert calls == ["warmup", "warmup"]
 
 
 def test_load_errors() -> None:

@@ -242,3 +242,12 @@ class CombinedOptimizer(KeyedOptimizer):
             opt._check_state_dict(part)
         for (_, opt), part in zip(self._optims, parts, strict=True):
             opt.load_state_dict(part)
+        self._children_post_loaded = True  # (each child's load ran its post_load_state_dict)
+
+    def post_load_state_dict(self) -> None:
+        """Every child's ``post_load_state_dict`` (after their state tensors were filled in
+        place, as a DCP load does); after `load_state_dict`, which ran them, nothing."""
+        if self.__dict__.pop("_children_post_loaded", False):
+            return
+        for _, opt in self._optims:
+            opt.post_load_state_dict()

@@ -485,3 +485,11 @@ class OptimizerWrapper(KeyedOptimizer):
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
         self._optimizer.load_state_dict(state_dict)
+        self._wrapped_post_loaded = True  # (its load ran its post_load_state_dict)
+
+    def post_load_state_dict(self) -> None:
+        """The wrapped optimizer's ``post_load_state_dict`` (after its state tensors were
+        filled in place, as a DCP load does); after `load_state_dict`, which ran it, nothing."""
+        if self.__dict__.pop("_wrapped_post_loaded", False):
+            return
+        self._optimizer.post_load_state_dict()

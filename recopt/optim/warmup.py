@@ -272,7 +272,9 @@ class WarmupOptimizer(OptimizerWrapper):
         return loss
 
     def post_load_state_dict(self) -> None:
-        """Apply the loaded schedule position to the learning rate."""
+        """Apply the loaded schedule position to the learning rate (after the wrapped
+        optimizer's own ``post_load_state_dict``)."""
+        super().post_load_state_dict()
         logger.info("warmup: restored to iteration %d, stage %d", self.iteration, self.stage_index)
         self._set_lr()
 
@@ -313,5 +315,5 @@ class WarmupOptimizer(OptimizerWrapper):
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
         own, inner = self._split(state_dict)
-        self._optimizer.load_state_dict(inner)
+        super()._load(inner)
         copy_value({"warmup": self._position}, own)
