@@ -158,3 +158,24 @@ def test_nested_combined_and_keyed_base() -> None:
     sd["state"]["outer.a.w"]["exp_avg"].fill_(3.0)
     outer.load_state_dict(sd)
     assert torch.all(a.state[ap["w"]]["exp_avg"] == 3.0)
+
+
+def test_defaults_merge_the_childrens_so_momentum_schedulers_work() -> None:
+    """OneCycleLR and CyclicLR (momentum cycling on, their default) read ``momentum`` or
+    ``betas`` from the optimizer's defaults: a combined optimizer of momentum SGD children
+    now gives them (its defaults were empty, and both refused it)."""
+    a = nn.Parameter(torch.ones(2))
+    b = nn.Parameter(torch.ones(3))
+    sgd = KeyedOptimizerWrapper({"a": a}, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    other = KeyedOptimizerWrapper({"b": b}, lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.5))
+    combined = CombinedOptimizer([("x", sgd), ("y", other)])
+    assert combined.defaults["momentum"] == 0.9  # the first child's, where several have it
+    with pytest.raises(AttributeError, match="no defaults of its own"):
+        combined.defaults = {}
+    one_cycle = torch.optim.lr_scheduler.OneCycleLR(combined, max_lr=1.0, total_steps=10)
+    cyclic = torch.optim.lr_scheduler.CyclicLR(combined, base_lr=0.01, max_lr=0.1)
+    for scheduler in (one_cycle, cyclic):
+        a.grad, b.grad = torch.ones(2), torch.ones(3)
+        combined.step()
+        scheduler.step()
+    assert all(g["momentum"] < 0.95 for g in combined.param_groups)  # cycled in every child

@@ -124,7 +124,13 @@ class CombinedOptimizer(KeyedOptimizer):
 
     @property
     def defaults(self) -> dict[str, Any]:
-        return {}
+        """The children's defaults merged, the first child's value where several have a key
+        (schedulers read them: OneCycleLR's momentum cycling needs ``momentum`` or ``betas``
+        there). A copy: setting it is refused, change a child's."""
+        merged: dict[str, Any] = {}
+        for _, opt in reversed(self._optims):
+            merged.update(opt.defaults)
+        return merged
 
     @defaults.setter
     def defaults(self, value: dict[str, Any]) -> None:
