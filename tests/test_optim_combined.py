@@ -122,6 +122,32 @@ def test_sparse_names_route_to_children() -> None:
         combined.init_state({"weight"})
 
 
+def test_init_state_without_names_lets_each_child_find_its_sparse_ones() -> None:
+    """``init_state()`` with no names: a SparseAdam child makes its zero gradients sparse, as
+    it does alone (under a CombinedOptimizer it used to get dense ones and raise)."""
+    emb = nn.Embedding(5, 2, sparse=True)
+    dense = nn.Parameter(torch.ones(3))
+    combined = CombinedOptimizer(
+        [
+            ("emb", KeyedOptimizerWrapper({"weight": emb.weight}, torch.optim.SparseAdam)),
+            ("dense", KeyedOptimizerWrapper({"w": dense}, torch.optim.Adam)),
+        ]
+    )
+    combined.init_state()
+    assert emb.weight in combined.state and dense in combined.state
+    assert emb.weight.grad is not None and emb.weight.grad.is_sparse
+
+
+def test_a_failed_init_state_leaves_the_gradients_as_they_were() -> None:
+    """A child whose zero step raises (SparseAdam given dense zero gradients by name) leaves
+    no gradient behind (it used to leave a dense zero one)."""
+    emb = nn.Embedding(5, 2, sparse=True)
+    child = KeyedOptimizerWrapper({"weight": emb.weight}, torch.optim.SparseAdam)
+    with pytest.raises(RuntimeError, match="dense gradients"):
+        child.init_state([])  # (no name sparse: dense zero gradients)
+    assert emb.weight.grad is None and emb.weight not in child.state
+
+
 def test_errors() -> None:
     a, _ = _child(0)
     b, _ = _child(1)

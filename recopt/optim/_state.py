@@ -300,6 +300,7 @@ def zero_grad_step(
     saved_grads = [(p, p.grad) for p in grouped]
     saved_weights = [(p, p.detach().clone()) for p in targets.values()]
     saved_decay = [(g, g["weight_decay"]) for g in opt.param_groups if "weight_decay" in g]
+    stepped = False
     try:
         for p in grouped:
             p.grad = None  # torch optimizers skip parameters without gradient
@@ -309,14 +310,15 @@ def zero_grad_step(
             # Decay would otherwise move weights (AdamW) or leak p into state (SGD momentum).
             group["weight_decay"] = 0.0
         opt._raw_step()
+        stepped = True
     finally:
         for group, decay in saved_decay:
             group["weight_decay"] = decay
         target_ids = {id(t) for t in targets.values()}
         for p, grad in saved_grads:
             # A target without a gradient keeps the zero one (TorchRec's init_state leaves it,
-            # sparse where asked); pending gradients are restored.
-            if grad is not None or id(p) not in target_ids:
+            # sparse where asked); pending gradients are restored (all, when the step failed).
+            if grad is not None or id(p) not in target_ids or not stepped:
                 p.grad = grad
         with torch.no_grad():
             for p, weight in saved_weights:

@@ -194,7 +194,8 @@ class CombinedOptimizer(KeyedOptimizer):
                 )
             per_child[routes[full][0]].append(routes[full][1])
         for (_, opt), names in zip(self._optims, per_child, strict=True):
-            opt.init_state(names)
+            # no names given: each child works out its own (SparseAdam's are all sparse)
+            opt.init_state(None if sparse_grad_parameter_names is None else names)
 
     def _build_state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {}
