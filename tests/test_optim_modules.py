@@ -4,6 +4,7 @@ warmup and clipping over a fused embedding collection, OptimizerStub and EmptyFu
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -207,3 +208,37 @@ def test_split_handles_duck_typed_nested_and_shared_parameters() -> None:
     assert [name for name, _ in fused_optimizers(model)] == ["emb"]
     whole = _DuckSharded(nn.Parameter(torch.ones(1)))
     assert [name for name, _ in fused_optimizers(whole)] == [""]
+
+
+def _fused_with_groups(name: str, **options: Any) -> FusedEmbeddingBagCollection:
+    torch.manual_seed(0)
+    config = FusedOptimizerConfig(name=name, lr=0.1, backend="recopt", **options)
+    ebc = FusedEmbeddingBagCollection(_tables(), optimizer=config)
+    ebc.fused_optimizer.save_param_groups(True)
+    return ebc
+
+
+def test_fused_param_groups_load_lr_and_refuse_what_the_kernel_fixed() -> None:
+    """With param groups saved, a fused optimizer loads ``lr`` (the kernel reads it) and keeps
+    its own backend fields; a different optimizer or weight decay is refused, nothing
+    changed (it used to be copied into the group and shown, but not applied)."""
+    source = _fused_with_groups("adam", weight_decay=0.5)
+    saved = copy.deepcopy(source.fused_optimizer.state_dict())
+    saved["param_groups"][0]["lr"] = 0.03
+    saved["param_groups"][0]["backend_reason"] = "another machine's"
+    same = _fused_with_groups("adam", weight_decay=0.5)
+    same.fused_optimizer.load_state_dict(saved)
+    group = same.fused_optimizer.param_groups[0]
+    assert group["lr"] == 0.03 and group["backend_reason"] != "another machine's"
+    for name, options, key in [
+        ("adam", {}, "weight_decay"),
+        ("lamb", {"weight_decay": 0.5}, "optimizer"),
+    ]:
+        other = _fused_with_groups(name, **options)
+        before = copy.deepcopy(other.fused_optimizer.state_dict())
+        with pytest.raises(
+            ValueError, match=rf"param group 0: '{key}' is .* built into its kernel"
+        ):
+            other.fused_optimizer.load_state_dict(saved)
+        after = other.fused_optimizer.state_dict()
+        assert after["param_groups"] == before["param_groups"]

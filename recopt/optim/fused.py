@@ -31,12 +31,44 @@ class FusedOptimizer(KeyedOptimizer):
     """
 
     optional_state: tuple[str, ...] = ()
+    # Param-group keys that say how this process runs the kernel, not what it computes: a
+    # load keeps the live ones (another machine's AUTO may have chosen another backend).
+    run_keys: tuple[str, ...] = ("backend", "backend_reason", "backend_seconds")
 
     def _check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        super()._check_state_dict(self._with_optional_state(state_dict))
+        state_dict = self._with_optional_state(state_dict)
+        super()._check_state_dict(state_dict)
+        if self._save_param_groups:
+            self._check_fixed_groups(state_dict)
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
-        super()._load(self._with_optional_state(state_dict))
+        super()._load(self._with_live_run_keys(self._with_optional_state(state_dict)))
+
+    def _check_fixed_groups(self, state_dict: Mapping[str, Any]) -> None:
+        """A loaded param group may change ``lr`` (the kernel reads it every step) and add
+        keys (a scheduler's ``initial_lr``); its other hyperparameters were built into the
+        kernel, so a different value is refused rather than shown but not applied."""
+        for i, (group, new) in enumerate(self._match_groups(state_dict)):
+            for key, value in new.items():
+                if key in ("params", "lr", *self.run_keys) or key not in group:
+                    continue
+                if _comparable(value) != _comparable(group[key]):
+                    raise ValueError(
+                        f"param group {i}: '{key}' is {value!r} in the state_dict but "
+                        f"{group[key]!r} here; a fused optimizer's hyperparameters other than "
+                        "lr are built into its kernel: build the module with that optimizer, "
+                        "or load without param groups (save_param_groups(False))"
+                    )
+
+    def _with_live_run_keys(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``state_dict`` with its groups' `run_keys` replaced by the live groups' (checked)."""
+        if not self._save_param_groups:
+            return state_dict
+        groups = [
+            {**new, **{k: group[k] for k in self.run_keys if k in group}}
+            for group, new in self._match_groups(state_dict)
+        ]
+        return {**state_dict, "param_groups": groups}
 
     def _with_optional_state(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
         """``state_dict`` with its optional state matched to this optimizer's (see the class)."""
@@ -80,6 +112,13 @@ class FusedOptimizer(KeyedOptimizer):
         """Returns itself: TorchRec code calls ``module.fused_optimizer()`` (a method there),
         recopt code reads ``module.fused_optimizer`` (a property); both work."""
         return self
+
+
+def _comparable(value: object) -> object:
+    """``value`` with lists as tuples (a saved ``betas`` may come back as either)."""
+    if isinstance(value, list | tuple):
+        return tuple(_comparable(v) for v in value)
+    return value
 
 
 def _is_scalar_tensor(value: object) -> bool:
