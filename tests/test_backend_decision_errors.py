@@ -45,15 +45,26 @@ def _decide(rank: int, world_size: int, case: str) -> tuple[str, str]:
     configure_auto(AutoResolver(AutoConfig(), _failing_probe, machine="m"))
     device = torch.device("cpu")
     tables = _tables()
+    kernel = (tables, [0], RWA)
     if case == "refused on rank 1" and rank == 1:
         device, tables = torch.device("cuda"), _tables("bf16", Location.UVM)
+        kernel = (tables, [0], RWA)
     elif case == "refused on rank 1":
         device = torch.device("cuda")  # described only: nothing runs on it
+    elif case == "explicit fbgemm refused on rank 1":
+        # an explicit backend is not AUTO's to decide, but its refusal must travel too (a
+        # table read by two features: fbgemm's CPU adagrad does not sum their gradients)
+        explicit = FusedOptimizerConfig(name="adagrad", backend=Backend.FBGEMM)
+        kernel = (tables, [0, 0] if rank == 1 else [0], explicit)
     try:
-        share_backend_decisions([(tables, [0], RWA)], device, None)
+        share_backend_decisions([kernel], device, None)
     except Exception as err:
         return type(err).__name__, str(err)
     return "no error", ""
+
+
+def _decide_each(rank: int, world_size: int, cases: list[str]) -> list[tuple[str, str]]:
+    return [_decide(rank, world_size, case) for case in cases]
 
 
 @pytest.mark.multiprocess
@@ -70,9 +81,15 @@ def test_a_failure_on_rank_zero_reaches_every_rank() -> None:
 
 @pytest.mark.multiprocess
 def test_a_rank_whose_kernels_are_refused_stops_the_others() -> None:
-    results = run_on_ranks(_decide, 2, "refused on rank 1", timeout_s=60)
-    kind, message = results[1]
+    cases = ["refused on rank 1", "explicit fbgemm refused on rank 1"]
+    (uvm_0, explicit_0), (uvm_1, explicit_1) = run_on_ranks(_decide_each, 2, cases, timeout_s=60)
+    kind, message = uvm_1
     assert kind == "ValueError" and "do not run bf16 weights" in message
-    kind, message = results[0]
+    kind, message = uvm_0
     assert kind == "BackendDecisionError"
     assert "rank 1: tables ['t'] are placed in UVM" in message
+    # rank 0 used to go on into the next collective and wait for the group's timeout
+    kind, message = explicit_1
+    assert kind == "ValueError" and "looked up by 2 features" in message
+    kind, message = explicit_0
+    assert kind == "BackendDecisionError" and "rank 1: table 't' is looked up by 2" in message

@@ -76,6 +76,9 @@ def auto_requests(
     requests = []
     try:
         for tables, feature_table_map, optimizer in kernels:
+            if optimizer.backend != Backend.AUTO:  # its refusals, here too: before any wait
+                resolve_backend(tables, optimizer, device, feature_table_map)
+                continue
             request = auto_candidates(tables, optimizer, device, feature_table_map)
             if request is not None:
                 requests.append((request[0], optimizer, request[1]))
