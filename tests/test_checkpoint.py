@@ -238,6 +238,32 @@ def test_manager_keeps_last_k_and_finds_latest(tmp_path: Path) -> None:
     manager.close()
 
 
+def test_manager_finds_a_step_whose_resave_died_between_its_renames(tmp_path: Path) -> None:
+    """Re-saving an existing step moves the old copy aside, then renames the new one into
+    place; a crash between the two left the step only in ``.step_<n>.old``, which latest()
+    ignored (and the next save of the step deleted). It is found there now."""
+    root = tmp_path / "run"
+    manager = CheckpointManager(root, keep_last=3)
+    model, opt, sched, data = make_run(0)
+    for step in (1, 2):
+        train_step(model, opt, sched, data)
+        manager.save(step, model, opt)
+    (root / "step_000000002").rename(root / ".step_000000002.old")  # the crash's leftovers
+    (root / ".step_000000002.partial").mkdir()
+    assert manager.latest() == root / ".step_000000002.old"
+    fresh = make_model()
+    restored = manager.load_latest(fresh)
+    assert restored is not None and restored[0] == 2
+    assert_same_state(fresh.state_dict(), model.state_dict())
+    manager.save(2, model, opt)  # the next save of that step replaces the old copy
+    assert [(s, p.name) for s, p in manager.complete()] == [
+        (1, "step_000000001"),
+        (2, "step_000000002"),
+    ]
+    assert not (root / ".step_000000002.old").exists()
+    manager.close()
+
+
 def test_weights_only_load_and_missing_stateful_extra(tmp_path: Path) -> None:
     path, model, _ = _checkpoint(tmp_path)
     fresh = make_model()

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from recopt.checkpoint import CheckpointError, save
 from recopt.checkpoint.cli import main
+from recopt.checkpoint.manifest import read_manifest
 from recopt.checkpoint.reader import SafeFileSystemReader
 from recopt.checkpoint.reshard import export_full, reshard, target_chunks
 from recopt.sharding.plan import ShardingPlan
@@ -38,6 +39,13 @@ def test_reshard_chunks_follow_the_plan(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"does not have: t0, t1, t2 .*\[''\].*\['ebc'\]"):
         reshard(tmp_path / "ck", tmp_path / "r4", world_size=3, plan=elsewhere)
     assert not (tmp_path / "r4").exists()
+    # the manifest's finite flag survives (a diverged checkpoint stays marked as such)
+    with torch.no_grad():
+        model.weights["t0"][0, 0] = float("nan")  # (data-parallel: a plain tensor)
+    save(tmp_path / "nan", model, model.fused_optimizer, step=3)
+    reshard(tmp_path / "nan", tmp_path / "nan3", world_size=3)
+    assert read_manifest(tmp_path / "nan").finite is False
+    assert read_manifest(tmp_path / "nan3").finite is False
 
 
 def test_export_full_and_refusals(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -26,6 +26,8 @@ from recopt.checkpoint.save_load import DEFAULT_TIMEOUT, Optimizers, load, save
 from recopt.checkpoint.state import CheckpointError
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# A checkpoint being replaced (`save(..., overwrite=True)`) sits here between two renames.
+_REPLACED_DIR = re.compile(r"^\.step_(\d+)\.old$")
 
 
 class CheckpointManager:
@@ -94,15 +96,20 @@ class CheckpointManager:
         self.close()
 
     def complete(self) -> list[tuple[int, Path]]:
-        """(step, path) of every complete checkpoint (one with a manifest), oldest first."""
+        """(step, path) of every complete checkpoint (one with a manifest), oldest first.
+
+        A step whose re-save died between moving the old copy aside and renaming the new one
+        into place is found in that old copy (``.step_<n>.old``), which the next save of the
+        step then replaces.
+        """
         if not self.root.is_dir():
             return []
-        found = []
-        for child in self.root.iterdir():
-            match = _STEP_DIR.match(child.name)
+        found: dict[int, Path] = {}
+        for child in sorted(self.root.iterdir(), key=lambda c: c.name.startswith(".")):
+            match = _STEP_DIR.match(child.name) or _REPLACED_DIR.match(child.name)
             if match and (child / MANIFEST_NAME).is_file():
-                found.append((int(match.group(1)), child))
-        return sorted(found)
+                found.setdefault(int(match.group(1)), child)  # (step_<n> itself first)
+        return sorted(found.items())
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or ``None`` if there is none."""

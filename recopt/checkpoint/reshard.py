@@ -370,6 +370,7 @@ def _finish_copy(
         plan=plan,
         files=files,
         tensors=manifest.tensors,
+        finite=manifest.finite,
     ).write(partial)
     fsync_dir(partial)
     partial.rename(dst)

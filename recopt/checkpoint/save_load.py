@@ -343,9 +343,11 @@ def load(
                     process_group=group.pg,
                     no_dist=group.pg is None,
                 )
+            saved = sum(name.startswith("rank_") for name in manifest.files)
             note = (
                 f"rank {group.rank} of {group.world_size} now; the checkpoint (world size "
-                f"{manifest.world_size}) holds RNG states only of the ranks that saved it"
+                f"{manifest.world_size}) holds the RNG states of the {saved} ranks that saved it "
+                "(an offline reshard keeps the original ranks')"
             )
             return apply_trees(
                 decoded, model, optimizer, extra, rank_state, restore_rng_state, undo, note
