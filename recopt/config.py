@@ -73,8 +73,10 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
         last = path[-1]
         if isinstance(node, list):
             node[_list_index(node, last, ".".join(path), text)] = value
-        else:
+        elif isinstance(node, dict):
             node[last] = value
+        else:
+            raise ValueError(f"override {text!r}: {'.'.join(path[:-1])} is a value, not a table")
     return result
 
 

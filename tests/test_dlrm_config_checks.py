@@ -35,6 +35,12 @@ import dlrm_config  # noqa: E402
         ("clipping.norm_type=nan", r"clipping\.norm_type must be > 0 \(or inf"),
         ("clipping.norm_type=0", r"clipping\.norm_type must be > 0 \(or inf"),
         ("training.num_threads=100000", r"training\.num_threads 100000 is more than 4 per core"),
+        # found by a user trial (2026-11-29): each failed late, deep inside, or not at all
+        ("training.steps.x=3", r"override 'training\.steps\.x=3': training\.steps is a value"),
+        ("embedding.tables=[]", r"embedding\.tables is empty"),
+        ("model.dense_in_features=5", r"model\.dense_in_features \(5\) must equal .*num_dense"),
+        ('embedding.tables.0.feature_names=["cat_1"]', r"read by several tables \{'cat_1'"),
+        ("warmup.stages.0.value=-1", r"WarmupStage\.value must be finite and >= 0, got -1"),
     ],
 )
 def test_a_value_out_of_range_names_the_key_and_the_value(override: str, message: str) -> None:
@@ -67,15 +73,33 @@ def test_the_component_configs_check_finiteness_themselves() -> None:
         SyntheticConfig(signal=float("inf"))
 
 
-def test_main_refuses_too_many_threads_before_any_work(tmp_path: pathlib.Path) -> None:
+def test_main_refuses_too_many_threads_before_any_work(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config error is one line naming the key, exit status 2, nothing written."""
     import train as dlrm_train
 
     out = tmp_path / "run"
-    with pytest.raises(ValueError, match="training.num_threads"):
-        dlrm_train.main(
-            ["--set", "training.num_threads=100000", "--set", f"training.output_dir={out}"]
-        )
+    argv = ["--set", "training.num_threads=100000", "--set", f"training.output_dir={out}"]
+    assert dlrm_train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("train.py: error: ") and "training.num_threads" in err
+    assert "Traceback" not in err and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_criteo_paths_are_checked_before_training(tmp_path: pathlib.Path) -> None:
+    """Every Criteo path is checked at the start (a missing validation file used to surface
+    at the first validation, a missing second training file after the first was read)."""
+    data = tmp_path / "day_0.tsv"
+    data.write_text("0\t" + "\t".join(["1"] * 13 + ["a"] * 26) + "\n")
+    base = ['data.source="criteo"', f'data.criteo.train_paths=["{data}"]']
+    assert dlrm_config.load_config(None, base).data.criteo.train_paths == (str(data),)
+    for key, path in (("val_paths", tmp_path / "nope.tsv"), ("train_paths", tmp_path)):
+        paths = [str(data), str(path)] if key == "train_paths" else [str(path)]
+        override = f"data.criteo.{key}=[{', '.join(repr(p) for p in paths)}]"
+        with pytest.raises(ValueError, match=rf"data\.criteo\.{key}: .* is not a readable file"):
+            dlrm_config.load_config(None, [*base, override])
 
 
 def _planted_logits(config: SyntheticConfig) -> torch.Tensor:

@@ -59,6 +59,17 @@ def test_metrics_are_tensorboard_events_equal_to_the_jsonl(tmp_path: pathlib.Pat
     assert [s for s, _ in scalars["val/auc"]] == [25, 50]
 
 
+def test_the_jsonl_is_strict_json_an_undefined_value_null(tmp_path: pathlib.Path) -> None:
+    """A NaN or inf value (the entropy of a one-class batch) is written as null: strict JSON
+    parsers refused the bare NaN token."""
+    log = dlrm_report.MetricsLog(str(tmp_path / "metrics.jsonl"), tensorboard=False)
+    log.write(3, "val", {"loss": 0.5, "ne": float("nan"), "auc": float("inf")})
+    log.close()
+    text = (tmp_path / "metrics.jsonl").read_text()
+    record = json.loads(text, parse_constant=lambda name: pytest.fail(f"bare {name}"))
+    assert record["loss"] == 0.5 and record["ne"] is None and record["auc"] is None
+
+
 def test_without_tensorboard_only_the_jsonl_is_written(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -257,8 +257,10 @@ def test_stage_validation_does_not_mutate_caller_stages() -> None:
         ValueError, match=r"WarmupStage.policy must be a WarmupPolicy, got 'linear'"
     ):
         WarmupStage("linear")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"WarmupStage.value must be finite, got nan"):
+    with pytest.raises(ValueError, match=r"WarmupStage.value must be finite and >= 0, got nan"):
         WarmupStage(value=float("nan"))
+    with pytest.raises(ValueError, match=r"WarmupStage.lr_scale must be finite and >= 0, got -1"):
+        WarmupStage(lr_scale=-1.0)  # (a negative lr: a step up the gradient)
     with pytest.raises(ValueError, match=r"param_name 'p' is already a key"):
         WarmupOptimizer(_sgd()[0], [], param_name="p")
 

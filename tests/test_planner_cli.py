@@ -157,6 +157,11 @@ def test_cli_config_errors(
 def test_cli_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(EXAMPLE)]) == 2
     assert "give a config and --world-size" in capsys.readouterr().err
+    # (a batch size of 0 used to plan silently with the config's; -1 tables listed 7 of 8)
+    for flag in ("--batch-size", "--max-tables"):
+        for value in ("0", "-1"):
+            assert main([str(EXAMPLE), "--world-size", "2", flag, value]) == 2
+            assert f"{flag} must be >= 1, got {value}" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dlrm_data import data_source
@@ -71,6 +72,19 @@ class EmbeddingSection:
     def __post_init__(self) -> None:
         dtype = parse_precision(self.weight_dtype, "embedding.weight_dtype")
         object.__setattr__(self, "weight_dtype", dtype)
+        if not self.tables:
+            raise ValueError("embedding.tables is empty; the model needs at least one table")
+        readers: dict[str, list[str]] = {}
+        for t in self.tables:
+            for feature in t.feature_names:
+                readers.setdefault(feature, []).append(t.name)
+        shared = {f: names for f, names in readers.items() if len(names) > 1}
+        if shared:
+            raise ValueError(
+                f"embedding.tables: features read by several tables {shared}; each table of "
+                "the DLRM script reads its own categorical feature (the data makes one per "
+                "feature name)"
+            )
         names = [t.name for t in self.tables]
         unknown = sorted(set(self.placements) - set(names))
         if unknown:
@@ -178,6 +192,11 @@ class DataSection:
             )
         if self.source == "criteo" and not self.criteo.train_paths:
             raise ValueError("data.source is 'criteo' but data.criteo.train_paths is empty")
+        if self.source == "criteo":  # all of them now, not when the stream reaches one
+            for key in ("train_paths", "val_paths"):
+                for path in getattr(self.criteo, key):
+                    if not Path(path).is_file():
+                        raise ValueError(f"data.criteo.{key}: {path!r} is not a readable file")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -230,7 +249,7 @@ class LoopSection:
             ("steps", 1, ""),
             ("epochs", 1, ""),
             ("log_every", 1, ""),
-            ("eval_every", 0, "; 0 never evaluates"),
+            ("eval_every", 0, "; 0 evaluates only at the end"),
             ("num_threads", 0, "; 0 gives each rank its share of the cores"),
             ("max_consecutive_nonfinite", 0, "; 0 never stops on NaN/inf steps"),
             ("remap_threads", 1, ""),
@@ -320,6 +339,15 @@ class TrainingConfig:
     # run's device, its memory measured on CUDA: dlrm_build.planning_topology). Empty by
     # default, so that only the fields a config sets override what is measured.
     planner: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        dense = 13 if self.data.source == "criteo" else self.data.synthetic.num_dense
+        if self.model.dense_in_features != dense:
+            source = "Criteo's" if self.data.source == "criteo" else "data.synthetic.num_dense"
+            raise ValueError(
+                f"model.dense_in_features ({self.model.dense_in_features}) must equal the "
+                f"data's dense columns ({source}: {dense})"
+            )
 
 
 def load_config(path: str | None, overrides: Sequence[str] = ()) -> TrainingConfig:

@@ -97,8 +97,11 @@ class MetricsLog:
         record = {"step": step, "split": split, "time_s": round(time.time() - self._start, 3)}
         record.update({k: float(v) for k, v in values.items()})
         self.records.append(record)
+        # strict JSON: an undefined value (NaN, inf: e.g. the entropy of one class) is null
+        strict = {k: v if not isinstance(v, float) or math.isfinite(v) else None
+                  for k, v in record.items()}  # fmt: skip
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(strict, allow_nan=False) + "\n")
         if self.events is not None:
             for name, value in values.items():
                 self.events.add_scalar(f"{split}/{name}", float(value), step)

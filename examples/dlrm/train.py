@@ -315,10 +315,12 @@ class Trainer:
                 rate = window_samples / max(time.perf_counter() - window_start, 1e-9)
                 self._report_train(rate)
                 window_start, window_samples = time.perf_counter(), 0
+            paused = time.perf_counter()  # validation and checkpoints: not in samples/s
             if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
                 last_val, validated_at = self.validate(), self.step
             if self.config.checkpoint.every and self.step % self.config.checkpoint.every == 0:
                 self.save()
+            window_start += time.perf_counter() - paused
             if self.step >= cfg.steps:
                 break
         if validated_at != self.step:  # the data ran out before training.steps
@@ -481,7 +483,11 @@ def train(
 def main(argv: list[str] | None = None) -> int:
     """Runs the script; returns 0. A failure on any rank is reported with its rank and raised."""
     args = parse_args(argv, __doc__)
-    config = load_config(args.config, args.set)
+    try:
+        config = load_config(args.config, args.set)
+    except ValueError as err:  # a config error: one line naming the key, no traceback
+        sys.stderr.write(f"train.py: error: {err}\n")
+        return 2
     env = _env_from_environ()
     ft_config = None
     if args.fault_tolerant:

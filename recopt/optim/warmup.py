@@ -70,8 +70,11 @@ class WarmupStage:
         if self.sgdr_period < 1:
             raise ValueError(f"WarmupStage.sgdr_period must be >= 1, got {self.sgdr_period}")
         for field in ("value", "lr_scale"):
-            if not math.isfinite(getattr(self, field)):
-                raise ValueError(f"WarmupStage.{field} must be finite, got {getattr(self, field)}")
+            number = getattr(self, field)
+            # every policy reads them as a multiplier, an exponent or a factor: a negative one
+            # gives a negative lr (a step up the gradient) or a pole
+            if not (math.isfinite(number) and number >= 0):
+                raise ValueError(f"WarmupStage.{field} must be finite and >= 0, got {number}")
 
 
 def lr_multiplier(stage: WarmupStage, iteration: int) -> float:

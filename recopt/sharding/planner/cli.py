@@ -153,6 +153,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run `recopt-plan`; returns the exit status (0 ok, 1 no plan / bad config, 2 usage)."""
     args = _parser().parse_args(argv)
+    for flag, value in (("--batch-size", args.batch_size), ("--max-tables", args.max_tables)):
+        if value is not None and value < 1:
+            print(f"recopt-plan: error: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
     try:
         if args.calibrate:
             return _calibrate(args)
