@@ -70,6 +70,27 @@ def test_the_jsonl_is_strict_json_an_undefined_value_null(tmp_path: pathlib.Path
     assert record["loss"] == 0.5 and record["ne"] is None and record["auc"] is None
 
 
+def test_the_records_of_a_resumed_run_continue_and_a_new_run_starts_its_own(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Resumed: the earlier records up to the checkpoint are kept (the final plot showed only
+    the resumed part), those past it dropped (their steps are trained again). A new run into
+    the same directory starts its own file (it used to append to the old run's)."""
+    path = tmp_path / "metrics.jsonl"
+    log = dlrm_report.MetricsLog(str(path), tensorboard=False)
+    for step in (5, 10, 15):
+        log.write(step, "train", {"loss": 1.0 / step})
+    log.close()
+    resumed = dlrm_report.MetricsLog(str(path), tensorboard=False)
+    resumed.resumed(10)
+    resumed.write(15, "train", {"loss": 0.5})
+    assert [r["step"] for r in resumed.records] == [5, 10, 15]
+    assert [json.loads(line)["loss"] for line in path.read_text().splitlines()] == [0.2, 0.1, 0.5]
+    fresh = dlrm_report.MetricsLog(str(path), tensorboard=False, fresh=True)
+    fresh.write(1, "train", {"loss": 2.0})
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1]
+
+
 def test_without_tensorboard_only_the_jsonl_is_written(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -84,10 +84,12 @@ class MetricsLog:
         tensorboard: also write TensorBoard events when the package is installed.
     """
 
-    def __init__(self, path: str, tensorboard: bool = True) -> None:
+    def __init__(self, path: str, tensorboard: bool = True, fresh: bool = False) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path = path
         self.records: list[dict[str, Any]] = []
+        if fresh and os.path.exists(path):  # a new run: not appended to an old run's records
+            os.remove(path)
         self._start = time.time()
         events_dir = os.path.join(os.path.dirname(path) or ".", TENSORBOARD_DIR)
         self.events: Any = _event_writer(events_dir) if tensorboard else None
@@ -106,6 +108,19 @@ class MetricsLog:
             for name, value in values.items():
                 self.events.add_scalar(f"{split}/{name}", float(value), step)
             self.events.flush()  # readable at once, as the JSONL is
+
+    def resumed(self, step: int) -> None:
+        """A run resumed at ``step``: the earlier records (up to it) are kept, in the file and
+        for the final plot; those past it came from steps trained again now."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path, encoding="utf-8") as f:
+            earlier = [json.loads(line) for line in f if line.strip()]
+        self.records = [r for r in earlier if r.get("step", 0) <= step]
+        with open(self.path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in self.records)
+        if self.records:
+            self._start -= max(float(r.get("time_s") or 0.0) for r in self.records)
 
     def close(self) -> None:
         """Closes the TensorBoard events file (the JSONL is closed after every write)."""

@@ -140,7 +140,7 @@ class Trainer:
         self.samples = 0  # training samples all ranks consumed (continues across resumes)
         self.saved_step = 0  # the step of the newest checkpoint (loaded or written)
         out = config.training.output_dir
-        self.log = MetricsLog(os.path.join(out, "metrics.jsonl")) if env.is_main else None
+        self.log: MetricsLog | None = None  # made once the checkpoint directory is accepted
         self.bar = ProgressBar(config.training.steps) if env.is_main else None
         self.id_maps = IdMapWindow(model)
         data = config.data
@@ -161,6 +161,8 @@ class Trainer:
             resume=bool(resume),
             overwrite=overwrite_checkpoints,
         )
+        if env.is_main:  # a new run starts its own records; a resumed one continues them
+            self.log = MetricsLog(os.path.join(out, "metrics.jsonl"), fresh=not resume)
 
     def _set_up_loop(self) -> None:
         """The training stream and the loop over it.
@@ -206,6 +208,8 @@ class Trainer:
                     "step folder, a checkpoints folder, or give --resume alone"
                 )
             self._say(f"--resume: no checkpoint yet in {source}, starting from step 0")
+            if self.log is not None:
+                self.log.resumed(0)  # (an earlier attempt's records are not this run's)
             return
         if point.skipped_nonfinite:
             names = ", ".join(p.name for p in point.skipped_nonfinite)
@@ -223,6 +227,8 @@ class Trainer:
         self.saved_step = self.step if point.path.parent == self.checkpoints.root else -1
         self.samples = int(extras.get("samples", 0))
         self._say(f"resumed from step {self.step} ({self.samples} samples seen) of {point.path}")
+        if self.log is not None:
+            self.log.resumed(self.step)
 
     def save(self) -> None:
         self.checkpoints.save(
