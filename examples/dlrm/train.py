@@ -487,7 +487,8 @@ def train(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the script; returns 0. A failure on any rank is reported with its rank and raised."""
+    """Runs the script; returns 0, or 2 for a config error (one line naming the key). A failure
+    on any rank is reported with its rank and raised."""
     args = parse_args(argv, __doc__)
     try:
         config = load_config(args.config, args.set)
