@@ -264,6 +264,26 @@ def test_manager_finds_a_step_whose_resave_died_between_its_renames(tmp_path: Pa
     manager.close()
 
 
+def test_an_interrupted_save_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C (KeyboardInterrupt) while a save writes: the interrupt goes on as it is, and no
+    '.partial' folder stays (it used to, as a failed save's does not)."""
+    from recopt.checkpoint import save_load
+
+    path, model, opt = _checkpoint(tmp_path)
+    real = save_load._write_own
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        real(*args, **kwargs)  # (the shard files are written, then the interrupt comes)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(save_load, "_write_own", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path / "next", model, opt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
 def test_weights_only_load_and_missing_stateful_extra(tmp_path: Path) -> None:
     path, model, _ = _checkpoint(tmp_path)
     fresh = make_model()

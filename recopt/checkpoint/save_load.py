@@ -154,6 +154,24 @@ def save(
     """
     final = Path(path)
     partial = final.parent / f".{final.name}.partial"
+    try:
+        return _save(final, partial, model, optimizer, extra, step, plan_json, overwrite, timeout)
+    except KeyboardInterrupt:  # (Ctrl-C, SIGINT): the half-written save goes, as a failed one
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _save(
+    final: Path,
+    partial: Path,
+    model: torch.nn.Module,
+    optimizer: Optimizers | None,
+    extra: Mapping[str, Any] | None,
+    step: int | None,
+    plan_json: str | None,
+    overwrite: bool,
+    timeout: datetime.timedelta,
+) -> Path:
     with _ranks(timeout) as group:
         tensors: dict[str, TensorLike] = {}
         skeleton, problems = _encode(model, optimizer, extra, tensors)
