@@ -414,11 +414,6 @@ class FusedEmbeddingBagCollection(nn.Module, FusedCollection):
         """Remaps handed over that no forward took; cleared (their map steps undone)."""
         return 0 if self._remaps is None else self._remaps.unused()
 
-    def rewind_ahead(self) -> None:
-        """Undo the id maps' steps taken ahead (`start_remap`) that no forward took yet."""
-        if self.id_maps is not None:
-            self.id_maps.rewind_ahead()
-
     def prefetch_stale(self, remap: Any) -> bool:
         """Whether ``remap`` (from `start_remap`) was undone since: start it again."""
         return self._remaps is not None and self._remaps.stale(remap)

@@ -233,10 +233,6 @@ class ShardedEmbeddingCollection(nn.Module, FusedCollection, TableAccessors):
             self._bags.rewind_ahead()
         return count + self._bags.unused_prefetched()
 
-    def rewind_ahead(self) -> None:
-        """Undo the steps the engine's id maps took ahead (none: nothing to do)."""
-        self._bags.rewind_ahead()
-
     def prefetch_stale(self, started: StartedLookups) -> bool:
         """Whether ``started`` must be distributed again (`ShardedEmbeddingBagCollection.
         prefetch_stale`)."""

@@ -24,6 +24,7 @@ from torch import nn
 
 from recopt.modules import FusedEmbeddingBagCollection
 from recopt.modules.id_map_ahead import worker_busy_seconds
+from recopt.modules.id_map_lookup import rewind_ahead_steps
 from recopt.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 from recopt.sharding.sharded_embedding_collection import ShardedEmbeddingCollection
 from recopt.sparse import KeyedJaggedTensor
@@ -121,7 +122,8 @@ class TrainPipelineSparseDist:
         self._stats = _Stats()
         self._worker_seen = worker_busy_seconds()
         self._training = True
-        self._rewind_ahead()  # an earlier pipeline's batches in flight never reach a forward
+        # an earlier pipeline's batches in flight never reach a forward: their steps undone
+        rewind_ahead_steps(self.model)
 
     # ------------------------------------------------------------------------------ public
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
@@ -163,7 +165,7 @@ class TrainPipelineSparseDist:
         """Drop the batches in flight (after loading a checkpoint: the next `progress` refills
         from the iterator's restored position); the id maps' steps taken ahead for them are
         undone."""
-        self._rewind_ahead()
+        rewind_ahead_steps(self.model)
         self._queue.clear()
         self._exhausted = False
         self._trained_state = None
@@ -258,7 +260,7 @@ class TrainPipelineSparseDist:
             for stage, handle in zip(self._stages(), handles, strict=True)
         )
         if stale:
-            self._rewind_ahead()
+            rewind_ahead_steps(self.model)
             for queued, handles in started:
                 for distribution in handles[: len(self.sharded)]:
                     distribution.drain(self.timeout)
@@ -279,11 +281,6 @@ class TrainPipelineSparseDist:
 
     def _stages(self) -> list[Sharded | FusedEmbeddingBagCollection]:
         return [*self.sharded, *self.remapping]
-
-    def _rewind_ahead(self) -> None:
-        """Undo every collection's id-map steps taken ahead that no forward took yet."""
-        for stage in self._stages():
-            stage.rewind_ahead()
 
     def _run_model(self, batch: Any) -> tuple[Any, bool]:
         start = time.perf_counter()
